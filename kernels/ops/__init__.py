@@ -1,0 +1,1 @@
+"""Reference and fast implementations of the linear-attention op families."""

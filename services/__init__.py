@@ -1,0 +1,1 @@
+"""HybridCache services: runtime (models, engine, cache), router, workers, cache tier, API, CLI."""
