@@ -1,0 +1,55 @@
+"""Names shared by the services, the operator, the chart and the dashboards.
+
+One place for what crosses component boundaries as plain strings: the roles a pod can run
+(`hybridcache serve ROLE`), their default ports, and the Prometheus metric names the services
+export. The operator's builders, the dashboards and the alert rules are tested against these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+API_GROUP = "serving.hybridcache.io"
+API_VERSION = "v1alpha1"
+KIND = "HybridCache"
+
+
+@dataclass(frozen=True, slots=True)
+class RolePorts:
+    grpc: int
+    http: int  # HTTP API (router only) and /metrics, /health for every role
+
+
+ROLES: dict[str, RolePorts] = {
+    "router": RolePorts(grpc=50051, http=8000),
+    "combine": RolePorts(grpc=50061, http=9061),
+    "scatter": RolePorts(grpc=50071, http=9071),
+    "cache-tier": RolePorts(grpc=50081, http=9081),
+}
+
+# Prometheus metric names (without the _bucket/_sum/_count/_total suffixes that
+# prometheus-client adds to histograms and counters; counters are declared with their
+# `_total` name here as they appear in a scrape).
+METRIC_TTFT_SECONDS = "hybridcache_time_to_first_token_seconds"  # histogram
+METRIC_INTER_TOKEN_SECONDS = "hybridcache_inter_token_latency_seconds"  # histogram
+METRIC_COLD_QUEUE_DEPTH = "hybridcache_cold_segment_queue_depth"  # gauge, the scaling signal
+METRIC_CACHE_QUERIES = "hybridcache_cache_queries_total"  # counter, label tier=gpu|host|tier|disk|prefix
+METRIC_CACHE_HITS = "hybridcache_cache_hits_total"  # counter, label tier
+METRIC_BYTES_MOVED = "hybridcache_bytes_moved_total"  # counter, label path=shm|grpc|nccl
+METRIC_ENTRY_BUILD_SECONDS = "hybridcache_entry_build_seconds"  # histogram
+METRIC_REQUESTS = "hybridcache_requests_total"  # counter, label status
+METRIC_CACHE_BYTES = "hybridcache_cache_bytes"  # gauge, label tier
+METRIC_SCATTER_REPLICAS = "hybridcache_scatter_replicas"  # gauge (exported by the operator)
+
+ALL_METRICS = (
+    METRIC_TTFT_SECONDS,
+    METRIC_INTER_TOKEN_SECONDS,
+    METRIC_COLD_QUEUE_DEPTH,
+    METRIC_CACHE_QUERIES,
+    METRIC_CACHE_HITS,
+    METRIC_BYTES_MOVED,
+    METRIC_ENTRY_BUILD_SECONDS,
+    METRIC_REQUESTS,
+    METRIC_CACHE_BYTES,
+    METRIC_SCATTER_REPLICAS,
+)
