@@ -1,0 +1,392 @@
+"""Qwen3-Next and Qwen3.5 (dense and MoE) text models: Gated DeltaNet + gated full attention.
+
+The modules mirror the Hugging Face checkpoints' tensor names, so a checkpoint loads by name.
+`HybridLM.forward_layout` runs only the live tokens of a layout (sequence.py), layer by layer:
+linear layers scan live runs from the running state and fold cached spans in with one T S + S;
+attention layers let live tokens attend to all K/V before them, cached spans' K re-rotated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
+from hybridcache.kernels.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from hybridcache.kernels.ops.transition import apply_segment
+from hybridcache.services.runtime.config import ModelConfig
+from hybridcache.services.runtime.sequence import (
+    AttnSpan,
+    AttnState,
+    CachedSpan,
+    LinearSpan,
+    LinearState,
+    LiveRun,
+    Recording,
+    SequenceState,
+    SpanData,
+)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaled by (1 + weight), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the value head dim, then times silu(gate)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x, gate):
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = self.weight * xf.to(dtype)
+        return (xf * F.silu(gate.float())).to(dtype)
+
+
+def l2norm(x, eps: float = 1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype):
+    """cos, sin [n, rotary_dim] for integer positions [n]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=positions.device) / rotary_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim channels of x [1, H, n, d] by cos/sin [n, rotary_dim]."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def gated_delta_rule(q, k, v, g, beta, initial_state, output_transition: bool):
+    """Dispatch to the fastest exact path for the shapes at hand (step loop for a few tokens)."""
+    if q.shape[1] < 16:
+        return naive_recurrent_gated_delta_rule(
+            q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition
+        )
+    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_width = cfg.linear_conv_kernel_dim
+        # Qwen3-Next packs q, k, v, z (and b, a) per key-head group; Qwen3.5 keeps them apart.
+        self.fused_projections = cfg.family == "qwen3_next"
+        h = cfg.hidden_size
+        if self.fused_projections:
+            self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(h, 2 * self.hv, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(h, self.hv, bias=False)
+            self.in_proj_a = nn.Linear(h, self.hv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def project(self, x):
+        """x [1, n, h] -> mixed_qkv [1, n, conv_dim] (pre-conv), z [1, n, Hv, dv], b, a [1, n, Hv]."""
+        n = x.shape[1]
+        if self.fused_projections:
+            qkvz = self.in_proj_qkvz(x).view(1, n, self.hk, -1)
+            ba = self.in_proj_ba(x).view(1, n, self.hk, -1)
+            r = self.hv // self.hk
+            q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+            b, a = torch.split(ba, [r, r], dim=-1)
+            mixed = torch.cat([q.reshape(1, n, -1), k.reshape(1, n, -1), v.reshape(1, n, -1)], dim=-1)
+            return mixed, z.reshape(1, n, self.hv, self.dv), b.reshape(1, n, self.hv), a.reshape(1, n, self.hv)
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(1, n, self.hv, self.dv)
+        return mixed, z, self.in_proj_b(x), self.in_proj_a(x)
+
+    def empty_state(self, device) -> LinearState:
+        return LinearState(
+            ssm=torch.zeros(1, self.hv, self.dk, self.dv, dtype=torch.float32, device=device),
+            conv=torch.zeros(1, self.conv_dim, self.conv_width - 1, dtype=self.out_proj.weight.dtype, device=device),
+        )
+
+    def scan(self, mixed, b, a, state: LinearState, output_transition: bool):
+        """One live run: conv from the state's tail, then the recurrence from the state's S."""
+        n = mixed.shape[1]
+        conv_out, tail = naive_causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, "silu")
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(1, n, self.hk, self.dk)
+        k = k.reshape(1, n, self.hk, self.dk)
+        v = v.reshape(1, n, self.hv, self.dv)
+        if self.hv != self.hk:
+            q = q.repeat_interleave(self.hv // self.hk, dim=2)
+            k = k.repeat_interleave(self.hv // self.hk, dim=2)
+        q, k = l2norm(q.float()), l2norm(k.float())
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out = gated_delta_rule(q, k, v, g, beta, state.ssm, output_transition)
+        return out, tail
+
+    def forward_layout(self, x, layout, state: LinearState, rec: Recording | None, layer_idx: int):
+        """x [1, n_live, h] (normed) -> [1, n_live, h]; state updated in place."""
+        mixed, z, b, a = self.project(x)
+        outs = []
+        off = 0
+        for idx, piece in enumerate(layout):
+            if isinstance(piece, CachedSpan):
+                span = piece.data.linear[layer_idx]
+                state.ssm = apply_segment(span.T, span.S, state.ssm, piece.use_transition)
+                state.conv = span.conv_tail.to(state.conv.dtype)
+                continue
+            n = piece.token_ids.numel()
+            sl = slice(off, off + n)
+            off += n
+            want_t = piece.record == "entry"
+            res, tail = self.scan(mixed[:, sl], b[:, sl], a[:, sl], state, want_t)
+            o, S = res[0], res[1]
+            state.ssm, state.conv = S, tail
+            if rec is not None and piece.record == "entry":
+                Tr, S0 = res[2]
+                rec.entries[idx].linear[layer_idx] = LinearSpan(T=Tr, S=S0, conv_tail=tail.clone())
+            elif rec is not None and piece.record == "snapshot":
+                rec.snapshots[idx][layer_idx] = LinearState(S.clone(), tail.clone())
+            outs.append(o)
+        o = torch.cat(outs, dim=1).to(x.dtype)  # [1, n_live, Hv, dv]
+        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(1, -1, self.value_dim)
+        return self.out_proj(o)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.hq * self.d * 2, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.hkv * self.d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.hkv * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.hq * self.d, h, bias=cfg.attention_bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.d, cfg.rms_norm_eps)
+
+    def rope(self, positions, dtype):
+        return rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, dtype)
+
+    def empty_state(self, device) -> AttnState:
+        dt = self.o_proj.weight.dtype
+        z = torch.zeros(1, self.hkv, 0, self.d, dtype=dt, device=device)
+        return AttnState(k=z, v=z.clone())
+
+    def forward_layout(self, x, layout, state: AttnState, rec: Recording | None, layer_idx: int, live_pos):
+        """x [1, n_live, h]; live_pos [n_live] absolute positions of the live tokens."""
+        n = x.shape[1]
+        q, gate = torch.chunk(self.q_proj(x).view(1, n, self.hq, 2 * self.d), 2, dim=-1)
+        gate = gate.reshape(1, n, -1)
+        q = self.q_norm(q).transpose(1, 2)  # [1, Hq, n, d]
+        k = self.k_norm(self.k_proj(x).view(1, n, self.hkv, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(1, n, self.hkv, self.d).transpose(1, 2)
+        cos, sin = self.rope(live_pos, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ks, vs = [state.k], [state.v]
+        off = 0
+        for idx, piece in enumerate(layout):
+            if isinstance(piece, CachedSpan):
+                span = piece.data.attn[layer_idx]
+                kk = span.k.to(q.dtype)
+                if piece.shift:
+                    c, s = self.rope(torch.full((kk.shape[2],), piece.shift, device=kk.device), kk.dtype)
+                    kk = apply_rope(kk, c, s)
+                ks.append(kk)
+                vs.append(span.v.to(q.dtype))
+                continue
+            m = piece.token_ids.numel()
+            ks.append(k[:, :, off : off + m])
+            vs.append(v[:, :, off : off + m])
+            if rec is not None and piece.record == "entry":
+                rec.entries[idx].attn[layer_idx] = AttnSpan(k=k[:, :, off : off + m].clone(), v=v[:, :, off : off + m].clone())
+            off += m
+        K = torch.cat(ks, dim=2)
+        V = torch.cat(vs, dim=2)
+        state.k, state.v = K, V
+        N = K.shape[2]
+        if n == 1 and int(live_pos[0]) == N - 1:
+            mask = None
+        else:
+            key_pos = torch.arange(N, device=x.device)
+            mask = key_pos[None, :] <= live_pos[:, None]  # [n, N]
+        out = F.scaled_dot_product_attention(
+            q, K, V, attn_mask=mask, scale=self.d**-0.5, enable_gqa=self.hq != self.hkv
+        )  # [1, Hq, n, d]
+        out = out.transpose(1, 2).reshape(1, n, -1) * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+
+
+class Experts(nn.Module):
+    """Expert weights fused as 3-D tensors; the loader also accepts per-expert checkpoints."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, i))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        top_w, top_i = torch.topk(probs, self.cfg.num_experts_per_tok, dim=-1)
+        if self.cfg.norm_topk_prob:
+            top_w = top_w / top_w.sum(-1, keepdim=True)
+        top_w = top_w.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(top_i).tolist():
+            tok, slot = torch.where(top_i == e)
+            gate, up = F.linear(x[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts.down_proj[e]) * top_w[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        self.kind = cfg.layer_types[i]
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class HybridLM(nn.Module):
+    """A hybrid-attention causal LM that runs layouts of live runs and cached spans."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def device(self):
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self):
+        return self.lm_head.weight.dtype
+
+    def empty_state(self) -> SequenceState:
+        lin, att = {}, {}
+        for i, layer in enumerate(self.model.layers):
+            if layer.kind == "linear_attention":
+                lin[i] = layer.linear_attn.empty_state(self.device)
+            else:
+                att[i] = layer.self_attn.empty_state(self.device)
+        return SequenceState(length=0, linear=lin, attn=att)
+
+    @torch.no_grad()
+    def forward_layout(self, state: SequenceState, layout: list, logits_for: str = "last"):
+        """Run the live tokens of `layout` (pieces in position order, starting at state.length).
+
+        Mutates `state` to cover the layout. Returns (logits, recording): logits of the last live
+        token [vocab] ("last"), of every live token [n_live, vocab] ("all") or None ("none").
+        """
+        pos = state.length
+        live_ids, live_pos = [], []
+        rec = Recording()
+        for idx, piece in enumerate(layout):
+            if piece.start != pos:
+                raise ValueError(f"layout piece {idx} starts at {piece.start}, expected {pos}")
+            if isinstance(piece, LiveRun):
+                live_ids.append(piece.token_ids)
+                live_pos.append(torch.arange(piece.start, piece.end))
+                if piece.record == "entry":
+                    rec.entries[idx] = SpanData(piece.token_ids.numel(), piece.start, {}, {})
+                elif piece.record == "snapshot":
+                    rec.snapshots[idx] = {}
+            pos = piece.end
+        if not live_ids:
+            raise ValueError("a layout needs at least one live token")
+        ids = torch.cat(live_ids).to(self.device)
+        positions = torch.cat(live_pos).to(self.device)
+        x = self.model.embed_tokens(ids)[None]  # [1, n_live, h]
+        for i, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            if layer.kind == "linear_attention":
+                h = layer.linear_attn.forward_layout(h, layout, state.linear[i], rec, i)
+            else:
+                h = layer.self_attn.forward_layout(h, layout, state.attn[i], rec, i, positions)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        state.length = pos
+        if logits_for == "none":
+            return None, rec
+        if logits_for == "last":
+            x = x[:, -1:]
+        logits = self.lm_head(self.model.norm(x))[0].float()
+        return (logits[-1] if logits_for == "last" else logits), rec

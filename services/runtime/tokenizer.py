@@ -1,0 +1,62 @@
+"""Tokenizer: a `tokenizers` tokenizer.json, plus the byte-level one written for random-weight models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def build_byte_tokenizer() -> HFTokenizer:
+    """Byte-level BPE with no merges: ids 0-255 are bytes, then the special tokens."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+def _byte_of(ch: str) -> int:
+    # GPT-2's byte-to-unicode table: printable bytes map to themselves, the rest to 256+.
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    table = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    inverse = {c: b for b, c in table.items()}
+    return inverse[ch]
+
+
+class Tokenizer:
+    """Thin wrapper: encode/decode without special-token surprises, and the vocabulary size."""
+
+    def __init__(self, tok: HFTokenizer):
+        self.tok = tok
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        f = Path(path) / "tokenizer.json"
+        if not f.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        return cls(HFTokenizer.from_file(str(f)))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
