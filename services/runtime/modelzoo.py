@@ -122,7 +122,8 @@ def random_init_(model: HybridLM, seed: int, std: float = 0.02) -> None:
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
-            vals = torch.empty(p.shape).uniform_(0.5, 8.0, generator=gen).log()
+            # log-uniform A in [1e-3, 4]: slow heads keep state across segments, fast ones forget
+            vals = torch.empty(p.shape).uniform_(math.log(1e-3), math.log(4.0), generator=gen)
         elif name.endswith("dt_bias"):
             vals = torch.rand(p.shape, generator=gen) * 2 - 1
         elif name.endswith("linear_attn.norm.weight"):

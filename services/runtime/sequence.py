@@ -43,7 +43,7 @@ class SpanData:
 class LiveRun:
     token_ids: torch.Tensor  # [n] int64
     start: int  # absolute position of the first token
-    # None | "entry" (record T, S(run|0), conv tail, K/V of this run) | "snapshot" (state after it)
+    # None | "entry": record T, S(run|0), conv tail and K/V of this run as a cacheable span
     record: str | None = None
 
     @property
@@ -102,7 +102,8 @@ class SequenceState:
 
 @dataclass
 class Recording:
-    """What a forward recorded for LiveRuns with record set, keyed by the run's index in the layout."""
+    """What a forward recorded, keyed by piece index in the layout: entries of LiveRuns with
+    record="entry", and per linear layer the state after each piece asked for."""
 
     entries: dict[int, SpanData] = field(default_factory=dict)
     snapshots: dict[int, dict[int, LinearState]] = field(default_factory=dict)

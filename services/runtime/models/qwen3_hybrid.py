@@ -163,6 +163,8 @@ class GatedDeltaNet(nn.Module):
                 span = piece.data.linear[layer_idx]
                 state.ssm = apply_segment(span.T, span.S, state.ssm, piece.use_transition)
                 state.conv = span.conv_tail.to(state.conv.dtype)
+                if rec is not None and idx in rec.snapshots:
+                    rec.snapshots[idx][layer_idx] = LinearState(state.ssm.clone(), state.conv.clone())
                 continue
             n = piece.token_ids.numel()
             sl = slice(off, off + n)
@@ -174,7 +176,7 @@ class GatedDeltaNet(nn.Module):
             if rec is not None and piece.record == "entry":
                 Tr, S0 = res[2]
                 rec.entries[idx].linear[layer_idx] = LinearSpan(T=Tr, S=S0, conv_tail=tail.clone())
-            elif rec is not None and piece.record == "snapshot":
+            if rec is not None and idx in rec.snapshots:
                 rec.snapshots[idx][layer_idx] = LinearState(S.clone(), tail.clone())
             outs.append(o)
         o = torch.cat(outs, dim=1).to(x.dtype)  # [1, n_live, Hv, dv]
@@ -350,11 +352,13 @@ class HybridLM(nn.Module):
         return SequenceState(length=0, linear=lin, attn=att)
 
     @torch.no_grad()
-    def forward_layout(self, state: SequenceState, layout: list, logits_for: str = "last"):
+    def forward_layout(self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=()):
         """Run the live tokens of `layout` (pieces in position order, starting at state.length).
 
         Mutates `state` to cover the layout. Returns (logits, recording): logits of the last live
         token [vocab] ("last"), of every live token [n_live, vocab] ("all") or None ("none").
+        The recording holds a SpanData per LiveRun with record="entry", and the linear layers'
+        state after each piece index in `snapshot_after`.
         """
         pos = state.length
         live_ids, live_pos = [], []
@@ -367,8 +371,8 @@ class HybridLM(nn.Module):
                 live_pos.append(torch.arange(piece.start, piece.end))
                 if piece.record == "entry":
                     rec.entries[idx] = SpanData(piece.token_ids.numel(), piece.start, {}, {})
-                elif piece.record == "snapshot":
-                    rec.snapshots[idx] = {}
+            if idx in snapshot_after:
+                rec.snapshots[idx] = {}
             pos = piece.end
         if not live_ids:
             raise ValueError("a layout needs at least one live token")

@@ -1,0 +1,82 @@
+"""Segment entries: the cached body of one segment, keyed by what determines its content."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridcache.services.runtime.config import ModelConfig
+from hybridcache.services.runtime.sequence import SpanData
+
+CACHE_FORMAT = "hc-entry-v1"
+
+
+def segment_key(fingerprint: str, seam_window: int, token_ids) -> str:
+    """hash(model fingerprint, cache format, w, token ids) (DESIGN §4)."""
+    h = hashlib.sha256()
+    h.update(f"{fingerprint}|{CACHE_FORMAT}|w={seam_window}|".encode())
+    h.update(struct.pack(f"<{len(token_ids)}q", *[int(t) for t in token_ids]))
+    return h.hexdigest()
+
+
+def _tensors(data: SpanData):
+    for i in sorted(data.linear):
+        s = data.linear[i]
+        yield s.T
+        yield s.S
+        yield s.conv_tail
+    for i in sorted(data.attn):
+        a = data.attn[i]
+        yield a.k
+        yield a.v
+
+
+def entry_nbytes(data: SpanData) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(data))
+
+
+def expected_entry_nbytes(cfg: ModelConfig, body_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of an entry before it is built: T and S in fp32, conv tail and K/V in the model dtype."""
+    esz = torch.tensor([], dtype=dtype).element_size()
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
+    per_linear = 4 * (hv * dk * dk + hv * dk * dv) + esz * conv_dim * (cfg.linear_conv_kernel_dim - 1)
+    per_attn = 2 * esz * cfg.num_key_value_heads * cfg.head_dim * body_tokens
+    return len(cfg.linear_layers) * per_linear + len(cfg.attention_layers) * per_attn
+
+
+def entry_checksum(data: SpanData) -> str:
+    """sha256 over every tensor's shape, dtype and bytes, in a canonical order."""
+    h = hashlib.sha256()
+    h.update(f"{data.num_tokens}|{data.local_start}".encode())
+    for t in _tensors(data):
+        c = t.detach().contiguous().cpu()
+        h.update(f"{tuple(c.shape)}{c.dtype}".encode())
+        h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+    return h.hexdigest()
+
+
+@dataclass(slots=True)
+class SegmentEntry:
+    key: str
+    segment_tokens: int  # whole segment, seam included
+    data: SpanData  # the body
+    build_seconds: float
+    nbytes: int = 0
+    checksum: str = ""
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.nbytes:
+            self.nbytes = entry_nbytes(self.data)
+
+    def seal(self) -> SegmentEntry:
+        """Compute the checksum (done once, when the entry leaves the process that built it)."""
+        self.checksum = entry_checksum(self.data)
+        return self
+
+    def verify(self) -> bool:
+        return not self.checksum or self.checksum == entry_checksum(self.data)

@@ -1,0 +1,89 @@
+"""Sampling parameters (SGLang's names) and token selection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message says what is wrong (HTTP 400, CLI exit 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict | None, max_new_tokens_limit: int = 1 << 16) -> SamplingParams:
+        d = dict(d or {})
+        if not isinstance(d, dict):
+            raise RequestError("sampling_params must be an object")
+        known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed",
+                 "sampling_seed", "ignore_eos"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+
+        def num(name, kind, default):
+            v = d.get(name, default)
+            if v is None:
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+                raise RequestError(f"sampling_params.{name} must be {'an integer' if kind is int else 'a number'}")
+            return kind(v)
+
+        max_new = num("max_new_tokens", int, 64)
+        if not 0 <= max_new <= max_new_tokens_limit:
+            raise RequestError(f"sampling_params.max_new_tokens must be between 0 and {max_new_tokens_limit}")
+        temperature = num("temperature", float, 0.0)
+        if not 0.0 <= temperature <= 100.0:
+            raise RequestError("sampling_params.temperature must be between 0 and 100")
+        top_p = num("top_p", float, 1.0)
+        if not 0.0 < top_p <= 1.0:
+            raise RequestError("sampling_params.top_p must be in (0, 1]")
+        top_k = num("top_k", int, -1)
+        if top_k == 0 or top_k < -1:
+            raise RequestError("sampling_params.top_k must be -1 (disabled) or a positive integer")
+        stop = d.get("stop") or ()
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise RequestError("sampling_params.stop must be a non-empty string or a list of them")
+        stop_ids = d.get("stop_token_ids") or ()
+        if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise RequestError("sampling_params.stop_token_ids must be a list of integers")
+        seed = d.get("seed", d.get("sampling_seed"))
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestError("sampling_params.seed must be an integer")
+        ignore_eos = d.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise RequestError("sampling_params.ignore_eos must be a boolean")
+        return cls(max_new, temperature, top_p, top_k, tuple(stop), tuple(stop_ids), seed, ignore_eos)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick the next token from logits [vocab] (fp32): greedy at temperature 0."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, 0)
+        drop = cum - sorted_p > params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        probs = probs / probs.sum()
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
