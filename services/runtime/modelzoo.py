@@ -186,3 +186,24 @@ def init_model_dir(
         + "\n"
     )
     return out
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_MODEL = REPO_ROOT / "models" / "default"
+
+
+def default_model_dir() -> Path:
+    """The embedded default model: $HYBRIDCACHE_MODEL, else the model shipped in models/default,
+    else a tiny random Qwen3.5 model created on first use under $HYBRIDCACHE_HOME (~/.cache/hybridcache)."""
+    import os
+
+    env = os.environ.get("HYBRIDCACHE_MODEL")
+    if env:
+        return Path(env)
+    if (SHIPPED_MODEL / "config.json").is_file():
+        return SHIPPED_MODEL
+    home = Path(os.environ.get("HYBRIDCACHE_HOME", Path.home() / ".cache" / "hybridcache"))
+    out = home / "models" / "random-tiny-qwen3_5"
+    if not (out / "model.safetensors").is_file():
+        init_model_dir("qwen3_5_text", "tiny", out, seed=0, std=0.08)
+    return out

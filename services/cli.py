@@ -1,0 +1,158 @@
+"""`hybridcache` command line: model init, generate, demo (and the serving commands as they land).
+
+Errors in what the user gave (bad request, bad model directory, bad flag) print one line
+`hybridcache: error: ...` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+SAMPLE_RAG_REQUEST = {
+    "system": "You answer questions using the documents below.\n",
+    "segments": [
+        "Document 1: The Varnel Bridge spans the Osk river. It was completed in 1872 by the engineer "
+        "Ilse Marrow and carries a single railway track between Tarn and Lowmere.\n",
+        "Document 2: Lowmere is a market town of 14,000 people. Its cheese fair takes place every "
+        "October and draws visitors from across the valley.\n",
+        "Document 3: Ilse Marrow was born in Tarn in 1831. Besides the Varnel Bridge she designed two "
+        "lighthouses on the northern coast.\n",
+    ],
+    "suffix": "Question: Who built the Varnel Bridge?\nAnswer:",
+    "sampling_params": {"max_new_tokens": 16, "temperature": 0.0},
+}
+
+
+class UsageError(Exception):
+    pass
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _engine(args):
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from hybridcache.services.runtime.modelzoo import default_model_dir
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda given but no CUDA device is available")
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    config = EngineConfig(mode=args.mode, seam_window=args.seam_window)
+    return Engine.from_dir(model_dir, device=args.device, dtype=_dtype(args.dtype), config=config)
+
+
+def _read_requests(path: str) -> list:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as e:
+        raise UsageError(f"cannot read request file {path}: {e.strerror}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"request file {path} is not valid JSON: {e}") from None
+    reqs = obj if isinstance(obj, list) else [obj]
+    if not reqs:
+        raise UsageError(f"request file {path} holds an empty list")
+    return reqs
+
+
+def cmd_model_init(args) -> int:
+    from hybridcache.services.runtime.modelzoo import init_model_dir
+
+    try:
+        out = init_model_dir(args.arch, args.preset, args.out, seed=args.seed, dtype=_dtype(args.dtype))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(json.dumps({"model_dir": str(out), "arch": args.arch, "preset": args.preset, "seed": args.seed}))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    reqs = _read_requests(args.request)
+    engine = _engine(args)
+    # Validate every request before running any, so a bad one fails fast and alone.
+    parsed = [engine.parse_request(r) for r in reqs]
+    for req in parsed:
+        print(json.dumps(engine.generate(req).to_dict()), flush=True)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    engine = _engine(args)
+    print(f"model: {engine.model.path} ({engine.cfg.model_type}, mode {engine.config.mode}, "
+          f"seam window {engine.config.seam_window})")
+    req = dict(SAMPLE_RAG_REQUEST)
+    for attempt, segments in (("first", req["segments"]), ("second, documents reordered", req["segments"][::-1])):
+        res = engine.generate(dict(req, segments=segments))
+        st = res.stats
+        hits = sum(s.hit for s in st.segments)
+        print(f"\n[{attempt}] answer: {res.text!r}")
+        print(f"  prompt {st.prompt_tokens} tokens: reused {st.reused_tokens}, live {st.live_tokens}, "
+              f"built {st.built_tokens}; segments hit {hits}/{len(st.segments)}; ttft {st.ttft_ms:.1f} ms")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridcache", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def engine_flags(sp, model_required: bool):
+        sp.add_argument("--model", required=model_required, help="model directory (HF format)")
+        sp.add_argument("--mode", default="pic", choices=["full", "prefix", "pic", "naive"])
+        sp.add_argument("--seam-window", type=int, default=8, help="live tokens at the start of each reused segment")
+        sp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+        sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    m = sub.add_parser("model", help="model directories")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    mi = msub.add_parser("init", help="write a random-weight model directory in Hugging Face format")
+    mi.add_argument("--arch", required=True, help="Hugging Face model_type, e.g. qwen3_5, qwen3_next, qwen3_5_moe")
+    mi.add_argument("--preset", required=True, help="tiny, qwen3.5-9b, qwen3.5-35b-a3b")
+    mi.add_argument("--out", required=True)
+    mi.add_argument("--seed", type=int, default=0)
+    mi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    mi.set_defaults(func=cmd_model_init)
+
+    g = sub.add_parser("generate", help="run requests from a JSON file against one cache, print JSON lines")
+    engine_flags(g, model_required=True)
+    g.add_argument("--request", required=True, help="JSON file with one request or a list ('-' for stdin)")
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="send a sample RAG request twice to the embedded default model")
+    engine_flags(d, model_required=False)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "seam_window", 0) < 0:
+        parser.error("--seam-window must be >= 0")
+    from hybridcache.services.runtime.config import ModelConfigError
+    from hybridcache.services.runtime.loader import ModelLoadError
+    from hybridcache.services.runtime.sampling import RequestError
+
+    try:
+        return args.func(args)
+    except (UsageError, RequestError, ModelLoadError, ModelConfigError, FileNotFoundError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"hybridcache: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
