@@ -1,0 +1,363 @@
+"""Pure builders: one function per child object of a HybridCache, `(spec, name, ...) -> dict`.
+
+No I/O and no clock here. The handlers adopt what these return (owner reference, namespace) and
+apply it. Every role runs the same image; the role is the first argument of `hybridcache serve`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from hybridcache.operator.spec import HybridCacheSpec, RoleSpec
+from hybridcache.services import contract
+
+MANAGER = "hybridcache-operator"
+CONFIG_HASH_ANNOTATION = f"{contract.API_GROUP}/config-hash"
+UID = 10001
+CACHE_DIR = "/var/cache/hybridcache"
+
+Manifest = dict[str, Any]
+
+
+def child_name(name: str, role: str) -> str:
+    return f"{name}-{role}"
+
+
+def selector_labels(name: str, role: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "hybridcache",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": role,
+    }
+
+
+def labels(name: str, role: str | None = None) -> dict[str, str]:
+    common = {
+        "app.kubernetes.io/name": "hybridcache",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/part-of": "hybridcache",
+        "app.kubernetes.io/managed-by": MANAGER,
+    }
+    if role is not None:
+        common["app.kubernetes.io/component"] = role
+    return common
+
+
+def scatter_selector(name: str) -> str:
+    """The label selector string the /scale subresource reports for HPA."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name, "scatter").items()))
+
+
+def _address(spec: HybridCacheSpec, name: str, role: str) -> str:
+    return f"{child_name(name, role)}:{spec.role(role).grpc_port}"
+
+
+def serve_args(spec: HybridCacheSpec, name: str, role: RoleSpec) -> list[str]:
+    """Arguments of `hybridcache serve ROLE ...` for one role."""
+    args = [
+        "serve", role.name,
+        "--model", spec.model.directory,
+        "--grpc-port", str(role.grpc_port),
+        "--http-port", str(role.http_port),
+    ]
+    if spec.etcd_endpoints:
+        args += ["--etcd", ",".join(spec.etcd_endpoints)]
+    peers = {
+        "router": ("combine", "cache-tier"),
+        "combine": ("router", "cache-tier"),
+        "scatter": ("router", "combine", "cache-tier"),
+        "cache-tier": (),
+    }[role.name]
+    for peer in peers:
+        args += [f"--{peer}", _address(spec, name, peer)]
+    if role.name != "cache-tier":
+        args += [
+            "--seam-window", str(spec.engine.seam_window),
+            "--dtype", spec.engine.dtype,
+            "--prefix-policy", spec.engine.prefix_policy,
+        ]
+    if spec.observability.otlp_endpoint:
+        args += ["--otlp-endpoint", spec.observability.otlp_endpoint]
+    return args
+
+
+def config_map(spec: HybridCacheSpec, name: str) -> Manifest:
+    """Settings shared by every role, given to the pods as environment variables."""
+    data = {
+        "HYBRIDCACHE_INSTANCE": name,
+        "HYBRIDCACHE_MODEL_ARCH": spec.model.arch,
+        "HYBRIDCACHE_MODEL_DIR": spec.model.directory,
+        "HYBRIDCACHE_DTYPE": spec.engine.dtype,
+        "HYBRIDCACHE_SEAM_WINDOW": str(spec.engine.seam_window),
+        "HYBRIDCACHE_PREFIX_POLICY": spec.engine.prefix_policy,
+        "HYBRIDCACHE_ETCD_ENDPOINTS": ",".join(spec.etcd_endpoints),
+        "HF_HUB_OFFLINE": "1",
+    }
+    if spec.observability.otlp_endpoint:
+        data["OTEL_EXPORTER_OTLP_ENDPOINT"] = spec.observability.otlp_endpoint
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": child_name(name, "config"), "labels": labels(name)},
+        "data": data,
+    }
+
+
+def config_hash(spec: HybridCacheSpec, name: str) -> str:
+    data = json.dumps(config_map(spec, name)["data"], sort_keys=True)
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def _resources(spec: HybridCacheSpec, role: RoleSpec) -> dict[str, Any]:
+    resources: dict[str, Any] = {}
+    if role.resources.requests:
+        resources["requests"] = dict(role.resources.requests)
+    limits = dict(role.resources.limits)
+    if role.gpus_per_pod:
+        limits[spec.gpu_resource_name] = str(role.gpus_per_pod)
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def _container(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
+    health = {"httpGet": {"path": "/health", "port": "http"}}
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    if spec.model.path is None:
+        mounts.append({"name": "model", "mountPath": spec.model.MOUNT, "readOnly": True})
+    if role.gpus_per_pod:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if role.name == "cache-tier":
+        mounts.append({"name": "cache", "mountPath": CACHE_DIR})
+    env = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "OTEL_SERVICE_NAME", "value": f"hybridcache-{role.name}"},
+    ]
+    return {
+        "name": role.name,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "args": serve_args(spec, name, role),
+        "ports": [
+            {"name": "grpc", "containerPort": role.grpc_port, "protocol": "TCP"},
+            {"name": "http", "containerPort": role.http_port, "protocol": "TCP"},
+        ],
+        "envFrom": [{"configMapRef": {"name": child_name(name, "config")}}],
+        "env": env,
+        "resources": _resources(spec, role),
+        "startupProbe": {**health, "periodSeconds": 10, "failureThreshold": 60},
+        "readinessProbe": {**health, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 6},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": mounts,
+    }
+
+
+def _volumes(spec: HybridCacheSpec, role: RoleSpec) -> list[Manifest]:
+    volumes: list[Manifest] = [{"name": "tmp", "emptyDir": {}}]
+    if spec.model.pvc_claim is not None:
+        volumes.append({
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": spec.model.pvc_claim, "readOnly": True},
+        })
+    elif spec.model.uri is not None:
+        reference = spec.model.uri.removeprefix("oci://")
+        volumes.append({"name": "model", "image": {"reference": reference, "pullPolicy": "IfNotPresent"}})
+    if role.gpus_per_pod:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    if role.name == "cache-tier" and not role.storage_size:
+        volumes.append({"name": "cache", "emptyDir": {}})
+    return volumes
+
+
+def pod_template(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
+    pod_spec: Manifest = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": UID,
+            "runAsGroup": UID,
+            "fsGroup": UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_container(spec, name, role)],
+        "volumes": _volumes(spec, role),
+    }
+    if role.gpus_per_pod:
+        if spec.node_selector:
+            pod_spec["nodeSelector"] = dict(spec.node_selector)
+        if spec.tolerations:
+            pod_spec["tolerations"] = [t.to_manifest() for t in spec.tolerations]
+    return {
+        "metadata": {
+            "labels": labels(name, role.name),
+            "annotations": {CONFIG_HASH_ANNOTATION: config_hash(spec, name)},
+        },
+        "spec": pod_spec,
+    }
+
+
+def _deployment(spec: HybridCacheSpec, name: str, role: RoleSpec, replicas: int) -> Manifest:
+    body: Manifest = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": child_name(name, role.name), "labels": labels(name, role.name)},
+        "spec": {
+            "replicas": replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector_labels(name, role.name)},
+            "template": pod_template(spec, name, role),
+        },
+    }
+    if role.gpus_per_pod:
+        # A surge pod would wait for a free GPU; replace in place instead.
+        body["spec"]["strategy"] = {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+        }
+    return body
+
+
+def router_deployment(spec: HybridCacheSpec, name: str) -> Manifest:
+    return _deployment(spec, name, spec.router, spec.router.replicas)
+
+
+def combine_deployment(spec: HybridCacheSpec, name: str) -> Manifest:
+    return _deployment(spec, name, spec.combine, spec.combine.replicas)
+
+
+def scatter_deployment(spec: HybridCacheSpec, name: str, replicas: int) -> Manifest:
+    """`replicas` comes from the autoscaler in Operator mode, from spec (or /scale) otherwise."""
+    return _deployment(spec, name, spec.scatter, replicas)
+
+
+def cache_tier_statefulset(spec: HybridCacheSpec, name: str) -> Manifest:
+    role = spec.cache_tier
+    body: Manifest = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": child_name(name, role.name), "labels": labels(name, role.name)},
+        "spec": {
+            "replicas": role.replicas,
+            "serviceName": child_name(name, role.name),
+            "podManagementPolicy": "Parallel",
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector_labels(name, role.name)},
+            "template": pod_template(spec, name, role),
+        },
+    }
+    if role.storage_size:
+        claim: Manifest = {
+            "metadata": {"name": "cache"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": role.storage_size}},
+            },
+        }
+        if role.storage_class:
+            claim["spec"]["storageClassName"] = role.storage_class
+        body["spec"]["volumeClaimTemplates"] = [claim]
+    return body
+
+
+def service(spec: HybridCacheSpec, name: str, role_name: str) -> Manifest:
+    """The router gets a ClusterIP Service; workers and the cache tier get headless ones, so the
+    router sees every pod (it balances cold segments over each scatter worker's queue)."""
+    role = spec.role(role_name)
+    body: Manifest = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": child_name(name, role.name), "labels": labels(name, role.name)},
+        "spec": {
+            "selector": selector_labels(name, role.name),
+            "ports": [
+                {"name": "grpc", "port": role.grpc_port, "targetPort": "grpc", "protocol": "TCP"},
+                {"name": "http", "port": role.http_port, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+    if role.name == "router":
+        body["spec"]["type"] = "ClusterIP"
+    else:
+        body["spec"]["clusterIP"] = "None"
+        body["spec"]["publishNotReadyAddresses"] = role.name == "cache-tier"
+    return body
+
+
+def pod_disruption_budget(spec: HybridCacheSpec, name: str, role_name: str) -> Manifest:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": child_name(name, role_name), "labels": labels(name, role_name)},
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(name, role_name)},
+        },
+    }
+
+
+def network_policy(spec: HybridCacheSpec, name: str) -> Manifest:
+    """Pods of one HybridCache talk freely to each other; from elsewhere only the router's API
+    ports and every role's HTTP port (/metrics, /health) are reachable."""
+    http_ports = [{"protocol": "TCP", "port": role.http_port} for role in spec.roles]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "labels": labels(name)},
+        "spec": {
+            "podSelector": {"matchLabels": {
+                "app.kubernetes.io/name": "hybridcache",
+                "app.kubernetes.io/instance": name,
+            }},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": name}}}]},
+                {"ports": [{"protocol": "TCP", "port": spec.router.grpc_port}, *http_ports]},
+            ],
+        },
+    }
+
+
+def service_monitor(spec: HybridCacheSpec, name: str) -> Manifest:
+    """A prometheus-operator ServiceMonitor scraping every role's /metrics."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": {"name": name, "labels": labels(name)},
+        "spec": {
+            "selector": {"matchLabels": {
+                "app.kubernetes.io/name": "hybridcache",
+                "app.kubernetes.io/instance": name,
+            }},
+            "endpoints": [{
+                "port": "http",
+                "path": "/metrics",
+                "interval": spec.observability.scrape_interval,
+            }],
+        },
+    }
+
+
+def children(spec: HybridCacheSpec, name: str, scatter_replicas: int) -> list[Manifest]:
+    """Every child object of one HybridCache, in the order they are applied."""
+    objects = [
+        config_map(spec, name),
+        *(service(spec, name, role.name) for role in spec.roles),
+        cache_tier_statefulset(spec, name),
+        router_deployment(spec, name),
+        combine_deployment(spec, name),
+        scatter_deployment(spec, name, scatter_replicas),
+        *(pod_disruption_budget(spec, name, role.name) for role in spec.roles),
+        network_policy(spec, name),
+    ]
+    if spec.observability.service_monitor:
+        objects.append(service_monitor(spec, name))
+    return objects

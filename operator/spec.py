@@ -1,0 +1,276 @@
+"""The HybridCache custom resource's spec, parsed once at the boundary into frozen dataclasses.
+
+The CRD (manifests/crd/hybridcache.yaml) is the source of the schema and its defaults. The same
+defaults are repeated here because a spec may reach the operator without server-side defaulting
+(an older CRD, tests against the emulator); tests/operator/test_operator_spec.py checks that
+parsing a bare spec gives the same result as parsing it after applying the CRD's defaults.
+Builders and the autoscaler take these objects, never the raw dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridcache.services import contract
+
+DEFAULT_IMAGE = "hybridcache/hybridcache:0.1.0"
+AUTOSCALING_MODES = ("Operator", "External", "Disabled")
+METRICS_SOURCES = ("Router", "Prometheus")
+DTYPES = ("bfloat16", "float16", "float32")
+PREFIX_POLICIES = ("checkpoint", "suffix_replay", "exact_replay")
+
+
+class SpecError(ValueError):
+    """The spec is inconsistent in a way the CRD's schema could not catch (an old CRD)."""
+
+
+@dataclass(frozen=True)
+class Resources:
+    requests: Mapping[str, str] = field(default_factory=dict)
+    limits: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> Resources:
+        raw = raw or {}
+        return cls(
+            requests={k: str(v) for k, v in (raw.get("requests") or {}).items()},
+            limits={k: str(v) for k, v in (raw.get("limits") or {}).items()},
+        )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where the weights are: a directory in the image, a PVC, or an OCI image volume."""
+
+    arch: str
+    path: str | None = None
+    pvc_claim: str | None = None
+    pvc_sub_path: str = ""
+    uri: str | None = None
+
+    # Mount point of a PVC or OCI model volume inside every pod.
+    MOUNT = "/models"
+
+    @property
+    def directory(self) -> str:
+        """The --model DIR every role is started with."""
+        if self.path is not None:
+            return self.path
+        if self.pvc_claim is not None:
+            return f"{self.MOUNT}/{self.pvc_sub_path}".rstrip("/")
+        return self.MOUNT
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> ModelSpec:
+        pvc = raw.get("pvc") or None
+        model = cls(
+            arch=str(raw.get("arch", "")),
+            path=raw.get("path"),
+            pvc_claim=pvc["claimName"] if pvc else None,
+            pvc_sub_path=(pvc or {}).get("subPath", ""),
+            uri=raw.get("uri"),
+        )
+        sources = [s for s in (model.path, model.pvc_claim, model.uri) if s is not None]
+        if len(sources) != 1:
+            raise SpecError("spec.model needs exactly one of path, pvc, uri")
+        if model.uri is not None and not model.uri.startswith("oci://"):
+            raise SpecError("spec.model.uri must be an oci:// image reference")
+        return model
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    name: str  # one of contract.ROLES
+    replicas: int
+    grpc_port: int
+    http_port: int
+    gpus_per_pod: int = 0
+    resources: Resources = field(default_factory=Resources)
+    # Disk-tier volume size per pod (cache tier only); empty means an emptyDir.
+    storage_size: str = ""
+    storage_class: str = ""
+
+    @classmethod
+    def parse(cls, role: str, raw: Mapping[str, Any] | None, *, replicas: int, gpus: int) -> RoleSpec:
+        raw = raw or {}
+        ports = contract.ROLES[role]
+        storage = raw.get("storage") or {}
+        return cls(
+            name=role,
+            replicas=int(raw.get("replicas", replicas)),
+            grpc_port=int(raw.get("grpcPort", ports.grpc)),
+            http_port=int(raw.get("httpPort", ports.http)),
+            gpus_per_pod=int(raw.get("gpusPerPod", gpus)),
+            resources=Resources.parse(raw.get("resources")),
+            storage_size=str(storage.get("size", "")),
+            storage_class=storage.get("storageClassName", ""),
+        )
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    dtype: str = "bfloat16"
+    seam_window: int = 8
+    prefix_policy: str = "exact_replay"
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> EngineSpec:
+        raw = raw or {}
+        engine = cls(
+            dtype=raw.get("dtype", cls.dtype),
+            seam_window=int(raw.get("seamWindow", cls.seam_window)),
+            prefix_policy=raw.get("prefixPolicy", cls.prefix_policy),
+        )
+        if engine.dtype not in DTYPES or engine.prefix_policy not in PREFIX_POLICIES:
+            raise SpecError(f"unknown engine.dtype or engine.prefixPolicy: {engine}")
+        return engine
+
+
+@dataclass(frozen=True)
+class MetricsSource:
+    """Where the autoscaler reads the cold-segment queue depth."""
+
+    type: str = "Router"
+    url: str = ""  # Prometheus base URL (type Prometheus)
+    query: str = ""  # PromQL override; empty means the default query for this HybridCache
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    mode: str = "Disabled"
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_queue_depth: float = 4.0  # cold segments queued per scatter worker
+    scale_up_window_s: int = 0
+    scale_down_window_s: int = 300
+    max_step: int = 2
+    metrics_source: MetricsSource = field(default_factory=MetricsSource)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> AutoscalingSpec:
+        raw = raw or {}
+        source = raw.get("metricsSource") or {}
+        spec = cls(
+            mode=raw.get("mode", cls.mode),
+            min_replicas=int(raw.get("minReplicas", cls.min_replicas)),
+            max_replicas=int(raw.get("maxReplicas", cls.max_replicas)),
+            target_queue_depth=float(raw.get("targetQueueDepthPerReplica", cls.target_queue_depth)),
+            scale_up_window_s=int(raw.get("scaleUpStabilizationSeconds", cls.scale_up_window_s)),
+            scale_down_window_s=int(raw.get("scaleDownStabilizationSeconds", cls.scale_down_window_s)),
+            max_step=int(raw.get("maxStep", cls.max_step)),
+            metrics_source=MetricsSource(
+                type=source.get("type", "Router"),
+                url=source.get("url", ""),
+                query=source.get("query", ""),
+            ),
+        )
+        if spec.mode not in AUTOSCALING_MODES or spec.metrics_source.type not in METRICS_SOURCES:
+            raise SpecError(f"unknown autoscaling mode or metrics source: {spec}")
+        if not 1 <= spec.min_replicas <= spec.max_replicas:
+            raise SpecError("scatter.autoscaling needs 1 <= minReplicas <= maxReplicas")
+        if spec.metrics_source.type == "Prometheus" and not spec.metrics_source.url:
+            raise SpecError("scatter.autoscaling.metricsSource.url is required for Prometheus")
+        return spec
+
+    @property
+    def operator_driven(self) -> bool:
+        return self.mode == "Operator"
+
+
+@dataclass(frozen=True)
+class ObservabilitySpec:
+    otlp_endpoint: str = ""
+    service_monitor: bool = False
+    scrape_interval: str = "15s"
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> ObservabilitySpec:
+        raw = raw or {}
+        monitor = raw.get("serviceMonitor") or {}
+        return cls(
+            otlp_endpoint=raw.get("otlpEndpoint", ""),
+            service_monitor=bool(monitor.get("enabled", False)),
+            scrape_interval=monitor.get("interval", cls.scrape_interval),
+        )
+
+
+@dataclass(frozen=True)
+class Toleration:
+    key: str = ""
+    operator: str = "Equal"
+    value: str = ""
+    effect: str = ""
+    toleration_seconds: int | None = None
+
+    def to_manifest(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"operator": self.operator}
+        for name, value in (("key", self.key), ("value", self.value), ("effect", self.effect)):
+            if value:
+                body[name] = value
+        if self.toleration_seconds is not None:
+            body["tolerationSeconds"] = self.toleration_seconds
+        return body
+
+
+@dataclass(frozen=True)
+class HybridCacheSpec:
+    model: ModelSpec
+    router: RoleSpec
+    combine: RoleSpec
+    scatter: RoleSpec
+    cache_tier: RoleSpec
+    image: str = DEFAULT_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    gpu_resource_name: str = "nvidia.com/gpu"
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Toleration, ...] = ()
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    etcd_endpoints: tuple[str, ...] = ()
+    observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
+    paused: bool = False
+
+    @property
+    def roles(self) -> tuple[RoleSpec, ...]:
+        return (self.router, self.combine, self.scatter, self.cache_tier)
+
+    def role(self, name: str) -> RoleSpec:
+        return {r.name: r for r in self.roles}[name]
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> HybridCacheSpec:
+        """Parse a HybridCache `.spec` (with or without the CRD's defaults applied)."""
+        if "model" not in raw:
+            raise SpecError("spec.model is required")
+        scatter_raw = raw.get("scatter") or {}
+        spec = cls(
+            model=ModelSpec.parse(raw["model"]),
+            router=RoleSpec.parse("router", raw.get("router"), replicas=1, gpus=0),
+            combine=RoleSpec.parse("combine", raw.get("combine"), replicas=1, gpus=1),
+            scatter=RoleSpec.parse("scatter", scatter_raw, replicas=1, gpus=1),
+            cache_tier=RoleSpec.parse("cache-tier", raw.get("cacheTier"), replicas=1, gpus=0),
+            image=raw.get("image", DEFAULT_IMAGE),
+            image_pull_policy=raw.get("imagePullPolicy", "IfNotPresent"),
+            gpu_resource_name=raw.get("gpuResourceName", "nvidia.com/gpu"),
+            node_selector=dict(raw.get("nodeSelector") or {}),
+            tolerations=tuple(
+                Toleration(
+                    key=t.get("key", ""),
+                    operator=t.get("operator", "Equal"),
+                    value=t.get("value", ""),
+                    effect=t.get("effect", ""),
+                    toleration_seconds=t.get("tolerationSeconds"),
+                )
+                for t in raw.get("tolerations") or ()
+            ),
+            engine=EngineSpec.parse(raw.get("engine")),
+            autoscaling=AutoscalingSpec.parse(scatter_raw.get("autoscaling")),
+            etcd_endpoints=tuple((raw.get("etcd") or {}).get("endpoints") or ()),
+            observability=ObservabilitySpec.parse(raw.get("observability")),
+            paused=bool(raw.get("paused", False)),
+        )
+        if spec.cache_tier.replicas > 1 and not spec.etcd_endpoints:
+            raise SpecError("more than one cache-tier replica needs etcd.endpoints for the directory")
+        return spec
