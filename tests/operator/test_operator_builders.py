@@ -1,0 +1,190 @@
+"""Each builder tested on its own; every built object passes `kubernetes-validate --strict`."""
+
+from __future__ import annotations
+
+import copy
+
+import kubernetes_validate
+import pytest
+
+from hybridcache.operator import builders
+from hybridcache.operator.spec import HybridCacheSpec
+from hybridcache.services import contract
+
+NAME = "demo"
+CPU = HybridCacheSpec.parse({
+    "model": {"arch": "qwen3_5_text", "path": "/app/models/tiny"},
+    "combine": {"gpusPerPod": 0}, "scatter": {"gpusPerPod": 0},
+    "engine": {"dtype": "float32"},
+})
+GPU = HybridCacheSpec.parse({
+    "model": {"arch": "qwen3_next", "pvc": {"claimName": "weights", "subPath": "qwen3-next"}},
+    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "router": {"replicas": 2, "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}},
+    "scatter": {"gpusPerPod": 1, "autoscaling": {"mode": "Operator", "maxReplicas": 8}},
+    "cacheTier": {"replicas": 2, "storage": {"size": "200Gi", "storageClassName": "fast"}},
+    "etcd": {"endpoints": ["etcd-0.etcd:2379", "etcd-1.etcd:2379"]},
+    "observability": {"otlpEndpoint": "http://otel-collector:4317", "serviceMonitor": {"enabled": True}},
+})
+OCI = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "uri": "oci://registry.example/models/q:1"}})
+VERSION = kubernetes_validate.latest_version()
+
+
+def validate_strict(obj):
+    kubernetes_validate.validate(obj, VERSION, strict=True)
+
+
+def container(obj):
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+def arg(args, flag):
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize("spec", [CPU, GPU, OCI], ids=["cpu", "gpu", "oci"])
+def test_every_built_object_validates_strictly(spec):
+    objects = builders.children(spec, NAME, scatter_replicas=3)
+    for obj in objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com"):
+            continue  # a CRD kind: kubernetes-validate has no schema for it (checked below)
+        validate_strict(obj)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names)), "duplicate children"
+
+
+def test_strict_validation_catches_a_mistake():
+    bad = copy.deepcopy(builders.router_deployment(CPU, NAME))
+    container(bad)["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_strict(bad)
+
+
+def test_children_cover_every_role_and_kind():
+    kinds = sorted(o["kind"] for o in builders.children(GPU, NAME, 2))
+    assert kinds == sorted(["ConfigMap", *["Service"] * 4, "StatefulSet", *["Deployment"] * 3,
+                            *["PodDisruptionBudget"] * 4, "NetworkPolicy", "ServiceMonitor"])
+    assert "ServiceMonitor" not in [o["kind"] for o in builders.children(CPU, NAME, 1)]
+
+
+def test_router_deployment():
+    obj = builders.router_deployment(GPU, NAME)
+    assert obj["metadata"]["name"] == "demo-router" and obj["spec"]["replicas"] == 2
+    c = container(obj)
+    assert c["args"][:2] == ["serve", "router"]
+    assert arg(c["args"], "--grpc-port") == "50051" and arg(c["args"], "--http-port") == "8000"
+    assert arg(c["args"], "--combine") == "demo-combine:50061"
+    assert arg(c["args"], "--cache-tier") == "demo-cache-tier:50081"
+    assert arg(c["args"], "--etcd") == "etcd-0.etcd:2379,etcd-1.etcd:2379"
+    assert arg(c["args"], "--otlp-endpoint") == "http://otel-collector:4317"
+    assert c["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}}
+    assert "nodeSelector" not in obj["spec"]["template"]["spec"], "CPU role must not pin to GPU nodes"
+    assert obj["spec"]["selector"]["matchLabels"] == builders.selector_labels(NAME, "router")
+
+
+def test_scatter_deployment_takes_replicas_from_the_caller():
+    obj = builders.scatter_deployment(GPU, NAME, replicas=5)
+    assert obj["spec"]["replicas"] == 5
+    c = container(obj)
+    assert c["args"][:2] == ["serve", "scatter"]
+    assert arg(c["args"], "--router") == "demo-router:50051"
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    pod = obj["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert obj["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+
+
+def test_combine_deployment_engine_flags():
+    c = container(builders.combine_deployment(GPU, NAME))
+    assert c["args"][:2] == ["serve", "combine"]
+    assert arg(c["args"], "--seam-window") == "8" and arg(c["args"], "--dtype") == "bfloat16"
+    assert arg(c["args"], "--prefix-policy") == "exact_replay"
+    assert arg(c["args"], "--model") == "/models/qwen3-next"
+
+
+def test_cache_tier_statefulset():
+    obj = builders.cache_tier_statefulset(GPU, NAME)
+    assert obj["kind"] == "StatefulSet" and obj["spec"]["serviceName"] == "demo-cache-tier"
+    claim = obj["spec"]["volumeClaimTemplates"][0]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "200Gi"
+    assert claim["spec"]["storageClassName"] == "fast"
+    c = container(obj)
+    assert "--seam-window" not in c["args"] and "resources" not in c or "limits" not in c["resources"]
+    cpu = builders.cache_tier_statefulset(CPU, NAME)
+    assert "volumeClaimTemplates" not in cpu["spec"]
+    assert {"name": "cache", "emptyDir": {}} in cpu["spec"]["template"]["spec"]["volumes"]
+
+
+def test_pods_run_non_root_with_a_read_only_root():
+    for obj in builders.children(GPU, NAME, 1):
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        sc = pod["containers"][0]["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+        assert {"name": "tmp", "mountPath": "/tmp"} in pod["containers"][0]["volumeMounts"]
+
+
+def test_model_sources():
+    pvc = builders.router_deployment(GPU, NAME)["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pvc
+    oci = builders.router_deployment(OCI, NAME)["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model", "image": {"reference": "registry.example/models/q:1",
+                                       "pullPolicy": "IfNotPresent"}} in oci
+    in_image = builders.router_deployment(CPU, NAME)
+    assert all(v["name"] != "model" for v in in_image["spec"]["template"]["spec"]["volumes"])
+    assert arg(container(in_image)["args"], "--model") == "/app/models/tiny"
+
+
+def test_services_per_role():
+    router = builders.service(GPU, NAME, "router")
+    assert router["spec"]["type"] == "ClusterIP"
+    assert {p["port"] for p in router["spec"]["ports"]} == {50051, 8000}
+    for role in ("combine", "scatter", "cache-tier"):
+        svc = builders.service(GPU, NAME, role)
+        assert svc["spec"]["clusterIP"] == "None", "workers need per-pod addresses"
+        assert svc["spec"]["selector"] == builders.selector_labels(NAME, role)
+        assert [p["name"] for p in svc["spec"]["ports"]] == ["grpc", "http"]
+
+
+def test_config_map_and_rollout_hash():
+    cm = builders.config_map(GPU, NAME)
+    assert cm["data"]["HYBRIDCACHE_MODEL_ARCH"] == "qwen3_next"
+    assert cm["data"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+    changed = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}, "engine": {"seamWindow": 4}})
+    same = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}})
+    assert builders.config_hash(changed, NAME) != builders.config_hash(same, NAME)
+    annotations = builders.router_deployment(GPU, NAME)["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[builders.CONFIG_HASH_ANNOTATION] == builders.config_hash(GPU, NAME)
+
+
+def test_pod_disruption_budgets():
+    for role in contract.ROLES:
+        pdb = builders.pod_disruption_budget(GPU, NAME, role)
+        assert pdb["spec"]["maxUnavailable"] == 1
+        assert pdb["spec"]["selector"]["matchLabels"] == builders.selector_labels(NAME, role)
+
+
+def test_network_policy_opens_only_api_and_metrics_ports_to_outsiders():
+    policy = builders.network_policy(GPU, NAME)
+    same_instance, outside = policy["spec"]["ingress"]
+    assert same_instance["from"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/instance": NAME}
+    ports = {p["port"] for p in outside["ports"]}
+    assert ports == {50051} | {p.http for p in contract.ROLES.values()}
+
+
+def test_service_monitor_scrapes_every_role():
+    monitor = builders.service_monitor(GPU, NAME)
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == NAME
+
+
+def test_builders_are_pure():
+    assert builders.children(GPU, NAME, 2) == builders.children(GPU, NAME, 2)
+    assert builders.scatter_selector(NAME) == (
+        "app.kubernetes.io/component=scatter,app.kubernetes.io/instance=demo,app.kubernetes.io/name=hybridcache"
+    )
