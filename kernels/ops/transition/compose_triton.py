@@ -1,0 +1,111 @@
+"""Apply n cached segments to a running state across all layers and heads in one launch (Triton).
+
+For every (layer, head) pair g and segments i = 1..n in sequence order:
+
+    S_g <- T_{i,g} S_g + S_{i,g}        (T matrix [K, K], S [K, V])
+
+One program owns one g and a BV-wide column block of S, keeps that block in fp32 registers across
+all n segments, and streams each T_{i,g} and S_{i,g} from memory exactly once per column block.
+Entries may be stored in bf16 or fp32; the running state is fp32. The reference is
+`naive.apply_segment` folded over the segments (README.md here).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
+@triton.jit
+def compose_states_fwd_kernel(
+    T,
+    S,
+    h0,
+    ht,
+    N,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+):
+    i_g, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    m_kk = m_k[:, None] & m_k[None, :]
+
+    p_h = i_g * K * V + o_k[:, None] * V + o_v[None, :]
+    if USE_INITIAL_STATE:
+        b_h = tl.load(h0 + p_h, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
+    else:
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_n in range(N):
+        i_ng = i_g + i_n * G
+        p_t = T + i_ng * K * K + o_k[:, None] * K + o_k[None, :]
+        p_s = S + i_ng * K * V + o_k[:, None] * V + o_v[None, :]
+        b_t = tl.load(p_t, mask=m_kk, other=0.0).to(tl.float32)  # [BK, BK]
+        b_s = tl.load(p_s, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
+        b_h = tl.dot(b_t, b_h, b_s, input_precision=DOT_PRECISION)
+    tl.store(ht + p_h, b_h, mask=m_kv)
+
+
+def compose_states_fwd(
+    T: torch.Tensor,
+    S: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    block_v: int | None = None,
+    dot_precision: str | None = None,
+) -> torch.Tensor:
+    """Fold n segments into a running state: S_end = T_n(...(T_1 S_start + S_1)...) + S_n.
+
+    Args:
+        T: [N, G, K, K] transitions, segment-major (G = layers x heads flattened), bf16 or fp32.
+        S: [N, G, K, V] zero-start states S(body|0), same dtype family.
+        initial_state: [G, K, V] running state before the first segment (zeros if None).
+        block_v: columns of S per program (default: all of V on CPU, 64 on GPU).
+        dot_precision: Triton tl.dot input precision; default "tf32x3" on GPU (fp32-level
+            accuracy at tensor-core speed), "ieee" under the interpreter.
+
+    Returns:
+        [G, K, V] fp32.
+    """
+    if T.dim() != 4 or S.dim() != 4:
+        raise ValueError(f"T must be [N, G, K, K] and S [N, G, K, V], got {tuple(T.shape)}, {tuple(S.shape)}")
+    N, G, K, V = S.shape
+    if T.shape != (N, G, K, K):
+        raise ValueError(f"T of shape {tuple(T.shape)} does not match S of shape {tuple(S.shape)}")
+    if initial_state is not None and initial_state.shape != (G, K, V):
+        raise ValueError(f"initial_state must be [{G}, {K}, {V}], got {tuple(initial_state.shape)}")
+    T, S = T.contiguous(), S.contiguous()
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    on_gpu = S.is_cuda
+    BK = max(16, triton.next_power_of_2(K))
+    BV = block_v or max(16, triton.next_power_of_2(V))
+    if on_gpu and block_v is None:
+        BV = min(64, BV)
+    precision = dot_precision or ("tf32x3" if on_gpu else "ieee")
+    ht = torch.empty(G, K, V, dtype=torch.float32, device=S.device)
+    grid = (G, triton.cdiv(V, BV))
+    compose_states_fwd_kernel[grid](
+        T=T,
+        S=S,
+        h0=initial_state,
+        ht=ht,
+        N=N,
+        G=G,
+        K=K,
+        V=V,
+        BK=BK,
+        BV=BV,
+        DOT_PRECISION=precision,
+        num_warps=8 if on_gpu and BK >= 128 else 4,
+    )
+    return ht
