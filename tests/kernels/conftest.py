@@ -11,3 +11,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+else:
+    import sys
+
+    # tests/conftest.py hides fla so that transformers uses its CPU paths; on a GPU the kernels
+    # under test are fla's.
+    if "fla" in sys.modules and sys.modules["fla"] is None:
+        del sys.modules["fla"]

@@ -1,0 +1,106 @@
+"""Segment-entry construction fused with the chunked prefill, on fla-core's GPU kernels.
+
+fla's chunked forward is three stages: the intra-chunk WY representation (w, u from a C x C
+triangular solve), the inter-chunk state recurrence (h per chunk, v_new = u - w h), and the
+output. The transition T of the run is the same recurrence started from I with u = 0
+(README.md here), so it needs only the middle stage again, sharing w and the decay cumsum.
+When K == V the value run and the T run are stacked on the batch axis and go through one launch
+of the state kernel; the WY stage and the output stage run once.
+
+S(run|0) comes out as S_final - T S_init (exact in exact arithmetic; both terms are fp32 states
+of the same kernel). Imports fla lazily: this module is importable without it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fla_available() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def chunk_gated_delta_rule_entry(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+):
+    """Chunked gated delta rule that also returns the run's (T, S(run|0)).
+
+    Args: q, k [B, T, H, K]; v [B, T, HV, V]; g (log decay), beta [B, T, HV]; initial_state
+    [B, HV, K, V] fp32 or None. Same contract as naive_recurrent_gated_delta_rule(...,
+    output_transition=True).
+
+    Returns: o [B, T, HV, V] (dtype of v), final_state [B, HV, K, V] fp32,
+    (T [B, HV, K, K] fp32, S0 [B, HV, K, V] fp32).
+    """
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    B, _, _, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = K**-0.5
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    g_cum = chunk_local_cumsum(g.float().contiguous(), chunk_size=chunk_size, scale=RCP_LN2)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=chunk_size)
+    eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(B, HV, K, K)
+    h0 = initial_state.float() if initial_state is not None else torch.zeros(B, HV, K, V, device=k.device)
+    if K == V:
+        h, v_new, final = chunk_gated_delta_rule_fwd_h(
+            k=k.repeat(2, 1, 1, 1),
+            w=w.repeat(2, 1, 1, 1),
+            u=torch.cat([u, torch.zeros_like(u)]),
+            g=g_cum.repeat(2, 1, 1),
+            initial_state=torch.cat([h0, eye]).contiguous(),
+            output_final_state=True,
+            chunk_size=chunk_size,
+        )
+        h, v_new, S_final, Tr = h[:B], v_new[:B], final[:B], final[B:]
+    else:
+        h, v_new, S_final = chunk_gated_delta_rule_fwd_h(
+            k=k,
+            w=w,
+            u=u,
+            g=g_cum,
+            initial_state=h0.contiguous(),
+            output_final_state=True,
+            chunk_size=chunk_size,
+        )
+        _, _, Tr = chunk_gated_delta_rule_fwd_h(
+            k=k,
+            w=w,
+            u=u.new_zeros(*u.shape[:-1], K),
+            g=g_cum,
+            initial_state=eye.contiguous(),
+            output_final_state=True,
+            chunk_size=chunk_size,
+            save_new_value=False,
+        )
+    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=chunk_size)
+    S0 = S_final if initial_state is None else S_final - Tr @ h0
+    return o, S_final, (Tr, S0)
+
+
+def transition_by_identity_start(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """The unfused baseline: T as the final state of fla's whole chunked forward from S0 = I, v = 0."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    B, T, H, K = k.shape
+    HV = beta.shape[2]
+    eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(B, HV, K, K).contiguous()
+    zeros_v = k.new_zeros(B, T, HV, K)
+    _, Tr = chunk_gated_delta_rule(k, k, zeros_v, g, beta, initial_state=eye, output_final_state=True)
+    return Tr
