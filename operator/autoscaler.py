@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -105,6 +106,12 @@ def read_prometheus(base_url: str, query: str, timeout: float = 5.0) -> float:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             body = json.load(response)
+    except urllib.error.HTTPError as exc:
+        # Prometheus explains a rejected query (400 bad_data, 422 execution) in a JSON body.
+        try:
+            body = json.load(exc)
+        except ValueError:
+            raise MetricsUnavailable(f"Prometheus query failed: {exc}") from exc
     except (OSError, ValueError) as exc:
         raise MetricsUnavailable(f"Prometheus query failed: {exc}") from exc
     if body.get("status") != "success":
