@@ -1,7 +1,8 @@
 """Project layout rules of DESIGN §1: the packages list is complete, no shadowing, no test packages."""
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 MAPPING = {"kernels": "hybridcache.kernels", "services": "hybridcache.services", "operator": "hybridcache.operator"}

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from conftest import ARCHS
 from hybridcache.services.runtime.engine import Engine, EngineConfig
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.sequence import LiveRun
+from transformers import AutoModelForCausalLM
 
 
 def reference(model_dir):

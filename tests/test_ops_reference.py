@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from hybridcache.kernels.ops.causal_conv import loop_causal_conv1d, naive_causal_conv1d
 from hybridcache.kernels.ops.gated_delta_rule import (
     chunk_gated_delta_rule,

@@ -59,7 +59,8 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("sampling_params.stop must be a non-empty string or a list of them")
         stop_ids = d.get("stop_token_ids") or ()
-        if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        ints = all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)
+        if not isinstance(stop_ids, (list, tuple)) or not ints:
             raise RequestError("sampling_params.stop_token_ids must be a list of integers")
         seed = d.get("seed", d.get("sampling_seed"))
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
