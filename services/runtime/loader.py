@@ -13,10 +13,10 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from hybridcache.services.runtime.config import ModelConfig, ModelConfigError
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
+from hybridcache.services.runtime.models.registry import build_model, config_from_dir
+from safetensors import safe_open
 
 
 class ModelLoadError(ValueError):
@@ -68,7 +68,8 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
                     continue
                 m = _EXPERT.match(name)
                 if m:
-                    experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = handle.get_tensor(raw)
+                    per_expert = experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})
+                    per_expert[m.group(3)] = handle.get_tensor(raw)
                     continue
                 tensors[name] = handle.get_tensor(raw)
     for prefix, per_expert in experts.items():
@@ -100,14 +101,14 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
     try:
-        cfg = ModelConfig.from_dir(path)
+        cfg = config_from_dir(path)
     except ModelConfigError as e:
         raise ModelLoadError(str(e)) from None
     tensors = read_checkpoint(path)
     if "lm_head.weight" not in tensors and cfg.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     with torch.device("meta"):
-        model = HybridLM(cfg)
+        model = build_model(cfg)
     expected = dict(model.state_dict())
     missing = sorted(set(expected) - set(tensors))
     if missing:

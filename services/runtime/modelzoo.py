@@ -12,11 +12,11 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-
-from hybridcache.services.runtime.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from hybridcache.services.runtime.models.families import FAMILY_PRESETS
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
+from hybridcache.services.runtime.models.registry import build_model, config_from_dict, supported_model_types
 from hybridcache.services.runtime.tokenizer import build_byte_tokenizer
+from safetensors.torch import save_file
 
 _TINY_COMMON = dict(
     vocab_size=320,
@@ -86,6 +86,7 @@ PRESETS: dict[tuple[str, str], dict] = {
     ("qwen3_5", "qwen3.5-9b"): _QWEN35_9B,
     ("qwen3_5_moe_text", "qwen3.5-35b-a3b"): _QWEN35_35B_A3B,
     ("qwen3_5_moe", "qwen3.5-35b-a3b"): _QWEN35_35B_A3B,
+    **FAMILY_PRESETS,
 }
 
 
@@ -95,8 +96,8 @@ def preset_names(arch: str) -> list[str]:
 
 def hf_config(arch: str, preset: str, overrides: dict | None = None) -> dict:
     """The config.json dict for (arch, preset); nested text_config for the multimodal model_types."""
-    if arch not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    if arch not in supported_model_types():
+        raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(supported_model_types())}")
     if (arch, preset) not in PRESETS:
         raise ValueError(f"no preset {preset!r} for arch {arch!r}; presets: {', '.join(preset_names(arch))}")
     text = dict(PRESETS[(arch, preset)], **(overrides or {}))
@@ -104,7 +105,9 @@ def hf_config(arch: str, preset: str, overrides: dict | None = None) -> dict:
         text["model_type"] = arch + "_text"
         top = {
             "model_type": arch,
-            "architectures": ["Qwen3_5ForConditionalGeneration" if arch == "qwen3_5" else "Qwen3_5MoeForConditionalGeneration"],
+            "architectures": [
+                "Qwen3_5ForConditionalGeneration" if arch == "qwen3_5" else "Qwen3_5MoeForConditionalGeneration"
+            ],
             "text_config": text,
             "tie_word_embeddings": text.get("tie_word_embeddings", False),
         }
@@ -120,6 +123,8 @@ def random_init_(model: HybridLM, seed: int, std: float = 0.02) -> None:
     Norm weights get small noise around their neutral value so tests see a wrong norm formula.
     """
     gen = torch.Generator().manual_seed(seed)
+    # plain RMSNorm (weight * x) is neutral at 1, Qwen's zero-centered one (1 + weight) at 0
+    norm_offset = getattr(model, "norm_offset", 0.0)
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
             # log-uniform A in [1e-3, 4]: slow heads keep state across segments, fast ones forget
@@ -129,7 +134,7 @@ def random_init_(model: HybridLM, seed: int, std: float = 0.02) -> None:
         elif name.endswith("linear_attn.norm.weight"):
             vals = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
         elif "norm" in name.split(".")[-2]:
-            vals = 0.1 * torch.randn(p.shape, generator=gen)
+            vals = norm_offset + 0.1 * torch.randn(p.shape, generator=gen)
         elif name.endswith("conv1d.weight"):
             vals = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
         else:
@@ -170,12 +175,12 @@ def init_model_dir(
     """Write config.json, model.safetensors and tokenizer.json of a random-weight model."""
     out = Path(out)
     cfg_dict = hf_config(arch, preset, overrides)
-    cfg = ModelConfig.from_dict(cfg_dict)
+    cfg = config_from_dict(cfg_dict)
     tok = build_byte_tokenizer()
     if tok.get_vocab_size(with_added_tokens=True) > cfg.vocab_size:
         raise ValueError(f"vocab_size {cfg.vocab_size} is smaller than the tokenizer's")
     out.mkdir(parents=True, exist_ok=True)
-    model = HybridLM(cfg)
+    model = build_model(cfg)
     random_init_(model, seed, std)
     model = model.to(dtype)
     save_file(checkpoint_tensors(model), str(out / "model.safetensors"), metadata={"format": "pt"})

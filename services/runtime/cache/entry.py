@@ -7,7 +7,6 @@ import struct
 from dataclasses import dataclass, field
 
 import torch
-
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.sequence import SpanData
 
@@ -40,6 +39,8 @@ def entry_nbytes(data: SpanData) -> int:
 
 def expected_entry_nbytes(cfg: ModelConfig, body_tokens: int, dtype: torch.dtype) -> int:
     """Bytes of an entry before it is built: T and S in fp32, conv tail and K/V in the model dtype."""
+    if hasattr(cfg, "entry_nbytes"):  # non-Qwen architectures know their own layout (models/registry.py)
+        return cfg.entry_nbytes(body_tokens, dtype)
     esz = torch.tensor([], dtype=dtype).element_size()
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv

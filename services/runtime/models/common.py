@@ -1,0 +1,190 @@
+"""Pieces every hybrid architecture shares: the layout loops of linear and attention layers and
+the model-level forward over a layout (the interface of qwen3_hybrid.HybridLM).
+
+A linear layer supplies `scan(inputs, state, output_transition)` for one live run; the loop
+folds cached spans in with one T S + S and records entries. An attention layer supplies its
+fresh q/k/v; the loop gathers cached spans' K/V (re-rotated when the family uses RoPE).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hybridcache.kernels.ops.transition import apply_segment
+from hybridcache.services.runtime.sequence import (
+    AttnSpan,
+    AttnState,
+    CachedSpan,
+    LinearSpan,
+    LinearState,
+    LiveRun,
+    Recording,
+    SequenceState,
+    SpanData,
+)
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """weight * x / rms(x), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+def linear_layout(layout, inputs: tuple, state: LinearState, rec: Recording | None, layer_idx: int, scan):
+    """Run one linear layer over a layout.
+
+    inputs: per-token tensors [1, n_live, ...] of the live tokens; scan(inputs_of_run, state,
+    output_transition) -> (o [1, n, ...], S_final, (T, S0) or None, conv tail) for one live run.
+    Updates `state` in place and returns the live outputs concatenated along dim 1.
+    """
+    outs, off = [], 0
+    for idx, piece in enumerate(layout):
+        if isinstance(piece, CachedSpan):
+            span = piece.data.linear[layer_idx]
+            state.ssm = apply_segment(span.T, span.S, state.ssm, piece.use_transition)
+            state.conv = span.conv_tail.to(state.conv.dtype)
+        else:
+            n = piece.token_ids.numel()
+            run_inputs = tuple(t[:, off : off + n] for t in inputs)
+            off += n
+            want_t = rec is not None and piece.record == "entry"
+            o, S, pair, tail = scan(run_inputs, state, want_t)
+            state.ssm, state.conv = S, tail
+            if want_t:
+                rec.entries[idx].linear[layer_idx] = LinearSpan(T=pair[0], S=pair[1], conv_tail=tail.clone())
+            outs.append(o)
+        if rec is not None and idx in rec.snapshots:
+            rec.snapshots[idx][layer_idx] = LinearState(state.ssm.clone(), state.conv.clone())
+    return torch.cat(outs, dim=1)
+
+
+def attention_layout(
+    q, k, v, layout, state: AttnState, rec: Recording | None, layer_idx: int, live_pos, scale, rerotate=None
+):
+    """Causal attention of live queries over all K/V before them.
+
+    q [1, Hq, n, dq], k [1, Hkv, n, dq], v [1, Hkv, n, dv] of the live tokens (k already rotated at
+    absolute positions); rerotate(k, shift) rotates a cached span's K by `shift` positions (None:
+    the family has no positions in attention). Updates `state` and returns [1, n, Hq * dv].
+    """
+    ks, vs, off = [state.k], [state.v], 0
+    for idx, piece in enumerate(layout):
+        if isinstance(piece, CachedSpan):
+            span = piece.data.attn[layer_idx]
+            kk = span.k.to(q.dtype)
+            if piece.shift and rerotate is not None:
+                kk = rerotate(kk, piece.shift)
+            ks.append(kk)
+            vs.append(span.v.to(q.dtype))
+            continue
+        m = piece.token_ids.numel()
+        ks.append(k[:, :, off : off + m])
+        vs.append(v[:, :, off : off + m])
+        if rec is not None and piece.record == "entry":
+            rec.entries[idx].attn[layer_idx] = AttnSpan(k=ks[-1].clone(), v=vs[-1].clone())
+        off += m
+    K, V = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+    state.k, state.v = K, V
+    n, N = q.shape[2], K.shape[2]
+    mask = None
+    if not (n == 1 and int(live_pos[0]) == N - 1):
+        mask = torch.arange(N, device=q.device)[None, :] <= live_pos[:, None]  # [n, N]
+    out = F.scaled_dot_product_attention(
+        q, K, V, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != K.shape[1]
+    )  # [1, Hq, n, dv]
+    return out.transpose(1, 2).reshape(1, n, -1)
+
+
+def new_recording(state: SequenceState, layout, snapshot_after):
+    """Check the layout's positions; return (rec, live ids [n], live positions [n], end position)."""
+    pos = state.length
+    live_ids, live_pos = [], []
+    rec = Recording()
+    for idx, piece in enumerate(layout):
+        if piece.start != pos:
+            raise ValueError(f"layout piece {idx} starts at {piece.start}, expected {pos}")
+        if isinstance(piece, LiveRun):
+            live_ids.append(piece.token_ids)
+            live_pos.append(torch.arange(piece.start, piece.end))
+            if piece.record == "entry":
+                rec.entries[idx] = SpanData(piece.token_ids.numel(), piece.start, {}, {})
+        if idx in snapshot_after:
+            rec.snapshots[idx] = {}
+        pos = piece.end
+    if not live_ids:
+        raise ValueError("a layout needs at least one live token")
+    return rec, torch.cat(live_ids), torch.cat(live_pos), pos
+
+
+class LayoutLM(nn.Module):
+    """Base of the non-Qwen architectures. Subclasses build `self.layers` (each with `kind`
+    "linear_attention" | "full_attention", `empty_state(device)` and
+    `forward_layout(x, layout, state, rec, layer_idx, positions) -> x`, residuals included),
+    and implement `embed(ids)` and `head(x)` (final norm + LM head)."""
+
+    cfg = None
+    norm_offset = 1.0  # modelzoo.random_init_: these models use plain RMSNorm (weight * x)
+
+    @property
+    def device(self):
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self):
+        return self.lm_head.weight.dtype
+
+    def empty_state(self) -> SequenceState:
+        lin, att = {}, {}
+        for i, layer in enumerate(self.layers):
+            (lin if layer.kind == "linear_attention" else att)[i] = layer.empty_state(self.device)
+        return SequenceState(length=0, linear=lin, attn=att)
+
+    @torch.no_grad()
+    def forward_layout(self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=(),
+                       capture_hidden=()):
+        """Same contract as qwen3_hybrid.HybridLM.forward_layout."""
+        rec, ids, positions, end = new_recording(state, layout, snapshot_after)
+        positions = positions.to(self.device)
+        x = self.embed(ids.to(self.device))[None]  # [1, n_live, h]
+        for i, layer in enumerate(self.layers):
+            if i in capture_hidden:
+                rec.hidden[i] = x[0].clone()
+            x = layer.forward_layout(x, layout, state.linear.get(i, state.attn.get(i)), rec, i, positions)
+        state.length = end
+        if logits_for == "none":
+            return None, rec
+        if logits_for == "last":
+            x = x[:, -1:]
+        logits = self.head(x)[0].float()
+        return (logits[-1] if logits_for == "last" else logits), rec
+
+    def linear_groups(self) -> list[tuple[int, ...]]:
+        """Runs of consecutive linear-attention layer indices, in order (prefix-cache replay units)."""
+        groups, run = [], []
+        for i, layer in enumerate(self.layers):
+            if layer.kind == "linear_attention":
+                run.append(i)
+            elif run:
+                groups.append(tuple(run))
+                run = []
+        return groups + [tuple(run)] if run else groups
+
+    @torch.no_grad()
+    def replay_linear_group(self, group: tuple[int, ...], hidden: torch.Tensor, state: SequenceState) -> None:
+        """Run hidden states [n, h] entering group[0] through the layers of `group`, advancing
+        state.linear[i] in place (attention layers and state.length untouched)."""
+        x = hidden.to(self.dtype)[None]  # [1, n, h]
+        n = x.shape[1]
+        run = [LiveRun(torch.zeros(n, dtype=torch.long), 0)]
+        positions = torch.arange(n, device=x.device)
+        for i in group:
+            x = self.layers[i].forward_layout(x, run, state.linear[i], None, i, positions)

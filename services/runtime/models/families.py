@@ -1,0 +1,82 @@
+"""Tiny presets of the non-Qwen architectures (registered in modelzoo.PRESETS), for tests and demos.
+
+Each has at least one full-attention layer and pad/eos ids inside the tiny vocabulary.
+"""
+
+from __future__ import annotations
+
+_TINY_BASE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=256,
+    pad_token_id=256,
+)
+
+_OLMO_HYBRID_TINY = dict(
+    _TINY_BASE,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    linear_allow_neg_eigval=True,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+# "M" Mamba2 mixer, "*" attention, "-" MLP (Nemotron-H's hybrid_override_pattern)
+_NEMOTRON_H_TINY = dict(
+    _TINY_BASE,
+    num_hidden_layers=6,
+    hybrid_override_pattern="M-M*-M",
+    mamba_num_heads=4,
+    mamba_head_dim=16,
+    ssm_state_size=16,
+    n_groups=2,
+    conv_kernel=4,
+    chunk_size=16,
+    use_conv_bias=True,
+    use_bias=False,
+    mlp_hidden_act="relu2",
+    mamba_hidden_act="silu",
+    layer_norm_epsilon=1e-5,
+    residual_in_fp32=False,
+)
+
+_KIMI_LINEAR_TINY = dict(
+    _TINY_BASE,
+    model_max_length=4096,
+    num_key_value_heads=4,
+    head_dim=None,
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    mla_use_nope=True,
+    linear_attn_config={
+        "kda_layers": [1, 2, 4],
+        "full_attn_layers": [3],
+        "num_heads": 4,
+        "head_dim": 16,
+        "short_conv_kernel_size": 4,
+    },
+    num_experts=0,
+)
+
+FAMILY_PRESETS: dict[tuple[str, str], dict] = {
+    ("olmo_hybrid", "tiny"): _OLMO_HYBRID_TINY,
+    ("nemotron_h", "tiny"): _NEMOTRON_H_TINY,
+    ("kimi_linear", "tiny"): _KIMI_LINEAR_TINY,
+}

@@ -1,0 +1,64 @@
+"""model_type -> (config class, model class), imported lazily.
+
+Every config class has `from_dict(hf_config_dict)`, the fields the engine reads (vocab_size,
+eos_token_ids, max_position_embeddings, linear_conv_kernel_dim, layer_types, raw) and
+`entry_nbytes(body_tokens, dtype)`; every model class has the interface of
+qwen3_hybrid.HybridLM (cfg, device, dtype, empty_state(), forward_layout(...)).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from hybridcache.services.runtime.config import SUPPORTED_MODEL_TYPES, ModelConfigError
+
+_PKG = "hybridcache.services.runtime"
+_QWEN = (f"{_PKG}.config:ModelConfig", f"{_PKG}.models.qwen3_hybrid:HybridLM")
+
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    **{t: _QWEN for t in SUPPORTED_MODEL_TYPES},
+    "olmo_hybrid": (f"{_PKG}.models.olmo_hybrid:OlmoHybridConfig", f"{_PKG}.models.olmo_hybrid:OlmoHybridLM"),
+    "nemotron_h": (f"{_PKG}.models.nemotron_h:NemotronHConfig", f"{_PKG}.models.nemotron_h:NemotronHLM"),
+    "kimi_linear": (f"{_PKG}.models.kimi_linear:KimiLinearConfig", f"{_PKG}.models.kimi_linear:KimiLinearLM"),
+}
+
+
+def _load(target: str):
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def config_from_dict(cfg: dict):
+    """Parse a HF config.json dict with its architecture's config class (ModelConfigError if unknown)."""
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if model_type not in ARCHITECTURES:
+        raise ModelConfigError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
+        )
+    return _load(ARCHITECTURES[model_type][0]).from_dict(cfg)
+
+
+def config_from_dir(path: str | Path):
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        raise ModelConfigError(f"no config.json in {path}")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{p} is not valid JSON: {e}") from None
+    return config_from_dict(cfg)
+
+
+def model_class(cfg):
+    """The model class serving a parsed config."""
+    return _load(ARCHITECTURES[cfg.model_type][1])
+
+
+def build_model(cfg):
+    return model_class(cfg)(cfg)
