@@ -89,6 +89,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    if args.serve:
+        from hybridcache.services.launcher import demo_serve
+
+        return demo_serve(args, SAMPLE_RAG_REQUEST)
     engine = _engine(args)
     print(f"model: {engine.model.path} ({engine.cfg.model_type}, mode {engine.config.mode}, "
           f"seam window {engine.config.seam_window})")
@@ -131,7 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="send a sample RAG request twice to the embedded default model")
     engine_flags(d, model_required=False)
+    d.add_argument("--serve", action="store_true", help="run it through `hybridcache up` over HTTP instead")
     d.set_defaults(func=cmd_demo)
+
+    from hybridcache.services.api.serve import add_serve_flags
+    from hybridcache.services.launcher import add_up_flags
+
+    u = sub.add_parser("up", help="start router, scatter workers, combine worker and cache tier locally")
+    add_up_flags(u)
+    s = sub.add_parser("serve", help="run one service (router, combine, scatter, cache-tier)")
+    add_serve_flags(s)
     return p
 
 
@@ -145,6 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     from hybridcache.services.runtime.sampling import RequestError
 
     try:
+        if args.command == "up":
+            from hybridcache.services.launcher import up
+
+            return up(args)
+        if args.command == "serve":
+            from hybridcache.services.api.serve import serve
+
+            return serve(args)
         return args.func(args)
     except (UsageError, RequestError, ModelLoadError, ModelConfigError, FileNotFoundError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -1,0 +1,1 @@
+"""The router's endpoints: HTTP (OpenAI-compatible, SGLang-native, /health, /metrics) and gRPC Inference."""

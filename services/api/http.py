@@ -1,0 +1,265 @@
+"""HTTP front door on the router: OpenAI-compatible and SGLang-native endpoints, /health, /metrics.
+
+Every completion response (non-streaming; the last chunk when streaming) carries `usage` and a
+`hybridcache` object with the request's cache statistics (the CLI's `stats`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+from aiohttp import web
+from hybridcache.services.api.openai_compat import chat_to_native, completion_to_native, sglang_to_native
+from hybridcache.services.observability import metrics
+from hybridcache.services.router.router import Router, ServiceUnavailable
+from hybridcache.services.runtime.sampling import RequestError
+
+MAX_BODY_BYTES = 4 << 20
+_END = object()
+
+
+def _error(status: int, message: str) -> web.Response:
+    kind = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
+            503: "service_unavailable"}.get(status, "error")
+    metrics.REQUESTS.labels(status=str(status)).inc()
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+async def _chunks(router: Router, req):
+    """The router's blocking token stream as an async iterator (a thread feeds a queue)."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+
+    def pump():
+        try:
+            for chunk in router.stream(req):
+                loop.call_soon_threadsafe(q.put_nowait, chunk)
+        except Exception as e:  # handed to the event loop, raised there
+            loop.call_soon_threadsafe(q.put_nowait, e)
+        loop.call_soon_threadsafe(q.put_nowait, _END)
+
+    threading.Thread(target=pump, daemon=True).start()
+    while (item := await q.get()) is not _END:
+        if isinstance(item, Exception):
+            raise item
+        yield item
+
+
+class Api:
+    def __init__(self, router: Router, served_model: str):
+        self.router = router
+        self.served_model = served_model
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.add_routes([
+            web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
+            web.get("/v1/models", self.models), web.post("/generate", self.generate),
+            web.get("/health", self.health), web.get("/health_generate", self.health),
+            web.get("/metrics", self.metrics),
+            web.get("/get_model_info", self.model_info), web.get("/model_info", self.model_info),
+            web.get("/get_server_info", self.server_info), web.get("/server_info", self.server_info),
+            web.post("/flush_cache", self.flush_cache), web.get("/flush_cache", self.flush_cache),
+        ])
+        return app
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _Reject(413, f"request body exceeds {MAX_BODY_BYTES} bytes") from None
+        if not raw:
+            raise _Reject(400, "empty request body")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise _Reject(400, f"malformed JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise _Reject(400, "the request body must be a JSON object")
+        return body
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _Reject(400, "model must be a string")
+        if model not in (None, "", "default", self.served_model):
+            raise _Reject(404, f"model {model!r} is not served here (serving {self.served_model!r}, alias 'default')")
+
+    async def _handle(self, request: web.Request, convert, respond):
+        try:
+            body = await self._body(request)
+            self._check_model(body)
+            native = convert(body)
+            req = await asyncio.to_thread(self.router.parse, native)
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise RequestError("stream must be a boolean")
+        except _Reject as e:
+            return _error(e.status, e.message)
+        except RequestError as e:
+            return _error(413 if "exceeds this server's limit" in str(e) else 400, str(e))
+        try:
+            return await respond(request, req, stream, body)
+        except ServiceUnavailable as e:
+            return _error(503, str(e))
+
+    async def _collect(self, req) -> tuple[str, list[int], str, dict]:
+        text, ids, finish, stats = [], [], "length", {}
+        async for c in _chunks(self.router, req):
+            if c.error:
+                raise _Reject(c.status or 500, c.error)
+            if c.done:
+                finish, stats = c.finish_reason, json.loads(c.stats_json or "{}")
+            else:
+                text.append(c.text)
+                if c.token_id >= 0:
+                    ids.append(c.token_id)
+        metrics.REQUESTS.labels(status="200").inc()
+        return "".join(text), ids, finish, stats
+
+    async def _sse(self, request: web.Request, req, event) -> web.StreamResponse:
+        """Stream `event(chunk, n_tokens)` dicts as server-sent events, then [DONE]."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        n = 0
+        try:
+            async for c in _chunks(self.router, req):
+                if c.error:
+                    payload = {"error": {"message": c.error, "code": c.status or 500}}
+                else:
+                    n += c.token_id >= 0 and not c.done
+                    payload = event(c, n)
+                if payload is not None:
+                    await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
+            metrics.REQUESTS.labels(status="200").inc()
+        except ServiceUnavailable as e:
+            metrics.REQUESTS.labels(status="503").inc()
+            await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'code': 503}})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _usage(self, req, completion_tokens: int, stats: dict) -> dict:
+        prompt = len(req.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": stats.get("reused_tokens", 0)}}
+
+    # ------------------------------------------------------------------ OpenAI
+
+    async def chat(self, request):
+        return await self._handle(request, chat_to_native, self._chat_respond)
+
+    async def _chat_respond(self, request, req, stream, body):
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "created": created, "model": self.served_model}
+        if not stream:
+            text, ids, finish, stats = await self._collect(req)
+            return web.json_response(dict(base, object="chat.completion", choices=[
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+                usage=self._usage(req, len(ids), stats), hybridcache=stats))
+
+        def event(c, n):
+            chunk = dict(base, object="chat.completion.chunk")
+            if c.done:
+                stats = json.loads(c.stats_json or "{}")
+                chunk.update(choices=[{"index": 0, "delta": {}, "finish_reason": c.finish_reason}],
+                             usage=self._usage(req, n, stats), hybridcache=stats)
+            else:
+                delta = {"content": c.text} if n > 1 or c.token_id < 0 else {"role": "assistant", "content": c.text}
+                chunk.update(choices=[{"index": 0, "delta": delta, "finish_reason": None}])
+            return chunk
+
+        return await self._sse(request, req, event)
+
+    async def completions(self, request):
+        return await self._handle(request, completion_to_native, self._completion_respond)
+
+    async def _completion_respond(self, request, req, stream, body):
+        base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.served_model}
+        if not stream:
+            text, ids, finish, stats = await self._collect(req)
+            return web.json_response(dict(base, object="text_completion", choices=[
+                {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                usage=self._usage(req, len(ids), stats), hybridcache=stats))
+
+        def event(c, n):
+            chunk = dict(base, object="text_completion")
+            if c.done:
+                stats = json.loads(c.stats_json or "{}")
+                chunk.update(choices=[{"index": 0, "text": "", "finish_reason": c.finish_reason, "logprobs": None}],
+                             usage=self._usage(req, n, stats), hybridcache=stats)
+            else:
+                chunk.update(choices=[{"index": 0, "text": c.text, "finish_reason": None, "logprobs": None}])
+            return chunk
+
+        return await self._sse(request, req, event)
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [
+            {"id": self.served_model, "object": "model", "created": 0, "owned_by": "hybridcache"}]})
+
+    # ------------------------------------------------------------------ SGLang native
+
+    async def generate(self, request):
+        return await self._handle(request, sglang_to_native, self._generate_respond)
+
+    def _meta(self, req, n: int, finish: str | None, stats: dict, t0: float) -> dict:
+        meta = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
+                "cached_tokens": stats.get("reused_tokens", 0), "e2e_latency": time.perf_counter() - t0}
+        meta["finish_reason"] = None if finish is None else {"type": finish}
+        return meta
+
+    async def _generate_respond(self, request, req, stream, body):
+        t0 = time.perf_counter()
+        if not stream:
+            text, ids, finish, stats = await self._collect(req)
+            return web.json_response({"text": text, "output_ids": ids, "meta_info": self._meta(req, len(ids), finish,
+                                      stats, t0), "usage": self._usage(req, len(ids), stats), "hybridcache": stats})
+        text, ids = [], []
+
+        def event(c, n):
+            # SGLang streams the text so far in every chunk.
+            if c.done:
+                stats = json.loads(c.stats_json or "{}")
+                return {"text": "".join(text), "output_ids": ids, "usage": self._usage(req, n, stats),
+                        "meta_info": self._meta(req, n, c.finish_reason, stats, t0), "hybridcache": stats}
+            text.append(c.text)
+            if c.token_id >= 0:
+                ids.append(c.token_id)
+            return {"text": "".join(text), "output_ids": list(ids), "meta_info": self._meta(req, n, None, {}, t0)}
+
+        return await self._sse(request, req, event)
+
+    async def model_info(self, request):
+        return web.json_response({"model_path": self.served_model, "tokenizer_path": self.served_model,
+                                  "is_generation": True, "preferred_sampling_params": None})
+
+    async def server_info(self, request):
+        info = self.router.info
+        return web.json_response({"model_path": self.served_model, "version": "hybridcache-0.1.0",
+                                  "seam_window": info.seam_window if info else None,
+                                  "mode": info.mode if info else None,
+                                  "cold_segment_queue_depth": self.router.cold_queue_depth})
+
+    async def flush_cache(self, request):
+        return web.json_response({"flushed": False, "message": "entries age out by eviction; nothing flushed"})
+
+    async def health(self, request):
+        return web.json_response({"status": "ok", "role": "router", "directory": self.router.directory.backend,
+                                  "cold_segment_queue_depth": self.router.cold_queue_depth})
+
+    async def metrics(self, request):
+        return web.Response(body=metrics.scrape(), content_type="text/plain", charset="utf-8")
+
+
+class _Reject(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message

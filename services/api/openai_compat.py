@@ -1,0 +1,148 @@
+"""Request and response shapes of the HTTP API: OpenAI chat/completions and SGLang's native /generate,
+mapped onto the engine's native request ({"system", "segments", "suffix", "sampling_params"}).
+
+Segmentation: each text part of a message's content list is one segment; a message whose content
+is a string is one segment; the last part of the last message is the suffix (the question). An
+optional `separator` string splits parts further. `segments` may also be given directly.
+"""
+
+from __future__ import annotations
+
+from hybridcache.services.runtime.sampling import RequestError
+
+# Fields clients send that change nothing here (accepted and ignored).
+_OPENAI_IGNORED = {"user", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
+                   "stream_options", "response_format", "service_tier", "store", "metadata", "parallel_tool_calls",
+                   "echo", "best_of", "suffix_text", "reasoning_effort", "modalities"}
+_SGLANG_IGNORED = {"rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+                   "return_text_in_logprobs", "image_data", "video_data", "audio_data", "lora_path", "modalities",
+                   "custom_logit_processor", "return_hidden_states", "bootstrap_host", "bootstrap_port",
+                   "bootstrap_room", "session_params", "log_metrics", "data_parallel_rank"}
+
+
+def _check_fields(body: dict, known: set[str], what: str) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise RequestError(f"unknown field(s) in {what}: {', '.join(unknown)}")
+
+
+def _split(text: str, separator: str | None) -> list[str]:
+    if not separator:
+        return [text]
+    return [p for p in text.split(separator) if p]
+
+
+def _separator(body: dict) -> str | None:
+    sep = body.get("separator")
+    if sep is not None and (not isinstance(sep, str) or not sep):
+        raise RequestError("separator must be a non-empty string")
+    return sep
+
+
+def _opt_number(body: dict, name: str, kind) -> float | int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise RequestError(f"{name} must be {'an integer' if kind is int else 'a number'}")
+    return kind(v)
+
+
+def openai_sampling(body: dict) -> dict:
+    n = _opt_number(body, "n", int)
+    if n not in (None, 1):
+        raise RequestError("only n = 1 is supported")
+    sp: dict = {}
+    max_new = _opt_number(body, "max_completion_tokens", int)
+    if max_new is None:
+        max_new = _opt_number(body, "max_tokens", int)
+    if max_new is not None:
+        sp["max_new_tokens"] = max_new
+    for src, dst, kind in (("temperature", "temperature", float), ("top_p", "top_p", float),
+                           ("top_k", "top_k", int), ("seed", "seed", int)):
+        v = _opt_number(body, src, kind)
+        if v is not None:
+            sp[dst] = v
+    if body.get("stop") is not None:
+        sp["stop"] = body["stop"]
+    return sp
+
+
+def _text_parts(content, where: str) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        out = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                out.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            else:
+                raise RequestError(f"{where}.content[{j}] must be a text part ({{\"type\": \"text\", \"text\": ...}})")
+        return out
+    raise RequestError(f"{where}.content must be a string or a list of text parts")
+
+
+def chat_to_native(body: dict) -> dict:
+    _check_fields(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+                         "seed", "stop", "n", "stream", "separator", "segments"} | _OPENAI_IGNORED, "the request")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list")
+    sep = _separator(body)
+    system, parts = [], []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a role")
+        texts = _text_parts(m.get("content"), f"messages[{i}]")
+        if m["role"] in ("system", "developer"):
+            system += texts
+        else:
+            for t in texts:
+                parts += _split(t, sep)
+    parts = [p for p in parts if p]
+    if not parts:
+        raise RequestError("the messages hold no text")
+    return {"system": "".join(system), "segments": parts[:-1], "suffix": parts[-1],
+            "sampling_params": openai_sampling(body)}
+
+
+def completion_to_native(body: dict) -> dict:
+    _check_fields(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+                         "stream", "separator", "segments", "system"} | _OPENAI_IGNORED, "the request")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if not isinstance(prompt, (str, list)):
+        raise RequestError("prompt must be a string or a list of token ids")
+    native = {"segments": body.get("segments") or [], "sampling_params": openai_sampling(body)}
+    if body.get("system") is not None:
+        native["system"] = body["system"]
+    sep = _separator(body)
+    if isinstance(prompt, str) and sep:
+        pieces = _split(prompt, sep)
+        if not isinstance(native["segments"], list):
+            raise RequestError("segments must be a list")
+        native["segments"] = list(native["segments"]) + pieces[:-1]
+        prompt = pieces[-1] if pieces else ""
+    native["suffix"] = prompt
+    return native
+
+
+def sglang_to_native(body: dict) -> dict:
+    _check_fields(body, {"text", "input_ids", "sampling_params", "stream", "system", "segments", "suffix",
+                         "separator", "model"} | _SGLANG_IGNORED, "the request")
+    native = {k: body[k] for k in ("system", "segments", "sampling_params") if body.get(k) is not None}
+    text = body.get("text", body.get("input_ids", body.get("suffix")))
+    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        if len(text) != 1:
+            raise RequestError("batched text is not supported: send one prompt per request")
+        text = text[0]
+    sep = _separator(body)
+    if isinstance(text, str) and sep:
+        pieces = _split(text, sep)
+        native["segments"] = list(native.get("segments") or []) + pieces[:-1]
+        text = pieces[-1] if pieces else ""
+    native["suffix"] = text if text is not None else ""
+    return native

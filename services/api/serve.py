@@ -1,0 +1,144 @@
+"""`hybridcache serve ROLE`: one service process (router, combine, scatter or cache-tier).
+
+Each role listens for gRPC on --grpc-port and serves /health and /metrics (the router: the whole
+HTTP API) on --http-port, registers itself in the directory (etcd with --etcd, else in-process
+with the peers given by flags), prints one `ready` line and runs until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from hybridcache.services.cache_tier.client import GRPC_OPTIONS
+from hybridcache.services.contract import ROLES
+from hybridcache.services.directory import make_directory
+from hybridcache.services.observability import tracing
+from hybridcache.services.observability.http import serve_health_and_metrics
+from hybridcache.services.protocol import rpc
+
+log = logging.getLogger("hybridcache.serve")
+PREFIX_POLICIES = ("exact", "checkpoint", "suffix_replay", "exact_replay")
+
+
+def add_serve_flags(p) -> None:
+    p.add_argument("role", choices=sorted(ROLES), help="which service this process runs")
+    p.add_argument("--model", help="model directory (HF format); default: the embedded default model")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on and to register")
+    p.add_argument("--grpc-port", type=int, help="gRPC port (default: the role's port in services/contract.py)")
+    p.add_argument("--http-port", type=int, help="HTTP port: the API on the router, /health and /metrics elsewhere")
+    p.add_argument("--etcd", help="etcd endpoint HOST:PORT (default: in-process directory from the flags below)")
+    p.add_argument("--router", help="router gRPC address (informational for workers)")
+    p.add_argument("--combine", action="append", default=[], help="combine worker gRPC address (repeatable)")
+    p.add_argument("--cache-tier", action="append", default=[], help="cache-tier gRPC address (repeatable)")
+    p.add_argument("--scatter", action="append", default=[], help="scatter worker gRPC address (repeatable)")
+    p.add_argument("--seam-window", type=int, default=8)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--prefix-policy", default="exact", choices=PREFIX_POLICIES,
+                   help="linear-state policy of the prefix cache (this build implements exact)")
+    p.add_argument("--cache-bytes", type=int, default=1 << 30, help="entry cache budget of this process")
+    p.add_argument("--spill-dir", help="cache tier: spill evicted entries to this directory")
+    p.add_argument("--assignment", default="lpt", choices=["lpt", "round_robin"], help="router: cold-segment dispatch")
+    p.add_argument("--max-segments", type=int, default=64, help="router: segments per request")
+    p.add_argument("--otlp-endpoint", help="OTLP/gRPC endpoint for traces")
+
+
+def _engine(args):
+    import torch
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    config = EngineConfig(seam_window=args.seam_window, entry_cache_bytes=args.cache_bytes)
+    return Engine.from_dir(args.model, device=args.device, dtype=dtype, config=config)
+
+
+def serve(args) -> int:
+    from hybridcache.services.runtime.modelzoo import default_model_dir
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role} %(levelname)s %(message)s")
+    if args.model is None and args.role != "cache-tier":
+        args.model = str(default_model_dir())
+    ports = ROLES[args.role]
+    grpc_port = args.grpc_port or ports.grpc
+    http_port = args.http_port if args.http_port is not None else ports.http
+    address = f"{args.host}:{grpc_port}"
+    tracing.setup_tracing(args.role, args.otlp_endpoint)
+    directory = make_directory(args.etcd, {"combine": args.combine, "cache-tier": args.cache_tier,
+                                           "scatter": args.scatter})
+    server = grpc.server(ThreadPoolExecutor(max_workers=32), options=GRPC_OPTIONS)
+    health = {"status": "ok", "role": args.role, "address": address}
+    http_runner = None
+
+    if args.role == "cache-tier":
+        from hybridcache.services.cache_tier.server import CacheTierServicer
+        from hybridcache.services.cache_tier.store import TierStore
+
+        store = TierStore(args.cache_bytes, args.spill_dir)
+        rpc.add_CacheTierServicer_to_server(CacheTierServicer(store), server)
+    elif args.role == "scatter":
+        from hybridcache.services.scatter.worker import ScatterServicer
+
+        rpc.add_ScatterServicer_to_server(ScatterServicer(_engine(args)), server)
+    elif args.role == "combine":
+        from hybridcache.services.combine.worker import CombineServicer
+
+        rpc.add_CombineServicer_to_server(CombineServicer(_engine(args), dtype=args.dtype), server)
+    else:
+        from hybridcache.services.api.grpc_inference import InferenceServicer
+        from hybridcache.services.router.router import Router, RouterConfig
+
+        router = Router(args.model, directory, RouterConfig(assignment=args.assignment, max_segments=args.max_segments),
+                        seam_window=args.seam_window)
+        rpc.add_InferenceServicer_to_server(InferenceServicer(router), server)
+
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
+    server.start()
+    if args.role == "router":
+        router.connect()
+        http_runner = _start_api(router, args, http_port)
+    else:
+        serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend))
+    directory.register(args.role, address)
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(json.dumps({"ready": args.role, "grpc": address, "http": f"{args.host}:{http_port}",
+                      "pid": os.getpid(), "host": socket.gethostname()}), flush=True)
+    stop.wait()
+    directory.deregister(args.role, address)
+    directory.close()
+    server.stop(grace=1.0).wait()
+    if http_runner is not None:
+        http_runner()
+    return 0
+
+
+def _start_api(router, args, http_port: int):
+    """Run the aiohttp app in its own thread; returns a function that stops it."""
+    import asyncio
+    from pathlib import Path
+
+    from aiohttp import web
+    from hybridcache.services.api.http import Api
+
+    loop = asyncio.new_event_loop()
+    api = Api(router, served_model=Path(args.model).name)
+    runner = web.AppRunner(api.app(), access_log=None)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, args.host, http_port).start())
+    threading.Thread(target=loop.run_forever, name="http", daemon=True).start()
+
+    def stop():
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=5)
+        loop.call_soon_threadsafe(loop.stop)
+
+    return stop

@@ -1,0 +1,1 @@
+"""Cache tier: host-memory entry store (with disk spill) served over gRPC."""

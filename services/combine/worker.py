@@ -1,0 +1,164 @@
+"""Combine worker: assembles a request from entries (own cache -> cache tier -> scatter workers
+-> local rebuild), runs the live tokens, decodes and streams tokens back."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from hybridcache.services.cache_tier.client import GRPC_OPTIONS, CacheTierClient
+from hybridcache.services.observability import metrics, tracing
+from hybridcache.services.protocol import pb, rpc
+from hybridcache.services.runtime.cache import SegmentEntry
+from hybridcache.services.runtime.engine import Engine
+from hybridcache.services.runtime.sampling import RequestError
+from hybridcache.services.transport import choose_transport
+from hybridcache.services.transport.codec import EntryAssembler
+
+log = logging.getLogger("hybridcache.combine")
+
+
+def prefill_on_scatter(address: str, segments: list[tuple[int, list[int]]], cache_tier: str,
+                       timeout_s: float = 120.0) -> tuple[dict[int, SegmentEntry], int]:
+    """Ask one scatter worker for entries; returns those received whole (a dead worker yields
+    what arrived before it died) and the bytes received."""
+    channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    got: dict[int, SegmentEntry] = {}
+    asm = EntryAssembler()
+    req = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=ids) for i, ids in segments],
+                            cache_tier=cache_tier, transport=choose_transport("127.0.0.1", address))
+    try:
+        for chunk in rpc.ScatterStub(channel).Prefill(req, timeout=timeout_s, metadata=tracing.outgoing_metadata()):
+            out = asm.feed(chunk)
+            if out is not None and out[1] is not None:
+                got[out[0]] = out[1]
+    except grpc.RpcError as e:
+        log.warning("scatter worker %s failed mid-request (%s); %d of %d entries arrived",
+                    address, e.code(), len(got), len(segments))
+    finally:
+        channel.close()
+    return got, asm.bytes_received
+
+
+class CombineServicer(rpc.CombineServicer):
+    def __init__(self, engine: Engine, cache_tier: str = "", dtype: str = "float32"):
+        self.engine = engine
+        self.cache_tier = cache_tier
+        self.dtype = dtype
+        self._lock = threading.Lock()  # one request on the model at a time
+        self._tiers: dict[str, CacheTierClient] = {}
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="combine-fetch")
+        self.prefill_tps = 0.0
+
+    def Info(self, request, context):
+        e = self.engine
+        return pb.InfoReply(fingerprint=e.fingerprint, seam_window=e.config.seam_window, model_type=e.cfg.model_type,
+                            mode=e.config.mode, dtype=self.dtype, prefill_tokens_per_second=self.prefill_tps)
+
+    def _tier(self, address: str) -> CacheTierClient:
+        if address not in self._tiers:
+            self._tiers[address] = CacheTierClient(address)
+        return self._tiers[address]
+
+    def _gather(self, request, segments: list[list[int]]) -> tuple[dict[int, str], dict]:
+        """Put every planned entry into the engine's own store; returns index -> where it came from."""
+        store = self.engine.entries
+        source: dict[int, str] = {}
+        need_tier: dict[str, list[pb.SegmentPlan]] = {}
+        cold: dict[str, list[int]] = {}
+        moved = {"tier_bytes": 0, "tier_seconds": 0.0, "tier_path": "", "scatter_bytes": 0,
+                 "build_seconds": 0.0, "redispatched": 0}
+        for p in request.plan:
+            hit = store.contains(p.key)
+            metrics.cache_lookup("gpu", hit)
+            if hit:
+                source[p.index] = "local"
+            elif p.source == "tier":
+                need_tier.setdefault(p.address, []).append(p)
+            elif p.source == "scatter":
+                cold.setdefault(p.address, []).append(p.index)
+        for address, plans in need_tier.items():
+            t0 = time.perf_counter()
+            moved["tier_path"] = choose_transport("127.0.0.1", address)
+            found = self._tier(address).get([p.key for p in plans], moved["tier_path"])
+            moved["tier_seconds"] += time.perf_counter() - t0
+            for p in plans:
+                if p.key in found:
+                    store.put(found[p.key])
+                    source[p.index] = "tier"
+                    moved["tier_bytes"] += found[p.key].nbytes
+                # A tier miss (evicted, corrupt, tier down): recompute it.
+                else:
+                    cold.setdefault("", []).append(p.index)
+        workers = list(request.scatter_workers)
+        failed: set[str] = set()
+        pending = {a: idx for a, idx in cold.items()}
+        while pending:
+            jobs = {}
+            for address, idx in pending.items():
+                if address and address not in failed:
+                    jobs[address] = self._pool.submit(prefill_on_scatter, address,
+                                                      [(i, segments[i]) for i in idx], request.cache_tier)
+            retry: list[int] = []
+            for address, idx in pending.items():
+                got, nbytes = jobs[address].result() if address in jobs else ({}, 0)
+                moved["scatter_bytes"] += nbytes
+                for i in idx:
+                    if i in got:
+                        store.put(got[i])
+                        source[i] = "scatter"
+                        moved["build_seconds"] += got[i].build_seconds
+                    else:
+                        retry.append(i)
+                if address in jobs and len(got) < len(idx):
+                    failed.add(address)
+            pending = {}
+            alive = [w for w in workers if w not in failed]
+            if retry and alive:
+                moved["redispatched"] += len(retry)
+                for n, i in enumerate(retry):
+                    pending.setdefault(alive[n % len(alive)], []).append(i)
+            elif retry:
+                # No scatter worker left: the engine builds them itself (source "built").
+                break
+        return source, moved
+
+    def Generate(self, request, context):
+        with tracing.tracer().start_as_current_span("combine.generate", context=tracing.incoming_context(context)):
+            yield from self._generate(request)
+
+    def _generate(self, request):
+        t0 = time.perf_counter()
+        try:
+            sampling = json.loads(request.sampling_json) if request.sampling_json else {}
+            segments = [list(s.token_ids) for s in sorted(request.segments, key=lambda s: s.index)]
+            req = self.engine.parse_request({"system": list(request.system_ids), "segments": segments,
+                                             "suffix": list(request.suffix_ids), "sampling_params": sampling})
+        except (RequestError, ValueError) as e:
+            yield pb.TokenChunk(done=True, error=str(e), status=400)
+            return
+        source, moved = self._gather(request, segments)
+        with self._lock:
+            gen = self.engine.start(req)
+            for tok, delta in gen:
+                yield pb.TokenChunk(token_id=tok, text=delta)
+        stats = gen.prefill.stats.to_dict()
+        built = 0
+        for i, seg in enumerate(stats["segments"]):
+            src = source.get(i)
+            if seg["source"] == "built" or (seg["source"] == "entry" and src == "scatter"):
+                seg["source"], seg["hit"] = ("scatter" if src == "scatter" else "built"), False
+                built += seg["tokens"]
+            elif seg["source"] == "entry":
+                seg["source"] = "tier" if src == "tier" else "gpu"
+        stats["built_tokens"] = built
+        stats["reused_segments"] = sum(s["hit"] for s in stats["segments"])
+        stats.update(moved)
+        stats["combine_ms"] = (time.perf_counter() - t0) * 1000
+        stats["trace_id"] = tracing.current_trace_id()
+        metrics.CACHE_BYTES.labels(tier="gpu").set(self.engine.entries.used_bytes)
+        yield pb.TokenChunk(done=True, finish_reason=gen.finish_reason, stats_json=json.dumps(stats))

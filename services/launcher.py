@@ -1,0 +1,197 @@
+"""`hybridcache up`: router, N scatter workers, a combine worker and a cache tier as local
+processes on 127.0.0.1, the same services the operator runs as pods."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    role: str
+    grpc: str
+    http: str
+    proc: subprocess.Popen
+    log: list[str] = field(default_factory=list)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+class LocalCluster:
+    """Start, watch and stop the local services. Every child is stopped on stop() or on error."""
+
+    def __init__(self, model_dir: str | Path, port: int = 8000, scatter_workers: int = 2, etcd: str | None = None,
+                 seam_window: int = 8, cache_bytes: int = 256 << 20, env: dict | None = None,
+                 extra: dict[str, list[str]] | None = None, ready_timeout_s: float = 120.0):
+        if scatter_workers < 0:
+            raise ValueError("scatter_workers must be >= 0")
+        self.model_dir = str(model_dir)
+        self.port = port
+        self.n_scatter = scatter_workers
+        self.etcd = etcd
+        self.seam_window = seam_window
+        self.cache_bytes = cache_bytes
+        # Several torch processes share the cores: one intra-op thread each avoids oversubscription.
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+        self.extra = extra or {}
+        self.timeout = ready_timeout_s
+        self.services: list[Service] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self, role: str, grpc_port: int, http_port: int, flags: list[str], env: dict | None = None) -> Service:
+        cmd = [sys.executable, "-m", "hybridcache.services.cli", "serve", role, "--grpc-port", str(grpc_port),
+               "--http-port", str(http_port), "--seam-window", str(self.seam_window)]
+        if role != "cache-tier":
+            cmd += ["--model", self.model_dir]
+        if self.etcd:
+            cmd += ["--etcd", self.etcd]
+        cmd += flags + self.extra.get(role, [])
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=dict(self.env, **(env or {})), start_new_session=True)
+        svc = Service(role, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}", proc)
+        self.services.append(svc)
+        return svc
+
+    def _wait_ready(self, svc: Service) -> None:
+        deadline = time.monotonic() + self.timeout
+        ready = threading.Event()
+
+        def drain():
+            for line in svc.proc.stdout:
+                svc.log.append(line.rstrip())
+                del svc.log[:-200]
+                if line.startswith('{"ready"'):
+                    ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        while not ready.wait(0.05):
+            if svc.proc.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(svc.log[-15:])
+                raise RuntimeError(f"{svc.role} did not become ready (exit {svc.proc.poll()}):\n{tail}")
+
+    def start(self, scatter_env: list[dict] | None = None) -> LocalCluster:
+        try:
+            tier = self._spawn("cache-tier", free_port(), free_port(), ["--cache-bytes", str(self.cache_bytes)])
+            scatters = [self._spawn("scatter", free_port(), free_port(), [],
+                                    env=(scatter_env or [{}] * self.n_scatter)[i] if scatter_env else None)
+                        for i in range(self.n_scatter)]
+            combine = self._spawn("combine", free_port(), free_port(), ["--cache-bytes", str(self.cache_bytes)])
+            for s in [tier, *scatters, combine]:
+                self._wait_ready(s)
+            flags = ["--combine", combine.grpc, "--cache-tier", tier.grpc]
+            for s in scatters:
+                flags += ["--scatter", s.grpc]
+            router = self._spawn("router", free_port(), self.port, flags)
+            self._wait_ready(router)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def role(self, role: str) -> list[Service]:
+        return [s for s in self.services if s.role == role]
+
+    def stop(self) -> None:
+        for s in reversed(self.services):
+            if s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for s in self.services:
+            try:
+                s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                s.kill()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def up(args) -> int:
+    from hybridcache.services.runtime.modelzoo import default_model_dir
+
+    model = Path(args.model) if args.model else default_model_dir()
+    cluster = LocalCluster(model, port=args.port, scatter_workers=args.scatter_workers, etcd=args.etcd,
+                           seam_window=args.seam_window)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"hybridcache up: starting cache tier, {args.scatter_workers} scatter worker(s), combine worker and "
+          f"router for {model}", file=sys.stderr, flush=True)
+    cluster.start()
+    print(json.dumps({"ready": True, "http": cluster.url, "services": [
+        {"role": s.role, "grpc": s.grpc, "http": s.http, "pid": s.proc.pid} for s in cluster.services]}), flush=True)
+    print(f"hybridcache up: ready at {cluster.url} (OpenAI /v1, SGLang /generate, /metrics); Ctrl-C stops",
+          file=sys.stderr, flush=True)
+    try:
+        while not stop.wait(0.5):
+            dead = [s for s in cluster.services if s.proc.poll() is not None]
+            if dead:
+                print(f"hybridcache up: {dead[0].role} exited with {dead[0].proc.returncode}; stopping",
+                      file=sys.stderr, flush=True)
+                return 1
+    finally:
+        cluster.stop()
+        print("hybridcache up: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def add_up_flags(p) -> None:
+    p.add_argument("--model", help="model directory (default: the embedded default model)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port of the router")
+    p.add_argument("--scatter-workers", type=int, default=2)
+    p.add_argument("--etcd", help="etcd endpoint HOST:PORT (default: in-process directory)")
+    p.add_argument("--seam-window", type=int, default=8)
+
+
+def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def demo_serve(args, sample: dict) -> int:
+    """`hybridcache demo --serve`: the sample RAG request twice through HTTP on `hybridcache up`."""
+    from hybridcache.services.runtime.modelzoo import default_model_dir
+
+    model = Path(args.model) if args.model else default_model_dir()
+    print(f"starting the local services (hybridcache up) for {model} ...", flush=True)
+    with LocalCluster(model, port=free_port(), scatter_workers=2, seam_window=args.seam_window) as cluster:
+        print(f"ready at {cluster.url}", flush=True)
+        for attempt, segments in (("first", sample["segments"]),
+                                  ("second, documents reordered", sample["segments"][::-1])):
+            res = _post(f"{cluster.url}/generate", dict(sample, segments=segments))
+            st = res["hybridcache"]
+            hits = sum(s["hit"] for s in st["segments"])
+            where = ", ".join(s["source"] for s in st["segments"])
+            print(f"\n[{attempt}] POST /generate -> {res['text']!r}")
+            print(f"  prompt {st['prompt_tokens']} tokens: reused {st['reused_tokens']}, live {st['live_tokens']}, "
+                  f"built {st['built_tokens']}; segments hit {hits}/{len(st['segments'])} ({where}); "
+                  f"ttft {st['ttft_ms']:.1f} ms")
+    print("\nstopped the local services", flush=True)
+    return 0

@@ -1,0 +1,1 @@
+"""Metrics (Prometheus, names from services/contract.py) and traces (OpenTelemetry) of the services."""

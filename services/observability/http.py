@@ -1,0 +1,33 @@
+"""/health and /metrics over plain HTTP for the roles without an API (scatter, combine, cache tier)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from hybridcache.services.observability.metrics import scrape
+
+
+def serve_health_and_metrics(host: str, port: int, health: Callable[[], dict]) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path == "/metrics":
+                body, ctype, code = scrape(), "text/plain; version=0.0.4", 200
+            elif self.path == "/health":
+                body, ctype, code = json.dumps(health()).encode(), "application/json", 200
+            else:
+                body, ctype, code = b'{"error": "not found"}', "application/json", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="health-http", daemon=True).start()
+    return server

@@ -1,0 +1,1 @@
+"""Router: tokenization, segmentation, directory probes, LPT dispatch of cold segments, combine choice."""

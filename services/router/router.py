@@ -1,0 +1,229 @@
+"""The router: turns a request into a plan (per segment: own cache, cache tier or which scatter
+worker), sends it to a combine worker and relays the token stream."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import torch
+from hybridcache.services.cache_tier.client import GRPC_OPTIONS, CacheTierClient
+from hybridcache.services.directory import Directory
+from hybridcache.services.observability import metrics, tracing
+from hybridcache.services.protocol import pb, rpc
+from hybridcache.services.router.assign import lpt_assign, round_robin_assign
+from hybridcache.services.router.cost import CostModel
+from hybridcache.services.runtime.cache import expected_entry_nbytes
+from hybridcache.services.runtime.config import ModelConfig
+from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.sampling import RequestError
+from hybridcache.services.runtime.tokenizer import Tokenizer
+from hybridcache.services.transport import choose_transport
+
+log = logging.getLogger("hybridcache.router")
+
+
+class ServiceUnavailable(RuntimeError):
+    """No combine worker answered (HTTP 503)."""
+
+
+@dataclass
+class RouterConfig:
+    assignment: str = "lpt"  # lpt | round_robin
+    max_segments: int = 64
+    max_prompt_tokens: int = 16384
+    timeout_s: float = 300.0
+
+    def __post_init__(self):
+        if self.assignment not in ("lpt", "round_robin"):
+            raise ValueError("assignment must be lpt or round_robin")
+
+
+class Router:
+    def __init__(self, model_dir: str | Path, directory: Directory, config: RouterConfig | None = None,
+                 seam_window: int = 8):
+        self.config = config or RouterConfig()
+        self.directory = directory
+        cfg = ModelConfig.from_dir(model_dir)
+        self.model_name = Path(model_dir).name
+        # Tokenizer, validation and entry keys need no weights: an Engine over a weightless shell.
+        shell = SimpleNamespace(cfg=cfg, fingerprint="")
+        self.shell = Engine(shell, Tokenizer.from_dir(model_dir),
+                            EngineConfig(seam_window=seam_window, max_segments=self.config.max_segments))
+        self.cost = CostModel()
+        self._queued: dict[str, float] = {}  # scatter worker -> outstanding estimated seconds
+        self._depth: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._rr = itertools.count()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._tiers: dict[str, CacheTierClient] = {}
+        self.info: pb.InfoReply | None = None
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _channel(self, address: str) -> grpc.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        return self._channels[address]
+
+    def _tier(self, address: str) -> CacheTierClient:
+        if address not in self._tiers:
+            self._tiers[address] = CacheTierClient(address, timeout_s=2.0)
+        return self._tiers[address]
+
+    def connect(self, timeout_s: float = 60.0) -> pb.InfoReply:
+        """Learn the served model's fingerprint and seam window from a combine worker."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for address in self.directory.members("combine"):
+                try:
+                    self.info = rpc.CombineStub(self._channel(address)).Info(pb.InfoRequest(), timeout=2.0)
+                    self.shell.fingerprint = self.info.fingerprint
+                    self.shell.config = EngineConfig(seam_window=self.info.seam_window, mode=self.info.mode or "pic",
+                                                     max_segments=self.config.max_segments)
+                    return self.info
+                except grpc.RpcError:
+                    pass
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable("no combine worker answered Info")
+            time.sleep(0.2)
+
+    @property
+    def cold_queue_depth(self) -> int:
+        with self._lock:
+            return sum(self._depth.values())
+
+    # ---------------------------------------------------------------- planning
+
+    def parse(self, obj: dict):
+        req = self.shell.parse_request(obj)
+        if len(req.prompt_ids) > self.config.max_prompt_tokens:
+            raise RequestError(f"prompt of {len(req.prompt_ids)} tokens exceeds this server's limit of "
+                               f"{self.config.max_prompt_tokens}")
+        return req
+
+    def plan(self, req) -> tuple[list[pb.SegmentPlan], dict[str, float], list[str]]:
+        """Per cacheable segment: fetch from the tier (if held and sooner) or build on a scatter worker."""
+        if self.info is None:
+            self.connect()
+        cacheable = []  # (segment index, token ids)
+        for idx, ids in enumerate(req.segment_ids):
+            last = not req.suffix_ids and idx == len(req.segment_ids) - 1
+            if self.shell.config.uses_entries and not last and self.shell.cacheable(ids):
+                cacheable.append((idx, ids))
+        keys = [self.shell.entry_key(ids) for _, ids in cacheable]
+        tiers = self.directory.members("cache-tier")
+        by_owner: dict[str, list[int]] = {}
+        for n, key in enumerate(keys):
+            owner = self.directory.owner(key)
+            if owner:
+                by_owner.setdefault(owner, []).append(n)
+        present: dict[int, tuple[str, int]] = {}
+        for owner, ns in by_owner.items():
+            reply = self._tier(owner).stat([keys[n] for n in ns])
+            for m, n in enumerate(ns):
+                hit = reply is not None and reply.present[m]
+                metrics.cache_lookup("host", hit)
+                if hit:
+                    body = len(cacheable[n][1]) - self.shell.config.seam_window
+                    present[n] = (owner, reply.nbytes[m] or expected_entry_nbytes(self.shell.cfg, body, torch.float32))
+        plan, cold = [], []
+        for n, (idx, ids) in enumerate(cacheable):
+            if n in present:
+                owner, nbytes = present[n]
+                path = choose_transport("127.0.0.1", owner)
+                if self.cost.choose(nbytes, len(ids), path) == "fetch":
+                    plan.append(pb.SegmentPlan(index=idx, key=keys[n], source="tier", address=owner))
+                    continue
+            cold.append((idx, keys[n], len(ids)))
+        workers = self.directory.members("scatter")
+        assigned: dict[str, float] = {}
+        if cold and workers:
+            costs = [self.cost.recompute_seconds(t) for _, _, t in cold]
+            with self._lock:
+                queued = [self._queued.get(w, 0.0) for w in workers]
+                if self.config.assignment == "lpt":
+                    choice = lpt_assign(costs, queued)
+                else:
+                    choice = round_robin_assign(costs, queued, next(self._rr))
+                for (idx, key, _), c, w in zip(cold, costs, choice):
+                    plan.append(pb.SegmentPlan(index=idx, key=key, source="scatter", address=workers[w]))
+                    assigned[workers[w]] = assigned.get(workers[w], 0.0) + c
+                    self._queued[workers[w]] = self._queued.get(workers[w], 0.0) + c
+                    self._depth[workers[w]] = self._depth.get(workers[w], 0) + 1
+                    metrics.COLD_QUEUE_DEPTH.labels(worker=workers[w]).set(self._depth[workers[w]])
+        else:
+            # No scatter worker: the combine worker builds cold segments itself.
+            plan += [pb.SegmentPlan(index=idx, key=key, source="local") for idx, key, _ in cold]
+        return plan, assigned, tiers
+
+    def _release(self, plan, assigned: dict[str, float]) -> None:
+        with self._lock:
+            for w, c in assigned.items():
+                self._queued[w] = max(0.0, self._queued.get(w, 0.0) - c)
+            for p in plan:
+                if p.source == "scatter":
+                    self._depth[p.address] = max(0, self._depth.get(p.address, 0) - 1)
+                    metrics.COLD_QUEUE_DEPTH.labels(worker=p.address).set(self._depth[p.address])
+
+    # ---------------------------------------------------------------- generation
+
+    def stream(self, req) -> Iterator[pb.TokenChunk]:
+        """Token chunks from a combine worker; the last one has done=True and the stats."""
+        t0 = time.perf_counter()
+        with tracing.tracer().start_as_current_span("router.request") as span:
+            span.set_attribute("hybridcache.prompt_tokens", len(req.prompt_ids))
+            plan, assigned, tiers = self.plan(req)
+            combines = self.directory.members("combine")
+            if not combines:
+                self._release(plan, assigned)
+                raise ServiceUnavailable("no combine worker is registered")
+            combine = combines[next(self._rr) % len(combines)]
+            creq = pb.CombineRequest(
+                request_id=uuid.uuid4().hex, system_ids=req.system_ids,
+                segments=[pb.Segment(index=i, token_ids=s) for i, s in enumerate(req.segment_ids)],
+                suffix_ids=req.suffix_ids, sampling_json=json.dumps(_sampling_dict(req.sampling)), plan=plan,
+                scatter_workers=self.directory.members("scatter"),
+                cache_tier=self.directory.owner(plan[0].key) or "" if plan else (tiers[0] if tiers else ""))
+            first = True
+            last_t = None
+            try:
+                for chunk in rpc.CombineStub(self._channel(combine)).Generate(
+                        creq, timeout=self.config.timeout_s, metadata=tracing.outgoing_metadata()):
+                    now = time.perf_counter()
+                    if first:
+                        self._release(plan, assigned)
+                        first = False
+                        if not chunk.error:
+                            metrics.TTFT.observe(now - t0)
+                    elif last_t is not None and not chunk.done:
+                        metrics.INTER_TOKEN.observe(now - last_t)
+                    last_t = now
+                    if chunk.done and chunk.stats_json:
+                        self._learn(json.loads(chunk.stats_json))
+                    yield chunk
+            except grpc.RpcError as e:
+                raise ServiceUnavailable(f"combine worker {combine} failed: {e.code().name}") from None
+            finally:
+                if first:
+                    self._release(plan, assigned)
+
+    def _learn(self, stats: dict) -> None:
+        """Update the cost model with what the combine worker measured."""
+        self.cost.observe_prefill(stats.get("built_tokens", 0), stats.get("build_seconds", 0.0))
+        self.cost.observe_transfer(stats.get("tier_path", "grpc"), stats.get("tier_bytes", 0),
+                                   stats.get("tier_seconds", 0.0))
+
+
+def _sampling_dict(s) -> dict:
+    return {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids), "seed": s.seed, "ignore_eos": s.ignore_eos}

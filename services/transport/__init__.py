@@ -1,0 +1,33 @@
+"""Bulk-tensor transports, picked by where the two ends are (DESIGN §5), imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from hybridcache.services.transport.base import TensorTransport, TransportError
+
+_REGISTRY = {
+    "grpc": ("hybridcache.services.transport.grpc_stream", "GrpcStreamTransport"),
+    "shm": ("hybridcache.services.transport.shm", "ShmTransport"),
+}
+TRANSPORTS = tuple(_REGISTRY)
+
+
+def get_transport(name: str) -> TensorTransport:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown transport {name!r}; known: {', '.join(TRANSPORTS)}")
+    module, cls = _REGISTRY[name]
+    return getattr(importlib.import_module(module), cls)()
+
+
+def host_of(address: str) -> str:
+    return address.rsplit(":", 1)[0] if ":" in address else address
+
+
+def choose_transport(local_host: str, peer_address: str) -> str:
+    """Shared memory when both ends are on this host, the gRPC stream otherwise."""
+    return "shm" if host_of(peer_address) in (local_host, "127.0.0.1", "localhost") and \
+        local_host in ("127.0.0.1", "localhost", host_of(peer_address)) else "grpc"
+
+
+__all__ = ["TRANSPORTS", "TensorTransport", "TransportError", "choose_transport", "get_transport", "host_of"]

@@ -1,0 +1,35 @@
+"""The bulk-tensor transport interface (DESIGN §5): where a tensor's bytes travel.
+
+Entries move as a stream of TensorChunk messages (dtype, shape, layer, checksum per tensor). A
+transport decides where the bytes go: inline in the message (gRPC stream, any two hosts) or into
+a block both ends can map (shared memory, processes of one host). Readers accept every kind, so
+the sender alone picks the path.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class TransportError(RuntimeError):
+    """Bytes could not be moved or read back (missing block, short read, checksum mismatch)."""
+
+
+class TensorTransport(ABC):
+    """Writes tensors for one message stream. Not thread-safe: one instance per stream."""
+
+    name: str = ""
+
+    @abstractmethod
+    def write(self, chunk, tensor: torch.Tensor) -> None:
+        """Put `tensor`'s bytes where the receiver will find them and fill chunk's location fields
+        (data, or shm_name/shm_offset). Does not modify `tensor`."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release sender-side resources once the stream is finished (the receiver owns the bytes then)."""
+
+    @abstractmethod
+    def bytes_moved(self) -> int:
+        """Bytes written so far."""

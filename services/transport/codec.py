@@ -1,0 +1,125 @@
+"""SegmentEntry <-> stream of EntryChunk messages: a header, then the tensors layer by layer.
+
+Each tensor carries dtype, shape, layer and a sha256 of its bytes; the header carries the entry
+checksum. A reader rebuilds the entry and checks both: a mismatch is an error, never an entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from hybridcache.services.protocol import pb
+from hybridcache.services.runtime.cache import SegmentEntry
+from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
+from hybridcache.services.transport.base import TensorTransport, TransportError
+from hybridcache.services.transport.shm import read_shm
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+LINEAR_FIELDS = ("T", "S", "conv_tail")
+ATTN_FIELDS = ("k", "v")
+
+
+def layer_tensors(data: SpanData) -> Iterator[tuple[int, str, torch.Tensor]]:
+    """(layer, name, tensor) in layer order."""
+    for layer in sorted(set(data.linear) | set(data.attn)):
+        if layer in data.linear:
+            s = data.linear[layer]
+            yield from ((layer, n, getattr(s, n)) for n in LINEAR_FIELDS)
+        else:
+            a = data.attn[layer]
+            yield from ((layer, n, getattr(a, n)) for n in ATTN_FIELDS)
+
+
+def _digest(raw) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+def entry_chunks(entry: SegmentEntry, index: int, transport: TensorTransport) -> Iterator[pb.EntryChunk]:
+    if not entry.checksum:
+        entry.seal()
+    tensors = list(layer_tensors(entry.data))
+    yield pb.EntryChunk(segment_index=index, header=pb.EntryHeader(
+        key=entry.key, segment_tokens=entry.segment_tokens, num_tokens=entry.data.num_tokens,
+        local_start=entry.data.local_start, build_seconds=entry.build_seconds, nbytes=entry.nbytes,
+        checksum=entry.checksum, num_tensors=len(tensors), transport=transport.name))
+    for layer, name, t in tensors:
+        c = t.detach().contiguous().cpu()
+        raw = c.view(torch.uint8).numpy().tobytes() if c.numel() else b""
+        chunk = pb.TensorChunk(layer=layer, name=name, dtype=str(c.dtype).removeprefix("torch."),
+                               shape=list(c.shape), checksum=_digest(raw), nbytes=len(raw))
+        transport.write(chunk, c)
+        yield pb.EntryChunk(segment_index=index, tensor=chunk)
+
+
+def _tensor(chunk) -> torch.Tensor:
+    if chunk.dtype not in _DTYPES:
+        raise TransportError(f"unsupported dtype {chunk.dtype!r}")
+    raw = read_shm(chunk.shm_name, chunk.shm_offset, chunk.nbytes) if chunk.shm_name else chunk.data
+    if len(raw) != chunk.nbytes or _digest(raw) != chunk.checksum:
+        raise TransportError(f"layer {chunk.layer} {chunk.name}: checksum mismatch")
+    if chunk.nbytes == 0:
+        return torch.empty(tuple(chunk.shape), dtype=_DTYPES[chunk.dtype])
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(_DTYPES[chunk.dtype]).reshape(tuple(chunk.shape))
+
+
+class EntryAssembler:
+    """Feed EntryChunks (possibly of several entries interleaved); completed entries come out."""
+
+    def __init__(self):
+        self._open: dict[int, tuple[pb.EntryHeader, list]] = {}
+        self.bytes_received = 0
+
+    def feed(self, chunk) -> tuple[int, SegmentEntry | None, str] | None:
+        """Returns (segment_index, entry, "") when an entry completes, (index, None, error) on a
+        failed one, None otherwise. Never returns an entry whose checksums do not verify."""
+        i = chunk.segment_index
+        kind = chunk.WhichOneof("body")
+        if kind == "error":
+            self._open.pop(i, None)
+            return i, None, chunk.error
+        if kind == "header":
+            self._open[i] = (chunk.header, [])
+            if chunk.header.num_tensors == 0:
+                return self._finish(i)
+            return None
+        if i not in self._open:
+            return i, None, "tensor chunk before its entry header"
+        header, parts = self._open[i]
+        try:
+            parts.append((chunk.tensor.layer, chunk.tensor.name, _tensor(chunk.tensor)))
+        except TransportError as e:
+            self._open.pop(i)
+            return i, None, str(e)
+        self.bytes_received += chunk.tensor.nbytes
+        if len(parts) == header.num_tensors:
+            return self._finish(i)
+        return None
+
+    def _finish(self, i: int):
+        header, parts = self._open.pop(i)
+        linear, attn, by_layer = {}, {}, {}
+        for layer, name, t in parts:
+            by_layer.setdefault(layer, {})[name] = t
+        for layer, d in by_layer.items():
+            if set(d) == set(LINEAR_FIELDS):
+                linear[layer] = LinearSpan(d["T"], d["S"], d["conv_tail"])
+            elif set(d) == set(ATTN_FIELDS):
+                attn[layer] = AttnSpan(d["k"], d["v"])
+            else:
+                return i, None, f"layer {layer} has tensors {sorted(d)}"
+        data = SpanData(header.num_tokens, header.local_start, linear, attn)
+        entry = SegmentEntry(key=header.key, segment_tokens=header.segment_tokens, data=data,
+                             build_seconds=header.build_seconds, checksum=header.checksum)
+        if not header.checksum or not entry.verify():
+            return i, None, f"entry {header.key[:12]}: checksum mismatch"
+        return i, entry, ""
+
+
+def read_entries(chunks: Iterable) -> Iterator[tuple[int, SegmentEntry | None, str]]:
+    asm = EntryAssembler()
+    for chunk in chunks:
+        out = asm.feed(chunk)
+        if out is not None:
+            yield out
