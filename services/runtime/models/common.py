@@ -127,7 +127,7 @@ def new_recording(state: SequenceState, layout, snapshot_after):
 
 class LayoutLM(nn.Module):
     """Base of the non-Qwen architectures. Subclasses build `self.layers` (each with `kind`
-    "linear_attention" | "full_attention", `empty_state(device)` and
+    "linear_attention" | "full_attention" | a stateless kind such as "mlp", `empty_state(device)` and
     `forward_layout(x, layout, state, rec, layer_idx, positions) -> x`, residuals included),
     and implement `embed(ids)` and `head(x)` (final norm + LM head)."""
 
@@ -145,7 +145,10 @@ class LayoutLM(nn.Module):
     def empty_state(self) -> SequenceState:
         lin, att = {}, {}
         for i, layer in enumerate(self.layers):
-            (lin if layer.kind == "linear_attention" else att)[i] = layer.empty_state(self.device)
+            if layer.kind == "linear_attention":
+                lin[i] = layer.empty_state(self.device)
+            elif layer.kind == "full_attention":
+                att[i] = layer.empty_state(self.device)
         return SequenceState(length=0, linear=lin, attn=att)
 
     @torch.no_grad()

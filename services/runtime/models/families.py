@@ -33,11 +33,11 @@ _OLMO_HYBRID_TINY = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
-# "M" Mamba2 mixer, "*" attention, "-" MLP (Nemotron-H's hybrid_override_pattern)
+# Nemotron-H blocks hold one mixer each: Mamba2 ("linear_attention"), attention or an MLP
 _NEMOTRON_H_TINY = dict(
     _TINY_BASE,
     num_hidden_layers=6,
-    hybrid_override_pattern="M-M*-M",
+    layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "mlp", "linear_attention"],
     mamba_num_heads=4,
     mamba_head_dim=16,
     ssm_state_size=16,
@@ -52,31 +52,7 @@ _NEMOTRON_H_TINY = dict(
     residual_in_fp32=False,
 )
 
-_KIMI_LINEAR_TINY = dict(
-    _TINY_BASE,
-    model_max_length=4096,
-    num_key_value_heads=4,
-    head_dim=None,
-    hidden_act="silu",
-    rms_norm_eps=1e-6,
-    q_lora_rank=None,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    mla_use_nope=True,
-    linear_attn_config={
-        "kda_layers": [1, 2, 4],
-        "full_attn_layers": [3],
-        "num_heads": 4,
-        "head_dim": 16,
-        "short_conv_kernel_size": 4,
-    },
-    num_experts=0,
-)
-
 FAMILY_PRESETS: dict[tuple[str, str], dict] = {
     ("olmo_hybrid", "tiny"): _OLMO_HYBRID_TINY,
     ("nemotron_h", "tiny"): _NEMOTRON_H_TINY,
-    ("kimi_linear", "tiny"): _KIMI_LINEAR_TINY,
 }
