@@ -130,10 +130,34 @@ def completion_to_native(body: dict) -> dict:
     return native
 
 
+# SGLang sampling parameters this engine does not implement, with the value that means "off".
+_SGLANG_NEUTRAL = {"min_new_tokens": 0, "n": 1, "stop_regex": None, "min_p": 0.0, "frequency_penalty": 0.0,
+                   "presence_penalty": 0.0, "repetition_penalty": 1.0, "regex": None, "json_schema": None, "ebnf": None,
+                   "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False}
+
+
+def sglang_sampling(sp) -> dict:
+    if sp is None:
+        return {}
+    if not isinstance(sp, dict):
+        raise RequestError("sampling_params must be an object")
+    out = {}
+    for k, v in sp.items():
+        if k in _SGLANG_NEUTRAL:
+            if v not in (_SGLANG_NEUTRAL[k], None, "", []):
+                raise RequestError(f"sampling_params.{k}={v!r} is not supported by this server")
+        elif k in ("stop", "stop_token_ids") and not v:
+            continue
+        else:
+            out[k] = v
+    return out
+
+
 def sglang_to_native(body: dict) -> dict:
     _check_fields(body, {"text", "input_ids", "sampling_params", "stream", "system", "segments", "suffix",
                          "separator", "model"} | _SGLANG_IGNORED, "the request")
-    native = {k: body[k] for k in ("system", "segments", "sampling_params") if body.get(k) is not None}
+    native = {k: body[k] for k in ("system", "segments") if body.get(k) is not None}
+    native["sampling_params"] = sglang_sampling(body.get("sampling_params"))
     text = body.get("text", body.get("input_ids", body.get("suffix")))
     if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
         if len(text) != 1:

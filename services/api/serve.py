@@ -50,13 +50,16 @@ def add_serve_flags(p) -> None:
     p.add_argument("--otlp-endpoint", help="OTLP/gRPC endpoint for traces")
 
 
-def _engine(args):
+def _engine(args, entry_store=None):
     import torch
     from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from hybridcache.services.runtime.loader import load_model
+    from hybridcache.services.runtime.tokenizer import Tokenizer
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     config = EngineConfig(seam_window=args.seam_window, entry_cache_bytes=args.cache_bytes)
-    return Engine.from_dir(args.model, device=args.device, dtype=dtype, config=config)
+    model = load_model(args.model, args.device, dtype)
+    return Engine(model, Tokenizer.from_dir(args.model), config, entry_store=entry_store)
 
 
 def serve(args) -> int:
@@ -87,9 +90,11 @@ def serve(args) -> int:
 
         rpc.add_ScatterServicer_to_server(ScatterServicer(_engine(args)), server)
     elif args.role == "combine":
+        from hybridcache.services.combine.store import PinningEntryStore
         from hybridcache.services.combine.worker import CombineServicer
 
-        rpc.add_CombineServicer_to_server(CombineServicer(_engine(args), dtype=args.dtype), server)
+        engine = _engine(args, PinningEntryStore(args.cache_bytes))
+        rpc.add_CombineServicer_to_server(CombineServicer(engine, dtype=args.dtype), server)
     else:
         from hybridcache.services.api.grpc_inference import InferenceServicer
         from hybridcache.services.router.router import Router, RouterConfig

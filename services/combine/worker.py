@@ -64,18 +64,21 @@ class CombineServicer(rpc.CombineServicer):
             self._tiers[address] = CacheTierClient(address)
         return self._tiers[address]
 
-    def _gather(self, request, segments: list[list[int]]) -> tuple[dict[int, str], dict]:
-        """Put every planned entry into the engine's own store; returns index -> where it came from."""
+    def _gather(self, request, segments: list[list[int]]) -> tuple[dict[str, SegmentEntry], dict[int, str], dict]:
+        """Every planned entry (own cache -> tier -> scatter); returns key -> entry, index -> source."""
         store = self.engine.entries
+        pinned: dict[str, SegmentEntry] = {}
         source: dict[int, str] = {}
         need_tier: dict[str, list[pb.SegmentPlan]] = {}
         cold: dict[str, list[int]] = {}
         moved = {"tier_bytes": 0, "tier_seconds": 0.0, "tier_path": "", "scatter_bytes": 0,
                  "build_seconds": 0.0, "redispatched": 0}
+        keys = {p.index: p.key for p in request.plan}
         for p in request.plan:
-            hit = store.contains(p.key)
-            metrics.cache_lookup("gpu", hit)
-            if hit:
+            entry = store.peek(p.key)
+            metrics.cache_lookup("gpu", entry is not None)
+            if entry is not None:
+                pinned[p.key] = entry
                 source[p.index] = "local"
             elif p.source == "tier":
                 need_tier.setdefault(p.address, []).append(p)
@@ -88,7 +91,7 @@ class CombineServicer(rpc.CombineServicer):
             moved["tier_seconds"] += time.perf_counter() - t0
             for p in plans:
                 if p.key in found:
-                    store.put(found[p.key])
+                    pinned[p.key] = found[p.key]
                     source[p.index] = "tier"
                     moved["tier_bytes"] += found[p.key].nbytes
                 # A tier miss (evicted, corrupt, tier down): recompute it.
@@ -108,8 +111,8 @@ class CombineServicer(rpc.CombineServicer):
                 got, nbytes = jobs[address].result() if address in jobs else ({}, 0)
                 moved["scatter_bytes"] += nbytes
                 for i in idx:
-                    if i in got:
-                        store.put(got[i])
+                    if i in got and got[i].key == keys.get(i):
+                        pinned[got[i].key] = got[i]
                         source[i] = "scatter"
                         moved["build_seconds"] += got[i].build_seconds
                     else:
@@ -125,7 +128,7 @@ class CombineServicer(rpc.CombineServicer):
             elif retry:
                 # No scatter worker left: the engine builds them itself (source "built").
                 break
-        return source, moved
+        return pinned, source, moved
 
     def Generate(self, request, context):
         with tracing.tracer().start_as_current_span("combine.generate", context=tracing.incoming_context(context)):
@@ -141,11 +144,15 @@ class CombineServicer(rpc.CombineServicer):
         except (RequestError, ValueError) as e:
             yield pb.TokenChunk(done=True, error=str(e), status=400)
             return
-        source, moved = self._gather(request, segments)
+        pinned, source, moved = self._gather(request, segments)
         with self._lock:
-            gen = self.engine.start(req)
-            for tok, delta in gen:
-                yield pb.TokenChunk(token_id=tok, text=delta)
+            self.engine.entries.pin(pinned)
+            try:
+                gen = self.engine.start(req)
+                for tok, delta in gen:
+                    yield pb.TokenChunk(token_id=tok, text=delta)
+            finally:
+                self.engine.entries.unpin()
         stats = gen.prefill.stats.to_dict()
         built = 0
         for i, seg in enumerate(stats["segments"]):

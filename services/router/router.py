@@ -32,6 +32,10 @@ from hybridcache.services.transport import choose_transport
 log = logging.getLogger("hybridcache.router")
 
 
+class RequestTooLarge(RequestError):
+    """A prompt over the server's or the model's length limit (HTTP 413)."""
+
+
 class ServiceUnavailable(RuntimeError):
     """No combine worker answered (HTTP 503)."""
 
@@ -105,9 +109,14 @@ class Router:
     # ---------------------------------------------------------------- planning
 
     def parse(self, obj: dict):
-        req = self.shell.parse_request(obj)
+        try:
+            req = self.shell.parse_request(obj)
+        except RequestError as e:
+            if "context limit" in str(e):
+                raise RequestTooLarge(str(e)) from None
+            raise
         if len(req.prompt_ids) > self.config.max_prompt_tokens:
-            raise RequestError(f"prompt of {len(req.prompt_ids)} tokens exceeds this server's limit of "
+            raise RequestTooLarge(f"prompt of {len(req.prompt_ids)} tokens exceeds this server's limit of "
                                f"{self.config.max_prompt_tokens}")
         return req
 

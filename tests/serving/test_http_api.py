@@ -1,0 +1,207 @@
+"""The local cluster (real processes on loopback) through its HTTP and gRPC endpoints."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+from conftest import http
+from hybridcache.services.api.openai_compat import chat_to_native
+from hybridcache.services.contract import (
+    METRIC_CACHE_HITS,
+    METRIC_CACHE_QUERIES,
+    METRIC_COLD_QUEUE_DEPTH,
+    METRIC_TTFT_SECONDS,
+)
+from hybridcache.services.protocol import pb, rpc
+
+DOCS = [
+    "Document A: the Varnel Bridge spans the Osk river and was completed in 1872 by Ilse Marrow.\n",
+    "Document B: Lowmere is a market town of fourteen thousand people with a cheese fair each October.\n",
+    "Document C: Ilse Marrow was born in Tarn in 1831 and designed two lighthouses on the north coast.\n",
+]
+QUESTION = "Question: who built the Varnel Bridge?\nAnswer:"
+
+
+def chat_body(docs, **kw):
+    content = [{"type": "text", "text": d} for d in docs] + [{"type": "text", "text": QUESTION}]
+    return dict(model="default", messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0.0, **kw)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_openai_client_completion_stream_and_reuse(client, engine):
+    first = client.chat.completions.create(**chat_body(DOCS))
+    assert first.choices[0].message.content is not None
+    assert first.usage.prompt_tokens > 0 and first.usage.completion_tokens > 0
+    st = first.model_extra["hybridcache"]
+    assert [s["source"] for s in st["segments"]] == ["scatter"] * 3
+    # Cold segments of one request go to both scatter workers (LPT over their queues).
+    assert st["built_tokens"] > 0
+
+    body = chat_body(DOCS[::-1])
+    second = client.chat.completions.create(**body)
+    st2 = second.model_extra["hybridcache"]
+    assert st2["reused_segments"] == 3 and all(s["hit"] for s in st2["segments"])
+    assert second.usage.prompt_tokens_details.cached_tokens == st2["reused_tokens"] > 0
+    expected = engine.generate(chat_to_native(body)).text
+    assert second.choices[0].message.content == expected
+
+    pieces, last = [], None
+    for chunk in client.chat.completions.create(**chat_body(DOCS[1:]), stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        last = chunk
+    assert last.choices[0].finish_reason in ("stop", "length")
+    assert last.usage.completion_tokens >= 1 and "hybridcache" in last.model_extra
+    assert "".join(pieces) == engine.generate(chat_to_native(chat_body(DOCS[1:]))).text
+
+    comp = client.completions.create(model="default", prompt=QUESTION, max_tokens=4, temperature=0.0)
+    assert comp.choices[0].text == engine.generate({"suffix": QUESTION, "sampling_params": {"max_new_tokens": 4}}).text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="default", prompt=QUESTION, max_tokens=4, temperature=0.0, stream=True))
+    assert streamed == comp.choices[0].text
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_cold_segments_spread_over_scatter_workers(cluster):
+    docs = [f"Fresh document {i}: " + "lorem ipsum dolor sit amet " * (2 + 3 * i) for i in range(4)]
+    status, res = http("POST", f"{cluster.url}/generate", {"segments": docs, "text": QUESTION,
+                                                          "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200, res
+    assert [s["source"] for s in res["hybridcache"]["segments"]] == ["scatter"] * 4
+    status, text = http("GET", f"{cluster.url}/metrics")
+    depth_workers = set(re.findall(rf'{METRIC_COLD_QUEUE_DEPTH}{{worker="([^"]+)"}}', text))
+    assert depth_workers == {s.grpc for s in cluster.role("scatter")}
+    streamed = sum(_scatter_streamed(s) for s in cluster.role("scatter"))
+    assert streamed > 0
+    assert all(_scatter_streamed(s) > 0 for s in cluster.role("scatter"))
+
+
+def _scatter_streamed(svc) -> float:
+    _, text = http("GET", f"http://{svc.http}/metrics")
+    m = re.search(r'hybridcache_entry_build_seconds_count (\S+)', text)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_sglang_native_generate_and_stream(cluster, engine):
+    req = {"segments": DOCS, "text": QUESTION, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    status, res = http("POST", f"{cluster.url}/generate", req)
+    assert status == 200, res
+    assert res["text"] == engine.generate({"segments": DOCS, "suffix": QUESTION,
+                                           "sampling_params": {"max_new_tokens": 6}}).text
+    assert res["meta_info"]["prompt_tokens"] == res["usage"]["prompt_tokens"]
+    status, text = http("POST", f"{cluster.url}/generate", dict(req, stream=True))
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["text"] == res["text"]
+    # The separator splits one text into segments the same way.
+    status, res2 = http("POST", f"{cluster.url}/generate", {"text": "<doc>".join(DOCS + [QUESTION]),
+                        "separator": "<doc>", "sampling_params": {"max_new_tokens": 6}})
+    assert status == 200 and res2["text"] == res["text"]
+    assert all(s["hit"] for s in res2["hybridcache"]["segments"])
+
+
+def test_sglang_frontend_program(cluster):
+    sgl = pytest.importorskip("sglang", reason="sglang frontend not installed (pip install --no-deps sglang)")
+
+    @sgl.function
+    def rag(s, question):
+        s += "Document: the Varnel Bridge was built by Ilse Marrow.\n"
+        s += "Question: " + question + "\nAnswer:"
+        s += sgl.gen("answer", max_tokens=6, temperature=0.0)
+
+    backend = sgl.RuntimeEndpoint(cluster.url)
+    state = rag.run(question="who built the bridge?", backend=backend)
+    prompt = "Document: the Varnel Bridge was built by Ilse Marrow.\nQuestion: who built the bridge?\nAnswer:"
+    status, direct = http("POST", f"{cluster.url}/generate", {"text": prompt,
+                          "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    assert status == 200
+    assert state["answer"] == direct["text"]
+
+
+@pytest.mark.parametrize("case", ["malformed", "wrong-type", "empty", "too-big", "unknown-model", "many-segments",
+                                  "bad-sampling", "no-text"])
+def test_bad_input_is_a_4xx_with_a_message(cluster, case):
+    url = f"{cluster.url}/v1/chat/completions"
+    raw, body, want = None, None, 400
+    if case == "malformed":
+        raw = b'{"messages": ['
+    elif case == "wrong-type":
+        body = {"messages": "hello"}
+    elif case == "empty":
+        raw = b""
+    elif case == "too-big":
+        raw, want = b'{"messages": [{"role": "user", "content": "' + b"x" * (5 << 20) + b'"}]}', 413
+    elif case == "unknown-model":
+        body, want = chat_body(DOCS) | {"model": "gpt-17"}, 404
+    elif case == "many-segments":
+        url, body = f"{cluster.url}/generate", {"segments": ["doc"] * 100, "text": "q"}
+    elif case == "bad-sampling":
+        body = chat_body(DOCS) | {"temperature": "hot"}
+    else:
+        url, body = f"{cluster.url}/generate", {"sampling_params": {"max_new_tokens": 2}}
+    status, res = http("POST", url, body, raw=raw)
+    assert status == want, res
+    assert isinstance(res, dict) and res["error"]["message"]
+    # Still serving.
+    assert http("GET", f"{cluster.url}/health")[0] == 200
+
+
+def test_long_prompt_is_413(cluster):
+    status, res = http("POST", f"{cluster.url}/generate", {"text": "word " * 20000})
+    assert status == 413 and "limit" in res["error"]["message"]
+
+
+def test_load_mixed_hits_no_errors_and_cache_within_budget(cluster):
+    pool = [f"Load document {i}: " + "alpha beta gamma delta " * (3 + i % 4) for i in range(10)]
+
+    def one(n):
+        docs = [pool[(n + k) % len(pool)] for k in range(3)]
+        return http("POST", f"{cluster.url}/generate", {"segments": docs, "text": f"question {n % 5}?",
+                                                        "sampling_params": {"max_new_tokens": 3}}, timeout=120)
+
+    with ThreadPoolExecutor(8) as ex:
+        results = list(ex.map(one, range(50)))
+    assert [s for s, _ in results] == [200] * 50, [r for s, r in results if s != 200][:2]
+    hits = sum(seg["hit"] for _, r in results for seg in r["hybridcache"]["segments"])
+    assert 0 < hits < 150
+    tier = cluster.role("cache-tier")[0]
+    stub = rpc.CacheTierStub(grpc.insecure_channel(tier.grpc))
+    stat = stub.Stat(pb.StatRequest(), timeout=10)
+    assert 0 < stat.used_bytes <= stat.capacity_bytes
+    assert stat.entries > 0
+
+
+def test_metrics_after_traffic(cluster):
+    status, text = http("GET", f"{cluster.url}/metrics")
+    assert status == 200
+    count = float(re.search(rf"{METRIC_TTFT_SECONDS}_count (\S+)", text).group(1))
+    total = float(re.search(rf"{METRIC_TTFT_SECONDS}_sum (\S+)", text).group(1))
+    assert count >= 5 and 0 < total / count < 60
+    queries = float(re.search(rf'{METRIC_CACHE_QUERIES}{{tier="host"}} (\S+)', text).group(1))
+    hits = float(re.search(rf'{METRIC_CACHE_HITS}{{tier="host"}} (\S+)', text).group(1))
+    assert 0 < hits <= queries
+    assert re.search(rf'{METRIC_COLD_QUEUE_DEPTH}{{worker="[^"]+"}} 0.0', text)
+    combine = cluster.role("combine")[0]
+    _, ctext = http("GET", f"http://{combine.http}/metrics")
+    assert float(re.search(r'hybridcache_bytes_moved_total{path="shm"} (\S+)', ctext).group(1)) > 0
+    assert float(re.search(rf'{METRIC_CACHE_HITS}{{tier="gpu"}} (\S+)', ctext).group(1)) > 0
+
+
+def test_grpc_inference_streams_tokens(cluster, engine):
+    router = cluster.role("router")[0]
+    stub = rpc.InferenceStub(grpc.insecure_channel(router.grpc))
+    req = {"segments": DOCS, "suffix": QUESTION, "sampling_params": {"max_new_tokens": 5}}
+    chunks = list(stub.Generate(pb.GenerateRequest(request_json=json.dumps(req)), timeout=60))
+    assert chunks[-1].done and json.loads(chunks[-1].stats_json)["prompt_tokens"] > 0
+    assert "".join(c.text for c in chunks if not c.done) == engine.generate(req).text
+    bad = list(stub.Generate(pb.GenerateRequest(request_json="{"), timeout=10))
+    assert bad[-1].status == 400 and bad[-1].error

@@ -1,0 +1,191 @@
+"""Pieces of the serving stack in-process: assignment, cost model, hashing, codec, stores, protocol."""
+
+from __future__ import annotations
+
+import random
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from hybridcache.services.api.openai_compat import chat_to_native, completion_to_native, sglang_to_native
+from hybridcache.services.cache_tier.client import CacheTierClient
+from hybridcache.services.cache_tier.server import CacheTierServicer
+from hybridcache.services.cache_tier.store import TierStore
+from hybridcache.services.directory import HashRing, InProcessDirectory
+from hybridcache.services.launcher import free_port
+from hybridcache.services.protocol import build, rpc
+from hybridcache.services.router.assign import lpt_assign, makespan, round_robin_assign
+from hybridcache.services.router.cost import CostModel
+from hybridcache.services.runtime.sampling import RequestError
+from hybridcache.services.transport import choose_transport, get_transport
+from hybridcache.services.transport.codec import EntryAssembler, entry_chunks, read_entries
+
+
+@pytest.fixture(scope="module")
+def entries(engine):
+    rng = random.Random(0)
+    return [engine.build_entry([rng.randrange(256) for _ in range(n)]).seal() for n in (24, 40, 64)]
+
+
+def test_lpt_beats_round_robin_on_skewed_lengths():
+    costs = [8.0, 1.0, 1.0, 1.0, 7.0, 1.0, 1.0, 6.0]
+    queued = [0.0, 0.0, 0.0]
+    lpt, rr = lpt_assign(costs, queued), round_robin_assign(costs, queued)
+    assert makespan(costs, queued, lpt) == 9.0
+    assert makespan(costs, queued, rr) == 14.0
+    # Existing queues count: a busy worker gets nothing while others are idle.
+    assert 0 not in lpt_assign([1.0, 1.0], [10.0, 0.0, 0.0])
+    # Spreads even equal segments over all workers.
+    assert sorted(lpt_assign([1.0] * 4, [0.0, 0.0])) == [0, 0, 1, 1]
+    with pytest.raises(ValueError):
+        lpt_assign([1.0], [])
+
+
+def test_lpt_never_worse_than_round_robin_random():
+    rng = random.Random(1)
+    for _ in range(200):
+        costs = [rng.choice([1, 1, 2, 30]) * rng.random() for _ in range(rng.randrange(1, 12))]
+        queued = [0.0] * rng.randrange(1, 5)
+        assert makespan(costs, queued, lpt_assign(costs, queued)) <= \
+            makespan(costs, queued, round_robin_assign(costs, queued)) * 4 / 3 + 1e-9
+
+
+def test_fetch_or_recompute_on_both_sides_of_break_even():
+    cm = CostModel(prefill_tokens_per_s=10_000.0, bandwidth={"grpc": 1e8}, latency_s={"grpc": 0.0})
+    # 1000 tokens recompute in 0.1 s; 1e7 bytes move in 0.1 s: the break-even point.
+    assert cm.choose(9_000_000, 1000, "grpc") == "fetch"
+    assert cm.choose(11_000_000, 1000, "grpc") == "recompute"
+    # A faster GPU moves the point: the same entry is now cheaper to recompute.
+    cm.observe_prefill(1000, 0.001)
+    assert cm.prefill_tokens_per_s > 10_000.0
+    assert cm.choose(9_000_000, 1000, "grpc") == "recompute"
+    cm.observe_transfer("grpc", 10**9, 0.01)
+    assert cm.bandwidth["grpc"] > 1e8
+
+
+def test_hash_ring_is_consistent():
+    keys = [f"k{i}" for i in range(2000)]
+    ring3 = HashRing(["a:1", "b:1", "c:1"])
+    ring4 = HashRing(["a:1", "b:1", "c:1", "d:1"])
+    owners3 = [ring3.owner(k) for k in keys]
+    assert set(owners3) == {"a:1", "b:1", "c:1"}
+    moved = sum(o3 != ring4.owner(k) for o3, k in zip(owners3, keys))
+    assert 0.1 * len(keys) < moved < 0.45 * len(keys)
+    assert all(ring4.owner(k) == "d:1" for o3, k in zip(owners3, keys) if o3 != ring4.owner(k))
+    assert HashRing([]).owner("x") is None
+    d = InProcessDirectory({"cache-tier": ["a:1"]})
+    assert d.owner("x") == "a:1"
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_codec_round_trip_layer_by_layer(entries, transport):
+    chunks = [c for i, e in enumerate(entries) for c in entry_chunks(e, i, get_transport(transport))]
+    layers = [c.tensor.layer for c in chunks if c.WhichOneof("body") == "tensor"][:6]
+    assert layers == sorted(layers)
+    out = list(read_entries(chunks))
+    assert [(i, err) for i, _, err in out] == [(0, ""), (1, ""), (2, "")]
+    for (_, got, _), want in zip(out, entries):
+        assert got.key == want.key and got.checksum == want.checksum and got.verify()
+        assert (got.data.linear[0].S == want.data.linear[0].S).all()
+
+
+def test_corrupted_bytes_are_detected(entries):
+    chunks = list(entry_chunks(entries[0], 0, get_transport("grpc")))
+    t = next(c for c in chunks if c.WhichOneof("body") == "tensor" and len(c.tensor.data) > 8)
+    data = bytearray(t.tensor.data)
+    data[3] ^= 0xFF
+    t.tensor.data = bytes(data)
+    out = list(read_entries(chunks))
+    assert out[0][1] is None and "checksum" in out[0][2]
+    # A consistent forgery (tensor checksum fixed up) still fails the entry checksum.
+    import hashlib
+
+    t.tensor.checksum = hashlib.sha256(t.tensor.data).hexdigest()
+    asm = EntryAssembler()
+    res = [r for c in chunks if (r := asm.feed(c)) is not None]
+    assert res[0][1] is None and "checksum" in res[0][2]
+
+
+def test_transport_choice():
+    assert choose_transport("127.0.0.1", "127.0.0.1:5000") == "shm"
+    assert choose_transport("127.0.0.1", "10.0.0.7:5000") == "grpc"
+    with pytest.raises(ValueError):
+        get_transport("carrier-pigeon")
+
+
+def test_tier_store_budget_spill_and_corruption(entries, tmp_path):
+    cap = entries[1].nbytes + entries[2].nbytes
+    store = TierStore(cap, spill_dir=tmp_path / "spill")
+    for e in entries:
+        assert store.put(e)
+        assert store.memory.used_bytes <= cap
+    spilled = [e for e in entries if not store.memory.contains(e.key)]
+    assert spilled and store.disk_entries == len(spilled)
+    back = store.get(spilled[0].key)
+    assert back is not None and back.checksum == spilled[0].checksum
+    assert store.memory.used_bytes <= cap
+    # A corrupted spill file is a miss.
+    victim = next(e for e in entries if not store.memory.contains(e.key))
+    path = tmp_path / "spill" / f"{victim.key}.entry"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert store.get(victim.key) is None and store.corrupt == 1
+    # An entry corrupted in memory is a miss too.
+    held = next(e for e in entries if store.memory.contains(e.key))
+    held.data.linear[0].S.add_(1.0)
+    try:
+        assert store.get(held.key) is None and store.corrupt == 2
+    finally:
+        held.data.linear[0].S.sub_(1.0)
+
+
+def test_cache_tier_over_grpc_corrupt_entry_is_a_miss(engine):
+    store = TierStore(1 << 24)
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    rpc.add_CacheTierServicer_to_server(CacheTierServicer(store), server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    try:
+        client = CacheTierClient(f"127.0.0.1:{port}")
+        a, b = engine.build_entry(list(range(30, 70))), engine.build_entry(list(range(80, 120)))
+        assert client.put([a, b]) == 2
+        for transport in ("grpc", "shm"):
+            got = client.get([a.key, b.key, "nope"], transport)
+            assert set(got) == {a.key, b.key}
+        store.memory.get(b.key).data.attn[2].k.mul_(2.0)
+        assert set(client.get([a.key, b.key])) == {a.key}
+        stat = client.stat([a.key, b.key])
+        assert list(stat.present) == [True, False] and stat.corrupt == 1
+    finally:
+        server.stop(0)
+    # The tier down: a miss, not an error.
+    assert CacheTierClient(f"127.0.0.1:{port}", timeout_s=1).get([a.key]) == {}
+
+
+def test_request_mapping():
+    native = chat_to_native({"messages": [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "d1"}, {"type": "text", "text": "d2"},
+                                     {"type": "text", "text": "q"}]}], "max_tokens": 3})
+    assert native == {"system": "sys", "segments": ["d1", "d2"], "suffix": "q",
+                      "sampling_params": {"max_new_tokens": 3}}
+    assert chat_to_native({"messages": [{"role": "user", "content": "a||b||q"}], "separator": "||"})["segments"] == \
+        ["a", "b"]
+    assert completion_to_native({"prompt": "x", "segments": ["s"]})["segments"] == ["s"]
+    assert sglang_to_native({"text": "a|b", "separator": "|", "sampling_params": {"n": 1, "regex": None}}) == \
+        {"segments": ["a"], "suffix": "b", "sampling_params": {}}
+    for bad in ({"messages": []}, {"messages": [{"role": "user", "content": 5}]}, {"messages": [], "n": 2},
+                {"messages": [{"role": "user", "content": "q"}], "bogus": 1}):
+        with pytest.raises(RequestError):
+            chat_to_native(bad)
+    with pytest.raises(RequestError):
+        sglang_to_native({"text": "q", "sampling_params": {"regex": "a+"}})
+
+
+def test_generated_protocol_code_is_current():
+    here = Path(build.__file__).parent
+    for name, text in build.generated_text().items():
+        assert (here / name).read_text() == text, f"{name} is stale: python -m hybridcache.services.protocol.build"
