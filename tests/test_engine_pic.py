@@ -113,12 +113,13 @@ def test_pic_reuse_and_kl_to_full(qwen35_dir):
     and the next-token distribution stays close to `full`.
 
     Bound: mean KL(full || pic) <= 0.02 nats and <= 1/10 of naive's. Measured at the commit that
-    added this test on this tiny model (6 requests, 5 segments of 90-140 tokens, w = 8): pic 0.0036,
+    added this test on this tiny model (6 requests, 5 segments of 90-140 tokens, w = 8; the test runs
+    4 of them): pic 0.0036,
     pic with w = 0 0.0043, naive 0.27. 0.02 nats is ~5x the measured value (room for numerics, not
     for a broken composition, which lands at naive's order of magnitude).
     """
     kls_pic, kls_naive = [], []
-    for seed in range(6):
+    for seed in range(4):
         req = rag_request(100 + seed)
         full = engine(qwen35_dir, "full")
         lf = full.prefill(full.parse_request(req)).logits
@@ -130,7 +131,7 @@ def test_pic_reuse_and_kl_to_full(qwen35_dir):
             assert all(s.hit for s in pre.stats.segments)
             assert (pre.stats.reused_tokens - pre.stats.prefix_reused_tokens) / seg_tokens >= 0.9
             out.append(kl(lf, pre.logits))
-    mean_pic, mean_naive = sum(kls_pic) / 6, sum(kls_naive) / 6
+    mean_pic, mean_naive = sum(kls_pic) / len(kls_pic), sum(kls_naive) / len(kls_naive)
     print(f"mean KL(full||pic) = {mean_pic:.4f}, mean KL(full||naive) = {mean_naive:.4f}")
     assert mean_pic <= 0.02
     assert mean_pic <= mean_naive / 10
