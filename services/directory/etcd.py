@@ -29,7 +29,9 @@ class EtcdDirectory(Directory):
         import pyetcd
 
         host, port = parse_endpoint(endpoint)
-        self._client = pyetcd.client(host=host, port=port, timeout=timeout_s)
+        # pyetcd marks a node that failed once as unusable: a lost connection gets a new client.
+        self._new_client = lambda: pyetcd.client(host=host, port=port, timeout=timeout_s)
+        self._client = self._new_client()
         self._ttl = max(2, int(ttl_s))
         self._refresh = refresh_s
         self._local = InProcessDirectory()
@@ -51,7 +53,13 @@ class EtcdDirectory(Directory):
         with self._lock:
             self._own.add((role, address))
         self._local.register(role, address)
-        self._sync()
+        if self._lease is None:
+            self._sync()
+            return
+        try:
+            self._client.put(f"{PREFIX}{role}/{address}", address, lease=self._lease)
+        except Exception as e:
+            self._lost(e)
 
     def deregister(self, role: str, address: str) -> None:
         with self._lock:
@@ -82,9 +90,14 @@ class EtcdDirectory(Directory):
         """Renew the lease, or (after a loss) take a new one and re-register everything we own."""
         try:
             if self._lease is not None:
-                self._lease.refresh()
+                reply = self._lease.refresh()
+                if reply and getattr(reply[0], "TTL", 1) <= 0:
+                    raise RuntimeError("lease expired")
                 self.connected = True
                 return
+            if not self.connected:
+                old, self._client = self._client, self._new_client()
+                old.close()
             lease = self._client.lease(self._ttl)
             with self._lock:
                 own = sorted(self._own)
