@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 from hybridcache.services import cli
-from hybridcache.services.runtime.cache import expected_entry_nbytes
+from hybridcache.services.runtime.cache import MemoryEntryStore, expected_entry_nbytes
+from hybridcache.services.runtime.cache.single_state import SingleStateStore
 from hybridcache.services.runtime.engine import Engine, EngineConfig
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.modelzoo import init_model_dir
@@ -79,9 +80,8 @@ def test_pic_consistency(arch, family_dirs):
     assert cold.stats.built_tokens > 0 and warm.stats.built_tokens == 0
     assert torch.equal(cold.logits, warm.logits)
     # entries are as large as the config says before they are built
-    entry = next(iter(pic.entries._entries.values())) if hasattr(pic.entries, "_entries") else None
-    if entry is not None:
-        assert entry.nbytes == expected_entry_nbytes(model.cfg, entry.data.num_tokens, model.dtype)
+    entry, hit = pic.get_or_build_entry(obj["segments"][1])
+    assert hit and entry.nbytes == expected_entry_nbytes(model.cfg, entry.data.num_tokens, model.dtype)
     # pic approximates full (same argmax region), naive addition drifts further away
     naive = _engine(model, family_dirs[arch], mode="naive", seam_window=4)
     naive_logits = naive.prefill(naive.parse_request(obj)).logits
@@ -113,3 +113,30 @@ def test_cli_model_init(arch, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["arch"] == arch
     assert json.loads((out / "config.json").read_text())["model_type"] == arch
     assert load_model(out).cfg.model_type == arch
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_single_state_policy(arch, family_dirs):
+    """Single state = composition with T = 0: consistent cold/warm, exact when nothing precedes the
+    segment, different from exact composition once a prefix carries state, and smaller entries."""
+    model = load_model(family_dirs[arch])
+    tok = Tokenizer.from_dir(family_dirs[arch])
+    obj = _request(arch)
+
+    def engine(single, w=4):
+        store = MemoryEntryStore(1 << 30)
+        return Engine(model, tok, EngineConfig(mode="pic", seam_window=w), SingleStateStore(store) if single else store)
+
+    single, exact = engine(True), engine(False)
+    cold = single.prefill(single.parse_request(obj))
+    warm = single.prefill(single.parse_request(obj))
+    assert torch.equal(cold.logits, warm.logits)
+    ref = exact.prefill(exact.parse_request(obj)).logits
+    assert (cold.logits - ref).abs().max().item() > 1e-4
+    sizes = [e.get_or_build_entry(obj["segments"][1])[0].nbytes for e in (single, exact)]
+    # a dense T (delta-rule families) is dropped; a scalar T (Mamba2) costs the same as the zero
+    assert sizes[0] < sizes[1] if arch == "olmo_hybrid" else sizes[0] == sizes[1]
+
+    one = dict(obj, segments=obj["segments"][:1])
+    a, b = engine(True, w=0), engine(False, w=0)
+    assert (a.prefill(a.parse_request(one)).logits - b.prefill(b.parse_request(one)).logits).abs().max() <= 1e-5
