@@ -1,12 +1,12 @@
 """SegmentEntry <-> stream of EntryChunk messages: a header, then the tensors layer by layer.
 
-Each tensor carries dtype, shape, layer and a sha256 of its bytes; the header carries the entry
-checksum. A reader rebuilds the entry and checks both: a mismatch is an error, never an entry.
+Each tensor carries dtype, shape, layer and a CRC32 of its bytes; the header carries the entry's
+sha256 checksum. A reader rebuilds the entry and checks both: a mismatch is an error, never an entry.
 """
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -33,7 +33,8 @@ def layer_tensors(data: SpanData) -> Iterator[tuple[int, str, torch.Tensor]]:
 
 
 def _digest(raw) -> str:
-    return hashlib.sha256(raw).hexdigest()
+    # Per tensor a CRC (cheap, checked as each layer arrives); the entry's sha256 covers the whole.
+    return f"crc32:{zlib.crc32(raw):08x}"
 
 
 def entry_chunks(entry: SegmentEntry, index: int, transport: TensorTransport) -> Iterator[pb.EntryChunk]:
@@ -46,7 +47,7 @@ def entry_chunks(entry: SegmentEntry, index: int, transport: TensorTransport) ->
         checksum=entry.checksum, num_tensors=len(tensors), transport=transport.name))
     for layer, name, t in tensors:
         c = t.detach().contiguous().cpu()
-        raw = c.view(torch.uint8).numpy().tobytes() if c.numel() else b""
+        raw = memoryview(c.view(torch.uint8).reshape(-1).numpy()) if c.numel() else b""
         chunk = pb.TensorChunk(layer=layer, name=name, dtype=str(c.dtype).removeprefix("torch."),
                                shape=list(c.shape), checksum=_digest(raw), nbytes=len(raw))
         transport.write(chunk, c)
@@ -61,7 +62,8 @@ def _tensor(chunk) -> torch.Tensor:
         raise TransportError(f"layer {chunk.layer} {chunk.name}: checksum mismatch")
     if chunk.nbytes == 0:
         return torch.empty(tuple(chunk.shape), dtype=_DTYPES[chunk.dtype])
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(_DTYPES[chunk.dtype]).reshape(tuple(chunk.shape))
+    buf = raw if isinstance(raw, bytearray) else bytearray(raw)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(_DTYPES[chunk.dtype]).reshape(tuple(chunk.shape))
 
 
 class EntryAssembler:

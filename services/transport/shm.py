@@ -41,15 +41,16 @@ class ShmTransport(TensorTransport):
         return self._moved
 
 
-def read_shm(name: str, offset: int, nbytes: int) -> bytes:
+def read_shm(name: str, offset: int, nbytes: int) -> bytearray:
     """Copy a block's bytes out and unlink it (each block is read exactly once)."""
     if not name.startswith(PREFIX) or "/" in name:
         raise TransportError(f"bad shared-memory block name {name!r}")
     path = SHM_DIR / name
     try:
-        with open(path, "rb") as f:
+        raw = bytearray(nbytes)
+        with open(path, "rb", buffering=0) as f:
             f.seek(offset)
-            raw = f.read(nbytes)
+            got = f.readinto(raw)
     except FileNotFoundError:
         raise TransportError(f"shared-memory block {name} is gone") from None
     finally:
@@ -57,6 +58,6 @@ def read_shm(name: str, offset: int, nbytes: int) -> bytes:
             path.unlink()
         except FileNotFoundError:
             pass
-    if len(raw) != nbytes:
+    if got != nbytes:
         raise TransportError(f"shared-memory block {name} is shorter than {offset + nbytes} bytes")
     return raw
