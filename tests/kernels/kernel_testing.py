@@ -1,6 +1,27 @@
-"""Shared helpers for kernel tests (imported as a plain module: tests/ has no __init__.py)."""
+"""Shared helpers for kernel tests (a plain module: tests/ has no __init__.py and no conftest here,
+since a second conftest.py would shadow tests/conftest.py for `from conftest import ...`).
+
+Triton kernels run under the interpreter where there is no GPU (CI). TRITON_INTERPRET must be
+set before a kernel is decorated, so test modules import the kernels from here.
+"""
+
+import os
+import sys
 
 import torch
+
+if torch.cuda.is_available():
+    # tests/conftest.py hides fla so that transformers uses its CPU paths; on a GPU the kernels
+    # under test are fla's.
+    if "fla" in sys.modules and sys.modules["fla"] is None:
+        del sys.modules["fla"]
+else:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd  # noqa: E402
+from hybridcache.kernels.ops.transition.compose_triton import compose_states_fwd  # noqa: E402
+
+__all__ = ["causal_conv1d_fwd", "compose_states_fwd", "device", "rel_rms"]
 
 
 def rel_rms(a, b):

@@ -3,8 +3,7 @@
 import pytest
 import torch
 from hybridcache.kernels.ops.causal_conv import loop_causal_conv1d, naive_causal_conv1d
-from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd
-from kernel_testing import device, rel_rms
+from kernel_testing import causal_conv1d_fwd, device, rel_rms
 
 SHAPES = [(1, 1, 8, 4), (2, 3, 20, 4), (1, 37, 24, 3), (2, 63, 40, 4)]
 

@@ -3,8 +3,7 @@
 import pytest
 import torch
 from hybridcache.kernels.ops.transition import apply_segment
-from hybridcache.kernels.ops.transition.compose_triton import compose_states_fwd
-from kernel_testing import device, rel_rms
+from kernel_testing import compose_states_fwd, device, rel_rms
 
 
 def make_segments(N, G, K, V, dtype, seed=42):

@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
-from hybridcache.kernels.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
 from hybridcache.kernels.ops.transition import apply_segment
+from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.sequence import (
     AttnSpan,
@@ -81,12 +80,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def gated_delta_rule(q, k, v, g, beta, initial_state, output_transition: bool):
-    """Dispatch to the fastest exact path for the shapes at hand (step loop for a few tokens)."""
-    if q.shape[1] < 16:
-        return naive_recurrent_gated_delta_rule(
-            q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition
-        )
-    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition)
+    """Dispatch to the fastest path for the device and shapes at hand (backends.py)."""
+    return backends.gated_delta_rule(q, k, v, g, beta, initial_state, output_transition)
 
 
 class GatedDeltaNet(nn.Module):
@@ -139,7 +134,8 @@ class GatedDeltaNet(nn.Module):
     def scan(self, mixed, b, a, state: LinearState, output_transition: bool):
         """One live run: conv from the state's tail, then the recurrence from the state's S."""
         n = mixed.shape[1]
-        conv_out, tail = naive_causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, "silu")
+        weight = self.conv1d.weight.squeeze(1)
+        conv_out, tail = backends.causal_conv1d(mixed, weight, None, state.conv, "silu")
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(1, n, self.hk, self.dk)
         k = k.reshape(1, n, self.hk, self.dk)
@@ -236,15 +232,7 @@ class GatedAttention(nn.Module):
         K = torch.cat(ks, dim=2)
         V = torch.cat(vs, dim=2)
         state.k, state.v = K, V
-        N = K.shape[2]
-        if n == 1 and int(live_pos[0]) == N - 1:
-            mask = None
-        else:
-            key_pos = torch.arange(N, device=x.device)
-            mask = key_pos[None, :] <= live_pos[:, None]  # [n, N]
-        out = F.scaled_dot_product_attention(
-            q, K, V, attn_mask=mask, scale=self.d**-0.5, enable_gqa=self.hq != self.hkv
-        )  # [1, Hq, n, d]
+        out = backends.attention(q, K, V, live_pos, self.d**-0.5)  # [1, Hq, n, d]
         out = out.transpose(1, 2).reshape(1, n, -1) * torch.sigmoid(gate)
         return self.o_proj(out)
 

@@ -1,0 +1,93 @@
+"""Which implementation of each op runs for a device and dtype (the model's dispatch points).
+
+CPU (and CI): the pure-PyTorch references in kernels/ops. CUDA: fla-core's chunked gated delta
+rule (with initial state) when importable, our fused entry construction for runs that record a
+cache entry, Triton causal conv, and SDPA for attention (flash for a plain causal prefill).
+`HYBRIDCACHE_KERNELS=reference` forces the references on any device (for A/B comparisons).
+Kernel modules are imported lazily, so importing the runtime never imports Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
+from hybridcache.kernels.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+
+# Below this many tokens the step loop beats chunking on CPU, and fla's fused recurrent kernel
+# beats its chunked one on GPU (decode, seam windows).
+SHORT_RUN = 16
+
+
+def use_fast_kernels(t: torch.Tensor) -> bool:
+    return t.is_cuda and os.environ.get("HYBRIDCACHE_KERNELS", "auto") != "reference"
+
+
+@functools.cache
+def fla_available() -> bool:
+    from hybridcache.kernels.ops.gated_delta_rule.fla_entry import fla_available as probe
+
+    return probe()
+
+
+def gated_delta_rule(q, k, v, g, beta, initial_state, output_transition: bool):
+    """q, k [B, T, H, K]; v [B, T, H, V]; g, beta [B, T, H]; state [B, H, K, V] fp32.
+
+    Returns (o, final_state) or, with output_transition, (o, final_state, (T, S(run|0))).
+    """
+    if use_fast_kernels(v) and fla_available():
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        beta = beta.to(v.dtype)
+        if output_transition:
+            from hybridcache.kernels.ops.gated_delta_rule.fla_entry import chunk_gated_delta_rule_entry
+
+            return chunk_gated_delta_rule_entry(q, k, v, g, beta, initial_state=initial_state)
+        state = initial_state.float().contiguous() if initial_state is not None else None
+        if q.shape[1] < SHORT_RUN:
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+            return fused_recurrent_gated_delta_rule(
+                q, k, v, g=g.float(), beta=beta, initial_state=state, output_final_state=True
+            )
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+        return fla_chunk(q, k, v, g=g.float(), beta=beta, initial_state=state, output_final_state=True)
+    if q.shape[1] < SHORT_RUN:
+        return naive_recurrent_gated_delta_rule(
+            q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition
+        )
+    return chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition
+    )
+
+
+def causal_conv1d(x, weight, bias, initial_state, activation):
+    """x [B, T, D], weight [D, W], state [B, D, W - 1] -> (y [B, T, D], tail [B, D, W - 1])."""
+    if use_fast_kernels(x):
+        from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd
+
+        return causal_conv1d_fwd(x, weight, bias, initial_state.to(x.dtype), activation)
+    return naive_causal_conv1d(x, weight, bias, initial_state, activation)
+
+
+def attention(q, k, v, live_pos: torch.Tensor, scale: float):
+    """Live queries q [1, Hq, n, d] (absolute positions live_pos [n], in order) over all keys
+    k, v [1, Hkv, N, d] at positions 0..N-1. GQA when Hq != Hkv. Returns [1, Hq, n, d]."""
+    n, N = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if n == N:
+        # Every key is live and positions run 0..N-1: plain causal (flash on GPU, no mask built).
+        if gqa and q.is_cuda:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            gqa = False
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if n == 1 and int(live_pos[0]) == N - 1:
+        mask = None
+    else:
+        key_pos = torch.arange(N, device=q.device)
+        mask = key_pos[None, :] <= live_pos[:, None]  # [n, N]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
