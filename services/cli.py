@@ -38,6 +38,30 @@ def _dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def add_prefix_cache_flags(sp) -> None:
+    """Prefix page-tree flags (shared by every command that builds an engine)."""
+    from hybridcache.services.runtime.cache import POLICIES
+
+    sp.add_argument("--prefix-policy", default="exact_replay", choices=list(POLICIES),
+                    help="how prefix pages keep the linear layers' state")
+    sp.add_argument("--checkpoint-every", type=int, default=4,
+                    help="pages (64 tokens) between dense linear-state checkpoints (checkpoint, exact_replay)")
+    sp.add_argument("--anchors-per-page", type=int, default=4,
+                    help="suffix_replay: hidden states kept per page at each linear-group entry (r)")
+    sp.add_argument("--replay-anchors", type=int, default=64,
+                    help="suffix_replay: most anchors a hit replays per group (k)")
+
+
+def prefix_cache_config(args) -> dict:
+    """EngineConfig keyword arguments from add_prefix_cache_flags' flags."""
+    return {
+        "prefix_policy": args.prefix_policy,
+        "checkpoint_every": args.checkpoint_every,
+        "anchors_per_page": args.anchors_per_page,
+        "replay_anchors": args.replay_anchors,
+    }
+
+
 def _engine(args):
     from hybridcache.services.runtime.engine import Engine, EngineConfig
     from hybridcache.services.runtime.modelzoo import default_model_dir
@@ -48,7 +72,10 @@ def _engine(args):
         if not torch.cuda.is_available():
             raise UsageError("--device cuda given but no CUDA device is available")
     model_dir = Path(args.model) if args.model else default_model_dir()
-    config = EngineConfig(mode=args.mode, seam_window=args.seam_window)
+    try:
+        config = EngineConfig(mode=args.mode, seam_window=args.seam_window, **prefix_cache_config(args))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return Engine.from_dir(model_dir, device=args.device, dtype=_dtype(args.dtype), config=config)
 
 
@@ -117,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--seam-window", type=int, default=8, help="live tokens at the start of each reused segment")
         sp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+        add_prefix_cache_flags(sp)
 
     m = sub.add_parser("model", help="model directories")
     msub = m.add_subparsers(dest="model_command", required=True)

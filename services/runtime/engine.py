@@ -2,12 +2,20 @@
 
 Modes, one code path (DESIGN §3):
     full    no cache: every prompt token is live.
-    prefix  exact prefix cache at part boundaries, the rest live (what every engine has).
+    prefix  exact prefix cache over 64-token pages, the rest live (what every engine has).
     pic     prefix cache + position-independent segment entries: each segment's body is folded
             in from its entry (T, S(body|0), conv tail, K/V); its first w tokens (the seam) are live.
     naive   pic without T (S_end = S_start + S(body|0)): an ablation, wrong whenever there is decay.
 Cold segments are first prefilled on their own into entries, then the request runs all-warm, so
 a pic answer never depends on what was cached before.
+
+Prefix cache (every mode but full): exact prefixes live in a page tree (cache/radix.py) whose
+linear state follows the configured policy (cache/policies.py: checkpoint, suffix_replay,
+exact_replay). Only pages computed exactly go in: every page of a prefix run live from position
+0, i.e. up to the first reused segment body; the finished request's generated tokens extend
+them, so the next turn of a conversation hits. PIC-assembled (approximate) states stay out of
+the tree and are kept after whole parts in the chain store (cache/prefix.py), keyed by mode and
+seam window, for modes pic and naive.
 """
 
 from __future__ import annotations
@@ -18,14 +26,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-
 from hybridcache.services.runtime.cache import (
+    POLICIES,
     EntryStore,
     MemoryEntryStore,
+    PageRecorder,
+    PageTree,
+    PrefixPolicy,
     PrefixSnapshot,
     PrefixStore,
     SegmentEntry,
     chain_key,
+    restore_state,
     segment_key,
 )
 from hybridcache.services.runtime.loader import load_model
@@ -45,10 +57,20 @@ class EngineConfig:
     prefix_cache_bytes: int = 1 << 30
     max_segments: int = 512
     verify_checksums: bool = False  # re-hash entries on every read (stores fed over the network do)
+    # Prefix page tree (cache/policies.py): how pages keep the linear layers' state.
+    prefix_policy: str = "exact_replay"  # checkpoint | suffix_replay | exact_replay
+    checkpoint_every: int = 4  # pages between dense linear-state checkpoints (checkpoint, exact_replay)
+    anchors_per_page: int = 4  # suffix_replay: hidden states kept per page at each linear-group entry
+    replay_anchors: int = 64  # suffix_replay: most anchors a hit replays per group
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.prefix_policy not in POLICIES:
+            raise ValueError(
+                f"prefix_policy must be one of {', '.join(POLICIES)}, got {self.prefix_policy!r}"
+            )
+        _ = self.page_policy  # validates the policy's parameters
         if self.seam_window < 0:
             raise ValueError("seam_window must be >= 0")
         if self.entry_cache_bytes <= 0 or self.prefix_cache_bytes <= 0:
@@ -61,6 +83,15 @@ class EngineConfig:
     @property
     def uses_entries(self) -> bool:
         return self.mode in ("pic", "naive")
+
+    @property
+    def page_policy(self) -> PrefixPolicy:
+        return PrefixPolicy(
+            self.prefix_policy,
+            checkpoint_every=self.checkpoint_every,
+            anchors_per_page=self.anchors_per_page,
+            replay_anchors=self.replay_anchors,
+        )
 
 
 @dataclass(slots=True)
@@ -101,6 +132,9 @@ class RequestStats:
     live_tokens: int = 0
     built_tokens: int = 0  # tokens of cold segments prefilled into entries for this request
     prefix_reused_tokens: int = 0
+    prefix_policy: str = ""
+    linear_state_bytes: int = 0  # linear-state bytes the page tree holds for this prompt's cached pages
+    prefix_restore_ms: float = 0.0  # time to rebuild the state of a page-tree hit
     segments: list[SegmentStat] = field(default_factory=list)
     ttft_ms: float = 0.0
 
@@ -134,6 +168,9 @@ class Prefill:
     logits: torch.Tensor  # [vocab] fp32, next-token logits after the prompt
     stats: RequestStats
     started: float
+    # Page-tree bookkeeping: what new pages need, and the locked path ends to release at finish.
+    recorder: PageRecorder | None = None
+    locked: list = field(default_factory=list)
 
 
 class Engine:
@@ -144,6 +181,7 @@ class Engine:
         config: EngineConfig | None = None,
         entry_store: EntryStore | None = None,
         prefix_store: PrefixStore | None = None,
+        page_tree: PageTree | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -152,6 +190,8 @@ class Engine:
         self.fingerprint = getattr(model, "fingerprint", "unfingerprinted")
         self.entries = entry_store or MemoryEntryStore(self.config.entry_cache_bytes, self.config.verify_checksums)
         self.prefixes = prefix_store or PrefixStore(self.config.prefix_cache_bytes)
+        self.page_policy = self.config.page_policy
+        self.pages = page_tree or PageTree(self.config.prefix_cache_bytes, self.page_policy.page_size)
         eos = set(self.cfg.eos_token_ids)
         for t in SPECIAL_TOKENS:
             tid = tokenizer.token_id(t)
@@ -255,6 +295,38 @@ class Engine:
         tag = "exact" if mode == "prefix" else f"{mode}-w{self.config.seam_window}"
         return chain_key(self.fingerprint, tag, [])
 
+    def _lookup_prefix(self, req: Request, keys: list[str], stats: RequestStats, locked: list):
+        """The state after the longest cached prefix (page tree, or in pic/naive a part chain),
+        and whether that state is exact. The last prompt token always runs (it yields the logits)."""
+        cfg = self.config
+        prompt = req.prompt_ids
+        snap = None
+        if cfg.uses_entries:
+            for j in range(len(keys) - 2, -1, -1):
+                snap = self.prefixes.get(keys[j])
+                if snap is not None:
+                    break
+        path = self.pages.match(prompt[: len(prompt) - 1], self.page_policy.usable)
+        if path and path[-1].depth * self.pages.page_size > (snap.length if snap else 0):
+            self.pages.lock(path[-1])
+            locked.append(path[-1])
+            t0 = time.perf_counter()
+            state = restore_state(self.model, self.page_policy, path)
+            stats.prefix_restore_ms = (time.perf_counter() - t0) * 1000
+            return state, True
+        if snap is not None:
+            return snap.restore(), False
+        return self.model.empty_state(), True
+
+    def _live_runs(self, t: torch.Tensor, pos: int) -> list[LiveRun]:
+        """t as live runs split at the page tree's checkpoint positions (so their states can be kept)."""
+        step = self.page_policy.checkpoint_tokens
+        cuts = list(range((pos // step + 1) * step, pos + len(t), step))
+        if not self.page_policy.stores_checkpoints:
+            cuts = []
+        bounds = [pos, *cuts, pos + len(t)]
+        return [LiveRun(t[a - pos : b - pos], a) for a, b in zip(bounds, bounds[1:])]
+
     @torch.no_grad()
     def prefill(self, req: Request) -> Prefill:
         started = time.perf_counter()
@@ -267,63 +339,117 @@ class Engine:
             k = chain_key(k, kind, ids)
             keys.append(k)
 
-        # Longest cached prefix of whole parts; the last part always runs (it yields the logits).
-        state, first = None, 0
+        locked: list = []
         if cfg.uses_prefix_cache:
-            for j in range(len(parts) - 2, -1, -1):
-                snap = self.prefixes.get(keys[j])
-                if snap is not None:
-                    state, first = snap.restore(), j + 1
-                    break
-        if state is None:
-            state = self.model.empty_state()
+            stats.prefix_policy = cfg.prefix_policy
+            state, exact = self._lookup_prefix(req, keys, stats, locked)
+        else:
+            state, exact = self.model.empty_state(), False
         stats.prefix_reused_tokens = state.length
         stats.reused_tokens = state.length
-        seg_stats = [SegmentStat(len(p), True, "prefix") for kind, p in parts[:first] if kind == "segment"]
+
+        # Parts wholly inside the hit are reused; the part the hit ends in runs live from there.
+        seg_stats, first, skip, part_start = [], len(parts), 0, 0
+        for j, (kind, ids) in enumerate(parts):
+            if part_start + len(ids) > state.length:
+                first, skip = j, state.length - part_start
+                break
+            if kind == "segment":
+                seg_stats.append(SegmentStat(len(ids), True, "prefix"))
+            part_start += len(ids)
 
         layout, boundary = [], {}
         pos = state.length
         w = cfg.seam_window
         for j in range(first, len(parts)):
             kind, ids = parts[j]
-            t = torch.tensor(ids, dtype=torch.long)
+            t = torch.tensor(ids[skip if j == first else 0 :], dtype=torch.long)
             last = j == len(parts) - 1
-            if kind == "segment" and cfg.uses_entries and not last and self.cacheable(ids):
+            whole = not (j == first and skip)
+            if kind == "segment" and cfg.uses_entries and not last and whole and self.cacheable(ids):
                 entry, hit = self.get_or_build_entry(ids)
                 if not hit:
                     stats.built_tokens += len(ids)
                 if w:
-                    layout.append(LiveRun(t[:w], pos))
+                    layout += self._live_runs(t[:w], pos)
                 layout.append(CachedSpan(entry.data, pos + w, use_transition=cfg.mode == "pic"))
                 stats.reused_tokens += entry.data.num_tokens
                 stats.live_tokens += w
                 seg_stats.append(SegmentStat(len(ids), hit, "entry" if hit else "built"))
             else:
-                layout.append(LiveRun(t, pos))
-                stats.live_tokens += len(ids)
+                layout += self._live_runs(t, pos)
+                stats.live_tokens += len(t)
                 if kind == "segment":
                     seg_stats.append(SegmentStat(len(ids), False, "live"))
-            pos += len(ids)
+            pos += len(t)
             boundary[len(layout) - 1] = j
-        snapshot_after = set(boundary) if cfg.uses_prefix_cache else set()
+
+        # Pages computed exactly: from an exact start up to the first reused body.
+        recorder, exact_end = None, 0
+        if cfg.uses_prefix_cache and exact:
+            exact_end = next((p.start for p in layout if isinstance(p, CachedSpan)), pos)
+            anchor_layers = tuple(g[0] for g in self.model.linear_groups())
+            recorder = PageRecorder(self.page_policy, state.length, req.prompt_ids[:exact_end], anchor_layers)
+        snapshot_after = set(boundary) if cfg.uses_entries else set()
+        if recorder is not None:
+            is_ckpt = self.page_policy.is_checkpoint_position
+            snapshot_after |= {i for i, p in enumerate(layout) if p.end <= exact_end and is_ckpt(p.end)}
         snapshot_after.discard(len(layout) - 1)
-        logits, rec = self.model.forward_layout(state, layout, "last", snapshot_after)
-        if cfg.uses_prefix_cache:
+        capture = recorder.capture_layers if recorder is not None else ()
+        logits, rec = self.model.forward_layout(state, layout, "last", snapshot_after, capture)
+        if cfg.uses_entries:
             for idx, lin in rec.snapshots.items():
+                if idx not in boundary:
+                    continue
                 end = layout[idx].end
                 attn = {i: type(a)(a.k[:, :, :end], a.v[:, :, :end]) for i, a in state.attn.items()}
                 nbytes = sum(s.ssm.numel() * 4 + s.conv.numel() * s.conv.element_size() for s in lin.values())
                 nbytes += sum(a.k.numel() * a.k.element_size() * 2 for a in attn.values())
                 self.prefixes.put(keys[boundary[idx]], PrefixSnapshot(end, lin, attn, nbytes))
+        if recorder is not None:
+            recorder.add_hidden(rec.hidden, exact_end - recorder.start)
+            for idx, lin in rec.snapshots.items():
+                recorder.add_checkpoint(layout[idx].end, lin, copy=idx in boundary)
+            if exact_end == pos:
+                recorder.add_checkpoint(pos, state.linear, copy=True)
+            self._insert_pages(recorder, state, locked)
+            if exact_end < pos:
+                recorder = None  # the rest of this request is not exact: nothing more to insert
+        if cfg.uses_prefix_cache:
+            tip = self.pages.match(req.prompt_ids)
+            stats.linear_state_bytes = sum(n.payload.linear_nbytes for n in tip)
         stats.segments = seg_stats
-        return Prefill(state, logits, stats, started)
+        return Prefill(state, logits, stats, started, recorder, locked)
+
+    def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list) -> None:
+        tip = self.pages.insert(recorder.token_ids, lambda a: recorder.page_payload(state, a))
+        if tip is not None:
+            locked.append(tip)
+
+    def finish_prefix(self, pre: Prefill) -> None:
+        """A request ended: add the pages its decode completed, then release its pages."""
+        try:
+            if pre.recorder is not None:
+                self._insert_pages(pre.recorder, pre.state, pre.locked)
+                pre.recorder = None
+        finally:
+            for node in pre.locked:
+                self.pages.unlock(node)
+            pre.locked.clear()
 
     # ------------------------------------------------------------------ decode
 
     @torch.no_grad()
-    def decode_one_token(self, state: SequenceState, token_id: int) -> torch.Tensor:
+    def decode_one_token(
+        self, state: SequenceState, token_id: int, recorder: PageRecorder | None = None
+    ) -> torch.Tensor:
         run = LiveRun(torch.tensor([token_id], dtype=torch.long), state.length)
-        logits, _ = self.model.forward_layout(state, [run], "last")
+        capture = recorder.capture_layers if recorder is not None else ()
+        logits, rec = self.model.forward_layout(state, [run], "last", capture_hidden=capture)
+        if recorder is not None:
+            recorder.token_ids.append(token_id)
+            recorder.add_hidden(rec.hidden, 1)
+            recorder.add_checkpoint(state.length, state.linear, copy=True)
         return logits
 
     def start(self, req: Request) -> Generation:
@@ -355,6 +481,13 @@ class Generation:
         self.output_ids: list[int] = []
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
+        try:
+            yield from self._decode()
+        finally:
+            # Also when the consumer stops early: the request's pages go into the tree and are released.
+            self.engine.finish_prefix(self.prefill)
+
+    def _decode(self) -> Iterator[tuple[int, str]]:
         eng, params, pre = self.engine, self.req.sampling, self.prefill
         gen = None
         if params.temperature > 0:
@@ -384,7 +517,7 @@ class Generation:
             yield tok, text[len(emitted) : safe]
             emitted = text[:safe]
             if step + 1 < params.max_new_tokens:
-                logits = eng.decode_one_token(pre.state, tok)
+                logits = eng.decode_one_token(pre.state, tok, pre.recorder)
         text = eng.tokenizer.decode(out)
         if len(text) > len(emitted):
             yield -1, text[len(emitted) :]

@@ -103,7 +103,10 @@ class SequenceState:
 @dataclass
 class Recording:
     """What a forward recorded, keyed by piece index in the layout: entries of LiveRuns with
-    record="entry", and per linear layer the state after each piece asked for."""
+    record="entry", per linear layer the state after each piece asked for, and the hidden states
+    entering the layers asked for (prefix-cache anchors)."""
 
     entries: dict[int, SpanData] = field(default_factory=dict)
     snapshots: dict[int, dict[int, LinearState]] = field(default_factory=dict)
+    # layer index -> the residual stream entering that layer for every live token [n_live, h]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)

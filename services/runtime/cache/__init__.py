@@ -1,4 +1,4 @@
-"""Segment entries (public pool) and prefix snapshots (private pool), with byte budgets."""
+"""Segment entries (public pool), the page tree of prefixes and part-chain snapshots (private pool)."""
 
 from hybridcache.services.runtime.cache.base import EntryStore
 from hybridcache.services.runtime.cache.entry import (
@@ -10,12 +10,26 @@ from hybridcache.services.runtime.cache.entry import (
     segment_key,
 )
 from hybridcache.services.runtime.cache.memory import MemoryEntryStore
+from hybridcache.services.runtime.cache.policies import (
+    POLICIES,
+    PageRecorder,
+    PrefixPolicy,
+    linear_state_bytes_per_token,
+    restore_state,
+)
 from hybridcache.services.runtime.cache.prefix import PrefixSnapshot, PrefixStore, chain_key
+from hybridcache.services.runtime.cache.radix import PageNode, PagePayload, PageTree
 
 __all__ = [
     "CACHE_FORMAT",
     "EntryStore",
     "MemoryEntryStore",
+    "POLICIES",
+    "PageNode",
+    "PagePayload",
+    "PageRecorder",
+    "PageTree",
+    "PrefixPolicy",
     "PrefixSnapshot",
     "PrefixStore",
     "SegmentEntry",
@@ -23,5 +37,7 @@ __all__ = [
     "entry_checksum",
     "entry_nbytes",
     "expected_entry_nbytes",
+    "linear_state_bytes_per_token",
+    "restore_state",
     "segment_key",
 ]

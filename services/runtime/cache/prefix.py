@@ -1,8 +1,10 @@
 """Exact prefix cache at part boundaries (system prompt, segments): the state after a prefix.
 
 Keys chain over the parts, so the same tokens split into different segments are different
-prefixes (their assembled states differ under PIC). The page-granular radix cache of DESIGN §4
-replaces this when it lands.
+prefixes (their assembled states differ under PIC). Exact prefixes live in the page tree
+(radix.py, policies.py) at 64-token granularity; this store keeps only what the page tree must
+not hold: PIC-assembled (approximate) states after whole parts, for modes pic and naive, keyed
+by mode and seam window.
 """
 
 from __future__ import annotations

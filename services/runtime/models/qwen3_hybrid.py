@@ -340,13 +340,17 @@ class HybridLM(nn.Module):
         return SequenceState(length=0, linear=lin, attn=att)
 
     @torch.no_grad()
-    def forward_layout(self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=()):
+    def forward_layout(
+        self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=(),
+        capture_hidden=(),
+    ):
         """Run the live tokens of `layout` (pieces in position order, starting at state.length).
 
         Mutates `state` to cover the layout. Returns (logits, recording): logits of the last live
         token [vocab] ("last"), of every live token [n_live, vocab] ("all") or None ("none").
-        The recording holds a SpanData per LiveRun with record="entry", and the linear layers'
-        state after each piece index in `snapshot_after`.
+        The recording holds a SpanData per LiveRun with record="entry", the linear layers'
+        state after each piece index in `snapshot_after`, and the residual stream entering each
+        layer index in `capture_hidden` (rec.hidden[i], [n_live, h]).
         """
         pos = state.length
         live_ids, live_pos = [], []
@@ -368,6 +372,8 @@ class HybridLM(nn.Module):
         positions = torch.cat(live_pos).to(self.device)
         x = self.model.embed_tokens(ids)[None]  # [1, n_live, h]
         for i, layer in enumerate(self.model.layers):
+            if i in capture_hidden:
+                rec.hidden[i] = x[0].clone()
             h = layer.input_layernorm(x)
             if layer.kind == "linear_attention":
                 h = layer.linear_attn.forward_layout(h, layout, state.linear[i], rec, i)
@@ -382,3 +388,31 @@ class HybridLM(nn.Module):
             x = x[:, -1:]
         logits = self.lm_head(self.model.norm(x))[0].float()
         return (logits[-1] if logits_for == "last" else logits), rec
+
+    def linear_groups(self) -> list[tuple[int, ...]]:
+        """Runs of consecutive linear-attention layer indices, in order (prefix-cache replay units)."""
+        groups, run = [], []
+        for i, layer in enumerate(self.model.layers):
+            if layer.kind == "linear_attention":
+                run.append(i)
+            elif run:
+                groups.append(tuple(run))
+                run = []
+        if run:
+            groups.append(tuple(run))
+        return groups
+
+    @torch.no_grad()
+    def replay_linear_group(self, group: tuple[int, ...], hidden: torch.Tensor, state: SequenceState) -> None:
+        """Run hidden states [n, h] entering group[0] through the linear layers of `group` (and
+        their MLPs), advancing state.linear[i] for i in group in place. Attention layers and
+        state.length are untouched: the caller restores those."""
+        x = hidden.to(self.dtype)[None]  # [1, n, h]
+        n = x.shape[1]
+        run = [LiveRun(torch.zeros(n, dtype=torch.long), 0)]
+        for i in group:
+            layer = self.model.layers[i]
+            x = x + layer.linear_attn.forward_layout(layer.input_layernorm(x), run, state.linear[i], None, i)
+            # The last layer's output feeds no state of this group.
+            if i != group[-1]:
+                x = x + layer.mlp(layer.post_attention_layernorm(x))

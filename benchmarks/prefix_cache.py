@@ -1,0 +1,248 @@
+"""Prefix page tree: linear-state bytes per token of each policy against a dense checkpoint per
+page, restore time against re-prefill, and fidelity (linear-state error, next-token agreement).
+
+Random weights on a real shape, built directly on the device (no checkpoint is written):
+
+    python benchmarks/prefix_cache.py --preset qwen3.5-9b --device cuda --dtype bfloat16 \
+        --lengths 8192 32768 --out benchmarks/results/prefix_cache_h200.json
+    python benchmarks/prefix_cache.py --preset tiny --lengths 512 1024       # CPU smoke run
+
+Each prompt of L tokens is prefilled once per policy (pages inserted); then the state after
+H = L - 64 tokens (one page before a checkpoint-grid position) is rebuilt from the tree and
+compared, in time and values, with a re-prefill of those H tokens.
+
+Prints one JSON object (gpu, commit, date, command, config, per-length rows and a flat
+`figures` object) and writes it to --out when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from hybridcache.services.runtime.cache import PrefixPolicy, linear_state_bytes_per_token, restore_state
+from hybridcache.services.runtime.config import ModelConfig
+from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
+from hybridcache.services.runtime.modelzoo import hf_config
+from hybridcache.services.runtime.sequence import LiveRun
+from hybridcache.services.runtime.tokenizer import Tokenizer, build_byte_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@torch.no_grad()
+def init_on_device_(model: HybridLM, seed: int, std: float = 0.02) -> None:
+    """modelzoo.random_init_'s distributions, drawn on the model's device (fast for big shapes)."""
+    torch.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.uniform_(math.log(1e-3), math.log(4.0))
+        elif name.endswith("dt_bias"):
+            p.uniform_(-1.0, 1.0)
+        elif name.endswith("linear_attn.norm.weight"):
+            p.normal_(1.0, 0.1)
+        elif "norm" in name.split(".")[-2]:
+            p.normal_(0.0, 0.1)
+        elif name.endswith("conv1d.weight"):
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+        else:
+            p.normal_(0.0, std)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats: int):
+    """Median wall time in ms of fn() (after one warm-up call) and its last result."""
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times), out
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def dense_state_bytes(model: HybridLM) -> int:
+    st = model.empty_state()
+    return sum(t.numel() * t.element_size() for s in st.linear.values() for t in (s.ssm, s.conv))
+
+
+def continuation_agreement(model, ref_state, got_state, cont_ids) -> tuple[float, float]:
+    """Greedy next-token agreement and max relative logit error over a teacher-forced continuation."""
+    run = [LiveRun(cont_ids, ref_state.length)]
+    ref_logits, _ = model.forward_layout(ref_state.clone(), run, "all")
+    got_logits, _ = model.forward_layout(got_state.clone(), run, "all")
+    agree = (ref_logits.argmax(-1) == got_logits.argmax(-1)).float().mean().item()
+    return agree, rel(got_logits, ref_logits)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="qwen3_5_text")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512])
+    ap.add_argument("--checkpoint-every", type=int, default=4)
+    ap.add_argument("--anchors-per-page", type=int, default=4)
+    ap.add_argument("--replay-anchors", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--continuation", type=int, default=32, help="tokens teacher-forced after the prefix")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+
+    cfg = ModelConfig.from_dict(hf_config(args.arch, args.preset))
+    torch.set_default_dtype(dtype)
+    with torch.device(device):
+        model = HybridLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    init_on_device_(model, args.seed)
+    model.eval()
+    tokenizer = Tokenizer(build_byte_tokenizer())
+    P = 64
+    groups = model.linear_groups()
+    dense = dense_state_bytes(model)
+    anchor_bytes = len(groups) * cfg.hidden_size * torch.empty((), dtype=dtype).element_size()
+    dense_per_page = dense / P  # a dense checkpoint after every page, per token
+    policies = {
+        "checkpoint": PrefixPolicy("checkpoint", checkpoint_every=args.checkpoint_every),
+        "suffix_replay": PrefixPolicy("suffix_replay", anchors_per_page=args.anchors_per_page,
+                                      replay_anchors=args.replay_anchors[0]),
+        "exact_replay": PrefixPolicy("exact_replay", checkpoint_every=args.checkpoint_every),
+    }
+    result = {
+        "benchmark": "prefix_cache",
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (cpu)",
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "config": {
+            "arch": args.arch, "preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
+            "linear_layers": sum(map(len, groups)), "linear_groups": len(groups), "hidden": cfg.hidden_size,
+            "page_tokens": P, "checkpoint_every": args.checkpoint_every, "anchors_per_page": args.anchors_per_page,
+            "replay_anchors": args.replay_anchors, "kernels": "see backends.py (fla on cuda when importable)",
+        },
+        "analytic_bytes_per_token": {
+            "dense_checkpoint_every_page": dense_per_page,
+            **{n: linear_state_bytes_per_token(p, dense, anchor_bytes) for n, p in policies.items()},
+        },
+        "rows": [],
+    }
+    gen = torch.Generator().manual_seed(args.seed)
+    for L in args.lengths:
+        if L % (P * args.checkpoint_every):
+            raise SystemExit(f"--lengths must be multiples of {P * args.checkpoint_every} (the checkpoint grid): {L}")
+        # The hit lands one page before a checkpoint-grid position: the case where the policies
+        # differ (checkpoint falls back N - 1 pages and recomputes them; exact_replay replays them).
+        H = L - P
+        ids = torch.randint(0, min(cfg.vocab_size, 256), (L + args.continuation,), generator=gen)
+        cont = ids[H : H + args.continuation].to(device)
+        prefill_ms, ref = timed(lambda ids=ids, H=H: _prefill(model, ids[:H]), device, args.repeats)
+        row = {"prompt_tokens": L, "hit_point_tokens": H, "reprefill_ms": prefill_ms, "policies": {}}
+        for name, policy in policies.items():
+            eng = Engine(model, tokenizer, EngineConfig(
+                mode="prefix", prefix_policy=name, checkpoint_every=policy.checkpoint_every,
+                anchors_per_page=policy.anchors_per_page, replay_anchors=policy.replay_anchors,
+                prefix_cache_bytes=1 << 40))
+            req = eng.parse_request({"suffix": ids[:L].tolist() + [1], "sampling_params": {"max_new_tokens": 1}})
+            sync(device)
+            t0 = time.perf_counter()
+            pre = eng.prefill(req)
+            sync(device)
+            insert_ms = (time.perf_counter() - t0) * 1000
+            eng.finish_prefix(pre)
+            bytes_per_token = eng.pages.linear_bytes / L
+            path = eng.pages.match(ids[:H].tolist(), policy.usable)
+            hit = len(path) * P
+            r = args.anchors_per_page
+            variants = [policy] if name != "suffix_replay" else [
+                PrefixPolicy(name, anchors_per_page=r, replay_anchors=k) for k in args.replay_anchors
+            ]
+            for pol in variants:
+                restore_ms, got = timed(
+                    lambda pol=pol, path=path, ids=ids, H=H: _state_at(model, pol, path, ids, H), device, args.repeats
+                )
+                errs = [rel(got.linear[i].ssm, ref.linear[i].ssm) for i in ref.linear]
+                agree, logit_err = continuation_agreement(model, ref, got, cont)
+                key = name if name != "suffix_replay" else f"{name}_k{pol.replay_anchors}"
+                row["policies"][key] = {
+                    "linear_bytes_per_token": bytes_per_token,
+                    "vs_dense_checkpoint_per_page": bytes_per_token / dense_per_page,
+                    "hit_tokens": hit,
+                    "recomputed_tokens": H - hit,
+                    "state_ms": restore_ms,
+                    "state_vs_reprefill": restore_ms / prefill_ms,
+                    "prefill_with_insert_ms": insert_ms,
+                    "linear_state_rel_err_max": max(errs),
+                    "linear_state_rel_err_mean": sum(errs) / len(errs),
+                    "next_token_agreement": agree,
+                    "continuation_logits_rel_err": logit_err,
+                }
+            del eng, pre
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        result["rows"].append(row)
+    figures = {}
+    for name, b in result["analytic_bytes_per_token"].items():
+        figures[f"analytic_{name}_bytes_per_token"] = b
+    for row in result["rows"]:
+        L = row["prompt_tokens"]
+        figures[f"reprefill_ms_{row['hit_point_tokens']}"] = row["reprefill_ms"]
+        for key, r in row["policies"].items():
+            for f in ("linear_bytes_per_token", "vs_dense_checkpoint_per_page", "state_ms", "state_vs_reprefill",
+                      "linear_state_rel_err_max", "next_token_agreement", "recomputed_tokens"):
+                figures[f"{key}_{f}_{L}"] = r[f]
+    result["figures"] = figures
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return result
+
+
+@torch.no_grad()
+def _state_at(model, policy, path, ids, H):
+    """The state after H tokens from a hit on `path`: restore, then run what the hit misses live."""
+    state = restore_state(model, policy, path)
+    if state.length < H:
+        model.forward_layout(state, [LiveRun(ids[state.length : H], state.length)], "none")
+    return state
+
+
+@torch.no_grad()
+def _prefill(model, ids):
+    state = model.empty_state()
+    model.forward_layout(state, [LiveRun(ids, 0)], "none")
+    return state
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""How a prefix page keeps the linear layers' state (DESIGN §4), and how a hit restores it.
+
+All three policies share the page tree (radix.py) and keep full-attention K/V per page.
+
+    checkpoint     the dense state of every linear layer (S and conv tail) after every N-th page;
+                   a prefix hits only at those pages (what today's engines do).
+    suffix_replay  at the entry of each group of consecutive linear layers, the residual stream
+                   of the last r tokens of each page (the anchors). A hit replays the last k
+                   anchors through each group from a zero state: approximate, the error shrinks
+                   as k grows on a model whose linear layers forget.
+    exact_replay   anchors for every token plus the dense state after every N-th page. A hit
+                   replays the anchors since the last checkpoint through each group: exact.
+
+Anchors are exact inputs of a group because they were captured from the true run; a group's
+layers need nothing else (no attention inside a group), so groups replay independently.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from hybridcache.services.runtime.cache.radix import PageNode, PagePayload
+from hybridcache.services.runtime.sequence import AttnState, LinearState, SequenceState
+
+POLICIES = ("checkpoint", "suffix_replay", "exact_replay")
+
+
+@dataclass(frozen=True)
+class PrefixPolicy:
+    name: str = "exact_replay"
+    page_size: int = 64
+    checkpoint_every: int = 4  # pages between dense checkpoints (checkpoint, exact_replay); 4 = 256 tokens
+    anchors_per_page: int = 4  # r: anchors kept per page by suffix_replay (the page's last r tokens)
+    replay_anchors: int = 64  # k: most anchors a suffix_replay hit replays per group
+
+    def __post_init__(self):
+        if self.name not in POLICIES:
+            raise ValueError(f"prefix policy must be one of {', '.join(POLICIES)}, got {self.name!r}")
+        if self.page_size <= 0:
+            raise ValueError("page_size must be positive")
+        if self.checkpoint_every <= 0:
+            raise ValueError("checkpoint_every must be >= 1 page")
+        if not 1 <= self.anchors_per_page <= self.page_size:
+            raise ValueError(f"anchors_per_page must be in [1, {self.page_size}]")
+        if self.replay_anchors <= 0:
+            raise ValueError("replay_anchors must be >= 1")
+
+    @property
+    def stores_checkpoints(self) -> bool:
+        return self.name != "suffix_replay"
+
+    @property
+    def anchors_kept(self) -> int:
+        """Anchors per page (the last ones of the page)."""
+        kept = {"checkpoint": 0, "suffix_replay": self.anchors_per_page, "exact_replay": self.page_size}
+        return kept[self.name]
+
+    @property
+    def checkpoint_tokens(self) -> int:
+        return self.page_size * self.checkpoint_every
+
+    def is_checkpoint_position(self, pos: int) -> bool:
+        return self.stores_checkpoints and pos > 0 and pos % self.checkpoint_tokens == 0
+
+    def usable(self, node: PageNode) -> bool:
+        """Can a hit end at this node?"""
+        return self.name != "checkpoint" or node.payload.checkpoint is not None
+
+
+def linear_state_bytes_per_token(policy: PrefixPolicy, dense_state_bytes: int, anchor_bytes: int) -> float:
+    """Linear-state bytes a policy keeps per cached token. dense_state_bytes: one dense state of
+    all linear layers (S and conv tails); anchor_bytes: one token's hidden state at every group entry."""
+    dense = dense_state_bytes / policy.checkpoint_tokens if policy.stores_checkpoints else 0.0
+    return dense + anchor_bytes * policy.anchors_kept / policy.page_size
+
+
+def _copy_linear(linear: dict[int, LinearState]) -> dict[int, LinearState]:
+    return {i: LinearState(s.ssm.clone(), s.conv.clone()) for i, s in linear.items()}
+
+
+def restore_state(model, policy: PrefixPolicy, path: list[PageNode]) -> SequenceState:
+    """The state after the prefix `path` (root's child first), rebuilt from the pages' payloads.
+    Reads the pages only; the returned state shares no tensor that it will write in place."""
+    if not path:
+        raise ValueError("restore_state needs at least one page")
+    attn = {
+        i: AttnState(*(torch.cat([n.payload.attn[i][kv] for n in path], dim=2) for kv in (0, 1)))
+        for i in path[0].payload.attn
+    }
+    state = SequenceState(length=path[-1].depth * policy.page_size, linear={}, attn=attn)
+    if policy.name == "checkpoint":
+        state.linear = _copy_linear(path[-1].payload.checkpoint)
+        return state
+    if policy.name == "exact_replay":
+        base = max((j for j, n in enumerate(path) if n.payload.checkpoint is not None), default=-1)
+        replay = path[base + 1 :]
+        if base >= 0:
+            state.linear = _copy_linear(path[base].payload.checkpoint)
+        else:
+            state.linear = model.empty_state().linear
+        for group in model.linear_groups():
+            if replay:
+                hidden = torch.cat([n.payload.anchors[group[0]] for n in replay])  # [m, h]
+                model.replay_linear_group(group, hidden, state)
+        return state
+    # suffix_replay: the last k anchors of the path, from a zero state.
+    k = policy.replay_anchors
+    pages = path[-math.ceil(k / policy.anchors_per_page) :]
+    state.linear = model.empty_state().linear
+    for group in model.linear_groups():
+        hidden = torch.cat([n.payload.anchors[group[0]] for n in pages])[-k:]
+        model.replay_linear_group(group, hidden, state)
+    return state
+
+
+@dataclass
+class PageRecorder:
+    """Collects, while a request runs exactly from position `start`, what new pages need: the
+    residual stream at each group entry (anchor policies) and the linear state at checkpoint
+    positions. `token_ids` are the tokens run so far from position 0."""
+
+    policy: PrefixPolicy
+    start: int
+    token_ids: list[int]
+    anchor_layers: tuple[int, ...]
+    hidden: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> chunks [n, h]
+    checkpoints: dict[int, dict[int, LinearState]] = field(default_factory=dict)  # position -> state
+    _hidden_cat: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.anchor_layers if self.policy.anchors_kept else ()
+
+    def add_hidden(self, captured: dict[int, torch.Tensor], n: int) -> None:
+        """Append the first n captured tokens' hidden states (a forward's rec.hidden)."""
+        for i in self.capture_layers:
+            self.hidden.setdefault(i, []).append(captured[i][:n])
+        self._hidden_cat.clear()
+
+    def add_checkpoint(self, pos: int, linear: dict[int, LinearState], copy: bool) -> None:
+        if self.policy.is_checkpoint_position(pos) and pos not in self.checkpoints:
+            self.checkpoints[pos] = _copy_linear(linear) if copy else linear
+
+    def _anchors(self, layer: int) -> torch.Tensor:
+        if layer not in self._hidden_cat:
+            self._hidden_cat[layer] = torch.cat(self.hidden[layer])
+        return self._hidden_cat[layer]
+
+    def page_payload(self, state: SequenceState, page_start: int) -> PagePayload | None:
+        """The payload of the page at [page_start, page_start + P), or None when this run did not
+        compute it (before `start`, or past what ran)."""
+        p = self.policy.page_size
+        end = page_start + p
+        if page_start < self.start or end > len(self.token_ids) or end > state.length:
+            return None
+        sl = slice(page_start, end)
+        attn = {i: (a.k[:, :, sl].clone(), a.v[:, :, sl].clone()) for i, a in state.attn.items()}
+        checkpoint = None
+        if self.policy.is_checkpoint_position(end):
+            checkpoint = self.checkpoints.get(end)
+            if checkpoint is None:
+                return None
+        anchors = None
+        r = self.policy.anchors_kept
+        if r:
+            lo = end - self.start - r
+            anchors = {i: self._anchors(i)[lo : end - self.start].clone() for i in self.capture_layers}
+        return PagePayload(attn=attn, checkpoint=checkpoint, anchors=anchors)

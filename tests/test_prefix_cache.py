@@ -1,0 +1,258 @@
+"""Prefix page tree: the three linear-state policies, conversation reuse, eviction and locking."""
+
+import random
+
+import pytest
+import torch
+from hybridcache.services.runtime.cache import PagePayload, PageTree, PrefixPolicy, restore_state
+from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.sequence import LiveRun
+
+P = 64
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from hybridcache.services.runtime.modelzoo import init_model_dir
+
+    return init_model_dir("qwen3_5_text", "tiny", tmp_path_factory.mktemp("prefix") / "m", seed=0, std=0.08)
+
+
+def make_engine(model_dir, **kw):
+    kw.setdefault("mode", "prefix")
+    return Engine.from_dir(model_dir, config=EngineConfig(**kw))
+
+
+def tokens(n, seed=0):
+    rng = random.Random(seed)
+    return [rng.randrange(0, 256) for _ in range(n)]
+
+
+def request(ids, new=1):
+    return {"suffix": ids, "sampling_params": {"max_new_tokens": new, "ignore_eos": True}}
+
+
+def full_prefill(model, ids):
+    state = model.empty_state()
+    model.forward_layout(state, [LiveRun(torch.tensor(ids), 0)], "none")
+    return state
+
+
+def state_error(got, ref):
+    errs = [rel(got.linear[i].ssm, ref.linear[i].ssm) for i in ref.linear]
+    errs += [rel(got.linear[i].conv, ref.linear[i].conv) for i in ref.linear]
+    errs += [rel(got.attn[i].k, ref.attn[i].k) for i in ref.attn]
+    errs += [rel(got.attn[i].v, ref.attn[i].v) for i in ref.attn]
+    return max(errs)
+
+
+def test_exact_replay_restores_full_prefill_at_every_page(tiny_dir):
+    # Checkpoints after pages 2 and 4: pages 1, 3, 5 restore by replaying anchors.
+    eng = make_engine(tiny_dir, prefix_policy="exact_replay", checkpoint_every=2)
+    ids = tokens(5 * P + 7)
+    eng.generate(request(ids))
+    assert len(eng.pages) == 5
+    for d in range(1, 6):
+        path = eng.pages.match(ids[: d * P], eng.page_policy.usable)
+        assert len(path) == d
+        got = restore_state(eng.model, eng.page_policy, path)
+        assert got.length == d * P
+        assert state_error(got, full_prefill(eng.model, ids[: d * P])) <= 1e-5, d
+
+
+def test_exact_replay_hit_gives_the_cacheless_answer(tiny_dir):
+    ids = tokens(5 * P + 20, seed=1)
+    cold = make_engine(tiny_dir, mode="full").generate(request(ids, new=6))
+    eng = make_engine(tiny_dir, prefix_policy="exact_replay")
+    eng.generate(request(ids[: 4 * P + 30], new=1))
+    warm = eng.generate(request(ids, new=6))
+    assert warm.stats.prefix_reused_tokens == 4 * P
+    assert warm.stats.prefix_policy == "exact_replay"
+    assert warm.output_ids == cold.output_ids
+
+
+def test_checkpoint_hits_only_at_its_boundaries(tiny_dir):
+    eng = make_engine(tiny_dir, prefix_policy="checkpoint", checkpoint_every=2)
+    ids = tokens(7 * P + 5, seed=2)
+    eng.generate(request(ids))
+    assert len(eng.pages) == 7
+    for n in (P - 1, P + 3, 2 * P + 1, 3 * P + 10, 4 * P + 1, 7 * P + 2):
+        res = eng.generate(request(ids[:n]))
+        expected = ((n - 1) // (2 * P)) * 2 * P
+        assert res.stats.prefix_reused_tokens == expected, n
+    path = eng.pages.match(ids[: 6 * P], eng.page_policy.usable)
+    assert len(path) == 6
+    got = restore_state(eng.model, eng.page_policy, path)
+    assert state_error(got, full_prefill(eng.model, ids[: 6 * P])) <= 1e-5
+
+
+def test_suffix_replay_error_shrinks_as_more_anchors_replay(tiny_dir):
+    """With A = 1 in every linear layer (per-token decay exp(-softplus(a + dt_bias)), about 0.3,
+    in every head), replaying more anchors from a zero state brings the linear state closer to
+    the true one; replaying every token of the prefix is exact."""
+    eng = make_engine(tiny_dir, prefix_policy="suffix_replay", anchors_per_page=16)
+    model = eng.model
+    for layer in model.model.layers:
+        if layer.kind == "linear_attention":
+            layer.linear_attn.A_log.data.zero_()
+    ids = tokens(4 * P, seed=3)
+    eng.generate(request(ids + [1]))
+    path = eng.pages.match(ids)
+    assert len(path) == 4
+    ref = full_prefill(model, ids)
+    errors = []
+    for k in (2, 4, 8, 16):
+        policy = PrefixPolicy("suffix_replay", anchors_per_page=16, replay_anchors=k)
+        got = restore_state(model, policy, path)
+        errors.append(sum(rel(got.linear[i].ssm, ref.linear[i].ssm) for i in ref.linear) / len(ref.linear))
+        # Attention K/V is cached per page, never approximated.
+        assert max(rel(got.attn[i].k, ref.attn[i].k) for i in ref.attn) <= 1e-6
+    assert all(b < a for a, b in zip(errors, errors[1:])), errors
+    assert errors[-1] < 0.05 * errors[0], errors
+    every_token = PrefixPolicy("suffix_replay", anchors_per_page=P, replay_anchors=4 * P)
+    config = EngineConfig(mode="prefix", prefix_policy="suffix_replay", anchors_per_page=P)
+    eng_all = Engine(model, eng.tokenizer, config)
+    eng_all.generate(request(ids + [1]))
+    got = restore_state(model, every_token, eng_all.pages.match(ids))
+    assert state_error(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("policy", ["exact_replay", "checkpoint", "suffix_replay"])
+def test_three_turn_conversation_reuses_each_previous_turn(tiny_dir, policy):
+    eng = make_engine(tiny_dir, prefix_policy=policy, checkpoint_every=1, anchors_per_page=4)
+    cold = make_engine(tiny_dir, mode="full") if policy == "exact_replay" else None
+    prompt = tokens(110, seed=4)
+    previous_run, previous_prompt = 0, []
+    for turn in range(3):
+        res = eng.generate(request(prompt, new=24))
+        assert res.stats.prefix_reused_tokens == (min(previous_run, len(prompt) - 1) // P) * P, turn
+        if turn:
+            # The previous turn's answer is reused too, not only its prompt.
+            assert res.stats.prefix_reused_tokens > len(previous_prompt), turn
+        assert res.stats.linear_state_bytes > 0
+        if cold is not None:
+            assert res.output_ids == cold.generate(request(prompt, new=24)).output_ids, turn
+        previous_run = len(prompt) + len(res.output_ids) - 1  # the last sampled token never ran
+        previous_prompt = prompt
+        prompt = prompt + res.output_ids + tokens(40, seed=10 + turn)
+
+
+def test_policies_bytes_per_token_order(tiny_dir):
+    ids = tokens(3 * P + 1, seed=6)
+    per_token = {}
+    for policy in ("checkpoint", "suffix_replay", "exact_replay"):
+        eng = make_engine(tiny_dir, prefix_policy=policy, checkpoint_every=1)
+        eng.generate(request(ids))
+        per_token[policy] = eng.generate(request(ids)).stats.linear_state_bytes / (3 * P)
+        assert per_token[policy] * 3 * P == eng.pages.linear_bytes
+    assert per_token["suffix_replay"] < per_token["exact_replay"]
+    assert per_token["suffix_replay"] < per_token["checkpoint"]
+
+
+def test_pic_mode_caches_exact_pages_only(tiny_dir):
+    """Pages after the first reused segment body are PIC-assembled (approximate): not in the tree."""
+    system = tokens(P + 60, seed=7)
+    req = {
+        "system": system,
+        "segments": [tokens(60, seed=8), tokens(50, seed=9)],
+        "suffix": tokens(12, seed=10),
+        "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+    }
+    eng = make_engine(tiny_dir, mode="pic")
+    first = eng.generate(req)
+    # Exact region: the system prompt and the first segment's seam window (8 tokens).
+    assert len(eng.pages) == (len(system) + 8) // P
+    again = eng.generate(req)
+    assert again.output_ids == first.output_ids
+    prefix_only = make_engine(tiny_dir, mode="prefix")
+    prefix_only.generate(req)
+    assert len(prefix_only.pages) == (len(system) + 60 + 50 + 12 + 3) // P
+
+
+# ---------------------------------------------------------------- tree mechanics (no model)
+
+
+def payload(nbytes=64):
+    t = torch.zeros(nbytes // 8, dtype=torch.float32)
+    return PagePayload(attn={0: (t, t.clone())})
+
+
+def test_eviction_never_frees_a_page_in_use():
+    tree = PageTree(capacity_bytes=4 * 64, page_size=2)
+    a = [1, 2, 3, 4, 5, 6]
+    tip_a = tree.insert(a, lambda s: payload())
+    assert tip_a is not None and len(tree) == 3
+    # a is locked (insert returns its tip locked): b can only use the one free page.
+    tip_b = tree.insert([9, 9, 8, 8, 7, 7], lambda s: payload())
+    assert len(tree.match(a)) == 3
+    assert tip_b is not None and tip_b.depth == 1
+    assert tree.used_bytes <= tree.capacity_bytes
+    # Nothing unreferenced is left to evict.
+    assert tree.evict(10**6) == 0
+    tree.unlock(tip_b)
+    assert tree.evict(64) == 64 and len(tree.match(a)) == 3
+    tree.unlock(tip_a)
+    # Leaves go first: evicting one page of a takes its last page, and the path stays whole.
+    assert tree.evict(64) == 64
+    assert len(tree.match(a)) == 2
+
+
+def test_eviction_is_least_recently_used_leaf_first():
+    tree = PageTree(capacity_bytes=3 * 64, page_size=1)
+    for seq in ([1], [2], [3]):
+        tree.unlock(tree.insert(seq, lambda s: payload()))
+    tree.match([1])  # [2] is now least recently used
+    tree.unlock(tree.insert([4], lambda s: payload()))
+    assert tree.match([2]) == [] and len(tree.match([1])) == 1 and len(tree.match([3])) == 1
+
+
+def test_engine_requests_in_flight_keep_their_pages(tiny_dir):
+    """A generation not yet finished holds its pages; a later request cannot evict them."""
+    probe = make_engine(tiny_dir)
+    ids_a, ids_b = tokens(3 * P + 5, seed=11), tokens(3 * P + 5, seed=12)
+    probe.generate(request(ids_a))
+    page_bytes = probe.pages.used_bytes // 3
+    eng = make_engine(tiny_dir, prefix_cache_bytes=4 * page_bytes + 16)
+    gen_a = eng.start(eng.parse_request(request(ids_a, new=2)))
+    assert len(eng.pages.match(ids_a)) == 3
+    eng.generate(request(ids_b))
+    assert len(eng.pages.match(ids_a)) == 3  # a's pages survived while a was running
+    assert len(eng.pages.match(ids_b)) == 1  # b got only the room left
+    list(gen_a)  # a finishes: its pages are released
+    eng.generate(request(ids_b + [3]))
+    assert len(eng.pages.match(ids_b)) >= 2
+    assert eng.pages.used_bytes <= eng.pages.capacity_bytes
+
+
+def test_bad_policy_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="prefix_policy must be one of"):
+        EngineConfig(prefix_policy="dense")
+    with pytest.raises(ValueError, match="anchors_per_page"):
+        EngineConfig(prefix_policy="suffix_replay", anchors_per_page=0)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        EngineConfig(checkpoint_every=0)
+
+
+def test_cli_generate_takes_prefix_policy_flags(tiny_dir, tmp_path, capsys):
+    import json
+
+    from hybridcache.services.cli import main
+
+    ids = tokens(2 * P + 9, seed=13)
+    req_file = tmp_path / "reqs.json"
+    req_file.write_text(json.dumps([request(ids), request(ids + [5])]))
+    argv = ["generate", "--model", str(tiny_dir), "--request", str(req_file), "--mode", "prefix",
+            "--prefix-policy", "suffix_replay", "--anchors-per-page", "8", "--replay-anchors", "16"]
+    assert main(argv) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["stats"]["prefix_policy"] for x in lines] == ["suffix_replay", "suffix_replay"]
+    assert lines[1]["stats"]["prefix_reused_tokens"] == 2 * P
+    h = 64  # the tiny model's hidden size; one linear group entry per group, fp32 anchors
+    groups = 2
+    assert lines[1]["stats"]["linear_state_bytes"] == 2 * 8 * groups * h * 4
+    assert main(argv[:-1] + ["0"]) == 2
+    assert "replay_anchors must be >= 1" in capsys.readouterr().err
