@@ -58,6 +58,7 @@ class EmulatorThread:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
             self._ready.set()
             await self._stop.wait()
+            await emulator.close_watches()
 
     def __enter__(self) -> EmulatorThread:
         self._thread.start()
@@ -87,9 +88,9 @@ class EmulatorThread:
         assert self.emulator is not None
         return self.call(lambda: list(self.emulator[criteria]))
 
-    def inject(self, status: int, *criteria: Any, times: int = 1) -> None:
+    def inject(self, status: int, *criteria: Any, times: int = 1, reason: str = "Injected") -> None:
         assert self.emulator is not None
-        self.call(self.emulator.inject, status, *criteria, times=times)
+        self.call(self.emulator.inject, status, *criteria, times=times, reason=reason)
 
 
 @contextlib.contextmanager
@@ -100,9 +101,16 @@ def running_operator(timeout: float = 15.0) -> Iterator[None]:
     import hybridcache.operator.main  # noqa: F401  (registers the handlers)
 
     stop, ready = threading.Event(), threading.Event()
+    settings = kopf.OperatorSettings()
+    # Exit promptly: a test stops the operator several times; nothing is left to flush.
+    settings.queueing.exit_timeout = 0.1
+    settings.watching.reconnect_backoff = 0.1
+    # A status patch caught by the stop would otherwise retry for seconds on a closed connector.
+    settings.networking.error_backoffs = [0.1, 0.1]
     thread = threading.Thread(
         target=kopf.run,
-        kwargs={"clusterwide": True, "standalone": True, "stop_flag": stop, "ready_flag": ready},
+        kwargs={"clusterwide": True, "standalone": True, "stop_flag": stop, "ready_flag": ready,
+                "settings": settings},
         daemon=True,
     )
     thread.start()
