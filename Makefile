@@ -7,7 +7,7 @@ setup:
 	bash scripts/bootstrap.sh
 
 demo: setup
-	$(PY) -m hybridcache.services.cli demo
+	$(PY) -m hybridcache.services.cli demo --serve
 
 test: setup
 	$(PY) -m ruff check .

@@ -1,0 +1,307 @@
+"""H200 benchmarks of the CUDA engine path (issue 3); prints one JSON object.
+
+Qwen3.5-9B shape, random bf16 weights made on the GPU. Figures: cold prefill vs transformers +
+fla (same weights, same GPU, same run), entry-construction overhead, composition per segment,
+TTFT of pic / prefix / full for 8 x 1k and 32 x 1k segments + a 64-token question (entries on the
+GPU and in pinned host memory), decode tokens/s, and pic-vs-full numerics in bf16.
+
+    python benchmarks/gpu_bench.py [--quick] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+SEG, QUESTION, SEAM = 1024, 64, 8
+
+
+def timed(fn, repeat=3, warmup=1):
+    """Median wall time of fn() in ms (CUDA-synchronised), and its last result."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), out
+
+
+def random_init_cuda_(model, seed=0, std=0.02):
+    """modelzoo.random_init_ on the GPU (no 18 GB host round trip)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.empty(p.shape, device="cuda").uniform_(math.log(1e-3), math.log(4.0), generator=gen))
+        elif name.endswith("dt_bias"):
+            p.copy_(torch.rand(p.shape, device="cuda", generator=gen) * 2 - 1)
+        elif name.endswith("linear_attn.norm.weight"):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, device="cuda", generator=gen))
+        elif "norm" in name.split(".")[-2]:
+            p.copy_(0.1 * torch.randn(p.shape, device="cuda", generator=gen))
+        elif name.endswith("conv1d.weight"):
+            p.copy_(torch.randn(p.shape, device="cuda", generator=gen) / math.sqrt(p.shape[-1]))
+        else:
+            p.normal_(0.0, std, generator=gen)
+
+
+def build_models(preset, with_peer):
+    from hybridcache.services.runtime.config import ModelConfig
+    from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
+    from hybridcache.services.runtime.modelzoo import hf_config
+
+    hf = hf_config("qwen3_5_text", preset)
+    cfg = ModelConfig.from_dict(hf)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = HybridLM(cfg).eval()
+    random_init_cuda_(model)
+    peer, load_report = None, None
+    if with_peer:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        with torch.device("cuda"):
+            peer = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**hf)).eval()
+        missing, unexpected = peer.load_state_dict(model.state_dict(), strict=False)
+        gdn = peer.model.layers[0].linear_attn
+        load_report = {
+            "missing": len(missing),
+            "unexpected": len(unexpected),
+            "peer_gdn_kernel": getattr(getattr(gdn, "chunk_gated_delta_rule", None), "__module__", None),
+        }
+    torch.set_default_dtype(torch.float32)
+    return cfg, model, peer, load_report
+
+
+def cold_prefill(model, peer, n, vocab, figures, tag):
+    from hybridcache.services.runtime.sequence import LiveRun
+
+    ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n))
+    t_ours, _ = timed(lambda: model.forward_layout(model.empty_state(), [LiveRun(ids, 0)], "last"), repeat=2)
+    figures[f"cold_prefill_ms_{tag}"] = round(t_ours, 2)
+    figures[f"cold_prefill_tokens_per_s_{tag}"] = round(n / t_ours * 1e3)
+    if peer is not None:
+        x = ids[None].cuda()
+        t_peer, _ = timed(lambda: peer(input_ids=x, use_cache=True, logits_to_keep=1), repeat=2)
+        figures[f"transformers_fla_prefill_ms_{tag}"] = round(t_peer, 2)
+        figures[f"cold_prefill_speedup_vs_transformers_{tag}"] = round(t_peer / t_ours, 3)
+    layout_entry = [LiveRun(ids, 0, record="entry")]
+    t_entry, _ = timed(lambda: model.forward_layout(model.empty_state(), layout_entry, "none"), repeat=2)
+    t_plain, _ = timed(lambda: model.forward_layout(model.empty_state(), [LiveRun(ids, 0)], "none"), repeat=2)
+    figures[f"construction_overhead_pct_{tag}"] = round((t_entry / t_plain - 1) * 100, 2)
+
+
+def compose_figures(cfg, figures, n_seg=32):
+    from hybridcache.kernels.ops.transition.compose_triton import compose_states_fwd
+
+    G = len([t for t in cfg.layer_types if t == "linear_attention"]) * cfg.linear_num_value_heads
+    K, V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    h0 = torch.randn(G, K, V, device="cuda")
+    for dtype, tag in ((torch.bfloat16, ""), (torch.float32, "_fp32_entries")):
+        T = (torch.eye(K, device="cuda") * 0.9).expand(n_seg, G, K, K).to(dtype).contiguous()
+        S = torch.randn(n_seg, G, K, V, device="cuda").to(dtype)
+        t, out = timed(lambda T=T, S=S: compose_states_fwd(T, S, h0), repeat=20, warmup=3)
+        figures[f"compose_us_per_segment{tag}"] = round(t * 1e3 / n_seg, 2)
+        # the torch path the engine would use otherwise: one baddbmm per segment
+        def torch_path(T=T, S=S):
+            h = h0.clone()
+            for i in range(n_seg):
+                h = torch.baddbmm(S[i].float(), T[i].float(), h)
+            return h
+
+        t_ref, ref = timed(torch_path, repeat=5, warmup=1)
+        figures[f"compose_torch_baddbmm_us_per_segment{tag}"] = round(t_ref * 1e3 / n_seg, 2)
+        figures[f"compose_rel_err_vs_torch{tag}"] = float(f"{((out - ref).norm() / ref.norm()).item():.3g}")
+
+
+def build_entries(model, segs):
+    from hybridcache.services.runtime.sequence import LiveRun
+
+    entries = []
+    for seg in segs:
+        layout = [LiveRun(seg[:SEAM], 0), LiveRun(seg[SEAM:], SEAM, record="entry")]
+        _, rec = model.forward_layout(model.empty_state(), layout, "none")
+        entries.append(rec.entries[1])
+    return entries
+
+
+def to_device(data, device, pin=False):
+    from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
+
+    def mv(t):
+        return t.to(device).pin_memory() if pin else t.to(device, non_blocking=True)
+
+    return SpanData(
+        data.num_tokens,
+        data.local_start,
+        {i: LinearSpan(mv(s.T), mv(s.S), mv(s.conv_tail)) for i, s in data.linear.items()},
+        {i: AttnSpan(mv(a.k), mv(a.v)) for i, a in data.attn.items()},
+    )
+
+
+def pic_layout(segs, entries, question):
+    from hybridcache.services.runtime.sequence import CachedSpan, LiveRun
+
+    layout, pos = [], 0
+    for seg, data in zip(segs, entries):
+        layout.append(LiveRun(seg[:SEAM], pos))
+        layout.append(CachedSpan(data, pos + SEAM))
+        pos += seg.numel()
+    layout.append(LiveRun(question, pos))
+    return layout
+
+
+def ttft_figures(model, cfg, n_seg, figures, numerics):
+    from hybridcache.services.runtime.sequence import LiveRun
+
+    gen = torch.Generator().manual_seed(n_seg)
+    segs = [torch.randint(0, cfg.vocab_size, (SEG,), generator=gen) for _ in range(n_seg)]
+    question = torch.randint(0, cfg.vocab_size, (QUESTION,), generator=gen)
+    entries = build_entries(model, segs)
+    tag = f"{n_seg}x1k"
+    all_ids = torch.cat(segs + [question])
+
+    t_full, (logits_full, _) = timed(
+        lambda: model.forward_layout(model.empty_state(), [LiveRun(all_ids, 0)], "last"), repeat=2
+    )
+    # prefix: the exact state after the first segment is cached; the rest is prefilled
+    after_first = model.empty_state()
+    model.forward_layout(after_first, [LiveRun(segs[0], 0)], "none")
+    rest = all_ids[SEG:]
+    t_prefix, _ = timed(lambda: model.forward_layout(after_first.clone(), [LiveRun(rest, SEG)], "last"), repeat=2)
+
+    def run_pic():
+        state = model.empty_state()
+        logits, _ = model.forward_layout(state, pic_layout(segs, entries, question), "last")
+        return logits, state
+
+    t_pic, (logits_pic, state_pic) = timed(run_pic, repeat=5)
+    host = [to_device(e, "cpu", pin=True) for e in entries]
+
+    def run_pic_host():
+        on_gpu = [to_device(e, "cuda") for e in host]
+        return model.forward_layout(model.empty_state(), pic_layout(segs, on_gpu, question), "last")
+
+    t_host, _ = timed(run_pic_host, repeat=3)
+    entry_bytes = sum(
+        t.numel() * t.element_size()
+        for e in entries
+        for t in [
+            *(x for s in e.linear.values() for x in (s.T, s.S, s.conv_tail)),
+            *(x for a in e.attn.values() for x in (a.k, a.v)),
+        ]
+    )
+    figures[f"ttft_ms_full_{tag}"] = round(t_full, 2)
+    figures[f"ttft_ms_prefix_{tag}"] = round(t_prefix, 2)
+    figures[f"pic_ttft_ms_{tag}_gpu_resident"] = round(t_pic, 2)
+    figures[f"pic_ttft_ms_{tag}_host"] = round(t_host, 2)
+    figures[f"pic_ttft_speedup_vs_prefix_{tag}_gpu_resident"] = round(t_prefix / t_pic, 2)
+    figures[f"pic_ttft_speedup_vs_prefix_{tag}_host"] = round(t_prefix / t_host, 2)
+    figures[f"entry_mb_per_segment_{tag}"] = round(entry_bytes / n_seg / 2**20, 1)
+    # numerics of pic vs full in bf16 on this prompt
+    state_full = model.empty_state()
+    model.forward_layout(state_full, [LiveRun(all_ids, 0)], "none")
+    errs = [
+        ((state_pic.linear[i].ssm - state_full.linear[i].ssm).norm() / state_full.linear[i].ssm.norm()).item()
+        for i in state_full.linear
+    ]
+    numerics.append(
+        {
+            "segments": n_seg,
+            "top1_agree": int(logits_pic.argmax() == logits_full.argmax()),
+            "state_rel_err_mean": statistics.mean(errs),
+            "state_rel_err_max": max(errs),
+        }
+    )
+
+
+def decode_figures(model, cfg, figures, prompt=1024, steps=32):
+    from hybridcache.services.runtime.sequence import LiveRun
+
+    ids = torch.randint(0, cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(7))
+    state = model.empty_state()
+    logits, _ = model.forward_layout(state, [LiveRun(ids, 0)], "last")
+
+    def decode():
+        nonlocal logits
+        for _ in range(steps):
+            tok = logits.argmax().view(1).cpu()
+            logits, _ = model.forward_layout(state, [LiveRun(tok, state.length)], "last")
+
+    t, _ = timed(decode, repeat=1, warmup=1)
+    figures["decode_tokens_per_s_batch1"] = round(steps / t * 1e3, 1)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3.5-9b")
+    ap.add_argument("--quick", action="store_true", help="short prompts only (smoke run)")
+    ap.add_argument("--no-peer", action="store_true", help="skip transformers + fla")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_bench: error: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    cfg, model, peer, load_report = build_models(args.preset, not args.no_peer)
+    figures, numerics, errors = {}, [], {}
+
+    def section(name, fn, *a):
+        # one failing section must not cost the others' figures (device time is scarce)
+        try:
+            fn(*a)
+        except Exception as e:  # noqa: BLE001
+            errors[name] = f"{type(e).__name__}: {e}"[:500]
+            torch.cuda.empty_cache()
+
+    lengths = [(1024, "1k")] if args.quick else [(8192, "8k"), (32768, "32k")]
+    for n, tag in lengths:
+        section(f"cold_prefill_{tag}", cold_prefill, model, peer, n, cfg.vocab_size, figures, tag)
+    key = "8k" if not args.quick else "1k"
+    if f"construction_overhead_pct_{key}" in figures:
+        figures["construction_overhead_pct"] = figures[f"construction_overhead_pct_{key}"]
+    if peer is not None:
+        del peer
+        torch.cuda.empty_cache()
+    section("compose", compose_figures, cfg, figures)
+    for n_seg in [2] if args.quick else [8, 32]:
+        section(f"ttft_{n_seg}x1k", ttft_figures, model, cfg, n_seg, figures, numerics)
+    section("decode", decode_figures, model, cfg, figures)
+    if numerics:
+        figures["pic_vs_full_top1_agreement"] = statistics.mean(x["top1_agree"] for x in numerics)
+        figures["pic_vs_full_state_rel_err_max"] = float(f"{max(x['state_rel_err_max'] for x in numerics):.3g}")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "commit": commit or "unknown",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python benchmarks/gpu_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "preset": args.preset,
+        "torch": torch.__version__,
+        "peer_state_dict_load": load_report,
+        "numerics": numerics,
+        "errors": errors,
+        "figures": figures,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
