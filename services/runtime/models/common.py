@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from hybridcache.kernels.ops.transition import apply_segment
+from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.sequence import (
     AttnSpan,
     AttnState,
@@ -23,6 +24,30 @@ from hybridcache.services.runtime.sequence import (
     SpanData,
 )
 from torch import nn
+
+
+class LayerTypes:
+    """Derived layer lists of a config with `layer_types` (mixin of the architectures' configs)."""
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+
+def eos_ids(eos) -> tuple[int, ...]:
+    """config.json's eos_token_id (int, list or null) as a tuple."""
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+def need(cfg: dict, key: str):
+    """cfg[key], or a ModelConfigError naming the missing key."""
+    if cfg.get(key) is None:
+        raise ModelConfigError(f"config.json of model_type {cfg.get('model_type')!r} is missing {key!r}")
+    return cfg[key]
 
 
 class RMSNorm(nn.Module):
@@ -126,13 +151,22 @@ def new_recording(state: SequenceState, layout, snapshot_after):
 
 
 class LayoutLM(nn.Module):
-    """Base of the non-Qwen architectures. Subclasses build `self.layers` (each with `kind`
+    """Base of the non-Qwen architectures. Subclasses pass a backbone whose `layers` each have `kind`
     "linear_attention" | "full_attention" | a stateless kind such as "mlp", `empty_state(device)` and
     `forward_layout(x, layout, state, rec, layer_idx, positions) -> x`, residuals included),
     and implement `embed(ids)` and `head(x)` (final norm + LM head)."""
 
-    cfg = None
     norm_offset = 1.0  # modelzoo.random_init_: these models use plain RMSNorm (weight * x)
+
+    def __init__(self, cfg, backbone: nn.Module):
+        super().__init__()
+        self.cfg = cfg
+        self.model = backbone
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def layers(self):
+        return self.model.layers
 
     @property
     def device(self):

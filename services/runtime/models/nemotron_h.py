@@ -15,8 +15,15 @@ import torch.nn.functional as F
 from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
 from hybridcache.kernels.ops.mamba2 import naive_ssd
 from hybridcache.services.runtime.config import ModelConfigError
-from hybridcache.services.runtime.models.common import LayoutLM, RMSNorm, attention_layout, linear_layout
-from hybridcache.services.runtime.models.olmo_hybrid import _eos_ids, _need
+from hybridcache.services.runtime.models.common import (
+    LayerTypes,
+    LayoutLM,
+    RMSNorm,
+    attention_layout,
+    eos_ids,
+    linear_layout,
+    need,
+)
 from hybridcache.services.runtime.sequence import AttnState, LinearState
 from torch import nn
 
@@ -25,7 +32,7 @@ _LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
 @dataclass(frozen=True)
-class NemotronHConfig:
+class NemotronHConfig(LayerTypes):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -68,14 +75,6 @@ class NemotronHConfig:
         return self.conv_kernel
 
     @property
-    def linear_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
-
-    @property
-    def attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
-
-    @property
     def conv_dim(self) -> int:
         return self.mamba_num_heads * self.mamba_head_dim + 2 * self.n_groups * self.ssm_state_size
 
@@ -100,19 +99,19 @@ class NemotronHConfig:
             raise ModelConfigError("nemotron_h config.json needs layers_block_type or hybrid_override_pattern")
         if cfg.get("mlp_hidden_act", "relu2") != "relu2" or cfg.get("mamba_hidden_act", "silu") != "silu":
             raise ModelConfigError("only mlp_hidden_act relu2 and mamba_hidden_act silu are supported")
-        hidden, heads = int(_need(cfg, "hidden_size")), int(_need(cfg, "num_attention_heads"))
+        hidden, heads = int(need(cfg, "hidden_size")), int(need(cfg, "num_attention_heads"))
         return cls(
             model_type="nemotron_h",
-            vocab_size=int(_need(cfg, "vocab_size")),
+            vocab_size=int(need(cfg, "vocab_size")),
             hidden_size=hidden,
             layer_types=tuple(_LEGACY.get(t, t) for t in types),
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(_need(cfg, "intermediate_size")),
-            mamba_num_heads=int(_need(cfg, "mamba_num_heads")),
-            mamba_head_dim=int(_need(cfg, "mamba_head_dim")),
-            ssm_state_size=int(_need(cfg, "ssm_state_size")),
+            intermediate_size=int(need(cfg, "intermediate_size")),
+            mamba_num_heads=int(need(cfg, "mamba_num_heads")),
+            mamba_head_dim=int(need(cfg, "mamba_head_dim")),
+            ssm_state_size=int(need(cfg, "ssm_state_size")),
             n_groups=int(cfg.get("n_groups", cfg.get("mamba_n_groups", 8))),
             conv_kernel=int(cfg.get("conv_kernel", cfg.get("mamba_d_conv", 4))),
             use_conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
@@ -123,7 +122,7 @@ class NemotronHConfig:
             layer_norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+            eos_token_ids=eos_ids(cfg.get("eos_token_id")),
             pad_token_id=cfg.get("pad_token_id"),
             bos_token_id=cfg.get("bos_token_id"),
             raw=cfg,
@@ -256,15 +255,8 @@ class NemotronBackbone(nn.Module):
 
 
 class NemotronHLM(LayoutLM):
-    def __init__(self, cfg: NemotronHConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.model = NemotronBackbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    @property
-    def layers(self):
-        return self.model.layers
+    def __init__(self, cfg):
+        super().__init__(cfg, NemotronBackbone(cfg))
 
     def embed(self, ids):
         return self.model.embeddings(ids)

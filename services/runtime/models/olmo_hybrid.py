@@ -15,7 +15,15 @@ import torch
 import torch.nn.functional as F
 from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
 from hybridcache.services.runtime.config import ModelConfigError
-from hybridcache.services.runtime.models.common import LayoutLM, RMSNorm, attention_layout, linear_layout
+from hybridcache.services.runtime.models.common import (
+    LayerTypes,
+    LayoutLM,
+    RMSNorm,
+    attention_layout,
+    eos_ids,
+    linear_layout,
+    need,
+)
 from hybridcache.services.runtime.models.qwen3_hybrid import (
     MLP,
     GatedRMSNorm,
@@ -28,18 +36,8 @@ from hybridcache.services.runtime.sequence import AttnState, LinearState
 from torch import nn
 
 
-def _eos_ids(eos) -> tuple[int, ...]:
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-
-
-def _need(cfg: dict, key: str):
-    if cfg.get(key) is None:
-        raise ModelConfigError(f"config.json of model_type {cfg.get('model_type')!r} is missing {key!r}")
-    return cfg[key]
-
-
 @dataclass(frozen=True)
-class OlmoHybridConfig:
+class OlmoHybridConfig(LayerTypes):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -75,14 +73,6 @@ class OlmoHybridConfig:
         ):
             raise ModelConfigError("query/value head counts must be multiples of the key head counts")
 
-    @property
-    def linear_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
-
-    @property
-    def attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
-
     def entry_nbytes(self, body_tokens: int, dtype: torch.dtype) -> int:
         """Bytes of a segment entry: dense T and S in fp32, conv tail and K/V in the model dtype."""
         esz = torch.tensor([], dtype=dtype).element_size()
@@ -94,9 +84,9 @@ class OlmoHybridConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> OlmoHybridConfig:
-        n_layers = int(_need(cfg, "num_hidden_layers"))
-        heads = int(_need(cfg, "num_attention_heads"))
-        hidden = int(_need(cfg, "hidden_size"))
+        n_layers = int(need(cfg, "num_hidden_layers"))
+        heads = int(need(cfg, "num_attention_heads"))
+        hidden = int(need(cfg, "hidden_size"))
         layer_types = cfg.get("layer_types") or [
             "full_attention" if i % 4 == 3 else "linear_attention" for i in range(n_layers)
         ]
@@ -109,13 +99,13 @@ class OlmoHybridConfig:
             raise ModelConfigError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (only silu)")
         return cls(
             model_type="olmo_hybrid",
-            vocab_size=int(_need(cfg, "vocab_size")),
+            vocab_size=int(need(cfg, "vocab_size")),
             hidden_size=hidden,
             num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(_need(cfg, "intermediate_size")),
+            intermediate_size=int(need(cfg, "intermediate_size")),
             layer_types=tuple(layer_types),
             linear_num_key_heads=lk_heads,
             linear_num_value_heads=int(cfg.get("linear_num_value_heads") or heads),
@@ -128,7 +118,7 @@ class OlmoHybridConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 65536)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+            eos_token_ids=eos_ids(cfg.get("eos_token_id")),
             pad_token_id=cfg.get("pad_token_id"),
             bos_token_id=cfg.get("bos_token_id"),
             raw=cfg,
@@ -260,15 +250,8 @@ class OlmoBackbone(nn.Module):
 
 
 class OlmoHybridLM(LayoutLM):
-    def __init__(self, cfg: OlmoHybridConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.model = OlmoBackbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    @property
-    def layers(self):
-        return self.model.layers
+    def __init__(self, cfg):
+        super().__init__(cfg, OlmoBackbone(cfg))
 
     def embed(self, ids):
         return self.model.embed_tokens(ids)
