@@ -134,14 +134,25 @@ def up(args) -> int:
     from hybridcache.services.runtime.modelzoo import default_model_dir
 
     model = Path(args.model) if args.model else default_model_dir()
-    cluster = LocalCluster(model, port=args.port, scatter_workers=args.scatter_workers, etcd=args.etcd,
-                           seam_window=args.seam_window)
+    if not (model / "config.json").is_file():
+        print(f"hybridcache: error: no model (config.json) in {model}", file=sys.stderr)
+        return 2
+    try:
+        cluster = LocalCluster(model, port=args.port, scatter_workers=args.scatter_workers, etcd=args.etcd,
+                               seam_window=args.seam_window)
+    except ValueError as e:
+        print(f"hybridcache: error: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"hybridcache up: starting cache tier, {args.scatter_workers} scatter worker(s), combine worker and "
           f"router for {model}", file=sys.stderr, flush=True)
-    cluster.start()
+    try:
+        cluster.start()
+    except RuntimeError as e:
+        print(f"hybridcache: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     print(json.dumps({"ready": True, "http": cluster.url, "services": [
         {"role": s.role, "grpc": s.grpc, "http": s.http, "pid": s.proc.pid} for s in cluster.services]}), flush=True)
     print(f"hybridcache up: ready at {cluster.url} (OpenAI /v1, SGLang /generate, /metrics); Ctrl-C stops",
@@ -176,22 +187,37 @@ def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
 
 
 def demo_serve(args, sample: dict) -> int:
-    """`hybridcache demo --serve`: the sample RAG request twice through HTTP on `hybridcache up`."""
+    """`hybridcache demo --serve`: run `hybridcache up`, send the sample RAG request twice over HTTP
+    (documents reordered the second time), then stop the services with SIGTERM."""
     from hybridcache.services.runtime.modelzoo import default_model_dir
 
     model = Path(args.model) if args.model else default_model_dir()
-    print(f"starting the local services (hybridcache up) for {model} ...", flush=True)
-    with LocalCluster(model, port=free_port(), scatter_workers=2, seam_window=args.seam_window) as cluster:
-        print(f"ready at {cluster.url}", flush=True)
+    port = free_port()
+    cmd = [sys.executable, "-m", "hybridcache.services.cli", "up", "--model", str(model), "--port", str(port),
+           "--seam-window", str(args.seam_window)]
+    print("$ hybridcache up --port", port, flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith('{"ready"'):
+            print("hybridcache: error: `hybridcache up` did not become ready", file=sys.stderr)
+            return 1
+        url = json.loads(line)["http"]
         for attempt, segments in (("first", sample["segments"]),
                                   ("second, documents reordered", sample["segments"][::-1])):
-            res = _post(f"{cluster.url}/generate", dict(sample, segments=segments))
+            res = _post(f"{url}/generate", dict(sample, segments=segments))
             st = res["hybridcache"]
             hits = sum(s["hit"] for s in st["segments"])
             where = ", ".join(s["source"] for s in st["segments"])
-            print(f"\n[{attempt}] POST /generate -> {res['text']!r}")
+            print(f"\n[{attempt}] POST {url}/generate -> {res['text']!r}")
             print(f"  prompt {st['prompt_tokens']} tokens: reused {st['reused_tokens']}, live {st['live_tokens']}, "
                   f"built {st['built_tokens']}; segments hit {hits}/{len(st['segments'])} ({where}); "
                   f"ttft {st['ttft_ms']:.1f} ms")
-    print("\nstopped the local services", flush=True)
+        print(flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
     return 0

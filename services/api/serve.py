@@ -7,11 +7,13 @@ with the peers given by flags), prints one `ready` line and runs until SIGINT/SI
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,7 +26,6 @@ from hybridcache.services.observability.http import serve_health_and_metrics
 from hybridcache.services.protocol import rpc
 
 log = logging.getLogger("hybridcache.serve")
-PREFIX_POLICIES = ("exact", "checkpoint", "suffix_replay", "exact_replay")
 
 
 def add_serve_flags(p) -> None:
@@ -41,8 +42,7 @@ def add_serve_flags(p) -> None:
     p.add_argument("--seam-window", type=int, default=8)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--prefix-policy", default="exact", choices=PREFIX_POLICIES,
-                   help="linear-state policy of the prefix cache (this build implements exact)")
+    p.add_argument("--prefix-policy", help="linear-state policy of the prefix cache (default: the engine's)")
     p.add_argument("--cache-bytes", type=int, default=1 << 30, help="entry cache budget of this process")
     p.add_argument("--spill-dir", help="cache tier: spill evicted entries to this directory")
     p.add_argument("--assignment", default="lpt", choices=["lpt", "round_robin"], help="router: cold-segment dispatch")
@@ -57,12 +57,26 @@ def _engine(args, entry_store=None):
     from hybridcache.services.runtime.tokenizer import Tokenizer
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    config = EngineConfig(seam_window=args.seam_window, entry_cache_bytes=args.cache_bytes)
+    extra = {}
+    if args.prefix_policy:
+        if "prefix_policy" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+            raise ValueError("--prefix-policy: this engine has no prefix policies")
+        extra["prefix_policy"] = args.prefix_policy
+    config = EngineConfig(seam_window=args.seam_window, entry_cache_bytes=args.cache_bytes, **extra)
     model = load_model(args.model, args.device, dtype)
     return Engine(model, Tokenizer.from_dir(args.model), config, entry_store=entry_store)
 
 
 def serve(args) -> int:
+    """Run the role until SIGINT/SIGTERM; a bad flag, model or port is one error line and status 2."""
+    try:
+        return _serve(args)
+    except (ValueError, OSError) as e:
+        print(f"hybridcache: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+
+
+def _serve(args) -> int:
     from hybridcache.services.runtime.modelzoo import default_model_dir
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role} %(levelname)s %(message)s")

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# SGLang's frontend (sgl.function, sgl.RuntimeEndpoint) for tests/serving: sglang's metadata pins a
+# CUDA torch, so it goes in with --no-deps, then the few packages its frontend imports.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+if .venv/bin/python -c "import sglang" >/dev/null 2>&1; then
+    exit 0
+fi
+.venv/bin/pip install -q -c constraints.txt --no-deps sglang
+.venv/bin/pip install -q -c constraints.txt numpy orjson psutil pybase64 requests packaging pillow starlette \
+    msgspec pydantic pyzmq tqdm IPython aiohttp
