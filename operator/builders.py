@@ -55,28 +55,36 @@ def _address(spec: HybridCacheSpec, name: str, role: str) -> str:
 
 
 def serve_args(spec: HybridCacheSpec, name: str, role: RoleSpec) -> list[str]:
-    """Arguments of `hybridcache serve ROLE ...` for one role."""
+    """Arguments of `hybridcache serve ROLE ...` (services/api/serve.py) for one role.
+
+    Peers are addressed by their Service names; the worker Services are headless, so each name
+    resolves to every ready pod of that role. `--host` is the pod IP (listen and register)."""
     args = [
         "serve", role.name,
         "--model", spec.model.directory,
+        "--host", "$(POD_IP)",
         "--grpc-port", str(role.grpc_port),
         "--http-port", str(role.http_port),
     ]
     if spec.etcd_endpoints:
-        args += ["--etcd", ",".join(spec.etcd_endpoints)]
+        # serve takes one endpoint; the etcd client finds the rest of the cluster from it.
+        args += ["--etcd", spec.etcd_endpoints[0]]
     peers = {
-        "router": ("combine", "cache-tier"),
+        "router": ("scatter", "combine", "cache-tier"),
         "combine": ("router", "cache-tier"),
         "scatter": ("router", "combine", "cache-tier"),
         "cache-tier": (),
     }[role.name]
     for peer in peers:
         args += [f"--{peer}", _address(spec, name, peer)]
-    if role.name != "cache-tier":
+    if role.name == "cache-tier":
+        args += ["--spill-dir", CACHE_DIR]
+    else:
         args += [
             "--seam-window", str(spec.engine.seam_window),
             "--dtype", spec.engine.dtype,
             "--prefix-policy", spec.engine.prefix_policy,
+            "--device", "cuda" if role.gpus_per_pod else "cpu",
         ]
     if spec.observability.otlp_endpoint:
         args += ["--otlp-endpoint", spec.observability.otlp_endpoint]
@@ -133,6 +141,7 @@ def _container(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
         mounts.append({"name": "cache", "mountPath": CACHE_DIR})
     env = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "OTEL_SERVICE_NAME", "value": f"hybridcache-{role.name}"},
     ]

@@ -18,7 +18,7 @@ from hybridcache.services import contract
 DEFAULT_IMAGE = "hybridcache/hybridcache:0.1.0"
 AUTOSCALING_MODES = ("Operator", "External", "Disabled")
 METRICS_SOURCES = ("Router", "Prometheus")
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("bfloat16", "float32")  # what `hybridcache serve --dtype` accepts
 PREFIX_POLICIES = ("checkpoint", "suffix_replay", "exact_replay")
 
 

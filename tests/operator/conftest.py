@@ -17,10 +17,9 @@ os.environ["HYBRIDCACHE_RETRY_DELAY"] = "0.2"
 os.environ["HYBRIDCACHE_OPERATOR_METRICS_PORT"] = "0"
 
 import crd_validation  # noqa: E402
+from hybridcache.operator import kube  # noqa: E402
 from k8s_emulator import standard_types  # noqa: E402
 from k8s_harness import EmulatorThread, client_from, running_operator, write_kubeconfig  # noqa: E402
-
-from hybridcache.operator import kube  # noqa: E402
 
 
 @pytest.fixture

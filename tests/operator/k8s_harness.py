@@ -14,9 +14,8 @@ from typing import Any, TypeVar
 import kmock
 import kubernetes
 import yaml
-from k8s_emulator import ResourceType, StrictEmulator
-
 from hybridcache.operator import kube
+from k8s_emulator import ResourceType, StrictEmulator
 
 T = TypeVar("T")
 
@@ -96,9 +95,8 @@ class EmulatorThread:
 @contextlib.contextmanager
 def running_operator(timeout: float = 15.0) -> Iterator[None]:
     """kopf in its own thread (it cancels every task of its loop on exit), cluster-wide."""
-    import kopf
-
     import hybridcache.operator.main  # noqa: F401  (registers the handlers)
+    import kopf
 
     stop, ready = threading.Event(), threading.Event()
     settings = kopf.OperatorSettings()

@@ -6,13 +6,12 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from hybridcache.operator import autoscaler
 from hybridcache.operator.autoscaler import Recommendation, decide
 from hybridcache.operator.spec import AutoscalingSpec, HybridCacheSpec
 from hybridcache.services import contract
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 @st.composite

@@ -6,7 +6,6 @@ import copy
 
 import kubernetes_validate
 import pytest
-
 from hybridcache.operator import builders
 from hybridcache.operator.spec import HybridCacheSpec
 from hybridcache.services import contract
@@ -76,7 +75,10 @@ def test_router_deployment():
     assert arg(c["args"], "--grpc-port") == "50051" and arg(c["args"], "--http-port") == "8000"
     assert arg(c["args"], "--combine") == "demo-combine:50061"
     assert arg(c["args"], "--cache-tier") == "demo-cache-tier:50081"
-    assert arg(c["args"], "--etcd") == "etcd-0.etcd:2379,etcd-1.etcd:2379"
+    assert arg(c["args"], "--scatter") == "demo-scatter:50071"
+    assert arg(c["args"], "--etcd") == "etcd-0.etcd:2379"
+    assert arg(c["args"], "--host") == "$(POD_IP)" and arg(c["args"], "--device") == "cpu"
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
     assert arg(c["args"], "--otlp-endpoint") == "http://otel-collector:4317"
     assert c["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}}
     assert "nodeSelector" not in obj["spec"]["template"]["spec"], "CPU role must not pin to GPU nodes"
@@ -89,6 +91,7 @@ def test_scatter_deployment_takes_replicas_from_the_caller():
     c = container(obj)
     assert c["args"][:2] == ["serve", "scatter"]
     assert arg(c["args"], "--router") == "demo-router:50051"
+    assert arg(c["args"], "--device") == "cuda"
     assert c["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     pod = obj["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
@@ -112,7 +115,7 @@ def test_cache_tier_statefulset():
     assert claim["spec"]["resources"]["requests"]["storage"] == "200Gi"
     assert claim["spec"]["storageClassName"] == "fast"
     c = container(obj)
-    assert "--seam-window" not in c["args"]
+    assert "--seam-window" not in c["args"] and arg(c["args"], "--spill-dir") == builders.CACHE_DIR
     assert "limits" not in c["resources"], "the cache tier asks for no GPU"
     cpu = builders.cache_tier_statefulset(CPU, NAME)
     assert "volumeClaimTemplates" not in cpu["spec"]
@@ -189,3 +192,20 @@ def test_builders_are_pure():
     assert builders.scatter_selector(NAME) == (
         "app.kubernetes.io/component=scatter,app.kubernetes.io/instance=demo,app.kubernetes.io/name=hybridcache"
     )
+
+
+@pytest.mark.parametrize("spec", [CPU, GPU], ids=["cpu", "gpu"])
+def test_args_parse_with_the_real_serve_command(spec):
+    """The flags the builders pass are the ones `hybridcache serve` (services/api/serve.py) takes."""
+    import argparse
+
+    from hybridcache.services.api.serve import add_serve_flags
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_serve_flags(parser)
+    for role in spec.roles:
+        args = [a.replace("$(POD_IP)", "10.0.0.7") for a in builders.serve_args(spec, NAME, role)]
+        assert args[0] == "serve"
+        parsed = parser.parse_args(args[1:])
+        assert parsed.role == role.name and parsed.http_port == role.http_port
+        assert parsed.host == "10.0.0.7"

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import crd_validation
 import pytest
+from hybridcache.operator import kube
 from k8s_emulator import standard_types
 from k8s_harness import EmulatorThread, client_from, wait_for, write_kubeconfig
-
-from hybridcache.operator import kube
 
 NS = "hc-conformance"
 CM = f"/api/v1/namespaces/{NS}/configmaps"

@@ -6,7 +6,6 @@ Each of these is checked on a real API server by scripts/e2e-real-cluster.sh ins
 from __future__ import annotations
 
 import pytest
-
 from hybridcache.operator import kube
 
 NS = "default"

@@ -12,10 +12,9 @@ import json
 import kmock
 import prometheus_client
 import pytest
+from hybridcache.services import contract
 from k8s_harness import running_operator, wait_for
 from prometheus_server import free_port
-
-from hybridcache.services import contract
 
 NS = "default"
 HC = f"/apis/serving.hybridcache.io/v1alpha1/namespaces/{NS}/hybridcaches"

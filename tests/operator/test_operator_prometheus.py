@@ -6,11 +6,10 @@ import time
 
 import prometheus_client
 import pytest
-from prometheus_server import free_port, prometheus
-
 from hybridcache.operator import autoscaler
 from hybridcache.operator.spec import HybridCacheSpec
 from hybridcache.services import contract
+from prometheus_server import free_port, prometheus
 
 
 def test_autoscaler_query_against_real_prometheus(tmp_path):

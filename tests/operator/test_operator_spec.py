@@ -6,7 +6,6 @@ import dataclasses
 
 import crd_validation
 import pytest
-
 from hybridcache.operator.spec import HybridCacheSpec, SpecError
 from hybridcache.services import contract
 
@@ -49,7 +48,7 @@ def test_full_spec_fields():
         }},
         "cacheTier": {"replicas": 3, "storage": {"size": "100Gi"}},
         "etcd": {"endpoints": ["etcd:2379"]},
-        "engine": {"dtype": "float16", "seamWindow": 16, "prefixPolicy": "suffix_replay"},
+        "engine": {"dtype": "float32", "seamWindow": 16, "prefixPolicy": "suffix_replay"},
         "paused": True,
     })
     assert spec.model.directory == "/models/kimi"
@@ -69,7 +68,7 @@ def test_full_spec_fields():
     ({**MINIMAL, "scatter": {"autoscaling": {"mode": "Sometimes"}}}, "mode"),
     ({**MINIMAL, "scatter": {"autoscaling": {"metricsSource": {"type": "Prometheus"}}}}, "url"),
     ({**MINIMAL, "cacheTier": {"replicas": 2}}, "etcd"),
-    ({**MINIMAL, "engine": {"dtype": "int3"}}, "dtype"),
+    ({**MINIMAL, "engine": {"dtype": "float16"}}, "dtype"),
     ({}, "model"),
 ])
 def test_inconsistent_specs_are_rejected(bad, match):
