@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.cache import PrefixPolicy, linear_state_bytes_per_token, restore_state
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.engine import Engine, EngineConfig
@@ -115,6 +116,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
@@ -141,14 +143,15 @@ def main(argv=None) -> dict:
     result = {
         "benchmark": "prefix_cache",
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (cpu)",
-        "commit": git_commit(),
+        "commit": args.commit or git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "config": {
             "arch": args.arch, "preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
             "linear_layers": sum(map(len, groups)), "linear_groups": len(groups), "hidden": cfg.hidden_size,
             "page_tokens": P, "checkpoint_every": args.checkpoint_every, "anchors_per_page": args.anchors_per_page,
-            "replay_anchors": args.replay_anchors, "kernels": "see backends.py (fla on cuda when importable)",
+            "replay_anchors": args.replay_anchors,
+            "fla_kernels": device.type == "cuda" and backends.fla_available(),
         },
         "analytic_bytes_per_token": {
             "dense_checkpoint_every_page": dense_per_page,
@@ -210,6 +213,8 @@ def main(argv=None) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         result["rows"].append(row)
+        if args.out:  # a run cut short still leaves the lengths it finished
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     figures = {}
     for name, b in result["analytic_bytes_per_token"].items():
         figures[f"analytic_{name}_bytes_per_token"] = b
@@ -231,7 +236,7 @@ def main(argv=None) -> dict:
 @torch.no_grad()
 def _state_at(model, policy, path, ids, H):
     """The state after H tokens from a hit on `path`: restore, then run what the hit misses live."""
-    state = restore_state(model, policy, path)
+    state = restore_state(model, policy, path) if path else model.empty_state()
     if state.length < H:
         model.forward_layout(state, [LiveRun(ids[state.length : H], state.length)], "none")
     return state
