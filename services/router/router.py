@@ -218,7 +218,11 @@ class Router:
                         metrics.INTER_TOKEN.observe(now - last_t)
                     last_t = now
                     if chunk.done and chunk.stats_json:
-                        self._learn(json.loads(chunk.stats_json))
+                        stats = json.loads(chunk.stats_json)
+                        self._learn(stats)
+                        # The combine worker's span must sit in this request's trace (context in metadata).
+                        stats["trace_propagated"] = stats.get("trace_id") == tracing.current_trace_id() != ""
+                        chunk.stats_json = json.dumps(stats)
                     yield chunk
             except grpc.RpcError as e:
                 raise ServiceUnavailable(f"combine worker {combine} failed: {e.code().name}") from None

@@ -98,6 +98,8 @@ def test_sglang_native_generate_and_stream(cluster, engine):
     assert res["text"] == engine.generate({"segments": DOCS, "suffix": QUESTION,
                                            "sampling_params": {"max_new_tokens": 6}}).text
     assert res["meta_info"]["prompt_tokens"] == res["usage"]["prompt_tokens"]
+    # One trace across router and combine worker (OpenTelemetry context in gRPC metadata).
+    assert re.fullmatch("[0-9a-f]{32}", res["hybridcache"]["trace_id"]) and res["hybridcache"]["trace_propagated"]
     status, text = http("POST", f"{cluster.url}/generate", dict(req, stream=True))
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"

@@ -133,10 +133,11 @@ def test_tier_store_budget_spill_and_corruption(entries, tmp_path):
     path.write_bytes(bytes(raw))
     assert store.get(victim.key) is None and store.corrupt == 1
     # An entry corrupted in memory is a miss too.
-    held = next(e for e in entries if store.memory.contains(e.key))
+    key = next(e.key for e in entries if store.memory.contains(e.key))
+    held = store.memory.get(key)  # the object the tier holds (not re-verified by the raw memory store)
     held.data.linear[0].S.add_(1.0)
     try:
-        assert store.get(held.key) is None and store.corrupt == 2
+        assert store.get(key) is None and store.corrupt == 2
     finally:
         held.data.linear[0].S.sub_(1.0)
 
