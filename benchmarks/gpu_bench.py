@@ -39,6 +39,7 @@ def timed(fn, repeat=3, warmup=1):
     return statistics.median(times), out
 
 
+@torch.no_grad()
 def random_init_cuda_(model, seed=0, std=0.02):
     """modelzoo.random_init_ on the GPU (no 18 GB host round trip)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
