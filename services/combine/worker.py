@@ -22,14 +22,14 @@ from hybridcache.services.transport.codec import EntryAssembler
 log = logging.getLogger("hybridcache.combine")
 
 
-def prefill_on_scatter(address: str, segments: list[tuple[int, list[int]]], cache_tier: str,
+def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]], cache_tier: str,
                        timeout_s: float = 120.0) -> tuple[dict[int, SegmentEntry], int]:
     """Ask one scatter worker for entries; returns those received whole (a dead worker yields
     what arrived before it died) and the bytes received."""
     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
     got: dict[int, SegmentEntry] = {}
     asm = EntryAssembler()
-    req = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=ids) for i, ids in segments],
+    req = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=ids, cache_tier=t) for i, ids, t in segments],
                             cache_tier=cache_tier, transport=choose_transport("127.0.0.1", address))
     try:
         for chunk in rpc.ScatterStub(channel).Prefill(req, timeout=timeout_s, metadata=tracing.outgoing_metadata()):
@@ -74,6 +74,7 @@ class CombineServicer(rpc.CombineServicer):
         moved = {"tier_bytes": 0, "tier_seconds": 0.0, "tier_path": "", "scatter_bytes": 0,
                  "build_seconds": 0.0, "redispatched": 0}
         keys = {p.index: p.key for p in request.plan}
+        owners = {p.index: p.cache_tier for p in request.plan}
         for p in request.plan:
             entry = store.peek(p.key)
             metrics.cache_lookup("gpu", entry is not None)
@@ -105,7 +106,8 @@ class CombineServicer(rpc.CombineServicer):
             for address, idx in pending.items():
                 if address and address not in failed:
                     jobs[address] = self._pool.submit(prefill_on_scatter, address,
-                                                      [(i, segments[i]) for i in idx], request.cache_tier)
+                                                      [(i, segments[i], owners.get(i, "")) for i in idx],
+                                                      request.cache_tier)
             retry: list[int] = []
             for address, idx in pending.items():
                 got, nbytes = jobs[address].result() if address in jobs else ({}, 0)

@@ -165,7 +165,8 @@ class Router:
                 else:
                     choice = round_robin_assign(costs, queued, next(self._rr))
                 for (idx, key, _), c, w in zip(cold, costs, choice):
-                    plan.append(pb.SegmentPlan(index=idx, key=key, source="scatter", address=workers[w]))
+                    plan.append(pb.SegmentPlan(index=idx, key=key, source="scatter", address=workers[w],
+                                               cache_tier=self.directory.owner(key) or ""))
                     assigned[workers[w]] = assigned.get(workers[w], 0.0) + c
                     self._queued[workers[w]] = self._queued.get(workers[w], 0.0) + c
                     self._depth[workers[w]] = self._depth.get(workers[w], 0) + 1

@@ -47,19 +47,21 @@ class ScatterServicer(rpc.ScatterServicer):
         built: queue.Queue = queue.Queue(maxsize=2)
         threading.Thread(target=self._build, args=(request.segments, built, ctx), daemon=True).start()
         transport = get_transport(request.transport if request.transport in ("grpc", "shm") else "grpc")
-        entries = []
+        entries: dict[str, list] = {}  # cache-tier member -> entries it owns
+        owner = {seg.index: seg.cache_tier or request.cache_tier for seg in request.segments}
         while (item := built.get()) is not None:
             index, entry, err = item
             if entry is None:
                 yield pb.EntryChunk(segment_index=index, error=err)
                 continue
             yield from entry_chunks(entry, index, transport)
-            entries.append(entry)
+            if owner.get(index):
+                entries.setdefault(owner[index], []).append(entry)
             self.streamed += 1
             if FAULT_EXIT_AFTER and self.streamed >= FAULT_EXIT_AFTER:
                 time.sleep(0.05)
                 os._exit(3)
         metrics.BYTES_MOVED.labels(path=transport.name).inc(transport.bytes_moved())
-        if request.cache_tier and entries:
-            # Written after the stream, off the critical path of the request.
-            threading.Thread(target=self._tier(request.cache_tier).put, args=(entries,), daemon=True).start()
+        # Written after the stream, off the critical path of the request.
+        for tier, owned in entries.items():
+            threading.Thread(target=self._tier(tier).put, args=(owned,), daemon=True).start()
