@@ -1,0 +1,340 @@
+"""Train the shipped QA model (models/default): a BPE tokenizer fitted on generated text, then a small
+Qwen3.5 model (transformers' Qwen3_5ForCausalLM, 8 layers, 3 linear : 1 full) on full prompts of
+the multi-document QA task (services/runtime/qa_data.py).
+
+    python benchmarks/train_qa_model.py --out models/default --time-budget 360     # GPU
+    python benchmarks/train_qa_model.py --out /tmp/m --steps 20 --batch 2 --max-docs 8  # CPU smoke
+
+Seeded: the tokenizer, the initial weights and the data stream depend on --seed only. With
+--time-budget the learning-rate schedule follows elapsed time and training stops when it runs out
+(the step count reached is logged); with --steps alone the schedule follows steps. The directory
+written is Hugging Face format: config.json, model.safetensors (fp32), tokenizer.json,
+generation_config.json, plus train_log.jsonl. Prints one JSON object at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _import_from_checkout() -> None:
+    """Run from a checkout without `pip install`: map `hybridcache.*` onto the repo's folders."""
+    import importlib.util
+    import os
+    import types
+
+    if importlib.util.find_spec("hybridcache") is None or os.environ.get("HYBRIDCACHE_FROM_CHECKOUT"):
+        pkg = types.ModuleType("hybridcache")
+        pkg.__path__ = []
+        sys.modules["hybridcache"] = pkg
+        for sub in ("kernels", "services"):
+            spec = importlib.util.spec_from_file_location(
+                f"hybridcache.{sub}", REPO / sub / "__init__.py", submodule_search_locations=[str(REPO / sub)]
+            )
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[f"hybridcache.{sub}"] = mod
+            spec.loader.exec_module(mod)
+
+
+_import_from_checkout()
+
+from hybridcache.services.runtime.qa_data import QAGenerator, answer_text, corpus_text  # noqa: E402
+from hybridcache.services.runtime.tokenizer import SPECIAL_TOKENS  # noqa: E402
+
+VOCAB_SIZE = 1024
+MODEL_CONFIG = dict(
+    model_type="qwen3_5_text",
+    architectures=["Qwen3_5ForCausalLM"],
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    intermediate_size=384,
+    num_hidden_layers=8,
+    layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    attention_bias=False,
+    bos_token_id=None,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+ANSWER_WEIGHT = 4.0  # extra loss weight on answer tokens (the task signal; documents are mostly noise)
+
+
+def train_tokenizer(n_prompts: int = 400, seed: int = 0) -> Tokenizer:
+    """Byte-level BPE (any text encodes) with a small vocabulary fitted on training-split text."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_text(n_prompts, seed), trainer)
+    return tok
+
+
+def encode_prompt(tok: Tokenizer, examples) -> tuple[list[int], list[int]]:
+    """Token ids of one training prompt (parts encoded one by one, as the engine does) and, per
+    token, 1 where it is an answer token (loss on the token predicted at that position)."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    ex0 = examples[0]
+    ids = enc(ex0.system)
+    for d in ex0.documents:
+        ids += enc(d)
+    is_answer = [0] * len(ids)
+    for ex in examples:
+        q = enc(ex.suffix)
+        a = enc(answer_text(ex.answer))
+        ids += q + a
+        is_answer += [0] * len(q) + [1] * len(a)
+    return ids, is_answer
+
+
+class PromptStream(torch.utils.data.IterableDataset):
+    def __init__(self, tok_json: str, seed: int, min_docs: int, max_docs: int, questions: int):
+        self.tok_json, self.seed, self.min_docs, self.max_docs, self.questions = (
+            tok_json, seed, min_docs, max_docs, questions)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid = info.id if info else 0
+        tok = Tokenizer.from_str(self.tok_json)
+        gen = QAGenerator("train", self.seed * 1000 + wid, self.min_docs, self.max_docs)
+        while True:
+            yield encode_prompt(tok, gen.prompt(self.questions))
+
+
+def collate(batch, pad_id: int):
+    n = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(batch), n), dtype=torch.bool)
+    ans = torch.zeros((len(batch), n), dtype=torch.bool)
+    for i, (x, a) in enumerate(batch):
+        ids[i, : len(x)] = torch.tensor(x)
+        valid[i, : len(x)] = True
+        ans[i, : len(x)] = torch.tensor(a, dtype=torch.bool)
+    return ids, valid, ans
+
+
+def build_model(seed: int):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    cfg = {k: v for k, v in MODEL_CONFIG.items() if k not in ("model_type", "architectures")}
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg))
+
+
+def use_fla_kernels(model) -> str:
+    """On a GPU, swap transformers' pure-torch gated-delta-rule fallback for fla's chunk kernel when
+    fla is importable and agrees with the fallback on a random input; returns which one runs."""
+    if not torch.cuda.is_available():
+        return "torch"
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except Exception as e:  # fla missing or broken: train on the fallback
+        return f"torch (fla unavailable: {type(e).__name__})"
+    import transformers.models.qwen3_5.modeling_qwen3_5 as m
+
+    fallback = m.torch_chunk_gated_delta_rule
+
+    def chunk(query, key, value, g, beta, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, **_):
+        return fla_chunk(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 200, 4, 64, device="cuda", generator=gen) for _ in range(3))
+    g = -torch.rand(2, 200, 4, device="cuda", generator=gen)
+    beta = torch.rand(2, 200, 4, device="cuda", generator=gen)
+    ref = fallback(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0].float()
+    got = chunk(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0].float()
+    err = ((got - ref).norm() / ref.norm()).item()
+    if not err < 2e-2:
+        return f"torch (fla disagrees: rel err {err:.3g})"
+    m.torch_chunk_gated_delta_rule = chunk
+    if hasattr(m, "chunk_gated_delta_rule"):
+        m.chunk_gated_delta_rule = chunk
+    for mod in model.modules():
+        if hasattr(mod, "chunk_gated_delta_rule"):
+            mod.chunk_gated_delta_rule = chunk
+    return f"fla (rel err vs fallback {err:.2g})"
+
+
+def save_model(model, tok: Tokenizer, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2) + "\n")
+    gen_cfg = {"eos_token_id": MODEL_CONFIG["eos_token_id"]}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg) + "\n")
+    tok.save(str(out / "tokenizer.json"))
+
+
+def export_sharded(model, tok: Tokenizer, out: Path, shards: int = 2) -> None:
+    """A copy in several safetensors shards plus model.safetensors.index.json (for transports that
+    cap the size of one file); config and tokenizer as in save_model."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
+    names = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: state[n] for n in names[i::shards]}
+        save_file(part, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}) + "\n")
+    (out / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2) + "\n")
+    tok.save(str(out / "tokenizer.json"))
+
+
+def loss_fn(logits, ids, valid, ans):
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1]
+    v, a = valid[:, 1:], ans[:, 1:]
+    lm = nll[v].mean()
+    qa = nll[a].mean()
+    return lm + ANSWER_WEIGHT * qa, lm, qa
+
+
+@torch.no_grad()
+def answer_accuracy(model, tok: Tokenizer, split: str, n: int, hops: int, device, min_docs, max_docs, seed=0):
+    """Teacher-forced exact match: every answer token (and the closing newline) is the argmax.
+    This is what greedy decoding up to the newline returns."""
+    gen = QAGenerator(split, seed, min_docs, max_docs)
+    model.eval()
+    right = 0
+    for _ in range(n):
+        ids, ans = encode_prompt(tok, [gen.example(hops)])
+        x = torch.tensor([ids], device=device)
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(input_ids=x).logits[0]
+        pred = logits[:-1].argmax(-1)
+        m = torch.tensor(ans[1:], device=device, dtype=torch.bool)
+        right += bool((pred[m] == x[0, 1:][m]).all())
+    model.train()
+    return right / n
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=100000, help="stop after this many steps")
+    p.add_argument("--time-budget", type=float, default=0.0, help="seconds; 0 = no limit, schedule by steps")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--min-docs", type=int, default=8)
+    p.add_argument("--max-docs", type=int, default=16)
+    p.add_argument("--questions", type=int, default=4, help="questions per training prompt")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--save-every", type=float, default=60.0, help="seconds between checkpoints")
+    p.add_argument("--export", default="", help="also write a 2-shard copy here at every checkpoint")
+    p.add_argument("--val", type=int, default=64, help="validation questions per hop kind at each checkpoint")
+    args = p.parse_args(argv)
+    if args.time_budget <= 0 and args.steps >= 100000:
+        p.error("give --steps or --time-budget")
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "train_log.jsonl", "w")
+    t0 = time.time()
+    tok = train_tokenizer(seed=args.seed)
+    model = build_model(args.seed).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    kernels = use_fla_kernels(model)
+    print(json.dumps({"params": n_params, "device": str(device), "gdn_kernel": kernels}), flush=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+    )
+    stream = PromptStream(tok.to_str(), args.seed, args.min_docs, args.max_docs, args.questions)
+    loader = torch.utils.data.DataLoader(
+        stream, batch_size=args.batch, num_workers=args.workers,
+        collate_fn=lambda b: collate(b, MODEL_CONFIG["pad_token_id"]),
+        prefetch_factor=4 if args.workers else None, persistent_workers=bool(args.workers),
+    )
+    start = time.time()
+    last_save = start
+    step, tokens, lm, qa = 0, 0, float("nan"), float("nan")
+
+    def progress() -> float:
+        if args.time_budget > 0:
+            return min(1.0, (time.time() - start) / args.time_budget)
+        return step / args.steps
+
+    def checkpoint(final: bool):
+        rec = {"step": step, "tokens": tokens, "seconds": round(time.time() - start, 1),
+               "lm_loss": lm, "qa_loss": qa}
+        if args.val:
+            for h in (1, 2):
+                rec[f"val_acc_{h}hop"] = answer_accuracy(model, tok, "val", args.val, h, device,
+                                                         args.min_docs, args.max_docs, args.seed)
+        save_model(model, tok, out)
+        if args.export:
+            export_sharded(model, tok, Path(args.export))
+        rec["final"] = final
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        print(json.dumps(rec), flush=True)
+        return rec
+
+    model.train()
+    for ids, valid, ans in loader:
+        if step >= args.steps or (args.time_budget > 0 and time.time() - start >= args.time_budget):
+            break
+        frac = progress()
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids, valid, ans = ids.to(device, non_blocking=True), valid.to(device), ans.to(device)
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(input_ids=ids).logits
+        loss, lm_t, qa_t = loss_fn(logits, ids, valid, ans)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += int(valid.sum())
+        if step % 25 == 0 or step == 1:
+            lm, qa = round(lm_t.item(), 4), round(qa_t.item(), 4)
+            print(json.dumps({"step": step, "lr": round(lr, 6), "lm_loss": lm, "qa_loss": qa,
+                              "seconds": round(time.time() - start, 1)}), flush=True)
+        if time.time() - last_save >= args.save_every:
+            checkpoint(False)
+            last_save = time.time()
+    lm, qa = round(lm_t.item(), 4), round(qa_t.item(), 4)
+    rec = checkpoint(True)
+    rec.update(params=n_params, device=str(device), gdn_kernel=kernels,
+               total_seconds=round(time.time() - t0, 1), seed=args.seed, batch=args.batch)
+    print(json.dumps(rec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

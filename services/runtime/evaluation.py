@@ -1,0 +1,219 @@
+"""Quality harness: exact-match accuracy of cached answers on the multi-document QA task.
+
+For every question, each run gets its own engine (own caches) over one loaded model:
+
+    full     no cache
+    prefix   exact prefix cache
+    pic      prefix cache + position-independent segment entries, seam window w = 8
+    pic_w0 / pic_w4 / pic_w16   the same with w = 0, 4, 16
+    naive    pic (w = 8) composing without T (ablation)
+
+Runs that cache first see a warm-up request: the same documents in another order after another
+instruction. The question is then asked with the documents in a third order after the example's own
+instruction, so every segment entry is reused at a new position after a new prefix. Greedy
+decoding up to the end of the line; an answer is right when it equals the gold span (case and
+surrounding space ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridcache.services.runtime.qa_data import INSTRUCTIONS, QAExample, QAGenerator, normalize_answer
+
+# run name -> (engine mode, seam window)
+RUNS: dict[str, tuple[str, int]] = {
+    "full": ("full", 8),
+    "prefix": ("prefix", 8),
+    "pic": ("pic", 8),
+    "pic_w0": ("pic", 0),
+    "pic_w4": ("pic", 4),
+    "pic_w16": ("pic", 16),
+    "naive": ("naive", 8),
+}
+DEFAULT_SEED = 0  # the fixed test set; another seed draws a fresh set from the test split
+
+
+@dataclass
+class RunScore:
+    correct: int = 0
+    n: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    wrong: list[dict] = field(default_factory=list)
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.n if self.n else 0.0
+
+    def to_dict(self) -> dict:
+        reused = self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return {"accuracy": round(self.accuracy, 4), "n": self.n, "reused_token_fraction": round(reused, 4)}
+
+
+def test_examples(limit: int, seed: int = DEFAULT_SEED, hops: int | None = None,
+                  min_docs: int = 8, max_docs: int = 16) -> list[QAExample]:
+    """The first `limit` test-split questions drawn with `seed` (1-hop and 2-hop mixed unless `hops`)."""
+    if limit <= 0:
+        raise ValueError("limit must be positive")
+    if hops not in (None, 1, 2):
+        raise ValueError(f"hops must be 1 or 2, got {hops}")
+    gen = QAGenerator("test", seed, min_docs, max_docs)
+    return list(gen.examples(limit, hops))
+
+
+def _orders(ex: QAExample, rng: random.Random) -> tuple[list[int], list[int], str]:
+    """Warm-up order, asking order (both shuffled, different when possible) and warm-up instruction."""
+    n = len(ex.documents)
+    warm = list(range(n))
+    rng.shuffle(warm)
+    ask = list(warm)
+    while n > 1 and ask == warm:
+        rng.shuffle(ask)
+    other = rng.choice([i for i in INSTRUCTIONS if i != ex.instruction])
+    return warm, ask, other + "\n\n"
+
+
+def evaluate(
+    model_dir: str | Path,
+    limit: int = 100,
+    seed: int = DEFAULT_SEED,
+    hops: int | None = None,
+    runs: list[str] | None = None,
+    device: str = "cpu",
+    dtype=None,
+    min_docs: int = 8,
+    max_docs: int = 16,
+    progress: bool = True,
+) -> dict[str, RunScore]:
+    import torch
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from hybridcache.services.runtime.loader import load_model
+    from hybridcache.services.runtime.tokenizer import Tokenizer
+    from tqdm import tqdm
+
+    runs = list(RUNS) if runs is None else runs
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown:
+        raise ValueError(f"unknown run(s) {', '.join(unknown)}; known: {', '.join(RUNS)}")
+    model = load_model(model_dir, device, dtype or torch.float32)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    engines = {
+        r: Engine(model, tokenizer, EngineConfig(mode=RUNS[r][0], seam_window=RUNS[r][1])) for r in runs
+    }
+    examples = test_examples(limit, seed, hops, min_docs, max_docs)
+    scores = {r: RunScore() for r in runs}
+
+    bar = tqdm(total=len(examples) * len(runs), desc="eval", unit="answer", disable=not progress, file=sys.stderr)
+    for i, ex in enumerate(examples):
+        warm, ask, warm_system = _orders(ex, random.Random(f"{seed}:{i}"))
+        for r in runs:
+            engine = engines[r]
+            if engine.config.uses_prefix_cache:
+                engine.generate(ex.request(max_new_tokens=1, system=warm_system, order=warm))
+            res = engine.generate(ex.request(order=ask))
+            sc = scores[r]
+            sc.n += 1
+            sc.prompt_tokens += res.stats.prompt_tokens
+            sc.reused_tokens += res.stats.reused_tokens
+            if normalize_answer(res.text) == normalize_answer(ex.answer):
+                sc.correct += 1
+            elif len(sc.wrong) < 5:
+                sc.wrong.append({"question": ex.question, "answer": ex.answer, "got": res.text})
+            bar.update(1)
+        bar.set_postfix({r: f"{s.accuracy:.2f}" for r, s in scores.items() if r in ("full", "pic", "naive")})
+    bar.close()
+    return scores
+
+
+def results_json(scores: dict[str, RunScore]) -> dict:
+    return {r: s.to_dict() for r, s in scores.items()}
+
+
+def format_table(scores: dict[str, RunScore]) -> str:
+    full = scores.get("full")
+    lines = [f"{'run':<10}{'mode':<8}{'w':>4}{'accuracy':>10}{'n':>6}{'vs full':>9}{'reused':>8}"]
+    for r, s in scores.items():
+        mode, w = RUNS[r]
+        delta = f"{100 * (s.accuracy - full.accuracy):+.1f}" if full is not None and r != "full" else ""
+        reused = s.to_dict()["reused_token_fraction"]
+        lines.append(f"{r:<10}{mode:<8}{w:>4}{100 * s.accuracy:>9.1f}%{s.n:>6}{delta:>9}{100 * reused:>7.0f}%")
+    return "\n".join(lines)
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _run_list(text: str) -> list[str]:
+    runs = [r.strip() for r in text.split(",") if r.strip()]
+    bad = [r for r in runs if r not in RUNS]
+    if bad or not runs:
+        raise argparse.ArgumentTypeError(f"unknown run(s) {', '.join(bad) or text!r}; known: {', '.join(RUNS)}")
+    return runs
+
+
+def add_eval_flags(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--model", help="model directory (HF format); default: the embedded default model")
+    sp.add_argument("--limit", type=_positive, default=200, help="questions (default 200)")
+    sp.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                    help=f"draw the questions from the test split with this seed (default {DEFAULT_SEED})")
+    sp.add_argument("--hops", type=int, choices=[1, 2], help="only 1-hop or only 2-hop questions (default both)")
+    sp.add_argument("--runs", type=_run_list, default=list(RUNS), help=f"comma list of {','.join(RUNS)}")
+    sp.add_argument("--min-docs", type=_positive, default=8)
+    sp.add_argument("--max-docs", type=_positive, default=16)
+    sp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    sp.add_argument("--output", help="write the JSON results here")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_eval(args) -> int:
+    """`hybridcache eval`: prints the table, then the JSON {run: {accuracy, n, ...}}; writes --output."""
+    if not 2 <= args.min_docs <= args.max_docs:
+        raise ValueError("need 2 <= --min-docs <= --max-docs")
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from hybridcache.services.runtime.modelzoo import default_model_dir
+
+        model_dir = default_model_dir()
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda given but no CUDA device is available")
+    scores = evaluate(model_dir, args.limit, args.seed, args.hops, args.runs, args.device,
+                      min_docs=args.min_docs, max_docs=args.max_docs, progress=not args.no_progress)
+    result = results_json(scores)
+    print(f"model {model_dir}, {args.limit} test questions, seed {args.seed}, hops {args.hops or '1+2'}")
+    print(format_table(scores))
+    print(json.dumps(result))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hybridcache eval", description=__doc__.splitlines()[0])
+    add_eval_flags(p)
+    args = p.parse_args(argv)
+    try:
+        return cmd_eval(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hybridcache: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
