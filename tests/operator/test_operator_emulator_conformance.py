@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import threading
 import urllib.request
 from pathlib import Path
@@ -175,19 +176,27 @@ def test_list_filters_by_label_and_reports_a_resource_version(api):
             cleanup(api, f"{CM}/{name}")
 
 
+def _ssl_context(configuration):
+    if not configuration.host.startswith("https"):
+        return None
+    context = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
+    if configuration.cert_file:
+        context.load_cert_chain(configuration.cert_file, configuration.key_file)
+    return context
+
+
 def _watch(api, query, count):
-    """Collect `count` events of a watch started with `query`, in a thread (the stream is open-ended)."""
-    url = api.client.configuration.host + f"{CM}?watch=true&{query}&timeoutSeconds=5"
-    headers = {}
-    api.client.configuration.auth_settings()  # same auth as the client; the emulator ignores it
-    token = api.client.configuration.api_key.get("authorization")
-    if token:
-        headers["Authorization"] = token
+    """Collect `count` events of a watch started with `query`, in a thread (the stream is
+    open-ended). Same URL, auth headers and TLS material as the client, so it runs on a real cluster."""
+    _, url, headers, _, _ = api.client.param_serialize(
+        "GET", f"{CM}?watch=true&{query}&timeoutSeconds=5", header_params={"Accept": "application/json"},
+        auth_settings=["BearerToken"],
+    )
     events = []
 
     def run():
         request = urllib.request.Request(url, headers=headers)
-        with urllib.request.urlopen(request, timeout=10) as stream:
+        with urllib.request.urlopen(request, timeout=10, context=_ssl_context(api.client.configuration)) as stream:
             for line in stream:
                 if line.strip():
                     events.append(json.loads(line))

@@ -1,0 +1,41 @@
+# syntax=docker/dockerfile:1
+# The one image of every HybridCache role and of the operator; the command picks what runs:
+#   hybridcache serve router|combine|scatter|cache-tier ...   (built by operator/builders.py)
+#   kopf run -m hybridcache.operator.main --all-namespaces     (manifests/operator/, the chart)
+# Build from the repository root:  docker build -t hybridcache/hybridcache:0.1.0 .
+
+FROM python:3.11-slim-bookworm AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/hybridcache
+ENV PATH=/opt/hybridcache/bin:$PATH
+WORKDIR /src
+# torch first: the default index's Linux wheel carries the CUDA runtime the GPU roles need.
+ARG TORCH_VERSION=2.13.0
+RUN pip install "torch==${TORCH_VERSION}"
+RUN pip install "torch==${TORCH_VERSION}" numpy safetensors tokenizers tqdm "transformers>=5.0" \
+        grpcio protobuf prometheus-client opentelemetry-sdk etcd-sdk-python aiohttp \
+        kopf kubernetes pyyaml
+COPY pyproject.toml README.md ./
+COPY kernels/ kernels/
+COPY services/ services/
+COPY operator/ operator/
+RUN pip install --no-deps . \
+    && hybridcache model init --arch qwen3_5_text --preset tiny --out /app/models/tiny
+
+FROM python:3.11-slim-bookworm
+RUN groupadd --gid 10001 hybridcache \
+    && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin hybridcache
+COPY --from=build /opt/hybridcache /opt/hybridcache
+COPY --from=build --chown=10001:10001 /app/models /app/models
+# Pods run with a read-only root filesystem: caches and scratch go to the /tmp emptyDir.
+ENV PATH=/opt/hybridcache/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp \
+    HF_HOME=/tmp/hf \
+    HF_HUB_OFFLINE=1
+WORKDIR /app
+USER 10001:10001
+EXPOSE 8000 50051
+ENTRYPOINT ["hybridcache"]
+CMD ["--help"]
