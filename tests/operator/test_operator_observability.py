@@ -92,7 +92,8 @@ def test_dashboard_queries_parse(tmp_path):
 
 def test_promtool_rejects_a_broken_query(tmp_path):
     path = tmp_path / "broken.yaml"
-    path.write_text(yaml.safe_dump({"groups": [{"name": "x", "rules": [{"record": "x:y", "expr": "sum(rate(x[5m])"}]}]}))
+    broken = {"groups": [{"name": "x", "rules": [{"record": "x:y", "expr": "sum(rate(x[5m])"}]}]}
+    path.write_text(yaml.safe_dump(broken))
     assert promtool("check", "rules", str(path)).returncode != 0
 
 
