@@ -52,7 +52,34 @@ _NEMOTRON_H_TINY = dict(
     residual_in_fp32=False,
 )
 
+# Kimi-Linear: KDA layers + one NoPE MLA layer; block 0 has a dense MLP, the others a DeepSeek-V3 MoE
+_KIMI_LINEAR_TINY = dict(
+    {k: v for k, v in _TINY_BASE.items() if k not in ("head_dim", "num_key_value_heads")},
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    linear_num_heads=4,
+    linear_head_dim=16,
+    linear_conv_kernel_dim=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    num_experts=4,
+    num_experts_per_token=2,
+    moe_intermediate_size=32,
+    num_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.446,
+    norm_topk_prob=True,
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+)
+
 FAMILY_PRESETS: dict[tuple[str, str], dict] = {
     ("olmo_hybrid", "tiny"): _OLMO_HYBRID_TINY,
     ("nemotron_h", "tiny"): _NEMOTRON_H_TINY,
+    ("kimi_linear", "tiny"): _KIMI_LINEAR_TINY,
 }

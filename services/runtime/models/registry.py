@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{t: _QWEN for t in SUPPORTED_MODEL_TYPES},
     "olmo_hybrid": (f"{_PKG}.models.olmo_hybrid:OlmoHybridConfig", f"{_PKG}.models.olmo_hybrid:OlmoHybridLM"),
     "nemotron_h": (f"{_PKG}.models.nemotron_h:NemotronHConfig", f"{_PKG}.models.nemotron_h:NemotronHLM"),
+    "kimi_linear": (f"{_PKG}.models.kimi_linear:KimiLinearConfig", f"{_PKG}.models.kimi_linear:KimiLinearLM"),
 }
 
 
