@@ -145,14 +145,16 @@ def random_init_(model: HybridLM, seed: int, std: float = 0.02) -> None:
 def checkpoint_tensors(model: HybridLM) -> dict[str, torch.Tensor]:
     """State dict under the checkpoint names Hugging Face writes (per-expert MoE tensors)."""
     out = {}
+    # some architectures' transformers classes read only the fused 3-D expert tensors
+    split = not getattr(model, "fused_expert_checkpoint", False)
     for name, t in model.state_dict().items():
-        if name.endswith("experts.gate_up_proj"):
+        if split and name.endswith("experts.gate_up_proj"):
             prefix = name[: -len(".gate_up_proj")]
             inter = t.shape[1] // 2
             for e in range(t.shape[0]):
                 out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter].contiguous()
                 out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:].contiguous()
-        elif name.endswith("experts.down_proj"):
+        elif split and name.endswith("experts.down_proj"):
             prefix = name[: -len(".down_proj")]
             for e in range(t.shape[0]):
                 out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
