@@ -425,6 +425,8 @@ class Engine:
         tip = self.pages.insert(recorder.token_ids, lambda a: recorder.page_payload(state, a))
         if tip is not None:
             locked.append(tip)
+            # The request holds these pages until it finishes: their anchors need not stay here too.
+            recorder.drop_before(tip.depth * self.pages.page_size)
 
     def finish_prefix(self, pre: Prefill) -> None:
         """A request ended: add the pages its decode completed, then release its pages."""

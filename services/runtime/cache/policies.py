@@ -143,6 +143,17 @@ class PageRecorder:
         if self.policy.is_checkpoint_position(pos) and pos not in self.checkpoints:
             self.checkpoints[pos] = _copy_linear(linear) if copy else linear
 
+    def drop_before(self, pos: int) -> None:
+        """Forget what pages ending at or before `pos` needed (they are cached); later pages are
+        still buildable. pos is a page boundary."""
+        if pos <= self.start:
+            return
+        for i in self.capture_layers:
+            self.hidden[i] = [self._anchors(i)[pos - self.start :].clone()]
+        self._hidden_cat.clear()
+        self.checkpoints = {p: c for p, c in self.checkpoints.items() if p > pos}
+        self.start = pos
+
     def _anchors(self, layer: int) -> torch.Tensor:
         if layer not in self._hidden_cat:
             self._hidden_cat[layer] = torch.cat(self.hidden[layer])
