@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 from hybridcache.services import cli
-from hybridcache.services.runtime.cache import expected_entry_nbytes
+from hybridcache.services.runtime.cache import MemoryEntryStore, expected_entry_nbytes
+from hybridcache.services.runtime.cache.single_state import SingleStateStore
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.engine import Engine, EngineConfig
 from hybridcache.services.runtime.loader import ModelLoadError, load_model
@@ -157,3 +158,24 @@ def test_checkpoint_style_config_and_bad_configs(tmp_path):
     (bad / "config.json").write_text(json.dumps(dict(cfg_json, hidden_act="gelu")))
     with pytest.raises(ModelLoadError, match="hidden_act"):
         load_model(bad)
+
+
+def test_single_state_policy_drops_the_dense_transition(kimi, kimi_dir):
+    """Single state (composition with T = 0) on KDA: cold = warm, smaller entries than exact (dense T
+    dropped), and a different answer from exact composition once a prefix carries state."""
+    tok = Tokenizer.from_dir(kimi_dir)
+    obj = _request()
+
+    def engine(single):
+        store = MemoryEntryStore(1 << 30)
+        return Engine(kimi, tok, EngineConfig(mode="pic", seam_window=4), SingleStateStore(store) if single else store)
+
+    single, exact = engine(True), engine(False)
+    cold = single.prefill(single.parse_request(obj)).logits
+    warm = single.prefill(single.parse_request(obj)).logits
+    assert (cold - warm).abs().max().item() <= 1e-5
+    assert (cold - exact.prefill(exact.parse_request(obj)).logits).abs().max().item() > 1e-4
+    sizes = [e.get_or_build_entry(obj["segments"][1])[0].nbytes for e in (single, exact)]
+    h, d = kimi.cfg.linear_num_heads, kimi.cfg.linear_head_dim
+    # a K x K fp32 matrix per head becomes one zero scalar per head
+    assert sizes[1] - sizes[0] == len(kimi.cfg.linear_layers) * 4 * h * (d * d - 1)
