@@ -17,7 +17,7 @@ from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.transport import choose_transport
-from hybridcache.services.transport.codec import EntryAssembler
+from hybridcache.services.transport.codec import EntryAssembler, entry_to
 
 log = logging.getLogger("hybridcache.combine")
 
@@ -30,7 +30,7 @@ def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]],
     got: dict[int, SegmentEntry] = {}
     asm = EntryAssembler()
     req = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=ids, cache_tier=t) for i, ids, t in segments],
-                            cache_tier=cache_tier, transport=choose_transport("127.0.0.1", address))
+                            cache_tier=cache_tier, transport=choose_transport(address))
     try:
         for chunk in rpc.ScatterStub(channel).Prefill(req, timeout=timeout_s, metadata=tracing.outgoing_metadata()):
             out = asm.feed(chunk)
@@ -87,7 +87,7 @@ class CombineServicer(rpc.CombineServicer):
                 cold.setdefault(p.address, []).append(p.index)
         for address, plans in need_tier.items():
             t0 = time.perf_counter()
-            moved["tier_path"] = choose_transport("127.0.0.1", address)
+            moved["tier_path"] = choose_transport(address)
             found = self._tier(address).get([p.key for p in plans], moved["tier_path"])
             moved["tier_seconds"] += time.perf_counter() - t0
             for p in plans:
@@ -147,6 +147,8 @@ class CombineServicer(rpc.CombineServicer):
             yield pb.TokenChunk(done=True, error=str(e), status=400)
             return
         pinned, source, moved = self._gather(request, segments)
+        device = next(self.engine.model.parameters()).device
+        pinned = {k: entry_to(e, device) for k, e in pinned.items()}
         with self._lock:
             self.engine.entries.pin(pinned)
             try:

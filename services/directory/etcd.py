@@ -25,7 +25,8 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 class EtcdDirectory(Directory):
-    def __init__(self, endpoint: str, ttl_s: float = 5.0, refresh_s: float = 1.0, timeout_s: float = 2.0):
+    def __init__(self, endpoint: str, ttl_s: float = 5.0, refresh_s: float = 1.0, timeout_s: float = 2.0,
+                 static: dict[str, list[str]] | None = None):
         import pyetcd
 
         host, port = parse_endpoint(endpoint)
@@ -34,7 +35,7 @@ class EtcdDirectory(Directory):
         self._client = self._new_client()
         self._ttl = max(2, int(ttl_s))
         self._refresh = refresh_s
-        self._local = InProcessDirectory()
+        self._local = InProcessDirectory(static)  # the view used while etcd is unreachable
         self._own: set[tuple[str, str]] = set()
         self._lease = None
         self._lock = threading.Lock()
@@ -126,8 +127,5 @@ class EtcdDirectory(Directory):
 def make_directory(etcd: str | None, static: dict[str, list[str]] | None = None) -> Directory:
     """etcd when an endpoint is given, else the in-process directory seeded with `static` members."""
     if etcd:
-        d = EtcdDirectory(etcd)
-        for role, addrs in (static or {}).items():
-            d._local.replace(role, addrs)
-        return d
+        return EtcdDirectory(etcd, static=static)
     return InProcessDirectory(static)

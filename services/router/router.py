@@ -149,7 +149,7 @@ class Router:
         for n, (idx, ids) in enumerate(cacheable):
             if n in present:
                 owner, nbytes = present[n]
-                path = choose_transport("127.0.0.1", owner)
+                path = choose_transport(owner)
                 if self.cost.choose(nbytes, len(ids), path) == "fetch":
                     plan.append(pb.SegmentPlan(index=idx, key=keys[n], source="tier", address=owner))
                     continue

@@ -24,10 +24,13 @@ def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0] if ":" in address else address
 
 
-def choose_transport(local_host: str, peer_address: str) -> str:
-    """Shared memory when both ends are on this host, the gRPC stream otherwise."""
-    return "shm" if host_of(peer_address) in (local_host, "127.0.0.1", "localhost") and \
-        local_host in ("127.0.0.1", "localhost", host_of(peer_address)) else "grpc"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def choose_transport(peer_address: str) -> str:
+    """Shared memory when the peer is on this host (loopback), the gRPC stream otherwise (another
+    host, or another pod: pods do not share /dev/shm)."""
+    return "shm" if host_of(peer_address) in LOOPBACK else "grpc"
 
 
 __all__ = ["TRANSPORTS", "TensorTransport", "TransportError", "choose_transport", "get_transport", "host_of"]

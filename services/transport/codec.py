@@ -125,3 +125,15 @@ def read_entries(chunks: Iterable) -> Iterator[tuple[int, SegmentEntry | None, s
         out = asm.feed(chunk)
         if out is not None:
             yield out
+
+
+def entry_to(entry: SegmentEntry, device) -> SegmentEntry:
+    """The entry with its tensors on `device` (entries arrive on the host; the model may be on a GPU)."""
+    d = entry.data
+    if all(t.device == torch.device(device) for _, _, t in layer_tensors(d)):
+        return entry
+    linear = {i: LinearSpan(s.T.to(device), s.S.to(device), s.conv_tail.to(device)) for i, s in d.linear.items()}
+    attn = {i: AttnSpan(a.k.to(device), a.v.to(device)) for i, a in d.attn.items()}
+    data = SpanData(d.num_tokens, d.local_start, linear, attn)
+    return SegmentEntry(key=entry.key, segment_tokens=entry.segment_tokens, data=data,
+                        build_seconds=entry.build_seconds, nbytes=entry.nbytes, checksum=entry.checksum)

@@ -54,8 +54,10 @@ def test_lease_expiry_removes_a_dead_member(etcd):
 
 
 def test_without_etcd_the_directory_is_in_process():
-    d = make_directory(None, {"combine": ["127.0.0.1:1"]})
+    d = make_directory(None, {"combine": ["127.0.0.1:1"], "cache-tier": ["localhost:7"]})
     assert isinstance(d, InProcessDirectory) and d.members("combine") == ["127.0.0.1:1"]
+    # A name stands for every address behind it (a headless Service: one member per pod).
+    assert d.members("cache-tier") == ["127.0.0.1:7"]
     d.register("scatter", "127.0.0.1:2")
     d.deregister("combine", "127.0.0.1:1")
     assert d.members("scatter") == ["127.0.0.1:2"] and d.members("combine") == []

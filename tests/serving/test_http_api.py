@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import openai
 import pytest
-from conftest import http
+from conftest import TIER_BYTES, http
 from hybridcache.services.api.openai_compat import chat_to_native
 from hybridcache.services.contract import (
     METRIC_CACHE_HITS,
@@ -178,8 +178,12 @@ def test_load_mixed_hits_no_errors_and_cache_within_budget(cluster):
     tier = cluster.role("cache-tier")[0]
     stub = rpc.CacheTierStub(grpc.insecure_channel(tier.grpc))
     stat = stub.Stat(pb.StatRequest(), timeout=10)
+    assert stat.capacity_bytes == TIER_BYTES
     assert 0 < stat.used_bytes <= stat.capacity_bytes
-    assert stat.entries > 0
+    assert stat.entries > 0 and stat.evictions > 0
+    combine = cluster.role("combine")[0]
+    _, text = http("GET", f"http://{combine.http}/metrics")
+    assert 0 < float(re.search(r'hybridcache_cache_bytes{tier="gpu"} (\S+)', text).group(1)) <= 64 << 20
 
 
 def test_metrics_after_traffic(cluster):

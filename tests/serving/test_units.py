@@ -19,7 +19,7 @@ from hybridcache.services.router.assign import lpt_assign, makespan, round_robin
 from hybridcache.services.router.cost import CostModel
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.transport import choose_transport, get_transport
-from hybridcache.services.transport.codec import EntryAssembler, entry_chunks, read_entries
+from hybridcache.services.transport.codec import EntryAssembler, entry_chunks, entry_to, read_entries
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,15 @@ def test_codec_round_trip_layer_by_layer(entries, transport):
         assert (got.data.linear[0].S == want.data.linear[0].S).all()
 
 
+def test_entry_to_moves_every_tensor(entries):
+    e = entries[0]
+    assert entry_to(e, "cpu") is e
+    moved = entry_to(e, "meta")
+    assert moved.checksum == e.checksum and moved.nbytes == e.nbytes
+    assert {t.device.type for s in moved.data.linear.values() for t in (s.T, s.S, s.conv_tail)} == {"meta"}
+    assert {t.device.type for a in moved.data.attn.values() for t in (a.k, a.v)} == {"meta"}
+
+
 def test_corrupted_bytes_are_detected(entries):
     chunks = list(entry_chunks(entries[0], 0, get_transport("grpc")))
     t = next(c for c in chunks if c.WhichOneof("body") == "tensor" and len(c.tensor.data) > 8)
@@ -108,8 +117,9 @@ def test_corrupted_bytes_are_detected(entries):
 
 
 def test_transport_choice():
-    assert choose_transport("127.0.0.1", "127.0.0.1:5000") == "shm"
-    assert choose_transport("127.0.0.1", "10.0.0.7:5000") == "grpc"
+    assert choose_transport("127.0.0.1:5000") == "shm"
+    assert choose_transport("10.0.0.7:5000") == "grpc"
+    assert choose_transport("localhost:5000") == "shm"
     with pytest.raises(ValueError):
         get_transport("carrier-pigeon")
 

@@ -1,0 +1,55 @@
+"""`hybridcache up` as a user runs it: ready line, a request, SIGTERM stops every process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from conftest import http
+from hybridcache.services.launcher import free_port
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_up_serves_and_stops_everything_on_sigterm(model_dir):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "hybridcache.services.cli", "up", "--model", str(model_dir),
+                             "--port", str(port), "--scatter-workers", "1"], stdout=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["ready"] and ready["http"] == f"http://127.0.0.1:{port}"
+        pids = [s["pid"] for s in ready["services"]]
+        assert sorted(s["role"] for s in ready["services"]) == ["cache-tier", "combine", "router", "scatter"]
+        status, res = http("POST", f"{ready['http']}/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+        assert status == 200 and res["usage"]["completion_tokens"] >= 1
+        assert http("GET", f"{ready['http']}/v1/models")[1]["data"][0]["id"] == model_dir.name
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not any(alive(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_and_serve_reject_bad_flags_in_one_line(tmp_path):
+    for args in (["up", "--model", str(tmp_path)], ["serve", "scatter", "--model", str(tmp_path / "missing"),
+                                                     "--grpc-port", str(free_port()), "--http-port", str(free_port())]):
+        r = subprocess.run([sys.executable, "-m", "hybridcache.services.cli", *args], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2
+        assert r.stderr.startswith("hybridcache: error:") and len(r.stderr.strip().splitlines()) == 1
