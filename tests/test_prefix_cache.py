@@ -256,3 +256,18 @@ def test_cli_generate_takes_prefix_policy_flags(tiny_dir, tmp_path, capsys):
     assert lines[1]["stats"]["linear_state_bytes"] == 2 * 8 * groups * h * 4
     assert main(argv[:-1] + ["0"]) == 2
     assert "replay_anchors must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "olmo_hybrid", "nemotron_h", "kimi_linear"])
+def test_exact_replay_is_exact_for_every_family(arch, tmp_path):
+    """Replay runs each family's own linear groups (Mamba2 / GDN / KDA layers, MLP-only layers between)."""
+    from hybridcache.services.runtime.modelzoo import init_model_dir
+
+    model_dir = init_model_dir(arch, "tiny", tmp_path / arch, seed=0, std=0.08)
+    eng = make_engine(model_dir, prefix_policy="exact_replay", checkpoint_every=2)
+    ids = tokens(3 * P + 5, seed=14)
+    eng.generate(request(ids))
+    path = eng.pages.match(ids, eng.page_policy.usable)
+    assert len(path) == 3  # the third page restores by replaying from the checkpoint after page 2
+    got = restore_state(eng.model, eng.page_policy, path)
+    assert state_error(got, full_prefill(eng.model, ids[: 3 * P])) <= 1e-5

@@ -329,6 +329,8 @@ class Engine:
 
     @torch.no_grad()
     def prefill(self, req: Request) -> Prefill:
+        """Assemble and run the prompt. The prefix pages it read or wrote stay locked until
+        finish_prefix(prefill) (a Generation calls it when iteration ends)."""
         started = time.perf_counter()
         cfg = self.config
         stats = RequestStats(mode=cfg.mode, seam_window=cfg.seam_window)
