@@ -23,7 +23,7 @@ log = logging.getLogger("hybridcache.combine")
 
 
 def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]], cache_tier: str,
-                       timeout_s: float = 120.0) -> tuple[dict[int, SegmentEntry], int]:
+                       metadata=(), timeout_s: float = 120.0) -> tuple[dict[int, SegmentEntry], int]:
     """Ask one scatter worker for entries; returns those received whole (a dead worker yields
     what arrived before it died) and the bytes received."""
     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
@@ -32,7 +32,7 @@ def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]],
     req = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=ids, cache_tier=t) for i, ids, t in segments],
                             cache_tier=cache_tier, transport=choose_transport(address))
     try:
-        for chunk in rpc.ScatterStub(channel).Prefill(req, timeout=timeout_s, metadata=tracing.outgoing_metadata()):
+        for chunk in rpc.ScatterStub(channel).Prefill(req, timeout=timeout_s, metadata=metadata):
             out = asm.feed(chunk)
             if out is not None and out[1] is not None:
                 got[out[0]] = out[1]
@@ -99,6 +99,8 @@ class CombineServicer(rpc.CombineServicer):
                 else:
                     cold.setdefault("", []).append(p.index)
         workers = list(request.scatter_workers)
+        # The pool threads do not inherit this thread's trace context: hand it over explicitly.
+        trace_md = tracing.outgoing_metadata()
         failed: set[str] = set()
         pending = {a: idx for a, idx in cold.items()}
         while pending:
@@ -107,7 +109,7 @@ class CombineServicer(rpc.CombineServicer):
                 if address and address not in failed:
                     jobs[address] = self._pool.submit(prefill_on_scatter, address,
                                                       [(i, segments[i], owners.get(i, "")) for i in idx],
-                                                      request.cache_tier)
+                                                      request.cache_tier, trace_md)
             retry: list[int] = []
             for address, idx in pending.items():
                 got, nbytes = jobs[address].result() if address in jobs else ({}, 0)

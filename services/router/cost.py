@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-# Defaults measured by benchmarks/transport_loopback.py (2-core CPU machine) and on one H200
-# (ENVIRONMENT.md: 26.6k tokens/s prefill of a Qwen3.5-9B shape).
-DEFAULT_BANDWIDTH = {"grpc": 0.37e9, "shm": 1.0e9, "local": 50e9}
+# Starting points until the services report measurements: entry Get over loopback as recorded in
+# benchmarks/results/transport_loopback_cpu_*.json (2-core CPU machine, checksums included).
+DEFAULT_BANDWIDTH = {"grpc": 0.08e9, "shm": 0.17e9, "local": 50e9}
 DEFAULT_LATENCY_S = {"grpc": 2e-3, "shm": 1e-3, "local": 0.0}
 
 

@@ -90,16 +90,22 @@ class Router:
         while True:
             for address in self.directory.members("combine"):
                 try:
-                    self.info = rpc.CombineStub(self._channel(address)).Info(pb.InfoRequest(), timeout=2.0)
-                    self.shell.fingerprint = self.info.fingerprint
-                    self.shell.config = EngineConfig(seam_window=self.info.seam_window, mode=self.info.mode or "pic",
-                                                     max_segments=self.config.max_segments)
-                    return self.info
+                    return self.adopt(rpc.CombineStub(self._channel(address)).Info(pb.InfoRequest(), timeout=2.0))
                 except grpc.RpcError:
                     pass
             if time.monotonic() > deadline:
                 raise ServiceUnavailable("no combine worker answered Info")
             time.sleep(0.2)
+
+    def adopt(self, info: pb.InfoReply) -> pb.InfoReply:
+        """Key entries as the served engine does (its fingerprint, seam window and mode)."""
+        self.info = info
+        self.shell.fingerprint = info.fingerprint
+        self.shell.config = EngineConfig(seam_window=info.seam_window, mode=info.mode or "pic",
+                                         max_segments=self.config.max_segments)
+        if info.prefill_tokens_per_second > 0:
+            self.cost.prefill_tokens_per_s = info.prefill_tokens_per_second
+        return info
 
     @property
     def cold_queue_depth(self) -> int:

@@ -200,3 +200,37 @@ def test_generated_protocol_code_is_current():
     here = Path(build.__file__).parent
     for name, text in build.generated_text().items():
         assert (here / name).read_text() == text, f"{name} is stale: python -m hybridcache.services.protocol.build"
+
+
+def test_router_plan_fetches_or_recomputes_held_entries(engine, model_dir):
+    from hybridcache.services.protocol import pb
+    from hybridcache.services.router.router import Router
+
+    store = TierStore(1 << 24)
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    rpc.add_CacheTierServicer_to_server(CacheTierServicer(store), server)
+    tier = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(tier)
+    server.start()
+    try:
+        directory = InProcessDirectory({"cache-tier": [tier], "scatter": ["127.0.0.1:1", "127.0.0.1:2"]})
+        router = Router(model_dir, directory)
+        router.adopt(pb.InfoReply(fingerprint=engine.fingerprint, seam_window=engine.config.seam_window, mode="pic"))
+        held, cold = [5 + i % 200 for i in range(60)], [9 + i % 180 for i in range(50)]
+        store.put(engine.build_entry(held))
+        req = router.parse({"segments": [held, cold], "suffix": "q"})
+        assert router.shell.entry_key(held) == engine.entry_key(held)
+        # Recomputing 60 tokens at 2k tokens/s takes 30 ms; the ~50 KB entry moves in ~1 ms: fetch.
+        plan, assigned, _ = router.plan(req)
+        assert [(p.index, p.source) for p in sorted(plan, key=lambda p: p.index)] == [(0, "tier"), (1, "scatter")]
+        assert plan[-1].cache_tier == tier and router.cold_queue_depth == 1
+        router._release(plan, assigned)
+        assert router.cold_queue_depth == 0
+        # A device that prefills 1e9 tokens/s: recomputing beats any fetch, the held entry is rebuilt.
+        router.cost.prefill_tokens_per_s = 1e9
+        plan, assigned, _ = router.plan(req)
+        assert sorted(p.source for p in plan) == ["scatter", "scatter"]
+        assert set(assigned) == {"127.0.0.1:1", "127.0.0.1:2"}  # LPT spreads the two over both workers
+        router._release(plan, assigned)
+    finally:
+        server.stop(0)
