@@ -25,12 +25,13 @@ def child_name(name: str, role: str) -> str:
     return f"{name}-{role}"
 
 
+def instance_labels(name: str) -> dict[str, str]:
+    """Selects every pod of one HybridCache."""
+    return {"app.kubernetes.io/name": "hybridcache", "app.kubernetes.io/instance": name}
+
+
 def selector_labels(name: str, role: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "hybridcache",
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/component": role,
-    }
+    return {**instance_labels(name), "app.kubernetes.io/component": role}
 
 
 def labels(name: str, role: str | None = None) -> dict[str, str]:
@@ -322,13 +323,10 @@ def network_policy(spec: HybridCacheSpec, name: str) -> Manifest:
         "kind": "NetworkPolicy",
         "metadata": {"name": name, "labels": labels(name)},
         "spec": {
-            "podSelector": {"matchLabels": {
-                "app.kubernetes.io/name": "hybridcache",
-                "app.kubernetes.io/instance": name,
-            }},
+            "podSelector": {"matchLabels": instance_labels(name)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": name}}}]},
+                {"from": [{"podSelector": {"matchLabels": instance_labels(name)}}]},
                 {"ports": [{"protocol": "TCP", "port": spec.router.grpc_port}, *http_ports]},
             ],
         },
@@ -342,10 +340,7 @@ def service_monitor(spec: HybridCacheSpec, name: str) -> Manifest:
         "kind": "ServiceMonitor",
         "metadata": {"name": name, "labels": labels(name)},
         "spec": {
-            "selector": {"matchLabels": {
-                "app.kubernetes.io/name": "hybridcache",
-                "app.kubernetes.io/instance": name,
-            }},
+            "selector": {"matchLabels": instance_labels(name)},
             "endpoints": [{
                 "port": "http",
                 "path": "/metrics",

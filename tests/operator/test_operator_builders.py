@@ -176,7 +176,7 @@ def test_pod_disruption_budgets():
 def test_network_policy_opens_only_api_and_metrics_ports_to_outsiders():
     policy = builders.network_policy(GPU, NAME)
     same_instance, outside = policy["spec"]["ingress"]
-    assert same_instance["from"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/instance": NAME}
+    assert same_instance["from"][0]["podSelector"]["matchLabels"] == builders.instance_labels(NAME)
     ports = {p["port"] for p in outside["ports"]}
     assert ports == {50051} | {p.http for p in contract.ROLES.values()}
 
