@@ -15,7 +15,8 @@ exact_replay). Only pages computed exactly go in: every page of a prefix run liv
 0, i.e. up to the first reused segment body; the finished request's generated tokens extend
 them, so the next turn of a conversation hits. PIC-assembled (approximate) states stay out of
 the tree and are kept after whole parts in the chain store (cache/prefix.py), keyed by mode and
-seam window, for modes pic and naive.
+seam window, for modes pic and naive. Pages are keyed by token ids only: a page tree belongs to
+one model, so engines share one (page_tree=) only when they run the same model.
 """
 
 from __future__ import annotations
