@@ -78,8 +78,27 @@ _KIMI_LINEAR_TINY = dict(
     rms_norm_eps=1e-5,
 )
 
+# Bamba: every block is a Mamba2 or attention mixer (RoPE on half of each head) plus a SwiGLU MLP
+_BAMBA_TINY = dict(
+    _TINY_BASE,
+    attn_layer_indices=[2],
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_expand=2,
+    mamba_n_groups=2,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_chunk_size=16,
+    mamba_conv_bias=True,
+    mamba_proj_bias=False,
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
 FAMILY_PRESETS: dict[tuple[str, str], dict] = {
     ("olmo_hybrid", "tiny"): _OLMO_HYBRID_TINY,
     ("nemotron_h", "tiny"): _NEMOTRON_H_TINY,
     ("kimi_linear", "tiny"): _KIMI_LINEAR_TINY,
+    ("bamba", "tiny"): _BAMBA_TINY,
 }

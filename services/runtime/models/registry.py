@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "olmo_hybrid": (f"{_PKG}.models.olmo_hybrid:OlmoHybridConfig", f"{_PKG}.models.olmo_hybrid:OlmoHybridLM"),
     "nemotron_h": (f"{_PKG}.models.nemotron_h:NemotronHConfig", f"{_PKG}.models.nemotron_h:NemotronHLM"),
     "kimi_linear": (f"{_PKG}.models.kimi_linear:KimiLinearConfig", f"{_PKG}.models.kimi_linear:KimiLinearLM"),
+    "bamba": (f"{_PKG}.models.bamba:BambaConfig", f"{_PKG}.models.bamba:BambaLM"),
 }
 
 
