@@ -12,7 +12,9 @@ from hybridcache.services.runtime.modelzoo import hf_config
 def test_rotary_dim_follows_partial_rotary_factor():
     raw = hf_config("bamba", "tiny")
     assert config_from_dict(raw).rotary_dim == raw["head_dim"] // 2  # transformers' default factor 0.5
-    full = dict(raw, rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0})
+    full = dict(
+        raw, rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0}
+    )
     cfg = config_from_dict(full)
     assert (cfg.rotary_dim, cfg.rope_theta) == (raw["head_dim"], 500.0)
     assert config_from_dict(dict(raw, attn_layer_indices=[0, 3])).attention_layers == [0, 3]

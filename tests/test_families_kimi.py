@@ -59,9 +59,18 @@ def test_full_logits_equal_transformers_and_decode_continues(kimi, kimi_dir):
 def test_q_lora_variant_equals_transformers(tmp_path):
     """The low-rank query path (q_a_proj, q_a_layernorm, q_b_proj) and attention biases."""
     path = init_model_dir(
-        "kimi_linear", "tiny", tmp_path / "qlora", seed=2, std=0.08,
-        overrides={"q_lora_rank": 24, "attention_bias": True, "num_hidden_layers": 2,
-                   "layer_types": ["full_attention", "linear_attention"], "mlp_layer_types": ["sparse", "dense"]},
+        "kimi_linear",
+        "tiny",
+        tmp_path / "qlora",
+        seed=2,
+        std=0.08,
+        overrides={
+            "q_lora_rank": 24,
+            "attention_bias": True,
+            "num_hidden_layers": 2,
+            "layer_types": ["full_attention", "linear_attention"],
+            "mlp_layer_types": ["sparse", "dense"],
+        },
     )
     ids = _ids(12, seed=4)
     model = load_model(path)
@@ -77,7 +86,11 @@ def _engine(model, path, **cfg):
 def _request():
     g = torch.Generator().manual_seed(5)
     segs = [torch.randint(0, 256, (9,), generator=g).tolist() for _ in range(3)]
-    return {"segments": segs, "suffix": [7, 8, 9, 10], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    return {
+        "segments": segs,
+        "suffix": [7, 8, 9, 10],
+        "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+    }
 
 
 def test_pic_consistency(kimi, kimi_dir):
@@ -136,11 +149,22 @@ def test_cli_model_init(tmp_path, capsys):
 def test_checkpoint_style_config_and_bad_configs(tmp_path):
     """config.json as the released checkpoint writes it: linear_attn_config with 1-indexed layer lists."""
     raw = hf_config("kimi_linear", "tiny")
-    for key in ("layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "mlp_layer_types"):
+    for key in (
+        "layer_types",
+        "linear_num_heads",
+        "linear_head_dim",
+        "linear_conv_kernel_dim",
+        "mlp_layer_types",
+    ):
         raw.pop(key)
     raw.update(
-        linear_attn_config={"full_attn_layers": [4], "kda_layers": [1, 2, 3], "num_heads": 2, "head_dim": 32,
-                            "short_conv_kernel_size": 3},
+        linear_attn_config={
+            "full_attn_layers": [4],
+            "kda_layers": [1, 2, 3],
+            "num_heads": 2,
+            "head_dim": 32,
+            "short_conv_kernel_size": 3,
+        },
         first_k_dense_replace=2,
     )
     cfg = config_from_dict(raw)
@@ -168,7 +192,9 @@ def test_single_state_policy_drops_the_dense_transition(kimi, kimi_dir):
 
     def engine(single):
         store = MemoryEntryStore(1 << 30)
-        return Engine(kimi, tok, EngineConfig(mode="pic", seam_window=4), SingleStateStore(store) if single else store)
+        return Engine(
+            kimi, tok, EngineConfig(mode="pic", seam_window=4), SingleStateStore(store) if single else store
+        )
 
     single, exact = engine(True), engine(False)
     cold = single.prefill(single.parse_request(obj)).logits

@@ -20,7 +20,12 @@ from hybridcache.services.runtime.models.common import (
     eos_ids,
     need,
 )
-from hybridcache.services.runtime.models.nemotron_h import _LEGACY, Mamba2Mixer, NemotronAttention, NemotronHConfig
+from hybridcache.services.runtime.models.nemotron_h import (
+    _LEGACY,
+    Mamba2Mixer,
+    NemotronAttention,
+    NemotronHConfig,
+)
 from hybridcache.services.runtime.models.qwen3_hybrid import MLP, apply_rope, rope_cos_sin
 from torch import nn
 
@@ -37,7 +42,9 @@ class BambaConfig(NemotronHConfig):
         if "mlp" in self.layer_types:
             raise ModelConfigError("bamba blocks are linear_attention or full_attention")
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
-            raise ModelConfigError(f"rotary dim {self.rotary_dim} must be even and within head_dim {self.head_dim}")
+            raise ModelConfigError(
+                f"rotary dim {self.rotary_dim} must be even and within head_dim {self.head_dim}"
+            )
 
     @classmethod
     def from_dict(cls, cfg: dict) -> BambaConfig:
