@@ -148,40 +148,17 @@ def build_model(seed: int):
     return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg))
 
 
-def use_fla_kernels(model) -> str:
-    """On a GPU, swap transformers' pure-torch gated-delta-rule fallback for fla's chunk kernel when
-    fla is importable and agrees with the fallback on a random input; returns which one runs."""
-    if not torch.cuda.is_available():
+def gdn_kernel(use_fla: bool) -> str:
+    """Which gated-delta-rule kernel transformers will run. transformers takes fla's whenever fla is
+    importable; fla-core 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (fla #640),
+    so by default fla is hidden (before transformers is imported) and the pure-torch chunked
+    fallback trains."""
+    import importlib.util
+
+    if not use_fla:
+        sys.modules["fla"] = None
         return "torch"
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-    except Exception as e:  # fla missing or broken: train on the fallback
-        return f"torch (fla unavailable: {type(e).__name__})"
-    import transformers.models.qwen3_5.modeling_qwen3_5 as m
-
-    fallback = m.torch_chunk_gated_delta_rule
-
-    def chunk(query, key, value, g, beta, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, **_):
-        return fla_chunk(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 200, 4, 64, device="cuda", generator=gen) for _ in range(3))
-    g = -torch.rand(2, 200, 4, device="cuda", generator=gen)
-    beta = torch.rand(2, 200, 4, device="cuda", generator=gen)
-    ref = fallback(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0].float()
-    got = chunk(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0].float()
-    err = ((got - ref).norm() / ref.norm()).item()
-    if not err < 2e-2:
-        return f"torch (fla disagrees: rel err {err:.3g})"
-    m.torch_chunk_gated_delta_rule = chunk
-    if hasattr(m, "chunk_gated_delta_rule"):
-        m.chunk_gated_delta_rule = chunk
-    for mod in model.modules():
-        if hasattr(mod, "chunk_gated_delta_rule"):
-            mod.chunk_gated_delta_rule = chunk
-    return f"fla (rel err vs fallback {err:.2g})"
+    return "fla" if importlib.util.find_spec("fla") is not None else "torch"
 
 
 def save_model(model, tok: Tokenizer, out: Path) -> None:
@@ -209,6 +186,22 @@ def export_sharded(model, tok: Tokenizer, out: Path, shards: int = 2) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}) + "\n")
     (out / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
+
+
+def install_from_export(src: Path, out: Path) -> None:
+    """Merge an export_sharded copy (e.g. the files a GPU run sent back) into one model directory."""
+    from safetensors.torch import load_file
+
+    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    state = {}
+    for fname in sorted(set(weight_map.values())):
+        state.update(load_file(str(src / fname)))
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text((src / "config.json").read_text())
+    (out / "tokenizer.json").write_text((src / "tokenizer.json").read_text())
+    gen_cfg = {"eos_token_id": MODEL_CONFIG["eos_token_id"]}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg) + "\n")
 
 
 def loss_fn(logits, ids, valid, ans):
@@ -253,13 +246,19 @@ def main(argv=None) -> int:
     p.add_argument("--questions", type=int, default=4, help="questions per training prompt")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--save-every", type=float, default=60.0, help="seconds between checkpoints")
+    p.add_argument("--fla", action="store_true", help="let transformers use fla's kernels (default: hidden)")
     p.add_argument("--export", default="", help="also write a 2-shard copy here at every checkpoint")
     p.add_argument("--val", type=int, default=64, help="validation questions per hop kind at each checkpoint")
+    p.add_argument("--install-from", default="", help="only merge this export_sharded copy into --out")
     args = p.parse_args(argv)
+    if args.install_from:
+        install_from_export(Path(args.install_from), Path(args.out))
+        return 0
     if args.time_budget <= 0 and args.steps >= 100000:
         p.error("give --steps or --time-budget")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kernels = gdn_kernel(args.fla)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "train_log.jsonl", "w")
@@ -267,7 +266,6 @@ def main(argv=None) -> int:
     tok = train_tokenizer(seed=args.seed)
     model = build_model(args.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    kernels = use_fla_kernels(model)
     print(json.dumps({"params": n_params, "device": str(device), "gdn_kernel": kernels}), flush=True)
     opt = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"

@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--serve", action="store_true", help="run it through `hybridcache up` over HTTP instead")
     d.set_defaults(func=cmd_demo)
 
+    from hybridcache.services.runtime.evaluation import add_eval_flags, cmd_eval
+
+    e = sub.add_parser("eval", help="exact-match accuracy of cached answers (full, prefix, pic, naive) on QA")
+    add_eval_flags(e)
+    e.set_defaults(func=cmd_eval)
+
     from hybridcache.services.api.serve import add_serve_flags
     from hybridcache.services.launcher import add_up_flags
 

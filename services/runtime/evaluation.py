@@ -56,7 +56,7 @@ class RunScore:
         return {"accuracy": round(self.accuracy, 4), "n": self.n, "reused_token_fraction": round(reused, 4)}
 
 
-def test_examples(limit: int, seed: int = DEFAULT_SEED, hops: int | None = None,
+def eval_examples(limit: int, seed: int = DEFAULT_SEED, hops: int | None = None,
                   min_docs: int = 8, max_docs: int = 16) -> list[QAExample]:
     """The first `limit` test-split questions drawn with `seed` (1-hop and 2-hop mixed unless `hops`)."""
     if limit <= 0:
@@ -106,7 +106,7 @@ def evaluate(
     engines = {
         r: Engine(model, tokenizer, EngineConfig(mode=RUNS[r][0], seam_window=RUNS[r][1])) for r in runs
     }
-    examples = test_examples(limit, seed, hops, min_docs, max_docs)
+    examples = eval_examples(limit, seed, hops, min_docs, max_docs)
     scores = {r: RunScore() for r in runs}
 
     bar = tqdm(total=len(examples) * len(runs), desc="eval", unit="answer", disable=not progress, file=sys.stderr)
@@ -179,7 +179,16 @@ def add_eval_flags(sp: argparse.ArgumentParser) -> None:
 
 
 def cmd_eval(args) -> int:
-    """`hybridcache eval`: prints the table, then the JSON {run: {accuracy, n, ...}}; writes --output."""
+    """`hybridcache eval`: prints the table, then the JSON {run: {accuracy, n, ...}}; writes --output.
+    Bad input (model directory, flags) prints one line and returns 2."""
+    try:
+        return _eval(args)
+    except (ValueError, FileNotFoundError) as e:  # ModelLoadError and RequestError are ValueErrors
+        print(f"hybridcache: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+
+
+def _eval(args) -> int:
     if not 2 <= args.min_docs <= args.max_docs:
         raise ValueError("need 2 <= --min-docs <= --max-docs")
     if args.model:
@@ -207,12 +216,7 @@ def cmd_eval(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hybridcache eval", description=__doc__.splitlines()[0])
     add_eval_flags(p)
-    args = p.parse_args(argv)
-    try:
-        return cmd_eval(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"hybridcache: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+    return cmd_eval(p.parse_args(argv))
 
 
 if __name__ == "__main__":
