@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from conftest import ARCHS
 from hybridcache.services.runtime.engine import Engine, EngineConfig
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.sequence import LiveRun
 from transformers import AutoModelForCausalLM
+
+ARCHS = ["qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"]
 
 
 def reference(model_dir):
