@@ -17,7 +17,7 @@ from hybridcache.services.runtime.models.registry import config_from_dict
 from hybridcache.services.runtime.modelzoo import hf_config, init_model_dir
 from hybridcache.services.runtime.sequence import LiveRun
 from hybridcache.services.runtime.tokenizer import Tokenizer
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, KimiLinearConfig
 
 SEQ_LEN = 29
 
@@ -172,8 +172,21 @@ def test_checkpoint_style_config_and_bad_configs(tmp_path):
     assert cfg.mlp_layer_types == ("dense", "dense", "sparse", "sparse")
     assert (cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim) == (2, 32, 3)
 
-    with pytest.raises(ModelConfigError, match="num_key_value_heads"):
-        config_from_dict(dict(raw, num_key_value_heads=2))
+    # transformers reads the same layout from both configs
+    real = hf_config("kimi_linear", "kimi-linear-48b-a3b")
+    for raw_cfg in (raw, real):
+        ours = config_from_dict(raw_cfg)
+        theirs = KimiLinearConfig(**{k: v for k, v in raw_cfg.items() if k != "model_type"})
+        assert list(ours.layer_types) == theirs.layer_types
+        assert list(ours.mlp_layer_types) == theirs.mlp_layer_types
+        assert (ours.linear_num_heads, ours.linear_head_dim) == (
+            theirs.linear_num_heads,
+            theirs.linear_head_dim,
+        )
+    real_cfg = config_from_dict(real)
+    assert len(real_cfg.linear_layers) == 20 and len(real_cfg.attention_layers) == 7
+    # MLA has no key/value head count of its own: the field is not needed
+    assert config_from_dict(dict(raw, num_key_value_heads=1)) == cfg
     with pytest.raises(ModelConfigError, match="topk_group"):
         config_from_dict(dict(raw, n_group=3))
     bad = tmp_path / "bad"

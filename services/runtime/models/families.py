@@ -96,9 +96,48 @@ _BAMBA_TINY = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
+# the released Kimi-Linear-48B-A3B shape (checkpoint-style config.json; random weights for GPU benchmarks)
+_KIMI_LINEAR_48B_A3B = dict(
+    vocab_size=163840,
+    hidden_size=2304,
+    num_hidden_layers=27,
+    intermediate_size=9216,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    linear_attn_config={
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+        "kda_layers": [i for i in range(1, 28) if i % 4 and i != 27],
+        "num_heads": 32,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+    },
+    num_experts=256,
+    num_experts_per_token=8,
+    moe_intermediate_size=1024,
+    num_shared_experts=1,
+    first_k_dense_replace=1,
+    num_expert_group=1,
+    topk_group=1,
+    moe_renormalize=True,
+    routed_scaling_factor=2.446,
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    model_max_length=1048576,
+    tie_word_embeddings=False,
+    bos_token_id=163584,
+    eos_token_id=163586,
+    pad_token_id=163839,
+)
+
 FAMILY_PRESETS: dict[tuple[str, str], dict] = {
     ("olmo_hybrid", "tiny"): _OLMO_HYBRID_TINY,
     ("nemotron_h", "tiny"): _NEMOTRON_H_TINY,
     ("kimi_linear", "tiny"): _KIMI_LINEAR_TINY,
+    ("kimi_linear", "kimi-linear-48b-a3b"): _KIMI_LINEAR_48B_A3B,
     ("bamba", "tiny"): _BAMBA_TINY,
 }

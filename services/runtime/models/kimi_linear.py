@@ -128,11 +128,8 @@ class KimiLinearConfig(LayerTypes):
     def from_dict(cls, cfg: dict) -> KimiLinearConfig:
         n_layers = int(need(cfg, "num_hidden_layers"))
         heads = int(need(cfg, "num_attention_heads"))
-        if int(cfg.get("num_key_value_heads") or heads) != heads:
-            raise ModelConfigError(
-                "kimi_linear MLA expands keys and values to every head: num_key_value_heads must equal "
-                "num_attention_heads"
-            )
+        # num_key_value_heads is not read: MLA expands its latents to every head (transformers needs it equal
+        # to num_attention_heads, the runtime does not)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (only silu)")
         lin = cfg.get("linear_attn_config") or {}
