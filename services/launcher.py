@@ -40,9 +40,12 @@ class LocalCluster:
 
     def __init__(self, model_dir: str | Path, port: int = 8000, scatter_workers: int = 2, etcd: str | None = None,
                  seam_window: int = 8, cache_bytes: int = 256 << 20, env: dict | None = None,
-                 extra: dict[str, list[str]] | None = None, ready_timeout_s: float = 120.0):
+                 extra: dict[str, list[str]] | None = None, ready_timeout_s: float = 120.0, cache_tiers: int = 1):
         if scatter_workers < 0:
             raise ValueError("scatter_workers must be >= 0")
+        if cache_tiers < 1:
+            raise ValueError("cache_tiers must be >= 1")
+        self.n_tiers = cache_tiers
         self.model_dir = str(model_dir)
         self.port = port
         self.n_scatter = scatter_workers
@@ -92,14 +95,17 @@ class LocalCluster:
 
     def start(self, scatter_env: list[dict] | None = None) -> LocalCluster:
         try:
-            tier = self._spawn("cache-tier", free_port(), free_port(), ["--cache-bytes", str(self.cache_bytes)])
+            tiers = [self._spawn("cache-tier", free_port(), free_port(), ["--cache-bytes", str(self.cache_bytes)])
+                     for _ in range(self.n_tiers)]
             scatters = [self._spawn("scatter", free_port(), free_port(), [],
                                     env=(scatter_env or [{}] * self.n_scatter)[i] if scatter_env else None)
                         for i in range(self.n_scatter)]
             combine = self._spawn("combine", free_port(), free_port(), ["--cache-bytes", str(self.cache_bytes)])
-            for s in [tier, *scatters, combine]:
+            for s in [*tiers, *scatters, combine]:
                 self._wait_ready(s)
-            flags = ["--combine", combine.grpc, "--cache-tier", tier.grpc]
+            flags = ["--combine", combine.grpc]
+            for t in tiers:
+                flags += ["--cache-tier", t.grpc]
             for s in scatters:
                 flags += ["--scatter", s.grpc]
             router = self._spawn("router", free_port(), self.port, flags)
@@ -139,14 +145,15 @@ def up(args) -> int:
         return 2
     try:
         cluster = LocalCluster(model, port=args.port, scatter_workers=args.scatter_workers, etcd=args.etcd,
-                               seam_window=args.seam_window)
+                               seam_window=args.seam_window, cache_tiers=args.cache_tiers)
     except ValueError as e:
         print(f"hybridcache: error: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"hybridcache up: starting cache tier, {args.scatter_workers} scatter worker(s), combine worker and "
+    print(f"hybridcache up: starting {args.cache_tiers} cache tier(s), {args.scatter_workers} scatter worker(s), "
+          f"a combine worker and "
           f"router for {model}", file=sys.stderr, flush=True)
     try:
         cluster.start()
@@ -174,6 +181,8 @@ def add_up_flags(p) -> None:
     p.add_argument("--model", help="model directory (default: the embedded default model)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the router")
     p.add_argument("--scatter-workers", type=int, default=2)
+    p.add_argument("--cache-tiers", type=int, default=1,
+                   help="cache-tier processes (entries spread over them by consistent hashing)")
     p.add_argument("--etcd", help="etcd endpoint HOST:PORT (default: in-process directory)")
     p.add_argument("--seam-window", type=int, default=8)
 

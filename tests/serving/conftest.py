@@ -27,13 +27,13 @@ def engine(model_dir):
     return Engine.from_dir(model_dir)
 
 
-TIER_BYTES = 400_000
+TIER_BYTES = 300_000
 
 
 @pytest.fixture(scope="session")
 def cluster(model_dir):
-    # A cache tier of ~8 tiny-model entries, so that the load test makes it evict.
-    with LocalCluster(model_dir, port=free_port(), scatter_workers=2, cache_bytes=64 << 20,
+    # Two cache-tier members of ~5 tiny-model entries each, so that the load test makes them evict.
+    with LocalCluster(model_dir, port=free_port(), scatter_workers=2, cache_tiers=2, cache_bytes=64 << 20,
                       extra={"cache-tier": ["--cache-bytes", str(TIER_BYTES)]}) as c:
         yield c
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,6 +18,7 @@ from hybridcache.services.contract import (
     METRIC_COLD_QUEUE_DEPTH,
     METRIC_TTFT_SECONDS,
 )
+from hybridcache.services.directory import HashRing
 from hybridcache.services.protocol import pb, rpc
 
 DOCS = [
@@ -35,6 +37,29 @@ def chat_body(docs, **kw):
 @pytest.fixture(scope="module")
 def client(cluster):
     return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_entries_live_on_their_consistent_hash_owner(cluster, engine):
+    # First in this file: the tiers are still empty, so nothing is evicted before the check.
+    docs = [f"Placement document {i}: " + "one two three four five six " * 3 for i in range(6)]
+    status, _ = http("POST", f"{cluster.url}/generate", {"segments": docs, "text": "q?",
+                                                        "sampling_params": {"max_new_tokens": 1}})
+    assert status == 200
+    tiers = [t.grpc for t in cluster.role("cache-tier")]
+    ring = HashRing(tiers)
+    keys = [engine.entry_key(engine.tokenizer.encode(d)) for d in docs]
+    owners = {k: ring.owner(k) for k in keys}
+    assert len(set(owners.values())) == 2  # six keys land on both members
+    deadline = time.monotonic() + 10
+    while True:
+        present = {t: list(rpc.CacheTierStub(grpc.insecure_channel(t)).Stat(pb.StatRequest(keys=keys), timeout=10)
+                           .present) for t in tiers}
+        if all(present[owners[k]][n] for n, k in enumerate(keys)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # scatter workers write entries after streaming them
+    for n, k in enumerate(keys):
+        assert present[owners[k]][n]
+        assert not any(present[t][n] for t in tiers if t != owners[k])
 
 
 def test_openai_client_completion_stream_and_reuse(client, engine):
@@ -175,12 +200,11 @@ def test_load_mixed_hits_no_errors_and_cache_within_budget(cluster):
     assert [s for s, _ in results] == [200] * 50, [r for s, r in results if s != 200][:2]
     hits = sum(seg["hit"] for _, r in results for seg in r["hybridcache"]["segments"])
     assert 0 < hits < 150
-    tier = cluster.role("cache-tier")[0]
-    stub = rpc.CacheTierStub(grpc.insecure_channel(tier.grpc))
-    stat = stub.Stat(pb.StatRequest(), timeout=10)
-    assert stat.capacity_bytes == TIER_BYTES
-    assert 0 < stat.used_bytes <= stat.capacity_bytes
-    assert stat.entries > 0 and stat.evictions > 0
+    for tier in cluster.role("cache-tier"):
+        stat = rpc.CacheTierStub(grpc.insecure_channel(tier.grpc)).Stat(pb.StatRequest(), timeout=10)
+        assert stat.capacity_bytes == TIER_BYTES
+        assert 0 < stat.used_bytes <= stat.capacity_bytes
+        assert stat.entries > 0 and stat.evictions > 0
     combine = cluster.role("combine")[0]
     _, text = http("GET", f"http://{combine.http}/metrics")
     assert 0 < float(re.search(r'hybridcache_cache_bytes{tier="gpu"} (\S+)', text).group(1)) <= 64 << 20
