@@ -37,7 +37,7 @@ class CacheTierServicer(rpc.CacheTierServicer):
             transport = get_transport(name if name in ("grpc", "shm") else "grpc")
             for i, key in enumerate(request.keys):
                 entry = self.store.get(key)
-                metrics.cache_lookup("tier", entry is not None)
+                metrics.cache_lookup("host", entry is not None)
                 if entry is None:
                     yield pb.EntryChunk(segment_index=i, error="miss")
                     continue

@@ -147,7 +147,7 @@ class Router:
             reply = self._tier(owner).stat([keys[n] for n in ns])
             for m, n in enumerate(ns):
                 hit = reply is not None and reply.present[m]
-                metrics.cache_lookup("host", hit)
+                metrics.cache_lookup("tier", hit)
                 if hit:
                     body = len(cacheable[n][1]) - self.shell.config.seam_window
                     present[n] = (owner, reply.nbytes[m] or expected_entry_nbytes(self.shell.cfg, body, torch.float32))

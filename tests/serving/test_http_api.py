@@ -216,10 +216,23 @@ def test_metrics_after_traffic(cluster):
     count = float(re.search(rf"{METRIC_TTFT_SECONDS}_count (\S+)", text).group(1))
     total = float(re.search(rf"{METRIC_TTFT_SECONDS}_sum (\S+)", text).group(1))
     assert count >= 5 and 0 < total / count < 60
-    queries = float(re.search(rf'{METRIC_CACHE_QUERIES}{{tier="host"}} (\S+)', text).group(1))
-    hits = float(re.search(rf'{METRIC_CACHE_HITS}{{tier="host"}} (\S+)', text).group(1))
-    assert 0 < hits <= queries
+    # The router's directory probes: did the owning cache-tier member hold the entry?
+    queries = float(re.search(rf'{METRIC_CACHE_QUERIES}{{tier="tier"}} (\S+)', text).group(1))
+    hits = float(re.search(rf'{METRIC_CACHE_HITS}{{tier="tier"}} (\S+)', text).group(1))
+    assert 0 < hits < queries
+    inter = float(re.search(r"hybridcache_inter_token_latency_seconds_count (\S+)", text).group(1))
+    assert inter > 0
+    assert float(re.search(r'hybridcache_requests_total{status="200"} (\S+)', text).group(1)) >= 50
+    # The operator's autoscaler reads the queue depth from this scrape: drained after the traffic.
+    from hybridcache.operator.autoscaler import read_router_metrics
+
     assert re.search(rf'{METRIC_COLD_QUEUE_DEPTH}{{worker="[^"]+"}} 0.0', text)
+    assert read_router_metrics(f"{cluster.url}/metrics") == 0.0
+    for tier in cluster.role("cache-tier"):
+        _, ttext = http("GET", f"http://{tier.http}/metrics")
+        assert float(re.search(rf'{METRIC_CACHE_HITS}{{tier="host"}} (\S+)', ttext).group(1)) > 0
+        used = float(re.search(r'hybridcache_cache_bytes{tier="host"} (\S+)', ttext).group(1))
+        assert 0 < used <= TIER_BYTES
     combine = cluster.role("combine")[0]
     _, ctext = http("GET", f"http://{combine.http}/metrics")
     assert float(re.search(r'hybridcache_bytes_moved_total{path="shm"} (\S+)', ctext).group(1)) > 0
