@@ -33,7 +33,7 @@ from hybridcache.services.runtime.models.common import (
     linear_layout,
     need,
 )
-from hybridcache.services.runtime.models.qwen3_hybrid import MLP, l2norm
+from hybridcache.services.runtime.models.qwen3_hybrid import MLP, Experts, l2norm
 from hybridcache.services.runtime.sequence import AttnSpan, AttnState, CachedSpan, LinearState
 from torch import nn
 
@@ -372,17 +372,9 @@ class TopkRouter(nn.Module):
         return top_w * cfg.routed_scaling_factor, top_i
 
 
-class Experts(nn.Module):
-    """Routed expert weights fused as 3-D tensors (the loader fuses per-expert checkpoints)."""
-
-    def __init__(self, cfg: KimiLinearConfig):
-        super().__init__()
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.zeros(e, h, i))
-
-
 class MoE(nn.Module):
+    """Routed experts (fused 3-D weights, Qwen's layout) plus always-on shared experts."""
+
     def __init__(self, cfg: KimiLinearConfig):
         super().__init__()
         self.gate = TopkRouter(cfg)
