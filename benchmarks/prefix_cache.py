@@ -97,7 +97,8 @@ def continuation_agreement(model, ref_state, got_state, cont_ids) -> tuple[float
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        return out.stdout.strip()
     except OSError:
         return "unknown"
 
@@ -107,7 +108,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--arch", default="qwen3_5_text")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--dtype", default=None, choices=list(DTYPES),
+                    help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512])
     ap.add_argument("--checkpoint-every", type=int, default=4)
     ap.add_argument("--anchors-per-page", type=int, default=4)
@@ -149,7 +151,8 @@ def main(argv=None) -> dict:
         "config": {
             "arch": args.arch, "preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
             "linear_layers": sum(map(len, groups)), "linear_groups": len(groups), "hidden": cfg.hidden_size,
-            "page_tokens": P, "checkpoint_every": args.checkpoint_every, "anchors_per_page": args.anchors_per_page,
+            "page_tokens": P, "checkpoint_every": args.checkpoint_every,
+            "anchors_per_page": args.anchors_per_page,
             "replay_anchors": args.replay_anchors,
             "fla_kernels": device.type == "cuda" and backends.fla_available(),
         },
@@ -162,7 +165,8 @@ def main(argv=None) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     for L in args.lengths:
         if L % (P * args.checkpoint_every):
-            raise SystemExit(f"--lengths must be multiples of {P * args.checkpoint_every} (the checkpoint grid): {L}")
+            grid = P * args.checkpoint_every
+            raise SystemExit(f"--lengths must be multiples of {grid} (the checkpoint grid): {L}")
         # The hit lands one page before a checkpoint-grid position: the case where the policies
         # differ (checkpoint falls back N - 1 pages and recomputes them; exact_replay replays them).
         H = L - P
@@ -175,7 +179,8 @@ def main(argv=None) -> dict:
                 mode="prefix", prefix_policy=name, checkpoint_every=policy.checkpoint_every,
                 anchors_per_page=policy.anchors_per_page, replay_anchors=policy.replay_anchors,
                 prefix_cache_bytes=1 << 40))
-            req = eng.parse_request({"suffix": ids[:L].tolist() + [1], "sampling_params": {"max_new_tokens": 1}})
+            prompt = ids[:L].tolist() + [1]
+            req = eng.parse_request({"suffix": prompt, "sampling_params": {"max_new_tokens": 1}})
             sync(device)
             t0 = time.perf_counter()
             pre = eng.prefill(req)
@@ -190,9 +195,10 @@ def main(argv=None) -> dict:
                 PrefixPolicy(name, anchors_per_page=r, replay_anchors=k) for k in args.replay_anchors
             ]
             for pol in variants:
-                restore_ms, got = timed(
-                    lambda pol=pol, path=path, ids=ids, H=H: _state_at(model, pol, path, ids, H), device, args.repeats
-                )
+                def state_at_hit(pol=pol, path=path, ids=ids, H=H):
+                    return _state_at(model, pol, path, ids, H)
+
+                restore_ms, got = timed(state_at_hit, device, args.repeats)
                 errs = [rel(got.linear[i].ssm, ref.linear[i].ssm) for i in ref.linear]
                 agree, logit_err = continuation_agreement(model, ref, got, cont)
                 key = name if name != "suffix_replay" else f"{name}_k{pol.replay_anchors}"
@@ -222,8 +228,9 @@ def main(argv=None) -> dict:
         L = row["prompt_tokens"]
         figures[f"reprefill_ms_{row['hit_point_tokens']}"] = row["reprefill_ms"]
         for key, r in row["policies"].items():
-            for f in ("linear_bytes_per_token", "vs_dense_checkpoint_per_page", "state_ms", "state_vs_reprefill",
-                      "linear_state_rel_err_max", "next_token_agreement", "recomputed_tokens"):
+            for f in ("linear_bytes_per_token", "vs_dense_checkpoint_per_page", "state_ms",
+                      "state_vs_reprefill", "linear_state_rel_err_max", "next_token_agreement",
+                      "recomputed_tokens"):
                 figures[f"{key}_{f}_{L}"] = r[f]
     result["figures"] = figures
     text = json.dumps(result, indent=1)

@@ -45,7 +45,8 @@ def add_prefix_cache_flags(sp) -> None:
     sp.add_argument("--prefix-policy", default="exact_replay", choices=list(POLICIES),
                     help="how prefix pages keep the linear layers' state")
     sp.add_argument("--checkpoint-every", type=int, default=4,
-                    help="pages (64 tokens) between dense linear-state checkpoints (checkpoint, exact_replay)")
+                    help="pages (64 tokens) between dense linear-state checkpoints "
+                         "(checkpoint, exact_replay)")
     sp.add_argument("--anchors-per-page", type=int, default=4,
                     help="suffix_replay: hidden states kept per page at each linear-group entry (r)")
     sp.add_argument("--replay-anchors", type=int, default=64,

@@ -276,10 +276,12 @@ def test_exact_replay_is_exact_for_every_family(arch, tmp_path):
 def test_pic_request_resumes_inside_a_segment_from_a_page_hit(tiny_dir):
     """A page hit that ends inside a segment: the rest of that segment runs live, later segments
     come from their entries — the same state as sending the hit tokens as a live system part."""
-    system, doc1, doc2, q = tokens(100, seed=15), tokens(200, seed=16), tokens(80, seed=17), tokens(10, seed=18)
+    system, doc1 = tokens(100, seed=15), tokens(200, seed=16)
+    doc2, q = tokens(80, seed=17), tokens(10, seed=18)
     params = {"max_new_tokens": 1, "ignore_eos": True}
     prefix_eng = make_engine(tiny_dir, mode="prefix")
-    prefix_eng.generate({"suffix": system + doc1 + [7], "sampling_params": params})  # 4 pages of system + doc1
+    # 4 pages of system + doc1
+    prefix_eng.generate({"suffix": system + doc1 + [7], "sampling_params": params})
     pic = Engine(prefix_eng.model, prefix_eng.tokenizer, EngineConfig(mode="pic"), page_tree=prefix_eng.pages)
     req = {"system": system, "segments": [doc1, doc2], "suffix": q, "sampling_params": params}
     pre = pic.prefill(pic.parse_request(req))
