@@ -252,8 +252,11 @@ class Api:
         return web.json_response({"flushed": False, "message": "entries age out by eviction; nothing flushed"})
 
     async def health(self, request):
-        return web.json_response({"status": "ok", "role": "router", "directory": self.router.directory.backend,
-                                  "cold_segment_queue_depth": self.router.cold_queue_depth})
+        ready = self.router.info is not None
+        return web.json_response({"status": "ok" if ready else "waiting for a combine worker", "role": "router",
+                                  "directory": self.router.directory.backend,
+                                  "cold_segment_queue_depth": self.router.cold_queue_depth},
+                                 status=200 if ready else 503)
 
     async def metrics(self, request):
         return web.Response(body=metrics.scrape(), content_type="text/plain", charset="utf-8")

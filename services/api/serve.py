@@ -121,7 +121,8 @@ def _serve(args) -> int:
         raise OSError(f"cannot listen on {address}")
     server.start()
     if args.role == "router":
-        router.connect()
+        # Serve at once; /health says 503 until a combine worker has answered (pods start in any order).
+        threading.Thread(target=router.connect, kwargs={"timeout_s": float("inf")}, daemon=True).start()
         http_runner = _start_api(router, args, http_port)
     else:
         serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend))

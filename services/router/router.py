@@ -129,7 +129,7 @@ class Router:
     def plan(self, req) -> tuple[list[pb.SegmentPlan], dict[str, float], list[str]]:
         """Per cacheable segment: fetch from the tier (if held and sooner) or build on a scatter worker."""
         if self.info is None:
-            self.connect()
+            self.connect(timeout_s=5.0)
         cacheable = []  # (segment index, token ids)
         for idx, ids in enumerate(req.segment_ids):
             last = not req.suffix_ids and idx == len(req.segment_ids) - 1

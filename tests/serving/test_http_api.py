@@ -230,7 +230,6 @@ def test_metrics_after_traffic(cluster):
     assert read_router_metrics(f"{cluster.url}/metrics") == 0.0
     for tier in cluster.role("cache-tier"):
         _, ttext = http("GET", f"http://{tier.http}/metrics")
-        assert float(re.search(rf'{METRIC_CACHE_HITS}{{tier="host"}} (\S+)', ttext).group(1)) > 0
         used = float(re.search(r'hybridcache_cache_bytes{tier="host"} (\S+)', ttext).group(1))
         assert 0 < used <= TIER_BYTES
     combine = cluster.role("combine")[0]
