@@ -1,7 +1,7 @@
 """The shipped QA model and the quality harness (`hybridcache eval`).
 
 The CI check runs the eval on a small fixed subset of the test split on CPU: it fails when `pic`
-answers more than PIC_MARGIN questions fewer than `full`, when `full` no longer answers most of
+answers more than PIC_MARGIN (1) questions fewer than `full`, when `full` no longer answers most of
 them (the model did not learn or did not load right), or when `naive` is not clearly worse.
 """
 
@@ -25,9 +25,10 @@ needs_model = pytest.mark.skipif(
     not (SHIPPED_MODEL / "model.safetensors").is_file(), reason="models/default is not shipped in this checkout"
 )
 
-SUBSET = dict(limit=8, seed=0, hops=1, min_docs=8, max_docs=8)
-PIC_MARGIN = 1  # answers of the subset's 8; the full-size eval's figure is in benchmarks/results/
-FULL_FLOOR = 0.75
+# ~40 s on a 2-core CI machine: 6 questions x (full + pic + naive) over 8 documents (~1.2k tokens)
+SUBSET = dict(limit=6, seed=0, hops=1, min_docs=8, max_docs=8)
+PIC_MARGIN = 1  # answers of the subset's 6; the full-size eval's figures are in benchmarks/results/
+FULL_FLOOR = 4  # answers of 6 that `full` must get right (the shipped model reaches >= 90 % on 1-hop)
 
 
 @needs_model
@@ -56,7 +57,7 @@ def test_eval_subset_pic_close_to_full():
     table = format_table(scores)
     full, pic, naive = scores["full"], scores["pic"], scores["naive"]
     assert full.n == pic.n == naive.n == SUBSET["limit"]
-    assert full.accuracy >= FULL_FLOOR, table
+    assert full.correct >= FULL_FLOOR, table
     assert pic.correct >= full.correct - PIC_MARGIN, table
     assert naive.correct < full.correct, table
     # pic really reused the segments: most prompt tokens came from cache entries
