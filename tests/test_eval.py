@@ -11,13 +11,12 @@ import sys
 
 import pytest
 import torch
-
 from hybridcache.services.runtime.evaluation import (
     RUNS,
+    eval_examples,
     evaluate,
     format_table,
     results_json,
-    eval_examples,
 )
 from hybridcache.services.runtime.modelzoo import SHIPPED_MODEL
 
@@ -35,10 +34,9 @@ FULL_FLOOR = 4  # answers of 6 that `full` must get right (the shipped model rea
 def test_shipped_model_matches_transformers_logits():
     """Our engine and transformers' Qwen3_5ForCausalLM give the same fp32 logits on a QA prompt."""
     sys.modules.setdefault("fla", None)  # keep transformers on its CPU path even where fla is installed
-    from transformers import Qwen3_5ForCausalLM
-
     from hybridcache.services.runtime.engine import Engine
     from hybridcache.services.runtime.sequence import LiveRun
+    from transformers import Qwen3_5ForCausalLM
 
     engine = Engine.from_dir(SHIPPED_MODEL)
     ex = eval_examples(1, seed=5, min_docs=3, max_docs=3)[0]
