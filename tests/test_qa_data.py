@@ -2,7 +2,6 @@
 and test documents never drawn for training."""
 
 import pytest
-
 from hybridcache.services.runtime.qa_data import (
     QAGenerator,
     normalize_answer,
