@@ -117,7 +117,12 @@ def encode_prompt(tok: Tokenizer, examples) -> tuple[list[int], list[int]]:
 class PromptStream(torch.utils.data.IterableDataset):
     def __init__(self, tok_json: str, seed: int, min_docs: int, max_docs: int, questions: int):
         self.tok_json, self.seed, self.min_docs, self.max_docs, self.questions = (
-            tok_json, seed, min_docs, max_docs, questions)
+            tok_json,
+            seed,
+            min_docs,
+            max_docs,
+            questions,
+        )
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -272,9 +277,12 @@ def main(argv=None) -> int:
     )
     stream = PromptStream(tok.to_str(), args.seed, args.min_docs, args.max_docs, args.questions)
     loader = torch.utils.data.DataLoader(
-        stream, batch_size=args.batch, num_workers=args.workers,
+        stream,
+        batch_size=args.batch,
+        num_workers=args.workers,
         collate_fn=lambda b: collate(b, MODEL_CONFIG["pad_token_id"]),
-        prefetch_factor=4 if args.workers else None, persistent_workers=bool(args.workers),
+        prefetch_factor=4 if args.workers else None,
+        persistent_workers=bool(args.workers),
     )
     start = time.time()
     last_save = start
@@ -286,12 +294,18 @@ def main(argv=None) -> int:
         return step / args.steps
 
     def checkpoint(final: bool):
-        rec = {"step": step, "tokens": tokens, "seconds": round(time.time() - start, 1),
-               "lm_loss": lm, "qa_loss": qa}
+        rec = {
+            "step": step,
+            "tokens": tokens,
+            "seconds": round(time.time() - start, 1),
+            "lm_loss": lm,
+            "qa_loss": qa,
+        }
         if args.val:
             for h in (1, 2):
-                rec[f"val_acc_{h}hop"] = answer_accuracy(model, tok, "val", args.val, h, device,
-                                                         args.min_docs, args.max_docs, args.seed)
+                rec[f"val_acc_{h}hop"] = answer_accuracy(
+                    model, tok, "val", args.val, h, device, args.min_docs, args.max_docs, args.seed
+                )
         save_model(model, tok, out)
         if args.export:
             export_sharded(model, tok, Path(args.export))
@@ -321,15 +335,31 @@ def main(argv=None) -> int:
         tokens += int(valid.sum())
         if step % 25 == 0 or step == 1:
             lm, qa = round(lm_t.item(), 4), round(qa_t.item(), 4)
-            print(json.dumps({"step": step, "lr": round(lr, 6), "lm_loss": lm, "qa_loss": qa,
-                              "seconds": round(time.time() - start, 1)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "step": step,
+                        "lr": round(lr, 6),
+                        "lm_loss": lm,
+                        "qa_loss": qa,
+                        "seconds": round(time.time() - start, 1),
+                    }
+                ),
+                flush=True,
+            )
         if time.time() - last_save >= args.save_every:
             checkpoint(False)
             last_save = time.time()
     lm, qa = round(lm_t.item(), 4), round(qa_t.item(), 4)
     rec = checkpoint(True)
-    rec.update(params=n_params, device=str(device), gdn_kernel=kernels,
-               total_seconds=round(time.time() - t0, 1), seed=args.seed, batch=args.batch)
+    rec.update(
+        params=n_params,
+        device=str(device),
+        gdn_kernel=kernels,
+        total_seconds=round(time.time() - t0, 1),
+        seed=args.seed,
+        batch=args.batch,
+    )
     print(json.dumps(rec))
     return 0
 

@@ -21,7 +21,8 @@ from hybridcache.services.runtime.evaluation import (
 from hybridcache.services.runtime.modelzoo import SHIPPED_MODEL
 
 needs_model = pytest.mark.skipif(
-    not (SHIPPED_MODEL / "model.safetensors").is_file(), reason="models/default is not shipped in this checkout"
+    not (SHIPPED_MODEL / "model.safetensors").is_file(),
+    reason="models/default is not shipped in this checkout",
 )
 
 # ~40 s on a 2-core CI machine: 6 questions x (full + pic + naive) over 8 documents (~1.2k tokens)
@@ -75,7 +76,9 @@ def test_examples_are_fixed_by_seed_and_hops():
 def _cli(*args):
     return subprocess.run(
         [sys.executable, "-m", "hybridcache.services.cli", "eval", *args],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -101,8 +104,21 @@ def test_eval_cli_writes_json(tmp_path):
 
     model = init_model_dir("qwen3_5_text", "tiny", tmp_path / "m", seed=0)
     out = tmp_path / "eval.json"
-    res = _cli("--model", str(model), "--limit", "2", "--min-docs", "2", "--max-docs", "2", "--runs", "full,pic_w4",
-               "--output", str(out), "--no-progress")
+    res = _cli(
+        "--model",
+        str(model),
+        "--limit",
+        "2",
+        "--min-docs",
+        "2",
+        "--max-docs",
+        "2",
+        "--runs",
+        "full,pic_w4",
+        "--output",
+        str(out),
+        "--no-progress",
+    )
     assert res.returncode == 0, res.stderr
     data = json.loads(out.read_text())
     assert set(data) == {"full", "pic_w4"}

@@ -56,8 +56,9 @@ class RunScore:
         return {"accuracy": round(self.accuracy, 4), "n": self.n, "reused_token_fraction": round(reused, 4)}
 
 
-def eval_examples(limit: int, seed: int = DEFAULT_SEED, hops: int | None = None,
-                  min_docs: int = 8, max_docs: int = 16) -> list[QAExample]:
+def eval_examples(
+    limit: int, seed: int = DEFAULT_SEED, hops: int | None = None, min_docs: int = 8, max_docs: int = 16
+) -> list[QAExample]:
     """The first `limit` test-split questions drawn with `seed` (1-hop and 2-hop mixed unless `hops`)."""
     if limit <= 0:
         raise ValueError("limit must be positive")
@@ -109,7 +110,9 @@ def evaluate(
     examples = eval_examples(limit, seed, hops, min_docs, max_docs)
     scores = {r: RunScore() for r in runs}
 
-    bar = tqdm(total=len(examples) * len(runs), desc="eval", unit="answer", disable=not progress, file=sys.stderr)
+    bar = tqdm(
+        total=len(examples) * len(runs), desc="eval", unit="answer", disable=not progress, file=sys.stderr
+    )
     for i, ex in enumerate(examples):
         warm, ask, warm_system = _orders(ex, random.Random(f"{seed}:{i}"))
         for r in runs:
@@ -142,7 +145,9 @@ def format_table(scores: dict[str, RunScore]) -> str:
         mode, w = RUNS[r]
         delta = f"{100 * (s.accuracy - full.accuracy):+.1f}" if full is not None and r != "full" else ""
         reused = s.to_dict()["reused_token_fraction"]
-        lines.append(f"{r:<10}{mode:<8}{w:>4}{100 * s.accuracy:>9.1f}%{s.n:>6}{delta:>9}{100 * reused:>7.0f}%")
+        lines.append(
+            f"{r:<10}{mode:<8}{w:>4}{100 * s.accuracy:>9.1f}%{s.n:>6}{delta:>9}{100 * reused:>7.0f}%"
+        )
     return "\n".join(lines)
 
 
@@ -160,16 +165,24 @@ def _run_list(text: str) -> list[str]:
     runs = [r.strip() for r in text.split(",") if r.strip()]
     bad = [r for r in runs if r not in RUNS]
     if bad or not runs:
-        raise argparse.ArgumentTypeError(f"unknown run(s) {', '.join(bad) or text!r}; known: {', '.join(RUNS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown run(s) {', '.join(bad) or text!r}; known: {', '.join(RUNS)}"
+        )
     return runs
 
 
 def add_eval_flags(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--model", help="model directory (HF format); default: the embedded default model")
     sp.add_argument("--limit", type=_positive, default=200, help="questions (default 200)")
-    sp.add_argument("--seed", type=int, default=DEFAULT_SEED,
-                    help=f"draw the questions from the test split with this seed (default {DEFAULT_SEED})")
-    sp.add_argument("--hops", type=int, choices=[1, 2], help="only 1-hop or only 2-hop questions (default both)")
+    sp.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        help=f"draw the questions from the test split with this seed (default {DEFAULT_SEED})",
+    )
+    sp.add_argument(
+        "--hops", type=int, choices=[1, 2], help="only 1-hop or only 2-hop questions (default both)"
+    )
     sp.add_argument("--runs", type=_run_list, default=list(RUNS), help=f"comma list of {','.join(RUNS)}")
     sp.add_argument("--min-docs", type=_positive, default=8)
     sp.add_argument("--max-docs", type=_positive, default=16)
@@ -184,7 +197,9 @@ def cmd_eval(args) -> int:
     try:
         return _eval(args)
     except (ValueError, FileNotFoundError) as e:  # ModelLoadError and RequestError are ValueErrors
-        print(f"hybridcache: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(
+            f"hybridcache: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr
+        )
         return 2
 
 
@@ -202,8 +217,17 @@ def _eval(args) -> int:
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda given but no CUDA device is available")
-    scores = evaluate(model_dir, args.limit, args.seed, args.hops, args.runs, args.device,
-                      min_docs=args.min_docs, max_docs=args.max_docs, progress=not args.no_progress)
+    scores = evaluate(
+        model_dir,
+        args.limit,
+        args.seed,
+        args.hops,
+        args.runs,
+        args.device,
+        min_docs=args.min_docs,
+        max_docs=args.max_docs,
+        progress=not args.no_progress,
+    )
     result = results_json(scores)
     print(f"model {model_dir}, {args.limit} test questions, seed {args.seed}, hops {args.hops or '1+2'}")
     print(format_table(scores))

@@ -128,8 +128,9 @@ class QAExample:
     def suffix(self) -> str:
         return question_suffix(self.question)
 
-    def request(self, max_new_tokens: int = 8, system: str | None = None,
-                order: list[int] | None = None) -> dict:
+    def request(
+        self, max_new_tokens: int = 8, system: str | None = None, order: list[int] | None = None
+    ) -> dict:
         """An engine request (greedy, stops at the end of the line)."""
         docs = [self.documents[i] for i in order] if order is not None else list(self.documents)
         return {
@@ -187,8 +188,15 @@ class QAGenerator:
     def person(self, taken: set[str], employer: str) -> Person:
         r = self.rng
         name = self._name(lambda: f"{self._word(2)} {self._word(r.choice((2, 3)))}", taken)
-        return Person(name, r.choice(CITIES), r.choice(OCCUPATIONS), r.choice(COLORS), r.choice(INSTRUMENTS),
-                      r.randrange(1900, 2000), employer)
+        return Person(
+            name,
+            r.choice(CITIES),
+            r.choice(OCCUPATIONS),
+            r.choice(COLORS),
+            r.choice(INSTRUMENTS),
+            r.randrange(1900, 2000),
+            employer,
+        )
 
     def org(self, taken: set[str]) -> Org:
         r = self.rng
@@ -263,30 +271,36 @@ class QAGenerator:
         if hops == 2:
             p = r.choice(people)
             o = next(o for o in orgs if o.name == p.employer)
-            q = r.choice((
-                f"In which city is the employer of {p.name} based?",
-                f"Where is the organisation that {p.name} works for based?",
-            ))
+            q = r.choice(
+                (
+                    f"In which city is the employer of {p.name} based?",
+                    f"Where is the organisation that {p.name} works for based?",
+                )
+            )
             return q, o.city, (index[p.name], index[o.name])
         if hops != 1:
             raise ValueError(f"hops must be 1 or 2, got {hops}")
         if r.random() < 0.2:
             o = r.choice(orgs)
-            q, a = r.choice((
-                (f"Where is the {o.name} based?", o.city),
-                (f"When was the {o.name} founded?", str(o.year)),
-                (f"What does the {o.name} make?", o.goods),
-            ))
+            q, a = r.choice(
+                (
+                    (f"Where is the {o.name} based?", o.city),
+                    (f"When was the {o.name} founded?", str(o.year)),
+                    (f"What does the {o.name} make?", o.goods),
+                )
+            )
             return q, a, (index[o.name],)
         p = r.choice(people)
-        q, a = r.choice((
-            (f"Where does {p.name} live?", p.city),
-            (f"What is the occupation of {p.name}?", p.occupation),
-            (f"What is the favourite colour of {p.name}?", p.color),
-            (f"In which year was {p.name} born?", str(p.year)),
-            (f"Which instrument does {p.name} play?", p.instrument),
-            (f"Who employs {p.name}?", f"the {p.employer}"),
-        ))
+        q, a = r.choice(
+            (
+                (f"Where does {p.name} live?", p.city),
+                (f"What is the occupation of {p.name}?", p.occupation),
+                (f"What is the favourite colour of {p.name}?", p.color),
+                (f"In which year was {p.name} born?", str(p.year)),
+                (f"Which instrument does {p.name} play?", p.instrument),
+                (f"Who employs {p.name}?", f"the {p.employer}"),
+            )
+        )
         return q, a, (index[p.name],)
 
     def examples(self, n: int, hops: int | None = None) -> Iterator[QAExample]:
