@@ -74,20 +74,27 @@ def causal_conv1d(x, weight, bias, initial_state, activation):
 
 
 def attention(q, k, v, live_pos: torch.Tensor, scale: float):
-    """Live queries q [1, Hq, n, d] (absolute positions live_pos [n], in order) over all keys
+    """Live queries q [1, Hq, n, d] (absolute positions live_pos [n], ascending) over all keys
     k, v [1, Hkv, N, d] at positions 0..N-1. GQA when Hq != Hkv. Returns [1, Hq, n, d]."""
     n, N = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if n == N:
-        # Every key is live and positions run 0..N-1: plain causal (flash on GPU, no mask built).
+    if int(live_pos[0]) == N - n:
+        # The live tokens are the last n keys (prefill, prefix-cache resume, decode): causal,
+        # aligned bottom-right, through the fused kernels; no [n, N] mask is built.
+        if n == 1:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
         if gqa and q.is_cuda:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             gqa = False
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    if n == 1 and int(live_pos[0]) == N - 1:
-        mask = None
-    else:
-        key_pos = torch.arange(N, device=q.device)
-        mask = key_pos[None, :] <= live_pos[:, None]  # [n, N]
+        if n == N:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        if q.is_cuda:
+            # imported here: this module pulls in torch's compiler stack (and Triton)
+            from torch.nn.attention.bias import causal_lower_right
+
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, N), scale=scale)
+    # Live tokens interleaved with cached spans (seams): an explicit mask, n x N booleans.
+    key_pos = torch.arange(N, device=q.device)
+    mask = key_pos[None, :] <= live_pos[:, None]  # [n, N]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
