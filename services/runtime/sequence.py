@@ -95,7 +95,9 @@ class SequenceState:
         )
 
     def nbytes(self) -> int:
-        n = sum(s.ssm.numel() * s.ssm.element_size() + s.conv.numel() * s.conv.element_size() for s in self.linear.values())
+        n = sum(
+            s.ssm.numel() * s.ssm.element_size() + s.conv.numel() * s.conv.element_size() for s in self.linear.values()
+        )
         n += sum(a.k.numel() * a.k.element_size() + a.v.numel() * a.v.element_size() for a in self.attn.values())
         return n
 

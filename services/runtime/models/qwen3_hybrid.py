@@ -64,7 +64,8 @@ def l2norm(x, eps: float = 1e-6):
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype):
     """cos, sin [n, rotary_dim] for integer positions [n]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=positions.device) / rotary_dim))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float, device=positions.device) / rotary_dim
+    inv_freq = 1.0 / (theta**exponents)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -227,7 +228,8 @@ class GatedAttention(nn.Module):
             ks.append(k[:, :, off : off + m])
             vs.append(v[:, :, off : off + m])
             if rec is not None and piece.record == "entry":
-                rec.entries[idx].attn[layer_idx] = AttnSpan(k=k[:, :, off : off + m].clone(), v=v[:, :, off : off + m].clone())
+                sl = slice(off, off + m)
+                rec.entries[idx].attn[layer_idx] = AttnSpan(k=k[:, :, sl].clone(), v=v[:, :, sl].clone())
             off += m
         K = torch.cat(ks, dim=2)
         V = torch.cat(vs, dim=2)
