@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfig
@@ -26,6 +24,7 @@ from hybridcache.services.runtime.sequence import (
     SequenceState,
     SpanData,
 )
+from torch import nn
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -134,40 +133,41 @@ class GatedDeltaNet(nn.Module):
 
     def scan(self, mixed, b, a, state: LinearState, output_transition: bool):
         """One live run: conv from the state's tail, then the recurrence from the state's S."""
-        n = mixed.shape[1]
         weight = self.conv1d.weight.squeeze(1)
         conv_out, tail = backends.causal_conv1d(mixed, weight, None, state.conv, "silu")
-        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(1, n, self.hk, self.dk)
-        k = k.reshape(1, n, self.hk, self.dk)
-        v = v.reshape(1, n, self.hv, self.dv)
-        if self.hv != self.hk:
-            q = q.repeat_interleave(self.hv // self.hk, dim=2)
-            k = k.repeat_interleave(self.hv // self.hk, dim=2)
-        q, k = l2norm(q.float()), l2norm(k.float())
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        q, k, v, g, beta = self.qkv_gates(conv_out, b, a)
         out = gated_delta_rule(q, k, v, g, beta, state.ssm, output_transition)
         return out, tail
 
     def forward_layout(self, x, layout, state: LinearState, rec: Recording | None, layer_idx: int):
         """x [1, n_live, h] (normed) -> [1, n_live, h]; state updated in place."""
         mixed, z, b, a = self.project(x)
+        live = [i for i, p in enumerate(layout) if not isinstance(p, CachedSpan)]
+        # Live runs after the first cached span start from states only known once the spans
+        # before them are folded in. Running them one by one costs launches per seam; instead all
+        # of them run at once (batched_scan), which needs two or more of them.
+        first_span = next((i for i, p in enumerate(layout) if isinstance(p, CachedSpan)), len(layout))
+        later = [i for i in live if i > first_span]
+        if len(later) >= 2:
+            o = self.batched_scan(mixed, b, a, layout, state, rec, layer_idx, first_span)
+        else:
+            o = self.sequential_scan(mixed, b, a, layout, state, rec, layer_idx, 0, len(layout), 0)
+        o = o.to(x.dtype)  # [1, n_live, Hv, dv]
+        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(1, -1, self.value_dim)
+        return self.out_proj(o)
+
+    def sequential_scan(self, mixed, b, a, layout, state, rec, layer_idx, lo, hi, off):
+        """Pieces lo..hi-1 one after another; `off` is the live offset of piece lo. Returns outputs."""
         outs = []
-        off = 0
-        for idx, piece in enumerate(layout):
+        for idx in range(lo, hi):
+            piece = layout[idx]
             if isinstance(piece, CachedSpan):
-                span = piece.data.linear[layer_idx]
-                state.ssm = apply_segment(span.T, span.S, state.ssm, piece.use_transition)
-                state.conv = span.conv_tail.to(state.conv.dtype)
-                if rec is not None and idx in rec.snapshots:
-                    rec.snapshots[idx][layer_idx] = LinearState(state.ssm.clone(), state.conv.clone())
+                self.fold_span(piece, state, rec, idx, layer_idx)
                 continue
             n = piece.token_ids.numel()
             sl = slice(off, off + n)
             off += n
-            want_t = piece.record == "entry"
-            res, tail = self.scan(mixed[:, sl], b[:, sl], a[:, sl], state, want_t)
+            res, tail = self.scan(mixed[:, sl], b[:, sl], a[:, sl], state, piece.record == "entry")
             o, S = res[0], res[1]
             state.ssm, state.conv = S, tail
             if rec is not None and piece.record == "entry":
@@ -176,10 +176,114 @@ class GatedDeltaNet(nn.Module):
             if rec is not None and idx in rec.snapshots:
                 rec.snapshots[idx][layer_idx] = LinearState(S.clone(), tail.clone())
             outs.append(o)
-        o = torch.cat(outs, dim=1).to(x.dtype)  # [1, n_live, Hv, dv]
-        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(1, -1, self.value_dim)
-        return self.out_proj(o)
+        if not outs:
+            return mixed.new_zeros(1, 0, self.hv, self.dv)
+        return torch.cat(outs, dim=1)
 
+    def fold_span(self, piece: CachedSpan, state: LinearState, rec, idx, layer_idx):
+        span = piece.data.linear[layer_idx]
+        state.ssm = apply_segment(span.T, span.S, state.ssm, piece.use_transition)
+        state.conv = span.conv_tail.to(state.conv.dtype)
+        if rec is not None and idx in rec.snapshots:
+            rec.snapshots[idx][layer_idx] = LinearState(state.ssm.clone(), state.conv.clone())
+
+    def qkv_gates(self, conv_out, b, a):
+        """conv outputs [B, n, conv_dim], b, a [B, n, Hv] -> q, k [B, n, Hv, dk] (fp32, L2-normed),
+        v [B, n, Hv, dv], g, beta [B, n, Hv] fp32."""
+        B, n = conv_out.shape[:2]
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, n, self.hk, self.dk)
+        k = k.reshape(B, n, self.hk, self.dk)
+        v = v.reshape(B, n, self.hv, self.dv)
+        if self.hv != self.hk:
+            q = q.repeat_interleave(self.hv // self.hk, dim=2)
+            k = k.repeat_interleave(self.hv // self.hk, dim=2)
+        q, k = l2norm(q.float()), l2norm(k.float())
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return q, k, v, g, beta
+
+    def batched_scan(self, mixed, b, a, layout, state, rec, layer_idx, first_span):
+        """All live runs after the first cached span in three batched steps:
+
+        1. each run from a zero state, all runs padded into one batch: its (T, S(run|0));
+        2. the states entering each run, by folding (T, S) pairs of runs and spans in order;
+        3. all runs again in one batch, each from its entering state: the outputs.
+        Padding steps have k = v = 0, g = 0 and beta = 0: the identity, so T and S are unchanged.
+        """
+        lead = sum(layout[i].token_ids.numel() for i in range(first_span) if not isinstance(layout[i], CachedSpan))
+        head = self.sequential_scan(mixed, b, a, layout, state, rec, layer_idx, 0, first_span, 0)
+        runs, off = [], lead
+        for idx in range(first_span, len(layout)):
+            piece = layout[idx]
+            if not isinstance(piece, CachedSpan):
+                n = piece.token_ids.numel()
+                runs.append((idx, off, n))
+                off += n
+        m, L = len(runs), max(n for _, _, n in runs)
+        W1 = self.conv_width - 1
+        dev, dt = mixed.device, mixed.dtype
+        # conv: each run's input state is the tail left by the piece before it (a span's conv tail
+        # or the previous run's last inputs), known without running anything.
+        x_pad = mixed.new_zeros(m, L, self.conv_dim)
+        b_pad = b.new_zeros(m, L, self.hv)
+        a_pad = a.new_zeros(m, L, self.hv)
+        conv_in = mixed.new_zeros(m, self.conv_dim, W1)
+        tails, mask = [], torch.zeros(m, L, dtype=torch.bool, device=dev)
+        conv_state = state.conv
+        j = 0
+        for idx in range(first_span, len(layout)):
+            piece = layout[idx]
+            if isinstance(piece, CachedSpan):
+                conv_state = piece.data.linear[layer_idx].conv_tail.to(dt)
+                continue
+            _, o0, n = runs[j]
+            x_pad[j, :n] = mixed[0, o0 : o0 + n]
+            b_pad[j, :n] = b[0, o0 : o0 + n]
+            a_pad[j, :n] = a[0, o0 : o0 + n]
+            mask[j, :n] = True
+            conv_in[j] = conv_state[0]
+            conv_state = torch.cat([conv_state, mixed[:, o0 : o0 + n].transpose(1, 2)], dim=-1)[..., -W1:]
+            tails.append(conv_state)
+            j += 1
+        weight = self.conv1d.weight.squeeze(1)
+        conv_out, _ = backends.causal_conv1d(x_pad, weight, None, conv_in, "silu")
+        q, k, v, g, beta = self.qkv_gates(conv_out, b_pad, a_pad)
+        pad = ~mask[..., None]
+        k = k.masked_fill(pad[..., None], 0.0)
+        v = v.masked_fill(pad[..., None], 0.0)
+        g = g.masked_fill(pad, 0.0)
+        beta = beta.masked_fill(pad, 0.0)
+        # 1. zero-start pairs
+        _, _, (T_runs, S0_runs) = gated_delta_rule(q, k, v, g, beta, None, True)
+        # 2. states entering each run
+        S = state.ssm
+        entering = []
+        j = 0
+        for idx in range(first_span, len(layout)):
+            piece = layout[idx]
+            if isinstance(piece, CachedSpan):
+                span = piece.data.linear[layer_idx]
+                S = apply_segment(span.T, span.S, S, piece.use_transition)
+                if rec is not None and idx in rec.snapshots:
+                    rec.snapshots[idx][layer_idx] = LinearState(S.clone(), span.conv_tail.to(dt).clone())
+                continue
+            entering.append(S)
+            S = apply_segment(T_runs[j : j + 1], S0_runs[j : j + 1], S)
+            if rec is not None and piece.record == "entry":
+                rec.entries[idx].linear[layer_idx] = LinearSpan(
+                    T=T_runs[j : j + 1].clone(), S=S0_runs[j : j + 1].clone(), conv_tail=tails[j].clone()
+                )
+            if rec is not None and idx in rec.snapshots:
+                rec.snapshots[idx][layer_idx] = LinearState(S.clone(), tails[j].clone())
+            j += 1
+        last = layout[-1]
+        state.ssm = S
+        state.conv = tails[-1] if not isinstance(last, CachedSpan) else last.data.linear[layer_idx].conv_tail.to(dt)
+        # 3. outputs from the entering states
+        o_pad, _ = gated_delta_rule(q, k, v, g, beta, torch.cat(entering, dim=0), False)
+        outs = [head] + [o_pad[j : j + 1, :n] for j, (_, _, n) in enumerate(runs)]
+        return torch.cat(outs, dim=1)
 
 class GatedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
