@@ -29,8 +29,9 @@ def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]],
     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
     got: dict[int, SegmentEntry] = {}
     asm = EntryAssembler()
+    transport = choose_transport(address)
     req = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=ids, cache_tier=t) for i, ids, t in segments],
-                            cache_tier=cache_tier, transport=choose_transport(address))
+                            cache_tier=cache_tier, transport=transport)
     try:
         for chunk in rpc.ScatterStub(channel).Prefill(req, timeout=timeout_s, metadata=metadata):
             out = asm.feed(chunk)
@@ -41,6 +42,7 @@ def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]],
                     address, e.code(), len(got), len(segments))
     finally:
         channel.close()
+    metrics.BYTES_MOVED.labels(path=transport).inc(asm.bytes_received)
     return got, asm.bytes_received
 
 

@@ -7,8 +7,8 @@ import time
 
 import pyetcd
 import pytest
-from conftest import Etcd, http
 from hybridcache.services.launcher import LocalCluster, free_port
+from serving_helpers import Etcd, http
 
 QUESTION = "Question: what is in the documents?\nAnswer:"
 

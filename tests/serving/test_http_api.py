@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import openai
 import pytest
-from conftest import TIER_BYTES, http
 from hybridcache.services.api.openai_compat import chat_to_native
 from hybridcache.services.contract import (
     METRIC_CACHE_HITS,
@@ -20,6 +19,7 @@ from hybridcache.services.contract import (
 )
 from hybridcache.services.directory import HashRing
 from hybridcache.services.protocol import pb, rpc
+from serving_helpers import TIER_BYTES, http
 
 DOCS = [
     "Document A: the Varnel Bridge spans the Osk river and was completed in 1872 by Ilse Marrow.\n",
@@ -210,19 +210,26 @@ def test_load_mixed_hits_no_errors_and_cache_within_budget(cluster):
     assert 0 < float(re.search(r'hybridcache_cache_bytes{tier="gpu"} (\S+)', text).group(1)) <= 64 << 20
 
 
+def metric(text: str, pattern: str) -> float:
+    m = re.search(pattern, text)
+    assert m is not None, f"{pattern!r} not in the scrape:\n" + "\n".join(
+        line for line in text.splitlines() if line.startswith("hybridcache_"))
+    return float(m.group(1))
+
+
 def test_metrics_after_traffic(cluster):
     status, text = http("GET", f"{cluster.url}/metrics")
     assert status == 200
-    count = float(re.search(rf"{METRIC_TTFT_SECONDS}_count (\S+)", text).group(1))
-    total = float(re.search(rf"{METRIC_TTFT_SECONDS}_sum (\S+)", text).group(1))
+    count = metric(text, rf"{METRIC_TTFT_SECONDS}_count (\S+)")
+    total = metric(text, rf"{METRIC_TTFT_SECONDS}_sum (\S+)")
     assert count >= 5 and 0 < total / count < 60
     # The router's directory probes: did the owning cache-tier member hold the entry?
-    queries = float(re.search(rf'{METRIC_CACHE_QUERIES}{{tier="tier"}} (\S+)', text).group(1))
-    hits = float(re.search(rf'{METRIC_CACHE_HITS}{{tier="tier"}} (\S+)', text).group(1))
+    queries = metric(text, rf'{METRIC_CACHE_QUERIES}{{tier="tier"}} (\S+)')
+    hits = metric(text, rf'{METRIC_CACHE_HITS}{{tier="tier"}} (\S+)')
     assert 0 < hits < queries
-    inter = float(re.search(r"hybridcache_inter_token_latency_seconds_count (\S+)", text).group(1))
+    inter = metric(text, r"hybridcache_inter_token_latency_seconds_count (\S+)")
     assert inter > 0
-    assert float(re.search(r'hybridcache_requests_total{status="200"} (\S+)', text).group(1)) >= 50
+    assert metric(text, r'hybridcache_requests_total{status="200"} (\S+)') >= 50
     # The operator's autoscaler reads the queue depth from this scrape: drained after the traffic.
     from hybridcache.operator.autoscaler import read_router_metrics
 
@@ -230,12 +237,12 @@ def test_metrics_after_traffic(cluster):
     assert read_router_metrics(f"{cluster.url}/metrics") == 0.0
     for tier in cluster.role("cache-tier"):
         _, ttext = http("GET", f"http://{tier.http}/metrics")
-        used = float(re.search(r'hybridcache_cache_bytes{tier="host"} (\S+)', ttext).group(1))
+        used = metric(ttext, r'hybridcache_cache_bytes{tier="host"} (\S+)')
         assert 0 < used <= TIER_BYTES
     combine = cluster.role("combine")[0]
     _, ctext = http("GET", f"http://{combine.http}/metrics")
-    assert float(re.search(r'hybridcache_bytes_moved_total{path="shm"} (\S+)', ctext).group(1)) > 0
-    assert float(re.search(rf'{METRIC_CACHE_HITS}{{tier="gpu"}} (\S+)', ctext).group(1)) > 0
+    assert metric(ctext, r'hybridcache_bytes_moved_total{path="shm"} (\S+)') > 0
+    assert metric(ctext, rf'{METRIC_CACHE_HITS}{{tier="gpu"}} (\S+)') > 0
 
 
 def test_grpc_inference_streams_tokens(cluster, engine):

@@ -8,8 +8,8 @@ import signal
 import subprocess
 import sys
 
-from conftest import http
 from hybridcache.services.launcher import free_port
+from serving_helpers import http
 
 
 def alive(pid: int) -> bool:

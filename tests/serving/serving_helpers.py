@@ -1,0 +1,68 @@
+"""Helpers of the serving tests (a module with its own name: tests/ has several conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+from hybridcache.services.launcher import free_port
+
+TIER_BYTES = 300_000  # two cache-tier members of ~5 tiny-model entries each: the load test evicts
+
+
+def http(method: str, url: str, body=None, raw: bytes | None = None, timeout: float = 60.0):
+    """(status, parsed JSON or text) without raising on 4xx/5xx."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+class Etcd:
+    """A real etcd server on 127.0.0.1 with its own data dir; start() and stop() may repeat."""
+
+    def __init__(self, data_dir):
+        self.data_dir = data_dir
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.proc = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self) -> Etcd:
+        c, p = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            ["etcd", "--name", "t", "--data-dir", str(self.data_dir), "--listen-client-urls", c,
+             "--advertise-client-urls", c, "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
+             "--initial-cluster", f"t={p}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{c}/health", timeout=1) as r:
+                    if json.loads(r.read()).get("health") == "true":
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("etcd did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
