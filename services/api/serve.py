@@ -127,8 +127,17 @@ def _serve(args) -> int:
     else:
         serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend))
     directory.register(args.role, address)
-
     stop = threading.Event()
+    if args.role in ("cache-tier", "scatter"):
+        # Writers of shared-memory blocks clean up after receivers that died before reading them.
+        from hybridcache.services.transport.shm import sweep_stale
+
+        def sweep():
+            while not stop.wait(60.0):
+                sweep_stale()
+
+        threading.Thread(target=sweep, name="shm-sweeper", daemon=True).start()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(json.dumps({"ready": args.role, "grpc": address, "http": f"{args.host}:{http_port}",

@@ -61,3 +61,18 @@ def read_shm(name: str, offset: int, nbytes: int) -> bytearray:
     if got != nbytes:
         raise TransportError(f"shared-memory block {name} is shorter than {offset + nbytes} bytes")
     return raw
+
+
+def sweep_stale(max_age_s: float = 300.0) -> int:
+    """Unlink blocks nobody read within max_age_s (their receiver died); returns how many."""
+    import time
+
+    removed, now = 0, time.time()
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        try:
+            if now - path.stat().st_mtime > max_age_s:
+                path.unlink()
+                removed += 1
+        except FileNotFoundError:
+            pass
+    return removed

@@ -116,6 +116,21 @@ def test_corrupted_bytes_are_detected(entries):
     assert res[0][1] is None and "checksum" in res[0][2]
 
 
+def test_stale_shm_blocks_are_swept(tmp_path, monkeypatch):
+    import os
+
+    from hybridcache.services.transport import shm
+
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    old, fresh, other = tmp_path / f"{shm.PREFIX}old", tmp_path / f"{shm.PREFIX}fresh", tmp_path / "unrelated"
+    for p in (old, fresh, other):
+        p.write_bytes(b"x")
+    os.utime(old, (1, 1))
+    os.utime(other, (1, 1))
+    assert shm.sweep_stale(60) == 1
+    assert not old.exists() and fresh.exists() and other.exists()
+
+
 def test_transport_choice():
     assert choose_transport("127.0.0.1:5000") == "shm"
     assert choose_transport("10.0.0.7:5000") == "grpc"
