@@ -316,27 +316,35 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(1, n, self.hkv, self.d).transpose(1, 2)
         cos, sin = self.rope(live_pos, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        ks, vs = [state.k], [state.v]
+        ks, vs, shifts, lengths = [], [], [], []
         off = 0
         for idx, piece in enumerate(layout):
             if isinstance(piece, CachedSpan):
                 span = piece.data.attn[layer_idx]
-                kk = span.k.to(q.dtype)
-                if piece.shift:
-                    c, s = self.rope(torch.full((kk.shape[2],), piece.shift, device=kk.device), kk.dtype)
-                    kk = apply_rope(kk, c, s)
-                ks.append(kk)
+                ks.append(span.k.to(q.dtype))
                 vs.append(span.v.to(q.dtype))
+                shifts.append(piece.shift)
+                lengths.append(span.k.shape[2])
                 continue
             m = piece.token_ids.numel()
             ks.append(k[:, :, off : off + m])
             vs.append(v[:, :, off : off + m])
+            shifts.append(0)
+            lengths.append(m)
             if rec is not None and piece.record == "entry":
                 sl = slice(off, off + m)
                 rec.entries[idx].attn[layer_idx] = AttnSpan(k=k[:, :, sl].clone(), v=v[:, :, sl].clone())
             off += m
-        K = torch.cat(ks, dim=2)
-        V = torch.cat(vs, dim=2)
+        K_new = torch.cat(ks, dim=2)
+        if any(shifts):
+            # Cached K to absolute positions, all spans in one rotation (live keys rotate by 0: exact).
+            per_pos = torch.repeat_interleave(
+                torch.tensor(shifts, device=K_new.device), torch.tensor(lengths, device=K_new.device)
+            )
+            c, s = self.rope(per_pos, K_new.dtype)
+            K_new = apply_rope(K_new, c, s)
+        K = torch.cat([state.k, K_new], dim=2)
+        V = torch.cat([state.v, *vs], dim=2)
         state.k, state.v = K, V
         out = backends.attention(q, K, V, live_pos, self.d**-0.5)  # [1, Hq, n, d]
         out = out.transpose(1, 2).reshape(1, n, -1) * torch.sigmoid(gate)
