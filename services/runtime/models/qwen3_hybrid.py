@@ -210,45 +210,41 @@ class GatedDeltaNet(nn.Module):
         2. the states entering each run, by folding (T, S) pairs of runs and spans in order;
         3. all runs again in one batch, each from its entering state: the outputs.
         Padding steps have k = v = 0, g = 0 and beta = 0: the identity, so T and S are unchanged.
+        The number of kernel launches per layer does not grow with the number of runs, except
+        for the in-order fold (one matmul-add per piece).
         """
         lead = sum(layout[i].token_ids.numel() for i in range(first_span) if not isinstance(layout[i], CachedSpan))
         head = self.sequential_scan(mixed, b, a, layout, state, rec, layer_idx, 0, first_span, 0)
-        runs, off = [], lead
-        for idx in range(first_span, len(layout)):
-            piece = layout[idx]
-            if not isinstance(piece, CachedSpan):
-                n = piece.token_ids.numel()
-                runs.append((idx, off, n))
-                off += n
-        m, L = len(runs), max(n for _, _, n in runs)
         W1 = self.conv_width - 1
         dev, dt = mixed.device, mixed.dtype
-        # conv: each run's input state is the tail left by the piece before it (a span's conv tail
-        # or the previous run's last inputs), known without running anything.
-        x_pad = mixed.new_zeros(m, L, self.conv_dim)
-        b_pad = b.new_zeros(m, L, self.hv)
-        a_pad = a.new_zeros(m, L, self.hv)
-        conv_in = mixed.new_zeros(m, self.conv_dim, W1)
-        tails, mask = [], torch.zeros(m, L, dtype=torch.bool, device=dev)
-        conv_state = state.conv
-        j = 0
+        # Each run's conv input state is the tail left by the piece before it: a span's stored
+        # tail, or (rarely) the last inputs of the live run before it.
+        runs, conv_src, off = [], [], lead
+        prev = state.conv
         for idx in range(first_span, len(layout)):
             piece = layout[idx]
             if isinstance(piece, CachedSpan):
-                conv_state = piece.data.linear[layer_idx].conv_tail.to(dt)
+                prev = piece.data.linear[layer_idx].conv_tail
                 continue
-            _, o0, n = runs[j]
-            x_pad[j, :n] = mixed[0, o0 : o0 + n]
-            b_pad[j, :n] = b[0, o0 : o0 + n]
-            a_pad[j, :n] = a[0, o0 : o0 + n]
-            mask[j, :n] = True
-            conv_in[j] = conv_state[0]
-            conv_state = torch.cat([conv_state, mixed[:, o0 : o0 + n].transpose(1, 2)], dim=-1)[..., -W1:]
-            tails.append(conv_state)
-            j += 1
-        weight = self.conv1d.weight.squeeze(1)
-        conv_out, _ = backends.causal_conv1d(x_pad, weight, None, conv_in, "silu")
-        q, k, v, g, beta = self.qkv_gates(conv_out, b_pad, a_pad)
+            n = piece.token_ids.numel()
+            runs.append((idx, off, n))
+            conv_src.append(prev.to(dt))
+            prev = torch.cat([prev.to(dt), mixed[:, off : off + n].transpose(1, 2)], dim=-1)[..., -W1:]
+            off += n
+        m, L = len(runs), max(n for _, _, n in runs)
+        total = mixed.shape[1]
+        index = []
+        for _, o0, n in runs:
+            index += list(range(o0, o0 + n)) + [total] * (L - n)
+        index = torch.tensor(index, device=dev).view(m, L)
+        mask = index < total  # [m, L]
+
+        def padded(t):  # [1, n_live, X] -> [m, L, X], zeros past each run
+            return torch.cat([t[0], t.new_zeros(1, t.shape[-1])])[index]
+
+        conv_in = torch.cat(conv_src, dim=0)  # [m, D, W - 1]
+        conv_out, _ = backends.causal_conv1d(padded(mixed), self.conv1d.weight.squeeze(1), None, conv_in, "silu")
+        q, k, v, g, beta = self.qkv_gates(conv_out, padded(b), padded(a))
         pad = ~mask[..., None]
         k = k.masked_fill(pad[..., None], 0.0)
         v = v.masked_fill(pad[..., None], 0.0)
@@ -257,6 +253,11 @@ class GatedDeltaNet(nn.Module):
         # 1. zero-start pairs
         _, _, (T_runs, S0_runs) = gated_delta_rule(q, k, v, g, beta, None, True)
         # 2. states entering each run
+
+        def tail_after(j):
+            _, o0, n = runs[j]
+            return torch.cat([conv_src[j], mixed[:, o0 : o0 + n].transpose(1, 2)], dim=-1)[..., -W1:]
+
         S = state.ssm
         entering = []
         j = 0
@@ -272,18 +273,20 @@ class GatedDeltaNet(nn.Module):
             S = apply_segment(T_runs[j : j + 1], S0_runs[j : j + 1], S)
             if rec is not None and piece.record == "entry":
                 rec.entries[idx].linear[layer_idx] = LinearSpan(
-                    T=T_runs[j : j + 1].clone(), S=S0_runs[j : j + 1].clone(), conv_tail=tails[j].clone()
+                    T=T_runs[j : j + 1].clone(), S=S0_runs[j : j + 1].clone(), conv_tail=tail_after(j)
                 )
             if rec is not None and idx in rec.snapshots:
-                rec.snapshots[idx][layer_idx] = LinearState(S.clone(), tails[j].clone())
+                rec.snapshots[idx][layer_idx] = LinearState(S.clone(), tail_after(j))
             j += 1
         last = layout[-1]
         state.ssm = S
-        state.conv = tails[-1] if not isinstance(last, CachedSpan) else last.data.linear[layer_idx].conv_tail.to(dt)
+        if isinstance(last, CachedSpan):
+            state.conv = last.data.linear[layer_idx].conv_tail.to(dt)
+        else:
+            state.conv = tail_after(m - 1)
         # 3. outputs from the entering states
         o_pad, _ = gated_delta_rule(q, k, v, g, beta, torch.cat(entering, dim=0), False)
-        outs = [head] + [o_pad[j : j + 1, :n] for j, (_, _, n) in enumerate(runs)]
-        return torch.cat(outs, dim=1)
+        return torch.cat([head, o_pad[mask].unsqueeze(0)], dim=1)
 
 class GatedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
