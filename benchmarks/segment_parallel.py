@@ -1,0 +1,349 @@
+"""Segment parallelism on the GPUs of one host (issue 9); prints one JSON object.
+
+One process per GPU (NCCL). Rank 0 is the combine worker and a scatter worker. Qwen3.5-9B shape,
+random bf16 weights made on each GPU from the same seed. Figures:
+- cold TTFT of 32 x 1k segments + a 64-token question with 1..m scatter workers (LPT), and the
+  split into scatter (rank 0's own builds), transfer wait and combine;
+- LPT vs round robin on heavy-tailed segment lengths;
+- NCCL point-to-point GB/s (1 GiB) and the bytes of one 1k-token entry;
+- sustainable QPS under a 1 s p50 TTFT SLO, pic vs prefix, on a Zipf RAG trace: per-request
+  service times measured on GPU 0 over the trace, then Poisson arrivals replayed through a FIFO
+  single-server queue (the simulation is stated in the output).
+
+    python benchmarks/segment_parallel.py [--gpus 2] [--quick] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SEG, QUESTION, SEAM = 1024, 64, 8
+
+
+def build_engine(preset: str, mode: str = "pic", **cfg_kw):
+    from hybridcache.services.runtime.config import ModelConfig
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
+    from hybridcache.services.runtime.modelzoo import hf_config, random_init_
+    from hybridcache.services.runtime.tokenizer import Tokenizer, build_byte_tokenizer
+
+    cfg = ModelConfig.from_dict(hf_config("qwen3_5_text", preset))
+    if not torch.cuda.is_available():  # CPU smoke run of the same code (gloo, tiny preset)
+        model = HybridLM(cfg).eval()
+        random_init_(model, seed=0, std=0.08)
+    else:
+        from gpu_bench import random_init_cuda_
+
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            model = HybridLM(cfg).eval()
+        torch.set_default_dtype(torch.float32)
+        random_init_cuda_(model, seed=0)
+    model.fingerprint = f"random-{preset}-seed0"
+    return Engine(model, Tokenizer(build_byte_tokenizer()), EngineConfig(mode=mode, seam_window=SEAM, **cfg_kw))
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def rand_ids(rng, n, vocab=250):
+    return [rng.randrange(0, vocab) for _ in range(n)]
+
+
+def pareto_lengths(seed, n, total, lo=128, hi=8192, alpha=1.1):
+    rng = random.Random(seed)
+    raw = [rng.paretovariate(alpha) for _ in range(n)]
+    scale = total / sum(raw)
+    return [max(lo, min(hi, int(r * scale))) for r in raw]
+
+
+def cold_runs(engine, req, workers, policy, repeats):
+    from hybridcache.services.parallel.segment_parallel import run_cold_request
+
+    out = []
+    for i in range(repeats + 1):  # first run warms up kernels and the allocator
+        r = run_cold_request(engine, req, workers, policy)
+        if r is not None and i > 0:
+            out.append(r)
+    return out
+
+
+def summarize(results):
+    if not results:
+        return None
+    return {
+        "ttft_ms": statistics.median(r.ttft_s for r in results) * 1e3,
+        "scatter_rank0_ms": statistics.median(r.scatter_s[0] for r in results) * 1e3,
+        "combine_ms": statistics.median(r.combine_s for r in results) * 1e3,
+        "first_token": results[-1].first_token,
+        "assignment_counts": [results[-1].assignment.count(w) for w in range(max(results[-1].assignment) + 1)],
+    }
+
+
+def nccl_bandwidth(rank, nbytes=1 << 30, repeats=5):
+    t = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if torch.cuda.is_available() else "cpu")
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        if rank == 1:
+            dist.send(t, dst=0)
+        elif rank == 0:
+            dist.recv(t, src=1)
+        sync()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def qps_at_slo(service_s, slo_s=1.0, n_arrivals=4000, seed=0):
+    """Largest Poisson arrival rate whose p50 TTFT (wait + service) stays within the SLO, for a FIFO
+    single server whose service times cycle through the measured ones."""
+
+    def p50(rate):
+        rng = random.Random(seed)
+        t = free = 0.0
+        ttft = []
+        for i in range(n_arrivals):
+            t += rng.expovariate(rate)
+            start = max(t, free)
+            free = start + service_s[i % len(service_s)]
+            ttft.append(free - t)
+        return statistics.median(ttft)
+
+    lo, hi = 0.0, 10.0 / statistics.median(service_s)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if p50(mid) <= slo_s:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def trace_requests(seed, n_req, pool, lo=4, hi=32, zipf_s=1.1):
+    rng = random.Random(seed)
+    weights = [1.0 / (i + 1) ** zipf_s for i in range(len(pool))]
+    reqs = []
+    for _ in range(n_req):
+        k = rng.randint(lo, hi)
+        chosen = []
+        while len(chosen) < k:
+            d = rng.choices(range(len(pool)), weights)[0]
+            if d not in chosen:
+                chosen.append(d)
+        reqs.append({"segments": [pool[d] for d in chosen], "suffix": rand_ids(rng, QUESTION),
+                     "sampling_params": {"max_new_tokens": 1}})
+    return reqs
+
+
+def service_times(engine, reqs):
+    out = []
+    for r in reqs:
+        req = engine.parse_request(r)
+        sync()
+        t0 = time.perf_counter()
+        pre = engine.prefill(req)
+        int(torch.argmax(pre.logits))
+        sync()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def grpc_loopback_gbps(total=512 << 20, chunk=4 << 20, repeats=3):
+    """Python gRPC server streaming of raw byte chunks over loopback (no protobuf), GB/s."""
+    from concurrent import futures
+
+    import grpc
+
+    payload = os.urandom(chunk)
+
+    def stream(request, context):
+        for _ in range(total // chunk):
+            yield payload
+
+    opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=opts)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("bench.Bulk", {"Get": grpc.unary_stream_rpc_method_handler(stream)}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
+            call = ch.unary_stream("/bench.Bulk/Get")
+            rates = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                n = sum(len(m) for m in call(b""))
+                rates.append(n / (time.perf_counter() - t0) / 1e9)
+    finally:
+        server.stop(None)
+    return statistics.median(rates)
+
+
+def qps_figures(args, seg, figures, detail):
+    """pic vs prefix service times over a Zipf RAG trace on this GPU, then the queue simulation."""
+    pool_rng = random.Random(2)
+    pool = [rand_ids(pool_rng, seg) for _ in range(64)]
+    trace = trace_requests(3, 12 if args.quick else 24, pool, hi=8 if args.quick else 32)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    st = {}
+    # The prefix baseline is what engines do today (dense checkpoints every 4 pages); a request
+    # that misses costs at least a plain prefill, so the faster of `prefix` and `full` is the peer.
+    for mode, kw in (("pic", {}), ("prefix", {"prefix_policy": "checkpoint"}), ("full", {})):
+        eng = build_engine(args.preset, mode, entry_cache_bytes=40 << 30, prefix_cache_bytes=16 << 30, **kw)
+        st[mode] = service_times(eng, trace)
+        del eng
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    q = {m: qps_at_slo(v) for m, v in st.items()}
+    figures["qps_at_slo_pic"] = q["pic"]
+    figures["qps_at_slo_prefix"] = q["prefix"]
+    figures["qps_at_slo_full"] = q["full"]
+    peer = max(q["prefix"], q["full"])
+    figures["qps_at_slo_pic_vs_prefix"] = q["pic"] / peer if peer else float("inf")
+    detail["qps"] = {
+        "service_ms": {m: [round(x * 1e3, 2) for x in v] for m, v in st.items()},
+        "service_ms_median": {m: statistics.median(v) * 1e3 for m, v in st.items()},
+        "requests": len(trace),
+        "documents_per_request": [len(r["segments"]) for r in trace],
+        "pool_documents": len(pool),
+        "slo_p50_s": 1.0,
+        "method": "service times measured on one GPU over the trace in order (cache warming included); "
+        "Poisson arrivals replayed through a FIFO single-server queue; qps_at_slo_pic_vs_prefix divides by "
+        "the faster of prefix (checkpoint policy) and full",
+    }
+
+
+def worker(rank, world, port, args, queue):
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))
+    else:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    figures, detail = {}, {}
+    try:
+        engine = build_engine(args.preset)
+        rng = random.Random(1)
+        n_seg = 8 if args.quick else 32
+        seg = args.segment_tokens
+        segs = [rand_ids(rng, seg) for _ in range(n_seg)]
+        req = engine.parse_request({"segments": segs, "suffix": rand_ids(rng, QUESTION)})
+        cold = {}
+        for m in range(1, world + 1):
+            cold[m] = summarize(cold_runs(engine, req, m, "lpt", args.repeats))
+        # heavy-tailed lengths, same total
+        lens = pareto_lengths(0, n_seg, n_seg * seg, lo=min(128, seg), hi=8 * seg)
+        skew = engine.parse_request({"segments": [rand_ids(rng, n) for n in lens], "suffix": rand_ids(rng, QUESTION)})
+        pol = {p: summarize(cold_runs(engine, skew, world, p, args.repeats)) for p in ("lpt", "round_robin")}
+        gbps = nccl_bandwidth(rank)
+        if rank == 0:
+            detail["cold"] = cold
+            detail["skewed"] = {"lengths": lens, **pol}
+            tag = "32k" if (n_seg, seg) == (32, 1024) else f"{n_seg}x{seg}"
+            for m in range(2, world + 1):
+                figures[f"cold_ttft_speedup_{m}_workers_{tag}"] = cold[1]["ttft_ms"] / cold[m]["ttft_ms"]
+            figures[f"cold_ttft_ms_1_worker_{tag}"] = cold[1]["ttft_ms"]
+            figures[f"cold_ttft_ms_{world}_workers_{tag}"] = cold[world]["ttft_ms"]
+            figures["cold_first_token_equal_across_worker_counts"] = float(
+                len({c["first_token"] for c in cold.values()}) == 1)
+            lpt_gain = pol["round_robin"]["ttft_ms"] / pol["lpt"]["ttft_ms"]
+            figures["lpt_vs_round_robin_speedup" + ("" if world == 2 else f"_{world}_workers")] = lpt_gain
+            figures["nccl_transfer_GBps"] = gbps
+            from hybridcache.services.runtime.cache import expected_entry_nbytes
+
+            entry_bytes = expected_entry_nbytes(engine.cfg, seg - SEAM, engine.model.dtype)
+            figures[f"entry_bytes_{seg}_token_segment"] = entry_bytes
+        dist.barrier()
+        if rank == 0 and not args.no_qps:
+            del engine
+            qps_figures(args, seg, figures, detail)
+        dist.barrier()
+        if rank == 0:
+            queue.put({"figures": figures, "detail": detail})
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(args):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args.gpus, port, args, q)) for r in range(args.gpus)]
+    for p in procs:
+        p.start()
+    res = q.get(timeout=1800)
+    for p in procs:
+        p.join()
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=torch.cuda.device_count(), help="ranks (CPU processes without CUDA)")
+    ap.add_argument("--preset", default="qwen3.5-9b")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="8 segments, short trace")
+    ap.add_argument("--segment-tokens", type=int, default=SEG)
+    ap.add_argument("--no-qps", action="store_true")
+    ap.add_argument("--qps-only", action="store_true", help="only the pic-vs-prefix QPS figures (one GPU)")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    grpc_gbps = grpc_loopback_gbps()
+    if args.qps_only:
+        res = {"figures": {}, "detail": {}}
+        qps_figures(args, args.segment_tokens, res["figures"], res["detail"])
+    elif args.gpus < 2:
+        print(json.dumps({"error": "needs at least 2 GPUs (or --qps-only on one)"}))
+        return 2
+    else:
+        res = run_ranks(args)
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except Exception:
+        commit = os.environ.get("HYBRIDCACHE_COMMIT", "unknown")
+    out = {
+        "benchmark": "segment_parallel",
+        "gpu": (f"{1 if args.qps_only else args.gpus}x {torch.cuda.get_device_name(0)}"
+                if torch.cuda.is_available() else "none (CPU smoke)"),
+        "commit": os.environ.get("HYBRIDCACHE_COMMIT", commit),
+        "date": datetime.date.today().isoformat(),
+        "command": "python benchmarks/segment_parallel.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "preset": args.preset,
+        **res,
+    }
+    out["figures"]["grpc_transfer_GBps"] = grpc_gbps
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
