@@ -66,7 +66,8 @@ def main() -> int:
         t0 = time.perf_counter()
         assert client.put([entry]) == 1
         put_s = time.perf_counter() - t0
-        figures = {"entry_mib": round(entry.nbytes / (1 << 20), 2), "put_grpc_gb_s": round(entry.nbytes / put_s / 1e9, 3)}
+        figures = {"entry_mib": round(entry.nbytes / (1 << 20), 2),
+                   "put_grpc_gb_s": round(entry.nbytes / put_s / 1e9, 3)}
         t0 = time.perf_counter()
         entry.verify()
         figures["sha256_verify_gb_s"] = round(entry.nbytes / (time.perf_counter() - t0) / 1e9, 3)
