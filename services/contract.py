@@ -33,7 +33,9 @@ ROLES: dict[str, RolePorts] = {
 METRIC_TTFT_SECONDS = "hybridcache_time_to_first_token_seconds"  # histogram
 METRIC_INTER_TOKEN_SECONDS = "hybridcache_inter_token_latency_seconds"  # histogram
 METRIC_COLD_QUEUE_DEPTH = "hybridcache_cold_segment_queue_depth"  # gauge, the scaling signal
-METRIC_CACHE_QUERIES = "hybridcache_cache_queries_total"  # counter, label tier=gpu|host|tier|disk|prefix
+# counter, label tier=gpu|worker|host|tier|disk|prefix (gpu / worker: a combine worker's own cache on a
+# CUDA / CPU-only worker)
+METRIC_CACHE_QUERIES = "hybridcache_cache_queries_total"
 METRIC_CACHE_HITS = "hybridcache_cache_hits_total"  # counter, label tier
 METRIC_BYTES_MOVED = "hybridcache_bytes_moved_total"  # counter, label path=shm|grpc|nccl
 METRIC_ENTRY_BUILD_SECONDS = "hybridcache_entry_build_seconds"  # histogram

@@ -49,6 +49,8 @@ def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]],
 class CombineServicer(rpc.CombineServicer):
     def __init__(self, engine: Engine, cache_tier: str = "", dtype: str = "float32"):
         self.engine = engine
+        # the worker's own entry cache: GPU memory on a CUDA worker, its process memory otherwise
+        self.own_tier = "gpu" if engine.model.device.type == "cuda" else "worker"
         self.cache_tier = cache_tier
         self.dtype = dtype
         self._lock = threading.Lock()  # one request on the model at a time
@@ -79,7 +81,7 @@ class CombineServicer(rpc.CombineServicer):
         owners = {p.index: p.cache_tier for p in request.plan}
         for p in request.plan:
             entry = store.peek(p.key)
-            metrics.cache_lookup("gpu", entry is not None)
+            metrics.cache_lookup(self.own_tier, entry is not None)
             if entry is not None:
                 pinned[p.key] = entry
                 source[p.index] = "local"
@@ -169,11 +171,11 @@ class CombineServicer(rpc.CombineServicer):
                 seg["source"], seg["hit"] = ("scatter" if src == "scatter" else "built"), False
                 built += seg["tokens"]
             elif seg["source"] == "entry":
-                seg["source"] = "tier" if src == "tier" else "gpu"
+                seg["source"] = "tier" if src == "tier" else self.own_tier
         stats["built_tokens"] = built
         stats["reused_segments"] = sum(s["hit"] for s in stats["segments"])
         stats.update(moved)
         stats["combine_ms"] = (time.perf_counter() - t0) * 1000
         stats["trace_id"] = tracing.current_trace_id()
-        metrics.CACHE_BYTES.labels(tier="gpu").set(self.engine.entries.used_bytes)
+        metrics.CACHE_BYTES.labels(tier=self.own_tier).set(self.engine.entries.used_bytes)
         yield pb.TokenChunk(done=True, finish_reason=gen.finish_reason, stats_json=json.dumps(stats))

@@ -207,7 +207,7 @@ def test_load_mixed_hits_no_errors_and_cache_within_budget(cluster):
         assert stat.entries > 0 and stat.evictions > 0
     combine = cluster.role("combine")[0]
     _, text = http("GET", f"http://{combine.http}/metrics")
-    assert 0 < float(re.search(r'hybridcache_cache_bytes{tier="gpu"} (\S+)', text).group(1)) <= 64 << 20
+    assert 0 < float(re.search(r'hybridcache_cache_bytes{tier="worker"} (\S+)', text).group(1)) <= 64 << 20
 
 
 def metric(text: str, pattern: str) -> float:
@@ -242,7 +242,7 @@ def test_metrics_after_traffic(cluster):
     combine = cluster.role("combine")[0]
     _, ctext = http("GET", f"http://{combine.http}/metrics")
     assert metric(ctext, r'hybridcache_bytes_moved_total{path="shm"} (\S+)') > 0
-    assert metric(ctext, rf'{METRIC_CACHE_HITS}{{tier="gpu"}} (\S+)') > 0
+    assert metric(ctext, rf'{METRIC_CACHE_HITS}{{tier="worker"}} (\S+)') > 0
 
 
 def test_grpc_inference_streams_tokens(cluster, engine):
