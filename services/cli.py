@@ -51,6 +51,10 @@ def add_prefix_cache_flags(sp) -> None:
                     help="suffix_replay: hidden states kept per page at each linear-group entry (r)")
     sp.add_argument("--replay-anchors", type=int, default=64,
                     help="suffix_replay: most anchors a hit replays per group (k)")
+    # Checked by EngineConfig (a bad value is one error line, exit 2), not by argparse choices.
+    sp.add_argument("--anchor-dtype", default="model", metavar="{model,float8_e4m3fn}",
+                    help="suffix_replay: anchor storage; float8_e4m3fn keeps fp8 values with a per-anchor "
+                         "fp32 scale (about half the bytes of bf16 anchors)")
 
 
 def prefix_cache_config(args) -> dict:
@@ -60,6 +64,7 @@ def prefix_cache_config(args) -> dict:
         "checkpoint_every": args.checkpoint_every,
         "anchors_per_page": args.anchors_per_page,
         "replay_anchors": args.replay_anchors,
+        "anchor_dtype": None if args.anchor_dtype == "model" else args.anchor_dtype,
     }
 
 

@@ -63,6 +63,7 @@ class EngineConfig:
     checkpoint_every: int = 4  # pages between dense linear-state checkpoints (checkpoint, exact_replay)
     anchors_per_page: int = 4  # suffix_replay: hidden states kept per page at each linear-group entry
     replay_anchors: int = 64  # suffix_replay: most anchors a hit replays per group
+    anchor_dtype: str | None = None  # suffix_replay: None = model dtype, "float8_e4m3fn" = fp8 + fp32 row scale
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -92,6 +93,7 @@ class EngineConfig:
             checkpoint_every=self.checkpoint_every,
             anchors_per_page=self.anchors_per_page,
             replay_anchors=self.replay_anchors,
+            anchor_dtype=self.anchor_dtype,
         )
 
 

@@ -13,6 +13,11 @@ All three policies share the page tree (radix.py) and keep full-attention K/V pe
 
 Anchors are exact inputs of a group because they were captured from the true run; a group's
 layers need nothing else (no attention inside a group), so groups replay independently.
+
+suffix_replay may store its anchors in fp8 (`anchor_dtype="float8_e4m3fn"`, like fp8 KV caches in
+vLLM/SGLang): each anchor row (one token at one group entry) keeps x / s in e4m3 and its fp32 scale
+s = amax|x| / 448, packed as one uint8 row [h + 4] so every byte-count sees both. exact_replay
+and checkpoint refuse it: they must stay exact.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from hybridcache.services.runtime.cache.radix import PageNode, PagePayload
 from hybridcache.services.runtime.sequence import AttnState, LinearState, SequenceState
 
 POLICIES = ("checkpoint", "suffix_replay", "exact_replay")
+ANCHOR_DTYPES = ("float8_e4m3fn",)  # besides None (the model's dtype)
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_SCALE_BYTES = 4  # one fp32 scale per anchor row
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,8 @@ class PrefixPolicy:
     checkpoint_every: int = 4  # pages between dense checkpoints (checkpoint, exact_replay); 4 = 256 tokens
     anchors_per_page: int = 4  # r: anchors kept per page by suffix_replay (the page's last r tokens)
     replay_anchors: int = 64  # k: most anchors a suffix_replay hit replays per group
+    # None: anchors in the model's dtype; "float8_e4m3fn": fp8 with a per-row fp32 scale (suffix_replay only)
+    anchor_dtype: str | None = None
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -46,6 +56,14 @@ class PrefixPolicy:
             raise ValueError(f"anchors_per_page must be in [1, {self.page_size}]")
         if self.replay_anchors <= 0:
             raise ValueError("replay_anchors must be >= 1")
+        if self.anchor_dtype is not None and self.anchor_dtype not in ANCHOR_DTYPES:
+            raise ValueError(
+                f"anchor_dtype must be None (the model's dtype) or one of {', '.join(ANCHOR_DTYPES)}, "
+                f"got {self.anchor_dtype!r}"
+            )
+        if self.anchor_dtype is not None and self.name != "suffix_replay":
+            raise ValueError(f"anchor_dtype {self.anchor_dtype} is only allowed with suffix_replay "
+                             f"({self.name} must stay exact)")
 
     @property
     def stores_checkpoints(self) -> bool:
@@ -56,6 +74,12 @@ class PrefixPolicy:
         """Anchors per page (the last ones of the page)."""
         kept = {"checkpoint": 0, "suffix_replay": self.anchors_per_page, "exact_replay": self.page_size}
         return kept[self.name]
+
+    def anchor_row_bytes(self, hidden_size: int, model_itemsize: int) -> int:
+        """Bytes one token's anchor takes at one group entry, as stored."""
+        if self.anchor_dtype == "float8_e4m3fn":
+            return hidden_size + _SCALE_BYTES
+        return hidden_size * model_itemsize
 
     @property
     def checkpoint_tokens(self) -> int:
@@ -71,9 +95,32 @@ class PrefixPolicy:
 
 def linear_state_bytes_per_token(policy: PrefixPolicy, dense_state_bytes: int, anchor_bytes: int) -> float:
     """Linear-state bytes a policy keeps per cached token. dense_state_bytes: one dense state of
-    all linear layers (S and conv tails); anchor_bytes: one token's hidden state at every group entry."""
+    all linear layers (S and conv tails); anchor_bytes: one token's anchors at every group entry as
+    stored (groups × policy.anchor_row_bytes(...), so fp8 anchors count their scales)."""
     dense = dense_state_bytes / policy.checkpoint_tokens if policy.stores_checkpoints else 0.0
     return dense + anchor_bytes * policy.anchors_kept / policy.page_size
+
+
+def quantize_anchors(x: torch.Tensor) -> torch.Tensor:
+    """Anchors [r, h] -> packed uint8 [r, h + 4]: x / s in float8_e4m3fn, then s = amax|x| / 448
+    (fp32) per row, so rows of any magnitude keep e4m3's relative precision."""
+    x = x.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / _FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # [r, 1]
+    q = (x / scale).to(torch.float8_e4m3fn).view(torch.uint8)  # [r, h]
+    return torch.cat([q, scale.view(torch.uint8)], dim=-1)
+
+
+def dequantize_anchors(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quantize_anchors' inverse: packed uint8 [r, h + 4] -> anchors [r, h] in `dtype`."""
+    h = packed.shape[-1] - _SCALE_BYTES
+    q = packed[:, :h].contiguous().view(torch.float8_e4m3fn).float()  # [r, h]
+    scale = packed[:, h:].contiguous().view(torch.float32)  # [r, 1]
+    return (q * scale).to(dtype)
+
+
+def _page_anchors(policy: PrefixPolicy, node: PageNode, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    anchors = node.payload.anchors[layer]
+    return dequantize_anchors(anchors, dtype) if policy.anchor_dtype else anchors
 
 
 def _copy_linear(linear: dict[int, LinearState]) -> dict[int, LinearState]:
@@ -110,7 +157,7 @@ def restore_state(model, policy: PrefixPolicy, path: list[PageNode]) -> Sequence
     pages = path[-math.ceil(k / policy.anchors_per_page) :]
     state.linear = model.empty_state().linear
     for group in model.linear_groups():
-        hidden = torch.cat([n.payload.anchors[group[0]] for n in pages])[-k:]
+        hidden = torch.cat([_page_anchors(policy, n, group[0], model.dtype) for n in pages])[-k:]
         model.replay_linear_group(group, hidden, state)
     return state
 
@@ -178,4 +225,6 @@ class PageRecorder:
         if r:
             lo = end - self.start - r
             anchors = {i: self._anchors(i)[lo : end - self.start].clone() for i in self.capture_layers}
+            if self.policy.anchor_dtype:
+                anchors = {i: quantize_anchors(a) for i, a in anchors.items()}
         return PagePayload(attn=attn, checkpoint=checkpoint, anchors=anchors)
