@@ -6,6 +6,13 @@ Random weights on a real shape, built directly on the device (no checkpoint is w
     python benchmarks/prefix_cache.py --preset qwen3.5-9b --device cuda --dtype bfloat16 \
         --lengths 8192 32768 --out benchmarks/results/prefix_cache_h200.json
     python benchmarks/prefix_cache.py --preset tiny --lengths 512 1024       # CPU smoke run
+    python benchmarks/prefix_cache.py --preset qwen3.5-9b --dtype bfloat16 --anchor-dtype float8_e4m3fn \
+        --bytes-only                                                        # bytes only, no GPU
+
+--anchor-dtype float8_e4m3fn stores suffix_replay's anchors in fp8 with a per-anchor fp32 scale.
+--bytes-only computes each policy's linear-state bytes per token from the shape alone (the model
+is built on the meta device, so a 9B shape needs no memory), then checks that figure against
+what an engine on the tiny preset (CPU, same dtype) actually keeps in its page tree.
 
 Each prompt of L tokens is prefilled once per policy (pages inserted); then the state after
 H = L - 64 tokens (one page before a checkpoint-grid position) is rebuilt from the tree and
@@ -18,6 +25,7 @@ Prints one JSON object (gpu, commit, date, command, config, per-length rows and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -29,7 +37,8 @@ from pathlib import Path
 
 import torch
 from hybridcache.services.runtime import backends
-from hybridcache.services.runtime.cache import PrefixPolicy, linear_state_bytes_per_token, restore_state
+from hybridcache.services.runtime.cache import POLICIES, PrefixPolicy, linear_state_bytes_per_token, restore_state
+from hybridcache.services.runtime.cache.policies import ANCHOR_DTYPES
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.engine import Engine, EngineConfig
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
@@ -86,6 +95,42 @@ def dense_state_bytes(model: HybridLM) -> int:
     return sum(t.numel() * t.element_size() for s in st.linear.values() for t in (s.ssm, s.conv))
 
 
+def build_model(cfg: ModelConfig, dtype, device) -> HybridLM:
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return HybridLM(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def analytic_bytes_per_token(model: HybridLM, policies: dict[str, PrefixPolicy], page: int) -> dict:
+    """Linear-state bytes per cached token of each policy, and of a dense checkpoint after every
+    page, from the model's state shapes alone (works on a meta-device model)."""
+    dense = dense_state_bytes(model)
+    groups = len(model.linear_groups())
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    hidden = model.cfg.hidden_size
+    out = {"dense_checkpoint_every_page": dense / page}
+    for name, pol in policies.items():
+        out[name] = linear_state_bytes_per_token(pol, dense, groups * pol.anchor_row_bytes(hidden, itemsize))
+    return out
+
+
+def measured_bytes_per_token(model, tokenizer, policy: PrefixPolicy, length: int) -> tuple[float, float]:
+    """(page tree linear bytes, a warm request's linear_state_bytes stat) per token after one
+    prompt of `length` tokens (a multiple of the checkpoint grid) went through an engine."""
+    eng = Engine(model, tokenizer, EngineConfig(
+        mode="prefix", prefix_policy=policy.name, checkpoint_every=policy.checkpoint_every,
+        anchors_per_page=policy.anchors_per_page, replay_anchors=policy.replay_anchors,
+        anchor_dtype=policy.anchor_dtype, prefix_cache_bytes=1 << 40))
+    ids = torch.randint(0, min(model.cfg.vocab_size, 256), (length,), generator=torch.Generator().manual_seed(0))
+    req = {"suffix": ids.tolist() + [1], "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}
+    eng.generate(req)
+    stat = eng.generate(req).stats.linear_state_bytes
+    return eng.pages.linear_bytes / length, stat / length
+
+
 def continuation_agreement(model, ref_state, got_state, cont_ids) -> tuple[float, float]:
     """Greedy next-token agreement and max relative logit error over a teacher-forced continuation."""
     run = [LiveRun(cont_ids, ref_state.length)]
@@ -114,34 +159,40 @@ def main(argv=None) -> dict:
     ap.add_argument("--checkpoint-every", type=int, default=4)
     ap.add_argument("--anchors-per-page", type=int, default=4)
     ap.add_argument("--replay-anchors", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--anchor-dtype", default="model", choices=["model", *ANCHOR_DTYPES],
+                    help="suffix_replay anchor storage (model: the model's dtype)")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--bytes-only", action="store_true",
+                    help="analytic bytes per token for --preset, checked against an engine on the tiny preset (CPU)")
     ap.add_argument("--continuation", type=int, default=32, help="tokens teacher-forced after the prefix")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args(argv)
+    if args.bytes_only:
+        args.device = "cpu"
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    anchor_dtype = None if args.anchor_dtype == "model" else args.anchor_dtype
 
     cfg = ModelConfig.from_dict(hf_config(args.arch, args.preset))
-    torch.set_default_dtype(dtype)
-    with torch.device(device):
-        model = HybridLM(cfg)
-    torch.set_default_dtype(torch.float32)
-    init_on_device_(model, args.seed)
-    model.eval()
+    model = build_model(cfg, dtype, "meta" if args.bytes_only else device)
     tokenizer = Tokenizer(build_byte_tokenizer())
     P = 64
     groups = model.linear_groups()
-    dense = dense_state_bytes(model)
-    anchor_bytes = len(groups) * cfg.hidden_size * torch.empty((), dtype=dtype).element_size()
-    dense_per_page = dense / P  # a dense checkpoint after every page, per token
-    policies = {
+    all_policies = {
         "checkpoint": PrefixPolicy("checkpoint", checkpoint_every=args.checkpoint_every),
         "suffix_replay": PrefixPolicy("suffix_replay", anchors_per_page=args.anchors_per_page,
-                                      replay_anchors=args.replay_anchors[0]),
+                                      replay_anchors=args.replay_anchors[0], anchor_dtype=anchor_dtype),
         "exact_replay": PrefixPolicy("exact_replay", checkpoint_every=args.checkpoint_every),
     }
+    policies = {n: p for n, p in all_policies.items() if n in args.policies}
+    if args.bytes_only and anchor_dtype and "suffix_replay" in policies:
+        # The same policy with anchors in the model's dtype, for comparison.
+        policies["suffix_replay_model_anchors"] = dataclasses.replace(policies["suffix_replay"], anchor_dtype=None)
+    analytic = analytic_bytes_per_token(model, policies, P)
+    dense_per_page = analytic["dense_checkpoint_every_page"]
     result = {
         "benchmark": "prefix_cache",
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (cpu)",
@@ -154,14 +205,16 @@ def main(argv=None) -> dict:
             "page_tokens": P, "checkpoint_every": args.checkpoint_every,
             "anchors_per_page": args.anchors_per_page,
             "replay_anchors": args.replay_anchors,
+            "anchor_dtype": args.anchor_dtype,
             "fla_kernels": device.type == "cuda" and backends.fla_available(),
         },
-        "analytic_bytes_per_token": {
-            "dense_checkpoint_every_page": dense_per_page,
-            **{n: linear_state_bytes_per_token(p, dense, anchor_bytes) for n, p in policies.items()},
-        },
+        "analytic_bytes_per_token": analytic,
         "rows": [],
     }
+    if args.bytes_only:
+        return _bytes_only(args, result, policies, dtype, tokenizer)
+    init_on_device_(model, args.seed)
+    model.eval()
     gen = torch.Generator().manual_seed(args.seed)
     for L in args.lengths:
         if L % (P * args.checkpoint_every):
@@ -178,7 +231,7 @@ def main(argv=None) -> dict:
             eng = Engine(model, tokenizer, EngineConfig(
                 mode="prefix", prefix_policy=name, checkpoint_every=policy.checkpoint_every,
                 anchors_per_page=policy.anchors_per_page, replay_anchors=policy.replay_anchors,
-                prefix_cache_bytes=1 << 40))
+                anchor_dtype=policy.anchor_dtype, prefix_cache_bytes=1 << 40))
             prompt = ids[:L].tolist() + [1]
             req = eng.parse_request({"suffix": prompt, "sampling_params": {"max_new_tokens": 1}})
             sync(device)
@@ -192,7 +245,8 @@ def main(argv=None) -> dict:
             hit = len(path) * P
             r = args.anchors_per_page
             variants = [policy] if name != "suffix_replay" else [
-                PrefixPolicy(name, anchors_per_page=r, replay_anchors=k) for k in args.replay_anchors
+                PrefixPolicy(name, anchors_per_page=r, replay_anchors=k, anchor_dtype=anchor_dtype)
+                for k in args.replay_anchors
             ]
             for pol in variants:
                 def state_at_hit(pol=pol, path=path, ids=ids, H=H):
@@ -201,7 +255,7 @@ def main(argv=None) -> dict:
                 restore_ms, got = timed(state_at_hit, device, args.repeats)
                 errs = [rel(got.linear[i].ssm, ref.linear[i].ssm) for i in ref.linear]
                 agree, logit_err = continuation_agreement(model, ref, got, cont)
-                key = name if name != "suffix_replay" else f"{name}_k{pol.replay_anchors}"
+                key = name if name != "suffix_replay" else f"{name}{_dtype_tag(pol)}_k{pol.replay_anchors}"
                 row["policies"][key] = {
                     "linear_bytes_per_token": bytes_per_token,
                     "vs_dense_checkpoint_per_page": bytes_per_token / dense_per_page,
@@ -221,9 +275,7 @@ def main(argv=None) -> dict:
         result["rows"].append(row)
         if args.out:  # a run cut short still leaves the lengths it finished
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    figures = {}
-    for name, b in result["analytic_bytes_per_token"].items():
-        figures[f"analytic_{name}_bytes_per_token"] = b
+    figures = _analytic_figures(result, policies)
     for row in result["rows"]:
         L = row["prompt_tokens"]
         figures[f"reprefill_ms_{row['hit_point_tokens']}"] = row["reprefill_ms"]
@@ -232,12 +284,67 @@ def main(argv=None) -> dict:
                       "state_vs_reprefill", "linear_state_rel_err_max", "next_token_agreement",
                       "recomputed_tokens"):
                 figures[f"{key}_{f}_{L}"] = r[f]
+    return _finish(args, result, figures)
+
+
+def _finish(args, result: dict, figures: dict) -> dict:
     result["figures"] = figures
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     return result
+
+
+def _dtype_tag(policy: PrefixPolicy) -> str:
+    return "_fp8" if policy.anchor_dtype else ""
+
+
+def _analytic_figures(result: dict, policies: dict[str, PrefixPolicy]) -> dict:
+    """Flat figures: each policy's analytic bytes per token and its fraction of a dense
+    checkpoint per page (also as 1 / x, the form the issue states its goal in)."""
+    analytic = result["analytic_bytes_per_token"]
+    dense = analytic["dense_checkpoint_every_page"]
+    figures = {"analytic_dense_checkpoint_every_page_bytes_per_token": dense}
+    for name, pol in policies.items():
+        key = f"analytic_{name}{_dtype_tag(pol)}"
+        figures[f"{key}_bytes_per_token"] = analytic[name]
+        figures[f"{key}_vs_dense_checkpoint_per_page"] = analytic[name] / dense
+        figures[f"{key}_dense_checkpoint_per_page_over_it"] = dense / analytic[name]
+    return figures
+
+
+def _bytes_only(args, result: dict, policies: dict[str, PrefixPolicy], dtype, tokenizer) -> dict:
+    """Analytic figures for --preset, and the same formula checked against the bytes an engine on
+    the tiny preset keeps (CPU, --dtype, prompts of one checkpoint grid per length)."""
+    result["benchmark"] = "prefix_cache_bytes"
+    figures = _analytic_figures(result, policies)
+    tiny_cfg = ModelConfig.from_dict(hf_config(args.arch, "tiny"))
+    tiny = build_model(tiny_cfg, dtype, "cpu")
+    init_on_device_(tiny, args.seed)
+    tiny.eval()
+    tiny_analytic = analytic_bytes_per_token(tiny, policies, 64)
+    check = {"preset": "tiny", "rows": []}
+    for L in args.lengths:
+        grid = 64 * args.checkpoint_every
+        if L % grid:
+            raise SystemExit(f"--lengths must be multiples of {grid} (the checkpoint grid): {L}")
+        for name, pol in policies.items():
+            tree, stat = measured_bytes_per_token(tiny, tokenizer, pol, L)
+            key = f"tiny_{name}{_dtype_tag(pol)}"
+            equal = tree == stat == tiny_analytic[name]
+            check["rows"].append({"policy": name, "anchor_dtype": pol.anchor_dtype, "prompt_tokens": L,
+                                  "analytic": tiny_analytic[name], "page_tree": tree,
+                                  "linear_state_bytes_stat": stat, "equal": equal})
+            figures[f"{key}_measured_bytes_per_token_{L}"] = stat
+            figures[f"{key}_analytic_bytes_per_token"] = tiny_analytic[name]
+            figures[f"{key}_measured_equals_analytic_{L}"] = equal
+    result["engine_check"] = check
+    result["figures"] = figures
+    if not all(r["equal"] for r in check["rows"]):
+        _finish(args, result, figures)
+        raise SystemExit("measured linear-state bytes differ from the analytic figure (see engine_check)")
+    return _finish(args, result, figures)
 
 
 @torch.no_grad()
