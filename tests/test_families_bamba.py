@@ -25,7 +25,7 @@ def test_rerotation_equals_rotation_at_absolute_positions():
     attn = RopeAttention(cfg)
     k = torch.randn(1, cfg.num_key_value_heads, 7, cfg.head_dim, generator=torch.Generator().manual_seed(0))
     local = attn.rotate(k, torch.arange(7))
-    shifted = attn.rerotate(local, 40)
+    shifted = attn.rotate(local, torch.full((7,), 40))
     assert (shifted - attn.rotate(k, torch.arange(40, 47))).abs().max().item() <= 1e-5
     assert (shifted - local).abs().max().item() > 1e-2
     # channels past the rotary dim pass through untouched

@@ -113,15 +113,12 @@ class RopeAttention(NemotronAttention):
         cos, sin = rope_cos_sin(positions, self.rotary_dim, self.theta, torch.float32)
         return apply_rope(x.float(), cos, sin).to(x.dtype)
 
-    def rerotate(self, k, shift):
-        return self.rotate(k, torch.full((k.shape[2],), shift, device=k.device))
-
     def forward_layout(self, x, layout, state, rec, layer_idx, live_pos):
         n = x.shape[1]
         q = self.rotate(self.q_proj(x).view(1, n, self.hq, self.d).transpose(1, 2), live_pos)
         k = self.rotate(self.k_proj(x).view(1, n, self.hkv, self.d).transpose(1, 2), live_pos)
         v = self.v_proj(x).view(1, n, self.hkv, self.d).transpose(1, 2)
-        out = attention_layout(q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5, self.rerotate)
+        out = attention_layout(q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5, self.rotate)
         return self.o_proj(out)
 
 

@@ -9,8 +9,8 @@ fresh q/k/v; the loop gathers cached spans' K/V (re-rotated when the family uses
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from hybridcache.kernels.ops.transition import apply_segment
+from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.sequence import (
     AttnSpan,
@@ -93,40 +93,42 @@ def linear_layout(layout, inputs: tuple, state: LinearState, rec: Recording | No
 
 
 def attention_layout(
-    q, k, v, layout, state: AttnState, rec: Recording | None, layer_idx: int, live_pos, scale, rerotate=None
+    q, k, v, layout, state: AttnState, rec: Recording | None, layer_idx: int, live_pos, scale, rotate=None
 ):
     """Causal attention of live queries over all K/V before them.
 
     q [1, Hq, n, dq], k [1, Hkv, n, dq], v [1, Hkv, n, dv] of the live tokens (k already rotated at
-    absolute positions); rerotate(k, shift) rotates a cached span's K by `shift` positions (None:
-    the family has no positions in attention). Updates `state` and returns [1, n, Hq * dv].
+    absolute positions); rotate(x, positions [N]) rotates keys by per-position angles (None: the
+    family has no positions in attention). Cached spans' K go to absolute positions in one
+    rotation per layer (live keys rotate by 0, which is exact). Updates `state`; returns
+    [1, n, Hq * dv].
     """
-    ks, vs, off = [state.k], [state.v], 0
+    ks, vs, shifts, lengths, off = [], [], [], [], 0
     for idx, piece in enumerate(layout):
         if isinstance(piece, CachedSpan):
             span = piece.data.attn[layer_idx]
-            kk = span.k.to(q.dtype)
-            if piece.shift and rerotate is not None:
-                kk = rerotate(kk, piece.shift)
-            ks.append(kk)
+            ks.append(span.k.to(q.dtype))
             vs.append(span.v.to(q.dtype))
+            shifts.append(piece.shift)
+            lengths.append(span.k.shape[2])
             continue
         m = piece.token_ids.numel()
         ks.append(k[:, :, off : off + m])
         vs.append(v[:, :, off : off + m])
+        shifts.append(0)
+        lengths.append(m)
         if rec is not None and piece.record == "entry":
             rec.entries[idx].attn[layer_idx] = AttnSpan(k=ks[-1].clone(), v=vs[-1].clone())
         off += m
-    K, V = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-    state.k, state.v = K, V
-    n, N = q.shape[2], K.shape[2]
-    mask = None
-    if not (n == 1 and int(live_pos[0]) == N - 1):
-        mask = torch.arange(N, device=q.device)[None, :] <= live_pos[:, None]  # [n, N]
-    out = F.scaled_dot_product_attention(
-        q, K, V, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != K.shape[1]
-    )  # [1, Hq, n, dv]
-    return out.transpose(1, 2).reshape(1, n, -1)
+    K_new = torch.cat(ks, dim=2)
+    if rotate is not None and any(shifts):
+        dev = K_new.device
+        per_pos = torch.repeat_interleave(torch.tensor(shifts, device=dev), torch.tensor(lengths, device=dev))
+        K_new = rotate(K_new, per_pos)
+    state.k = torch.cat([state.k, K_new], dim=2)
+    state.v = torch.cat([state.v, *vs], dim=2)
+    out = backends.attention(q, state.k, state.v, live_pos, scale)  # [1, Hq, n, dv]
+    return out.transpose(1, 2).reshape(1, q.shape[2], -1)
 
 
 def new_recording(state: SequenceState, layout, snapshot_after):

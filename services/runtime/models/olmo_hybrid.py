@@ -199,18 +199,15 @@ class OlmoAttention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.d, self.cfg.rope_theta, torch.float32)
         return apply_rope(x.float(), cos, sin).to(x.dtype)
 
-    def rerotate(self, k, shift):
-        return self.rotate(k, torch.full((k.shape[2],), shift, device=k.device))
-
     def forward_layout(self, x, layout, state, rec, layer_idx, live_pos):
         n = x.shape[1]
         q = self.q_norm(self.q_proj(x)).view(1, n, self.hq, self.d).transpose(1, 2)
         k = self.k_norm(self.k_proj(x)).view(1, n, self.hkv, self.d).transpose(1, 2)
         v = self.v_proj(x).view(1, n, self.hkv, self.d).transpose(1, 2)
-        rerotate = None
+        rotate = None
         if self.cfg.rope_theta is not None:
-            q, k, rerotate = self.rotate(q, live_pos), self.rotate(k, live_pos), self.rerotate
-        out = attention_layout(q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5, rerotate)
+            q, k, rotate = self.rotate(q, live_pos), self.rotate(k, live_pos), self.rotate
+        out = attention_layout(q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5, rotate)
         return self.o_proj(out)
 
 

@@ -13,16 +13,13 @@ import torch.nn.functional as F
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfig
+from hybridcache.services.runtime.models.common import LayoutLM, attention_layout
 from hybridcache.services.runtime.sequence import (
-    AttnSpan,
     AttnState,
     CachedSpan,
     LinearSpan,
     LinearState,
-    LiveRun,
     Recording,
-    SequenceState,
-    SpanData,
 )
 from torch import nn
 
@@ -304,6 +301,11 @@ class GatedAttention(nn.Module):
     def rope(self, positions, dtype):
         return rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, dtype)
 
+    def rotate(self, x, positions):
+        """x [1, H, N, d] rotated by per-position angles positions [N]."""
+        cos, sin = self.rope(positions, x.dtype)
+        return apply_rope(x, cos, sin)
+
     def empty_state(self, device) -> AttnState:
         dt = self.o_proj.weight.dtype
         z = torch.zeros(1, self.hkv, 0, self.d, dtype=dt, device=device)
@@ -319,38 +321,8 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(1, n, self.hkv, self.d).transpose(1, 2)
         cos, sin = self.rope(live_pos, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        ks, vs, shifts, lengths = [], [], [], []
-        off = 0
-        for idx, piece in enumerate(layout):
-            if isinstance(piece, CachedSpan):
-                span = piece.data.attn[layer_idx]
-                ks.append(span.k.to(q.dtype))
-                vs.append(span.v.to(q.dtype))
-                shifts.append(piece.shift)
-                lengths.append(span.k.shape[2])
-                continue
-            m = piece.token_ids.numel()
-            ks.append(k[:, :, off : off + m])
-            vs.append(v[:, :, off : off + m])
-            shifts.append(0)
-            lengths.append(m)
-            if rec is not None and piece.record == "entry":
-                sl = slice(off, off + m)
-                rec.entries[idx].attn[layer_idx] = AttnSpan(k=k[:, :, sl].clone(), v=v[:, :, sl].clone())
-            off += m
-        K_new = torch.cat(ks, dim=2)
-        if any(shifts):
-            # Cached K to absolute positions, all spans in one rotation (live keys rotate by 0: exact).
-            per_pos = torch.repeat_interleave(
-                torch.tensor(shifts, device=K_new.device), torch.tensor(lengths, device=K_new.device)
-            )
-            c, s = self.rope(per_pos, K_new.dtype)
-            K_new = apply_rope(K_new, c, s)
-        K = torch.cat([state.k, K_new], dim=2)
-        V = torch.cat([state.v, *vs], dim=2)
-        state.k, state.v = K, V
-        out = backends.attention(q, K, V, live_pos, self.d**-0.5)  # [1, Hq, n, d]
-        out = out.transpose(1, 2).reshape(1, n, -1) * torch.sigmoid(gate)
+        out = attention_layout(q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5, self.rotate)
+        out = out * torch.sigmoid(gate)
         return self.o_proj(out)
 
 
@@ -421,6 +393,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def empty_state(self, device):
+        mixer = self.linear_attn if self.kind == "linear_attention" else self.self_attn
+        return mixer.empty_state(device)
+
+    def forward_layout(self, x, layout, state, rec, layer_idx, positions):
+        """x [1, n_live, h] -> [1, n_live, h], residuals included."""
+        h = self.input_layernorm(x)
+        if self.kind == "linear_attention":
+            h = self.linear_attn.forward_layout(h, layout, state, rec, layer_idx)
+        else:
+            h = self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -430,106 +416,16 @@ class Backbone(nn.Module):
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class HybridLM(nn.Module):
-    """A hybrid-attention causal LM that runs layouts of live runs and cached spans."""
+class HybridLM(LayoutLM):
+    """Qwen3-Next / Qwen3.5: runs layouts of live runs and cached spans (LayoutLM.forward_layout)."""
+
+    norm_offset = 0.0  # modelzoo.random_init_: zero-centred RMSNorm, scale (1 + weight)
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        super().__init__(cfg, Backbone(cfg))
 
-    @property
-    def device(self):
-        return self.lm_head.weight.device
+    def embed(self, ids):
+        return self.model.embed_tokens(ids)
 
-    @property
-    def dtype(self):
-        return self.lm_head.weight.dtype
-
-    def empty_state(self) -> SequenceState:
-        lin, att = {}, {}
-        for i, layer in enumerate(self.model.layers):
-            if layer.kind == "linear_attention":
-                lin[i] = layer.linear_attn.empty_state(self.device)
-            else:
-                att[i] = layer.self_attn.empty_state(self.device)
-        return SequenceState(length=0, linear=lin, attn=att)
-
-    @torch.no_grad()
-    def forward_layout(
-        self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=(),
-        capture_hidden=(),
-    ):
-        """Run the live tokens of `layout` (pieces in position order, starting at state.length).
-
-        Mutates `state` to cover the layout. Returns (logits, recording): logits of the last live
-        token [vocab] ("last"), of every live token [n_live, vocab] ("all") or None ("none").
-        The recording holds a SpanData per LiveRun with record="entry", the linear layers'
-        state after each piece index in `snapshot_after`, and the residual stream entering each
-        layer index in `capture_hidden` (rec.hidden[i], [n_live, h]).
-        """
-        pos = state.length
-        live_ids, live_pos = [], []
-        rec = Recording()
-        for idx, piece in enumerate(layout):
-            if piece.start != pos:
-                raise ValueError(f"layout piece {idx} starts at {piece.start}, expected {pos}")
-            if isinstance(piece, LiveRun):
-                live_ids.append(piece.token_ids)
-                live_pos.append(torch.arange(piece.start, piece.end))
-                if piece.record == "entry":
-                    rec.entries[idx] = SpanData(piece.token_ids.numel(), piece.start, {}, {})
-            if idx in snapshot_after:
-                rec.snapshots[idx] = {}
-            pos = piece.end
-        if not live_ids:
-            raise ValueError("a layout needs at least one live token")
-        ids = torch.cat(live_ids).to(self.device)
-        positions = torch.cat(live_pos).to(self.device)
-        x = self.model.embed_tokens(ids)[None]  # [1, n_live, h]
-        for i, layer in enumerate(self.model.layers):
-            if i in capture_hidden:
-                rec.hidden[i] = x[0].clone()
-            h = layer.input_layernorm(x)
-            if layer.kind == "linear_attention":
-                h = layer.linear_attn.forward_layout(h, layout, state.linear[i], rec, i)
-            else:
-                h = layer.self_attn.forward_layout(h, layout, state.attn[i], rec, i, positions)
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        state.length = pos
-        if logits_for == "none":
-            return None, rec
-        if logits_for == "last":
-            x = x[:, -1:]
-        logits = self.lm_head(self.model.norm(x))[0].float()
-        return (logits[-1] if logits_for == "last" else logits), rec
-
-    def linear_groups(self) -> list[tuple[int, ...]]:
-        """Runs of consecutive linear-attention layer indices, in order (prefix-cache replay units)."""
-        groups, run = [], []
-        for i, layer in enumerate(self.model.layers):
-            if layer.kind == "linear_attention":
-                run.append(i)
-            elif run:
-                groups.append(tuple(run))
-                run = []
-        if run:
-            groups.append(tuple(run))
-        return groups
-
-    @torch.no_grad()
-    def replay_linear_group(self, group: tuple[int, ...], hidden: torch.Tensor, state: SequenceState) -> None:
-        """Run hidden states [n, h] entering group[0] through the linear layers of `group` (and
-        their MLPs), advancing state.linear[i] for i in group in place. Attention layers and
-        state.length are untouched: the caller restores those."""
-        x = hidden.to(self.dtype)[None]  # [1, n, h]
-        n = x.shape[1]
-        run = [LiveRun(torch.zeros(n, dtype=torch.long), 0)]
-        for i in group:
-            layer = self.model.layers[i]
-            x = x + layer.linear_attn.forward_layout(layer.input_layernorm(x), run, state.linear[i], None, i)
-            # The last layer's output feeds no state of this group.
-            if i != group[-1]:
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+    def head(self, x):
+        return self.lm_head(self.model.norm(x))
