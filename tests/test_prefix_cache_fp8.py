@@ -159,3 +159,24 @@ def test_cli_anchor_dtype_flag(tiny_dir, tmp_path, capsys):
         assert main(base + bad) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("hybridcache: error: anchor_dtype"), err
+
+
+def test_bytes_only_benchmark_matches_the_engine_and_meets_the_goal(capsys):
+    """benchmarks/prefix_cache.py --bytes-only: the 9B shape's analytic fp8 figure (built on the
+    meta device) beats the 1/250 goal, and a tiny engine keeps exactly the analytic bytes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefix_cache.py"
+    spec = importlib.util.spec_from_file_location("prefix_cache_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--preset", "qwen3.5-9b", "--dtype", "bfloat16", "--anchor-dtype", FP8,
+                         "--bytes-only", "--lengths", "256", "--policies", "suffix_replay", "exact_replay"])
+    capsys.readouterr()
+    fig = result["figures"]
+    assert 250 < fig["analytic_suffix_replay_fp8_dense_checkpoint_per_page_over_it"] < 400
+    assert fig["analytic_suffix_replay_model_anchors_dense_checkpoint_per_page_over_it"] < 250
+    rows = result["engine_check"]["rows"]
+    assert {r["policy"] for r in rows} == {"suffix_replay", "suffix_replay_model_anchors", "exact_replay"}
+    assert all(r["equal"] and r["analytic"] > 0 for r in rows), rows
