@@ -106,7 +106,8 @@ def quantize_anchors(x: torch.Tensor) -> torch.Tensor:
     (fp32) per row, so rows of any magnitude keep e4m3's relative precision."""
     x = x.float()
     scale = (x.abs().amax(dim=-1, keepdim=True) / _FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # [r, 1]
-    q = (x / scale).to(torch.float8_e4m3fn).view(torch.uint8)  # [r, h]
+    # e4m3fn has no inf: a value rounded past 448 would become NaN.
+    q = (x / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)  # [r, h]
     return torch.cat([q, scale.view(torch.uint8)], dim=-1)
 
 
