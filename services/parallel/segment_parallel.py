@@ -62,11 +62,12 @@ def entry_tensor_specs(engine: Engine, body_tokens: int):
 
 
 def _entry_tensors(data: SpanData):
+    """The tensors of an entry in send order; T and S as fp32 (the receiver's buffers are)."""
     for layer in sorted(set(data.linear) | set(data.attn)):
         if layer in data.linear:
             s = data.linear[layer]
-            yield s.T
-            yield s.S
+            yield s.T.float()
+            yield s.S.float()
             yield s.conv_tail
         else:
             a = data.attn[layer]
@@ -76,10 +77,7 @@ def _entry_tensors(data: SpanData):
 
 def send_entry(data: SpanData, dst: int) -> list:
     """Post async sends of every tensor of an entry to rank `dst`, layer by layer; returns the works."""
-    works = []
-    for t in _entry_tensors(data):
-        works.append(dist.isend(t.contiguous(), dst=dst))
-    return works
+    return [dist.isend(t.contiguous(), dst=dst) for t in _entry_tensors(data)]
 
 
 def post_receive_entry(engine: Engine, body_tokens: int, local_start: int, src: int) -> SpanData:
