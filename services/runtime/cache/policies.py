@@ -119,9 +119,11 @@ def dequantize_anchors(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return (q * scale).to(dtype)
 
 
-def _page_anchors(policy: PrefixPolicy, node: PageNode, layer: int, dtype: torch.dtype) -> torch.Tensor:
+def _page_anchors(node: PageNode, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    """A page's anchors at a group entry [r, h]; packed fp8 ones (uint8) are dequantized, whatever
+    the reading policy says, so a policy built without anchor_dtype still reads them right."""
     anchors = node.payload.anchors[layer]
-    return dequantize_anchors(anchors, dtype) if policy.anchor_dtype else anchors
+    return dequantize_anchors(anchors, dtype) if anchors.dtype == torch.uint8 else anchors
 
 
 def _copy_linear(linear: dict[int, LinearState]) -> dict[int, LinearState]:
@@ -158,7 +160,7 @@ def restore_state(model, policy: PrefixPolicy, path: list[PageNode]) -> Sequence
     pages = path[-math.ceil(k / policy.anchors_per_page) :]
     state.linear = model.empty_state().linear
     for group in model.linear_groups():
-        hidden = torch.cat([_page_anchors(policy, n, group[0], model.dtype) for n in pages])[-k:]
+        hidden = torch.cat([_page_anchors(n, group[0], model.dtype) for n in pages])[-k:]
         model.replay_linear_group(group, hidden, state)
     return state
 
