@@ -2,6 +2,7 @@
 
 import random
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hybridcache.kernels.ops.gated_delta_rule import naive_recurrent_gated_delta_rule, naive_transition
@@ -194,3 +195,32 @@ def test_batched_live_scan_equals_sequential(qwen35_dir, monkeypatch):
     for i in fast.state.linear:
         assert rel(fast.state.linear[i].ssm, slow.state.linear[i].ssm) <= 1e-5
         assert (fast.state.linear[i].conv - slow.state.linear[i].conv).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch,w", [("qwen3_next", 8), ("qwen3_5_moe", 3), ("qwen3_5_text", 0)])
+def test_batched_entry_builds_equal_single_builds(model_dirs, arch, w):
+    """Cold segments prefilled together (one padded batch) give the entries one-by-one builds give."""
+    eng = engine(model_dirs[arch], w=w)
+    rng = random.Random(11)
+    segs = [[rng.randrange(0, 256) for _ in range(n)] for n in (40, 97, w + 4, 63)]
+    for single, batched in zip([eng.build_entry(s) for s in segs], eng.build_entries(segs)):
+        assert batched.key == single.key and batched.nbytes == single.nbytes
+        a, b = single.data, batched.data
+        for i in a.linear:
+            for f in ("T", "S", "conv_tail"):
+                assert rel(getattr(b.linear[i], f), getattr(a.linear[i], f)) <= 1e-5
+        for i in a.attn:
+            for f in ("k", "v"):
+                assert rel(getattr(b.attn[i], f), getattr(a.attn[i], f)) <= 1e-5
+
+
+def test_request_builds_its_cold_segments_in_one_batch(qwen35_dir, monkeypatch):
+    eng = engine(qwen35_dir)
+    calls = []
+    real = eng.model.build_span_data
+    monkeypatch.setattr(eng.model, "build_span_data", lambda segs, w: calls.append(len(segs)) or real(segs, w))
+    req = rag_request(8, n_docs=4)
+    res = eng.generate(req)
+    assert calls == [4]
+    assert [s.source for s in res.stats.segments] == ["built"] * 4
+    assert eng.generate(req).output_ids == res.output_ids

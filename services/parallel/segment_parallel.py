@@ -144,9 +144,9 @@ def run_cold_request(engine: Engine, req: Request, workers: int, policy: str = "
     if rank != 0:
         works = []
         if rank < workers:
-            for i in order:
-                if owner[i] == rank:
-                    works += send_entry(engine.build_entry(segs[i]).data, dst=0)
+            mine = [i for i in order if owner[i] == rank]
+            for entry in engine.build_entries([segs[i] for i in mine]):
+                works += send_entry(entry.data, dst=0)
         for wk in works:
             wk.wait()
         _sync(device)
@@ -158,9 +158,9 @@ def run_cold_request(engine: Engine, req: Request, workers: int, policy: str = "
         for i in order:
             if owner[i] == src:
                 datas[i] = post_receive_entry(engine, len(segs[i]) - w, w, src)
-    for i in order:
-        if owner[i] == 0:
-            datas[i] = engine.build_entry(segs[i]).data
+    mine = [i for i in order if owner[i] == 0]
+    for i, entry in zip(mine, engine.build_entries([segs[i] for i in mine])):
+        datas[i] = entry.data
     _sync(device)
     t_built = time.perf_counter()
     layout, pos = [], 0

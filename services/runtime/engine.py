@@ -57,6 +57,7 @@ class EngineConfig:
     entry_cache_bytes: int = 1 << 30
     prefix_cache_bytes: int = 1 << 30
     max_segments: int = 512
+    entry_batch_tokens: int = 16384  # padded tokens per batched standalone prefill of cold segments
     verify_checksums: bool = False  # re-hash entries on every read (stores fed over the network do)
     # Prefix page tree (cache/policies.py): how pages keep the linear layers' state.
     prefix_policy: str = "exact_replay"  # checkpoint | suffix_replay | exact_replay
@@ -282,6 +283,34 @@ class Engine:
             build_seconds=time.perf_counter() - t0,
         )
 
+    def build_entries(self, segments: list[list[int]]) -> list[SegmentEntry]:
+        """Entries of several segments, equal to build_entry of each. Models that can prefill a
+        batch of segments (HybridLM.build_span_data) get them in batches of similar lengths of
+        at most `entry_batch_tokens` padded tokens; build time is shared out by length."""
+        build = getattr(self.model, "build_span_data", None)
+        if build is None or len(segments) < 2:
+            return [self.build_entry(s) for s in segments]
+        w = self.config.seam_window
+        out: dict[int, SegmentEntry] = {}
+        batch: list[int] = []
+
+        def flush():
+            t0 = time.perf_counter()
+            datas = build([segments[i] for i in batch], w)
+            seconds = time.perf_counter() - t0
+            total = sum(len(segments[i]) for i in batch)
+            for i, data in zip(batch, datas):
+                seg = segments[i]
+                out[i] = SegmentEntry(self.entry_key(seg), len(seg), data, seconds * len(seg) / total)
+
+        for i in sorted(range(len(segments)), key=lambda i: len(segments[i])):
+            if batch and (len(batch) + 1) * len(segments[i]) > self.config.entry_batch_tokens:
+                flush()
+                batch = []
+            batch.append(i)
+        flush()
+        return [out[i] for i in range(len(segments))]
+
     def get_or_build_entry(self, segment_ids: list[int]) -> tuple[SegmentEntry, bool]:
         key = self.entry_key(segment_ids)
         entry = self.entries.get(key)
@@ -363,16 +392,34 @@ class Engine:
                 seg_stats.append(SegmentStat(len(ids), True, "prefix"))
             part_start += len(ids)
 
+        def reused(j):  # whether part j is folded in from a segment entry
+            kind, ids = parts[j]
+            whole = not (j == first and skip)
+            return kind == "segment" and cfg.uses_entries and j < len(parts) - 1 and whole and self.cacheable(ids)
+
+        # Cold segments are prefilled on their own first, all at once, then the request runs warm.
+        cold = {}
+        for j in range(first, len(parts)):
+            if reused(j):
+                key = self.entry_key(parts[j][1])
+                if key not in cold and not self.entries.contains(key):
+                    cold[key] = parts[j][1]
+        built = dict(zip(cold, self.build_entries(list(cold.values()))))
+        for entry in built.values():
+            self.entries.put(entry)
+
         layout, boundary = [], {}
         pos = state.length
         w = cfg.seam_window
         for j in range(first, len(parts)):
             kind, ids = parts[j]
             t = torch.tensor(ids[skip if j == first else 0 :], dtype=torch.long)
-            last = j == len(parts) - 1
-            whole = not (j == first and skip)
-            if kind == "segment" and cfg.uses_entries and not last and whole and self.cacheable(ids):
-                entry, hit = self.get_or_build_entry(ids)
+            if reused(j):
+                key = self.entry_key(ids)
+                if key in built:
+                    entry, hit = built.pop(key), False
+                else:
+                    entry, hit = self.get_or_build_entry(ids)
                 if not hit:
                     stats.built_tokens += len(ids)
                 if w:

@@ -15,11 +15,13 @@ from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.models.common import LayoutLM, attention_layout
 from hybridcache.services.runtime.sequence import (
+    AttnSpan,
     AttnState,
     CachedSpan,
     LinearSpan,
     LinearState,
     Recording,
+    SpanData,
 )
 from torch import nn
 
@@ -108,19 +110,51 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
 
     def project(self, x):
-        """x [1, n, h] -> mixed_qkv [1, n, conv_dim] (pre-conv), z [1, n, Hv, dv], b, a [1, n, Hv]."""
-        n = x.shape[1]
+        """x [B, n, h] -> mixed_qkv [B, n, conv_dim] (pre-conv), z [B, n, Hv, dv], b, a [B, n, Hv]."""
+        B, n = x.shape[:2]
         if self.fused_projections:
-            qkvz = self.in_proj_qkvz(x).view(1, n, self.hk, -1)
-            ba = self.in_proj_ba(x).view(1, n, self.hk, -1)
+            qkvz = self.in_proj_qkvz(x).view(B, n, self.hk, -1)
+            ba = self.in_proj_ba(x).view(B, n, self.hk, -1)
             r = self.hv // self.hk
             q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
             b, a = torch.split(ba, [r, r], dim=-1)
-            mixed = torch.cat([q.reshape(1, n, -1), k.reshape(1, n, -1), v.reshape(1, n, -1)], dim=-1)
-            return mixed, z.reshape(1, n, self.hv, self.dv), b.reshape(1, n, self.hv), a.reshape(1, n, self.hv)
+            mixed = torch.cat([q.reshape(B, n, -1), k.reshape(B, n, -1), v.reshape(B, n, -1)], dim=-1)
+            return mixed, z.reshape(B, n, self.hv, self.dv), b.reshape(B, n, self.hv), a.reshape(B, n, self.hv)
         mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).view(1, n, self.hv, self.dv)
+        z = self.in_proj_z(x).view(B, n, self.hv, self.dv)
         return mixed, z, self.in_proj_b(x), self.in_proj_a(x)
+
+    def build_spans(self, x, lengths, seam, datas, layer_idx):
+        """Standalone prefill of B segments at once (x [B, L, h] normed, segment j real for its
+        first lengths[j] tokens): records each body's (T, S(body|0), conv tail) into datas[j] and
+        returns the layer's output [B, L, h]. Padding steps are identity steps of the recurrence."""
+        B, L = x.shape[:2]
+        mixed, z, b, a = self.project(x)
+        W1 = self.conv_width - 1
+        zero_tail = mixed.new_zeros(B, self.conv_dim, W1)
+        # one causal conv over seam and body: the same as the seam from zero, then the body from its tail
+        conv_out, _ = backends.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, zero_tail, "silu")
+        q, k, v, g, beta = self.qkv_gates(conv_out, b, a)
+        lens = torch.tensor(lengths, device=x.device)
+        pad = (torch.arange(L, device=x.device)[None, :] >= lens[:, None])[..., None]  # [B, L, 1]
+        k = k.masked_fill(pad[..., None], 0.0)
+        v = v.masked_fill(pad[..., None], 0.0)
+        g = g.masked_fill(pad, 0.0)
+        beta = beta.masked_fill(pad, 0.0)
+        outs, S_w = [], None
+        if seam:
+            sw = slice(0, seam)
+            o_seam, S_w = gated_delta_rule(q[:, sw], k[:, sw], v[:, sw], g[:, sw], beta[:, sw], None, False)
+            outs.append(o_seam)
+        sl = slice(seam, L)
+        o_body, _, (T, S0) = gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], S_w, True)
+        outs.append(o_body)
+        for j, n in enumerate(lengths):
+            tail = torch.cat([zero_tail[j : j + 1], mixed[j : j + 1, :n].transpose(1, 2)], dim=-1)[..., -W1:]
+            datas[j].linear[layer_idx] = LinearSpan(T=T[j : j + 1].clone(), S=S0[j : j + 1].clone(), conv_tail=tail)
+        o = torch.cat(outs, dim=1).to(x.dtype)  # [B, L, Hv, dv]
+        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(B, L, self.value_dim)
+        return self.out_proj(o)
 
     def empty_state(self, device) -> LinearState:
         return LinearState(
@@ -311,16 +345,32 @@ class GatedAttention(nn.Module):
         z = torch.zeros(1, self.hkv, 0, self.d, dtype=dt, device=device)
         return AttnState(k=z, v=z.clone())
 
+    def qkv(self, x, positions):
+        """x [B, n, h] -> q [B, Hq, n, d], k, v [B, Hkv, n, d] (q, k rotated at `positions`), gate [B, n, Hq*d]."""
+        B, n = x.shape[:2]
+        q, gate = torch.chunk(self.q_proj(x).view(B, n, self.hq, 2 * self.d), 2, dim=-1)
+        gate = gate.reshape(B, n, -1)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, n, self.hkv, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(B, n, self.hkv, self.d).transpose(1, 2)
+        return self.rotate(q, positions), self.rotate(k, positions), v, gate
+
+    def build_spans(self, x, lengths, seam, datas, layer_idx):
+        """Standalone prefill of B segments at once: causal attention within each segment (padding
+        sits at the end, where real queries never look), body K/V at local positions into datas[j]."""
+        B, L = x.shape[:2]
+        positions = torch.arange(L, device=x.device)
+        q, k, v, gate = self.qkv(x, positions)
+        out = backends.attention(q, k, v, positions, self.d**-0.5)  # [B, Hq, L, d]
+        for j, n in enumerate(lengths):
+            body = slice(seam, n)
+            datas[j].attn[layer_idx] = AttnSpan(k=k[j : j + 1, :, body].clone(), v=v[j : j + 1, :, body].clone())
+        out = out.transpose(1, 2).reshape(B, L, -1) * torch.sigmoid(gate)
+        return self.o_proj(out)
+
     def forward_layout(self, x, layout, state: AttnState, rec: Recording | None, layer_idx: int, live_pos):
         """x [1, n_live, h]; live_pos [n_live] absolute positions of the live tokens."""
-        n = x.shape[1]
-        q, gate = torch.chunk(self.q_proj(x).view(1, n, self.hq, 2 * self.d), 2, dim=-1)
-        gate = gate.reshape(1, n, -1)
-        q = self.q_norm(q).transpose(1, 2)  # [1, Hq, n, d]
-        k = self.k_norm(self.k_proj(x).view(1, n, self.hkv, self.d)).transpose(1, 2)
-        v = self.v_proj(x).view(1, n, self.hkv, self.d).transpose(1, 2)
-        cos, sin = self.rope(live_pos, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v, gate = self.qkv(x, live_pos)
         out = attention_layout(q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5, self.rotate)
         out = out * torch.sigmoid(gate)
         return self.o_proj(out)
@@ -426,6 +476,27 @@ class HybridLM(LayoutLM):
 
     def embed(self, ids):
         return self.model.embed_tokens(ids)
+
+    @torch.no_grad()
+    def build_span_data(self, segments: list[list[int]], seam: int) -> list[SpanData]:
+        """Standalone prefill of several segments in one batched forward (positions from 0 each);
+        returns each segment's body (tokens seam..end) as SpanData, equal to building them one by
+        one. Every segment needs more than `seam` tokens."""
+        lengths = [len(s) for s in segments]
+        if min(lengths) <= seam:
+            raise ValueError("every segment needs more tokens than the seam window")
+        L = max(lengths)
+        ids = torch.zeros(len(segments), L, dtype=torch.long)
+        for j, s in enumerate(segments):
+            ids[j, : len(s)] = torch.as_tensor(s)
+        datas = [SpanData(n - seam, seam, {}, {}) for n in lengths]
+        x = self.embed(ids.to(self.device))  # [B, L, h]
+        for i, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            mixer = layer.linear_attn if layer.kind == "linear_attention" else layer.self_attn
+            x = x + mixer.build_spans(h, lengths, seam, datas, i)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return datas
 
     def head(self, x):
         return self.lm_head(self.model.norm(x))
