@@ -96,6 +96,25 @@ _BAMBA_TINY = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
+# MiniMax: lightning attention (scalar decay per head) and RoPE softmax attention, a softmax MoE per block
+_MINIMAX_TINY = dict(
+    _TINY_BASE,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    intermediate_size=48,
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    block_size=16,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    linear_attn_alpha_factor=1.5,
+    linear_attn_beta_factor=0.75,
+    full_attn_alpha_factor=1.25,
+    full_attn_beta_factor=1.0,
+    mlp_alpha_factor=0.8,
+    mlp_beta_factor=1.2,
+)
+
 # the released Kimi-Linear-48B-A3B shape (checkpoint-style config.json; random weights for GPU benchmarks)
 _KIMI_LINEAR_48B_A3B = dict(
     vocab_size=163840,
@@ -140,4 +159,5 @@ FAMILY_PRESETS: dict[tuple[str, str], dict] = {
     ("kimi_linear", "tiny"): _KIMI_LINEAR_TINY,
     ("kimi_linear", "kimi-linear-48b-a3b"): _KIMI_LINEAR_48B_A3B,
     ("bamba", "tiny"): _BAMBA_TINY,
+    ("minimax", "tiny"): _MINIMAX_TINY,
 }

@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "nemotron_h": (f"{_PKG}.models.nemotron_h:NemotronHConfig", f"{_PKG}.models.nemotron_h:NemotronHLM"),
     "kimi_linear": (f"{_PKG}.models.kimi_linear:KimiLinearConfig", f"{_PKG}.models.kimi_linear:KimiLinearLM"),
     "bamba": (f"{_PKG}.models.bamba:BambaConfig", f"{_PKG}.models.bamba:BambaLM"),
+    "minimax": (f"{_PKG}.models.minimax:MiniMaxConfig", f"{_PKG}.models.minimax:MiniMaxLM"),
 }
 
 
