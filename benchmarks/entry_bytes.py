@@ -30,11 +30,12 @@ from hybridcache.services.runtime.models.registry import config_from_dict  # noq
 from hybridcache.services.runtime.modelzoo import hf_config, init_model_dir  # noqa: E402
 from hybridcache.services.runtime.tokenizer import Tokenizer  # noqa: E402
 
-TINY = ["qwen3_5_text", "olmo_hybrid", "nemotron_h", "bamba", "kimi_linear"]
+TINY = ["qwen3_5_text", "olmo_hybrid", "nemotron_h", "bamba", "kimi_linear", "minimax"]
 REAL = [
     ("qwen3_5_text", "qwen3.5-9b"),
     ("qwen3_5_moe_text", "qwen3.5-35b-a3b"),
     ("kimi_linear", "kimi-linear-48b-a3b"),
+    ("minimax", "minimax-text-01"),
 ]
 
 

@@ -194,6 +194,15 @@ def test_config_parsing_and_bad_configs(tmp_path):
     theirs = HFMiniMaxConfig(**{k: v for k, v in legacy.items() if k != "model_type"})
     assert list(config_from_dict(legacy).layer_types) == theirs.layer_types
     assert config_from_dict(raw).mlp_alpha_factor == theirs.mlp_alpha_factor == 0.8
+    # the remote-code checkpoint's names of the residual factors
+    remote = {k: v for k, v in raw.items() if not k.endswith("_factor")}
+    remote.update(layernorm_linear_attention_alpha=3.5, layernorm_mlp_beta=0.5, postnorm=True)
+    parsed = config_from_dict(remote)
+    assert (parsed.linear_attn_alpha_factor, parsed.mlp_beta_factor, parsed.mlp_alpha_factor) == (3.5, 0.5, 1.0)
+    with pytest.raises(ModelConfigError, match="postnorm"):
+        config_from_dict(dict(remote, postnorm=False))
+    with pytest.raises(ModelConfigError, match="partial RoPE"):
+        config_from_dict(dict(raw, rotary_dim=8))
     with pytest.raises(ModelConfigError, match="sliding_window"):
         config_from_dict(dict(raw, sliding_window=8))
     with pytest.raises(ModelConfigError, match="num_experts_per_tok"):
@@ -202,3 +211,12 @@ def test_config_parsing_and_bad_configs(tmp_path):
     (bad / "config.json").write_text(json.dumps(dict(raw, hidden_act="gelu")))
     with pytest.raises(ModelLoadError, match="hidden_act"):
         load_model(bad)
+
+
+def test_real_shape_entry_size():
+    """MiniMax-Text-01 shape: 70 lightning layers (scalar T + 128 x 128 S per head) and 10 softmax layers."""
+    cfg = config_from_dict(hf_config("minimax", "minimax-text-01"))
+    assert len(cfg.linear_layers) == 70 and cfg.attention_layers == list(range(7, 80, 8))
+    per_linear = 4 * 64 * (1 + 128 * 128)
+    per_token_attn = 2 * 2 * 8 * 128
+    assert cfg.entry_nbytes(1024, torch.bfloat16) == 70 * per_linear + 10 * per_token_attn * 1024

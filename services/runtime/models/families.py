@@ -115,6 +115,33 @@ _MINIMAX_TINY = dict(
     mlp_beta_factor=1.2,
 )
 
+# the MiniMax-Text-01 / MiniMax-M1 shape (their config.json in transformers' names; random weights, for
+# entry-size figures); the released config.json sets no eos_token_id and rotates 64 of 128 channels
+# (rotary_dim), which transformers' minimax ignores: RoPE on the whole head here (entry size unchanged)
+_MINIMAX_TEXT_01 = dict(
+    vocab_size=200064,
+    hidden_size=6144,
+    num_hidden_layers=80,
+    layer_types=["full_attention" if i % 8 == 7 else "linear_attention" for i in range(80)],
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=9216,
+    num_local_experts=32,
+    num_experts_per_tok=2,
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    block_size=256,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+    **{f"{p}_{ab}_factor": 3.5565588200778455 if ab == "alpha" else 1.0
+       for p in ("full_attn", "linear_attn", "mlp") for ab in ("alpha", "beta")},
+    max_position_embeddings=10240000,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
 # the released Kimi-Linear-48B-A3B shape (checkpoint-style config.json; random weights for GPU benchmarks)
 _KIMI_LINEAR_48B_A3B = dict(
     vocab_size=163840,
@@ -160,4 +187,5 @@ FAMILY_PRESETS: dict[tuple[str, str], dict] = {
     ("kimi_linear", "kimi-linear-48b-a3b"): _KIMI_LINEAR_48B_A3B,
     ("bamba", "tiny"): _BAMBA_TINY,
     ("minimax", "tiny"): _MINIMAX_TINY,
+    ("minimax", "minimax-text-01"): _MINIMAX_TEXT_01,
 }

@@ -14,8 +14,8 @@ tail of an entry is empty.
 The output is RMSNorm over all heads (eps 1e-6), gated by sigmoid(output_gate(x)). Blocks are
 post-norm-like: the residual is the *normalized* input, scaled by alpha, the mixer's output by
 beta (separate factors for lightning, softmax attention and the MoE). Softmax attention is GQA
-with RoPE over the whole head (transformers' default rope ignores partial_rotary_factor), so
-cached K is re-rotated on reuse.
+with RoPE over the whole head, so cached K is re-rotated on reuse; transformers' minimax ignores
+partial_rotary_factor / rotary_dim, so configs asking for partial RoPE are refused.
 """
 
 from __future__ import annotations
@@ -124,12 +124,20 @@ class MiniMaxConfig(LayerTypes):
             raise ModelConfigError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (only silu)")
         if cfg.get("sliding_window") is not None:
             raise ModelConfigError("minimax with a sliding_window is not supported")
+        if not cfg.get("postnorm", True):
+            raise ModelConfigError("minimax with postnorm false is not supported (transformers' minimax is postnorm)")
         rope = cfg.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
             raise ModelConfigError(f"unsupported rope_type {rope.get('rope_type')!r} (only 'default')")
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        rotary = cfg.get("rotary_dim") or head_dim * float(rope.get("partial_rotary_factor", 1.0))
+        if int(rotary) != head_dim:
+            # transformers' minimax rotates the whole head whatever the config says: refuse, not guess
+            raise ModelConfigError(f"partial RoPE (rotary dim {rotary} of head_dim {head_dim}) is not supported")
+        # transformers' names, else the remote-code checkpoint's (layernorm_full_attention_alpha, ...)
         factors = {
-            f"{part}_{ab}_factor": float(cfg.get(f"{part}_{ab}_factor", 1.0))
-            for part in ("full_attn", "linear_attn", "mlp")
+            f"{part}_{ab}_factor": float(cfg.get(f"{part}_{ab}_factor", cfg.get(f"layernorm_{old}_{ab}", 1.0)))
+            for part, old in (("full_attn", "full_attention"), ("linear_attn", "linear_attention"), ("mlp", "mlp"))
             for ab in ("alpha", "beta")
         }
         return cls(
@@ -140,7 +148,7 @@ class MiniMaxConfig(LayerTypes):
             layer_types=tuple(types),
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             intermediate_size=int(need(cfg, "intermediate_size")),
             num_experts=int(cfg.get("num_local_experts", cfg.get("num_experts", 8))),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
