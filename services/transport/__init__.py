@@ -9,15 +9,17 @@ from hybridcache.services.transport.base import TensorTransport, TransportError
 _REGISTRY = {
     "grpc": ("hybridcache.services.transport.grpc_stream", "GrpcStreamTransport"),
     "shm": ("hybridcache.services.transport.shm", "ShmTransport"),
+    # point-to-point in a torch.distributed group (NCCL between GPUs); takes dst=<rank>
+    "collective": ("hybridcache.services.transport.collective", "CollectiveTransport"),
 }
 TRANSPORTS = tuple(_REGISTRY)
 
 
-def get_transport(name: str) -> TensorTransport:
+def get_transport(name: str, **kwargs) -> TensorTransport:
     if name not in _REGISTRY:
         raise ValueError(f"unknown transport {name!r}; known: {', '.join(TRANSPORTS)}")
     module, cls = _REGISTRY[name]
-    return getattr(importlib.import_module(module), cls)()
+    return getattr(importlib.import_module(module), cls)(**kwargs)
 
 
 def host_of(address: str) -> str:

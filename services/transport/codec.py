@@ -14,6 +14,7 @@ from hybridcache.services.protocol import pb
 from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
 from hybridcache.services.transport.base import TensorTransport, TransportError
+from hybridcache.services.transport.collective import device_checksum, receive_tensor
 from hybridcache.services.transport.shm import read_shm
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
@@ -38,14 +39,24 @@ def _digest(raw) -> str:
 
 
 def entry_chunks(entry: SegmentEntry, index: int, transport: TensorTransport) -> Iterator[pb.EntryChunk]:
-    if not entry.checksum:
+    native = getattr(transport, "device_native", False)
+    if not entry.checksum and not native:
         entry.seal()
     tensors = list(layer_tensors(entry.data))
     yield pb.EntryChunk(segment_index=index, header=pb.EntryHeader(
         key=entry.key, segment_tokens=entry.segment_tokens, num_tokens=entry.data.num_tokens,
         local_start=entry.data.local_start, build_seconds=entry.build_seconds, nbytes=entry.nbytes,
-        checksum=entry.checksum, num_tensors=len(tensors), transport=transport.name))
+        checksum="" if native else entry.checksum, num_tensors=len(tensors), transport=transport.name))
     for layer, name, t in tensors:
+        if native:
+            # Bytes stay on the device; the checksum is computed there and again by the receiver.
+            c = t.detach().contiguous()
+            chunk = pb.TensorChunk(layer=layer, name=name, dtype=str(c.dtype).removeprefix("torch."),
+                                   shape=list(c.shape), checksum=device_checksum(c),
+                                   nbytes=c.numel() * c.element_size())
+            transport.write(chunk, c)
+            yield pb.EntryChunk(segment_index=index, tensor=chunk)
+            continue
         c = t.detach().contiguous().cpu()
         raw = memoryview(c.view(torch.uint8).reshape(-1).numpy()) if c.numel() else b""
         chunk = pb.TensorChunk(layer=layer, name=name, dtype=str(c.dtype).removeprefix("torch."),
@@ -54,9 +65,11 @@ def entry_chunks(entry: SegmentEntry, index: int, transport: TensorTransport) ->
         yield pb.EntryChunk(segment_index=index, tensor=chunk)
 
 
-def _tensor(chunk) -> torch.Tensor:
+def _tensor(chunk, device="cpu") -> torch.Tensor:
     if chunk.dtype not in _DTYPES:
         raise TransportError(f"unsupported dtype {chunk.dtype!r}")
+    if chunk.collective_src:
+        return receive_tensor(chunk, _DTYPES[chunk.dtype], device)
     raw = read_shm(chunk.shm_name, chunk.shm_offset, chunk.nbytes) if chunk.shm_name else chunk.data
     if len(raw) != chunk.nbytes or _digest(raw) != chunk.checksum:
         raise TransportError(f"layer {chunk.layer} {chunk.name}: checksum mismatch")
@@ -69,9 +82,10 @@ def _tensor(chunk) -> torch.Tensor:
 class EntryAssembler:
     """Feed EntryChunks (possibly of several entries interleaved); completed entries come out."""
 
-    def __init__(self):
+    def __init__(self, device="cpu"):
         self._open: dict[int, tuple[pb.EntryHeader, list]] = {}
         self.bytes_received = 0
+        self.device = device  # where tensors of the collective transport are received
 
     def feed(self, chunk) -> tuple[int, SegmentEntry | None, str] | None:
         """Returns (segment_index, entry, "") when an entry completes, (index, None, error) on a
@@ -87,10 +101,16 @@ class EntryAssembler:
                 return self._finish(i)
             return None
         if i not in self._open:
+            if chunk.tensor.collective_src:
+                # its bytes are on the way regardless: take them so the point-to-point order holds
+                try:
+                    _tensor(chunk.tensor, self.device)
+                except TransportError:
+                    pass
             return i, None, "tensor chunk before its entry header"
         header, parts = self._open[i]
         try:
-            parts.append((chunk.tensor.layer, chunk.tensor.name, _tensor(chunk.tensor)))
+            parts.append((chunk.tensor.layer, chunk.tensor.name, _tensor(chunk.tensor, self.device)))
         except TransportError as e:
             self._open.pop(i)
             return i, None, str(e)
@@ -114,7 +134,8 @@ class EntryAssembler:
         data = SpanData(header.num_tokens, header.local_start, linear, attn)
         entry = SegmentEntry(key=header.key, segment_tokens=header.segment_tokens, data=data,
                              build_seconds=header.build_seconds, checksum=header.checksum)
-        if not header.checksum or not entry.verify():
+        # The collective transport verified every tensor on the device; the others carry the sha256.
+        if header.transport != "collective" and (not header.checksum or not entry.verify()):
             return i, None, f"entry {header.key[:12]}: checksum mismatch"
         return i, entry, ""
 
