@@ -116,3 +116,20 @@ def test_console_script_exit_code(tmp_path):
         timeout=120,
     )
     assert r.returncode == 2 and "unknown arch 'llama'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tensor_shape_mismatch_exits_2(qwen35_dir, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "shape"
+    shutil.copytree(qwen35_dir, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    tensors[name] = tensors[name][:-1].contiguous()
+    save_file(tensors, str(bad / "model.safetensors"))
+    (tmp_path / "r.json").write_text(json.dumps({"suffix": "q"}))
+    code, _, err = run_cli(capsys, "generate", "--model", str(bad), "--request", str(tmp_path / "r.json"))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"tensor {name} has shape" in err and "config expects" in err
