@@ -60,6 +60,31 @@ def test_full_logits_equal_transformers_and_decode_continues(mm, mm_dir):
         assert (step - ours[t]).abs().max().item() <= 1e-4
 
 
+def test_directory_saved_by_transformers_loads(mm, mm_dir, tmp_path):
+    """save_pretrained writes the lightning layers' decay buffers: such a directory loads, our
+    buffers equal transformers' own, and a checkpoint without them is refused with their names."""
+    hf = AutoModelForCausalLM.from_pretrained(mm_dir, dtype=torch.float32).eval()
+    theirs = {k: v for k, v in hf.state_dict().items() if k.endswith(("decay", "slope_rate"))}
+    ours = mm.state_dict()
+    assert len(theirs) == 4 * len(mm.cfg.linear_layers)
+    assert all(torch.allclose(ours[k], v, rtol=1e-6, atol=0) for k, v in theirs.items())
+    hf.save_pretrained(tmp_path / "saved")
+    (tmp_path / "saved" / "tokenizer.json").write_bytes((mm_dir / "tokenizer.json").read_bytes())
+    again = load_model(tmp_path / "saved")
+    ids = _ids(20, seed=9)[0]
+    a, _ = again.forward_layout(again.empty_state(), [LiveRun(ids, 0)], logits_for="all")
+    b, _ = mm.forward_layout(mm.empty_state(), [LiveRun(ids, 0)], logits_for="all")
+    assert torch.equal(a, b)
+    from safetensors.torch import load_file, save_file
+
+    stripped = tmp_path / "stripped"
+    init_model_dir("minimax", "tiny", stripped, seed=0)
+    weights = load_file(str(stripped / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if not k.endswith("decay")}, str(stripped / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="missing tensor.*decay"):
+        load_model(stripped)
+
+
 def test_slopes_follow_transformers_schedule(mm):
     """Per-head rates times the per-layer factor, as transformers' buffers hold them; the kernel
     package's lightning_slopes agrees with the head part for a power-of-two head count only."""

@@ -16,6 +16,10 @@ post-norm-like: the residual is the *normalized* input, scaled by alpha, the mix
 beta (separate factors for lightning, softmax attention and the MoE). Softmax attention is GQA
 with RoPE over the whole head, so cached K is re-rotated on reuse; transformers' minimax ignores
 partial_rotary_factor / rotary_dim, so configs asking for partial RoPE are refused.
+
+Checkpoints carry transformers' per-layer decay buffers (slope_rate, query/key/diagonal_decay), as
+save_pretrained writes them; the original remote-code checkpoints (block_sparse_moe.experts.E.w1,
+fused attention qkv) are not read.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class MiniMaxConfig(LayerTypes):
     intermediate_size: int  # per expert
     num_experts: int
     num_experts_per_tok: int
+    block_size: int = 256  # transformers' lightning block; only the shapes of the decay buffers
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-5
     full_attn_alpha_factor: float = 1.0
@@ -80,6 +85,8 @@ class MiniMaxConfig(LayerTypes):
             raise ModelConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim {self.head_dim} must be even (RoPE)")
+        if self.block_size < 1:
+            raise ModelConfigError(f"block_size must be positive, got {self.block_size}")
 
     @property
     def moe_intermediate_size(self) -> int:
@@ -152,6 +159,7 @@ class MiniMaxConfig(LayerTypes):
             intermediate_size=int(need(cfg, "intermediate_size")),
             num_experts=int(cfg.get("num_local_experts", cfg.get("num_experts", 8))),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+            block_size=int(cfg.get("block_size", 256)),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e6))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             **factors,
@@ -174,6 +182,15 @@ class LightningAttention(nn.Module):
         self.output_gate = nn.Linear(cfg.hidden_size, inner, bias=False)
         self.norm = RMSNorm(inner, 1e-6)
         self.out_proj = nn.Linear(inner, cfg.hidden_size, bias=False)
+        # transformers' save_pretrained writes its block-decay buffers: held (and written) only so
+        # that such directories load and transformers reads ours; the scan recomputes the rates in fp32
+        s = cfg.slopes(layer_idx)[:, None, None]  # [H, 1, 1]
+        pos = torch.arange(cfg.block_size) + 1
+        diag = s * (pos[:, None] - pos[None, :])
+        self.register_buffer("slope_rate", s)
+        self.register_buffer("query_decay", torch.exp(-s * pos[:, None]))  # [H, B, 1]
+        self.register_buffer("key_decay", torch.exp(-s * (cfg.block_size - pos[:, None])))
+        self.register_buffer("diagonal_decay", torch.exp(torch.where(diag >= 0, -diag, float("-inf")))[None])
 
     def empty_state(self, device) -> LinearState:
         dt = self.out_proj.weight.dtype
