@@ -10,7 +10,8 @@ import torch
 from hybridcache.kernels.ops.simple_gla import lightning_slopes
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services import cli
-from hybridcache.services.runtime.cache import expected_entry_nbytes
+from hybridcache.services.runtime.cache import MemoryEntryStore, expected_entry_nbytes
+from hybridcache.services.runtime.cache.single_state import SingleStateStore
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.engine import Engine, EngineConfig
 from hybridcache.services.runtime.loader import ModelLoadError, load_model
@@ -245,3 +246,37 @@ def test_real_shape_entry_size():
     per_linear = 4 * 64 * (1 + 128 * 128)
     per_token_attn = 2 * 2 * 8 * 128
     assert cfg.entry_nbytes(1024, torch.bfloat16) == 70 * per_linear + 10 * per_token_attn * 1024
+
+
+@pytest.mark.parametrize("policy", ["checkpoint", "exact_replay"])
+def test_prefix_cache_hit_equals_full(mm, mm_dir, policy):
+    """A second turn that extends the first hits the page tree (lightning states restored from a
+    dense checkpoint or replayed exactly) and gives full's logits."""
+    g = torch.Generator().manual_seed(8)
+    first = {"segments": [torch.randint(0, 256, (150,), generator=g).tolist()], "suffix": [5, 6]}
+    second = dict(first, suffix=[5, 6, 40, 41, 42])
+    eng = _engine(mm, mm_dir, mode="prefix", prefix_policy=policy, checkpoint_every=1)
+    eng.generate(eng.parse_request(dict(first, sampling_params={"max_new_tokens": 1})))
+    hit = eng.prefill(eng.parse_request(second))
+    full = _engine(mm, mm_dir, mode="full")
+    assert hit.stats.prefix_reused_tokens >= 128
+    assert (hit.logits - full.prefill(full.parse_request(second)).logits).abs().max().item() <= 1e-4
+
+
+def test_single_state_policy(mm, mm_dir):
+    """Single state (T = 0) on a scalar-T family: same entry size, cold = warm, and a different
+    answer from exact composition once a prefix carries state."""
+    tok = Tokenizer.from_dir(mm_dir)
+    obj = _request()
+
+    def engine(single):
+        store = MemoryEntryStore(1 << 30)
+        return Engine(mm, tok, EngineConfig(mode="pic", seam_window=4), SingleStateStore(store) if single else store)
+
+    single, exact = engine(True), engine(False)
+    cold = single.prefill(single.parse_request(obj)).logits
+    warm = single.prefill(single.parse_request(obj)).logits
+    assert (cold - warm).abs().max().item() <= 1e-5
+    assert (cold - exact.prefill(exact.parse_request(obj)).logits).abs().max().item() > 1e-3
+    sizes = [e.get_or_build_entry(obj["segments"][1])[0].nbytes for e in (single, exact)]
+    assert sizes[0] == sizes[1]
