@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.common import (
+    Backbone,
     LayoutLM,
     RMSNorm,
     attention_layout,
@@ -42,9 +43,7 @@ class BambaConfig(NemotronHConfig):
         if "mlp" in self.layer_types:
             raise ModelConfigError("bamba blocks are linear_attention or full_attention")
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
-            raise ModelConfigError(
-                f"rotary dim {self.rotary_dim} must be even and within head_dim {self.head_dim}"
-            )
+            raise ModelConfigError(f"rotary dim {self.rotary_dim} must be even and within head_dim {self.head_dim}")
 
     @classmethod
     def from_dict(cls, cfg: dict) -> BambaConfig:
@@ -146,20 +145,15 @@ class BambaDecoderLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class BambaBackbone(nn.Module):
-    def __init__(self, cfg: BambaConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([BambaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-
-
 class BambaLM(LayoutLM):
     def __init__(self, cfg):
-        super().__init__(cfg, BambaBackbone(cfg))
-
-    def embed(self, ids):
-        return self.model.embed_tokens(ids)
-
-    def head(self, x):
-        return self.lm_head(self.model.final_layernorm(x))
+        super().__init__(
+            cfg,
+            Backbone(
+                cfg,
+                [BambaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)],
+                RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon),
+                embed_name="embed_tokens",
+                norm_name="final_layernorm",
+            ),
+        )

@@ -152,11 +152,28 @@ def new_recording(state: SequenceState, layout, snapshot_after):
     return rec, torch.cat(live_ids), torch.cat(live_pos), pos
 
 
+class Backbone(nn.Module):
+    """The checkpoint layout every architecture here shares: `model.<embed_name>` (token
+    embedding), `model.layers`, and a final norm named `norm_name` (norm, norm_f, final_layernorm)."""
+
+    def __init__(self, cfg, layers: list[nn.Module], norm: nn.Module, embed_name="embed_tokens", norm_name="norm"):
+        super().__init__()
+        setattr(self, embed_name, nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(layers)
+        setattr(self, norm_name, norm)
+        self.embed_name, self.norm_name = embed_name, norm_name
+
+    def embed(self, ids):
+        return getattr(self, self.embed_name)(ids)
+
+    def final_norm(self, x):
+        return getattr(self, self.norm_name)(x)
+
+
 class LayoutLM(nn.Module):
-    """Base of the non-Qwen architectures. Subclasses pass a backbone whose `layers` each have `kind`
+    """Base of every architecture. Subclasses pass a Backbone whose `layers` each have `kind`
     "linear_attention" | "full_attention" | a stateless kind such as "mlp", `empty_state(device)` and
-    `forward_layout(x, layout, state, rec, layer_idx, positions) -> x`, residuals included),
-    and implement `embed(ids)` and `head(x)` (final norm + LM head)."""
+    `forward_layout(x, layout, state, rec, layer_idx, positions) -> x`, residuals included."""
 
     norm_offset = 1.0  # modelzoo.random_init_: these models use plain RMSNorm (weight * x)
 
@@ -169,6 +186,13 @@ class LayoutLM(nn.Module):
     @property
     def layers(self):
         return self.model.layers
+
+    def embed(self, ids):
+        return self.model.embed(ids)
+
+    def head(self, x):
+        """Final norm and LM head."""
+        return self.lm_head(self.model.final_norm(x))
 
     @property
     def device(self):
@@ -188,8 +212,9 @@ class LayoutLM(nn.Module):
         return SequenceState(length=0, linear=lin, attn=att)
 
     @torch.no_grad()
-    def forward_layout(self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=(),
-                       capture_hidden=()):
+    def forward_layout(
+        self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=(), capture_hidden=()
+    ):
         """Same contract as qwen3_hybrid.HybridLM.forward_layout."""
         rec, ids, positions, end = new_recording(state, layout, snapshot_after)
         positions = positions.to(self.device)

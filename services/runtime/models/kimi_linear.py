@@ -26,6 +26,7 @@ from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
 from hybridcache.kernels.ops.kda import naive_recurrent_kda
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.common import (
+    Backbone,
     LayerTypes,
     LayoutLM,
     RMSNorm,
@@ -85,28 +86,19 @@ class KimiLinearConfig(LayerTypes):
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
-        if (
-            len(self.layer_types) != self.num_hidden_layers
-            or len(self.mlp_layer_types) != self.num_hidden_layers
-        ):
+        if len(self.layer_types) != self.num_hidden_layers or len(self.mlp_layer_types) != self.num_hidden_layers:
             raise ModelConfigError("layer_types and mlp_layer_types must have num_hidden_layers entries")
         if not set(self.layer_types) <= {"linear_attention", "full_attention"}:
-            raise ModelConfigError(
-                f"unsupported kimi_linear layer type(s) in {sorted(set(self.layer_types))}"
-            )
+            raise ModelConfigError(f"unsupported kimi_linear layer type(s) in {sorted(set(self.layer_types))}")
         if not set(self.mlp_layer_types) <= {"dense", "sparse"}:
-            raise ModelConfigError(
-                f"unsupported kimi_linear mlp layer type(s) in {sorted(set(self.mlp_layer_types))}"
-            )
+            raise ModelConfigError(f"unsupported kimi_linear mlp layer type(s) in {sorted(set(self.mlp_layer_types))}")
         if "sparse" in self.mlp_layer_types:
             if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
                 raise ModelConfigError(
                     "sparse blocks need num_experts >= num_experts_per_tok > 0 and moe_intermediate_size > 0"
                 )
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
-                raise ModelConfigError(
-                    "num_experts must be a multiple of n_group and 0 < topk_group <= n_group"
-                )
+                raise ModelConfigError("num_experts must be a multiple of n_group and 0 < topk_group <= n_group")
 
     @property
     def qk_head_dim(self) -> int:
@@ -139,9 +131,7 @@ class KimiLinearConfig(LayerTypes):
             full = {int(i) - 1 for i in lin["full_attn_layers"]}
             layer_types = ["full_attention" if i in full else "linear_attention" for i in range(n_layers)]
         if layer_types is None:
-            layer_types = [
-                "full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n_layers)
-            ]
+            layer_types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n_layers)]
         mlp_types = cfg.get("mlp_layer_types")
         if mlp_types is None:
             k_dense = int(cfg.get("first_k_dense_replace", 1))
@@ -157,9 +147,7 @@ class KimiLinearConfig(LayerTypes):
             mlp_layer_types=tuple(mlp_types),
             linear_num_heads=int(lin.get("num_heads", cfg.get("linear_num_heads", 32))),
             linear_head_dim=int(lin.get("head_dim", cfg.get("linear_head_dim", 128))),
-            linear_conv_kernel_dim=int(
-                lin.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim", 4))
-            ),
+            linear_conv_kernel_dim=int(lin.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim", 4))),
             num_attention_heads=heads,
             kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
             q_lora_rank=None if q_lora is None else int(q_lora),
@@ -176,9 +164,7 @@ class KimiLinearConfig(LayerTypes):
             norm_topk_prob=bool(_first(cfg, "moe_renormalize", "norm_topk_prob", default=True)),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.446)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=int(
-                _first(cfg, "model_max_length", "max_position_embeddings", default=1048576)
-            ),
+            max_position_embeddings=int(_first(cfg, "model_max_length", "max_position_embeddings", default=1048576)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids(cfg.get("eos_token_id")),
             pad_token_id=cfg.get("pad_token_id"),
@@ -213,9 +199,7 @@ class ForgetGate(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(1, 1, self.h, 1))
 
     def forward(self, x):
-        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(
-            *x.shape[:2], self.h, self.d
-        )
+        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(*x.shape[:2], self.h, self.d)
         return -self.A_log.float().exp() * F.softplus(g, threshold=20.0)
 
 
@@ -229,9 +213,7 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj = nn.Linear(h, self.qkv_dim, bias=False)
         self.k_proj = nn.Linear(h, self.qkv_dim, bias=False)
         self.v_proj = nn.Linear(h, self.qkv_dim, bias=False)
-        self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=False
-        )
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=False)
         self.forget_gate = ForgetGate(cfg)
         self.b_proj = nn.Linear(h, self.nh, bias=False)
         self.g_a_proj = nn.Linear(h, self.d, bias=False)
@@ -242,9 +224,7 @@ class KimiDeltaAttention(nn.Module):
     def empty_state(self, device) -> LinearState:
         return LinearState(
             ssm=torch.zeros(1, self.nh, self.d, self.d, dtype=torch.float32, device=device),
-            conv=torch.zeros(
-                1, self.conv_dim, self.conv_width - 1, dtype=self.o_proj.weight.dtype, device=device
-            ),
+            conv=torch.zeros(1, self.conv_dim, self.conv_width - 1, dtype=self.o_proj.weight.dtype, device=device),
         )
 
     def scan(self, inputs, state: LinearState, output_transition: bool):
@@ -362,9 +342,7 @@ class TopkRouter(nn.Module):
         group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)  # [n, G]
         top_groups = group_scores.topk(cfg.topk_group, dim=-1)[1]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
-        choice = choice.masked_fill(
-            ~keep.repeat_interleave(cfg.num_experts // cfg.n_group, dim=1), float("-inf")
-        )
+        choice = choice.masked_fill(~keep.repeat_interleave(cfg.num_experts // cfg.n_group, dim=1), float("-inf"))
         top_i = choice.topk(cfg.num_experts_per_tok, dim=-1)[1]
         top_w = scores.gather(1, top_i)
         if cfg.norm_topk_prob:
@@ -416,23 +394,16 @@ class KimiDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class KimiBackbone(nn.Module):
-    def __init__(self, cfg: KimiLinearConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([KimiDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class KimiLinearLM(LayoutLM):
     # transformers' kimi_linear reads experts.gate_up_proj / experts.down_proj, not per-expert tensors
     fused_expert_checkpoint = True
 
     def __init__(self, cfg):
-        super().__init__(cfg, KimiBackbone(cfg))
-
-    def embed(self, ids):
-        return self.model.embed_tokens(ids)
-
-    def head(self, x):
-        return self.lm_head(self.model.norm(x))
+        super().__init__(
+            cfg,
+            Backbone(
+                cfg,
+                [KimiDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)],
+                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            ),
+        )

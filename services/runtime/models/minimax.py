@@ -32,6 +32,7 @@ from hybridcache.kernels.ops.simple_gla import naive_lightning_attention
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.bamba import RopeAttention
 from hybridcache.services.runtime.models.common import (
+    Backbone,
     LayerTypes,
     LayoutLM,
     RMSNorm,
@@ -268,23 +269,16 @@ class MiniMaxDecoderLayer(nn.Module):
         return h * self.mlp_alpha + self.mlp(h) * self.mlp_beta
 
 
-class MiniMaxBackbone(nn.Module):
-    def __init__(self, cfg: MiniMaxConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([MiniMaxDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class MiniMaxLM(LayoutLM):
     # written as the fused 3-D expert tensors transformers' MiniMaxExperts holds
     fused_expert_checkpoint = True
 
     def __init__(self, cfg):
-        super().__init__(cfg, MiniMaxBackbone(cfg))
-
-    def embed(self, ids):
-        return self.model.embed_tokens(ids)
-
-    def head(self, x):
-        return self.lm_head(self.model.norm(x))
+        super().__init__(
+            cfg,
+            Backbone(
+                cfg,
+                [MiniMaxDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)],
+                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            ),
+        )

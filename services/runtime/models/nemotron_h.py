@@ -16,6 +16,7 @@ from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
 from hybridcache.kernels.ops.mamba2 import naive_ssd
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.common import (
+    Backbone,
     LayerTypes,
     LayoutLM,
     RMSNorm,
@@ -246,20 +247,15 @@ class NemotronBlock(nn.Module):
         return x + self.mixer(h)
 
 
-class NemotronBackbone(nn.Module):
-    def __init__(self, cfg: NemotronHConfig):
-        super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([NemotronBlock(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-
-
 class NemotronHLM(LayoutLM):
     def __init__(self, cfg):
-        super().__init__(cfg, NemotronBackbone(cfg))
-
-    def embed(self, ids):
-        return self.model.embeddings(ids)
-
-    def head(self, x):
-        return self.lm_head(self.model.norm_f(x))
+        super().__init__(
+            cfg,
+            Backbone(
+                cfg,
+                [NemotronBlock(cfg, i) for i in range(cfg.num_hidden_layers)],
+                RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon),
+                embed_name="embeddings",
+                norm_name="norm_f",
+            ),
+        )

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.common import (
+    Backbone,
     LayerTypes,
     LayoutLM,
     RMSNorm,
@@ -151,9 +152,7 @@ class OlmoGatedDeltaNet(nn.Module):
     def empty_state(self, device) -> LinearState:
         return LinearState(
             ssm=torch.zeros(1, self.hv, self.dk, self.dv, dtype=torch.float32, device=device),
-            conv=torch.zeros(
-                1, self.conv_dim, self.conv_width - 1, dtype=self.o_proj.weight.dtype, device=device
-            ),
+            conv=torch.zeros(1, self.conv_dim, self.conv_width - 1, dtype=self.o_proj.weight.dtype, device=device),
         )
 
     def scan(self, inputs, state: LinearState, output_transition: bool):
@@ -238,20 +237,13 @@ class OlmoDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
-class OlmoBackbone(nn.Module):
-    def __init__(self, cfg: OlmoHybridConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([OlmoDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class OlmoHybridLM(LayoutLM):
     def __init__(self, cfg):
-        super().__init__(cfg, OlmoBackbone(cfg))
-
-    def embed(self, ids):
-        return self.model.embed_tokens(ids)
-
-    def head(self, x):
-        return self.lm_head(self.model.norm(x))
+        super().__init__(
+            cfg,
+            Backbone(
+                cfg,
+                [OlmoDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)],
+                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            ),
+        )

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfig
-from hybridcache.services.runtime.models.common import LayoutLM, attention_layout
+from hybridcache.services.runtime.models.common import Backbone, LayoutLM, attention_layout
 from hybridcache.services.runtime.sequence import (
     AttnSpan,
     AttnState,
@@ -319,6 +319,7 @@ class GatedDeltaNet(nn.Module):
         o_pad, _ = gated_delta_rule(q, k, v, g, beta, torch.cat(entering, dim=0), False)
         return torch.cat([head, o_pad[mask].unsqueeze(0)], dim=1)
 
+
 class GatedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -458,24 +459,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class HybridLM(LayoutLM):
     """Qwen3-Next / Qwen3.5: runs layouts of live runs and cached spans (LayoutLM.forward_layout)."""
 
     norm_offset = 0.0  # modelzoo.random_init_: zero-centred RMSNorm, scale (1 + weight)
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, Backbone(cfg))
-
-    def embed(self, ids):
-        return self.model.embed_tokens(ids)
+        super().__init__(
+            cfg,
+            Backbone(
+                cfg,
+                [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)],
+                ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+            ),
+        )
 
     @torch.no_grad()
     def build_span_data(self, segments: list[list[int]], seam: int) -> list[SpanData]:
@@ -497,6 +494,3 @@ class HybridLM(LayoutLM):
             x = x + mixer.build_spans(h, lengths, seam, datas, i)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return datas
-
-    def head(self, x):
-        return self.lm_head(self.model.norm(x))
