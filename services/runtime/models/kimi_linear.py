@@ -363,12 +363,7 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         top_w, top_i = self.gate(flat)
-        out = torch.zeros_like(flat)
-        for e in torch.unique(top_i).tolist():
-            tok, slot = torch.where(top_i == e)
-            gate, up = F.linear(flat[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts.down_proj[e]) * top_w[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+        out = self.experts(flat, top_i, top_w)
         return out.view(shape) + self.shared_experts(x)
 
 

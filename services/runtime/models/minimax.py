@@ -231,12 +231,7 @@ class MiniMaxMoE(nn.Module):
         probs = torch.softmax(F.linear(flat, self.gate.weight).float(), dim=-1)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
-        out = torch.zeros_like(flat)
-        for e in torch.unique(top_i).tolist():
-            tok, slot = torch.where(top_i == e)
-            gate, up = F.linear(flat[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts.down_proj[e]) * top_w[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+        out = self.experts(flat, top_i, top_w)
         return out.view(shape)
 
 

@@ -403,6 +403,16 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.zeros(e, h, i))
 
+    def forward(self, x, top_i, top_w):
+        """x [n, h]; top_i, top_w [n, k]: sum over each token's k experts of w * expert(x)."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(top_i).tolist():
+            tok, slot = torch.where(top_i == e)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * top_w[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
 
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -422,12 +432,7 @@ class SparseMoE(nn.Module):
         if self.cfg.norm_topk_prob:
             top_w = top_w / top_w.sum(-1, keepdim=True)
         top_w = top_w.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in torch.unique(top_i).tolist():
-            tok, slot = torch.where(top_i == e)
-            gate, up = F.linear(x[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts.down_proj[e]) * top_w[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+        out = self.experts(x, top_i, top_w)
         out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
 
