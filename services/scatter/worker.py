@@ -32,6 +32,18 @@ class ScatterServicer(rpc.ScatterServicer):
         return self._tiers[address]
 
     def _build(self, segments, out: queue.Queue, ctx) -> None:
+        # All segments of the call in one batched standalone prefill (Engine.build_entries); if
+        # the batch fails, one by one, so a bad segment costs only its own entry.
+        try:
+            with tracing.tracer().start_as_current_span("scatter.build_entries", context=ctx), self._lock:
+                entries = self.engine.build_entries([list(seg.token_ids) for seg in segments])
+            for seg, entry in zip(segments, entries):
+                metrics.ENTRY_BUILD_SECONDS.observe(entry.build_seconds)
+                out.put((seg.index, entry.seal(), ""))
+            out.put(None)
+            return
+        except Exception:  # noqa: BLE001 - retried per segment below, which reports the error
+            pass
         for seg in segments:
             try:
                 with tracing.tracer().start_as_current_span("scatter.build_entry", context=ctx), self._lock:
