@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
 from hybridcache.kernels.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from hybridcache.kernels.ops.transition import apply_segment
 
 # Below this many tokens the step loop beats chunking on CPU, and fla's fused recurrent kernel
 # beats its chunked one on GPU (decode, seam windows).
@@ -62,6 +63,24 @@ def gated_delta_rule(q, k, v, g, beta, initial_state, output_transition: bool):
     return chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition
     )
+
+
+def fold_states(Ts, Ss, initial_state, use_transition):
+    """States after each of n (T, S) pairs folded in order from initial_state [1, H, K, V]:
+    S_i = T_i S_{i-1} + S_i (S_{i-1} + S_i where use_transition[i] is False, the naive ablation).
+    Ts [1, H, K, K] (or vector / scalar T), Ss [1, H, K, V]. Returns a sequence of n [1, H, K, V].
+    On CUDA, matrix T: one Triton launch (compose_states_fwd with every intermediate state)."""
+    matrix = all(T.dim() == 4 and T.shape[-1] == T.shape[-2] for T in Ts)
+    if use_fast_kernels(initial_state) and matrix and all(use_transition):
+        from hybridcache.kernels.ops.transition.compose_triton import compose_states_fwd
+
+        _, states = compose_states_fwd(torch.cat(Ts), torch.cat(Ss), initial_state[0], output_all=True)
+        return states[:, None]  # [n, 1, H, K, V]
+    out, S = [], initial_state
+    for T, S_i, use_t in zip(Ts, Ss, use_transition):
+        S = apply_segment(T, S_i, S, use_t)
+        out.append(S)
+    return out
 
 
 def causal_conv1d(x, weight, bias, initial_state, activation):

@@ -66,3 +66,15 @@ def test_compose_qwen35_shape_gpu():
     T, S = make_segments(8, 24 * 32, 128, 128, torch.bfloat16)
     h0 = torch.randn(24 * 32, 128, 128, device="cuda")
     assert rel_rms(compose_states_fwd(T, S, h0), reference(T, S, h0)) < 1e-4
+
+
+@pytest.mark.parametrize("with_init", [False, True])
+def test_compose_outputs_every_intermediate_state(with_init):
+    """output_all: the state after each segment, as the live-token scan needs them."""
+    T, S = make_segments(4, 3, 20, 12, torch.float32)
+    h0 = torch.randn(3, 20, 12, device=device()) if with_init else None
+    final, states = compose_states_fwd(T, S, h0, output_all=True)
+    assert states.shape == (4, 3, 20, 12) and states.dtype == torch.float32
+    for i in range(4):
+        assert rel_rms(states[i], reference(T[: i + 1], S[: i + 1], h0)) < 1e-5
+    assert torch.equal(states[-1], final)

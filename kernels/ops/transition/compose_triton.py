@@ -17,13 +17,19 @@ import triton
 import triton.language as tl
 
 
-@triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
+@triton.heuristics(
+    {
+        "USE_INITIAL_STATE": lambda args: args["h0"] is not None,
+        "STORE_ALL": lambda args: args["hs"] is not None,
+    }
+)
 @triton.jit
 def compose_states_fwd_kernel(
     T,
     S,
     h0,
     ht,
+    hs,
     N,
     G: tl.constexpr,
     K: tl.constexpr,
@@ -32,6 +38,7 @@ def compose_states_fwd_kernel(
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
+    STORE_ALL: tl.constexpr,
 ):
     i_g, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_k = tl.arange(0, BK)
@@ -53,6 +60,9 @@ def compose_states_fwd_kernel(
         b_t = tl.load(p_t, mask=m_kk, other=0.0).to(tl.float32)  # [BK, BK]
         b_s = tl.load(p_s, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
         b_h = tl.dot(b_t, b_h, b_s, input_precision=DOT_PRECISION)
+        if STORE_ALL:
+            # the state after segment i_n (the live-token scan reads the states entering each run)
+            tl.store(hs + i_n * G * K * V + p_h, b_h, mask=m_kv)
     tl.store(ht + p_h, b_h, mask=m_kv)
 
 
@@ -62,7 +72,8 @@ def compose_states_fwd(
     initial_state: torch.Tensor | None = None,
     block_v: int | None = None,
     dot_precision: str | None = None,
-) -> torch.Tensor:
+    output_all: bool = False,
+):
     """Fold n segments into a running state: S_end = T_n(...(T_1 S_start + S_1)...) + S_n.
 
     Args:
@@ -73,8 +84,10 @@ def compose_states_fwd(
         dot_precision: Triton tl.dot input precision; default "tf32x3" on GPU (fp32-level
             accuracy at tensor-core speed), "ieee" under the interpreter.
 
+        output_all: also return the state after every segment, [N, G, K, V] fp32.
+
     Returns:
-        [G, K, V] fp32.
+        [G, K, V] fp32 (and the [N, G, K, V] states with output_all).
     """
     if T.dim() != 4 or S.dim() != 4:
         raise ValueError(f"T must be [N, G, K, K] and S [N, G, K, V], got {tuple(T.shape)}, {tuple(S.shape)}")
@@ -93,12 +106,14 @@ def compose_states_fwd(
         BV = min(64, BV)
     precision = dot_precision or ("tf32x3" if on_gpu else "ieee")
     ht = torch.empty(G, K, V, dtype=torch.float32, device=S.device)
+    hs = torch.empty(N, G, K, V, dtype=torch.float32, device=S.device) if output_all else None
     grid = (G, triton.cdiv(V, BV))
     compose_states_fwd_kernel[grid](
         T=T,
         S=S,
         h0=initial_state,
         ht=ht,
+        hs=hs,
         N=N,
         G=G,
         K=K,
@@ -108,4 +123,4 @@ def compose_states_fwd(
         DOT_PRECISION=precision,
         num_warps=8 if on_gpu and BK >= 128 else 4,
     )
-    return ht
+    return (ht, hs) if output_all else ht

@@ -289,26 +289,42 @@ class GatedDeltaNet(nn.Module):
             _, o0, n = runs[j]
             return torch.cat([conv_src[j], mixed[:, o0 : o0 + n].transpose(1, 2)], dim=-1)[..., -W1:]
 
-        S = state.ssm
-        entering = []
+        # The pieces' (T, S) pairs in order, folded in one pass (one launch on CUDA).
+        Ts, Ss, use_t, pair_of = [], [], [], {}
         j = 0
         for idx in range(first_span, len(layout)):
             piece = layout[idx]
+            pair_of[idx] = len(Ts)
             if isinstance(piece, CachedSpan):
                 span = piece.data.linear[layer_idx]
-                S = apply_segment(span.T, span.S, S, piece.use_transition)
+                Ts.append(span.T)
+                Ss.append(span.S)
+                use_t.append(piece.use_transition)
+            else:
+                Ts.append(T_runs[j : j + 1])
+                Ss.append(S0_runs[j : j + 1])
+                use_t.append(True)
+                j += 1
+        states = backends.fold_states(Ts, Ss, state.ssm, use_t)
+        entering = []
+        j = 0
+        for idx in range(first_span, len(layout)):
+            piece, p = layout[idx], pair_of[idx]
+            after = states[p]
+            if isinstance(piece, CachedSpan):
                 if rec is not None and idx in rec.snapshots:
-                    rec.snapshots[idx][layer_idx] = LinearState(S.clone(), span.conv_tail.to(dt).clone())
+                    tail = piece.data.linear[layer_idx].conv_tail.to(dt).clone()
+                    rec.snapshots[idx][layer_idx] = LinearState(after.clone(), tail)
                 continue
-            entering.append(S)
-            S = apply_segment(T_runs[j : j + 1], S0_runs[j : j + 1], S)
+            entering.append(states[p - 1] if p else state.ssm)
             if rec is not None and piece.record == "entry":
                 rec.entries[idx].linear[layer_idx] = LinearSpan(
                     T=T_runs[j : j + 1].clone(), S=S0_runs[j : j + 1].clone(), conv_tail=tail_after(j)
                 )
             if rec is not None and idx in rec.snapshots:
-                rec.snapshots[idx][layer_idx] = LinearState(S.clone(), tail_after(j))
+                rec.snapshots[idx][layer_idx] = LinearState(after.clone(), tail_after(j))
             j += 1
+        S = states[len(Ts) - 1]
         last = layout[-1]
         state.ssm = S
         if isinstance(last, CachedSpan):
