@@ -176,7 +176,9 @@ def test_batched_live_scan_equals_sequential(qwen35_dir, monkeypatch):
     """All seams of a linear layer run as one batch (zero-start pairs, fold, rerun from the
     entering states); the result equals running the pieces one by one."""
     req = rag_request(5, n_docs=6, lo=40, hi=120)
-    req = dict(req, sampling_params={"max_new_tokens": 1})
+    # a segment too short to cache runs live between two reused ones: two live runs in a row
+    segments = req["segments"][:3] + [[7, 8, 9, 10, 11]] + req["segments"][3:]
+    req = dict(req, segments=segments, sampling_params={"max_new_tokens": 1})
     results = []
     for batched in (True, False):
         if not batched:

@@ -109,6 +109,8 @@ class Recording:
     entering the layers asked for (prefix-cache anchors)."""
 
     entries: dict[int, SpanData] = field(default_factory=dict)
+    # per-forward values every layer would otherwise rebuild (e.g. the batched scan's gather indices)
+    scratch: dict = field(default_factory=dict)
     snapshots: dict[int, dict[int, LinearState]] = field(default_factory=dict)
     # layer index -> the residual stream entering that layer for every live token [n_live, h]
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -249,7 +249,8 @@ class GatedDeltaNet(nn.Module):
         W1 = self.conv_width - 1
         dev, dt = mixed.device, mixed.dtype
         # Each run's conv input state is the tail left by the piece before it: a span's stored
-        # tail, or (rarely) the last inputs of the live run before it.
+        # tail, or (rarely, two live runs in a row) the last inputs of the run before it, which
+        # is only computed when needed.
         runs, conv_src, off = [], [], lead
         prev = state.conv
         for idx in range(first_span, len(layout)):
@@ -259,20 +260,38 @@ class GatedDeltaNet(nn.Module):
                 continue
             n = piece.token_ids.numel()
             runs.append((idx, off, n))
-            conv_src.append(prev.to(dt))
-            prev = torch.cat([prev.to(dt), mixed[:, off : off + n].transpose(1, 2)], dim=-1)[..., -W1:]
+            conv_src.append(prev)
+            prev = len(runs) - 1  # the tail after that run
             off += n
         m, L = len(runs), max(n for _, _, n in runs)
         total = mixed.shape[1]
-        index = []
-        for _, o0, n in runs:
-            index += list(range(o0, o0 + n)) + [total] * (L - n)
-        index = torch.tensor(index, device=dev).view(m, L)
-        mask = index < total  # [m, L]
+        # Gather indices depend on the layout only: built once per forward, shared by all layers.
+        key = ("batched_scan", first_span)
+        if rec is not None and key in rec.scratch:
+            index, mask, flat = rec.scratch[key]
+        else:
+            rows, flat = [], []
+            for j, (_, o0, n) in enumerate(runs):
+                rows += list(range(o0, o0 + n)) + [total] * (L - n)
+                flat += range(j * L, j * L + n)
+            index = torch.tensor(rows, device=dev).view(m, L)
+            mask = index < total  # [m, L]
+            flat = torch.tensor(flat, device=dev)  # real positions of the padded batch, in run order
+            if rec is not None:
+                rec.scratch[key] = (index, mask, flat)
+
+        def source(j):
+            src = conv_src[j]
+            return tail_after(src) if isinstance(src, int) else src.to(dt)
+
+        def tail_after(j):
+            _, o0, n = runs[j]
+            return torch.cat([source(j), mixed[:, o0 : o0 + n].transpose(1, 2)], dim=-1)[..., -W1:]
 
         def padded(t):  # [1, n_live, X] -> [m, L, X], zeros past each run
             return torch.cat([t[0], t.new_zeros(1, t.shape[-1])])[index]
 
+        conv_src = [source(j) for j in range(m)]
         conv_in = torch.cat(conv_src, dim=0)  # [m, D, W - 1]
         conv_out, _ = backends.causal_conv1d(padded(mixed), self.conv1d.weight.squeeze(1), None, conv_in, "silu")
         q, k, v, g, beta = self.qkv_gates(conv_out, padded(b), padded(a))
@@ -284,10 +303,6 @@ class GatedDeltaNet(nn.Module):
         # 1. zero-start pairs
         _, _, (T_runs, S0_runs) = gated_delta_rule(q, k, v, g, beta, None, True)
         # 2. states entering each run
-
-        def tail_after(j):
-            _, o0, n = runs[j]
-            return torch.cat([conv_src[j], mixed[:, o0 : o0 + n].transpose(1, 2)], dim=-1)[..., -W1:]
 
         # The pieces' (T, S) pairs in order, folded in one pass (one launch on CUDA).
         Ts, Ss, use_t, pair_of = [], [], [], {}
@@ -333,7 +348,8 @@ class GatedDeltaNet(nn.Module):
             state.conv = tail_after(m - 1)
         # 3. outputs from the entering states
         o_pad, _ = gated_delta_rule(q, k, v, g, beta, torch.cat(entering, dim=0), False)
-        return torch.cat([head, o_pad[mask].unsqueeze(0)], dim=1)
+        o_runs = o_pad.reshape(m * L, *o_pad.shape[2:])[flat]  # gather, no host sync
+        return torch.cat([head, o_runs.unsqueeze(0)], dim=1)
 
 
 class GatedAttention(nn.Module):
