@@ -2,11 +2,12 @@
 
 Rank 0 is the combine worker and a scatter worker; ranks 1..m-1 are scatter workers. Cold
 segments are assigned by LPT (or round robin, for comparison) over the workers' queues; each
-worker prefills its segments into entries and sends every entry tensor by tensor, layer by layer,
-to rank 0 (NCCL point-to-point between GPUs of one host, gloo between CPU processes). Rank 0 posts
-all receives up front into buffers whose shapes it knows from the config and the segment lengths,
-and folds entries in as they arrive: the forward waits for a layer's tensors only when it reaches
-that layer (`ArrivingLayers`), so assembly overlaps the tail of the transfers.
+worker prefills its segments into entries (one batch) and sends every entry tensor by tensor,
+layer by layer, to rank 0 (NCCL point-to-point between GPUs of one host, gloo between CPU
+processes). Rank 0 builds its own share, then posts the receives into buffers whose shapes it
+knows from the config and the segment lengths, and folds entries in as they arrive: the forward
+waits for a layer's tensors only when it reaches that layer (`ArrivingLayers`), so assembly
+overlaps the tail of the transfers.
 """
 
 from __future__ import annotations
@@ -152,15 +153,17 @@ def run_cold_request(engine: Engine, req: Request, workers: int, policy: str = "
         _sync(device)
         dist.barrier()
         return None
-    # rank 0: post every receive first (in each sender's order), then build its own segments
+    # rank 0: build its own share first (one batch), then post the receives in each sender's
+    # order: NCCL receive kernels left pending on the GPU while it computes slow its builds
+    # (measured at cbdb179, when receives were posted first).
     datas: dict[int, SpanData] = {}
+    mine = [i for i in order if owner[i] == 0]
+    for i, entry in zip(mine, engine.build_entries([segs[i] for i in mine])):
+        datas[i] = entry.data
     for src in range(1, workers):
         for i in order:
             if owner[i] == src:
                 datas[i] = post_receive_entry(engine, len(segs[i]) - w, w, src)
-    mine = [i for i in order if owner[i] == 0]
-    for i, entry in zip(mine, engine.build_entries([segs[i] for i in mine])):
-        datas[i] = entry.data
     _sync(device)
     t_built = time.perf_counter()
     layout, pos = [], 0
