@@ -64,15 +64,19 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * xf).to(x.dtype)
 
 
-def linear_layout(layout, inputs: tuple, state: LinearState, rec: Recording | None, layer_idx: int, scan):
-    """Run one linear layer over a layout.
+def linear_layout(
+    layout, inputs: tuple, state: LinearState, rec: Recording | None, layer_idx: int, scan, lo=0, hi=None, off=0
+):
+    """Run one linear layer over pieces lo..hi-1 of a layout (all of it by default).
 
-    inputs: per-token tensors [1, n_live, ...] of the live tokens; scan(inputs_of_run, state,
-    output_transition) -> (o [1, n, ...], S_final, (T, S0) or None, conv tail) for one live run.
-    Updates `state` in place and returns the live outputs concatenated along dim 1.
+    inputs: per-token tensors [1, n_live, ...] of the live tokens, `off` the live offset of piece
+    lo; scan(inputs_of_run, state, output_transition) -> (o [1, n, ...], S_final, (T, S0) or None,
+    conv tail) for one live run. Updates `state` in place and returns the live outputs
+    concatenated along dim 1 (None when the pieces hold no live run).
     """
-    outs, off = [], 0
-    for idx, piece in enumerate(layout):
+    outs = []
+    for idx in range(lo, len(layout) if hi is None else hi):
+        piece = layout[idx]
         if isinstance(piece, CachedSpan):
             span = piece.data.linear[layer_idx]
             state.ssm = apply_segment(span.T, span.S, state.ssm, piece.use_transition)
@@ -89,7 +93,7 @@ def linear_layout(layout, inputs: tuple, state: LinearState, rec: Recording | No
             outs.append(o)
         if rec is not None and idx in rec.snapshots:
             rec.snapshots[idx][layer_idx] = LinearState(state.ssm.clone(), state.conv.clone())
-    return torch.cat(outs, dim=1)
+    return torch.cat(outs, dim=1) if outs else None
 
 
 def attention_layout(

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfig
-from hybridcache.services.runtime.models.common import Backbone, LayoutLM, attention_layout
+from hybridcache.services.runtime.models.common import Backbone, LayoutLM, attention_layout, linear_layout
 from hybridcache.services.runtime.sequence import (
     AttnSpan,
     AttnState,
@@ -188,35 +187,15 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o)
 
     def sequential_scan(self, mixed, b, a, layout, state, rec, layer_idx, lo, hi, off):
-        """Pieces lo..hi-1 one after another; `off` is the live offset of piece lo. Returns outputs."""
-        outs = []
-        for idx in range(lo, hi):
-            piece = layout[idx]
-            if isinstance(piece, CachedSpan):
-                self.fold_span(piece, state, rec, idx, layer_idx)
-                continue
-            n = piece.token_ids.numel()
-            sl = slice(off, off + n)
-            off += n
-            res, tail = self.scan(mixed[:, sl], b[:, sl], a[:, sl], state, piece.record == "entry")
-            o, S = res[0], res[1]
-            state.ssm, state.conv = S, tail
-            if rec is not None and piece.record == "entry":
-                Tr, S0 = res[2]
-                rec.entries[idx].linear[layer_idx] = LinearSpan(T=Tr, S=S0, conv_tail=tail.clone())
-            if rec is not None and idx in rec.snapshots:
-                rec.snapshots[idx][layer_idx] = LinearState(S.clone(), tail.clone())
-            outs.append(o)
-        if not outs:
-            return mixed.new_zeros(1, 0, self.hv, self.dv)
-        return torch.cat(outs, dim=1)
+        """Pieces lo..hi-1 one after another (common.linear_layout); `off` is the live offset of
+        piece lo. Returns the outputs [1, n, Hv, dv]."""
 
-    def fold_span(self, piece: CachedSpan, state: LinearState, rec, idx, layer_idx):
-        span = piece.data.linear[layer_idx]
-        state.ssm = apply_segment(span.T, span.S, state.ssm, piece.use_transition)
-        state.conv = span.conv_tail.to(state.conv.dtype)
-        if rec is not None and idx in rec.snapshots:
-            rec.snapshots[idx][layer_idx] = LinearState(state.ssm.clone(), state.conv.clone())
+        def scan(inputs, state, want_t):
+            res, tail = self.scan(*inputs, state, want_t)
+            return res[0], res[1], res[2] if want_t else None, tail
+
+        o = linear_layout(layout, (mixed, b, a), state, rec, layer_idx, scan, lo, hi, off)
+        return mixed.new_zeros(1, 0, self.hv, self.dv) if o is None else o
 
     def qkv_gates(self, conv_out, b, a):
         """conv outputs [B, n, conv_dim], b, a [B, n, Hv] -> q, k [B, n, Hv, dk] (fp32, L2-normed),
