@@ -114,8 +114,25 @@ def encode_prompt(tok: Tokenizer, examples) -> tuple[list[int], list[int]]:
     return ids, is_answer
 
 
+def curriculum_docs(frac: float, ramp: float, min_docs: int, max_docs: int) -> tuple[int, int]:
+    """Documents per training prompt at training progress `frac` (0..1): from 2-3 documents (the
+    fewest a 2-hop question needs) up to [min_docs, max_docs] linearly over the first `ramp` of
+    training, then the full range. Retrieval is learnt much sooner on short prompts (more, cheaper
+    steps with the same answer signal)."""
+    if ramp <= 0 or frac >= ramp:
+        return min_docs, max_docs
+    t = frac / ramp
+    lo = min(2 + round(t * (min_docs - 2)), min_docs)
+    hi = min(3 + round(t * (max_docs - 3)), max_docs)
+    return lo, max(hi, lo)
+
+
 class PromptStream(torch.utils.data.IterableDataset):
-    def __init__(self, tok_json: str, seed: int, min_docs: int, max_docs: int, questions: int):
+    """Endless training prompts; each DataLoader worker draws from its own seeded generator. The
+    number of documents follows `curriculum_docs` at the progress the training loop publishes in
+    the shared `progress` value (workers are forked and read it at every prompt)."""
+
+    def __init__(self, tok_json: str, seed: int, min_docs: int, max_docs: int, questions: int, ramp: float = 0.0):
         self.tok_json, self.seed, self.min_docs, self.max_docs, self.questions = (
             tok_json,
             seed,
@@ -123,6 +140,8 @@ class PromptStream(torch.utils.data.IterableDataset):
             max_docs,
             questions,
         )
+        self.ramp = ramp
+        self.progress = torch.multiprocessing.Value("d", 0.0)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -130,6 +149,7 @@ class PromptStream(torch.utils.data.IterableDataset):
         tok = Tokenizer.from_str(self.tok_json)
         gen = QAGenerator("train", self.seed * 1000 + wid, self.min_docs, self.max_docs)
         while True:
+            gen.min_docs, gen.max_docs = curriculum_docs(self.progress.value, self.ramp, self.min_docs, self.max_docs)
             yield encode_prompt(tok, gen.prompt(self.questions))
 
 
@@ -249,6 +269,12 @@ def main(argv=None) -> int:
     p.add_argument("--min-docs", type=int, default=8)
     p.add_argument("--max-docs", type=int, default=16)
     p.add_argument("--questions", type=int, default=4, help="questions per training prompt")
+    p.add_argument(
+        "--curriculum",
+        type=float,
+        default=0.3,
+        help="fraction of training over which documents per prompt ramp from 1-2 to --min/--max-docs (0 = off)",
+    )
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--save-every", type=float, default=60.0, help="seconds between checkpoints")
     p.add_argument("--fla", action="store_true", help="let transformers use fla's kernels (default: hidden)")
@@ -275,7 +301,7 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
     )
-    stream = PromptStream(tok.to_str(), args.seed, args.min_docs, args.max_docs, args.questions)
+    stream = PromptStream(tok.to_str(), args.seed, args.min_docs, args.max_docs, args.questions, args.curriculum)
     loader = torch.utils.data.DataLoader(
         stream,
         batch_size=args.batch,
@@ -320,6 +346,7 @@ def main(argv=None) -> int:
         if step >= args.steps or (args.time_budget > 0 and time.time() - start >= args.time_budget):
             break
         frac = progress()
+        stream.progress.value = frac
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
