@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -375,7 +376,9 @@ def main(argv=None):
     if numerics:
         figures["pic_vs_full_top1_agreement"] = statistics.mean(x["top1_agree"] for x in numerics)
         figures["pic_vs_full_state_rel_err_max"] = float(f"{max(x['state_rel_err_max'] for x in numerics):.3g}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     result = {
         "gpu": torch.cuda.get_device_name(),
         "commit": commit or "unknown",
