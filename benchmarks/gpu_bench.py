@@ -352,13 +352,35 @@ def main(argv=None):
     cfg, model, peer, load_report = build_models(args.preset, not args.no_peer)
     figures, numerics, errors = {}, [], {}
 
+    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+
+    def result():
+        return {
+            "gpu": torch.cuda.get_device_name(),
+            "commit": commit or "unknown",
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python benchmarks/gpu_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "preset": args.preset,
+            "torch": torch.__version__,
+            "peer_state_dict_load": load_report,
+            "numerics": numerics,
+            "errors": errors,
+            "figures": figures,
+        }
+
     def section(name, fn, *a):
-        # one failing section must not cost the others' figures (device time is scarce)
+        # one failing section must not cost the others' figures (device time is scarce), and the
+        # figures so far are written after every section (a run cut off at its limit keeps them)
         try:
             fn(*a)
         except Exception as e:  # noqa: BLE001
             errors[name] = f"{type(e).__name__}: {e}"[:500]
             torch.cuda.empty_cache()
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps({**result(), "partial": True}, indent=2) + "\n")
 
     lengths = [(1024, "1k")] if args.quick else [(8192, "8k"), (32768, "32k")]
     for n, tag in lengths:
@@ -376,22 +398,7 @@ def main(argv=None):
     if numerics:
         figures["pic_vs_full_top1_agreement"] = statistics.mean(x["top1_agree"] for x in numerics)
         figures["pic_vs_full_state_rel_err_max"] = float(f"{max(x['state_rel_err_max'] for x in numerics):.3g}")
-    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    result = {
-        "gpu": torch.cuda.get_device_name(),
-        "commit": commit or "unknown",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/gpu_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "preset": args.preset,
-        "torch": torch.__version__,
-        "peer_state_dict_load": load_report,
-        "numerics": numerics,
-        "errors": errors,
-        "figures": figures,
-    }
-    text = json.dumps(result, indent=2)
+    text = json.dumps(result(), indent=2)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
