@@ -10,12 +10,16 @@ Kernel modules are imported lazily, so importing the runtime never imports Trito
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 import torch
 import torch.nn.functional as F
 from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
 from hybridcache.kernels.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from hybridcache.kernels.ops.kda import naive_recurrent_kda
+from hybridcache.kernels.ops.mamba2 import naive_ssd
+from hybridcache.kernels.ops.simple_gla import naive_lightning_attention
 from hybridcache.kernels.ops.transition import apply_segment
 
 # Below this many tokens the step loop beats chunking on CPU, and fla's fused recurrent kernel
@@ -63,6 +67,51 @@ def gated_delta_rule(q, k, v, g, beta, initial_state, output_transition: bool):
     return chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition
     )
+
+
+@functools.cache
+def fla_has(module: str) -> bool:
+    """Whether fla's op package (e.g. "fla.ops.kda") imports here."""
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
+
+
+def kda(q, k, v, g, beta, initial_state, output_transition: bool):
+    """Kimi delta attention; naive_recurrent_kda's arguments and contract. CUDA: fla's chunk_kda
+    (fused_recurrent_kda for short runs), T from the same call (kernels/ops/kda/fla_entry.py)."""
+    if use_fast_kernels(v) and fla_has("fla.ops.kda"):
+        from hybridcache.kernels.ops.kda.fla_entry import kda_fla
+
+        return kda_fla(q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition)
+    return naive_recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition)
+
+
+def lightning_attention(q, k, v, slopes, scale, initial_state, output_transition: bool):
+    """Lightning attention (fixed decay exp(-slopes[h]) per head); naive_lightning_attention's
+    contract. CUDA: fla's simple GLA with g_gamma = -slopes, scalar T = exp(-n slopes)."""
+    if use_fast_kernels(v) and fla_has("fla.ops.simple_gla"):
+        from hybridcache.kernels.ops.simple_gla.fla_entry import simple_gla_fla
+
+        g_gamma = -slopes.float().to(v.device)
+        return simple_gla_fla(
+            q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state, output_transition=output_transition
+        )
+    return naive_lightning_attention(
+        q, k, v, slopes, scale=scale, initial_state=initial_state, output_transition=output_transition
+    )
+
+
+def ssd(x, dt, A, B, C, D, initial_state, output_transition: bool):
+    """Mamba2 SSD scan; naive_ssd's contract. CUDA: fla's simple GLA kernels (q = C, k = dt B,
+    v = x, g = dt A, scale 1; D outside), scalar T = exp(A sum dt)."""
+    if use_fast_kernels(x) and fla_has("fla.ops.simple_gla"):
+        from hybridcache.kernels.ops.mamba2.fla_entry import ssd_fla
+
+        return ssd_fla(x, dt, A, B, C, D=D, initial_state=initial_state, output_transition=output_transition)
+    return naive_ssd(x, dt, A, B, C, D=D, initial_state=initial_state, output_transition=output_transition)
 
 
 def fold_states(Ts, Ss, initial_state, use_transition):

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
-from hybridcache.kernels.ops.kda import naive_recurrent_kda
+from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.common import (
     Backbone,
@@ -230,17 +229,9 @@ class KimiDeltaAttention(nn.Module):
     def scan(self, inputs, state: LinearState, output_transition: bool):
         mixed, g, beta = inputs
         n = mixed.shape[1]
-        conv_out, tail = naive_causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, "silu")
+        conv_out, tail = backends.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, "silu")
         q, k, v = (t.reshape(1, n, self.nh, self.d) for t in torch.split(conv_out, self.qkv_dim, dim=-1))
-        res = naive_recurrent_kda(
-            l2norm(q.float()),
-            l2norm(k.float()),
-            v,
-            g,
-            beta,
-            initial_state=state.ssm,
-            output_transition=output_transition,
-        )
+        res = backends.kda(l2norm(q.float()), l2norm(k.float()), v, g, beta, state.ssm, output_transition)
         return res[0], res[1], (res[2] if output_transition else None), tail
 
     def forward_layout(self, x, layout, state, rec, layer_idx):

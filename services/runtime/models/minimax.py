@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from hybridcache.kernels.ops.simple_gla import naive_lightning_attention
+from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.bamba import RopeAttention
 from hybridcache.services.runtime.models.common import (
@@ -204,9 +204,7 @@ class LightningAttention(nn.Module):
         (qkv,) = inputs
         q, k, v = qkv.view(1, qkv.shape[1], self.nh, 3 * self.d).split(self.d, dim=-1)  # [1, n, H, d] each
         slopes = self.cfg.slopes(self.layer_idx, qkv.device)
-        res = naive_lightning_attention(
-            q, k, v, slopes, scale=1.0, initial_state=state.ssm, output_transition=output_transition
-        )
+        res = backends.lightning_attention(q, k, v, slopes, 1.0, state.ssm, output_transition)
         return res[0], res[1], (res[2] if output_transition else None), state.conv
 
     def forward_layout(self, x, layout, state, rec, layer_idx):

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
-from hybridcache.kernels.ops.mamba2 import naive_ssd
+from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.common import (
     Backbone,
@@ -172,18 +171,18 @@ class Mamba2Mixer(nn.Module):
         xbc, dt = inputs
         n = xbc.shape[1]
         bias = self.conv1d.bias
-        conv_out, tail = naive_causal_conv1d(xbc, self.conv1d.weight.squeeze(1), bias, state.conv, "silu")
+        conv_out, tail = backends.causal_conv1d(xbc, self.conv1d.weight.squeeze(1), bias, state.conv, "silu")
         x, B, C = torch.split(conv_out, [self.inner, self.g * self.n, self.g * self.n], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp_min(self.cfg.time_step_min)
-        res = naive_ssd(
+        res = backends.ssd(
             x.reshape(1, n, self.h, self.p),
             dt,
             -self.A_log.float().exp(),
             B.reshape(1, n, self.g, self.n),
             C.reshape(1, n, self.g, self.n),
-            D=self.D,
-            initial_state=state.ssm,
-            output_transition=output_transition,
+            self.D,
+            state.ssm,
+            output_transition,
         )
         return res[0], res[1], (res[2] if output_transition else None), tail
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
+from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.common import (
     Backbone,
@@ -158,7 +158,7 @@ class OlmoGatedDeltaNet(nn.Module):
     def scan(self, inputs, state: LinearState, output_transition: bool):
         mixed, b, a = inputs
         n = mixed.shape[1]
-        conv_out, tail = naive_causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, "silu")
+        conv_out, tail = backends.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, "silu")
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(1, n, self.hk, self.dk), k.reshape(1, n, self.hk, self.dk)
         if self.hv != self.hk:
