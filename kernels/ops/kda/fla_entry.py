@@ -10,6 +10,8 @@ exact arithmetic; both are fp32 states of the same kernel). Imports fla lazily.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Below this many tokens fla's fused recurrent kernel beats its chunked one (decode, seam windows).
@@ -23,27 +25,26 @@ def kda_fla(q, k, v, g, beta, scale=None, initial_state=None, output_transition:
     and with output_transition (T [B, H, K, K] fp32, S(run|0) [B, H, K, V] fp32)."""
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
-    Bsz, n, H, K = k.shape
-    V = v.shape[-1]
+    n = k.shape[1]
     q, k, beta = (x.to(v.dtype).contiguous() for x in (q, k, beta))
     g = g.float().contiguous()
     state = initial_state.float().contiguous() if initial_state is not None else None
     if not output_transition:
         fn = fused_recurrent_kda if n < SHORT_RUN else chunk_kda
         return fn(q, k, v.contiguous(), g, beta, scale=scale, initial_state=state, output_final_state=True)
+    run = functools.partial(chunk_kda, output_final_state=True)
+    return transition_by_value_columns(run, q, k, v, g, beta, scale, state)
+
+
+def transition_by_value_columns(run, q, k, v, g, beta, scale, initial_state):
+    """One call of run(q, k, v, g, beta, scale=, initial_state=) -> (o, final_state) with K extra
+    value columns started from I (module docstring). Returns (o, S_final, (T, S(run|0)))."""
+    Bsz, n, H, K = k.shape
+    V = v.shape[-1]
     eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(Bsz, H, K, K)
-    h0 = state if state is not None else v.new_zeros(Bsz, H, K, V, dtype=torch.float32)
+    h0 = initial_state if initial_state is not None else torch.zeros(Bsz, H, K, V, device=v.device)
     v_ext = torch.cat([v, v.new_zeros(Bsz, n, H, K)], dim=-1).contiguous()
-    o, final = chunk_kda(
-        q,
-        k,
-        v_ext,
-        g,
-        beta,
-        scale=scale,
-        initial_state=torch.cat([h0, eye], dim=-1).contiguous(),
-        output_final_state=True,
-    )
+    o, final = run(q, k, v_ext, g, beta, scale=scale, initial_state=torch.cat([h0, eye], dim=-1).contiguous())
     S_final, Tr = final[..., :V], final[..., V:]
-    S0 = S_final if state is None else S_final - Tr @ state
-    return o[..., :V], S_final, (Tr.contiguous(), S0.contiguous())
+    S0 = S_final if initial_state is None else S_final - Tr @ initial_state
+    return o[..., :V], S_final.contiguous(), (Tr.contiguous(), S0.contiguous())
