@@ -31,7 +31,9 @@ IDS = [f"B{b}-T{t}-H{h}-K{k}-V{v}" for b, t, h, k, v in SHAPES]
 
 def _need_fla(module):
     pytest.importorskip(module, reason=f"{module} (fla-core) is not installed")
-    backends.fla_has.cache_clear()  # a CPU-side probe earlier in the session may have cached False
+    # a probe made earlier in the session, while tests/conftest.py hid fla, may have cached False
+    backends.fla_has.cache_clear()
+    backends.fla_available.cache_clear()
     assert backends.fla_has(module)
 
 
