@@ -125,3 +125,21 @@ def test_eval_cli_writes_json(tmp_path):
     for r in data.values():
         assert r["n"] == 2 and 0.0 <= r["accuracy"] <= 1.0
     assert "pic_w4" in res.stdout and set(RUNS) >= set(data)
+
+
+def test_prefix_policy_runs_restore_the_shared_documents(tmp_path):
+    """The prefix-policy runs hit the page tree inside the shared documents: exact_replay answers
+    exactly as `full` (same greedy text for every question) while reusing most of the prompt, and
+    checkpoint hits only at its coarser boundaries (reuses no more than exact_replay)."""
+    from hybridcache.services.runtime.modelzoo import init_model_dir
+
+    model = init_model_dir("qwen3_5_text", "tiny", tmp_path / "m", seed=0)
+    runs = ["full", "prefix_exact", "prefix_ckpt", "prefix_sr_k16"]
+    scores = evaluate(model, limit=2, seed=0, runs=runs, min_docs=3, max_docs=3, progress=False)
+    res = results_json(scores)
+    full, exact = scores["full"], scores["prefix_exact"]
+    assert exact.correct == full.correct and exact.wrong == full.wrong, format_table(scores)
+    assert res["prefix_exact"]["reused_token_fraction"] > 0.5
+    assert res["prefix_sr_k16"]["reused_token_fraction"] == res["prefix_exact"]["reused_token_fraction"]
+    assert 0.0 < res["prefix_ckpt"]["reused_token_fraction"] <= res["prefix_exact"]["reused_token_fraction"]
+    assert res["full"]["reused_token_fraction"] == 0.0

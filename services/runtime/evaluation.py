@@ -10,7 +10,19 @@ For every question, each run gets its own engine (own caches) over one loaded mo
 
 Runs that cache first see a warm-up request: the same documents in another order after another
 instruction. The question is then asked with the documents in a third order after the example's own
-instruction, so every segment entry is reused at a new position after a new prefix. Greedy
+instruction, so every segment entry is reused at a new position after a new prefix.
+
+Prefix-policy runs (not in the default set; `--runs` names them) measure how the page tree's
+linear-state policies (cache/policies.py) restore a shared prefix: the warm-up asks another
+question over the same instruction and documents in the same order, so the second request hits
+the tree at the last page boundary (or checkpoint) inside the shared documents, the policy restores
+the linear state there, and only the rest is prefilled:
+
+    prefix_exact     exact_replay (anchors + checkpoint every 4 pages): exact
+    prefix_ckpt      checkpoint every 4 pages: exact, hits only at checkpoints
+    prefix_sr_k16    suffix_replay, r = 4 anchors per page, replay k = 16: approximate
+    prefix_sr_k64    the same with k = 64
+    prefix_sr_fp8    suffix_replay k = 64 with fp8 (e4m3) anchors Greedy
 decoding up to the end of the line; an answer is right when it equals the gold span (case and
 surrounding space ignored).
 """
@@ -21,7 +33,7 @@ import argparse
 import json
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hybridcache.services.runtime.qa_data import INSTRUCTIONS, QAExample, QAGenerator, normalize_answer
@@ -36,6 +48,28 @@ RUNS: dict[str, tuple[str, int]] = {
     "pic_w16": ("pic", 16),
     "naive": ("naive", 8),
 }
+# prefix-policy run name -> EngineConfig prefix settings (mode "prefix"; warm-up = the same prompt)
+PREFIX_POLICY_RUNS: dict[str, dict] = {
+    "prefix_exact": dict(prefix_policy="exact_replay", checkpoint_every=4),
+    "prefix_ckpt": dict(prefix_policy="checkpoint", checkpoint_every=4),
+    "prefix_sr_k16": dict(prefix_policy="suffix_replay", anchors_per_page=4, replay_anchors=16),
+    "prefix_sr_k64": dict(prefix_policy="suffix_replay", anchors_per_page=4, replay_anchors=64),
+    "prefix_sr_fp8": dict(
+        prefix_policy="suffix_replay", anchors_per_page=4, replay_anchors=64, anchor_dtype="float8_e4m3fn"
+    ),
+}
+ALL_RUNS = (*RUNS, *PREFIX_POLICY_RUNS)
+WARM_QUESTION = "Which of these documents is the longest?"  # shares the prompt up to "Question: "
+
+
+def run_config(name: str):
+    """The EngineConfig of a run name (RUNS or PREFIX_POLICY_RUNS)."""
+    from hybridcache.services.runtime.engine import EngineConfig
+
+    if name in PREFIX_POLICY_RUNS:
+        return EngineConfig(mode="prefix", **PREFIX_POLICY_RUNS[name])
+    mode, w = RUNS[name]
+    return EngineConfig(mode=mode, seam_window=w)
 DEFAULT_SEED = 0  # the fixed test set; another seed draws a fresh set from the test split
 
 
@@ -93,20 +127,18 @@ def evaluate(
     progress: bool = True,
 ) -> dict[str, RunScore]:
     import torch
-    from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from hybridcache.services.runtime.engine import Engine
     from hybridcache.services.runtime.loader import load_model
     from hybridcache.services.runtime.tokenizer import Tokenizer
     from tqdm import tqdm
 
     runs = list(RUNS) if runs is None else runs
-    unknown = [r for r in runs if r not in RUNS]
+    unknown = [r for r in runs if r not in ALL_RUNS]
     if unknown:
-        raise ValueError(f"unknown run(s) {', '.join(unknown)}; known: {', '.join(RUNS)}")
+        raise ValueError(f"unknown run(s) {', '.join(unknown)}; known: {', '.join(ALL_RUNS)}")
     model = load_model(model_dir, device, dtype or torch.float32)
     tokenizer = Tokenizer.from_dir(model_dir)
-    engines = {
-        r: Engine(model, tokenizer, EngineConfig(mode=RUNS[r][0], seam_window=RUNS[r][1])) for r in runs
-    }
+    engines = {r: Engine(model, tokenizer, run_config(r)) for r in runs}
     examples = eval_examples(limit, seed, hops, min_docs, max_docs)
     scores = {r: RunScore() for r in runs}
 
@@ -117,7 +149,9 @@ def evaluate(
         warm, ask, warm_system = _orders(ex, random.Random(f"{seed}:{i}"))
         for r in runs:
             engine = engines[r]
-            if engine.config.uses_prefix_cache:
+            if r in PREFIX_POLICY_RUNS:
+                engine.generate(replace(ex, question=WARM_QUESTION).request(max_new_tokens=1, order=ask))
+            elif engine.config.uses_prefix_cache:
                 engine.generate(ex.request(max_new_tokens=1, system=warm_system, order=warm))
             res = engine.generate(ex.request(order=ask))
             sc = scores[r]
@@ -140,13 +174,13 @@ def results_json(scores: dict[str, RunScore]) -> dict:
 
 def format_table(scores: dict[str, RunScore]) -> str:
     full = scores.get("full")
-    lines = [f"{'run':<10}{'mode':<8}{'w':>4}{'accuracy':>10}{'n':>6}{'vs full':>9}{'reused':>8}"]
+    lines = [f"{'run':<14}{'mode':<8}{'w':>4}{'accuracy':>10}{'n':>6}{'vs full':>9}{'reused':>8}"]
     for r, s in scores.items():
-        mode, w = RUNS[r]
+        mode, w = RUNS[r] if r in RUNS else ("prefix", "-")
         delta = f"{100 * (s.accuracy - full.accuracy):+.1f}" if full is not None and r != "full" else ""
         reused = s.to_dict()["reused_token_fraction"]
         lines.append(
-            f"{r:<10}{mode:<8}{w:>4}{100 * s.accuracy:>9.1f}%{s.n:>6}{delta:>9}{100 * reused:>7.0f}%"
+            f"{r:<14}{mode:<8}{w:>4}{100 * s.accuracy:>9.1f}%{s.n:>6}{delta:>9}{100 * reused:>7.0f}%"
         )
     return "\n".join(lines)
 
@@ -163,10 +197,10 @@ def _positive(text: str) -> int:
 
 def _run_list(text: str) -> list[str]:
     runs = [r.strip() for r in text.split(",") if r.strip()]
-    bad = [r for r in runs if r not in RUNS]
+    bad = [r for r in runs if r not in ALL_RUNS]
     if bad or not runs:
         raise argparse.ArgumentTypeError(
-            f"unknown run(s) {', '.join(bad) or text!r}; known: {', '.join(RUNS)}"
+            f"unknown run(s) {', '.join(bad) or text!r}; known: {', '.join(ALL_RUNS)}"
         )
     return runs
 
@@ -183,7 +217,12 @@ def add_eval_flags(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--hops", type=int, choices=[1, 2], help="only 1-hop or only 2-hop questions (default both)"
     )
-    sp.add_argument("--runs", type=_run_list, default=list(RUNS), help=f"comma list of {','.join(RUNS)}")
+    sp.add_argument(
+        "--runs",
+        type=_run_list,
+        default=list(RUNS),
+        help=f"comma list of {','.join(ALL_RUNS)} (default: {','.join(RUNS)})",
+    )
     sp.add_argument("--min-docs", type=_positive, default=8)
     sp.add_argument("--max-docs", type=_positive, default=16)
     sp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
