@@ -127,12 +127,35 @@ def curriculum_docs(frac: float, ramp: float, min_docs: int, max_docs: int) -> t
     return lo, max(hi, lo)
 
 
+def curriculum_filler(frac: float, ramp: tuple[float, float]) -> float:
+    """Share of document filler kept at training progress `frac`: 0 before ramp[0], rising linearly
+    to 1 at ramp[1]. Without filler a prompt of 8-16 documents is ~1k tokens of facts about many
+    entities of each kind, so binding a question to its entity is all that lowers the answer loss
+    (choosing any value of the right kind, a shortcut that plateaus, no longer pays) and steps are
+    cheap; the filler then comes back so the model meets the evaluated document lengths."""
+    lo, hi = ramp
+    if frac >= hi:
+        return 1.0
+    if frac <= lo:
+        return 0.0
+    return (frac - lo) / (hi - lo)
+
+
 class PromptStream(torch.utils.data.IterableDataset):
     """Endless training prompts; each DataLoader worker draws from its own seeded generator. The
     number of documents follows `curriculum_docs` at the progress the training loop publishes in
     the shared `progress` value (workers are forked and read it at every prompt)."""
 
-    def __init__(self, tok_json: str, seed: int, min_docs: int, max_docs: int, questions: int, ramp: float = 0.0):
+    def __init__(
+        self,
+        tok_json: str,
+        seed: int,
+        min_docs: int,
+        max_docs: int,
+        questions: int,
+        ramp: float = 0.0,
+        filler_ramp: tuple[float, float] = (0.0, 0.0),
+    ):
         self.tok_json, self.seed, self.min_docs, self.max_docs, self.questions = (
             tok_json,
             seed,
@@ -141,6 +164,7 @@ class PromptStream(torch.utils.data.IterableDataset):
             questions,
         )
         self.ramp = ramp
+        self.filler_ramp = filler_ramp
         self.progress = torch.multiprocessing.Value("d", 0.0)
 
     def __iter__(self):
@@ -149,7 +173,9 @@ class PromptStream(torch.utils.data.IterableDataset):
         tok = Tokenizer.from_str(self.tok_json)
         gen = QAGenerator("train", self.seed * 1000 + wid, self.min_docs, self.max_docs)
         while True:
-            gen.min_docs, gen.max_docs = curriculum_docs(self.progress.value, self.ramp, self.min_docs, self.max_docs)
+            frac = self.progress.value
+            gen.min_docs, gen.max_docs = curriculum_docs(frac, self.ramp, self.min_docs, self.max_docs)
+            gen.filler = curriculum_filler(frac, self.filler_ramp)
             yield encode_prompt(tok, gen.prompt(self.questions))
 
 
@@ -275,11 +301,24 @@ def main(argv=None) -> int:
         default=0.3,
         help="fraction of training over which documents per prompt ramp from 1-2 to --min/--max-docs (0 = off)",
     )
+    p.add_argument(
+        "--filler-ramp",
+        type=float,
+        nargs=2,
+        default=(0.0, 0.0),
+        metavar=("START", "END"),
+        help="fractions of training: documents without filler before START, full filler from END",
+    )
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--save-every", type=float, default=60.0, help="seconds between checkpoints")
     p.add_argument("--fla", action="store_true", help="let transformers use fla's kernels (default: hidden)")
     p.add_argument("--export", default="", help="also write a 2-shard copy here at every checkpoint")
     p.add_argument("--val", type=int, default=64, help="validation questions per hop kind at each checkpoint")
+    p.add_argument(
+        "--init-from",
+        default="",
+        help="start from this model directory's weights and tokenizer (a model this script wrote)",
+    )
     p.add_argument("--install-from", default="", help="only merge this export_sharded copy into --out")
     args = p.parse_args(argv)
     if args.install_from:
@@ -294,14 +333,33 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "train_log.jsonl", "w")
     t0 = time.time()
-    tok = train_tokenizer(seed=args.seed)
-    model = build_model(args.seed).to(device)
+    if args.init_from:
+        from safetensors.torch import load_file
+
+        init = Path(args.init_from)
+        tok = Tokenizer.from_file(str(init / "tokenizer.json"))
+        model = build_model(args.seed)
+        model.load_state_dict(load_file(str(init / "model.safetensors")))
+        model = model.to(device)
+    else:
+        tok = train_tokenizer(seed=args.seed)
+        model = build_model(args.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"params": n_params, "device": str(device), "gdn_kernel": kernels}), flush=True)
     opt = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
     )
-    stream = PromptStream(tok.to_str(), args.seed, args.min_docs, args.max_docs, args.questions, args.curriculum)
+    if not 0.0 <= args.filler_ramp[0] <= args.filler_ramp[1] <= 1.0:
+        p.error("--filler-ramp needs 0 <= START <= END <= 1")
+    stream = PromptStream(
+        tok.to_str(),
+        args.seed,
+        args.min_docs,
+        args.max_docs,
+        args.questions,
+        args.curriculum,
+        tuple(args.filler_ramp),
+    )
     loader = torch.utils.data.DataLoader(
         stream,
         batch_size=args.batch,

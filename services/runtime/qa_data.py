@@ -170,6 +170,9 @@ class QAGenerator:
         self.split = split
         self.min_docs = min_docs
         self.max_docs = max_docs
+        # Share of each document's filler kept (1 = the task as evaluated; training curricula lower
+        # it). The RNG draws the same numbers whatever the value, so only the filler changes.
+        self.filler = 1.0
         self.rng = random.Random(f"{split}:{seed}")
 
     # ------------------------------------------------------------------ entities
@@ -233,6 +236,8 @@ class QAGenerator:
         target = r.randint(_MIN_DOC_CHARS, _MAX_DOC_CHARS)
         pool = [s.format(s=short) for s in r.sample(filler, len(filler))]
         lines, size = [], sum(len(f) + 1 for f in facts) + len(title) + 12
+        if self.filler < 1.0:
+            target = size + max(0.0, self.filler) * (target - size)
         while pool and size < target:
             lines.append(pool.pop())
             size += len(lines[-1]) + 1
