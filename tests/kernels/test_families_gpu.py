@@ -160,6 +160,12 @@ FAMILIES = {
     "minimax": "fla.ops.simple_gla",
     "olmo_hybrid": "fla.ops.gated_delta_rule",
 }
+# Bound on |logits(CUDA) - logits(CPU)|, fp32. fla's chunked gated delta rule runs the dots of its
+# triangular solve in TF32 on GPUs that have it, whatever TRITON_F32_DEFAULT says
+# (fla/ops/gated_delta_rule/chunk_fwd.py: SOLVE_TRIL_DOT_PRECISION = 'tf32'): on one H200 at 7f8d4cb
+# olmo_hybrid's first 64 tokens agreed to 1e-6 and later chunks to 9.1e-3 (logits up to 1.8).
+# A wrong mapping (gate sign, scale, state layout) gives errors of order 0.1-1.
+LOGITS_ATOL = {"olmo_hybrid": 2e-2}
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
@@ -180,7 +186,7 @@ def test_tiny_model_cuda_fp32_matches_cpu_and_pic_is_consistent(arch, tmp_path, 
         ref, _ = cpu.forward_layout(cpu.empty_state(), [LiveRun(ids, 0)], logits_for="all")
         got, _ = gpu.forward_layout(gpu.empty_state(), [LiveRun(ids, 0)], logits_for="all")
     assert ref.abs().max().item() > 1e-2
-    assert (got.float().cpu() - ref).abs().max().item() <= 1e-3
+    assert (got.float().cpu() - ref).abs().max().item() <= LOGITS_ATOL.get(arch, 1e-3)
 
     # pic on CUDA: segments of 70 tokens (chunked path for the entries), cold == warm (up to rounding)
     gen = torch.Generator().manual_seed(5)
