@@ -11,6 +11,7 @@ random bf16 weights made on each GPU from the same seed. Figures:
   single-server queue (the simulation is stated in the output).
 
     python benchmarks/segment_parallel.py [--gpus 2] [--quick] [--out FILE]
+    python benchmarks/segment_parallel.py --preset tiny --quick --segment-tokens 256 --no-qps --gpus 2   # CPU smoke
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import queue as queue_mod
 import random
 import socket
 import statistics
@@ -73,6 +75,23 @@ def pareto_lengths(seed, n, total, lo=128, hi=8192, alpha=1.1):
     raw = [rng.paretovariate(alpha) for _ in range(n)]
     scale = total / sum(raw)
     return [max(lo, min(hi, int(r * scale))) for r in raw]
+
+
+def token_balance_bound(lengths, workers):
+    """Round robin's token makespan over LPT's for one draw: what LPT can gain if build time were
+    proportional to tokens (the measured ratio is compared with it)."""
+    from hybridcache.services.router.assign import lpt_assign, makespan, round_robin_assign
+
+    queued = [0.0] * workers
+    return makespan(lengths, queued, round_robin_assign(lengths, queued)) / makespan(
+        lengths, queued, lpt_assign(lengths, queued)
+    )
+
+
+def token_balance_bounds(n, total, lo, hi, workers, draws=200):
+    """Mean and median of token_balance_bound over `draws` seeded Pareto draws."""
+    vals = sorted(token_balance_bound(pareto_lengths(s, n, total, lo, hi), workers) for s in range(draws))
+    return {"mean": statistics.mean(vals), "median": statistics.median(vals), "draws": draws}
 
 
 def cold_runs(engine, req, workers, policy, repeats):
@@ -271,7 +290,13 @@ def worker(rank, world, port, args, queue):
             figures["cold_first_token_equal_across_worker_counts"] = float(
                 len({c["first_token"] for c in cold.values()}) == 1)
             lpt_gain = pol["round_robin"]["ttft_ms"] / pol["lpt"]["ttft_ms"]
-            figures["lpt_vs_round_robin_speedup" + ("" if world == 2 else f"_{world}_workers")] = lpt_gain
+            sfx = "" if world == 2 else f"_{world}_workers"
+            figures["lpt_vs_round_robin_speedup" + sfx] = lpt_gain
+            # the same ratio in tokens for this draw, and its mean over draws of the distribution
+            figures["lpt_vs_round_robin_token_bound" + sfx] = token_balance_bound(lens, world)
+            detail["skewed"]["token_bound_over_draws"] = token_balance_bounds(
+                n_seg, n_seg * seg, min(128, seg), 8 * seg, world
+            )
             figures["nccl_transfer_GBps"] = gbps
             from hybridcache.services.runtime.cache import expected_entry_nbytes
 
@@ -297,7 +322,19 @@ def run_ranks(args):
     procs = [ctx.Process(target=worker, args=(r, args.gpus, port, args, q)) for r in range(args.gpus)]
     for p in procs:
         p.start()
-    res = q.get(timeout=1800)
+    deadline = time.monotonic() + 1800
+    while True:
+        try:
+            res = q.get(timeout=5)
+            break
+        except queue_mod.Empty:
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                # a rank that died leaves the others blocked in a collective: stop them all
+                for p in procs:
+                    p.terminate()
+                why = f"rank(s) {failed} exited with an error" if failed else "no result within 30 min"
+                raise RuntimeError(f"segment_parallel: {why}; see the traceback above") from None
     for p in procs:
         p.join()
     return res
