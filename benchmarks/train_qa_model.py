@@ -212,6 +212,19 @@ def gdn_kernel(use_fla: bool) -> str:
     return "fla" if importlib.util.find_spec("fla") is not None else "torch"
 
 
+def set_gdn_chunk(chunk_size: int) -> None:
+    """Chunk length of transformers' pure-torch chunked gated delta rule (its default is 64). The
+    inter-chunk scan is a Python loop of small launches, so longer chunks mean fewer launches per
+    layer (the result is the same up to fp32 rounding; tests/test_train_script.py checks outputs
+    and gradients). Applies to the fallback only, not to fla's kernels."""
+    import functools
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    base = getattr(mq.torch_chunk_gated_delta_rule, "func", mq.torch_chunk_gated_delta_rule)
+    mq.torch_chunk_gated_delta_rule = functools.partial(base, chunk_size=chunk_size)
+
+
 def save_model(model, tok: Tokenizer, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
@@ -309,6 +322,13 @@ def main(argv=None) -> int:
         metavar=("START", "END"),
         help="fractions of training: documents without filler before START, full filler from END",
     )
+    p.add_argument(
+        "--gdn-chunk",
+        type=int,
+        default=256,
+        help="chunk length of the pure-torch gated delta rule (transformers' default 64; 256 was 1.2x faster "
+        "forward+backward on CPU)",
+    )
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--save-every", type=float, default=60.0, help="seconds between checkpoints")
     p.add_argument("--fla", action="store_true", help="let transformers use fla's kernels (default: hidden)")
@@ -329,6 +349,8 @@ def main(argv=None) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernels = gdn_kernel(args.fla)
+    if kernels == "torch":
+        set_gdn_chunk(args.gdn_chunk)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "train_log.jsonl", "w")

@@ -1,0 +1,73 @@
+"""benchmarks/train_qa_model.py: the curricula and the chunk length of the pure-torch scan."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "train_qa_model.py"
+
+
+@pytest.fixture(scope="module")
+def train():
+    sys.modules.setdefault("fla", None)  # keep transformers on its pure-torch path
+    spec = importlib.util.spec_from_file_location("train_qa_model", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_document_curriculum_ramps_to_the_evaluated_range(train):
+    assert train.curriculum_docs(0.0, 0.3, 8, 16) == (2, 3)
+    mid = train.curriculum_docs(0.15, 0.3, 8, 16)
+    assert 2 < mid[0] < 8 and 3 < mid[1] < 16 and mid[0] <= mid[1]
+    assert train.curriculum_docs(0.3, 0.3, 8, 16) == (8, 16)
+    assert train.curriculum_docs(0.9, 0.3, 8, 16) == (8, 16)
+    assert train.curriculum_docs(0.0, 0.0, 8, 16) == (8, 16)  # off
+
+
+def test_filler_curriculum(train):
+    assert train.curriculum_filler(0.1, (0.2, 0.6)) == 0.0
+    assert train.curriculum_filler(0.4, (0.2, 0.6)) == pytest.approx(0.5)
+    assert train.curriculum_filler(0.6, (0.2, 0.6)) == 1.0
+    assert train.curriculum_filler(0.0, (0.0, 0.0)) == 1.0  # off
+
+
+def test_filler_share_changes_documents_not_questions():
+    from hybridcache.services.runtime.qa_data import QAGenerator
+
+    full, bare = QAGenerator("train", 3), QAGenerator("train", 3)
+    bare.filler = 0.0
+    for _ in range(5):
+        a, b = full.example(), bare.example()
+        assert (a.question, a.answer, a.gold) == (b.question, b.answer, b.gold)
+        assert sum(map(len, b.documents)) < sum(map(len, a.documents))
+        for doc in b.documents:  # every fact sentence of a filler-free document is in the full one
+            title = doc.split("\n")[0]
+            match = next(d for d in a.documents if d.startswith(title + "\n"))
+            assert all(s.strip(". \n") in match for s in doc.split("\n")[1].split(". ") if s.strip())
+
+
+def test_longer_gdn_chunks_give_the_same_outputs_and_gradients(train):
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    saved = mq.torch_chunk_gated_delta_rule
+    try:
+        torch.manual_seed(0)
+        model = train.build_model(0)
+        x = torch.randint(0, train.VOCAB_SIZE, (2, 300))
+        got = {}
+        for chunk in (64, 256):
+            train.set_gdn_chunk(chunk)
+            model.zero_grad()
+            out = model(input_ids=x).logits
+            out.float().pow(2).mean().backward()
+            got[chunk] = (out.detach(), model.model.layers[0].linear_attn.A_log.grad.clone())
+        assert (got[64][0] - got[256][0]).abs().max().item() <= 1e-4
+        g64, g256 = got[64][1], got[256][1]
+        assert g64.abs().max().item() > 0
+        assert (g64 - g256).abs().max().item() <= 1e-3 * g64.abs().max().item()
+    finally:
+        mq.torch_chunk_gated_delta_rule = saved
