@@ -94,12 +94,12 @@ def token_balance_bounds(n, total, lo, hi, workers, draws=200):
     return {"mean": statistics.mean(vals), "median": statistics.median(vals), "draws": draws}
 
 
-def cold_runs(engine, req, workers, policy, repeats):
+def cold_runs(engine, req, workers, policy, repeats, combine_share=0.0):
     from hybridcache.services.parallel.segment_parallel import run_cold_request
 
     out = []
     for i in range(repeats + 1):  # first run warms up kernels and the allocator
-        r = run_cold_request(engine, req, workers, policy)
+        r = run_cold_request(engine, req, workers, policy, combine_share)
         if r is not None and i > 0:
             out.append(r)
     return out
@@ -271,9 +271,15 @@ def worker(rank, world, port, args, queue):
         seg = args.segment_tokens
         segs = [rand_ids(rng, seg) for _ in range(n_seg)]
         req = engine.parse_request({"segments": segs, "suffix": rand_ids(rng, QUESTION)})
-        cold = {}
-        for m in range(1, world + 1):
-            cold[m] = summarize(cold_runs(engine, req, m, "lpt", args.repeats))
+        cold = {1: summarize(cold_runs(engine, req, 1, "lpt", args.repeats))}
+        # rank 0 also combines: its share of the builds is cut by the combine's cost relative to
+        # building everything, measured in the 1-worker run just made (unless given)
+        share = [args.combine_share]
+        if share[0] is None and rank == 0:
+            share[0] = cold[1]["combine_ms"] / cold[1]["scatter_rank0_ms"]
+        dist.broadcast_object_list(share, src=0)
+        for m in range(2, world + 1):
+            cold[m] = summarize(cold_runs(engine, req, m, "lpt", args.repeats, share[0]))
         # heavy-tailed lengths, same total
         lens = pareto_lengths(0, n_seg, n_seg * seg, lo=min(128, seg), hi=8 * seg)
         skew = engine.parse_request({"segments": [rand_ids(rng, n) for n in lens], "suffix": rand_ids(rng, QUESTION)})
@@ -281,6 +287,7 @@ def worker(rank, world, port, args, queue):
         gbps = nccl_bandwidth(rank)
         if rank == 0:
             detail["cold"] = cold
+            detail["combine_share"] = share[0]
             detail["skewed"] = {"lengths": lens, **pol}
             tag = "32k" if (n_seg, seg) == (32, 1024) else f"{n_seg}x{seg}"
             for m in range(2, world + 1):
@@ -348,6 +355,13 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="8 segments, short trace")
     ap.add_argument("--segment-tokens", type=int, default=SEG)
     ap.add_argument("--no-qps", action="store_true")
+    ap.add_argument(
+        "--combine-share",
+        type=float,
+        default=None,
+        help="rank 0's head start in the assignment, as a fraction of all build work (default: the "
+        "1-worker run's combine / build time)",
+    )
     ap.add_argument("--qps-only", action="store_true", help="only the pic-vs-prefix QPS figures (one GPU)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)

@@ -71,3 +71,65 @@ def test_lpt_beats_round_robin_on_skewed_lengths():
 
     assert makespan(lpt) < makespan(rr)
     assert makespan(lpt) <= sum(lengths) / 2 * 4 / 3 + max(lengths) / 3  # Graham's LPT bound
+
+
+def _stream_worker(rank, world, port, model_dir, out):
+    """Several entry batches per worker (small entry_batch_tokens) and a combine share for rank 0:
+    the layer-by-layer stream must still pair every send with its receive."""
+    import torch
+    import torch.distributed as dist
+    from hybridcache.services.parallel.segment_parallel import run_cold_request
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        cfg = EngineConfig(mode="pic", seam_window=4, entry_batch_tokens=200)
+        eng = Engine.from_dir(model_dir, config=cfg)
+        lens = (90, 40, 120, 60, 75, 33, 101, 50, 64)
+        segs = [[(5 * i + 3 * j) % 250 for j in range(n)] for i, n in enumerate(lens)]
+        req = eng.parse_request({"segments": segs, "suffix": [9, 8, 7, 6]})
+        r = run_cold_request(eng, req, 2, "lpt", combine_share=0.25)
+        if rank == 0:
+            ref = Engine.from_dir(model_dir, config=cfg)
+            res = ref.prefill(req)
+            out.put((r.first_token, r.assignment, int(res.logits.argmax())))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_streamed_batches_and_combine_share_keep_the_answer(qwen35_dir):
+    from hybridcache.services.runtime.engine import entry_batches
+
+    lens = [90, 40, 120, 60, 75, 33, 101, 50, 64]
+    batches = entry_batches(lens, 200)
+    assert len(batches) > 2 and sorted(i for b in batches for i in b) == list(range(len(lens)))
+    assert all(len(b) * max(lens[i] for i in b) <= 200 or len(b) == 1 for b in batches)
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [ctx.Process(target=_stream_worker, args=(r, 2, port, str(qwen35_dir), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        tok, owner, ref = out.get(timeout=240)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)
+    assert tok == ref
+    # rank 0 starts with a quarter of the work queued: it gets fewer tokens than rank 1
+    tokens = [sum(n for n, w in zip(lens, owner) if w == k) for k in (0, 1)]
+    assert 0 < tokens[0] < tokens[1]
+
+
+def test_combine_share_shifts_work_off_rank_0():
+    lengths = [512] * 16
+    even = assign(lengths, 2, "lpt")
+    shifted = assign(lengths, 2, "lpt", rank0_queue=0.25 * sum(lengths))
+    assert even.count(0) == 8
+    assert shifted.count(0) < even.count(0)

@@ -50,6 +50,22 @@ from hybridcache.services.runtime.tokenizer import SPECIAL_TOKENS, Tokenizer
 MODES = ("full", "prefix", "pic", "naive")
 
 
+def entry_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """How build_entries groups cold segments into batched prefills: indices in increasing length,
+    a batch closed when one more segment would take its padded size (count x longest) past
+    `max_tokens`. Segment parallelism mirrors this order to stream a batch's entries layer by layer."""
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if batch and (len(batch) + 1) * lengths[i] > max_tokens:
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    if batch:
+        batches.append(batch)
+    return batches
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     mode: str = "pic"
@@ -292,9 +308,7 @@ class Engine:
             return [self.build_entry(s) for s in segments]
         w = self.config.seam_window
         out: dict[int, SegmentEntry] = {}
-        batch: list[int] = []
-
-        def flush():
+        for batch in entry_batches([len(s) for s in segments], self.config.entry_batch_tokens):
             t0 = time.perf_counter()
             datas = build([segments[i] for i in batch], w)
             seconds = time.perf_counter() - t0
@@ -302,13 +316,6 @@ class Engine:
             for i, data in zip(batch, datas):
                 seg = segments[i]
                 out[i] = SegmentEntry(self.entry_key(seg), len(seg), data, seconds * len(seg) / total)
-
-        for i in sorted(range(len(segments)), key=lambda i: len(segments[i])):
-            if batch and (len(batch) + 1) * len(segments[i]) > self.config.entry_batch_tokens:
-                flush()
-                batch = []
-            batch.append(i)
-        flush()
         return [out[i] for i in range(len(segments))]
 
     def get_or_build_entry(self, segment_ids: list[int]) -> tuple[SegmentEntry, bool]:

@@ -491,10 +491,11 @@ class HybridLM(LayoutLM):
         )
 
     @torch.no_grad()
-    def build_span_data(self, segments: list[list[int]], seam: int) -> list[SpanData]:
+    def build_span_data(self, segments: list[list[int]], seam: int, on_layer=None) -> list[SpanData]:
         """Standalone prefill of several segments in one batched forward (positions from 0 each);
         returns each segment's body (tokens seam..end) as SpanData, equal to building them one by
-        one. Every segment needs more than `seam` tokens."""
+        one. Every segment needs more than `seam` tokens. `on_layer(i, datas)`, if given, is called
+        as soon as layer i's spans of every segment are final (segment parallelism streams them)."""
         lengths = [len(s) for s in segments]
         if min(lengths) <= seam:
             raise ValueError("every segment needs more tokens than the seam window")
@@ -508,5 +509,7 @@ class HybridLM(LayoutLM):
             h = layer.input_layernorm(x)
             mixer = layer.linear_attn if layer.kind == "linear_attention" else layer.self_attn
             x = x + mixer.build_spans(h, lengths, seam, datas, i)
+            if on_layer is not None:
+                on_layer(i, datas)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return datas
