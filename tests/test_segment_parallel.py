@@ -39,12 +39,13 @@ def _worker(rank, world, port, model_dir, out):
         dist.destroy_process_group()
 
 
-def test_two_workers_equal_one_and_the_engine(qwen35_dir):
+def _run_two_ranks(target, model_dir):
+    """Run target(rank, 2, port, model_dir, queue) in two spawned gloo processes; rank 0's result."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, str(qwen35_dir), out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, 2, port, str(model_dir), out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -55,6 +56,11 @@ def test_two_workers_equal_one_and_the_engine(qwen35_dir):
             if p.is_alive():
                 p.kill()
     assert all(p.exitcode == 0 for p in procs)
+    return res
+
+
+def test_two_workers_equal_one_and_the_engine(qwen35_dir):
+    res = _run_two_ranks(_worker, qwen35_dir)
     tok1, owner1 = res[1]
     tok2, owner2 = res[2]
     assert set(owner1) == {0} and set(owner2) == {0, 1}
@@ -106,21 +112,7 @@ def test_streamed_batches_and_combine_share_keep_the_answer(qwen35_dir):
     assert len(batches) > 2 and sorted(i for b in batches for i in b) == list(range(len(lens)))
     assert all(len(b) * max(lens[i] for i in b) <= 200 or len(b) == 1 for b in batches)
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [ctx.Process(target=_stream_worker, args=(r, 2, port, str(qwen35_dir), out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        tok, owner, ref = out.get(timeout=240)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
+    tok, owner, ref = _run_two_ranks(_stream_worker, qwen35_dir)
     assert tok == ref
     # rank 0 starts with a quarter of the work queued: it gets fewer tokens than rank 1
     tokens = [sum(n for n, w in zip(lens, owner) if w == k) for k in (0, 1)]
