@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from hybridcache.services.engine_flags import add_prefix_cache_flags, prefix_cache_config
+
 EXIT_USAGE = 2
 
 SAMPLE_RAG_REQUEST = {
@@ -36,36 +38,6 @@ def _dtype(name: str):
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def add_prefix_cache_flags(sp) -> None:
-    """Prefix page-tree flags (shared by every command that builds an engine)."""
-    from hybridcache.services.runtime.cache import POLICIES
-
-    sp.add_argument("--prefix-policy", default="exact_replay", choices=list(POLICIES),
-                    help="how prefix pages keep the linear layers' state")
-    sp.add_argument("--checkpoint-every", type=int, default=4,
-                    help="pages (64 tokens) between dense linear-state checkpoints "
-                         "(checkpoint, exact_replay)")
-    sp.add_argument("--anchors-per-page", type=int, default=4,
-                    help="suffix_replay: hidden states kept per page at each linear-group entry (r)")
-    sp.add_argument("--replay-anchors", type=int, default=64,
-                    help="suffix_replay: most anchors a hit replays per group (k)")
-    # Checked by EngineConfig (a bad value is one error line, exit 2), not by argparse choices.
-    sp.add_argument("--anchor-dtype", default="model", metavar="{model,float8_e4m3fn}",
-                    help="suffix_replay: anchor storage; float8_e4m3fn keeps fp8 values with a per-anchor "
-                         "fp32 scale (about half the bytes of bf16 anchors)")
-
-
-def prefix_cache_config(args) -> dict:
-    """EngineConfig keyword arguments from add_prefix_cache_flags' flags."""
-    return {
-        "prefix_policy": args.prefix_policy,
-        "checkpoint_every": args.checkpoint_every,
-        "anchors_per_page": args.anchors_per_page,
-        "replay_anchors": args.replay_anchors,
-        "anchor_dtype": None if args.anchor_dtype == "model" else args.anchor_dtype,
-    }
 
 
 def _engine(args):

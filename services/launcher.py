@@ -144,8 +144,14 @@ def up(args) -> int:
         print(f"hybridcache: error: no model (config.json) in {model}", file=sys.stderr)
         return 2
     try:
+        from hybridcache.services.engine_flags import cache_flag_args, prefix_cache_config
+        from hybridcache.services.runtime.engine import EngineConfig
+
+        EngineConfig(seam_window=args.seam_window, **prefix_cache_config(args))  # bad values: one line, exit 2
+        flags = cache_flag_args(args)
         cluster = LocalCluster(model, port=args.port, scatter_workers=args.scatter_workers, etcd=args.etcd,
-                               seam_window=args.seam_window, cache_tiers=args.cache_tiers)
+                               seam_window=args.seam_window, cache_tiers=args.cache_tiers,
+                               extra={role: flags for role in ("router", "combine", "scatter")})
     except ValueError as e:
         print(f"hybridcache: error: {e}", file=sys.stderr)
         return 2
@@ -178,6 +184,9 @@ def up(args) -> int:
 
 
 def add_up_flags(p) -> None:
+    from hybridcache.services.engine_flags import add_prefix_cache_flags
+
+    add_prefix_cache_flags(p)  # forwarded to the router, combine and scatter workers
     p.add_argument("--model", help="model directory (default: the embedded default model)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the router")
     p.add_argument("--scatter-workers", type=int, default=2)

@@ -226,3 +226,26 @@ def test_request_builds_its_cold_segments_in_one_batch(qwen35_dir, monkeypatch):
     assert calls == [4]
     assert [s.source for s in res.stats.segments] == ["built"] * 4
     assert eng.generate(req).output_ids == res.output_ids
+
+
+def test_single_state_entry_policy_is_a_config_option(qwen35_dir):
+    """EngineConfig(entry_policy="single_state") runs the single-state policy (the same answer as
+    wrapping the store in SingleStateStore), under entry keys an exact engine never looks up."""
+    from hybridcache.services.runtime.cache import MemoryEntryStore
+    from hybridcache.services.runtime.cache.single_state import SingleStateStore
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="entry_policy"):
+        EngineConfig(entry_policy="last_state")
+    single = Engine.from_dir(qwen35_dir, config=EngineConfig(mode="pic", seam_window=4, entry_policy="single_state"))
+    wrapped = Engine.from_dir(qwen35_dir, config=EngineConfig(mode="pic", seam_window=4))
+    wrapped.entries = SingleStateStore(MemoryEntryStore(1 << 30))
+    exact = Engine.from_dir(qwen35_dir, config=EngineConfig(mode="pic", seam_window=4))
+    segs = [[(3 * i + j) % 200 for j in range(40)] for i in range(3)]
+    obj = {"segments": segs, "suffix": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}}
+    a = single.prefill(single.parse_request(obj)).logits
+    b = wrapped.prefill(wrapped.parse_request(obj)).logits
+    c = exact.prefill(exact.parse_request(obj)).logits
+    assert torch.equal(a, b)
+    assert (a - c).abs().max().item() > 1e-4  # dropping T changes the answer's logits
+    assert single.entry_key(segs[0]) != exact.entry_key(segs[0])

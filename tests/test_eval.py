@@ -134,7 +134,7 @@ def test_prefix_policy_runs_restore_the_shared_documents(tmp_path):
     from hybridcache.services.runtime.modelzoo import init_model_dir
 
     model = init_model_dir("qwen3_5_text", "tiny", tmp_path / "m", seed=0)
-    runs = ["full", "prefix_exact", "prefix_ckpt", "prefix_sr_k16"]
+    runs = ["full", "prefix_exact", "prefix_ckpt", "prefix_sr_k16", "pic_single"]
     scores = evaluate(model, limit=2, seed=0, runs=runs, min_docs=3, max_docs=3, progress=False)
     res = results_json(scores)
     full, exact = scores["full"], scores["prefix_exact"]
@@ -143,3 +143,4 @@ def test_prefix_policy_runs_restore_the_shared_documents(tmp_path):
     assert res["prefix_sr_k16"]["reused_token_fraction"] == res["prefix_exact"]["reused_token_fraction"]
     assert 0.0 < res["prefix_ckpt"]["reused_token_fraction"] <= res["prefix_exact"]["reused_token_fraction"]
     assert res["full"]["reused_token_fraction"] == 0.0
+    assert res["pic_single"]["n"] == 2 and res["pic_single"]["reused_token_fraction"] > 0.5

@@ -7,7 +7,6 @@ with the peers given by flags), prints one `ready` line and runs until SIGINT/SI
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ import grpc
 from hybridcache.services.cache_tier.client import GRPC_OPTIONS
 from hybridcache.services.contract import ROLES
 from hybridcache.services.directory import make_directory
+from hybridcache.services.engine_flags import add_prefix_cache_flags, prefix_cache_config
 from hybridcache.services.observability import tracing
 from hybridcache.services.observability.http import serve_health_and_metrics
 from hybridcache.services.protocol import rpc
@@ -42,7 +42,7 @@ def add_serve_flags(p) -> None:
     p.add_argument("--seam-window", type=int, default=8)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--prefix-policy", help="linear-state policy of the prefix cache (default: the engine's)")
+    add_prefix_cache_flags(p)
     p.add_argument("--cache-bytes", type=int, default=1 << 30, help="entry cache budget of this process")
     p.add_argument("--spill-dir", help="cache tier: spill evicted entries to this directory")
     p.add_argument("--assignment", default="lpt", choices=["lpt", "round_robin"], help="router: cold-segment dispatch")
@@ -57,12 +57,7 @@ def _engine(args, entry_store=None):
     from hybridcache.services.runtime.tokenizer import Tokenizer
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    extra = {}
-    if args.prefix_policy:
-        if "prefix_policy" not in {f.name for f in dataclasses.fields(EngineConfig)}:
-            raise ValueError("--prefix-policy: this engine has no prefix policies")
-        extra["prefix_policy"] = args.prefix_policy
-    config = EngineConfig(seam_window=args.seam_window, entry_cache_bytes=args.cache_bytes, **extra)
+    config = EngineConfig(seam_window=args.seam_window, entry_cache_bytes=args.cache_bytes, **prefix_cache_config(args))
     model = load_model(args.model, args.device, dtype)
     return Engine(model, Tokenizer.from_dir(args.model), config, entry_store=entry_store)
 

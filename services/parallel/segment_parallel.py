@@ -208,6 +208,8 @@ def run_cold_request(
     Rank 0 returns the result (TTFT measured from a common barrier to the first token chosen);
     other ranks return None. The engine's entry store is not used: every segment is cold.
     """
+    if engine.config.entry_policy != "exact":
+        raise ValueError("segment parallelism streams exact entries; entry_policy must be 'exact'")
     rank = dist.get_rank()
     device = engine.model.device
     w = engine.config.seam_window

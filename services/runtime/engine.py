@@ -41,6 +41,7 @@ from hybridcache.services.runtime.cache import (
     restore_state,
     segment_key,
 )
+from hybridcache.services.runtime.cache.single_state import to_single_state
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.sampling import RequestError, SamplingParams, sample_token
@@ -48,6 +49,7 @@ from hybridcache.services.runtime.sequence import CachedSpan, LiveRun, SequenceS
 from hybridcache.services.runtime.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 MODES = ("full", "prefix", "pic", "naive")
+ENTRY_POLICIES = ("exact", "single_state")
 
 
 def entry_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -81,6 +83,9 @@ class EngineConfig:
     anchors_per_page: int = 4  # suffix_replay: hidden states kept per page at each linear-group entry
     replay_anchors: int = 64  # suffix_replay: most anchors a hit replays per group
     anchor_dtype: str | None = None  # suffix_replay: None = model dtype, "float8_e4m3fn" = fp8 + fp32 row scale
+    # Segment entries: "exact" composition (T S + S), or "single_state" (a reused segment keeps only
+    # its own S(body|0), i.e. T = 0: the policy some papers argue for; cache/single_state.py)
+    entry_policy: str = "exact"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -92,6 +97,10 @@ class EngineConfig:
         _ = self.page_policy  # validates the policy's parameters
         if self.seam_window < 0:
             raise ValueError("seam_window must be >= 0")
+        if self.entry_policy not in ENTRY_POLICIES:
+            raise ValueError(
+                f"entry_policy must be one of {', '.join(ENTRY_POLICIES)}, got {self.entry_policy!r}"
+            )
         if self.entry_cache_bytes <= 0 or self.prefix_cache_bytes <= 0:
             raise ValueError("cache budgets must be positive")
 
@@ -274,8 +283,16 @@ class Engine:
 
     # ------------------------------------------------------------------ entries
 
+    @property
+    def _entry_tag(self) -> str:
+        """Model fingerprint, plus the entry policy when entries are not exact (a single-state entry
+        must never answer an exact lookup, in this engine's store or in a shared cache tier)."""
+        if self.config.entry_policy == "exact":
+            return self.fingerprint
+        return f"{self.fingerprint}|{self.config.entry_policy}"
+
     def entry_key(self, segment_ids: list[int]) -> str:
-        return segment_key(self.fingerprint, self.config.seam_window, segment_ids)
+        return segment_key(self._entry_tag, self.config.seam_window, segment_ids)
 
     def cacheable(self, segment_ids: list[int]) -> bool:
         """A body needs at least conv_width - 1 tokens: its conv tail must come from the body itself."""
@@ -292,12 +309,19 @@ class Engine:
             layout.insert(0, LiveRun(ids[:w], 0))
         _, rec = self.model.forward_layout(self.model.empty_state(), layout, logits_for="none")
         data = rec.entries[len(layout) - 1]
-        return SegmentEntry(
-            key=self.entry_key(segment_ids),
-            segment_tokens=len(segment_ids),
-            data=data,
-            build_seconds=time.perf_counter() - t0,
+        return self._apply_entry_policy(
+            SegmentEntry(
+                key=self.entry_key(segment_ids),
+                segment_tokens=len(segment_ids),
+                data=data,
+                build_seconds=time.perf_counter() - t0,
+            )
         )
+
+    def _apply_entry_policy(self, entry: SegmentEntry) -> SegmentEntry:
+        """Entries are built exact; the single-state policy drops their T as they are made, so every
+        store (this engine's, a combine worker's, a cache tier) holds what the policy uses."""
+        return to_single_state(entry) if self.config.entry_policy == "single_state" else entry
 
     def build_entries(self, segments: list[list[int]]) -> list[SegmentEntry]:
         """Entries of several segments, equal to build_entry of each. Models that can prefill a
@@ -315,7 +339,9 @@ class Engine:
             total = sum(len(segments[i]) for i in batch)
             for i, data in zip(batch, datas):
                 seg = segments[i]
-                out[i] = SegmentEntry(self.entry_key(seg), len(seg), data, seconds * len(seg) / total)
+                out[i] = self._apply_entry_policy(
+                    SegmentEntry(self.entry_key(seg), len(seg), data, seconds * len(seg) / total)
+                )
         return [out[i] for i in range(len(segments))]
 
     def get_or_build_entry(self, segment_ids: list[int]) -> tuple[SegmentEntry, bool]:
@@ -332,7 +358,7 @@ class Engine:
     def _prefix_root(self) -> str:
         mode = self.config.mode
         tag = "exact" if mode == "prefix" else f"{mode}-w{self.config.seam_window}"
-        return chain_key(self.fingerprint, tag, [])
+        return chain_key(self._entry_tag if mode != "prefix" else self.fingerprint, tag, [])
 
     def _lookup_prefix(self, req: Request, keys: list[str], stats: RequestStats, locked: list):
         """The state after the longest cached prefix (page tree, or in pic/naive a part chain),

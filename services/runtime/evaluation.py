@@ -22,7 +22,10 @@ the linear state there, and only the rest is prefilled:
     prefix_ckpt      checkpoint every 4 pages: exact, hits only at checkpoints
     prefix_sr_k16    suffix_replay, r = 4 anchors per page, replay k = 16: approximate
     prefix_sr_k64    the same with k = 64
-    prefix_sr_fp8    suffix_replay k = 64 with fp8 (e4m3) anchors Greedy
+    prefix_sr_fp8    suffix_replay k = 64 with fp8 (e4m3) anchors
+
+`pic_single` (also opt-in) is `pic` with the single-state entry policy: a reused segment keeps
+only its own state S(body|0), dropping what came before it (composition with T = 0). Greedy
 decoding up to the end of the line; an answer is right when it equals the gold span (case and
 surrounding space ignored).
 """
@@ -58,7 +61,9 @@ PREFIX_POLICY_RUNS: dict[str, dict] = {
         prefix_policy="suffix_replay", anchors_per_page=4, replay_anchors=64, anchor_dtype="float8_e4m3fn"
     ),
 }
-ALL_RUNS = (*RUNS, *PREFIX_POLICY_RUNS)
+# pic with the single-state entry policy (a reused segment keeps only its own state; issue 8)
+SINGLE_STATE_RUNS: dict[str, tuple[str, int]] = {"pic_single": ("pic", 8)}
+ALL_RUNS = (*RUNS, *PREFIX_POLICY_RUNS, *SINGLE_STATE_RUNS)
 WARM_QUESTION = "Which of these documents is the longest?"  # shares the prompt up to "Question: "
 
 
@@ -68,6 +73,9 @@ def run_config(name: str):
 
     if name in PREFIX_POLICY_RUNS:
         return EngineConfig(mode="prefix", **PREFIX_POLICY_RUNS[name])
+    if name in SINGLE_STATE_RUNS:
+        mode, w = SINGLE_STATE_RUNS[name]
+        return EngineConfig(mode=mode, seam_window=w, entry_policy="single_state")
     mode, w = RUNS[name]
     return EngineConfig(mode=mode, seam_window=w)
 DEFAULT_SEED = 0  # the fixed test set; another seed draws a fresh set from the test split
@@ -176,7 +184,7 @@ def format_table(scores: dict[str, RunScore]) -> str:
     full = scores.get("full")
     lines = [f"{'run':<14}{'mode':<8}{'w':>4}{'accuracy':>10}{'n':>6}{'vs full':>9}{'reused':>8}"]
     for r, s in scores.items():
-        mode, w = RUNS[r] if r in RUNS else ("prefix", "-")
+        mode, w = RUNS.get(r) or SINGLE_STATE_RUNS.get(r) or ("prefix", "-")
         delta = f"{100 * (s.accuracy - full.accuracy):+.1f}" if full is not None and r != "full" else ""
         reused = s.to_dict()["reused_token_fraction"]
         lines.append(

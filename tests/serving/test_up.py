@@ -53,3 +53,30 @@ def test_up_and_serve_reject_bad_flags_in_one_line(tmp_path):
                            timeout=60)
         assert r.returncode == 2
         assert r.stderr.startswith("hybridcache: error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_up_forwards_the_cache_policies_to_its_services(model_dir):
+    """`hybridcache up --prefix-policy ... --entry-policy ...`: the combine worker's engine runs them
+    (the request's stats name the prefix policy) and a bad value is one error line before anything starts."""
+    bad = subprocess.run([sys.executable, "-m", "hybridcache.services.cli", "up", "--model", str(model_dir),
+                          "--anchor-dtype", "float4"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("hybridcache: error:")
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "hybridcache.services.cli", "up", "--model", str(model_dir),
+                             "--port", str(port), "--scatter-workers", "1", "--prefix-policy", "checkpoint",
+                             "--checkpoint-every", "2", "--entry-policy", "single_state"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        body = {"text": "Hello there, a prompt of a few tokens", "sampling_params": {"max_new_tokens": 1}}
+        status, res = http("POST", f"{ready['http']}/generate", body)
+        assert status == 200, res
+        assert res["hybridcache"]["prefix_policy"] == "checkpoint"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

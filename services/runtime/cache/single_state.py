@@ -23,6 +23,16 @@ def single_state_view(data: SpanData) -> SpanData:
     return data
 
 
+def to_single_state(entry: SegmentEntry) -> SegmentEntry:
+    """`entry` turned single-state in place (T dropped; bytes, checksum and meta updated); returned."""
+    single_state_view(entry.data)
+    entry.nbytes = entry_nbytes(entry.data)
+    if entry.checksum:
+        entry.checksum = entry_checksum(entry.data)
+    entry.meta["linear_state_policy"] = "single"
+    return entry
+
+
 class SingleStateStore(EntryStore):
     """An EntryStore that turns every entry put into it into a single-state entry.
 
@@ -37,12 +47,7 @@ class SingleStateStore(EntryStore):
         return self.inner.get(key)
 
     def put(self, entry: SegmentEntry) -> bool:
-        single_state_view(entry.data)
-        entry.nbytes = entry_nbytes(entry.data)
-        if entry.checksum:
-            entry.checksum = entry_checksum(entry.data)
-        entry.meta["linear_state_policy"] = "single"
-        return self.inner.put(entry)
+        return self.inner.put(to_single_state(entry))
 
     def contains(self, key: str) -> bool:
         return self.inner.contains(key)

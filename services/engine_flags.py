@@ -1,0 +1,50 @@
+"""Cache flags shared by every command that builds an engine (`hybridcache generate | demo | up`,
+`hybridcache serve ROLE`): the prefix page tree's linear-state policy and its parameters, and the
+segment-entry policy. `hybridcache up` forwards them to the services it starts (`cache_flag_args`).
+"""
+
+from __future__ import annotations
+
+FLAGS = ("prefix_policy", "entry_policy", "checkpoint_every", "anchors_per_page", "replay_anchors", "anchor_dtype")
+
+
+def add_prefix_cache_flags(sp) -> None:
+    """Prefix page-tree flags (shared by every command that builds an engine)."""
+    from hybridcache.services.runtime.cache import POLICIES
+
+    sp.add_argument("--prefix-policy", default="exact_replay", choices=list(POLICIES),
+                    help="how prefix pages keep the linear layers' state")
+    sp.add_argument("--entry-policy", default="exact", choices=["exact", "single_state"],
+                    help="segment entries (pic): exact composition T S + S, or single_state (a reused "
+                         "segment keeps only its own state)")
+    sp.add_argument("--checkpoint-every", type=int, default=4,
+                    help="pages (64 tokens) between dense linear-state checkpoints "
+                         "(checkpoint, exact_replay)")
+    sp.add_argument("--anchors-per-page", type=int, default=4,
+                    help="suffix_replay: hidden states kept per page at each linear-group entry (r)")
+    sp.add_argument("--replay-anchors", type=int, default=64,
+                    help="suffix_replay: most anchors a hit replays per group (k)")
+    # Checked by EngineConfig (a bad value is one error line, exit 2), not by argparse choices.
+    sp.add_argument("--anchor-dtype", default="model", metavar="{model,float8_e4m3fn}",
+                    help="suffix_replay: anchor storage; float8_e4m3fn keeps fp8 values with a per-anchor "
+                         "fp32 scale (about half the bytes of bf16 anchors)")
+
+
+def prefix_cache_config(args) -> dict:
+    """EngineConfig keyword arguments from add_prefix_cache_flags' flags."""
+    return {
+        "prefix_policy": args.prefix_policy,
+        "checkpoint_every": args.checkpoint_every,
+        "anchors_per_page": args.anchors_per_page,
+        "replay_anchors": args.replay_anchors,
+        "anchor_dtype": None if args.anchor_dtype == "model" else args.anchor_dtype,
+        "entry_policy": args.entry_policy,
+    }
+
+
+def cache_flag_args(args) -> list[str]:
+    """The command-line form of add_prefix_cache_flags' values (for child processes)."""
+    out = []
+    for name in FLAGS:
+        out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return out
