@@ -82,6 +82,29 @@ MODEL_CONFIG = dict(
 ANSWER_WEIGHT = 4.0  # extra loss weight on answer tokens (the task signal; documents are mostly noise)
 
 
+def model_config(hidden: int = 256, layers: int = 8, heads: int = 4) -> dict:
+    """MODEL_CONFIG resized (for small CPU proxy runs): every 4th layer full attention, the rest
+    Gated DeltaNet; head dims hidden // heads, half as many KV heads, MLP 1.5x hidden. The
+    defaults give MODEL_CONFIG exactly."""
+    if hidden % heads or heads < 2 or layers < 1:
+        raise ValueError("need hidden divisible by heads, heads >= 2, layers >= 1")
+    hd = hidden // heads
+    return dict(
+        MODEL_CONFIG,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3 // 2,
+        num_hidden_layers=layers,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        head_dim=hd,
+        linear_num_key_heads=heads,
+        linear_num_value_heads=heads,
+        linear_key_head_dim=hd,
+        linear_value_head_dim=hd,
+    )
+
+
 def train_tokenizer(n_prompts: int = 400, seed: int = 0) -> Tokenizer:
     """Byte-level BPE (any text encodes) with a small vocabulary fitted on training-split text."""
     tok = Tokenizer(models.BPE())
@@ -191,11 +214,11 @@ def collate(batch, pad_id: int):
     return ids, valid, ans
 
 
-def build_model(seed: int):
+def build_model(seed: int, config: dict | None = None):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
-    cfg = {k: v for k, v in MODEL_CONFIG.items() if k not in ("model_type", "architectures")}
+    cfg = {k: v for k, v in (config or MODEL_CONFIG).items() if k not in ("model_type", "architectures")}
     return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg))
 
 
@@ -225,17 +248,17 @@ def set_gdn_chunk(chunk_size: int) -> None:
     mq.torch_chunk_gated_delta_rule = functools.partial(base, chunk_size=chunk_size)
 
 
-def save_model(model, tok: Tokenizer, out: Path) -> None:
+def save_model(model, tok: Tokenizer, out: Path, config: dict | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config or MODEL_CONFIG, indent=2) + "\n")
     gen_cfg = {"eos_token_id": MODEL_CONFIG["eos_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg) + "\n")
     tok.save(str(out / "tokenizer.json"))
 
 
-def export_sharded(model, tok: Tokenizer, out: Path, shards: int = 2) -> None:
+def export_sharded(model, tok: Tokenizer, out: Path, shards: int = 2, config: dict | None = None) -> None:
     """A copy in several safetensors shards plus model.safetensors.index.json (for transports that
     cap the size of one file); config and tokenizer as in save_model."""
     out.mkdir(parents=True, exist_ok=True)
@@ -248,7 +271,7 @@ def export_sharded(model, tok: Tokenizer, out: Path, shards: int = 2) -> None:
         save_file(part, str(out / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in part})
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}) + "\n")
-    (out / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config or MODEL_CONFIG, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
 
 
@@ -268,20 +291,24 @@ def install_from_export(src: Path, out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(gen_cfg) + "\n")
 
 
-def loss_fn(logits, ids, valid, ans):
+def loss_fn(logits, ids, valid, ans, answer_weight: float = ANSWER_WEIGHT):
     logp = torch.log_softmax(logits[:, :-1].float(), -1)
     nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1]
     v, a = valid[:, 1:], ans[:, 1:]
     lm = nll[v].mean()
     qa = nll[a].mean()
-    return lm + ANSWER_WEIGHT * qa, lm, qa
+    return lm + answer_weight * qa, lm, qa
 
 
 @torch.no_grad()
-def answer_accuracy(model, tok: Tokenizer, split: str, n: int, hops: int, device, min_docs, max_docs, seed=0):
+def answer_accuracy(
+    model, tok: Tokenizer, split: str, n: int, hops: int, device, min_docs, max_docs, seed=0, filler=1.0
+):
     """Teacher-forced exact match: every answer token (and the closing newline) is the argmax.
-    This is what greedy decoding up to the newline returns."""
+    This is what greedy decoding up to the newline returns. `filler` < 1 shortens the documents
+    (as the filler curriculum does; 1 = the evaluated task)."""
     gen = QAGenerator(split, seed, min_docs, max_docs)
+    gen.filler = filler
     model.eval()
     right = 0
     for _ in range(n):
@@ -340,6 +367,21 @@ def main(argv=None) -> int:
         help="start from this model directory's weights and tokenizer (a model this script wrote)",
     )
     p.add_argument("--install-from", default="", help="only merge this export_sharded copy into --out")
+    p.add_argument(
+        "--hidden", type=int, default=256, help="model width (256 = the shipped model; smaller for proxies)"
+    )
+    p.add_argument("--layers", type=int, default=8, help="layers, every 4th full attention (8 = shipped)")
+    p.add_argument(
+        "--heads", type=int, default=4, help="attention and GDN heads, head dim hidden/heads (4 = shipped)"
+    )
+    p.add_argument("--answer-weight", type=float, default=ANSWER_WEIGHT, help="loss weight of answer tokens")
+    p.add_argument(
+        "--val-filler",
+        type=float,
+        default=1.0,
+        help="filler share of validation documents (1 = the evaluated task; 0 = facts only, as --filler-ramp 1 1)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     args = p.parse_args(argv)
     if args.install_from:
         install_from_export(Path(args.install_from), Path(args.out))
@@ -348,6 +390,9 @@ def main(argv=None) -> int:
         p.error("give --steps or --time-budget")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = model_config(args.hidden, args.layers, args.heads)
     kernels = gdn_kernel(args.fla)
     if kernels == "torch":
         set_gdn_chunk(args.gdn_chunk)
@@ -360,12 +405,13 @@ def main(argv=None) -> int:
 
         init = Path(args.init_from)
         tok = Tokenizer.from_file(str(init / "tokenizer.json"))
-        model = build_model(args.seed)
+        config = json.loads((init / "config.json").read_text())
+        model = build_model(args.seed, config)
         model.load_state_dict(load_file(str(init / "model.safetensors")))
         model = model.to(device)
     else:
         tok = train_tokenizer(seed=args.seed)
-        model = build_model(args.seed).to(device)
+        model = build_model(args.seed, config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"params": n_params, "device": str(device), "gdn_kernel": kernels}), flush=True)
     opt = torch.optim.AdamW(
@@ -410,11 +456,20 @@ def main(argv=None) -> int:
         if args.val:
             for h in (1, 2):
                 rec[f"val_acc_{h}hop"] = answer_accuracy(
-                    model, tok, "val", args.val, h, device, args.min_docs, args.max_docs, args.seed
+                    model,
+                    tok,
+                    "val",
+                    args.val,
+                    h,
+                    device,
+                    args.min_docs,
+                    args.max_docs,
+                    args.seed,
+                    args.val_filler,
                 )
-        save_model(model, tok, out)
+        save_model(model, tok, out, config)
         if args.export:
-            export_sharded(model, tok, Path(args.export))
+            export_sharded(model, tok, Path(args.export), config=config)
         rec["final"] = final
         log.write(json.dumps(rec) + "\n")
         log.flush()
@@ -433,7 +488,7 @@ def main(argv=None) -> int:
         ids, valid, ans = ids.to(device, non_blocking=True), valid.to(device), ans.to(device)
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(input_ids=ids).logits
-        loss, lm_t, qa_t = loss_fn(logits, ids, valid, ans)
+        loss, lm_t, qa_t = loss_fn(logits, ids, valid, ans, args.answer_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -71,3 +71,44 @@ def test_longer_gdn_chunks_give_the_same_outputs_and_gradients(train):
         assert (g64 - g256).abs().max().item() <= 1e-3 * g64.abs().max().item()
     finally:
         mq.torch_chunk_gated_delta_rule = saved
+
+
+def test_model_config_defaults_are_the_shipped_model_and_proxies_resize_it(train, tmp_path):
+    assert train.model_config() == train.MODEL_CONFIG
+    cfg = train.model_config(64, 4, 2)
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert (cfg["hidden_size"], cfg["head_dim"], cfg["linear_key_head_dim"], cfg["num_key_value_heads"]) == (
+        64,
+        32,
+        32,
+        1,
+    )
+    model = train.build_model(0, cfg)
+    assert len(model.model.layers) == 4 and model.config.hidden_size == 64
+    assert model(input_ids=torch.randint(0, train.VOCAB_SIZE, (1, 20))).logits.shape == (
+        1,
+        20,
+        train.VOCAB_SIZE,
+    )
+    tok = train.Tokenizer.from_str(
+        '{"version":"1.0","model":{"type":"BPE","vocab":{},"merges":[]},"added_tokens":[],"normalizer":null,'
+        '"pre_tokenizer":null,"post_processor":null,"decoder":null,"truncation":null,"padding":null}'
+    )
+    train.save_model(model, tok, tmp_path, cfg)
+    import json
+
+    assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 4
+    with pytest.raises(ValueError):
+        train.model_config(100, 4, 3)
+
+
+def test_answer_weight_scales_only_the_answer_term(train):
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6, 11)
+    ids = torch.randint(0, 11, (1, 6))
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    ans = torch.tensor([[0, 0, 0, 0, 1, 1]], dtype=torch.bool)
+    l4, lm4, qa4 = train.loss_fn(logits, ids, valid, ans)
+    l1, lm1, qa1 = train.loss_fn(logits, ids, valid, ans, 1.0)
+    assert torch.allclose(lm4, lm1) and torch.allclose(qa4, qa1)
+    assert torch.allclose(l4, lm4 + train.ANSWER_WEIGHT * qa4) and torch.allclose(l1, lm1 + qa1)
