@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d
 from hybridcache.kernels.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from hybridcache.kernels.ops.gla import naive_recurrent_gla
 from hybridcache.kernels.ops.kda import naive_recurrent_kda
 from hybridcache.kernels.ops.mamba2 import naive_ssd
 from hybridcache.kernels.ops.simple_gla import naive_lightning_attention
@@ -87,6 +88,18 @@ def kda(q, k, v, g, beta, initial_state, output_transition: bool):
 
         return kda_fla(q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition)
     return naive_recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition)
+
+
+def gla(q, k, v, gk, scale, initial_state, output_transition: bool):
+    """Gated linear attention (per-channel decay); naive_recurrent_gla's contract. CUDA: fla's
+    chunk_gla (fused_recurrent_gla for short runs), vector T = exp(sum of the log-gates)."""
+    if use_fast_kernels(v) and fla_has("fla.ops.gla"):
+        from hybridcache.kernels.ops.gla.fla_entry import gla_fla
+
+        return gla_fla(q, k, v, gk, scale=scale, initial_state=initial_state, output_transition=output_transition)
+    return naive_recurrent_gla(
+        q, k, v, gk, scale=scale, initial_state=initial_state, output_transition=output_transition
+    )
 
 
 def lightning_attention(q, k, v, slopes, scale, initial_state, output_transition: bool):

@@ -56,6 +56,20 @@ def test_kda_dispatch_on_cpu_is_the_reference(with_init, output_transition):
 
 @pytest.mark.parametrize("with_init", [False, True])
 @pytest.mark.parametrize("output_transition", [False, True])
+def test_gla_dispatch_on_cpu_is_the_reference(with_init, output_transition):
+    g = _gen(4)
+    q, k = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g)
+    v = torch.randn(B, T, H, V, generator=g)
+    gk = F.logsigmoid(torch.randn(B, T, H, K, generator=g) + 2)
+    init = torch.randn(B, H, K, V, generator=g) if with_init else None
+    got = backends.gla(q, k, v, gk, None, init, output_transition)
+    ref = naive_recurrent_gla(q, k, v, gk, initial_state=init, output_transition=output_transition)
+    assert len(got) == (3 if output_transition else 2)
+    _assert_same(got, ref)
+
+
+@pytest.mark.parametrize("with_init", [False, True])
+@pytest.mark.parametrize("output_transition", [False, True])
 def test_lightning_dispatch_on_cpu_is_the_reference(with_init, output_transition):
     g = _gen(1)
     q, k = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g)

@@ -1,5 +1,5 @@
-"""KDA, Lightning and Mamba2 SSD on fla-core's GPU kernels (backends.kda / lightning_attention /
-ssd on CUDA tensors) against the fp32 step-loop references: outputs, final states and the run's
+"""KDA, GLA, Lightning and Mamba2 SSD on fla-core's GPU kernels (backends.kda / gla /
+lightning_attention / ssd on CUDA tensors) against the fp32 step-loop references: outputs, final states and the run's
 (T, S(run|0)), with and without an initial state, on odd shapes; and per family a tiny fp32 model
 on CUDA against the same model on CPU (full logits) with pic cold == warm.
 
@@ -12,6 +12,7 @@ matches to fp32 rounding.
 import pytest
 import torch
 import torch.nn.functional as F
+from hybridcache.kernels.ops.gla import naive_recurrent_gla
 from hybridcache.kernels.ops.kda import naive_recurrent_kda
 from hybridcache.kernels.ops.mamba2 import naive_ssd
 from hybridcache.kernels.ops.simple_gla import lightning_slopes, naive_lightning_attention
@@ -93,6 +94,31 @@ def test_kda_fla_short_run_matches_reference():
     ref = naive_recurrent_kda(q.float(), k.float(), v.float(), g, beta, initial_state=init)
     _check(got, ref, False)
     assert torch.equal(init, _kda_inputs(1, 9, 3, 32, 32, seed=1)[-1])  # the initial state is not written
+
+
+# ---------------------------------------------------------------- GLA (vector T)
+
+
+@pytest.mark.parametrize("with_transition", [False, True])
+@pytest.mark.parametrize("with_init", [False, True])
+@pytest.mark.parametrize("B,T,H,K,V", SHAPES + [(1, 9, 3, 32, 32)], ids=IDS + ["short-T9"])
+def test_gla_fla_matches_reference(B, T, H, K, V, with_init, with_transition):
+    _need_fla("fla.ops.gla")
+    torch.manual_seed(4)
+    dev = "cuda"
+    q = (torch.randn(B, T, H, K, device=dev) * K**-0.5).bfloat16()
+    k = (torch.randn(B, T, H, K, device=dev) * K**-0.5).bfloat16()
+    v = torch.randn(B, T, H, V, device=dev).bfloat16()
+    gk = F.logsigmoid(torch.randn(B, T, H, K, device=dev) + 4)  # per-channel log gate, fp32
+    init = torch.randn(B, H, K, V, device=dev) if with_init else None
+    got = backends.gla(q, k, v, gk, None, init, with_transition)
+    ref = naive_recurrent_gla(
+        q.float(), k.float(), v.float(), gk, initial_state=init, output_transition=with_transition
+    )
+    assert got[0].dtype == torch.bfloat16
+    _check(got, ref, with_transition)
+    if with_transition:  # T = exp(sum of the log-gates) in torch, fp32: rounding only
+        assert torch.allclose(got[2][0], ref[2][0], rtol=1e-4, atol=1e-6)
 
 
 # ---------------------------------------------------------------- Lightning attention (scalar T)
