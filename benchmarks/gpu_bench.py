@@ -126,6 +126,24 @@ def compose_figures(cfg, figures, n_seg=32):
         t_ref, ref = timed(torch_path, repeat=5, warmup=1)
         figures[f"compose_torch_baddbmm_us_per_segment{tag}"] = round(t_ref * 1e3 / n_seg, 2)
         figures[f"compose_rel_err_vs_torch{tag}"] = float(f"{((out - ref).norm() / ref.norm()).item():.3g}")
+        if dtype != torch.bfloat16:
+            continue
+        # Variants of the kernel for bf16 entries (the default is tf32x3, 64 columns per program):
+        # one TF32 pass keeps more than bf16's 8-bit mantissa of T and S, and 128 columns per
+        # program read each T once. Time and error of each, for choosing the default.
+        for prec, bv in (("tf32", 64), ("tf32x3", 128), ("tf32", 128)):
+            try:
+                t_v, out_v = timed(
+                    lambda T=T, S=S, prec=prec, bv=bv: compose_states_fwd(T, S, h0, block_v=bv, dot_precision=prec),
+                    repeat=20,
+                    warmup=3,
+                )
+            except Exception as e:  # noqa: BLE001 (a variant that does not compile must not cost the others)
+                figures[f"compose_{prec}_bv{bv}_error"] = f"{type(e).__name__}: {e}"[:200]
+                continue
+            figures[f"compose_us_per_segment_{prec}_bv{bv}"] = round(t_v * 1e3 / n_seg, 2)
+            err = ((out_v - ref).norm() / ref.norm()).item()
+            figures[f"compose_rel_err_vs_torch_{prec}_bv{bv}"] = float(f"{err:.3g}")
 
 
 def build_entries(model, segs):
