@@ -14,11 +14,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+_HANDED_OUT: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now and not handed out before by this process: the services bind
+    their ports only after all are chosen, so the OS could otherwise give one port twice."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free local port found")
 
 
 @dataclass

@@ -25,6 +25,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def _stop(proc):
+    """After a failed assertion: SIGTERM first, so `up` stops the services it started (SIGKILL
+    would leave them running), then SIGKILL if it does not exit."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def test_up_serves_and_stops_everything_on_sigterm(model_dir):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "hybridcache.services.cli", "up", "--model", str(model_dir),
@@ -41,9 +53,7 @@ def test_up_serves_and_stops_everything_on_sigterm(model_dir):
         assert proc.wait(timeout=30) == 0
         assert not any(alive(p) for p in pids)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
 
 
 def test_up_and_serve_reject_bad_flags_in_one_line(tmp_path):
@@ -77,6 +87,4 @@ def test_up_forwards_the_cache_policies_to_its_services(model_dir):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
