@@ -339,7 +339,7 @@ def main(argv=None) -> int:
         "--curriculum",
         type=float,
         default=0.3,
-        help="fraction of training over which documents per prompt ramp from 1-2 to --min/--max-docs (0 = off)",
+        help="fraction of training over which documents per prompt ramp from 2-3 to --min/--max-docs (0 = off)",
     )
     p.add_argument(
         "--filler-ramp",

@@ -121,13 +121,6 @@ class _EntryReceiver:
             self.post_layer(layer)
 
 
-def post_receive_entry(engine: Engine, body_tokens: int, local_start: int, src: int) -> SpanData:
-    """Post async receives for one entry from `src`; the SpanData's layers wait on first use."""
-    rx = _EntryReceiver(engine, body_tokens, local_start, src)
-    rx.post_all()
-    return rx.data
-
-
 def streams_layers(engine: Engine) -> bool:
     """Whether the model builds a batch of entries layer by layer with a callback
     (HybridLM.build_span_data(on_layer=...)): then a scatter worker sends each layer of a batch as

@@ -34,9 +34,7 @@ def use_fast_kernels(t: torch.Tensor) -> bool:
 
 @functools.cache
 def fla_available() -> bool:
-    from hybridcache.kernels.ops.gated_delta_rule.fla_entry import fla_available as probe
-
-    return probe()
+    return fla_has("fla.ops.gated_delta_rule")
 
 
 def gated_delta_rule(q, k, v, g, beta, initial_state, output_transition: bool):

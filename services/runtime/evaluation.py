@@ -51,7 +51,7 @@ RUNS: dict[str, tuple[str, int]] = {
     "pic_w16": ("pic", 16),
     "naive": ("naive", 8),
 }
-# prefix-policy run name -> EngineConfig prefix settings (mode "prefix"; warm-up = the same prompt)
+# prefix-policy run name -> EngineConfig prefix settings (mode "prefix"; warm-up = another question)
 PREFIX_POLICY_RUNS: dict[str, dict] = {
     "prefix_exact": dict(prefix_policy="exact_replay", checkpoint_every=4),
     "prefix_ckpt": dict(prefix_policy="checkpoint", checkpoint_every=4),
@@ -68,7 +68,7 @@ WARM_QUESTION = "Which of these documents is the longest?"  # shares the prompt 
 
 
 def run_config(name: str):
-    """The EngineConfig of a run name (RUNS or PREFIX_POLICY_RUNS)."""
+    """The EngineConfig of a run name (RUNS, PREFIX_POLICY_RUNS or SINGLE_STATE_RUNS)."""
     from hybridcache.services.runtime.engine import EngineConfig
 
     if name in PREFIX_POLICY_RUNS:

@@ -16,14 +16,6 @@ from __future__ import annotations
 import torch
 
 
-def fla_available() -> bool:
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def chunk_gated_delta_rule_entry(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -13,9 +13,7 @@ from __future__ import annotations
 import functools
 
 import torch
-
-# Below this many tokens fla's fused recurrent kernel beats its chunked one (decode, seam windows).
-SHORT_RUN = 16
+from hybridcache.kernels.ops.simple_gla.fla_entry import SHORT_RUN
 
 
 def kda_fla(q, k, v, g, beta, scale=None, initial_state=None, output_transition: bool = False):
