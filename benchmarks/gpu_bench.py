@@ -128,22 +128,26 @@ def compose_figures(cfg, figures, n_seg=32):
         figures[f"compose_rel_err_vs_torch{tag}"] = float(f"{((out - ref).norm() / ref.norm()).item():.3g}")
         if dtype != torch.bfloat16:
             continue
-        # Variants of the kernel for bf16 entries (the default is tf32x3, 64 columns per program):
-        # one TF32 pass keeps more than bf16's 8-bit mantissa of T and S, and 128 columns per
-        # program read each T once. Time and error of each, for choosing the default.
-        for prec, bv in (("tf32", 64), ("tf32x3", 128), ("tf32", 128)):
+        # Variants of the kernel for bf16 entries (the default: one TF32 pass, 128 columns per
+        # program, 8 warps, Triton's default stages): time and error of each.
+        variants = [("tf32x3", 64, 8, 0), ("tf32x3", 128, 8, 0), ("tf32", 64, 8, 0)]
+        variants += [("tf32", 128, w, st) for w, st in ((4, 0), (8, 1), (8, 2), (16, 0), (16, 2))]
+        for prec, bv, nw, st in variants:
+            name = f"{prec}_bv{bv}" + (f"_w{nw}" if nw != 8 else "") + (f"_s{st}" if st else "")
             try:
                 t_v, out_v = timed(
-                    lambda T=T, S=S, prec=prec, bv=bv: compose_states_fwd(T, S, h0, block_v=bv, dot_precision=prec),
+                    lambda T=T, S=S, prec=prec, bv=bv, nw=nw, st=st: compose_states_fwd(
+                        T, S, h0, block_v=bv, dot_precision=prec, num_warps=nw, num_stages=st or None
+                    ),
                     repeat=20,
                     warmup=3,
                 )
             except Exception as e:  # noqa: BLE001 (a variant that does not compile must not cost the others)
-                figures[f"compose_{prec}_bv{bv}_error"] = f"{type(e).__name__}: {e}"[:200]
+                figures[f"compose_{name}_error"] = f"{type(e).__name__}: {e}"[:200]
                 continue
-            figures[f"compose_us_per_segment_{prec}_bv{bv}"] = round(t_v * 1e3 / n_seg, 2)
+            figures[f"compose_us_per_segment_{name}"] = round(t_v * 1e3 / n_seg, 2)
             err = ((out_v - ref).norm() / ref.norm()).item()
-            figures[f"compose_rel_err_vs_torch_{prec}_bv{bv}"] = float(f"{err:.3g}")
+            figures[f"compose_rel_err_vs_torch_{name}"] = float(f"{err:.3g}")
 
 
 def build_entries(model, segs):

@@ -249,3 +249,36 @@ def test_single_state_entry_policy_is_a_config_option(qwen35_dir):
     assert torch.equal(a, b)
     assert (a - c).abs().max().item() > 1e-4  # dropping T changes the answer's logits
     assert single.entry_key(segs[0]) != exact.entry_key(segs[0])
+
+
+def test_coalesce_live_runs_keeps_snapshot_boundaries():
+    from hybridcache.services.runtime.engine import coalesce_live_runs
+
+    t = torch.arange(10)
+    layout = [LiveRun(t[:3], 0), LiveRun(t[3:5], 3), LiveRun(t[5:7], 5), LiveRun(t[7:], 7)]
+    out, keep, boundary = coalesce_live_runs(layout, {1}, {0: 0, 1: 1, 2: 2, 3: 3})
+    assert [(p.start, p.end) for p in out] == [(0, 5), (5, 10)]
+    assert torch.equal(torch.cat([p.token_ids for p in out]), t)
+    assert keep == {0} and boundary == {0: 1, 1: 3}
+    # a recorded run and a gap in positions are never merged
+    rec = [LiveRun(t[:3], 0), LiveRun(t[3:], 3, record="entry"), LiveRun(t[:2], 20)]
+    assert len(coalesce_live_runs(rec, set(), {})[0]) == 3
+
+
+def test_full_mode_runs_all_parts_as_one_live_run(qwen35_dir, monkeypatch):
+    """Mode full with several segments: one live run through the model, logits equal to a plain
+    forward of the whole prompt."""
+    eng = engine(qwen35_dir, mode="full")
+    req = eng.parse_request(rag_request(5))
+    seen = []
+    real = eng.model.forward_layout
+
+    def spy(state, layout, *a, **k):
+        seen.append(len(layout))
+        return real(state, layout, *a, **k)
+
+    monkeypatch.setattr(eng.model, "forward_layout", spy)
+    pre = eng.prefill(req)
+    assert seen == [1]
+    ref, _ = real(eng.model.empty_state(), [LiveRun(torch.tensor(req.prompt_ids), 0)], "last")
+    assert rel(pre.logits.flatten(), ref.flatten()) < 1e-5

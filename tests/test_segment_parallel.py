@@ -125,3 +125,31 @@ def test_combine_share_shifts_work_off_rank_0():
     shifted = assign(lengths, 2, "lpt", rank0_queue=0.25 * sum(lengths))
     assert even.count(0) == 8
     assert shifted.count(0) < even.count(0)
+
+
+def test_pack_and_unpack_round_trip_mixed_dtypes_and_odd_sizes():
+    import pytest
+    import torch
+    from hybridcache.services.parallel.segment_parallel import pack, packed_bytes, unpack_views
+
+    torch.manual_seed(0)
+    tensors = [
+        torch.randn(1, 3, 5, 5),  # fp32, 300 bytes: padded
+        torch.randn(1, 7, 3).bfloat16(),  # 42 bytes: padded
+        torch.randn(2, 1, 9, 4).bfloat16(),
+        torch.randn(1, 3, 5, 7),
+    ]
+    specs = [(tuple(t.shape), t.dtype) for t in tensors]
+    buf = pack(tensors)
+    assert buf.dtype == torch.uint8 and buf.numel() == packed_bytes(specs)
+    assert buf.numel() % 16 == 0 and buf.numel() > sum(t.numel() * t.element_size() for t in tensors)
+    views = unpack_views(buf.clone(), specs)
+    for t, v in zip(tensors, views):
+        assert v.dtype == t.dtype and v.shape == t.shape
+        assert torch.equal(v, t)
+    # non-contiguous input is packed by value
+    nc = torch.randn(6, 4).t()
+    (v,) = unpack_views(pack([nc]), [((4, 6), torch.float32)])
+    assert torch.equal(v, nc)
+    with pytest.raises(ValueError, match="packed buffer"):
+        unpack_views(buf[:-16], specs)

@@ -13,6 +13,7 @@ assembly overlaps the other workers' builds and transfers.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,16 +25,30 @@ from hybridcache.services.runtime.engine import Engine, Request, entry_batches
 from hybridcache.services.runtime.sequence import AttnSpan, CachedSpan, LinearSpan, LiveRun, SpanData
 
 
-class ArrivingLayers(Mapping):
-    """layer -> LinearSpan / AttnSpan whose tensors are receive buffers; indexing waits for them."""
+class _Message:
+    """One posted receive (a packed buffer of several tensors); waited for once, on first use."""
 
-    def __init__(self, spans: dict, works: dict):
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+class ArrivingLayers(Mapping):
+    """layer -> LinearSpan / AttnSpan whose tensors are views of receive buffers; indexing a layer
+    waits for the message that carries it."""
+
+    def __init__(self, spans: dict, messages: dict):
         self._spans = spans
-        self._works = works  # layer -> [Work]
+        self._messages = messages  # layer -> _Message
 
     def __getitem__(self, layer):
-        for w in self._works.pop(layer, ()):
-            w.wait()
+        msg = self._messages.get(layer)
+        if msg is not None:
+            msg.wait()
         return self._spans[layer]
 
     def __iter__(self):
@@ -63,6 +78,47 @@ def entry_tensor_specs(engine: Engine, body_tokens: int):
     return out
 
 
+_ALIGN = 16  # bytes: every tensor of a packed message starts at a multiple of this
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _padded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def pack(tensors) -> torch.Tensor:
+    """The tensors' bytes back to back in one uint8 buffer, each padded to _ALIGN bytes: one send
+    instead of one per tensor (per-tensor sends cost a launch and a wait each)."""
+    parts = []
+    for t in tensors:
+        b = t.contiguous().reshape(-1).view(torch.uint8)
+        parts.append(b)
+        pad = _padded(b.numel()) - b.numel()
+        if pad:
+            parts.append(b.new_zeros(pad))
+    return torch.cat(parts)
+
+
+def unpack_views(buf: torch.Tensor, specs) -> list[torch.Tensor]:
+    """Views of `buf` (filled by pack of tensors with these (shape, dtype) specs) as those tensors."""
+    need = packed_bytes(specs)
+    if need != buf.numel():
+        raise ValueError(f"packed buffer holds {buf.numel()} bytes, the specs need {need}")
+    out, off = [], 0
+    for shape, dtype in specs:
+        n = _nbytes(shape, dtype)
+        out.append(buf[off : off + n].view(dtype).view(shape))
+        off += _padded(n)
+    return out
+
+
+def packed_bytes(specs) -> int:
+    return sum(_padded(_nbytes(shape, dtype)) for shape, dtype in specs)
+
+
 def _layer_tensors(data: SpanData, layer: int):
     """One layer's tensors of an entry in send order; T and S as fp32 (the receiver's buffers are)."""
     if layer in data.linear:
@@ -72,53 +128,47 @@ def _layer_tensors(data: SpanData, layer: int):
     return [a.k, a.v]
 
 
-def _entry_tensors(data: SpanData):
-    """The tensors of an entry in send order: layer by layer."""
-    for layer in sorted(set(data.linear) | set(data.attn)):
-        yield from _layer_tensors(data, layer)
+class _EntryLayout:
+    """Where an entry's tensors live once received: views into packed message buffers."""
 
-
-def send_entry(data: SpanData, dst: int) -> list:
-    """Post async sends of every tensor of an entry to rank `dst`, layer by layer; returns the works."""
-    return [dist.isend(t.contiguous(), dst=dst) for t in _entry_tensors(data)]
-
-
-class _EntryReceiver:
-    """Receive buffers of one entry; receives are posted layer by layer (`post_layer`) in the
-    order the sender sends, and the SpanData's layers wait for theirs on first use."""
-
-    def __init__(self, engine: Engine, body_tokens: int, local_start: int, src: int):
-        self.src = src
+    def __init__(self, engine: Engine, body_tokens: int, local_start: int):
         self.specs: dict[int, list] = {}
         for layer, name, shape, dtype in entry_tensor_specs(engine, body_tokens):
             self.specs.setdefault(layer, []).append((name, shape, dtype))
-        device = engine.model.device
-        self.buf = {
-            (layer, name): torch.empty(shape, dtype=dtype, device=device)
-            for layer, specs in self.specs.items()
-            for name, shape, dtype in specs
-        }
-        self.lw: dict[int, list] = {}
-        self.aw: dict[int, list] = {}
+        self.tensors: dict[tuple[int, str], torch.Tensor] = {}
+        self.lm: dict[int, _Message] = {}
+        self.am: dict[int, _Message] = {}
+        self.body_tokens, self.local_start = body_tokens, local_start
+
+    def layer_specs(self, layer: int):
+        return [(shape, dtype) for _, shape, dtype in self.specs[layer]]
+
+    def bind(self, layer: int, views: list[torch.Tensor], msg: _Message) -> None:
+        for (name, _, _), t in zip(self.specs[layer], views):
+            self.tensors[(layer, name)] = t
+        (self.lm if self.specs[layer][0][0] == "T" else self.am)[layer] = msg
+
+    def data(self, engine: Engine) -> SpanData:
         linear, attn = {}, {}
+        t = self.tensors
         for layer, kind in enumerate(engine.cfg.layer_types):
-            b = self.buf
             if kind == "linear_attention":
-                linear[layer] = LinearSpan(b[(layer, "T")], b[(layer, "S")], b[(layer, "conv_tail")])
+                linear[layer] = LinearSpan(t[(layer, "T")], t[(layer, "S")], t[(layer, "conv_tail")])
             else:
-                attn[layer] = AttnSpan(b[(layer, "k")], b[(layer, "v")])
-        self.data = SpanData(
-            body_tokens, local_start, ArrivingLayers(linear, self.lw), ArrivingLayers(attn, self.aw)
+                attn[layer] = AttnSpan(t[(layer, "k")], t[(layer, "v")])
+        return SpanData(
+            self.body_tokens, self.local_start, ArrivingLayers(linear, self.lm), ArrivingLayers(attn, self.am)
         )
 
-    def post_layer(self, layer: int) -> None:
-        for name, _, _ in self.specs[layer]:
-            work = dist.irecv(self.buf[(layer, name)], src=self.src)
-            (self.lw if name in ("T", "S", "conv_tail") else self.aw).setdefault(layer, []).append(work)
 
-    def post_all(self) -> None:
-        for layer in sorted(self.specs):
-            self.post_layer(layer)
+def _post(engine: Engine, group: list[tuple[_EntryLayout, int]], src: int) -> None:
+    """Post one receive for the layers `group` lists ((entry, layer) in send order)."""
+    specs = [s for lay, layer in group for s in lay.layer_specs(layer)]
+    buf = torch.empty(packed_bytes(specs), dtype=torch.uint8, device=engine.model.device)
+    msg = _Message(dist.irecv(buf, src=src))
+    views = iter(unpack_views(buf, specs))
+    for lay, layer in group:
+        lay.bind(layer, [next(views) for _ in lay.specs[layer]], msg)
 
 
 def streams_layers(engine: Engine) -> bool:
@@ -129,38 +179,43 @@ def streams_layers(engine: Engine) -> bool:
 
 
 def build_and_send(engine: Engine, segments: list[list[int]], dst: int) -> list:
-    """Build the entries of `segments` and send them to `dst`. Streaming models: in entry_batches
-    order, each batch's layer i sent for every segment of the batch as soon as it is computed;
-    others: entry by entry after each build. Returns the send works. `post_receives` mirrors it."""
+    """Build the entries of `segments` and send them to `dst`, one packed message per (batch,
+    layer) for streaming models (in entry_batches order, each batch's layer i for every segment of
+    the batch as soon as it is computed), one per entry (all layers) for others. Returns
+    (work, buffer) pairs; the buffers must live until the works complete. `post_receives` mirrors it."""
     w = engine.config.seam_window
+    n_layers = engine.cfg.num_hidden_layers
     if not streams_layers(engine):
-        return [wk for e in engine.build_entries(segments) for wk in send_entry(e.data, dst)]
-    works = []
+        out = []
+        for e in engine.build_entries(segments):
+            buf = pack(t for layer in range(n_layers) for t in _layer_tensors(e.data, layer))
+            out.append((dist.isend(buf, dst=dst), buf))
+        return out
+    out = []
 
     def on_layer(layer, datas):
-        for data in datas:
-            works.extend(dist.isend(t.contiguous(), dst=dst) for t in _layer_tensors(data, layer))
+        buf = pack(t for data in datas for t in _layer_tensors(data, layer))
+        out.append((dist.isend(buf, dst=dst), buf))
 
     for batch in entry_batches([len(s) for s in segments], engine.config.entry_batch_tokens):
         engine.model.build_span_data([segments[i] for i in batch], w, on_layer=on_layer)
-    return works
+    return out
 
 
 def post_receives(engine: Engine, segments: list[list[int]], src: int) -> list[SpanData]:
     """Post the receives for what build_and_send(engine, segments, ...) sends from `src`, in the
     same order; returns the entries' SpanData (in `segments` order), whose layers wait on first use."""
     w = engine.config.seam_window
-    rxs = [_EntryReceiver(engine, len(s) - w, w, src) for s in segments]
-    if not streams_layers(engine):
-        for rx in rxs:
-            rx.post_all()
-        return [rx.data for rx in rxs]
+    lays = [_EntryLayout(engine, len(s) - w, w) for s in segments]
     layers = range(engine.cfg.num_hidden_layers)
-    for batch in entry_batches([len(s) for s in segments], engine.config.entry_batch_tokens):
-        for layer in layers:
-            for i in batch:
-                rxs[i].post_layer(layer)
-    return [rx.data for rx in rxs]
+    if not streams_layers(engine):
+        for lay in lays:
+            _post(engine, [(lay, layer) for layer in layers], src)
+    else:
+        for batch in entry_batches([len(s) for s in segments], engine.config.entry_batch_tokens):
+            for layer in layers:
+                _post(engine, [(lays[i], layer) for i in batch], src)
+    return [lay.data(engine) for lay in lays]
 
 
 @dataclass
@@ -169,8 +224,7 @@ class ColdResult:
     first_token: int
     assignment: list[int]
     scatter_s: dict[int, float] = field(default_factory=dict)  # build time per rank (rank 0 only knows its own)
-    combine_s: float = 0.0
-    wait_s: float = 0.0  # rank 0 time between its own builds ending and the forward's end, minus compute
+    combine_s: float = 0.0  # rank 0: end of its own builds to the first token (waits for arrivals included)
 
 
 def assign(costs: list[float], workers: int, policy: str, rank0_queue: float = 0.0) -> list[int]:
@@ -185,6 +239,11 @@ def assign(costs: list[float], workers: int, policy: str, rank0_queue: float = 0
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _sync_compute(device):
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 @torch.no_grad()
@@ -221,7 +280,7 @@ def run_cold_request(
         if rank < workers:
             mine = [i for i in order if owner[i] == rank]
             works = build_and_send(engine, [segs[i] for i in mine], dst=0)
-        for wk in works:
+        for wk, _buf in works:
             wk.wait()
         _sync(device)
         dist.barrier()
@@ -234,12 +293,14 @@ def run_cold_request(
     mine = [i for i in order if owner[i] == 0]
     for i, entry in zip(mine, engine.build_entries([segs[i] for i in mine])):
         datas[i] = entry.data
+    # Only the compute stream: a device-wide sync would also wait for the receives just posted,
+    # i.e. for the other workers' last layers, and the combine could not overlap their builds.
+    _sync_compute(device)
+    t_built = time.perf_counter()
     for src in range(1, workers):
         theirs = [i for i in order if owner[i] == src]
         for i, data in zip(theirs, post_receives(engine, [segs[i] for i in theirs], src)):
             datas[i] = data
-    _sync(device)
-    t_built = time.perf_counter()
     layout, pos = [], 0
     if req.system_ids:
         layout.append(LiveRun(torch.tensor(req.system_ids), 0))

@@ -480,6 +480,7 @@ class Engine:
             is_ckpt = self.page_policy.is_checkpoint_position
             snapshot_after |= {i for i, p in enumerate(layout) if p.end <= exact_end and is_ckpt(p.end)}
         snapshot_after.discard(len(layout) - 1)
+        layout, snapshot_after, boundary = coalesce_live_runs(layout, snapshot_after, boundary)
         capture = recorder.capture_layers if recorder is not None else ()
         logits, rec = self.model.forward_layout(state, layout, "last", snapshot_after, capture)
         if cfg.uses_entries:
@@ -552,6 +553,33 @@ class Engine:
                 ids.append(tok)
             text.append(delta)
         return GenerateResult("".join(text), ids, req.prompt_ids, gen.finish_reason, gen.prefill.stats)
+
+
+def coalesce_live_runs(layout: list, keep: set[int], boundary: dict[int, int]):
+    """Merge adjacent live runs into one where no state is needed between them (`keep`: layout
+    indices whose state after is snapshot). A prompt of several parts that all run live (mode
+    `full`, or cold parts without a cache) is then one run per layer instead of one per part: the
+    same result, far fewer launches. Returns the new layout, `keep` and `boundary` re-indexed
+    (a boundary inside a merged run is dropped: nothing was kept there)."""
+    out: list = []
+    where: dict[int, int] = {}
+    for i, piece in enumerate(layout):
+        prev = out[-1] if out else None
+        if (
+            isinstance(piece, LiveRun)
+            and isinstance(prev, LiveRun)
+            and piece.record is None
+            and prev.record is None
+            and prev.end == piece.start
+            and (i - 1) not in keep
+        ):
+            out[-1] = LiveRun(torch.cat([prev.token_ids, piece.token_ids]), prev.start)
+            # index i - 1 no longer ends a piece
+            where.pop(i - 1, None)
+        else:
+            out.append(piece)
+        where[i] = len(out) - 1
+    return out, {where[i] for i in keep}, {where[i]: j for i, j in boundary.items() if i in where}
 
 
 class Generation:

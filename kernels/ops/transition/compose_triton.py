@@ -73,6 +73,8 @@ def compose_states_fwd(
     block_v: int | None = None,
     dot_precision: str | None = None,
     output_all: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ):
     """Fold n segments into a running state: S_end = T_n(...(T_1 S_start + S_1)...) + S_n.
 
@@ -80,9 +82,14 @@ def compose_states_fwd(
         T: [N, G, K, K] transitions, segment-major (G = layers x heads flattened), bf16 or fp32.
         S: [N, G, K, V] zero-start states S(body|0), same dtype family.
         initial_state: [G, K, V] running state before the first segment (zeros if None).
-        block_v: columns of S per program (default: all of V on CPU, 64 on GPU).
-        dot_precision: Triton tl.dot input precision; default "tf32x3" on GPU (fp32-level
-            accuracy at tensor-core speed), "ieee" under the interpreter.
+        block_v: columns of S per program (default: all of V on CPU; on GPU 128 for bf16
+            entries, so each T is read once, and 64 for fp32 entries).
+        dot_precision: Triton tl.dot input precision. Default under the interpreter: "ieee". On
+            GPU: "tf32x3" (fp32-level accuracy at tensor-core speed) for fp32 entries and "tf32"
+            for bf16 entries: one TF32 pass keeps a 10-bit mantissa, more than the entries' own 8
+            bits, at half the time (gpu_bench: 26.7 against 50.6 us per segment at Qwen3.5-9B's
+            shape on an H200, relative error 2.2e-3 against fp32 math on the same bf16 entries).
+        num_warps, num_stages: Triton launch options (defaults: 8 warps for K >= 128 on GPU).
 
         output_all: also return the state after every segment, [N, G, K, V] fp32.
 
@@ -100,11 +107,14 @@ def compose_states_fwd(
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     on_gpu = S.is_cuda
+    half = T.dtype in (torch.bfloat16, torch.float16) and S.dtype in (torch.bfloat16, torch.float16)
     BK = max(16, triton.next_power_of_2(K))
     BV = block_v or max(16, triton.next_power_of_2(V))
     if on_gpu and block_v is None:
-        BV = min(64, BV)
-    precision = dot_precision or ("tf32x3" if on_gpu else "ieee")
+        BV = min(128 if half and BK <= 128 else 64, BV)
+    if dot_precision is None:
+        dot_precision = ("tf32" if half else "tf32x3") if on_gpu else "ieee"
+    precision = dot_precision
     ht = torch.empty(G, K, V, dtype=torch.float32, device=S.device)
     hs = torch.empty(N, G, K, V, dtype=torch.float32, device=S.device) if output_all else None
     grid = (G, triton.cdiv(V, BV))
@@ -121,6 +131,7 @@ def compose_states_fwd(
         BK=BK,
         BV=BV,
         DOT_PRECISION=precision,
-        num_warps=8 if on_gpu and BK >= 128 else 4,
+        num_warps=num_warps or (8 if on_gpu and BK >= 128 else 4),
+        **({"num_stages": num_stages} if num_stages else {}),
     )
     return (ht, hs) if output_all else ht
