@@ -229,7 +229,7 @@ def qps_figures(args, seg, figures, detail):
     (the whole trace's times are in the detail)."""
     pool_rng = random.Random(2)
     pool = [rand_ids(pool_rng, seg) for _ in range(64)]
-    n_req = 12 if args.quick else 48
+    n_req = 12 if args.quick else args.trace_requests
     trace = trace_requests(3, n_req, pool, hi=8 if args.quick else 32)
     warm = trace_requests(4, 1, [rand_ids(pool_rng, seg) for _ in range(8)], lo=8, hi=8)
     if torch.cuda.is_available():
@@ -376,6 +376,7 @@ def main(argv=None):
         "1-worker run's combine / build time)",
     )
     ap.add_argument("--qps-only", action="store_true", help="only the pic-vs-prefix QPS figures (one GPU)")
+    ap.add_argument("--trace-requests", type=int, default=48, help="requests in the QPS trace (the second half is timed)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     grpc_gbps = grpc_loopback_gbps()
