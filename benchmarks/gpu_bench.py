@@ -255,6 +255,51 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
     )
 
 
+def shape_churn_figures(model, cfg, figures, n_seg=8, fresh=4, steps=16):
+    """What a never-seen shape costs: pic assemblies whose question length (so live-token count
+    and context length) is new, and decode steps (each a new context length), under torch's own
+    SDPA backend choice (cuDNN included) and under the engine's default (flash, efficient, math)."""
+    from hybridcache.services.runtime import backends
+    from hybridcache.services.runtime.sequence import LiveRun
+
+    gen = torch.Generator().manual_seed(99)
+    segs = [torch.randint(0, cfg.vocab_size, (SEG,), generator=gen) for _ in range(n_seg)]
+    entries = build_entries(model, segs)
+    old = os.environ.get("HYBRIDCACHE_SDPA_BACKENDS")
+    base = 40
+    try:
+        for tag, spec in (("torch", "torch"), ("default", backends.DEFAULT_SDPA_BACKENDS)):
+            os.environ["HYBRIDCACHE_SDPA_BACKENDS"] = spec
+            backends.sdpa_backends.cache_clear()
+            first, again = [], []
+            for i in range(fresh):
+                q = torch.randint(0, cfg.vocab_size, (base + i,), generator=gen)
+                for times in (first, again):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    model.forward_layout(model.empty_state(), pic_layout(segs, entries, q), "last")
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+            base += fresh
+            figures[f"pic_ms_new_shape_8x1k_sdpa_{tag}"] = round(statistics.median(first), 2)
+            figures[f"pic_ms_same_shape_8x1k_sdpa_{tag}"] = round(statistics.median(again), 2)
+            state = model.empty_state()
+            logits, _ = model.forward_layout(state, [LiveRun(torch.cat(segs[:2]), 0)], "last")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = logits.argmax().view(1).cpu()
+                logits, _ = model.forward_layout(state, [LiveRun(tok, state.length)], "last")
+            torch.cuda.synchronize()
+            figures[f"decode_tokens_per_s_batch1_sdpa_{tag}"] = round(steps / (time.perf_counter() - t0), 1)
+    finally:
+        if old is None:
+            os.environ.pop("HYBRIDCACHE_SDPA_BACKENDS", None)
+        else:
+            os.environ["HYBRIDCACHE_SDPA_BACKENDS"] = old
+        backends.sdpa_backends.cache_clear()
+
+
 def decode_figures(model, cfg, figures, prompt=1024, steps=32):
     from hybridcache.services.runtime.sequence import LiveRun
 
@@ -417,6 +462,7 @@ def main(argv=None):
     for n_seg in [2] if args.quick else [8, 32]:
         section(f"ttft_{n_seg}x1k", ttft_figures, model, cfg, n_seg, figures, numerics)
     section("decode", decode_figures, model, cfg, figures)
+    section("shape_churn", shape_churn_figures, model, cfg, figures)
     if numerics:
         figures["pic_vs_full_top1_agreement"] = statistics.mean(x["top1_agree"] for x in numerics)
         figures["pic_vs_full_state_rel_err_max"] = float(f"{max(x['state_rel_err_max'] for x in numerics):.3g}")

@@ -376,7 +376,9 @@ def main(argv=None):
         "1-worker run's combine / build time)",
     )
     ap.add_argument("--qps-only", action="store_true", help="only the pic-vs-prefix QPS figures (one GPU)")
-    ap.add_argument("--trace-requests", type=int, default=48, help="requests in the QPS trace (the second half is timed)")
+    ap.add_argument(
+        "--trace-requests", type=int, default=48, help="requests in the QPS trace (the second half is timed)"
+    )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     grpc_gbps = grpc_loopback_gbps()

@@ -152,6 +152,49 @@ def causal_conv1d(x, weight, bias, initial_state, activation):
     return naive_causal_conv1d(x, weight, bias, initial_state, activation)
 
 
+# SDPA backends allowed on CUDA. cuDNN's attention is left out by default: it builds an execution
+# graph for every new shape (hundreds of ms, the SGLang cuDNN backend measured ~400 ms), and every
+# request here has its own context length and live-token count, as does every decode step. Flash
+# and memory-efficient attention have no per-shape setup. HYBRIDCACHE_SDPA_BACKENDS overrides:
+# a comma list of flash, efficient, cudnn, math; or "torch" for torch's own choice.
+_SDPA_NAMES = ("flash", "efficient", "cudnn", "math")
+DEFAULT_SDPA_BACKENDS = "flash,efficient,math"
+
+
+@functools.cache
+def sdpa_backends(spec: str | None = None):
+    """The torch SDPBackend list for a spec (default: HYBRIDCACHE_SDPA_BACKENDS, else
+    DEFAULT_SDPA_BACKENDS); None for "torch" (no restriction)."""
+    from torch.nn.attention import SDPBackend
+
+    spec = spec if spec is not None else os.environ.get("HYBRIDCACHE_SDPA_BACKENDS", DEFAULT_SDPA_BACKENDS)
+    if spec.strip() == "torch":
+        return None
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in _SDPA_NAMES]
+    if bad or not names:
+        raise ValueError(
+            f"HYBRIDCACHE_SDPA_BACKENDS={spec!r}: expected 'torch' or a comma list of {', '.join(_SDPA_NAMES)}"
+        )
+    table = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    return [table[n] for n in names]
+
+
+def _sdpa(q, k, v, **kw):
+    allowed = sdpa_backends() if q.is_cuda else None
+    if allowed is None:
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(allowed):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 def attention(q, k, v, live_pos: torch.Tensor, scale: float):
     """Live queries q [1, Hq, n, d] (absolute positions live_pos [n], ascending) over all keys
     k, v [1, Hkv, N, d] at positions 0..N-1. GQA when Hq != Hkv. Returns [1, Hq, n, d]."""
@@ -161,19 +204,24 @@ def attention(q, k, v, live_pos: torch.Tensor, scale: float):
         # The live tokens are the last n keys (prefill, prefix-cache resume, decode): causal,
         # aligned bottom-right, through the fused kernels; no [n, N] mask is built.
         if n == 1:
-            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+            return _sdpa(q, k, v, scale=scale, enable_gqa=gqa)
         if gqa and q.is_cuda:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             gqa = False
         if n == N:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            return _sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         if q.is_cuda:
             # imported here: this module pulls in torch's compiler stack (and Triton)
             from torch.nn.attention.bias import causal_lower_right
 
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, N), scale=scale)
-    # Live tokens interleaved with cached spans (seams): an explicit mask, n x N booleans.
+            return _sdpa(q, k, v, attn_mask=causal_lower_right(n, N), scale=scale)
+    # Live tokens interleaved with cached spans (seams): an explicit mask, n x N booleans. On CUDA
+    # the KV heads are repeated so the masked call can use memory-efficient attention.
+    if gqa and q.is_cuda:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = False
     key_pos = torch.arange(N, device=q.device)
     mask = key_pos[None, :] <= live_pos[:, None]  # [n, N]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return _sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

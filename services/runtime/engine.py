@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.cache import (
     POLICIES,
     EntryStore,
@@ -227,6 +228,8 @@ class Engine:
             if tid is not None and t != "<|im_start|>":
                 eos.add(tid)
         self.eos_ids = frozenset(eos)
+        if getattr(model, "device", torch.device("cpu")).type == "cuda":
+            backends.sdpa_backends()  # a bad HYBRIDCACHE_SDPA_BACKENDS fails here, not in a request
 
     @classmethod
     def from_dir(cls, path: str | Path, device: str = "cpu", dtype=torch.float32, config: EngineConfig | None = None):

@@ -1,0 +1,75 @@
+"""backends.attention: SDPA backend selection (HYBRIDCACHE_SDPA_BACKENDS) and its three paths
+(decode, bottom-right causal, seams interleaved with cached spans) against explicit softmax
+attention, GQA included."""
+
+import pytest
+import torch
+from hybridcache.services.runtime import backends
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backends(monkeypatch):
+    backends.sdpa_backends.cache_clear()
+    yield
+    backends.sdpa_backends.cache_clear()
+
+
+def test_default_backends_leave_out_cudnn(monkeypatch):
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.delenv("HYBRIDCACHE_SDPA_BACKENDS", raising=False)
+    allowed = backends.sdpa_backends()
+    assert SDPBackend.CUDNN_ATTENTION not in allowed
+    assert allowed == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def test_backends_from_the_environment(monkeypatch):
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.setenv("HYBRIDCACHE_SDPA_BACKENDS", "torch")
+    assert backends.sdpa_backends() is None
+    backends.sdpa_backends.cache_clear()
+    monkeypatch.setenv("HYBRIDCACHE_SDPA_BACKENDS", " cudnn, math ")
+    assert backends.sdpa_backends() == [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+
+
+@pytest.mark.parametrize("spec", ["fast", "flash,,nope", ","])
+def test_bad_backend_spec_is_a_clear_error(monkeypatch, spec):
+    monkeypatch.setenv("HYBRIDCACHE_SDPA_BACKENDS", spec)
+    with pytest.raises(ValueError, match="HYBRIDCACHE_SDPA_BACKENDS"):
+        backends.sdpa_backends()
+
+
+def reference(q, k, v, live_pos, scale):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1).float(), v.repeat_interleave(rep, 1).float()
+    s = (q.float() @ k.transpose(-1, -2)) * scale
+    keep = torch.arange(k.shape[2], device=q.device)[None, :] <= live_pos[:, None]
+    return (s.masked_fill(~keep, float("-inf")).softmax(-1) @ v).to(q.dtype)
+
+
+def cases(device, dtype):
+    torch.manual_seed(0)
+    hq, hkv, d, N = 8, 2, 64, 301
+    k = torch.randn(1, hkv, N, d, device=device, dtype=dtype)
+    v = torch.randn(1, hkv, N, d, device=device, dtype=dtype)
+    seams = torch.cat([torch.arange(40, 48), torch.arange(150, 158), torch.arange(280, N)])
+    for name, pos in (("decode", torch.tensor([N - 1])), ("tail", torch.arange(N - 37, N)), ("seams", seams)):
+        q = torch.randn(1, hq, len(pos), d, device=device, dtype=dtype)
+        yield name, q, k, v, pos.to(device)
+
+
+def test_attention_paths_match_explicit_softmax_cpu():
+    for name, q, k, v, pos in cases("cpu", torch.float32):
+        out = backends.attention(q, k, v, pos, 0.125)
+        assert (out - reference(q, k, v, pos, 0.125)).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [backends.DEFAULT_SDPA_BACKENDS, "torch"])
+def test_attention_paths_match_explicit_softmax_gpu(monkeypatch, spec):
+    monkeypatch.setenv("HYBRIDCACHE_SDPA_BACKENDS", spec)
+    for name, q, k, v, pos in cases("cuda", torch.bfloat16):
+        out = backends.attention(q, k, v, pos, 0.125)
+        ref = reference(q, k, v, pos, 0.125)
+        assert (out.float() - ref.float()).abs().max().item() < 2e-2, name
