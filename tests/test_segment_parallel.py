@@ -153,3 +153,17 @@ def test_pack_and_unpack_round_trip_mixed_dtypes_and_odd_sizes():
     assert torch.equal(v, nc)
     with pytest.raises(ValueError, match="packed buffer"):
         unpack_views(buf[:-16], specs)
+
+
+def test_stream_batches_send_the_largest_batch_last(qwen35_dir):
+    from hybridcache.services.parallel.segment_parallel import stream_batches
+    from hybridcache.services.runtime.engine import Engine, EngineConfig, entry_batches
+
+    eng = Engine.from_dir(qwen35_dir, config=EngineConfig(mode="pic", seam_window=4, entry_batch_tokens=300))
+    lens = [100] * 7 + [40]
+    segs = [[1] * n for n in lens]
+    plain = entry_batches(lens, 300)
+    ordered = stream_batches(eng, segs)
+    assert sorted(map(sorted, ordered)) == sorted(map(sorted, plain))
+    cost = [len(b) * max(lens[i] for i in b) for b in ordered]
+    assert cost == sorted(cost) and cost[-1] > cost[0]

@@ -3,10 +3,11 @@
 Rank 0 is the combine worker and a scatter worker; ranks 1..m-1 are scatter workers. Cold
 segments are assigned by LPT (or round robin, for comparison) over the workers' queues, rank 0's
 starting with the combine's share of the work; each worker prefills its segments in batches
-(`entry_batches`) and sends each batch's tensors to rank 0 layer by layer as the batched forward
-computes them (NCCL point-to-point between GPUs of one host, gloo between CPU processes). Rank 0
-builds its own share, then posts the receives, in the senders' order, into buffers whose shapes
-it knows from the config and the segment lengths, and folds entries in as they arrive: the
+(`stream_batches`: the largest batch last) and sends each batch's tensors to rank 0 layer by
+layer, one packed message per layer, as the batched forward computes them (NCCL point-to-point
+between GPUs of one host, gloo between CPU processes). Rank 0 builds its own share, then posts
+the receives, in the senders' order, into buffers whose shapes it knows from the config and the
+segment lengths, and folds entries in as they arrive: the
 forward waits for a layer's tensors only when it reaches that layer (`ArrivingLayers`), so
 assembly overlaps the other workers' builds and transfers.
 """
@@ -178,10 +179,20 @@ def streams_layers(engine: Engine) -> bool:
     return getattr(engine.model, "build_span_data", None) is not None
 
 
+def stream_batches(engine: Engine, segments: list[list[int]]) -> list[list[int]]:
+    """entry_batches of `segments` in the order a worker builds and sends them: smallest (padded
+    tokens) first, so the last batch is the largest. The combine rank, done with its own builds,
+    folds layer i of that batch while the worker computes layer i + 1: a long last batch paces
+    its arrivals at about the combine's speed, a short one would leave the whole combine after
+    it."""
+    batches = entry_batches([len(s) for s in segments], engine.config.entry_batch_tokens)
+    return sorted(batches, key=lambda b: len(b) * max(len(segments[i]) for i in b))
+
+
 def build_and_send(engine: Engine, segments: list[list[int]], dst: int) -> list:
-    """Build the entries of `segments` and send them to `dst`, one packed message per (batch,
-    layer) for streaming models (in entry_batches order, each batch's layer i for every segment of
-    the batch as soon as it is computed), one per entry (all layers) for others. Returns
+    """Build the entries of `segments` and send them to `dst`: for streaming models one packed
+    message per (batch, layer), batches in `stream_batches` order, each batch's layer i for all its
+    segments as soon as it is computed; for others one message per entry (all layers). Returns
     (work, buffer) pairs; the buffers must live until the works complete. `post_receives` mirrors it."""
     w = engine.config.seam_window
     n_layers = engine.cfg.num_hidden_layers
@@ -197,7 +208,7 @@ def build_and_send(engine: Engine, segments: list[list[int]], dst: int) -> list:
         buf = pack(t for data in datas for t in _layer_tensors(data, layer))
         out.append((dist.isend(buf, dst=dst), buf))
 
-    for batch in entry_batches([len(s) for s in segments], engine.config.entry_batch_tokens):
+    for batch in stream_batches(engine, segments):
         engine.model.build_span_data([segments[i] for i in batch], w, on_layer=on_layer)
     return out
 
@@ -212,7 +223,7 @@ def post_receives(engine: Engine, segments: list[list[int]], src: int) -> list[S
         for lay in lays:
             _post(engine, [(lay, layer) for layer in layers], src)
     else:
-        for batch in entry_batches([len(s) for s in segments], engine.config.entry_batch_tokens):
+        for batch in stream_batches(engine, segments):
             for layer in layers:
                 _post(engine, [(lays[i], layer) for i in batch], src)
     return [lay.data(engine) for lay in lays]
