@@ -224,15 +224,25 @@ def build_model(seed: int, config: dict | None = None):
 
 def gdn_kernel(use_fla: bool) -> str:
     """Which gated-delta-rule kernel transformers will run. transformers takes fla's whenever fla is
-    importable; fla-core 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (fla #640),
-    so by default fla is hidden (before transformers is imported) and the pure-torch chunked
-    fallback trains."""
+    importable. Without --fla, fla is hidden (before transformers is imported) and the pure-torch
+    chunked fallback trains. With --fla where fla-core refuses one step of its gated backward
+    (Hopper with Triton >= 3.4 and < 3.7.1, fla #640), that step runs in PyTorch
+    (kernels/ops/gated_delta_rule/bwd_dqkwg.py, checked against autograd): "fla+torch-dqkwg"."""
     import importlib.util
 
     if not use_fla:
         sys.modules["fla"] = None
         return "torch"
-    return "fla" if importlib.util.find_spec("fla") is not None else "torch"
+    if importlib.util.find_spec("fla") is None:
+        return "torch"
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1:
+        from hybridcache.kernels.ops.gated_delta_rule.bwd_dqkwg import install_for_fla
+
+        install_for_fla()
+        return "fla+torch-dqkwg"
+    return "fla"
 
 
 def set_gdn_chunk(chunk_size: int) -> None:
