@@ -112,6 +112,13 @@ def summarize(results):
         "ttft_ms": statistics.median(r.ttft_s for r in results) * 1e3,
         "scatter_rank0_ms": statistics.median(r.scatter_s[0] for r in results) * 1e3,
         "combine_ms": statistics.median(r.combine_s for r in results) * 1e3,
+        # the split: when each rank's builds were done, when each sender's last send completed
+        # (ms from the common start), and what each sender moved
+        "scatter_ms_per_rank": {
+            k: statistics.median(r.scatter_s[k] for r in results) * 1e3 for k in results[-1].scatter_s
+        },
+        "sent_ms_per_rank": {k: statistics.median(r.sent_s[k] for r in results) * 1e3 for k in results[-1].sent_s},
+        "sent_mb_per_rank": {k: results[-1].sent_bytes[k] / 2**20 for k in results[-1].sent_bytes},
         "first_token": results[-1].first_token,
         "assignment_counts": [results[-1].assignment.count(w) for w in range(max(results[-1].assignment) + 1)],
     }

@@ -97,9 +97,14 @@ def _stream_worker(rank, world, port, model_dir, out):
         req = eng.parse_request({"segments": segs, "suffix": [9, 8, 7, 6]})
         r = run_cold_request(eng, req, 2, "lpt", combine_share=0.25)
         if rank == 0:
+            from hybridcache.services.parallel.segment_parallel import entry_tensor_specs, packed_bytes
+
             ref = Engine.from_dir(model_dir, config=cfg)
             res = ref.prefill(req)
-            out.put((r.first_token, r.assignment, int(res.logits.argmax())))
+            theirs = [n for n, w in zip(lens, r.assignment) if w == 1]
+            want = sum(packed_bytes([(sh, dt) for _, _, sh, dt in entry_tensor_specs(eng, n - 4)]) for n in theirs)
+            split = (r.scatter_s, r.sent_s, r.sent_bytes, want, r.ttft_s)
+            out.put((r.first_token, r.assignment, int(res.logits.argmax()), split))
     finally:
         dist.destroy_process_group()
 
@@ -112,8 +117,11 @@ def test_streamed_batches_and_combine_share_keep_the_answer(qwen35_dir):
     assert len(batches) > 2 and sorted(i for b in batches for i in b) == list(range(len(lens)))
     assert all(len(b) * max(lens[i] for i in b) <= 200 or len(b) == 1 for b in batches)
 
-    tok, owner, ref = _run_two_ranks(_stream_worker, qwen35_dir)
+    tok, owner, ref, (scatter, sent, sent_bytes, want_bytes, ttft) = _run_two_ranks(_stream_worker, qwen35_dir)
     assert tok == ref
+    # the split: both ranks' build times, rank 1's sends done after its builds, every byte counted
+    assert set(scatter) == {0, 1} and set(sent) == {1} and 0 < scatter[1] <= sent[1] <= ttft
+    assert sent_bytes == {1: want_bytes} and want_bytes > 0
     # rank 0 starts with a quarter of the work queued: it gets fewer tokens than rank 1
     tokens = [sum(n for n, w in zip(lens, owner) if w == k) for k in (0, 1)]
     assert 0 < tokens[0] < tokens[1]

@@ -234,7 +234,9 @@ class ColdResult:
     ttft_s: float
     first_token: int
     assignment: list[int]
-    scatter_s: dict[int, float] = field(default_factory=dict)  # build time per rank (rank 0 only knows its own)
+    scatter_s: dict[int, float] = field(default_factory=dict)  # rank -> its builds done (compute stream)
+    sent_s: dict[int, float] = field(default_factory=dict)  # rank >= 1 -> its last send complete
+    sent_bytes: dict[int, int] = field(default_factory=dict)  # rank >= 1 -> bytes it sent to rank 0
     combine_s: float = 0.0  # rank 0: end of its own builds to the first token (waits for arrivals included)
 
 
@@ -252,6 +254,15 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _gather_split(device, built_s: float, sent_s: float, sent_bytes: int) -> list[list[float]]:
+    """Every rank's (builds done, sends done, bytes sent), seconds from the common start: one
+    all_gather, which also ends the request on every rank."""
+    mine = torch.tensor([built_s, sent_s, float(sent_bytes)], dtype=torch.float64, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
 def _sync_compute(device):
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -262,7 +273,7 @@ def run_cold_request(
     engine: Engine, req: Request, workers: int, policy: str = "lpt", combine_share: float = 0.0
 ) -> ColdResult | None:
     """Serve one all-cold request with `workers` scatter ranks (0..workers-1). Every rank of the
-    group calls this with the same request; ranks >= workers only take part in the barrier.
+    group calls this with the same request; ranks >= workers only take part in the barriers.
 
     `combine_share`: the combine's cost as a fraction of building all the request's segments on one
     worker (measured: benchmarks/segment_parallel.py); rank 0 starts the assignment with that much
@@ -291,10 +302,14 @@ def run_cold_request(
         if rank < workers:
             mine = [i for i in order if owner[i] == rank]
             works = build_and_send(engine, [segs[i] for i in mine], dst=0)
+        _sync_compute(device)
+        t_built = time.perf_counter()
         for wk, _buf in works:
             wk.wait()
         _sync(device)
-        dist.barrier()
+        t_sent = time.perf_counter()
+        sent = sum(buf.numel() for _, buf in works)
+        _gather_split(device, t_built - t0 if works else 0.0, t_sent - t0 if works else 0.0, sent)
         return None
     # rank 0: build its own share first, then post the receives in each sender's order: NCCL
     # receive kernels left pending on the GPU while it computes slow its builds (measured at
@@ -326,11 +341,13 @@ def run_cold_request(
     logits, _ = engine.model.forward_layout(engine.model.empty_state(), layout, "last")
     tok = int(torch.argmax(logits))
     t_end = time.perf_counter()
-    dist.barrier()
+    split = _gather_split(device, t_built - t0, 0.0, 0)
     return ColdResult(
         ttft_s=t_end - t0,
         first_token=tok,
         assignment=owner,
-        scatter_s={0: t_built - t0},
+        scatter_s={r: split[r][0] for r in range(workers)},
+        sent_s={r: split[r][1] for r in range(1, workers)},
+        sent_bytes={r: int(split[r][2]) for r in range(1, workers)},
         combine_s=t_end - t_built,
     )
