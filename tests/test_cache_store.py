@@ -69,3 +69,35 @@ def test_engine_cache_respects_budget(qwen35_dir):
         eng.generate({"segments": [seg], "suffix": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}})
         assert eng.entries.used_bytes <= int(2.5 * one)
     assert len(eng.entries) == 2 and eng.entries.evictions == 3
+
+
+def _snapshot(kv, end, seed):
+    from hybridcache.services.runtime.cache.prefix import PrefixSnapshot
+    from hybridcache.services.runtime.sequence import AttnState, LinearState
+
+    g = torch.Generator().manual_seed(seed)
+    lin = {0: LinearState(torch.randn(1, 2, 4, 4, generator=g), torch.randn(1, 8, 3, generator=g))}
+    attn = {1: AttnState(kv[0][:, :, :end], kv[1][:, :, :end])}  # views of the request's K/V, as prefill keeps
+    return PrefixSnapshot(end, lin, attn, 0)
+
+
+def test_prefix_store_counts_shared_kv_once_and_whole():
+    """Snapshots of one request share its K/V: the budget counts those storages once, in full
+    (a short prefix's view keeps every token alive), and frees them with the last snapshot."""
+    from hybridcache.services.runtime.cache.prefix import PrefixStore
+
+    kv = (torch.zeros(1, 2, 1000, 8), torch.zeros(1, 2, 1000, 8))  # 64,000 bytes each
+    lin_bytes = (2 * 4 * 4 + 8 * 3) * 4
+    store = PrefixStore(10**6)
+    assert store.put("a", _snapshot(kv, 100, 0))
+    assert store.used_bytes == 2 * 64_000 + lin_bytes  # the whole K/V, not 100 tokens of it
+    assert store.put("b", _snapshot(kv, 600, 1))
+    assert store.used_bytes == 2 * 64_000 + 2 * lin_bytes  # shared K/V counted once
+    # a budget that holds one request's K/V and one more small snapshot evicts by what is pinned
+    small = PrefixStore(2 * 64_000 + 2 * lin_bytes)
+    assert small.put("a", _snapshot(kv, 100, 0)) and small.put("b", _snapshot(kv, 600, 1))
+    other = (torch.zeros(1, 2, 10, 8), torch.zeros(1, 2, 10, 8))
+    assert small.put("c", _snapshot(other, 10, 2))
+    assert len(small) == 1 and small.get("c") is not None  # both a and b had to go to free the K/V
+    assert small.used_bytes == 2 * 640 + lin_bytes
+    assert not PrefixStore(10_000).put("x", _snapshot(kv, 1, 3))  # pins more than the whole budget

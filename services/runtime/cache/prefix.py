@@ -40,12 +40,28 @@ class PrefixSnapshot:
         )
 
 
+def _storages(snap: PrefixSnapshot) -> dict[int, int]:
+    """The storages a snapshot keeps alive (data pointer -> bytes). Its attention K/V are views of
+    the whole prompt's K/V, so a snapshot after the first part pins every token of the request."""
+    out: dict[int, int] = {}
+    tensors = [t for s in snap.linear.values() for t in (s.ssm, s.conv)]
+    tensors += [t for a in snap.attn.values() for t in (a.k, a.v)]
+    for t in tensors:
+        st = t.untyped_storage()
+        out[st.data_ptr()] = st.nbytes()
+    return out
+
+
 class PrefixStore:
-    """LRU map chain key -> PrefixSnapshot within a byte budget."""
+    """LRU map chain key -> PrefixSnapshot within a byte budget. The budget counts the storages
+    the snapshots keep alive, each once however many snapshots share it (the snapshots of one
+    request share its K/V), not the sizes of their views."""
 
     def __init__(self, capacity_bytes: int):
         self._capacity = capacity_bytes
         self._items: OrderedDict[str, PrefixSnapshot] = OrderedDict()
+        self._held: dict[str, dict[int, int]] = {}  # key -> its storages
+        self._refs: dict[int, int] = {}  # storage -> snapshots holding it
         self._used = 0
         self._lock = threading.Lock()
 
@@ -56,17 +72,30 @@ class PrefixStore:
                 self._items.move_to_end(key)
             return snap
 
+    def _release(self, key: str) -> None:
+        self._items.pop(key)
+        for ptr, size in self._held.pop(key).items():
+            self._refs[ptr] -= 1
+            if not self._refs[ptr]:
+                del self._refs[ptr]
+                self._used -= size
+
     def put(self, key: str, snap: PrefixSnapshot) -> bool:
         with self._lock:
-            if snap.nbytes > self._capacity:
+            held = _storages(snap)
+            if sum(held.values()) > self._capacity:
                 return False
             if key in self._items:
-                self._used -= self._items.pop(key).nbytes
-            while self._used + snap.nbytes > self._capacity:
-                _, old = self._items.popitem(last=False)
-                self._used -= old.nbytes
+                self._release(key)
+            while self._items and self._used + sum(n for p, n in held.items() if p not in self._refs) > self._capacity:
+                self._release(next(iter(self._items)))
             self._items[key] = snap
-            self._used += snap.nbytes
+            self._held[key] = held
+            for ptr, size in held.items():
+                if ptr not in self._refs:
+                    self._refs[ptr] = 0
+                    self._used += size
+                self._refs[ptr] += 1
             return True
 
     def __len__(self) -> int:
