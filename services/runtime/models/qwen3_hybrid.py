@@ -300,23 +300,34 @@ class GatedDeltaNet(nn.Module):
                 use_t.append(True)
                 j += 1
         states = backends.fold_states(Ts, Ss, state.ssm, use_t)
+        # States kept for the prefix store: one gather per layer (not a clone per piece); the
+        # snapshots are views of it. Restoring a snapshot clones, and entries are never written
+        # in place, so a span's conv tail is kept as is.
+        snap_at = [i for i in range(first_span, len(layout)) if rec is not None and i in rec.snapshots]
+        kept = {}
+        if snap_at:
+            rows = [pair_of[i] for i in snap_at]
+            if isinstance(states, torch.Tensor):
+                gathered = states[torch.tensor(rows, device=states.device)]
+            else:
+                gathered = torch.stack([states[r] for r in rows])
+            kept = {i: gathered[n] for n, i in enumerate(snap_at)}
         entering = []
         j = 0
         for idx in range(first_span, len(layout)):
             piece, p = layout[idx], pair_of[idx]
-            after = states[p]
             if isinstance(piece, CachedSpan):
-                if rec is not None and idx in rec.snapshots:
-                    tail = piece.data.linear[layer_idx].conv_tail.to(dt).clone()
-                    rec.snapshots[idx][layer_idx] = LinearState(after.clone(), tail)
+                if idx in kept:
+                    tail = piece.data.linear[layer_idx].conv_tail.to(dt)
+                    rec.snapshots[idx][layer_idx] = LinearState(kept[idx], tail)
                 continue
             entering.append(states[p - 1] if p else state.ssm)
             if rec is not None and piece.record == "entry":
                 rec.entries[idx].linear[layer_idx] = LinearSpan(
                     T=T_runs[j : j + 1].clone(), S=S0_runs[j : j + 1].clone(), conv_tail=tail_after(j)
                 )
-            if rec is not None and idx in rec.snapshots:
-                rec.snapshots[idx][layer_idx] = LinearState(after.clone(), tail_after(j))
+            if idx in kept:
+                rec.snapshots[idx][layer_idx] = LinearState(kept[idx], tail_after(j))
             j += 1
         S = states[len(Ts) - 1]
         last = layout[-1]
