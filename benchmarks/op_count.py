@@ -1,0 +1,103 @@
+"""Count the torch ops that launch work (views and metadata left out) in a pic assembly and a
+decode step, through the engine on the CPU. On a GPU each of them is at least one kernel launch,
+and the warm pic TTFT is host-bound (benchmarks/profile_forward.py), so this is the CPU-side
+measure of launch overhead; the linear layers' recurrences run their reference ops on the CPU,
+so families' GPU kernels are not counted as on the GPU.
+
+    python benchmarks/op_count.py [--preset tiny] [--segments 4 8 16] [--segment-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# aten ops that only make views or read metadata: no kernel of their own on a GPU
+NO_LAUNCH = {
+    "aten::" + n
+    for n in (
+        "as_strided view reshape transpose unsqueeze permute _unsafe_view t select slice alias narrow squeeze "
+        "expand resolve_conj resolve_neg result_type detach split chunk empty empty_strided empty_like to linear "
+        "matmul contiguous lift_fresh split_with_sizes unbind dim size stride is_nonzero item _local_scalar_dense "
+        "broadcast_tensors flatten unflatten movedim numpy_T type_as _reshape_alias view_as"
+    ).split()
+}
+
+
+def launching_ops(fn) -> dict[str, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {
+        e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::") and e.key not in NO_LAUNCH
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--segments", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--segment-tokens", type=int, default=64)
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    from segment_parallel import build_engine
+
+    from hybridcache.services.runtime.sequence import LiveRun
+
+    eng = build_engine(args.preset, "pic")
+    gen = torch.Generator().manual_seed(0)
+    figures, detail = {}, {}
+    for n in args.segments:
+        segs = [torch.randint(0, 250, (args.segment_tokens,), generator=gen).tolist() for _ in range(n)]
+        eng.prefill(eng.parse_request({"segments": segs, "suffix": [1, 2, 3]}))  # builds the entries
+        # warm segments in an order not seen before, after no cached prefix: a full assembly
+        req = eng.parse_request({"segments": segs[1:] + segs[:1], "suffix": list(range(20))})
+        ops = launching_ops(lambda req=req: eng.prefill(req))
+        figures[f"pic_ops_{n}_segments"] = sum(ops.values())
+        detail[f"pic_{n}"] = dict(sorted(ops.items(), key=lambda kv: -kv[1])[: args.top])
+    state = eng.model.empty_state()
+    eng.model.forward_layout(state, [LiveRun(torch.arange(200) % 250, 0)], "none")
+    ops = launching_ops(lambda: eng.model.forward_layout(state.clone(), [LiveRun(torch.tensor([5]), 200)], "last"))
+    figures["decode_step_ops"] = sum(ops.values())
+    detail["decode"] = dict(sorted(ops.items(), key=lambda kv: -kv[1])[: args.top])
+    if len(args.segments) > 1:
+        a, b = args.segments[0], args.segments[-1]
+        figures["pic_ops_per_extra_segment"] = round(
+            (figures[f"pic_ops_{b}_segments"] - figures[f"pic_ops_{a}_segments"]) / (b - a), 1
+        )
+    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    print(
+        json.dumps(
+            {
+                "benchmark": "op_count",
+                "device": "cpu",
+                "commit": commit,
+                "date": datetime.date.today().isoformat(),
+                "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+                "preset": args.preset,
+                "layers": eng.model.cfg.num_hidden_layers,
+                "figures": figures,
+                "detail": detail,
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
