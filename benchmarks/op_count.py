@@ -52,9 +52,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
-    from segment_parallel import build_engine
-
     from hybridcache.services.runtime.sequence import LiveRun
+    from segment_parallel import build_engine
 
     eng = build_engine(args.preset, "pic")
     gen = torch.Generator().manual_seed(0)

@@ -143,6 +143,27 @@ def fold_states(Ts, Ss, initial_state, use_transition):
     return out
 
 
+def fused_rms_norm(x, weight, eps: float):
+    """CUDA with fla: x * rsqrt(mean(x^2) + eps) * weight in one launch (fla's fused RMSNorm,
+    fp32 inside, x's dtype out) instead of about eight eager ops; None where it is unavailable,
+    and the caller runs its own eager reference."""
+    if not (use_fast_kernels(x) and fla_has("fla.modules.norm.layernorm")):
+        return None
+    from fla.modules.norm.layernorm import rms_norm
+
+    return rms_norm(x, weight, None, eps=eps)
+
+
+def fused_rms_norm_gated(x, gate, weight, eps: float):
+    """CUDA with fla: rms_norm(x) * weight * silu(gate) in one launch (fla's fused gated norm);
+    None where it is unavailable."""
+    if not (use_fast_kernels(x) and fla_has("fla.modules.norm.fused_norm_gate")):
+        return None
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
+
+
 def causal_conv1d(x, weight, bias, initial_state, activation):
     """x [B, T, D], weight [D, W], state [B, D, W - 1] -> (y [B, T, D], tail [B, D, W - 1])."""
     if use_fast_kernels(x):

@@ -34,9 +34,22 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x):
+        if x.is_cuda:
+            fused = backends.fused_rms_norm(x, self._scale(), self.eps)
+            if fused is not None:
+                return fused
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * (1.0 + self.weight.float())).type_as(x)
+
+    def _scale(self):
+        """1 + weight in fp32, kept until the weight changes (the fused kernel's multiplier)."""
+        w = self.weight
+        key = (w._version, w.data_ptr(), w.device)
+        if getattr(self, "_scale_key", None) != key:
+            self._scale_cache = 1.0 + w.detach().float()
+            self._scale_key = key
+        return self._scale_cache
 
 
 class GatedRMSNorm(nn.Module):
@@ -48,6 +61,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, gate):
+        if x.is_cuda:
+            fused = backends.fused_rms_norm_gated(x, gate, self.weight, self.eps)
+            if fused is not None:
+                return fused
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -1,0 +1,50 @@
+"""The Qwen3.5 norms on CUDA through fla's fused kernels against their eager references (the
+same modules with HYBRIDCACHE_KERNELS=reference), fp32 and bf16, odd row counts."""
+
+import pytest
+import torch
+from hybridcache.services.runtime.models.qwen3_hybrid import GatedRMSNorm, ZeroCenteredRMSNorm
+
+pytestmark = pytest.mark.gpu
+
+
+def _both(monkeypatch, fn):
+    got = fn()
+    monkeypatch.setenv("HYBRIDCACHE_KERNELS", "reference")
+    ref = fn()
+    monkeypatch.delenv("HYBRIDCACHE_KERNELS")
+    return got, ref
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("shape", [(1, 77, 96), (3, 5, 256), (1, 1, 4096)])
+def test_zero_centered_rms_norm_fused_matches_eager(monkeypatch, dtype, tol, shape):
+    pytest.importorskip("fla.modules.norm.layernorm")
+    torch.manual_seed(0)
+    norm = ZeroCenteredRMSNorm(shape[-1], 1e-6).cuda().to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.3)
+    x = torch.randn(*shape, device="cuda", dtype=dtype) * 3
+    got, ref = _both(monkeypatch, lambda: norm(x))
+    assert got.dtype == ref.dtype == dtype and got.shape == ref.shape
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < tol
+    # the cached 1 + weight follows weight updates
+    with torch.no_grad():
+        norm.weight.add_(1.0)
+    got2, ref2 = _both(monkeypatch, lambda: norm(x))
+    assert ((got2.float() - ref2.float()).norm() / ref2.float().norm()).item() < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows,dim", [(77, 128), (1, 64), (300, 256)])
+def test_gated_rms_norm_fused_matches_eager(monkeypatch, dtype, tol, rows, dim):
+    pytest.importorskip("fla.modules.norm.fused_norm_gate")
+    torch.manual_seed(1)
+    norm = GatedRMSNorm(dim, 1e-6).cuda().to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.3)
+    x = torch.randn(rows, dim, device="cuda", dtype=dtype)
+    gate = torch.randn(rows, dim, device="cuda", dtype=dtype) * 2
+    got, ref = _both(monkeypatch, lambda: norm(x, gate))
+    assert got.dtype == ref.dtype == dtype
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < tol
