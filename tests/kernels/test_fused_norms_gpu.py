@@ -48,3 +48,15 @@ def test_gated_rms_norm_fused_matches_eager(monkeypatch, dtype, tol, rows, dim):
     got, ref = _both(monkeypatch, lambda: norm(x, gate))
     assert got.dtype == ref.dtype == dtype
     assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l2norm_fp32_fused_matches_eager(monkeypatch, dtype):
+    pytest.importorskip("fla.modules.norm.l2norm")
+    from hybridcache.services.runtime import backends
+
+    torch.manual_seed(2)
+    x = torch.randn(2, 77, 3, 128, device="cuda", dtype=dtype)[:, :, :, :96]  # strided, as after a split
+    got, ref = _both(monkeypatch, lambda: backends.l2norm_fp32(x))
+    assert got.dtype == ref.dtype == torch.float32 and got.shape == ref.shape
+    assert (got - ref).abs().max().item() < 1e-5

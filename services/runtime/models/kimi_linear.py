@@ -33,7 +33,7 @@ from hybridcache.services.runtime.models.common import (
     linear_layout,
     need,
 )
-from hybridcache.services.runtime.models.qwen3_hybrid import MLP, Experts, l2norm
+from hybridcache.services.runtime.models.qwen3_hybrid import MLP, Experts
 from hybridcache.services.runtime.sequence import AttnSpan, AttnState, CachedSpan, LinearState
 from torch import nn
 
@@ -231,7 +231,7 @@ class KimiDeltaAttention(nn.Module):
         n = mixed.shape[1]
         conv_out, tail = backends.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, "silu")
         q, k, v = (t.reshape(1, n, self.nh, self.d) for t in torch.split(conv_out, self.qkv_dim, dim=-1))
-        res = backends.kda(l2norm(q.float()), l2norm(k.float()), v, g, beta, state.ssm, output_transition)
+        res = backends.kda(backends.l2norm_fp32(q), backends.l2norm_fp32(k), v, g, beta, state.ssm, output_transition)
         return res[0], res[1], (res[2] if output_transition else None), tail
 
     def forward_layout(self, x, layout, state, rec, layer_idx):

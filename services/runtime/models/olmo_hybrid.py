@@ -30,7 +30,6 @@ from hybridcache.services.runtime.models.qwen3_hybrid import (
     GatedRMSNorm,
     apply_rope,
     gated_delta_rule,
-    l2norm,
     rope_cos_sin,
 )
 from hybridcache.services.runtime.sequence import AttnState, LinearState
@@ -164,7 +163,7 @@ class OlmoGatedDeltaNet(nn.Module):
         if self.hv != self.hk:
             q = q.repeat_interleave(self.hv // self.hk, dim=2)
             k = k.repeat_interleave(self.hv // self.hk, dim=2)
-        q, k = l2norm(q.float()), l2norm(k.float())
+        q, k = backends.l2norm_fp32(q), backends.l2norm_fp32(k)
         beta = b.float().sigmoid() * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         res = gated_delta_rule(q, k, v.reshape(1, n, self.hv, self.dv), g, beta, state.ssm, output_transition)

@@ -72,10 +72,6 @@ class GatedRMSNorm(nn.Module):
         return (xf * F.silu(gate.float())).to(dtype)
 
 
-def l2norm(x, eps: float = 1e-6):
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype):
     """cos, sin [n, rotary_dim] for integer positions [n]."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float, device=positions.device) / rotary_dim
@@ -225,7 +221,7 @@ class GatedDeltaNet(nn.Module):
         if self.hv != self.hk:
             q = q.repeat_interleave(self.hv // self.hk, dim=2)
             k = k.repeat_interleave(self.hv // self.hk, dim=2)
-        q, k = l2norm(q.float()), l2norm(k.float())
+        q, k = backends.l2norm_fp32(q), backends.l2norm_fp32(k)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return q, k, v, g, beta
