@@ -45,7 +45,11 @@ class ZeroCenteredRMSNorm(nn.Module):
     def _scale(self):
         """1 + weight in fp32, kept until the weight changes (the fused kernel's multiplier)."""
         w = self.weight
-        key = (w._version, w.data_ptr(), w.device)
+        try:
+            version = w._version
+        except RuntimeError:  # a weight made under inference_mode has no version counter
+            version = None
+        key = (version, w.data_ptr(), w.device, w.dtype)
         if getattr(self, "_scale_key", None) != key:
             self._scale_cache = 1.0 + w.detach().float()
             self._scale_key = key
