@@ -170,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     from hybridcache.services.runtime.sampling import RequestError
 
     try:
+        if args.command in ("generate", "serve", "up", "eval", "demo"):
+            from hybridcache.services.runtime import backends
+
+            try:
+                backends.sdpa_backends()  # the attention backend choice, checked before any model loads
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         if args.command == "up":
             from hybridcache.services.launcher import up
 
