@@ -185,9 +185,9 @@ def causal_conv1d(x, weight, bias, initial_state, activation):
 
 
 # SDPA backends allowed on CUDA. cuDNN's attention is left out by default: it builds an execution
-# graph for every new shape (hundreds of ms, the SGLang cuDNN backend measured ~400 ms), and every
-# request here has its own context length and live-token count, as does every decode step. Flash
-# and memory-efficient attention have no per-shape setup. HYBRIDCACHE_SDPA_BACKENDS overrides:
+# graph for every new shape, and every request here has its own context length and live-token
+# count, as does every decode step. Flash and memory-efficient attention have no per-shape setup
+# (gpu_bench's shape_churn section times both choices). HYBRIDCACHE_SDPA_BACKENDS overrides:
 # a comma list of flash, efficient, cudnn, math; or "torch" for torch's own choice.
 _SDPA_NAMES = ("flash", "efficient", "cudnn", "math")
 DEFAULT_SDPA_BACKENDS = "flash,efficient,math"
