@@ -78,7 +78,7 @@ def _snapshot(kv, end, seed):
     g = torch.Generator().manual_seed(seed)
     lin = {0: LinearState(torch.randn(1, 2, 4, 4, generator=g), torch.randn(1, 8, 3, generator=g))}
     attn = {1: AttnState(kv[0][:, :, :end], kv[1][:, :, :end])}  # views of the request's K/V, as prefill keeps
-    return PrefixSnapshot(end, lin, attn, 0)
+    return PrefixSnapshot(end, lin, attn)
 
 
 def test_prefix_store_counts_shared_kv_once_and_whole():

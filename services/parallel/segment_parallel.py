@@ -83,7 +83,7 @@ _ALIGN = 16  # bytes: every tensor of a packed message starts at a multiple of t
 
 
 def _nbytes(shape, dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def _padded(n: int) -> int:
@@ -137,8 +137,7 @@ class _EntryLayout:
         for layer, name, shape, dtype in entry_tensor_specs(engine, body_tokens):
             self.specs.setdefault(layer, []).append((name, shape, dtype))
         self.tensors: dict[tuple[int, str], torch.Tensor] = {}
-        self.lm: dict[int, _Message] = {}
-        self.am: dict[int, _Message] = {}
+        self.messages: dict[int, _Message] = {}  # layer -> the message carrying it
         self.body_tokens, self.local_start = body_tokens, local_start
 
     def layer_specs(self, layer: int):
@@ -147,7 +146,7 @@ class _EntryLayout:
     def bind(self, layer: int, views: list[torch.Tensor], msg: _Message) -> None:
         for (name, _, _), t in zip(self.specs[layer], views):
             self.tensors[(layer, name)] = t
-        (self.lm if self.specs[layer][0][0] == "T" else self.am)[layer] = msg
+        self.messages[layer] = msg
 
     def data(self, engine: Engine) -> SpanData:
         linear, attn = {}, {}
@@ -157,9 +156,8 @@ class _EntryLayout:
                 linear[layer] = LinearSpan(t[(layer, "T")], t[(layer, "S")], t[(layer, "conv_tail")])
             else:
                 attn[layer] = AttnSpan(t[(layer, "k")], t[(layer, "v")])
-        return SpanData(
-            self.body_tokens, self.local_start, ArrivingLayers(linear, self.lm), ArrivingLayers(attn, self.am)
-        )
+        msgs = self.messages
+        return SpanData(self.body_tokens, self.local_start, ArrivingLayers(linear, msgs), ArrivingLayers(attn, msgs))
 
 
 def _post(engine: Engine, group: list[tuple[_EntryLayout, int]], src: int) -> None:
@@ -292,7 +290,8 @@ def run_cold_request(
     if combine_share < 0:
         raise ValueError("combine_share must be >= 0")
     owner = assign(costs, workers, policy, rank0_queue=combine_share * sum(costs) if workers > 1 else 0.0)
-    # Largest first on each worker, so the longest transfers start earliest.
+    # Largest first on each worker (the send order of models without layer streaming; streaming
+    # ones regroup a worker's segments into stream_batches).
     order = sorted(range(len(segs)), key=lambda i: (-costs[i], i))
     dist.barrier()
     _sync(device)

@@ -232,28 +232,24 @@ def attention(q, k, v, live_pos: torch.Tensor, scale: float):
     k, v [1, Hkv, N, d] at positions 0..N-1. GQA when Hq != Hkv. Returns [1, Hq, n, d]."""
     n, N = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if int(live_pos[0]) == N - n:
-        # The live tokens are the last n keys (prefill, prefix-cache resume, decode): causal,
-        # aligned bottom-right, through the fused kernels; no [n, N] mask is built.
-        if n == 1:
-            return _sdpa(q, k, v, scale=scale, enable_gqa=gqa)
-        if gqa and q.is_cuda:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            gqa = False
-        if n == N:
-            return _sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        if q.is_cuda:
-            # imported here: this module pulls in torch's compiler stack (and Triton)
-            from torch.nn.attention.bias import causal_lower_right
-
-            return _sdpa(q, k, v, attn_mask=causal_lower_right(n, N), scale=scale)
-    # Live tokens interleaved with cached spans (seams): an explicit mask, n x N booleans. On CUDA
-    # the KV heads are repeated so the masked call can use memory-efficient attention.
+    # The live tokens are the last n keys (prefill, prefix-cache resume, decode): causal, aligned
+    # bottom-right, through the fused kernels; no [n, N] mask is built.
+    tail = int(live_pos[0]) == N - n
+    if tail and n == 1:
+        return _sdpa(q, k, v, scale=scale, enable_gqa=gqa)
     if gqa and q.is_cuda:
+        # KV heads repeated: the fused causal kernels and the masked memory-efficient one take no GQA
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         gqa = False
+    if tail and n == N:
+        return _sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if tail and q.is_cuda:
+        # imported here: this module pulls in torch's compiler stack (and Triton)
+        from torch.nn.attention.bias import causal_lower_right
+
+        return _sdpa(q, k, v, attn_mask=causal_lower_right(n, N), scale=scale)
+    # Live tokens interleaved with cached spans (seams): an explicit mask, n x N booleans.
     key_pos = torch.arange(N, device=q.device)
     mask = key_pos[None, :] <= live_pos[:, None]  # [n, N]
     return _sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

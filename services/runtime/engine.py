@@ -492,9 +492,7 @@ class Engine:
                     continue
                 end = layout[idx].end
                 attn = {i: type(a)(a.k[:, :, :end], a.v[:, :, :end]) for i, a in state.attn.items()}
-                nbytes = sum(s.ssm.numel() * 4 + s.conv.numel() * s.conv.element_size() for s in lin.values())
-                nbytes += sum(a.k.numel() * a.k.element_size() * 2 for a in attn.values())
-                self.prefixes.put(keys[boundary[idx]], PrefixSnapshot(end, lin, attn, nbytes))
+                self.prefixes.put(keys[boundary[idx]], PrefixSnapshot(end, lin, attn))
         if recorder is not None:
             recorder.add_hidden(rec.hidden, exact_end - recorder.start)
             for idx, lin in rec.snapshots.items():

@@ -190,8 +190,8 @@ FAMILIES = {
 # triangular solve in TF32 on GPUs that have it, whatever TRITON_F32_DEFAULT says
 # (fla/ops/gated_delta_rule/chunk_fwd.py: SOLVE_TRIL_DOT_PRECISION = 'tf32'): on one H200 at 7f8d4cb
 # olmo_hybrid's first 64 tokens agreed to 1e-6 and later chunks to 9.1e-3 (logits up to 1.8).
-# fla's KDA does the same (fla/ops/kda/chunk_intra.py): kimi_linear at 4e990a9, first chunk to
-# 2.4e-6, later chunks to 6.0e-3.
+# fla's KDA does the same (fla/ops/kda/chunk_intra.py): kimi_linear at 4e990a9, max 6.0e-3, its
+# first rows (as pytest printed them) within 2.4e-6 and its last ones up to 1.2e-3.
 # A wrong mapping (gate sign, scale, state layout) gives errors of order 0.1-1.
 LOGITS_ATOL = {"olmo_hybrid": 2e-2, "kimi_linear": 2e-2}
 

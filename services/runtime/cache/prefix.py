@@ -29,7 +29,6 @@ class PrefixSnapshot:
     length: int
     linear: dict[int, LinearState]
     attn: dict[int, AttnState]
-    nbytes: int
 
     def restore(self) -> SequenceState:
         """A fresh SequenceState equal to the one this snapshot was taken from (snapshot unchanged)."""
