@@ -144,35 +144,34 @@ def fold_states(Ts, Ss, initial_state, use_transition):
 
 
 def l2norm_fp32(x, eps: float = 1e-6):
-    """x * rsqrt(sum(x^2, -1) + eps) in fp32 (q and k of the delta rules). CUDA with fla: one
-    launch (fla's l2norm with an fp32 output) instead of a cast and four eager ops."""
-    if use_fast_kernels(x) and fla_has("fla.modules.norm.l2norm"):
-        from fla.modules.norm.l2norm import l2norm
+    """x * rsqrt(sum(x^2, -1) + eps) in fp32 (q and k of the delta rules). CUDA: one launch of the
+    row-norm kernel (kernels/ops/norm) instead of a cast and four eager ops."""
+    if use_fast_kernels(x):
+        from hybridcache.kernels.ops.norm.triton import l2norm
 
-        return l2norm(x, eps, torch.float32)
+        return l2norm(x, eps)
     xf = x.float()
     return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
 
 
 def fused_rms_norm(x, weight, eps: float):
-    """CUDA with fla: x * rsqrt(mean(x^2) + eps) * weight in one launch (fla's fused RMSNorm,
-    fp32 inside, x's dtype out) instead of about eight eager ops; None where it is unavailable,
-    and the caller runs its own eager reference."""
-    if not (use_fast_kernels(x) and fla_has("fla.modules.norm.layernorm")):
+    """CUDA: x * rsqrt(mean(x^2) + eps) * weight in one launch (kernels/ops/norm, fp32 inside, x's
+    dtype out) instead of about eight eager ops; None elsewhere, and the caller runs its own eager
+    reference."""
+    if not use_fast_kernels(x):
         return None
-    from fla.modules.norm.layernorm import rms_norm
+    from hybridcache.kernels.ops.norm.triton import rms_norm
 
-    return rms_norm(x, weight, None, eps=eps)
+    return rms_norm(x, weight, eps)
 
 
 def fused_rms_norm_gated(x, gate, weight, eps: float):
-    """CUDA with fla: rms_norm(x) * weight * silu(gate) in one launch (fla's fused gated norm);
-    None where it is unavailable."""
-    if not (use_fast_kernels(x) and fla_has("fla.modules.norm.fused_norm_gate")):
+    """CUDA: rms_norm(x) * weight * silu(gate) in one launch (kernels/ops/norm); None elsewhere."""
+    if not use_fast_kernels(x):
         return None
-    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    from hybridcache.kernels.ops.norm.triton import rms_norm_gated
 
-    return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
+    return rms_norm_gated(x, gate, weight, eps)
 
 
 def causal_conv1d(x, weight, bias, initial_state, activation):

@@ -19,9 +19,10 @@ else:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd  # noqa: E402
+from hybridcache.kernels.ops.norm.triton import L2, RMS, row_norm  # noqa: E402
 from hybridcache.kernels.ops.transition.compose_triton import compose_states_fwd  # noqa: E402
 
-__all__ = ["causal_conv1d_fwd", "compose_states_fwd", "device", "rel_rms"]
+__all__ = ["L2", "RMS", "causal_conv1d_fwd", "compose_states_fwd", "device", "rel_rms", "row_norm"]
 
 
 def rel_rms(a, b):

@@ -74,6 +74,23 @@ def test_gated_dqkwg_matches_autograd(B, T, H, HV, K, V, BT, vfirst):
         assert err < 1e-5, f"{name}: relative error {err:.2e}"
 
 
+def test_gated_dqkwg_takes_fla_state_layout():
+    """fla-core 0.6.0 passes h and dh as [B, NT, HV, K, V]; the flat [B * NT, ...] form gives the
+    same result, and a state of the wrong size is refused."""
+    B, T, H, HV, K, V, BT = 2, 45, 2, 4, 8, 12, 16
+    args = list(inputs(B, T, H, HV, K, V, BT, False))
+    flat = chunk_bwd_dqkwg_gated(*args, 0.3, chunk_size=BT)
+    NT = -(-T // BT)
+    args[4] = args[4].view(B, NT, HV, K, V)
+    args[5] = args[5].view(B, NT, HV, K, V)
+    nested = chunk_bwd_dqkwg_gated(*args, 0.3, chunk_size=BT)
+    for a, b in zip(flat, nested):
+        assert torch.equal(a, b)
+    args[4] = args[4][:, :-1]
+    with pytest.raises(ValueError, match="expected"):
+        chunk_bwd_dqkwg_gated(*args, 0.3, chunk_size=BT)
+
+
 def test_gated_dqkwg_keeps_input_dtypes():
     args = list(inputs(1, 40, 2, 2, 16, 16, 16, False))
     for i in (0, 1, 2, 3, 6, 8):  # q, k, v, do, w, dv in bf16 as in training

@@ -24,11 +24,12 @@ import torch
 
 def chunk_bwd_dqkwg_gated(q, k, v, do, h, dh, w, g, dv, scale, state_v_first=False, chunk_size=64):
     """q, k [B, T, H, K]; v, do, dv [B, T, HV, V]; w [B, T, HV, K]; g [B, T, HV] (chunk-local
-    cumulative, log2 units); h, dh [B * NT, HV, K, V] ([.., V, K] with state_v_first).
+    cumulative, log2 units); h, dh [B, NT, HV, K, V] as fla-core 0.6.0 passes them, or flat
+    [B * NT, HV, K, V] ([.., V, K] with state_v_first in both).
     Returns dq, dk [B, T, H, K] (q's and k's dtypes), dw (w's dtype, the gradient itself, i.e.
     minus dv h^T), dg [B, T, HV] fp32, as fla's chunk_bwd_dqkwg does for a gated rule."""
     B, T, H, K = k.shape
-    HV = v.shape[2]
+    HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
     NT = -(-T // BT)
     pad = NT * BT - T
@@ -46,8 +47,11 @@ def chunk_bwd_dqkwg_gated(q, k, v, do, h, dh, w, g, dv, scale, state_v_first=Fal
     kc = chunks(k.repeat_interleave(rep, dim=2) if rep > 1 else k)
     vc, doc, dvc = chunks(v), chunks(do), chunks(dv)
     gc = chunks(g[..., None])[..., 0]  # [B, NT, HV, BT]
-    hs = h.to(f32).view(B, NT, HV, *h.shape[2:])
-    dhs = dh.to(f32).view(B, NT, HV, *dh.shape[2:])
+    for name, x in (("h", h), ("dh", dh)):
+        if x.numel() != B * NT * HV * K * V or x.shape[-3] != HV:
+            raise ValueError(f"{name} {tuple(x.shape)}: expected [B, NT, HV, K, V] or [B * NT, HV, K, V]")
+    hs = h.to(f32).reshape(B, NT, HV, *h.shape[-2:])
+    dhs = dh.to(f32).reshape(B, NT, HV, *dh.shape[-2:])
     if state_v_first:
         hs, dhs = hs.transpose(-1, -2), dhs.transpose(-1, -2)  # -> [.., K, V]
 

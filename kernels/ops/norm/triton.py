@@ -1,0 +1,126 @@
+"""Row norms in one Triton kernel; reference: naive.py.
+
+Why not fla's norm kernels: for rows of at most 512 features they are autotuned over nine configs
+with a key that holds NB = cdiv(rows, 2048), so every new bucket of row counts (a new prompt
+length, a new live-token count) compiles and times nine kernels again; on two H200s the
+segment-parallel benchmark spent its whole 170 s budget in that compilation. This kernel has one
+configuration per feature width, chosen from the width alone, and the row count is a runtime
+argument (not specialized), so each (width, dtypes, kind) compiles once.
+
+One program normalizes BR rows of D features (D padded to the next power of two, BD), fp32
+inside: mean or sum of squares, rsqrt, times the weight, times silu(gate) for the gated norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+RMS, L2 = 0, 1
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def row_norm_kernel(
+    x,
+    z,
+    w,
+    y,
+    n_rows,
+    stride_x,
+    stride_z,
+    stride_y,
+    eps,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BR: tl.constexpr,
+    KIND: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BD)
+    m_r = rows < n_rows
+    m_c = cols < D
+    mask = m_r[:, None] & m_c[None, :]
+    b_x = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    ss = tl.sum(b_x * b_x, axis=1)
+    if KIND == 0:
+        r = 1.0 / tl.sqrt(ss / D + eps)
+    else:
+        r = 1.0 / tl.sqrt(ss + eps)
+    b_y = b_x * r[:, None]
+    if HAS_WEIGHT:
+        b_w = tl.load(w + cols, mask=m_c, other=0.0).to(tl.float32)
+        b_y = b_y * b_w[None, :]
+    if HAS_GATE:
+        b_z = tl.load(z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        b_y = b_y * b_z * tl.sigmoid(b_z)
+    tl.store(y + rows[:, None] * stride_y + cols[None, :], b_y.to(y.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
+    """t as [rows, D] with unit stride along D (a copy only when no such view exists)."""
+    t2 = t.reshape(-1, D)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def row_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    kind: int = RMS,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Normalize x over its last dim: RMS (mean of squares) or L2 (sum of squares), times weight
+    [D] if given, times silu(gate) (x's shape) if given. Output x's shape in out_dtype (default x's)."""
+    D = x.shape[-1]
+    if weight is not None and weight.shape != (D,):
+        raise ValueError(f"weight {tuple(weight.shape)} does not match feature dim {D}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} does not match x {tuple(x.shape)}")
+    if D > 16384:
+        raise ValueError(f"feature dim {D} is above the kernel's 16384")
+    x2 = _rows(x, D)
+    z2 = _rows(gate, D) if gate is not None else x2
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    y2 = y.view(-1, D)
+    n = x2.shape[0]
+    if n == 0:
+        return y
+    BD = triton.next_power_of_2(D)
+    BR = max(1, min(16, 2048 // BD))  # about 2k elements a program
+    num_warps = 4 if BD * BR <= 4096 else 8
+    w = weight.contiguous() if weight is not None else x2
+    row_norm_kernel[(triton.cdiv(n, BR),)](
+        x2,
+        z2,
+        w,
+        y2,
+        n,
+        x2.stride(0),
+        z2.stride(0),
+        y2.stride(0),
+        float(eps),
+        D=D,
+        BD=BD,
+        BR=BR,
+        KIND=kind,
+        HAS_WEIGHT=weight is not None,
+        HAS_GATE=gate is not None,
+        num_warps=num_warps,
+    )
+    return y
+
+
+def rms_norm(x, weight, eps: float):
+    return row_norm(x, weight, None, eps, RMS)
+
+
+def rms_norm_gated(x, gate, weight, eps: float):
+    return row_norm(x, weight, gate, eps, RMS)
+
+
+def l2norm(x, eps: float = 1e-6):
+    return row_norm(x, None, None, eps, L2, torch.float32)

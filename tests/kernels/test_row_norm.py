@@ -1,0 +1,72 @@
+"""The row-norm Triton kernel (kernels/ops/norm/triton.py) against its reference (naive.py): RMS,
+gated RMS and L2, odd widths and row counts, strided inputs, fp32 on CPU under Triton's
+interpreter and fp32/bf16 on a GPU."""
+
+import pytest
+import torch
+from hybridcache.kernels.ops.norm import naive
+from kernel_testing import L2, RMS, device, rel_rms, row_norm
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (5, 33), (2, 19, 96), (300, 16)])
+def test_rms_norm_matches_reference(shape):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(*shape, generator=g) * 3).to(device())
+    w = torch.randn(shape[-1], generator=g).to(device())
+    got = row_norm(x, w, None, 1e-6, RMS)
+    ref = naive.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert rel_rms(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 64), (13, 40), (77, 128)])
+def test_gated_rms_norm_matches_reference(rows, dim):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, dim, generator=g).to(device())
+    z = (torch.randn(rows, dim, generator=g) * 2).to(device())
+    w = (1 + 0.3 * torch.randn(dim, generator=g)).to(device())
+    got = row_norm(x, w, z, 1e-6, RMS)
+    assert rel_rms(got, naive.rms_norm_gated(x, z, w, 1e-6)) < 1e-6
+
+
+def test_l2norm_strided_input_fp32_out():
+    """q and k come as strided slices of a fused projection; the output is fp32 and contiguous."""
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(2, 11, 3, 48, generator=g).to(device())
+    x = base[..., :40]
+    assert not x.is_contiguous()
+    got = row_norm(x, None, None, 1e-6, L2, torch.float32)
+    ref = naive.l2norm(x)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert rel_rms(got, ref) < 1e-6
+    assert torch.allclose(got.norm(dim=-1), torch.ones(2, 11, 3, device=got.device), atol=1e-5)
+
+
+def test_row_norm_rejects_mismatched_inputs():
+    x = torch.randn(4, 8, device=device())
+    with pytest.raises(ValueError, match="weight"):
+        row_norm(x, torch.ones(7, device=device()))
+    with pytest.raises(ValueError, match="gate"):
+        row_norm(x, torch.ones(8, device=device()), torch.ones(4, 9, device=device()))
+
+
+def test_row_norm_no_rows():
+    x = torch.randn(0, 8, device=device())
+    assert row_norm(x, torch.ones(8, device=device())).shape == (0, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 77, 2049, 40000])
+def test_row_norm_bf16_gpu(rows):
+    torch.manual_seed(3)
+    for dim in (96, 128, 256, 4096):
+        x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16) * 3
+        z = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(dim, device="cuda")
+        for got, ref in (
+            (row_norm(x, w, None, 1e-6, RMS), naive.rms_norm(x, w, 1e-6)),
+            (row_norm(x, w, z, 1e-6, RMS), naive.rms_norm_gated(x, z, w, 1e-6)),
+            (row_norm(x, None, None, 1e-6, L2, torch.float32), naive.l2norm(x)),
+        ):
+            assert got.dtype == ref.dtype
+            assert rel_rms(got, ref) < 4e-3, (rows, dim)
