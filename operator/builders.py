@@ -160,7 +160,9 @@ def _container(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
         "resources": _resources(spec, role),
         "startupProbe": {**health, "periodSeconds": 10, "failureThreshold": 60},
         "readinessProbe": {**health, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 6},
+        # liveness asks only whether the process answers: /health is 503 while a worker warms up
+        # its kernels or while the router waits for a combine worker, which must not restart them
+        "livenessProbe": {"httpGet": {"path": "/livez", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,

@@ -60,7 +60,7 @@ class Api:
             web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
             web.get("/v1/models", self.models), web.post("/generate", self.generate),
             web.get("/health", self.health), web.get("/health_generate", self.health),
-            web.get("/metrics", self.metrics),
+            web.get("/livez", self.livez), web.get("/metrics", self.metrics),
             web.get("/get_model_info", self.model_info), web.get("/model_info", self.model_info),
             web.get("/get_server_info", self.server_info), web.get("/server_info", self.server_info),
             web.post("/flush_cache", self.flush_cache), web.get("/flush_cache", self.flush_cache),
@@ -250,6 +250,10 @@ class Api:
 
     async def flush_cache(self, request):
         return web.json_response({"flushed": False, "message": "entries age out by eviction; nothing flushed"})
+
+    async def livez(self, request):
+        """Liveness: the process serves HTTP. Readiness (/health) also needs a combine worker."""
+        return web.json_response({"status": "alive", "role": "router"})
 
     async def health(self, request):
         ready = self.router.info is not None

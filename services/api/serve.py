@@ -48,6 +48,13 @@ def add_serve_flags(p) -> None:
     p.add_argument("--assignment", default="lpt", choices=["lpt", "round_robin"], help="router: cold-segment dispatch")
     p.add_argument("--max-segments", type=int, default=64, help="router: segments per request")
     p.add_argument("--otlp-endpoint", help="OTLP/gRPC endpoint for traces")
+    p.add_argument(
+        "--warmup",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="scatter/combine: run synthetic requests through every kernel path before registering "
+        "(/health answers 503 meanwhile); auto = on with --device cuda, where kernels compile on first use",
+    )
 
 
 def _engine(args, entry_store=None):
@@ -87,6 +94,14 @@ def _serve(args) -> int:
     server = grpc.server(ThreadPoolExecutor(max_workers=32), options=GRPC_OPTIONS)
     health = {"status": "ok", "role": args.role, "address": address}
     http_runner = None
+    warm = args.role in ("scatter", "combine") and (
+        args.warmup == "on" or (args.warmup == "auto" and args.device == "cuda")
+    )
+    if args.role != "router":
+        # /health is up from the start and says 503 ("starting", "warming up") until the role serves
+        health["status"] = "starting"
+        serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend))
+    engine = None
 
     if args.role == "cache-tier":
         from hybridcache.services.cache_tier.server import CacheTierServicer
@@ -97,7 +112,8 @@ def _serve(args) -> int:
     elif args.role == "scatter":
         from hybridcache.services.scatter.worker import ScatterServicer
 
-        rpc.add_ScatterServicer_to_server(ScatterServicer(_engine(args)), server)
+        engine = _engine(args)
+        rpc.add_ScatterServicer_to_server(ScatterServicer(engine), server)
     elif args.role == "combine":
         from hybridcache.services.combine.store import PinningEntryStore
         from hybridcache.services.combine.worker import CombineServicer
@@ -114,13 +130,17 @@ def _serve(args) -> int:
 
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address}")
+    if engine is not None and warm:
+        # before the server starts and registers: no request comes here until the kernels are built
+        health["status"] = "warming up"
+        health["warmup"] = engine.warmup()
+        log.info("warm-up done: %s", health["warmup"])
     server.start()
+    health["status"] = "ok"
     if args.role == "router":
         # Serve at once; /health says 503 until a combine worker has answered (pods start in any order).
         threading.Thread(target=router.connect, kwargs={"timeout_s": float("inf")}, daemon=True).start()
         http_runner = _start_api(router, args, http_port)
-    else:
-        serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend))
     directory.register(args.role, address)
     stop = threading.Event()
     if args.role in ("cache-tier", "scatter"):

@@ -15,8 +15,13 @@ def serve_health_and_metrics(host: str, port: int, health: Callable[[], dict]) -
         def do_GET(self):  # noqa: N802 - http.server's name
             if self.path == "/metrics":
                 body, ctype, code = scrape(), "text/plain; version=0.0.4", 200
+            elif self.path == "/livez":  # liveness: the process answers; readiness is /health
+                body, ctype, code = json.dumps({"status": "alive"}).encode(), "application/json", 200
             elif self.path == "/health":
-                body, ctype, code = json.dumps(health()).encode(), "application/json", 200
+                h = health()
+                # anything but "ok" (e.g. "warming up") is not ready: 503, so a readiness probe waits
+                code = 200 if h.get("status") == "ok" else 503
+                body, ctype = json.dumps(h).encode(), "application/json"
             else:
                 body, ctype, code = b'{"error": "not found"}', "application/json", 404
             self.send_response(code)

@@ -555,6 +555,48 @@ class Engine:
             text.append(delta)
         return GenerateResult("".join(text), ids, req.prompt_ids, gen.finish_reason, gen.prefill.stats)
 
+    # ------------------------------------------------------------------ warm-up
+
+    def warmup(self) -> dict:
+        """Send a few synthetic requests down every path a request can take before real traffic
+        comes: a batch of cold entry builds (runs shorter and longer than one chunk, odd and
+        multiple-of-16 lengths), an assembly with several seams, the same segments reused in
+        another order after another prefix, a prefix-cache hit with one new segment, and decode
+        steps. On CUDA the first call of each Triton kernel configuration compiles and autotunes
+        (seconds to minutes: fla's KDA kernels took over 200 s on an H200), which a server must
+        not charge to its first requests. The engine's caches are swapped for throwaway ones
+        meanwhile, so nothing of the warm-up stays cached or counts against a budget.
+        Returns {"requests": n, "seconds": wall time}."""
+        t0 = time.perf_counter()
+        w = self.config.seam_window
+        gen = torch.Generator().manual_seed(0)
+
+        def ids(n: int) -> list[int]:
+            return torch.randint(0, self.cfg.vocab_size, (n,), generator=gen).tolist()
+
+        a, b, c, d = ids(w + 29), ids(w + 48), ids(w + 130), ids(w + 37)
+        sys1, sys2, q1, q2 = ids(5), ids(6), ids(7), ids(16)
+        greedy = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+        requests = [
+            Request(sys1, [a, b, c], q1, greedy),  # cold: one batch of builds, then the assembly
+            Request(sys2, [c, a, b], q2, greedy),  # warm: reused after another prefix
+            Request(sys1, [a, b, d], q1, greedy),  # prefix hit, one cold build
+        ]
+        saved = (self.entries, self.prefixes, self.pages)
+        budget = self.config.prefix_cache_bytes
+        self.entries = MemoryEntryStore(self.config.entry_cache_bytes, self.config.verify_checksums)
+        self.prefixes = PrefixStore(budget)
+        self.pages = PageTree(budget, self.page_policy.page_size)
+        try:
+            for req in requests:
+                for _ in self.start(req):
+                    pass
+        finally:
+            self.entries, self.prefixes, self.pages = saved
+        if getattr(self.model, "device", torch.device("cpu")).type == "cuda":
+            torch.cuda.synchronize()
+        return {"requests": len(requests), "seconds": round(time.perf_counter() - t0, 3)}
+
 
 def coalesce_live_runs(layout: list, keep: set[int], boundary: dict[int, int]):
     """Merge adjacent live runs into one where no state is needed between them (`keep`: layout
