@@ -5,7 +5,15 @@ segment-entry policy. `hybridcache up` forwards them to the services it starts (
 
 from __future__ import annotations
 
-FLAGS = ("prefix_policy", "entry_policy", "checkpoint_every", "anchors_per_page", "replay_anchors", "anchor_dtype")
+FLAGS = (
+    "prefix_policy",
+    "entry_policy",
+    "checkpoint_every",
+    "anchors_per_page",
+    "replay_anchors",
+    "anchor_dtype",
+    "host_cache_bytes",
+)
 
 
 def add_prefix_cache_flags(sp) -> None:
@@ -24,6 +32,9 @@ def add_prefix_cache_flags(sp) -> None:
                     help="suffix_replay: hidden states kept per page at each linear-group entry (r)")
     sp.add_argument("--replay-anchors", type=int, default=64,
                     help="suffix_replay: most anchors a hit replays per group (k)")
+    sp.add_argument("--host-cache-bytes", type=int, default=0,
+                    help="segment entries evicted from the device cache move to a host-memory tier of this "
+                         "many bytes (pinned with CUDA) and are staged back layer by layer on a hit; 0 = off")
     # Checked by EngineConfig (a bad value is one error line, exit 2), not by argparse choices.
     sp.add_argument("--anchor-dtype", default="model", metavar="{model,float8_e4m3fn}",
                     help="suffix_replay: anchor storage; float8_e4m3fn keeps fp8 values with a per-anchor "
@@ -39,6 +50,7 @@ def prefix_cache_config(args) -> dict:
         "replay_anchors": args.replay_anchors,
         "anchor_dtype": None if args.anchor_dtype == "model" else args.anchor_dtype,
         "entry_policy": args.entry_policy,
+        "host_cache_bytes": args.host_cache_bytes,
     }
 
 

@@ -118,7 +118,7 @@ def _serve(args) -> int:
         from hybridcache.services.combine.store import PinningEntryStore
         from hybridcache.services.combine.worker import CombineServicer
 
-        engine = _engine(args, PinningEntryStore(args.cache_bytes))
+        engine = _engine(args, PinningEntryStore(args.cache_bytes, args.host_cache_bytes))
         rpc.add_CombineServicer_to_server(CombineServicer(engine, dtype=args.dtype), server)
     else:
         from hybridcache.services.api.grpc_inference import InferenceServicer

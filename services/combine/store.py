@@ -4,11 +4,16 @@ gathered for the request running now, pinned so that eviction cannot take them m
 from __future__ import annotations
 
 from hybridcache.services.runtime.cache import EntryStore, MemoryEntryStore, SegmentEntry
+from hybridcache.services.runtime.cache.host_tier import TieredEntryStore
 
 
 class PinningEntryStore(EntryStore):
-    def __init__(self, capacity_bytes: int):
-        self.local = MemoryEntryStore(capacity_bytes)
+    def __init__(self, capacity_bytes: int, host_bytes: int = 0):
+        """host_bytes > 0: what the local cache evicts moves to a host tier (cache/host_tier.py)."""
+        if host_bytes > 0:
+            self.local = TieredEntryStore(capacity_bytes, host_bytes)
+        else:
+            self.local = MemoryEntryStore(capacity_bytes)
         self._pinned: dict[str, SegmentEntry] = {}
 
     def pin(self, entries: dict[str, SegmentEntry]) -> None:

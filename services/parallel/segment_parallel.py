@@ -14,16 +14,22 @@ assembly overlaps the other workers' builds and transfers.
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from hybridcache.services.router.assign import lpt_assign, round_robin_assign
 from hybridcache.services.runtime.engine import Engine, Request, entry_batches
-from hybridcache.services.runtime.sequence import AttnSpan, CachedSpan, LinearSpan, LiveRun, SpanData
+from hybridcache.services.runtime.packing import pack, packed_bytes, unpack_views
+from hybridcache.services.runtime.sequence import (
+    ArrivingLayers,
+    AttnSpan,
+    CachedSpan,
+    LinearSpan,
+    LiveRun,
+    SpanData,
+)
 
 
 class _Message:
@@ -36,27 +42,6 @@ class _Message:
         if self._work is not None:
             self._work.wait()
             self._work = None
-
-
-class ArrivingLayers(Mapping):
-    """layer -> LinearSpan / AttnSpan whose tensors are views of receive buffers; indexing a layer
-    waits for the message that carries it."""
-
-    def __init__(self, spans: dict, messages: dict):
-        self._spans = spans
-        self._messages = messages  # layer -> _Message
-
-    def __getitem__(self, layer):
-        msg = self._messages.get(layer)
-        if msg is not None:
-            msg.wait()
-        return self._spans[layer]
-
-    def __iter__(self):
-        return iter(self._spans)
-
-    def __len__(self):
-        return len(self._spans)
 
 
 def entry_tensor_specs(engine: Engine, body_tokens: int):
@@ -77,47 +62,6 @@ def entry_tensor_specs(engine: Engine, body_tokens: int):
             shape = (1, cfg.num_key_value_heads, body_tokens, cfg.head_dim)
             out += [(layer, "k", shape, dt), (layer, "v", shape, dt)]
     return out
-
-
-_ALIGN = 16  # bytes: every tensor of a packed message starts at a multiple of this
-
-
-def _nbytes(shape, dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
-
-
-def _padded(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def pack(tensors) -> torch.Tensor:
-    """The tensors' bytes back to back in one uint8 buffer, each padded to _ALIGN bytes: one send
-    instead of one per tensor (per-tensor sends cost a launch and a wait each)."""
-    parts = []
-    for t in tensors:
-        b = t.contiguous().reshape(-1).view(torch.uint8)
-        parts.append(b)
-        pad = _padded(b.numel()) - b.numel()
-        if pad:
-            parts.append(b.new_zeros(pad))
-    return torch.cat(parts)
-
-
-def unpack_views(buf: torch.Tensor, specs) -> list[torch.Tensor]:
-    """Views of `buf` (filled by pack of tensors with these (shape, dtype) specs) as those tensors."""
-    need = packed_bytes(specs)
-    if need != buf.numel():
-        raise ValueError(f"packed buffer holds {buf.numel()} bytes, the specs need {need}")
-    out, off = [], 0
-    for shape, dtype in specs:
-        n = _nbytes(shape, dtype)
-        out.append(buf[off : off + n].view(dtype).view(shape))
-        off += _padded(n)
-    return out
-
-
-def packed_bytes(specs) -> int:
-    return sum(_padded(_nbytes(shape, dtype)) for shape, dtype in specs)
 
 
 def _layer_tensors(data: SpanData, layer: int):

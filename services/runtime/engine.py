@@ -42,6 +42,7 @@ from hybridcache.services.runtime.cache import (
     restore_state,
     segment_key,
 )
+from hybridcache.services.runtime.cache.host_tier import TieredEntryStore, is_host, stage
 from hybridcache.services.runtime.cache.single_state import to_single_state
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
@@ -87,6 +88,9 @@ class EngineConfig:
     # Segment entries: "exact" composition (T S + S), or "single_state" (a reused segment keeps only
     # its own S(body|0), i.e. T = 0: the policy some papers argue for; cache/single_state.py)
     entry_policy: str = "exact"
+    # Bytes of a host-memory tier under the entry cache (cache/host_tier.py): entries the device
+    # cache evicts move there and are staged back layer by layer on a hit. 0 = no host tier.
+    host_cache_bytes: int = 0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -104,6 +108,8 @@ class EngineConfig:
             )
         if self.entry_cache_bytes <= 0 or self.prefix_cache_bytes <= 0:
             raise ValueError("cache budgets must be positive")
+        if self.host_cache_bytes < 0:
+            raise ValueError("host_cache_bytes must be >= 0 (0 = no host tier)")
 
     @property
     def uses_prefix_cache(self) -> bool:
@@ -218,7 +224,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.cfg = model.cfg
         self.fingerprint = getattr(model, "fingerprint", "unfingerprinted")
-        self.entries = entry_store or MemoryEntryStore(self.config.entry_cache_bytes, self.config.verify_checksums)
+        self.entries = entry_store or self._new_entry_store()
         self.prefixes = prefix_store or PrefixStore(self.config.prefix_cache_bytes)
         self.page_policy = self.config.page_policy
         self.pages = page_tree or PageTree(self.config.prefix_cache_bytes, self.page_policy.page_size)
@@ -230,6 +236,12 @@ class Engine:
         self.eos_ids = frozenset(eos)
         if getattr(model, "device", torch.device("cpu")).type == "cuda":
             backends.sdpa_backends()  # a bad HYBRIDCACHE_SDPA_BACKENDS fails here, not in a request
+
+    def _new_entry_store(self) -> EntryStore:
+        cfg = self.config
+        if cfg.host_cache_bytes:
+            return TieredEntryStore(cfg.entry_cache_bytes, cfg.host_cache_bytes, cfg.verify_checksums)
+        return MemoryEntryStore(cfg.entry_cache_bytes, cfg.verify_checksums)
 
     @classmethod
     def from_dir(cls, path: str | Path, device: str = "cpu", dtype=torch.float32, config: EngineConfig | None = None):
@@ -444,7 +456,7 @@ class Engine:
         for entry in built.values():
             self.entries.put(entry)
 
-        layout, boundary = [], {}
+        layout, boundary, staged = [], {}, []
         pos = state.length
         w = cfg.seam_window
         for j in range(first, len(parts)):
@@ -460,10 +472,13 @@ class Engine:
                     stats.built_tokens += len(ids)
                 if w:
                     layout += self._live_runs(t[:w], pos)
+                if is_host(entry):
+                    staged.append((len(layout), entry))
                 layout.append(CachedSpan(entry.data, pos + w, use_transition=cfg.mode == "pic"))
                 stats.reused_tokens += entry.data.num_tokens
                 stats.live_tokens += w
-                seg_stats.append(SegmentStat(len(ids), hit, "entry" if hit else "built"))
+                source = ("host" if is_host(entry) else "entry") if hit else "built"
+                seg_stats.append(SegmentStat(len(ids), hit, source))
             else:
                 layout += self._live_runs(t, pos)
                 stats.live_tokens += len(t)
@@ -471,6 +486,14 @@ class Engine:
                     seg_stats.append(SegmentStat(len(ids), False, "live"))
             pos += len(t)
             boundary[len(layout) - 1] = j
+
+        # Entries found in the host tier reach the device together, layer by layer: the forward
+        # waits for a layer's copies only when it gets to that layer.
+        if staged:
+            datas = stage([e for _, e in staged], self.model.device)
+            for (idx, _), data in zip(staged, datas):
+                piece = layout[idx]
+                layout[idx] = CachedSpan(data, piece.start, piece.use_transition)
 
         # Pages computed exactly: from an exact start up to the first reused body.
         recorder, exact_end = None, 0
@@ -584,11 +607,13 @@ class Engine:
         ]
         saved = (self.entries, self.prefixes, self.pages)
         budget = self.config.prefix_cache_bytes
-        self.entries = MemoryEntryStore(self.config.entry_cache_bytes, self.config.verify_checksums)
+        self.entries = self._new_entry_store()
         self.prefixes = PrefixStore(budget)
         self.pages = PageTree(budget, self.page_policy.page_size)
         try:
-            for req in requests:
+            for n, req in enumerate(requests):
+                if n == 1 and isinstance(self.entries, TieredEntryStore):
+                    self.entries.demote_all()  # the reuse after another prefix stages them from the host
                 for _ in self.start(req):
                     pass
         finally:

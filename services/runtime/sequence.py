@@ -7,6 +7,7 @@ layer, the state a forward leaves behind (SequenceState), so decode is just one 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,29 @@ class SpanData:
     local_start: int  # local position of the body's first token (the seam window w)
     linear: dict[int, LinearSpan]
     attn: dict[int, AttnSpan]
+
+
+class ArrivingLayers(Mapping):
+    """layer -> LinearSpan / AttnSpan whose tensors are still arriving (a receive posted, a copy
+    queued on another stream); indexing a layer first waits for what carries it: any object with
+    wait(), called before the layer's tensors are used. The forward thus starts before the last
+    layer is there and waits only when it reaches a layer."""
+
+    def __init__(self, spans: dict, waits: dict):
+        self._spans = spans
+        self._waits = waits  # layer -> object with wait()
+
+    def __getitem__(self, layer):
+        w = self._waits.get(layer)
+        if w is not None:
+            w.wait()
+        return self._spans[layer]
+
+    def __iter__(self):
+        return iter(self._spans)
+
+    def __len__(self):
+        return len(self._spans)
 
 
 @dataclass(slots=True)

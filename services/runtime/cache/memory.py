@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from hybridcache.services.runtime.cache.base import EntryStore
 from hybridcache.services.runtime.cache.entry import SegmentEntry
@@ -16,7 +17,14 @@ class MemoryEntryStore(EntryStore):
     stay longer (compute saved per byte).
     """
 
-    def __init__(self, capacity_bytes: int, verify_checksums: bool = False):
+    def __init__(
+        self,
+        capacity_bytes: int,
+        verify_checksums: bool = False,
+        on_evict: Callable[[SegmentEntry], None] | None = None,
+    ):
+        """on_evict(entry) is called for each entry evicted to make room (after the store's lock
+        is released), e.g. to move it to a lower tier; not for delete() or a refreshed key."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         self._capacity = capacity_bytes
@@ -28,6 +36,7 @@ class MemoryEntryStore(EntryStore):
         self._lock = threading.Lock()
         self.evictions = 0
         self.corrupt = 0
+        self._on_evict = on_evict
 
     def _value(self, e: SegmentEntry) -> float:
         return max(e.build_seconds, 1e-9) / max(e.nbytes, 1)
@@ -45,6 +54,7 @@ class MemoryEntryStore(EntryStore):
             return e
 
     def put(self, entry: SegmentEntry) -> bool:
+        evicted = []
         with self._lock:
             if entry.nbytes > self._capacity:
                 return False
@@ -53,17 +63,21 @@ class MemoryEntryStore(EntryStore):
             while self._used + entry.nbytes > self._capacity:
                 victim = min(self._priority, key=self._priority.__getitem__)
                 self._clock = self._priority[victim]
-                self._remove(victim)
+                evicted.append(self._remove(victim))
                 self.evictions += 1
             self._entries[entry.key] = entry
             self._priority[entry.key] = self._clock + self._value(entry)
             self._used += entry.nbytes
-            return True
+        if self._on_evict is not None:
+            for e in evicted:
+                self._on_evict(e)
+        return True
 
-    def _remove(self, key: str) -> None:
+    def _remove(self, key: str) -> SegmentEntry:
         e = self._entries.pop(key)
         self._priority.pop(key, None)
         self._used -= e.nbytes
+        return e
 
     def contains(self, key: str) -> bool:
         with self._lock:

@@ -1,0 +1,213 @@
+"""A host-memory tier under the device entry cache, and layer-by-layer staging of its entries.
+
+The device store (MemoryEntryStore on the model's device) holds the entries a request folds in
+directly. What it evicts moves here instead of being dropped: each entry becomes one pinned
+host buffer, packed layer by layer (a layer's tensors back to back, 16-byte aligned: runtime/packing.py), so that a
+layer of many entries reaches the device in one pass of large copies. A request that hits here
+stages all its host entries at once (`stage`): per layer, one device buffer for that layer of
+every host entry, filled by copies queued on a side stream in layer order, and one event per
+layer. The spans it gets are ArrivingLayers: the forward waits for layer i's event only when
+it reaches layer i, so the copies of later layers overlap the compute of earlier ones (the
+same overlap the segment-parallel combine gets from layer-streamed receives).
+
+Host hits are staged for each request that uses them and are not promoted back into the device
+store: a promoted entry would evict another one down here, and the staged buffers are shared by
+all entries of a request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+
+import torch
+from hybridcache.services.runtime.cache.base import EntryStore
+from hybridcache.services.runtime.cache.entry import SegmentEntry
+from hybridcache.services.runtime.cache.memory import MemoryEntryStore
+from hybridcache.services.runtime.packing import padded
+from hybridcache.services.runtime.sequence import ArrivingLayers, AttnSpan, LinearSpan, SpanData
+
+
+def _layer_tensors(data: SpanData, layer: int) -> list[torch.Tensor]:
+    if layer in data.linear:
+        s = data.linear[layer]
+        return [s.T, s.S, s.conv_tail]
+    a = data.attn[layer]
+    return [a.k, a.v]
+
+
+def _layers(data: SpanData) -> list[int]:
+    return sorted([*data.linear, *data.attn])
+
+
+def _views(buf: torch.Tensor, start: int, like: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """Views of buf from byte `start` shaped like the tensors `like`; returns them and the end."""
+    out, off = [], start
+    for t in like:
+        n = t.numel() * t.element_size()
+        out.append(buf[off : off + n].view(t.dtype).view(t.shape))
+        off += padded(n)
+    return out, off
+
+
+def _span(data: SpanData, layer: int, tensors: list[torch.Tensor]):
+    return LinearSpan(*tensors) if layer in data.linear else AttnSpan(*tensors)
+
+
+class HostEntry:
+    """An entry's tensors in one host buffer (pinned when CUDA is present), layer after layer.
+    `layers[l] = (offset, nbytes)` of layer l; `data` views the buffer (shapes and dtypes kept)."""
+
+    def __init__(self, entry: SegmentEntry):
+        src = entry.data
+        layers = _layers(src)
+        size = sum(padded(t.numel() * t.element_size()) for lay in layers for t in _layer_tensors(src, lay))
+        self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.layers: dict[int, tuple[int, int]] = {}
+        linear, attn, off = {}, {}, 0
+        for lay in layers:
+            tensors = _layer_tensors(src, lay)
+            views, end = _views(self.buffer, off, tensors)
+            for v, t in zip(views, tensors):
+                v.copy_(t)  # device -> host (synchronous: the entry is leaving the device)
+            (linear if lay in src.linear else attn)[lay] = _span(src, lay, views)
+            self.layers[lay] = (off, end - off)
+            off = end
+        self.data = SpanData(src.num_tokens, src.local_start, linear, attn)
+
+
+def to_host(entry: SegmentEntry) -> SegmentEntry:
+    """A copy of `entry` held in host memory (meta["host"] keeps the HostEntry); same key, bytes,
+    checksum and build time, so the host store weighs it as the device store did."""
+    host = HostEntry(entry)
+    meta = dict(entry.meta, host=host)
+    return SegmentEntry(entry.key, entry.segment_tokens, host.data, entry.build_seconds, entry.nbytes,
+                        entry.checksum, meta)
+
+
+def is_host(entry: SegmentEntry) -> bool:
+    return "host" in entry.meta
+
+
+class _EventWait:
+    """Makes the device's current stream wait for a copy stream's event (no host synchronization)."""
+
+    def __init__(self, event, device: torch.device):
+        self._event, self._device = event, device
+
+    def wait(self) -> None:
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+            self._event = None
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+_copy_lock = threading.Lock()
+
+
+def _copy_stream(device: torch.device):
+    with _copy_lock:
+        if device not in _copy_streams:
+            _copy_streams[device] = torch.cuda.Stream(device=device)
+        return _copy_streams[device]
+
+
+def stage(entries: list[SegmentEntry], device: torch.device | str) -> list[SpanData]:
+    """Device-side SpanData of host entries (to_host copies), layer by layer: for each layer one
+    device buffer with that layer of every entry, filled on a side stream (CUDA) and waited for on
+    first use of the layer. On the CPU the copies run in place and nothing waits."""
+    device = torch.device(device)
+    hosts = [e.meta["host"] for e in entries]
+    if not hosts:
+        return []
+    layers = sorted(hosts[0].layers)
+    cuda = device.type == "cuda"
+    stream = _copy_stream(device) if cuda else None
+    if cuda:
+        # the buffers are allocated on the compute stream; the copy stream must not run ahead of that
+        stream.wait_stream(torch.cuda.current_stream(device))
+    spans = [({}, {}) for _ in hosts]
+    waits: dict[int, _EventWait] = {}
+    for lay in layers:
+        total = sum(h.layers[lay][1] for h in hosts)
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+        off = 0
+        ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
+        with ctx:
+            for h in hosts:
+                start, n = h.layers[lay]
+                buf[off : off + n].copy_(h.buffer[start : start + n], non_blocking=cuda)
+                off += n
+        if cuda:
+            event = torch.cuda.Event()
+            event.record(stream)
+            # the buffer is used on the compute stream; keep the allocator from reusing it early
+            buf.record_stream(torch.cuda.current_stream(device))
+            waits[lay] = _EventWait(event, device)
+        off = 0
+        for j, h in enumerate(hosts):
+            src = h.data
+            views, _ = _views(buf, off, _layer_tensors(src, lay))
+            off += h.layers[lay][1]
+            (spans[j][0] if lay in src.linear else spans[j][1])[lay] = _span(src, lay, views)
+    out = []
+    for h, (linear, attn) in zip(hosts, spans):
+        out.append(SpanData(h.data.num_tokens, h.data.local_start, ArrivingLayers(linear, waits),
+                            ArrivingLayers(attn, waits)))
+    return out
+
+
+class TieredEntryStore(EntryStore):
+    """Entries on the device (`device`, a MemoryEntryStore) over a host tier of `host_bytes`:
+    the device store's evictions move down (to_host) instead of being dropped. get() answers from
+    the device first, then from the host (an entry with is_host(entry), to be staged)."""
+
+    def __init__(self, device_bytes: int, host_bytes: int, verify_checksums: bool = False,
+                 to_host_fn: Callable[[SegmentEntry], SegmentEntry] = to_host):
+        self.host = MemoryEntryStore(host_bytes, verify_checksums)
+        self._to_host = to_host_fn
+        self.device = MemoryEntryStore(device_bytes, verify_checksums, on_evict=self._demote)
+        self.demotions = 0
+
+    def _demote(self, entry: SegmentEntry) -> None:
+        if entry.nbytes <= self.host.capacity_bytes and self.host.put(self._to_host(entry)):
+            self.demotions += 1
+
+    def demote_all(self) -> None:
+        """Move every device entry to the host tier (warm-up, tests, benchmarks of host hits)."""
+        for key in list(self.device._entries):
+            e = self.device.get(key)
+            if e is not None:
+                self.device.delete(key)
+                self._demote(e)
+
+    def get(self, key: str) -> SegmentEntry | None:
+        e = self.device.get(key)
+        return e if e is not None else self.host.get(key)
+
+    def put(self, entry: SegmentEntry) -> bool:
+        self.host.delete(entry.key)  # one copy of an entry, in one tier
+        return self.device.put(entry)
+
+    def contains(self, key: str) -> bool:
+        return self.device.contains(key) or self.host.contains(key)
+
+    def delete(self, key: str) -> None:
+        self.device.delete(key)
+        self.host.delete(key)
+
+    def __len__(self) -> int:
+        return len(self.device) + len(self.host)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.device.used_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.device.capacity_bytes
+
+    @property
+    def evictions(self) -> int:
+        return self.host.evictions
