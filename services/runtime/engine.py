@@ -56,18 +56,37 @@ ENTRY_POLICIES = ("exact", "single_state")
 
 def entry_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """How build_entries groups cold segments into batched prefills: indices in increasing length,
-    a batch closed when one more segment would take its padded size (count x longest) past
-    `max_tokens`. Segment parallelism mirrors this order to stream a batch's entries layer by layer."""
-    batches: list[list[int]] = []
-    batch: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        if batch and (len(batch) + 1) * lengths[i] > max_tokens:
+    cut into as few batches as fit `max_tokens` padded tokens each (count x longest; a segment
+    longer than that goes alone), and among those cuts the one whose largest batch is smallest.
+    18 equal segments that fit 16 to a batch are two batches of 9, not 16 and 2: a batch of 2 uses
+    the GPU poorly, and the worker that builds it finishes last. Segment parallelism mirrors this
+    order to stream a batch's entries layer by layer."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+
+    def cut(limit: int) -> list[list[int]]:
+        batches: list[list[int]] = []
+        batch: list[int] = []
+        for i in order:
+            if batch and (len(batch) + 1) * lengths[i] > limit:
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        if batch:
             batches.append(batch)
-            batch = []
-        batch.append(i)
-    if batch:
-        batches.append(batch)
-    return batches
+        return batches
+
+    fewest = cut(max_tokens)
+    if len(fewest) < 2:
+        return fewest
+    # the smallest limit that still needs no more batches: the cut is then as even as it gets
+    lo, hi = 1, max_tokens
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(cut(mid)) <= len(fewest):
+            hi = mid
+        else:
+            lo = mid + 1
+    return cut(lo)
 
 
 @dataclass(frozen=True)
