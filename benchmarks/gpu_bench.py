@@ -426,7 +426,7 @@ def decode_step_batched(model, states, toks, pos):
             cos, sin = at.rope(torch.tensor([pos], device=x.device), q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             st["k"], st["v"] = torch.cat([st["k"], k], dim=2), torch.cat([st["v"], v], dim=2)
-            out = F.scaled_dot_product_attention(q, st["k"], st["v"], scale=at.d**-0.5, enable_gqa=True)
+            out = backends.sdpa(q, st["k"], st["v"], scale=at.d**-0.5, enable_gqa=True)
             h = at.o_proj(out.transpose(1, 2).reshape(B, 1, -1) * torch.sigmoid(gate.reshape(B, 1, -1)))
         x = x + h
         x = x + layer.mlp(layer.post_attention_layernorm(x))

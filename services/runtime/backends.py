@@ -216,7 +216,9 @@ def sdpa_backends(spec: str | None = None):
     return [table[n] for n in names]
 
 
-def _sdpa(q, k, v, **kw):
+def sdpa(q, k, v, **kw):
+    """F.scaled_dot_product_attention under the allowed backends on CUDA (sdpa_backends); every
+    attention call of the models goes through here."""
     allowed = sdpa_backends() if q.is_cuda else None
     if allowed is None:
         return F.scaled_dot_product_attention(q, k, v, **kw)
@@ -235,20 +237,20 @@ def attention(q, k, v, live_pos: torch.Tensor, scale: float):
     # bottom-right, through the fused kernels; no [n, N] mask is built.
     tail = int(live_pos[0]) == N - n
     if tail and n == 1:
-        return _sdpa(q, k, v, scale=scale, enable_gqa=gqa)
+        return sdpa(q, k, v, scale=scale, enable_gqa=gqa)
     if gqa and q.is_cuda:
         # KV heads repeated: the fused causal kernels and the masked memory-efficient one take no GQA
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         gqa = False
     if tail and n == N:
-        return _sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if tail and q.is_cuda:
         # imported here: this module pulls in torch's compiler stack (and Triton)
         from torch.nn.attention.bias import causal_lower_right
 
-        return _sdpa(q, k, v, attn_mask=causal_lower_right(n, N), scale=scale)
+        return sdpa(q, k, v, attn_mask=causal_lower_right(n, N), scale=scale)
     # Live tokens interleaved with cached spans (seams): an explicit mask, n x N booleans.
     key_pos = torch.arange(N, device=q.device)
     mask = key_pos[None, :] <= live_pos[:, None]  # [n, N]
-    return _sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

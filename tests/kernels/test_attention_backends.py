@@ -73,3 +73,17 @@ def test_attention_paths_match_explicit_softmax_gpu(monkeypatch, spec):
         out = backends.attention(q, k, v, pos, 0.125)
         ref = reference(q, k, v, pos, 0.125)
         assert (out.float() - ref.float()).abs().max().item() < 2e-2, name
+
+
+def test_models_call_attention_only_through_backends():
+    """The SDPA backend restriction (no cuDNN by default on CUDA) holds only if every model's
+    attention goes through backends.sdpa; a direct call would bring back per-shape graph builds."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    direct = [
+        str(p.relative_to(root))
+        for p in [*(root / "services").rglob("*.py"), root / "benchmarks" / "gpu_bench.py"]
+        if "scaled_dot_product_attention(" in p.read_text() and p.name != "backends.py"
+    ]
+    assert direct == [], f"call backends.sdpa instead of F.scaled_dot_product_attention in {direct}"

@@ -309,9 +309,7 @@ class MLAttention(nn.Module):
         mask = None
         if not (n == 1 and int(live_pos[0]) == N - 1):
             mask = torch.arange(N, device=x.device)[None, :] <= live_pos[:, None]  # [n, N]
-        o_lat = F.scaled_dot_product_attention(
-            q_lat, k_lat, C, attn_mask=mask, scale=self.scale, enable_gqa=True
-        )  # [1, H, n, r]
+        o_lat = backends.sdpa(q_lat, k_lat, C, attn_mask=mask, scale=self.scale, enable_gqa=True)  # [1, H, n, r]
         out = torch.einsum("bhnr,hvr->bnhv", o_lat, w_uv).reshape(1, n, self.nh * self.dv)
         return self.o_proj(out)
 
