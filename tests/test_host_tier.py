@@ -123,7 +123,7 @@ def test_stage_on_cuda_matches_resident_entries(qwen35_dir):
     for e in (dev, tiered):
         e.generate(_request(segs, [5, 6, 7]))
     tiered.entries.demote_all()
-    host_entry = tiered.entries.get(next(iter(tiered.entries.host._entries)))
+    host_entry = tiered.entries.get(tiered.entries.host.keys()[0])
     assert host_entry.data.linear[0].S.device.type == "cpu" and host_entry.data.linear[0].S.is_pinned()
     want = dev.generate(_request(segs[::-1], [8]))
     got = tiered.generate(_request(segs[::-1], [8]))
@@ -147,3 +147,23 @@ def test_warmup_of_a_tiered_engine_stages_from_the_host(qwen35_dir, monkeypatch)
     tiered.warmup()
     assert staged and max(staged) >= 3
     assert tiered.entries is store and len(store) == 0
+
+
+@pytest.mark.parametrize("arch", ["kimi_linear", "nemotron_h", "olmo_hybrid"])
+def test_other_families_answer_the_same_from_the_host_tier(arch, tmp_path):
+    """Matrix (KDA), scalar (SSD) and gated-delta T, MLA latents: every span kind survives packing."""
+    from hybridcache.services.runtime.modelzoo import init_model_dir
+
+    d = init_model_dir(arch, "tiny", tmp_path / arch, seed=1, std=0.08)
+    gen = torch.Generator().manual_seed(8)
+    segs = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (21, 17)]
+    plain = Engine.from_dir(d)
+    tiered = Engine.from_dir(d, config=EngineConfig(host_cache_bytes=1 << 30))
+    for e in (plain, tiered):
+        e.generate(_request(segs, [5, 6]))
+    tiered.entries.demote_all()
+    pre = [e.prefill(e.parse_request(_request(segs[::-1], [7]))) for e in (plain, tiered)]
+    for e, p in zip((plain, tiered), pre):
+        e.finish_prefix(p)
+    assert [s.source for s in pre[1].stats.segments] == ["host", "host"]
+    assert torch.equal(pre[0].logits, pre[1].logits)

@@ -176,7 +176,7 @@ class TieredEntryStore(EntryStore):
 
     def demote_all(self) -> None:
         """Move every device entry to the host tier (warm-up, tests, benchmarks of host hits)."""
-        for key in list(self.device._entries):
+        for key in self.device.keys():
             e = self.device.get(key)
             if e is not None:
                 self.device.delete(key)

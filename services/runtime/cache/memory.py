@@ -91,6 +91,11 @@ class MemoryEntryStore(EntryStore):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def keys(self) -> list[str]:
+        """The keys held now (a snapshot), in insertion order."""
+        with self._lock:
+            return list(self._entries)
+
     @property
     def used_bytes(self) -> int:
         return self._used
