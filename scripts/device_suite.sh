@@ -1,0 +1,54 @@
+#!/bin/bash
+# The GPU work of the project in stages, for a device machine with no network (torch, triton and
+# transformers installed; fla-core and what else it lacks carried as wheels in .whl/).
+#
+#   bash scripts/device_suite.sh COMMIT STAGE [STAGE ...]
+#
+# Stages (each writes its JSON and log under $OUT, default ./device_out):
+#   gpu-tests   every test marked gpu except the families' engine tests (pytest, 240 s a test)
+#   families    the families' engine tests alone (fla's KDA autotuning alone has taken > 200 s)
+#   bench       benchmarks/gpu_bench.py (one GPU)
+#   qps         benchmarks/segment_parallel.py --qps-only --trace-requests 24 (one GPU)
+#   sp2         benchmarks/segment_parallel.py --gpus 2 --no-qps --repeats 3 (two GPUs)
+# Timing stages should run alone on the machine: CPU-heavy neighbours slow launch-bound work.
+set -u
+if [ $# -lt 2 ]; then
+    echo "usage: bash scripts/device_suite.sh COMMIT STAGE [STAGE ...]" >&2
+    exit 2
+fi
+commit=$1
+shift
+OUT=${OUT:-$PWD/device_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "device_suite: installing .whl/ failed" >&2; exit 2; }
+fi
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/hybridcache
+export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 HYBRIDCACHE_COMMIT=$commit
+python3 -c "import fla" 2> /dev/null || echo "device_suite: warning: fla-core is not importable (put its wheel in .whl/)" >&2
+families="tests/kernels/test_families_gpu.py::test_tiny_model_cuda_fp32_matches_cpu_and_pic_is_consistent"
+for stage in "$@"; do
+    case $stage in
+    gpu-tests)
+        TRITON_F32_DEFAULT=ieee python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --timeout 240 tests \
+            --deselect "$families" > "$OUT/gpu_tests.log" 2>&1
+        echo "gpu-tests rc=$?"; grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -3 ;;
+    families)
+        TRITON_F32_DEFAULT=ieee python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --timeout 540 "$families" \
+            > "$OUT/families.log" 2>&1
+        echo "families rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/families.log" | tail -8 ;;
+    bench)
+        python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" > "$OUT/gpu_bench.log" 2>&1
+        echo "bench rc=$?" ;;
+    qps)
+        python3 benchmarks/segment_parallel.py --qps-only --trace-requests 24 --out "$OUT/qps.json" > "$OUT/qps.log" 2>&1
+        echo "qps rc=$?" ;;
+    sp2)
+        python3 benchmarks/segment_parallel.py --gpus 2 --no-qps --repeats 3 --out "$OUT/sp2.json" > "$OUT/sp2.log" 2>&1
+        echo "sp2 rc=$?" ;;
+    *)
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, sp2)" >&2
+        exit 2 ;;
+    esac
+done
