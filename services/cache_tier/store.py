@@ -51,32 +51,10 @@ def read_entry_file(path: Path) -> SegmentEntry | None:
     return None
 
 
-class _SpillingMemoryStore(MemoryEntryStore):
-    def __init__(self, capacity_bytes: int, on_evict):
-        super().__init__(capacity_bytes, verify_checksums=False)
-        self._on_evict = on_evict
-        self._spill = True
-
-    def _remove(self, key: str) -> None:
-        entry = self._entries.get(key)
-        super()._remove(key)
-        if self._spill and entry is not None:
-            self._on_evict(entry)
-
-    def drop(self, key: str) -> None:
-        """Remove without spilling (deleted or corrupt entries)."""
-        with self._lock:
-            self._spill = False
-            try:
-                if key in self._entries:
-                    self._remove(key)
-            finally:
-                self._spill = True
-
-
 class TierStore:
     def __init__(self, capacity_bytes: int, spill_dir: str | Path | None = None, disk_capacity_bytes: int = 0):
-        self.memory = _SpillingMemoryStore(capacity_bytes, self._spill)
+        # evictions spill to disk (MemoryEntryStore's on_evict); delete() of a corrupt entry does not
+        self.memory = MemoryEntryStore(capacity_bytes, verify_checksums=False, on_evict=self._spill)
         self.spill_dir = Path(spill_dir) if spill_dir else None
         self.disk_capacity = disk_capacity_bytes or 4 * capacity_bytes
         self._disk: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, oldest first
@@ -122,7 +100,7 @@ class TierStore:
         entry = self.memory.get(key)
         if entry is not None and not entry.verify():
             self.corrupt += 1
-            self.memory.drop(key)
+            self.memory.delete(key)
             entry = None
         if entry is None and self.spill_dir is not None:
             entry = self._from_disk(key)
