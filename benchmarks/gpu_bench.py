@@ -84,6 +84,7 @@ def build_models(preset, with_peer):
     with torch.device("cuda"):
         model = HybridLM(cfg).eval()
     random_init_cuda_(model)
+    model.merge_projections()  # as the loader does
     peer, load_report = None, None
     if with_peer:
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig

@@ -128,6 +128,8 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     model = model.to_empty(device=device).to(dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
     model.eval()
+    if hasattr(model, "merge_projections"):
+        model.merge_projections()  # one GEMM per group of projections that read the same input
     model.fingerprint = fingerprint
     model.path = str(path)
     return model

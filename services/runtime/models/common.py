@@ -9,6 +9,7 @@ fresh q/k/v; the loop gathers cached spans' K/V (re-rotated when the family uses
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfigError
@@ -62,6 +63,43 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * xf).to(x.dtype)
+
+
+def merge_weights(*linears: nn.Linear) -> torch.Tensor | None:
+    """Make bias-free nn.Linear layers that read the same input share one weight tensor: each
+    weight becomes a view of rows of `torch.cat` of them all (no extra memory once the old ones
+    are freed; a state_dict load still writes each weight by name). Returns the merged
+    [sum(out), in] weight, or None where the layers cannot merge (a bias, mixed dtypes, devices
+    or input sizes). merged_linear then runs them as one GEMM: one launch instead of several."""
+    w0 = linears[0].weight
+    if any(lin.bias is not None for lin in linears) or any(
+        (lin.weight.dtype, lin.weight.device, lin.in_features) != (w0.dtype, w0.device, linears[0].in_features)
+        for lin in linears
+    ):
+        return None
+    merged = torch.cat([lin.weight.detach() for lin in linears])
+    off = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = nn.Parameter(merged[off : off + n], requires_grad=lin.weight.requires_grad)
+        off += n
+    return merged
+
+
+def merged_linear(x, merged: torch.Tensor | None, linears) -> tuple:
+    """Each layer's output on x: one GEMM with `merged` while the layers' weights are still its views
+    (a later .to() or weight assignment breaks that, and each layer then runs on its own)."""
+    if merged is not None:
+        ptr, row = merged.data_ptr(), merged.stride(0) * merged.element_size()
+        off, intact = 0, True
+        for lin in linears:
+            if lin.weight.data_ptr() != ptr + off * row:
+                intact = False
+                break
+            off += lin.out_features
+        if intact:
+            return F.linear(x, merged).split([lin.out_features for lin in linears], dim=-1)
+    return tuple(lin(x) for lin in linears)
 
 
 def linear_layout(
@@ -234,6 +272,15 @@ class LayoutLM(nn.Module):
             x = x[:, -1:]
         logits = self.head(x)[0].float()
         return (logits[-1] if logits_for == "last" else logits), rec
+
+    def merge_projections(self) -> int:
+        """Merge the projections that read the same input into one GEMM each (merge_weights), in
+        every module that offers it; returns how many groups merged. The loader calls it."""
+        n = 0
+        for m in self.modules():
+            if m is not self and hasattr(m, "merge_projections"):
+                n += m.merge_projections()
+        return n
 
     def linear_groups(self) -> list[tuple[int, ...]]:
         """Runs of consecutive linear-attention layer indices, in order (prefix-cache replay units)."""

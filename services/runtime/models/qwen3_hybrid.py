@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfig
-from hybridcache.services.runtime.models.common import Backbone, LayoutLM, attention_layout, linear_layout
+from hybridcache.services.runtime.models.common import (
+    Backbone,
+    LayoutLM,
+    attention_layout,
+    linear_layout,
+    merge_weights,
+    merged_linear,
+)
 from hybridcache.services.runtime.sequence import (
     AttnSpan,
     AttnState,
@@ -129,16 +136,24 @@ class GatedDeltaNet(nn.Module):
         """x [B, n, h] -> mixed_qkv [B, n, conv_dim] (pre-conv), z [B, n, Hv, dv], b, a [B, n, Hv]."""
         B, n = x.shape[:2]
         if self.fused_projections:
-            qkvz = self.in_proj_qkvz(x).view(B, n, self.hk, -1)
-            ba = self.in_proj_ba(x).view(B, n, self.hk, -1)
+            qkvz, ba = merged_linear(x, getattr(self, "_in_proj", None), (self.in_proj_qkvz, self.in_proj_ba))
+            qkvz, ba = qkvz.reshape(B, n, self.hk, -1), ba.reshape(B, n, self.hk, -1)
             r = self.hv // self.hk
             q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
             b, a = torch.split(ba, [r, r], dim=-1)
             mixed = torch.cat([q.reshape(B, n, -1), k.reshape(B, n, -1), v.reshape(B, n, -1)], dim=-1)
             return mixed, z.reshape(B, n, self.hv, self.dv), b.reshape(B, n, self.hv), a.reshape(B, n, self.hv)
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).view(B, n, self.hv, self.dv)
-        return mixed, z, self.in_proj_b(x), self.in_proj_a(x)
+        mixed, z, b, a = merged_linear(
+            x, getattr(self, "_in_proj", None), (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        )
+        return mixed, z.reshape(B, n, self.hv, self.dv), b, a
+
+    def merge_projections(self) -> int:
+        if self.fused_projections:
+            self._in_proj = merge_weights(self.in_proj_qkvz, self.in_proj_ba)
+        else:
+            self._in_proj = merge_weights(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        return int(self._in_proj is not None)
 
     def build_spans(self, x, lengths, seam, datas, layer_idx):
         """Standalone prefill of B segments at once (x [B, L, h] normed, segment j real for its
@@ -372,6 +387,10 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.d, cfg.rms_norm_eps)
 
+    def merge_projections(self) -> int:
+        self._qkv = merge_weights(self.q_proj, self.k_proj, self.v_proj)
+        return int(self._qkv is not None)
+
     def rope(self, positions, dtype):
         return rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, dtype)
 
@@ -388,11 +407,12 @@ class GatedAttention(nn.Module):
     def qkv(self, x, positions):
         """x [B, n, h] -> q [B, Hq, n, d], k, v [B, Hkv, n, d] (q, k rotated at `positions`), gate [B, n, Hq*d]."""
         B, n = x.shape[:2]
-        q, gate = torch.chunk(self.q_proj(x).view(B, n, self.hq, 2 * self.d), 2, dim=-1)
+        qg, k, v = merged_linear(x, getattr(self, "_qkv", None), (self.q_proj, self.k_proj, self.v_proj))
+        q, gate = torch.chunk(qg.reshape(B, n, self.hq, 2 * self.d), 2, dim=-1)
         gate = gate.reshape(B, n, -1)
         q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, n, self.hkv, self.d)).transpose(1, 2)
-        v = self.v_proj(x).view(B, n, self.hkv, self.d).transpose(1, 2)
+        k = self.k_norm(k.reshape(B, n, self.hkv, self.d)).transpose(1, 2)
+        v = v.reshape(B, n, self.hkv, self.d).transpose(1, 2)
         return self.rotate(q, positions), self.rotate(k, positions), v, gate
 
     def build_spans(self, x, lengths, seam, datas, layer_idx):
@@ -423,8 +443,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
+    def merge_projections(self) -> int:
+        self._gate_up = merge_weights(self.gate_proj, self.up_proj)
+        return int(self._gate_up is not None)
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = merged_linear(x, getattr(self, "_gate_up", None), (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
