@@ -57,6 +57,7 @@ def build_engine(preset: str, mode: str = "pic", **cfg_kw):
             model = HybridLM(cfg).eval()
         torch.set_default_dtype(torch.float32)
         random_init_cuda_(model, seed=0)
+    model.merge_projections()  # as the loader does
     model.fingerprint = f"random-{preset}-seed0"
     return Engine(model, Tokenizer(build_byte_tokenizer()), EngineConfig(mode=mode, seam_window=SEAM, **cfg_kw))
 
