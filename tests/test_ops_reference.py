@@ -98,3 +98,30 @@ def test_causal_conv_state_in_tail_out(T, D, W):
     y2, t2 = naive_causal_conv1d(x[:, cut:], w, b, t1)
     torch.testing.assert_close(torch.cat([y1, y2], 1), y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(t2, tail)
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 16), (15, 16), (77, 16), (130, 64)])
+def test_query_transition_folds_any_initial_state(T, chunk):
+    """o(S_in) = o(0) + u S_in and S(S_in) = T S_in + S(run|0), for the step loop and the chunked form."""
+    import torch.nn.functional as F
+    from hybridcache.kernels.ops.gated_delta_rule.chunk import chunk_gated_delta_rule as chunked
+    from hybridcache.kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule as naive
+
+    g = torch.Generator().manual_seed(T)
+    B, H, K, V = 2, 3, 16, 24
+    q = torch.randn(B, T, H, K, generator=g)
+    k = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
+    v = torch.randn(B, T, H, V, generator=g)
+    gate = F.logsigmoid(torch.randn(B, T, H, generator=g) + 2)
+    beta = torch.rand(B, T, H, generator=g)
+    s_in = torch.randn(B, H, K, V, generator=g)
+    o_ref, s_ref = naive(q, k, v, gate, beta, initial_state=s_in)
+    for run in (naive, lambda *a, **kw: chunked(*a, chunk_size=chunk, **kw)):
+        o0, _, (tr, s0), u = run(q, k, v, gate, beta, output_transition=True, output_query_transition=True)
+        assert u.shape == (B, T, H, K)
+        o = o0 + torch.einsum("bthk,bhkv->bthv", u, s_in)
+        assert ((o - o_ref).norm() / o_ref.norm()).item() < 1e-5
+        s = torch.einsum("bhkj,bhjv->bhkv", tr, s_in) + s0
+        assert ((s - s_ref).norm() / s_ref.norm()).item() < 1e-5
+    with pytest.raises(ValueError, match="output_transition"):
+        naive(q, k, v, gate, beta, output_query_transition=True)

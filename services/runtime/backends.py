@@ -68,6 +68,23 @@ def gated_delta_rule(q, k, v, g, beta, initial_state, output_transition: bool):
     )
 
 
+def gated_delta_rule_pieces(q, k, v, g, beta):
+    """Runs from a zero state, each with what folding it after other state needs: returns
+    (o0 [B, T, H, V] (v's dtype), T [B, H, K, K] fp32, S(run|0) [B, H, K, V] fp32,
+    u [B, T, H, K]), u_t = scale T_t^T q_t. From any entering state S_in the run's outputs are
+    o0 + u S_in and its final state T S_in + S(run|0): no second pass over the run."""
+    if use_fast_kernels(v) and fla_available():
+        from hybridcache.kernels.ops.gated_delta_rule.fla_entry import chunk_gated_delta_rule_entry
+
+        o, _, (T, S0), u = chunk_gated_delta_rule_entry(
+            q.to(v.dtype), k.to(v.dtype), v, g, beta.to(v.dtype), output_query_transition=True
+        )
+        return o, T, S0, u
+    run = naive_recurrent_gated_delta_rule if q.shape[1] < SHORT_RUN else chunk_gated_delta_rule
+    o, _, (T, S0), u = run(q, k, v, g, beta, output_transition=True, output_query_transition=True)
+    return o, T, S0, u
+
+
 @functools.cache
 def fla_has(module: str) -> bool:
     """Whether fla's op package (e.g. "fla.ops.kda") imports here."""

@@ -48,3 +48,21 @@ def test_entry_transition_equals_identity_start_trick():
     q, k, v, g, beta = make_inputs(1, 1000, 4, 128, 128)
     _, _, (Tr, _) = chunk_gated_delta_rule_entry(q, k, v, g, beta)
     assert rel_rms(Tr, transition_by_identity_start(k, g, beta)) < 1e-2
+
+
+@pytest.mark.parametrize("B,T,H,K,V", SHAPES, ids=[f"B{b}-T{t}-H{h}-K{k}-V{v}" for b, t, h, k, v in SHAPES])
+def test_entry_query_transition_matches_reference(B, T, H, K, V):
+    """u (the T run's outputs) on fla's kernels, K == V (stacked output stage) and K != V, against
+    the step loop; and o0 + u S_in equals the run's outputs from S_in."""
+    from hybridcache.kernels.ops.gated_delta_rule.fla_entry import chunk_gated_delta_rule_entry
+
+    q, k, v, g, beta = make_inputs(B, T, H, K, V)
+    o0, _, (Tr, S0), u = chunk_gated_delta_rule_entry(q, k, v, g, beta, output_query_transition=True)
+    r = naive_recurrent_gated_delta_rule(
+        q.float(), k.float(), v.float(), g, beta.float(), output_transition=True, output_query_transition=True
+    )
+    assert u.shape == (B, T, H, K)
+    assert rel_rms(o0, r[0]) < 2e-2 and rel_rms(Tr, r[2][0]) < 2e-2 and rel_rms(u, r[3]) < 2e-2
+    s_in = torch.randn(B, H, K, V, device="cuda")
+    o_ref, _ = naive_recurrent_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), initial_state=s_in)
+    assert rel_rms(o0.float() + torch.einsum("bthk,bhkv->bthv", u.float(), s_in), o_ref) < 2e-2

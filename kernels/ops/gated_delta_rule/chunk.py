@@ -21,8 +21,10 @@ def chunk_gated_delta_rule(
     output_final_state: bool = True,
     output_transition: bool = False,
     chunk_size: int = 64,
+    output_query_transition: bool = False,
 ):
-    """Same contract as naive_recurrent_gated_delta_rule (q, k [B, T, H, K]; v [B, T, H, V]; g, beta [B, T, H])."""
+    """Same contract as naive_recurrent_gated_delta_rule (q, k [B, T, H, K]; v [B, T, H, V]; g, beta [B, T, H]),
+    including output_query_transition (a fourth element u [B, T, H, K], u_t = scale T_t^T q_t)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     if scale is None:
@@ -35,9 +37,13 @@ def chunk_gated_delta_rule(
     S = torch.zeros(B, H, K, V, dtype=torch.float32, device=dev)
     if initial_state is not None:
         S = initial_state.float().clone()
+    if output_query_transition and not output_transition:
+        raise ValueError("output_query_transition needs output_transition")
     if output_transition:
         Tr = torch.eye(K, dtype=torch.float32, device=dev).expand(B, H, K, K).clone()
         S0 = torch.zeros(B, H, K, V, dtype=torch.float32, device=dev)
+    if output_query_transition:
+        u = torch.empty(B, H, T, K, dtype=torch.float32, device=dev)
     o = torch.empty(B, H, T, V, dtype=torch.float32, device=dev)
     causal = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
     strict = torch.ones(C, C, dtype=torch.bool, device=dev).tril(-1)
@@ -61,12 +67,18 @@ def chunk_gated_delta_rule(
         v_new = U - W @ S  # [B, H, n, V]
         o[:, :, s:e] = (qc * gc.exp()[..., None]) @ S + attn @ v_new
         S = S * d_last + k_dec.transpose(-1, -2) @ v_new
+        if output_query_transition:
+            # the outputs of the T run (state T, values zero): u_t = T_t^T q_t within the chunk
+            wt = W @ Tr
+            u[:, :, s:e] = (qc * gc.exp()[..., None]) @ Tr - attn @ wt
         if output_transition:
             # The same chunk update applied to a zero-start state and to T (values zero).
             S0 = S0 * d_last + k_dec.transpose(-1, -2) @ (U - W @ S0)
             Tr = Tr * d_last - k_dec.transpose(-1, -2) @ (W @ Tr)
     o = o.transpose(1, 2).to(dtype)
     final = S if output_final_state else None
+    if output_query_transition:
+        return o, final, (Tr, S0), u.transpose(1, 2)
     if output_transition:
         return o, final, (Tr, S0)
     return o, final

@@ -25,8 +25,12 @@ def chunk_gated_delta_rule_entry(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
+    output_query_transition: bool = False,
 ):
-    """Chunked gated delta rule that also returns the run's (T, S(run|0)).
+    """Chunked gated delta rule that also returns the run's (T, S(run|0)); with
+    output_query_transition also u [B, T, HV, K] (v's dtype), u_t = scale T_t^T q_t: the outputs of
+    the T run itself, from the state kernel's per-chunk T and its corrected values (the output
+    stage run on the stacked batch when K == V: one launch for both).
 
     Args: q, k [B, T, H, K]; v [B, T, HV, V]; g (log decay), beta [B, T, HV]; initial_state
     [B, HV, K, V] fp32 or None. Same contract as naive_recurrent_gated_delta_rule(...,
@@ -60,7 +64,13 @@ def chunk_gated_delta_rule_entry(
             output_final_state=True,
             chunk_size=chunk_size,
         )
-        h, v_new, S_final, Tr = h[:B], v_new[:B], final[:B], final[B:]
+        S_final, Tr = final[:B], final[B:]
+        if output_query_transition:
+            both = chunk_fwd_o(q=q.repeat(2, 1, 1, 1), k=k.repeat(2, 1, 1, 1), v=v_new, h=h, g=g_cum.repeat(2, 1, 1),
+                               scale=scale, chunk_size=chunk_size)
+            S0 = S_final if initial_state is None else S_final - Tr @ h0
+            return both[:B], S_final, (Tr, S0), both[B:]
+        h, v_new = h[:B], v_new[:B]
     else:
         h, v_new, S_final = chunk_gated_delta_rule_fwd_h(
             k=k,
@@ -71,7 +81,7 @@ def chunk_gated_delta_rule_entry(
             output_final_state=True,
             chunk_size=chunk_size,
         )
-        _, _, Tr = chunk_gated_delta_rule_fwd_h(
+        h_t, v_new_t, Tr = chunk_gated_delta_rule_fwd_h(
             k=k,
             w=w,
             u=u.new_zeros(*u.shape[:-1], K),
@@ -79,10 +89,13 @@ def chunk_gated_delta_rule_entry(
             initial_state=eye.contiguous(),
             output_final_state=True,
             chunk_size=chunk_size,
-            save_new_value=False,
+            save_new_value=output_query_transition,
         )
     o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=chunk_size)
     S0 = S_final if initial_state is None else S_final - Tr @ h0
+    if output_query_transition:
+        u_t = chunk_fwd_o(q=q, k=k, v=v_new_t, h=h_t, g=g_cum, scale=scale, chunk_size=chunk_size)
+        return o, S_final, (Tr, S0), u_t
     return o, S_final, (Tr, S0)
 
 

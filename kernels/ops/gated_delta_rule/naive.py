@@ -22,6 +22,7 @@ def naive_recurrent_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = True,
     output_transition: bool = False,
+    output_query_transition: bool = False,
 ):
     """Run the recurrence over T tokens.
 
@@ -36,10 +37,14 @@ def naive_recurrent_gated_delta_rule(
         output_transition: also return the run's transition operator T = A_T ... A_1 ([B, H, K, K])
             and its zero-start state S(run|0) ([B, H, K, V]), computed in the same pass. Then
             final_state == T @ initial_state + S(run|0).
+        output_query_transition: (with output_transition) also return u [B, T, H, K] fp32,
+            u_t = scale T_t^T q_t, the outputs of the same run started from T = I with zero
+            values: the output from any initial state is then o_t + S_init^T u_t, so runs folded
+            after cached spans need no second pass once their entering states are known.
 
     Returns:
-        o [B, T, H, V] (dtype of v), final_state [B, H, K, V] fp32 (or None), and with
-        output_transition, (T, S0) as a third element.
+        o [B, T, H, V] (dtype of v), final_state [B, H, K, V] fp32 (or None), with
+        output_transition (T, S0) as a third element, and with output_query_transition u fourth.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -70,6 +75,8 @@ def naive_recurrent_gated_delta_rule(
             kT = torch.einsum("bhkj,bhk->bhj", Tr, k_t)
             Tr = Tr - torch.einsum("bhk,bhj->bhkj", k_t * b_t, kT)
             u[:, t] = torch.einsum("bhkj,bhk->bhj", Tr, q_t)
+    if output_query_transition and not output_transition:
+        raise ValueError("output_query_transition needs output_transition")
     if not output_transition:
         return o.to(dtype), (S if output_final_state else None)
     S0 = S
@@ -77,6 +84,8 @@ def naive_recurrent_gated_delta_rule(
         init = initial_state.float()
         o = o + torch.einsum("bthk,bhkv->bthv", u, init)
         S = torch.einsum("bhkj,bhjv->bhkv", Tr, init) + S0
+    if output_query_transition:
+        return o.to(dtype), (S if output_final_state else None), (Tr, S0), u
     return o.to(dtype), (S if output_final_state else None), (Tr, S0)
 
 

@@ -248,9 +248,10 @@ class GatedDeltaNet(nn.Module):
     def batched_scan(self, mixed, b, a, layout, state, rec, layer_idx, first_span):
         """All live runs after the first cached span in three batched steps:
 
-        1. each run from a zero state, all runs padded into one batch: its (T, S(run|0));
+        1. each run from a zero state, all runs padded into one batch: its (T, S(run|0)), its
+           outputs from zero o0 and its query transition u (u_t = scale T_t^T q_t);
         2. the states entering each run, by folding (T, S) pairs of runs and spans in order;
-        3. all runs again in one batch, each from its entering state: the outputs.
+        3. the outputs: o0 + u S_in for each run's entering state S_in (one batched product).
         Padding steps have k = v = 0, g = 0 and beta = 0: the identity, so T and S are unchanged.
         The number of kernel launches per layer does not grow with the number of runs, except
         for the in-order fold (one matmul-add per piece).
@@ -311,8 +312,8 @@ class GatedDeltaNet(nn.Module):
         v = v.masked_fill(pad[..., None], 0.0)
         g = g.masked_fill(pad, 0.0)
         beta = beta.masked_fill(pad, 0.0)
-        # 1. zero-start pairs
-        _, _, (T_runs, S0_runs) = gated_delta_rule(q, k, v, g, beta, None, True)
+        # 1. zero-start pairs, with each run's outputs from zero and its query transition u
+        o0, T_runs, S0_runs, u = backends.gated_delta_rule_pieces(q, k, v, g, beta)
         # 2. states entering each run
 
         # The pieces' (T, S) pairs in order, folded in one pass (one launch on CUDA).
@@ -368,8 +369,9 @@ class GatedDeltaNet(nn.Module):
             state.conv = last.data.linear[layer_idx].conv_tail.to(dt)
         else:
             state.conv = tail_after(m - 1)
-        # 3. outputs from the entering states
-        o_pad, _ = gated_delta_rule(q, k, v, g, beta, torch.cat(entering, dim=0), False)
+        # 3. outputs from the entering states: o0 + u S_in (one batched product, no second scan)
+        s_in = torch.cat(entering, dim=0)  # [m, Hv, dk, dv] fp32
+        o_pad = (o0.float() + torch.einsum("mlhk,mhkv->mlhv", u.float(), s_in)).to(o0.dtype)
         o_runs = o_pad.reshape(m * L, *o_pad.shape[2:])[flat]  # gather, no host sync
         return torch.cat([head, o_runs.unsqueeze(0)], dim=1)
 
