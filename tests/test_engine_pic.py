@@ -176,8 +176,9 @@ def test_batched_live_scan_equals_sequential(qwen35_dir, monkeypatch):
     """All seams of a linear layer run as one batch (zero-start pairs, fold, rerun from the
     entering states); the result equals running the pieces one by one."""
     req = rag_request(5, n_docs=6, lo=40, hi=120)
-    # a segment too short to cache runs live between two reused ones: two live runs in a row
-    segments = req["segments"][:3] + [[7, 8, 9, 10, 11]] + req["segments"][3:]
+    # segments too short to cache run live between reused ones: live runs in a row, one of them
+    # shorter than the conv window (its tail comes from the run before it)
+    segments = req["segments"][:3] + [[7, 8, 9, 10, 11]] + req["segments"][3:5] + [[12, 13]] + req["segments"][5:]
     req = dict(req, segments=segments, sampling_params={"max_new_tokens": 1})
     results = []
     for batched in (True, False):
@@ -185,8 +186,8 @@ def test_batched_live_scan_equals_sequential(qwen35_dir, monkeypatch):
             monkeypatch.setattr(
                 qwen3_hybrid.GatedDeltaNet,
                 "batched_scan",
-                lambda self, mixed, b, a, layout, state, rec, li, fs: self.sequential_scan(
-                    mixed, b, a, layout, state, rec, li, 0, len(layout), 0
+                lambda self, mixed, b, a, layout, state, rec, li, lo, hi, off: self.sequential_scan(
+                    mixed, b, a, layout, state, rec, li, lo, hi, off
                 ),
             )
         eng = engine(qwen35_dir, w=5)
@@ -197,6 +198,45 @@ def test_batched_live_scan_equals_sequential(qwen35_dir, monkeypatch):
     for i in fast.state.linear:
         assert rel(fast.state.linear[i].ssm, slow.state.linear[i].ssm) <= 1e-5
         assert (fast.state.linear[i].conv - slow.state.linear[i].conv).abs().max().item() <= 1e-4
+
+
+def test_prefix_mode_runs_its_checkpoint_splits_at_once(qwen35_dir, monkeypatch):
+    """In `prefix` mode a cold prompt is split where dense checkpoints are kept: the splits run as
+    one batch (batched_scan over the live runs before any cached span) and give the logits, the
+    final state and the stored checkpoints that one scan per split gives."""
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 200, (700,), generator=gen).tolist()
+    req = {"segments": [prompt[:300], prompt[300:]], "suffix": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}}
+    calls, results = [], []
+    real = qwen3_hybrid.GatedDeltaNet.batched_scan
+
+    def spy(self, *args):
+        calls.append(args[-3:])
+        return real(self, *args)
+
+    for batched in (True, False):
+        monkeypatch.setattr(
+            qwen3_hybrid.GatedDeltaNet,
+            "batched_scan",
+            spy if batched else (lambda self, *args: self.sequential_scan(*args)),
+        )
+        eng = Engine.from_dir(qwen35_dir, config=EngineConfig(mode="prefix", prefix_policy="checkpoint"))
+        pre = eng.prefill(eng.parse_request(req))
+        eng.finish_prefix(pre)
+        results.append((eng, pre))
+    assert calls and all(lo == 0 for lo, _, _ in calls)
+    (fast_eng, fast), (slow_eng, slow) = results
+    assert (fast.logits - slow.logits).abs().max().item() <= 1e-4
+    for i in fast.state.linear:
+        assert rel(fast.state.linear[i].ssm, slow.state.linear[i].ssm) <= 1e-5
+    # the page tree kept the same checkpoints: a request sharing the prompt restores them equally
+    req2 = dict(req, suffix=[9, 9])
+    a = fast_eng.prefill(fast_eng.parse_request(req2))
+    b = slow_eng.prefill(slow_eng.parse_request(req2))
+    assert a.stats.prefix_reused_tokens == b.stats.prefix_reused_tokens > 0
+    assert (a.logits - b.logits).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("arch,w", [("qwen3_next", 8), ("qwen3_5_moe", 3), ("qwen3_5_text", 0)])

@@ -204,16 +204,25 @@ class GatedDeltaNet(nn.Module):
     def forward_layout(self, x, layout, state: LinearState, rec: Recording | None, layer_idx: int):
         """x [1, n_live, h] (normed) -> [1, n_live, h]; state updated in place."""
         mixed, z, b, a = self.project(x)
-        live = [i for i, p in enumerate(layout) if not isinstance(p, CachedSpan)]
-        # Live runs after the first cached span start from states only known once the spans
-        # before them are folded in. Running them one by one costs launches per seam; instead all
-        # of them run at once (batched_scan), which needs two or more of them.
+        # Two regions: the pieces before the first cached span (live runs only, e.g. a prompt
+        # split where prefix checkpoints are kept), and the rest (seams and the question between
+        # cached spans). A region with two or more live runs runs them all at once (batched_scan)
+        # instead of one scan per run: per-run scans cost launches in proportion to the runs.
         first_span = next((i for i, p in enumerate(layout) if isinstance(p, CachedSpan)), len(layout))
-        later = [i for i in live if i > first_span]
-        if len(later) >= 2:
-            o = self.batched_scan(mixed, b, a, layout, state, rec, layer_idx, first_span)
-        else:
-            o = self.sequential_scan(mixed, b, a, layout, state, rec, layer_idx, 0, len(layout), 0)
+        outs, off = [], 0
+        for lo, hi in ((0, first_span), (first_span, len(layout))):
+            runs = [layout[i].token_ids.numel() for i in range(lo, hi) if not isinstance(layout[i], CachedSpan)]
+            if lo == hi:
+                continue
+            batched = len(runs) >= 2
+            if batched and lo == 0:
+                # runs are padded to the longest: before the first span (a seam and a body, say)
+                # that can double the work, so batch only runs of about equal length there
+                batched = len(runs) * max(runs) <= 1.25 * sum(runs)
+            scan = self.batched_scan if batched else self.sequential_scan
+            outs.append(scan(mixed, b, a, layout, state, rec, layer_idx, lo, hi, off))
+            off += sum(runs)
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         o = o.to(x.dtype)  # [1, n_live, Hv, dv]
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(1, -1, self.value_dim)
         return self.out_proj(o)
@@ -245,27 +254,26 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return q, k, v, g, beta
 
-    def batched_scan(self, mixed, b, a, layout, state, rec, layer_idx, first_span):
-        """All live runs after the first cached span in three batched steps:
+    def batched_scan(self, mixed, b, a, layout, state, rec, layer_idx, lo, hi, off):
+        """The live runs of pieces lo..hi-1 (`off`: the live offset of piece lo) in three batched
+        steps:
 
         1. each run from a zero state, all runs padded into one batch: its (T, S(run|0)), its
            outputs from zero o0 and its query transition u (u_t = scale T_t^T q_t);
         2. the states entering each run, by folding (T, S) pairs of runs and spans in order;
         3. the outputs: o0 + u S_in for each run's entering state S_in (one batched product).
         Padding steps have k = v = 0, g = 0 and beta = 0: the identity, so T and S are unchanged.
-        The number of kernel launches per layer does not grow with the number of runs, except
-        for the in-order fold (one matmul-add per piece).
+        The number of kernel launches per layer does not grow with the number of runs (on CUDA
+        the fold is one launch). Returns the runs' outputs [1, n, Hv, dv] in layout order.
         """
-        lead = sum(layout[i].token_ids.numel() for i in range(first_span) if not isinstance(layout[i], CachedSpan))
-        head = self.sequential_scan(mixed, b, a, layout, state, rec, layer_idx, 0, first_span, 0)
         W1 = self.conv_width - 1
         dev, dt = mixed.device, mixed.dtype
         # Each run's conv input state is the tail left by the piece before it: a span's stored
         # tail, or (rarely, two live runs in a row) the last inputs of the run before it, which
         # is only computed when needed.
-        runs, conv_src, off = [], [], lead
+        runs, conv_src = [], []
         prev = state.conv
-        for idx in range(first_span, len(layout)):
+        for idx in range(lo, hi):
             piece = layout[idx]
             if isinstance(piece, CachedSpan):
                 prev = piece.data.linear[layer_idx].conv_tail
@@ -278,9 +286,9 @@ class GatedDeltaNet(nn.Module):
         m, L = len(runs), max(n for _, _, n in runs)
         total = mixed.shape[1]
         # Gather indices depend on the layout only: built once per forward, shared by all layers.
-        key = ("batched_scan", first_span)
+        key = ("batched_scan", lo)
         if rec is not None and key in rec.scratch:
-            index, mask, flat = rec.scratch[key]
+            index, mask, flat, tail_index = rec.scratch[key]
         else:
             rows, flat = [], []
             for j, (_, o0, n) in enumerate(runs):
@@ -289,15 +297,28 @@ class GatedDeltaNet(nn.Module):
             index = torch.tensor(rows, device=dev).view(m, L)
             mask = index < total  # [m, L]
             flat = torch.tensor(flat, device=dev)  # real positions of the padded batch, in run order
+            # the last W - 1 inputs of every run at least that long (its conv tail)
+            tails = [list(range(o0 + n - W1, o0 + n)) for _, o0, n in runs if n >= W1]
+            tail_index = torch.tensor(tails, device=dev).view(len(tails), W1) if tails else None
             if rec is not None:
-                rec.scratch[key] = (index, mask, flat)
+                rec.scratch[key] = (index, mask, flat, tail_index)
+        long_pos = {j: i for i, j in enumerate(j for j, (_, _, n) in enumerate(runs) if n >= W1)}
+        tails_buf = []
 
         def source(j):
             src = conv_src[j]
             return tail_after(src) if isinstance(src, int) else src.to(dt)
 
         def tail_after(j):
+            """The conv tail after run j: for runs of W - 1 inputs or more, a view into one small
+            gather of every such run's last inputs (one launch per layer, and nothing kept alive
+            but those inputs), else the tail of the state before it and the run's inputs."""
             _, o0, n = runs[j]
+            if n >= W1:
+                if not tails_buf:
+                    tails_buf.append(mixed[0][tail_index].transpose(1, 2))  # [runs, D, W - 1]
+                i = long_pos[j]
+                return tails_buf[0][i : i + 1]
             return torch.cat([source(j), mixed[:, o0 : o0 + n].transpose(1, 2)], dim=-1)[..., -W1:]
 
         def padded(t):  # [1, n_live, X] -> [m, L, X], zeros past each run
@@ -319,7 +340,7 @@ class GatedDeltaNet(nn.Module):
         # The pieces' (T, S) pairs in order, folded in one pass (one launch on CUDA).
         Ts, Ss, use_t, pair_of = [], [], [], {}
         j = 0
-        for idx in range(first_span, len(layout)):
+        for idx in range(lo, hi):
             piece = layout[idx]
             pair_of[idx] = len(Ts)
             if isinstance(piece, CachedSpan):
@@ -336,7 +357,7 @@ class GatedDeltaNet(nn.Module):
         # States kept for the prefix store: one gather per layer (not a clone per piece); the
         # snapshots are views of it. Restoring a snapshot clones, and entries are never written
         # in place, so a span's conv tail is kept as is.
-        snap_at = [i for i in range(first_span, len(layout)) if rec is not None and i in rec.snapshots]
+        snap_at = [i for i in range(lo, hi) if rec is not None and i in rec.snapshots]
         kept = {}
         if snap_at:
             rows = [pair_of[i] for i in snap_at]
@@ -347,7 +368,7 @@ class GatedDeltaNet(nn.Module):
             kept = {i: gathered[n] for n, i in enumerate(snap_at)}
         entering = []
         j = 0
-        for idx in range(first_span, len(layout)):
+        for idx in range(lo, hi):
             piece, p = layout[idx], pair_of[idx]
             if isinstance(piece, CachedSpan):
                 if idx in kept:
@@ -363,7 +384,7 @@ class GatedDeltaNet(nn.Module):
                 rec.snapshots[idx][layer_idx] = LinearState(kept[idx], tail_after(j))
             j += 1
         S = states[len(Ts) - 1]
-        last = layout[-1]
+        last = layout[hi - 1]
         state.ssm = S
         if isinstance(last, CachedSpan):
             state.conv = last.data.linear[layer_idx].conv_tail.to(dt)
@@ -373,7 +394,7 @@ class GatedDeltaNet(nn.Module):
         s_in = torch.cat(entering, dim=0)  # [m, Hv, dk, dv] fp32
         o_pad = (o0.float() + torch.einsum("mlhk,mhkv->mlhv", u.float(), s_in)).to(o0.dtype)
         o_runs = o_pad.reshape(m * L, *o_pad.shape[2:])[flat]  # gather, no host sync
-        return torch.cat([head, o_runs.unsqueeze(0)], dim=1)
+        return o_runs.unsqueeze(0)
 
 
 class GatedAttention(nn.Module):
