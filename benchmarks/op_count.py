@@ -5,6 +5,9 @@ measure of launch overhead; the linear layers' recurrences run their reference o
 so families' GPU kernels are not counted as on the GPU.
 
     python benchmarks/op_count.py [--preset tiny] [--segments 4 8 16] [--segment-tokens 64]
+        [--cold-segment-tokens 448]
+
+Also counts a cold prompt of 8 segments (nothing cached) in `full`, `prefix` and `pic` mode.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--segments", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--segment-tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--cold-segment-tokens", type=int, default=448, help="8 of these make the cold prompt")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -71,6 +75,15 @@ def main(argv=None) -> int:
     ops = launching_ops(lambda: eng.model.forward_layout(state.clone(), [LiveRun(torch.tensor([5]), 200)], "last"))
     figures["decode_step_ops"] = sum(ops.values())
     detail["decode"] = dict(sorted(ops.items(), key=lambda kv: -kv[1])[: args.top])
+    # a cold prompt (nothing cached) in each mode: prefix mode splits it where it keeps checkpoints
+    gen = torch.Generator().manual_seed(1)
+    cold = [torch.randint(0, 250, (args.cold_segment_tokens,), generator=gen).tolist() for _ in range(8)]
+    for mode in ("full", "prefix", "pic"):
+        eng_m = build_engine(args.preset, mode)
+        req = eng_m.parse_request({"segments": cold, "suffix": [1, 2, 3]})
+        ops = launching_ops(lambda eng_m=eng_m, req=req: eng_m.finish_prefix(eng_m.prefill(req)))
+        figures[f"cold_prompt_ops_{mode}"] = sum(ops.values())
+    figures["cold_prompt_tokens"] = 8 * args.cold_segment_tokens + 3
     if len(args.segments) > 1:
         a, b = args.segments[0], args.segments[-1]
         figures["pic_ops_per_extra_segment"] = round(
