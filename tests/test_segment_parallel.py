@@ -35,6 +35,9 @@ def _worker(rank, world, port, model_dir, out):
             ref = Engine.from_dir(model_dir, config=EngineConfig(mode="pic", seam_window=8))
             results["engine"] = int(ref.prefill(req).logits.argmax())
             out.put(results)
+        # both ranks done before either tears down: a rank that destroys its group while the
+        # other still holds the connection can abort at exit (gloo)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -105,6 +108,9 @@ def _stream_worker(rank, world, port, model_dir, out):
             want = sum(packed_bytes([(sh, dt) for _, _, sh, dt in entry_tensor_specs(eng, n - 4)]) for n in theirs)
             split = (r.scatter_s, r.sent_s, r.sent_bytes, want, r.ttft_s)
             out.put((r.first_token, r.assignment, int(res.logits.argmax()), split))
+        # both ranks done before either tears down: a rank that destroys its group while the
+        # other still holds the connection can abort at exit (gloo)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
