@@ -142,8 +142,10 @@ def stage(entries: list[SegmentEntry], device: torch.device | str) -> list[SpanD
         if cuda:
             event = torch.cuda.Event()
             event.record(stream)
-            # the buffer is used on the compute stream; keep the allocator from reusing it early
-            buf.record_stream(torch.cuda.current_stream(device))
+            # allocated on the compute stream, written on the copy stream: the allocator must not
+            # hand its memory out again before those copies are done, even if the forward stops
+            # before it reaches this layer
+            buf.record_stream(stream)
             waits[lay] = _EventWait(event, device)
         off = 0
         for j, h in enumerate(hosts):
