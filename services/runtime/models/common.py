@@ -86,9 +86,16 @@ def merge_weights(*linears: nn.Linear) -> torch.Tensor | None:
     return merged
 
 
-def merged_linear(x, merged: torch.Tensor | None, linears) -> tuple:
+def merged_linear(x, merged: torch.Tensor | None, linears, groups: list[int] | None = None) -> tuple:
     """Each layer's output on x: one GEMM with `merged` while the layers' weights are still its views
-    (a later .to() or weight assignment breaks that, and each layer then runs on its own)."""
+    (a later .to() or weight assignment breaks that, and each layer then runs on its own).
+    `groups` (counts of consecutive layers) returns some outputs side by side as one tensor, e.g.
+    [3, 1] gives (q|k|v, b) for four layers: a view of the one GEMM's output, no copy."""
+    groups = groups or [1] * len(linears)
+    sizes, i = [], 0
+    for n in groups:
+        sizes.append(sum(lin.out_features for lin in linears[i : i + n]))
+        i += n
     if merged is not None:
         ptr, row = merged.data_ptr(), merged.stride(0) * merged.element_size()
         off, intact = 0, True
@@ -98,8 +105,13 @@ def merged_linear(x, merged: torch.Tensor | None, linears) -> tuple:
                 break
             off += lin.out_features
         if intact:
-            return F.linear(x, merged).split([lin.out_features for lin in linears], dim=-1)
-    return tuple(lin(x) for lin in linears)
+            return F.linear(x, merged).split(sizes, dim=-1)
+    outs, i = [], 0
+    for n in groups:
+        parts = [lin(x) for lin in linears[i : i + n]]
+        outs.append(parts[0] if n == 1 else torch.cat(parts, dim=-1))
+        i += n
+    return tuple(outs)
 
 
 def linear_layout(

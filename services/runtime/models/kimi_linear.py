@@ -31,6 +31,8 @@ from hybridcache.services.runtime.models.common import (
     RMSNorm,
     eos_ids,
     linear_layout,
+    merge_weights,
+    merged_linear,
     need,
 )
 from hybridcache.services.runtime.models.qwen3_hybrid import MLP, Experts
@@ -234,11 +236,16 @@ class KimiDeltaAttention(nn.Module):
         res = backends.kda(backends.l2norm_fp32(q), backends.l2norm_fp32(k), v, g, beta, state.ssm, output_transition)
         return res[0], res[1], (res[2] if output_transition else None), tail
 
+    def merge_projections(self) -> int:
+        self._in_proj = merge_weights(self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.g_a_proj)
+        return int(self._in_proj is not None)
+
     def forward_layout(self, x, layout, state, rec, layer_idx):
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        lins = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.g_a_proj)
+        mixed, b, g_a = merged_linear(x, getattr(self, "_in_proj", None), lins, [3, 1, 1])
+        beta = torch.sigmoid(b.float())
         o = linear_layout(layout, (mixed, self.forget_gate(x), beta), state, rec, layer_idx, self.scan)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(1, -1, self.nh, self.d)
+        gate = self.g_b_proj(g_a).view(1, -1, self.nh, self.d)
         return self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(1, -1, self.qkv_dim))
 
 
