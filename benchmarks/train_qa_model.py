@@ -178,6 +178,7 @@ class PromptStream(torch.utils.data.IterableDataset):
         questions: int,
         ramp: float = 0.0,
         filler_ramp: tuple[float, float] = (0.0, 0.0),
+        distinct_initials: bool = False,
     ):
         self.tok_json, self.seed, self.min_docs, self.max_docs, self.questions = (
             tok_json,
@@ -188,6 +189,7 @@ class PromptStream(torch.utils.data.IterableDataset):
         )
         self.ramp = ramp
         self.filler_ramp = filler_ramp
+        self.distinct_initials = distinct_initials
         self.progress = torch.multiprocessing.Value("d", 0.0)
 
     def __iter__(self):
@@ -195,6 +197,7 @@ class PromptStream(torch.utils.data.IterableDataset):
         wid = info.id if info else 0
         tok = Tokenizer.from_str(self.tok_json)
         gen = QAGenerator("train", self.seed * 1000 + wid, self.min_docs, self.max_docs)
+        gen.distinct_initials = self.distinct_initials
         while True:
             frac = self.progress.value
             gen.min_docs, gen.max_docs = curriculum_docs(frac, self.ramp, self.min_docs, self.max_docs)
@@ -312,13 +315,24 @@ def loss_fn(logits, ids, valid, ans, answer_weight: float = ANSWER_WEIGHT):
 
 @torch.no_grad()
 def answer_accuracy(
-    model, tok: Tokenizer, split: str, n: int, hops: int, device, min_docs, max_docs, seed=0, filler=1.0
+    model,
+    tok: Tokenizer,
+    split: str,
+    n: int,
+    hops: int,
+    device,
+    min_docs,
+    max_docs,
+    seed=0,
+    filler=1.0,
+    distinct_initials=False,
 ):
     """Teacher-forced exact match: every answer token (and the closing newline) is the argmax.
     This is what greedy decoding up to the newline returns. `filler` < 1 shortens the documents
     (as the filler curriculum does; 1 = the evaluated task)."""
     gen = QAGenerator(split, seed, min_docs, max_docs)
     gen.filler = filler
+    gen.distinct_initials = distinct_initials
     model.eval()
     right = 0
     for _ in range(n):
@@ -392,6 +406,12 @@ def main(argv=None) -> int:
         help="filler share of validation documents (1 = the evaluated task; 0 = facts only, as --filler-ramp 1 1)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument(
+        "--distinct-initials",
+        action="store_true",
+        help="every entity of a prompt starts its surname (organisation: first word) with its own syllable, "
+        "in training and validation (an easier binding task)",
+    )
     args = p.parse_args(argv)
     if args.install_from:
         install_from_export(Path(args.install_from), Path(args.out))
@@ -437,6 +457,7 @@ def main(argv=None) -> int:
         args.questions,
         args.curriculum,
         tuple(args.filler_ramp),
+        args.distinct_initials,
     )
     loader = torch.utils.data.DataLoader(
         stream,
@@ -476,6 +497,7 @@ def main(argv=None) -> int:
                     args.max_docs,
                     args.seed,
                     args.val_filler,
+                    args.distinct_initials,
                 )
         save_model(model, tok, out, config)
         if args.export:

@@ -154,6 +154,12 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.strip().rstrip(".").split()).lower()
 
 
+def _first_syllable(word: str) -> str:
+    """The syllable a generated word starts with (no syllable is a prefix of another)."""
+    w = word.lower()
+    return next(x for x in _SYLLABLES if w.startswith(x))
+
+
 def split_of(name: str) -> str:
     bucket = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") % 20
     return _SPLIT_OF_BUCKET.get(bucket, "train")
@@ -173,6 +179,10 @@ class QAGenerator:
         # Share of each document's filler kept (1 = the task as evaluated; training curricula lower
         # it). The RNG draws the same numbers whatever the value, so only the filler changes.
         self.filler = 1.0
+        # Give every entity of a prompt its own first syllable of the word that names it in facts
+        # and questions (a person's surname, an organisation's first word), so one token of the
+        # question can find its entity (training experiments; off = the default task).
+        self.distinct_initials = False
         self.rng = random.Random(f"{split}:{seed}")
 
     # ------------------------------------------------------------------ entities
@@ -180,17 +190,22 @@ class QAGenerator:
     def _word(self, n: int) -> str:
         return "".join(self.rng.choice(_SYLLABLES) for _ in range(n)).capitalize()
 
-    def _name(self, make, taken: set[str]) -> str:
+    def _name(self, make, taken: set[str], key_word: int = 0) -> str:
+        """A fresh name of this split; with distinct_initials, also one whose word `key_word`
+        starts with a syllable no other entity of the prompt starts that word with."""
         for _ in range(1000):
             name = make()
-            if name not in taken and split_of(name) == self.split:
+            initial = "^" + _first_syllable(name.split()[key_word]) if self.distinct_initials else None
+            if name not in taken and initial not in taken and split_of(name) == self.split:
                 taken.add(name)
+                if initial is not None:
+                    taken.add(initial)
                 return name
         raise RuntimeError("could not draw a fresh entity name")
 
     def person(self, taken: set[str], employer: str) -> Person:
         r = self.rng
-        name = self._name(lambda: f"{self._word(2)} {self._word(r.choice((2, 3)))}", taken)
+        name = self._name(lambda: f"{self._word(2)} {self._word(r.choice((2, 3)))}", taken, key_word=1)
         return Person(
             name,
             r.choice(CITIES),
