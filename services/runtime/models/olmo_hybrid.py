@@ -23,6 +23,8 @@ from hybridcache.services.runtime.models.common import (
     attention_layout,
     eos_ids,
     linear_layout,
+    merge_weights,
+    merged_linear,
     need,
 )
 from hybridcache.services.runtime.models.qwen3_hybrid import (
@@ -169,10 +171,16 @@ class OlmoGatedDeltaNet(nn.Module):
         res = gated_delta_rule(q, k, v.reshape(1, n, self.hv, self.dv), g, beta, state.ssm, output_transition)
         return res[0], res[1], (res[2] if output_transition else None), tail
 
+    def merge_projections(self) -> int:
+        lins = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.a_proj, self.g_proj)
+        self._in_proj = merge_weights(*lins)
+        return int(self._in_proj is not None)
+
     def forward_layout(self, x, layout, state, rec, layer_idx):
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        o = linear_layout(layout, (mixed, self.b_proj(x), self.a_proj(x)), state, rec, layer_idx, self.scan)
-        o = self.o_norm(o.to(x.dtype).reshape(-1, self.dv), self.g_proj(x).reshape(-1, self.dv))
+        lins = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.a_proj, self.g_proj)
+        mixed, b, a, g = merged_linear(x, getattr(self, "_in_proj", None), lins, [3, 1, 1, 1])
+        o = linear_layout(layout, (mixed, b, a), state, rec, layer_idx, self.scan)
+        o = self.o_norm(o.to(x.dtype).reshape(-1, self.dv), g.reshape(-1, self.dv))
         return self.o_proj(o.view(1, -1, self.value_dim))
 
 
