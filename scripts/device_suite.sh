@@ -18,6 +18,14 @@ if [ $# -lt 2 ]; then
 fi
 commit=$1
 shift
+for stage in "$@"; do
+    case $stage in
+    gpu-tests | families | bench | qps | sp2) ;;
+    *)
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, sp2)" >&2
+        exit 2 ;;
+    esac
+done
 OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
 if ls .whl/*.whl > /dev/null 2>&1; then
@@ -47,8 +55,5 @@ for stage in "$@"; do
     sp2)
         python3 benchmarks/segment_parallel.py --gpus 2 --no-qps --repeats 3 --out "$OUT/sp2.json" > "$OUT/sp2.log" 2>&1
         echo "sp2 rc=$?" ;;
-    *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, sp2)" >&2
-        exit 2 ;;
     esac
 done
