@@ -92,14 +92,14 @@ def _serve(args) -> int:
     directory = make_directory(args.etcd, {"combine": args.combine, "cache-tier": args.cache_tier,
                                            "scatter": args.scatter})
     server = grpc.server(ThreadPoolExecutor(max_workers=32), options=GRPC_OPTIONS)
-    health = {"status": "ok", "role": args.role, "address": address}
+    # /health (the router's own HTTP API aside) is up from the start and says 503 ("starting",
+    # "warming up") until the role serves
+    health = {"status": "starting", "role": args.role, "address": address}
     http_runner = None
     warm = args.role in ("scatter", "combine") and (
         args.warmup == "on" or (args.warmup == "auto" and args.device == "cuda")
     )
     if args.role != "router":
-        # /health is up from the start and says 503 ("starting", "warming up") until the role serves
-        health["status"] = "starting"
         serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend))
     engine = None
 

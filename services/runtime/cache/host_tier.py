@@ -25,7 +25,7 @@ import torch
 from hybridcache.services.runtime.cache.base import EntryStore
 from hybridcache.services.runtime.cache.entry import SegmentEntry
 from hybridcache.services.runtime.cache.memory import MemoryEntryStore
-from hybridcache.services.runtime.packing import padded
+from hybridcache.services.runtime.packing import packed_bytes, unpack_views
 from hybridcache.services.runtime.sequence import ArrivingLayers, AttnSpan, LinearSpan, SpanData
 
 
@@ -42,13 +42,11 @@ def _layers(data: SpanData) -> list[int]:
 
 
 def _views(buf: torch.Tensor, start: int, like: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
-    """Views of buf from byte `start` shaped like the tensors `like`; returns them and the end."""
-    out, off = [], start
-    for t in like:
-        n = t.numel() * t.element_size()
-        out.append(buf[off : off + n].view(t.dtype).view(t.shape))
-        off += padded(n)
-    return out, off
+    """Views of buf from byte `start`, packed as runtime/packing.py packs the tensors `like`;
+    returns them and the end."""
+    specs = [(t.shape, t.dtype) for t in like]
+    end = start + packed_bytes(specs)
+    return unpack_views(buf[start:end], specs), end
 
 
 def _span(data: SpanData, layer: int, tensors: list[torch.Tensor]):
@@ -62,7 +60,7 @@ class HostEntry:
     def __init__(self, entry: SegmentEntry):
         src = entry.data
         layers = _layers(src)
-        size = sum(padded(t.numel() * t.element_size()) for lay in layers for t in _layer_tensors(src, lay))
+        size = packed_bytes([(t.shape, t.dtype) for lay in layers for t in _layer_tensors(src, lay)])
         self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         self.layers: dict[int, tuple[int, int]] = {}
         linear, attn, off = {}, {}, 0

@@ -211,9 +211,9 @@ class GatedDeltaNet(nn.Module):
         first_span = next((i for i, p in enumerate(layout) if isinstance(p, CachedSpan)), len(layout))
         outs, off = [], 0
         for lo, hi in ((0, first_span), (first_span, len(layout))):
-            runs = [layout[i].token_ids.numel() for i in range(lo, hi) if not isinstance(layout[i], CachedSpan)]
             if lo == hi:
                 continue
+            runs = [layout[i].token_ids.numel() for i in range(lo, hi) if not isinstance(layout[i], CachedSpan)]
             batched = len(runs) >= 2
             if batched and lo == 0:
                 # runs are padded to the longest: before the first span (a seam and a body, say)
