@@ -125,8 +125,11 @@ def test_streamed_batches_and_combine_share_keep_the_answer(qwen35_dir):
 
     tok, owner, ref, (scatter, sent, sent_bytes, want_bytes, ttft) = _run_two_ranks(_stream_worker, qwen35_dir)
     assert tok == ref
-    # the split: both ranks' build times, rank 1's sends done after its builds, every byte counted
-    assert set(scatter) == {0, 1} and set(sent) == {1} and 0 < scatter[1] <= sent[1] <= ttft
+    # the split: both ranks' build times, rank 1's sends done after its builds, every byte counted.
+    # (Rank 1's send-done time is not compared with rank 0's first token: the two clocks start at
+    # the same barrier but leave it at different moments, and gloo reports a send done on the
+    # sender after the receiver may already have its data: CI saw 43.5 ms against 42.9 ms.)
+    assert set(scatter) == {0, 1} and set(sent) == {1} and 0 < scatter[1] <= sent[1] and ttft > 0
     assert sent_bytes == {1: want_bytes} and want_bytes > 0
     # rank 0 starts with a quarter of the work queued: it gets fewer tokens than rank 1
     tokens = [sum(n for n, w in zip(lens, owner) if w == k) for k in (0, 1)]
