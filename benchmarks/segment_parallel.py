@@ -95,15 +95,27 @@ def token_balance_bounds(n, total, lo, hi, workers, draws=200):
     return {"mean": statistics.mean(vals), "median": statistics.median(vals), "draws": draws}
 
 
-def cold_runs(engine, req, workers, policy, repeats, combine_share=0.0):
+def cold_runs(engine, req, workers, policy, repeats, combine_share=0.0, speeds=None):
     from hybridcache.services.parallel.segment_parallel import run_cold_request
 
     out = []
     for i in range(repeats + 1):  # first run warms up kernels and the allocator
-        r = run_cold_request(engine, req, workers, policy, combine_share)
+        r = run_cold_request(engine, req, workers, policy, combine_share, speeds)
         if r is not None and i > 0:
             out.append(r)
     return out
+
+
+def rerun_ms(engine, layout, repeats):
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        logits, _ = engine.model.forward_layout(engine.model.empty_state(), layout, "last")
+        int(torch.argmax(logits))
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
 def summarize(results):
@@ -277,6 +289,8 @@ def qps_figures(args, seg, figures, detail):
 
 
 def worker(rank, world, port, args, queue):
+    from hybridcache.services.parallel.segment_parallel import measured_speeds
+
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -292,15 +306,31 @@ def worker(rank, world, port, args, queue):
         seg = args.segment_tokens
         segs = [rand_ids(rng, seg) for _ in range(n_seg)]
         req = engine.parse_request({"segments": segs, "suffix": rand_ids(rng, QUESTION)})
-        cold = {1: summarize(cold_runs(engine, req, 1, "lpt", args.repeats))}
+        runs1 = cold_runs(engine, req, 1, "lpt", args.repeats)
+        cold = {1: summarize(runs1)}
+        if rank == 0 and runs1:
+            # the same combine again on its finished entries: what assembling costs once the builds'
+            # allocations and launches are behind it (the in-run combine_ms includes their tail)
+            cold[1]["combine_rerun_ms"] = rerun_ms(engine, runs1[-1].layout, args.repeats)
         # rank 0 also combines: its share of the builds is cut by the combine's cost relative to
         # building everything, measured in the 1-worker run just made (unless given)
         share = [args.combine_share]
         if share[0] is None and rank == 0:
             share[0] = cold[1]["combine_ms"] / cold[1]["scatter_rank0_ms"]
         dist.broadcast_object_list(share, src=0)
+        costs = [float(len(x)) for x in req.segment_ids]
         for m in range(2, world + 1):
-            cold[m] = summarize(cold_runs(engine, req, m, "lpt", args.repeats, share[0]))
+            first = cold_runs(engine, req, m, "lpt", args.repeats, share[0])
+            # the assignment again with each rank's build rate measured on those requests (a rank
+            # that sends builds slower than rank 0): what a router with live rates would do
+            speeds = [None]
+            if rank == 0:
+                speeds[0] = measured_speeds(first[-1], costs)
+            dist.broadcast_object_list(speeds, src=0)
+            cold[m] = summarize(cold_runs(engine, req, m, "lpt", args.repeats, share[0], speeds[0]))
+            if rank == 0:
+                cold[m]["speeds"] = speeds[0]
+                cold[m]["equal_speeds"] = summarize(first)
         # heavy-tailed lengths, same total
         lens = pareto_lengths(0, n_seg, n_seg * seg, lo=min(128, seg), hi=8 * seg)
         skew = engine.parse_request({"segments": [rand_ids(rng, n) for n in lens], "suffix": rand_ids(rng, QUESTION)})

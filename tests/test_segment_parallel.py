@@ -3,6 +3,7 @@
 import os
 import socket
 
+import pytest
 import torch.multiprocessing as mp
 from hybridcache.services.parallel.segment_parallel import assign
 
@@ -184,3 +185,26 @@ def test_stream_batches_send_the_largest_batch_last(qwen35_dir):
     assert sorted(map(sorted, ordered)) == sorted(map(sorted, plain))
     cost = [len(b) * max(lens[i] for i in b) for b in ordered]
     assert cost == sorted(cost) and cost[-1] > cost[0]
+
+
+def test_lpt_gives_a_slower_worker_less():
+    from hybridcache.services.router.assign import lpt_assign, makespan
+
+    costs = [1.0] * 30
+    equal = lpt_assign(costs, [0.0, 0.0])
+    assert equal.count(0) == equal.count(1) == 15
+    # worker 1 builds at 0.8x: the split that finishes both together is 17 / 13 (makespan 17 vs 18.75)
+    slow = lpt_assign(costs, [0.0, 0.0], [1.0, 0.8])
+    assert slow.count(0) == 17
+    assert makespan(costs, [0.0, 0.0], slow, [1.0, 0.8]) < makespan(costs, [0.0, 0.0], equal, [1.0, 0.8])
+    with pytest.raises(ValueError, match="speeds"):
+        lpt_assign(costs, [0.0, 0.0], [1.0, 0.0])
+
+
+def test_measured_speeds_are_build_rates_relative_to_rank_0():
+    from hybridcache.services.parallel.segment_parallel import ColdResult, measured_speeds
+
+    r = ColdResult(ttft_s=1.0, first_token=0, assignment=[0, 1, 1, 0], scatter_s={0: 0.4, 1: 0.5})
+    # rank 0: 300 tokens in 0.4 s; rank 1: 300 tokens in 0.5 s -> 0.8 of rank 0's rate
+    assert measured_speeds(r, [100.0, 200.0, 100.0, 200.0]) == pytest.approx([1.0, 0.8])
+    assert assign([1.0] * 9, 2, "lpt", speeds=[1.0, 0.5]).count(0) == 6

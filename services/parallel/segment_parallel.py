@@ -180,12 +180,16 @@ class ColdResult:
     sent_s: dict[int, float] = field(default_factory=dict)  # rank >= 1 -> its last send complete
     sent_bytes: dict[int, int] = field(default_factory=dict)  # rank >= 1 -> bytes it sent to rank 0
     combine_s: float = 0.0  # rank 0: end of its own builds to the first token (waits for arrivals included)
+    # rank 0: the layout the combine ran (cached spans hold the received entries), for re-timing it
+    layout: list | None = field(default=None, repr=False, compare=False)
 
 
-def assign(costs: list[float], workers: int, policy: str, rank0_queue: float = 0.0) -> list[int]:
+def assign(
+    costs: list[float], workers: int, policy: str, rank0_queue: float = 0.0, speeds: list[float] | None = None
+) -> list[int]:
     queued = [rank0_queue] + [0.0] * (workers - 1)
     if policy == "lpt":
-        return lpt_assign(costs, queued)
+        return lpt_assign(costs, queued, speeds)
     if policy == "round_robin":
         return round_robin_assign(costs, queued)
     raise ValueError(f"unknown assignment policy {policy!r}")
@@ -211,8 +215,28 @@ def _sync_compute(device):
 
 
 @torch.no_grad()
+def measured_speeds(result: ColdResult, costs: list[float]) -> list[float]:
+    """Each rank's build rate (cost units per second) over a finished request, relative to rank
+    0's: the `speeds` for the next request's assignment. A rank that built nothing keeps 1."""
+    workers = max(result.assignment) + 1
+    rates = []
+    for r in range(workers):
+        work = sum(c for c, w in zip(costs, result.assignment) if w == r)
+        t = result.scatter_s.get(r, 0.0)
+        rates.append(work / t if work and t > 0 else None)
+    base = rates[0]
+    if not base:
+        return [1.0] * workers
+    return [x / base if x else 1.0 for x in rates]
+
+
 def run_cold_request(
-    engine: Engine, req: Request, workers: int, policy: str = "lpt", combine_share: float = 0.0
+    engine: Engine,
+    req: Request,
+    workers: int,
+    policy: str = "lpt",
+    combine_share: float = 0.0,
+    speeds: list[float] | None = None,
 ) -> ColdResult | None:
     """Serve one all-cold request with `workers` scatter ranks (0..workers-1). Every rank of the
     group calls this with the same request; ranks >= workers only take part in the barriers.
@@ -220,6 +244,11 @@ def run_cold_request(
     `combine_share`: the combine's cost as a fraction of building all the request's segments on one
     worker (measured: benchmarks/segment_parallel.py); rank 0 starts the assignment with that much
     work queued, so it gets fewer segments and its combine overlaps the other ranks' builds.
+
+    `speeds`: each rank's build rate relative to rank 0 (LPT only; default equal). A sending rank
+    builds slower than rank 0 while its sends run (measured: 37.8 against 33 ms per 1k-token segment
+    on 2xH200), so rates measured on an earlier request give a better split
+    (`measured_speeds`).
 
     Rank 0 returns the result (TTFT measured from a common barrier to the first token chosen);
     other ranks return None. The engine's entry store is not used: every segment is cold.
@@ -233,7 +262,11 @@ def run_cold_request(
     costs = [float(len(s)) for s in segs]
     if combine_share < 0:
         raise ValueError("combine_share must be >= 0")
-    owner = assign(costs, workers, policy, rank0_queue=combine_share * sum(costs) if workers > 1 else 0.0)
+    if speeds is not None and len(speeds) != workers:
+        raise ValueError(f"speeds: one per worker ({workers}), got {len(speeds)}")
+    owner = assign(
+        costs, workers, policy, rank0_queue=combine_share * sum(costs) if workers > 1 else 0.0, speeds=speeds
+    )
     # Largest first on each worker (the send order of models without layer streaming; streaming
     # ones regroup a worker's segments into stream_batches).
     order = sorted(range(len(segs)), key=lambda i: (-costs[i], i))
@@ -293,4 +326,5 @@ def run_cold_request(
         sent_s={r: split[r][1] for r in range(1, workers)},
         sent_bytes={r: int(split[r][2]) for r in range(1, workers)},
         combine_s=t_end - t_built,
+        layout=layout,
     )

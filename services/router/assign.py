@@ -8,18 +8,29 @@ baseline it is compared against.
 from __future__ import annotations
 
 
-def lpt_assign(costs: list[float], queued: list[float]) -> list[int]:
-    """Worker index per segment. `queued` is each worker's outstanding work (same unit as costs);
-    not modified."""
+def lpt_assign(costs: list[float], queued: list[float], speeds: list[float] | None = None) -> list[int]:
+    """Worker index per segment. `queued` is each worker's outstanding work in time units (a
+    worker of speed 1 does one cost unit per time unit); not modified. `speeds` (default all 1):
+    each worker's cost units per time unit, e.g. measured build rates, so a slower worker gets less;
+    each segment goes to the worker that would finish it soonest."""
     if not queued:
         raise ValueError("no scatter workers")
+    speeds = _speeds(speeds, len(queued))
     load = list(queued)
     out = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        w = min(range(len(load)), key=lambda w: (load[w], w))
+        w = min(range(len(load)), key=lambda w: (load[w] + costs[i] / speeds[w], w))
         out[i] = w
-        load[w] += costs[i]
+        load[w] += costs[i] / speeds[w]
     return out
+
+
+def _speeds(speeds: list[float] | None, n: int) -> list[float]:
+    if speeds is None:
+        return [1.0] * n
+    if len(speeds) != n or not all(s > 0 for s in speeds):
+        raise ValueError(f"speeds must be {n} positive numbers, got {speeds!r}")
+    return list(speeds)
 
 
 def round_robin_assign(costs: list[float], queued: list[float], start: int = 0) -> list[int]:
@@ -28,8 +39,11 @@ def round_robin_assign(costs: list[float], queued: list[float], start: int = 0) 
     return [(start + i) % len(queued) for i in range(len(costs))]
 
 
-def makespan(costs: list[float], queued: list[float], assignment: list[int]) -> float:
+def makespan(
+    costs: list[float], queued: list[float], assignment: list[int], speeds: list[float] | None = None
+) -> float:
+    speeds = _speeds(speeds, len(queued))
     load = list(queued)
     for c, w in zip(costs, assignment):
-        load[w] += c
+        load[w] += c / speeds[w]
     return max(load)

@@ -63,9 +63,7 @@ def gated_delta_rule(q, k, v, g, beta, initial_state, output_transition: bool):
         return naive_recurrent_gated_delta_rule(
             q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition
         )
-    return chunk_gated_delta_rule(
-        q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition
-    )
+    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition)
 
 
 def gated_delta_rule_pieces(q, k, v, g, beta):
@@ -245,19 +243,48 @@ def sdpa(q, k, v, **kw):
         return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
+# Largest mask (query rows x keys) for which GQA folds a KV head's query heads into its query rows
+# instead of repeating the KV heads: 64M booleans.
+GQA_FOLD_MAX_MASK = 1 << 26
+
+
+def gqa_fold(q, n_kv: int):
+    """[1, Hq, n, d] -> [1, Hkv, rep * n, d]: the rep query heads that share a KV head (heads
+    kv * rep .. kv * rep + rep - 1, repeat_interleave's grouping) become rep blocks of n rows."""
+    b, hq, n, d = q.shape
+    rep = hq // n_kv
+    return q.reshape(b, n_kv, rep * n, d)
+
+
+def gqa_unfold(o, hq: int):
+    """Inverse of gqa_fold on the output: [1, Hkv, rep * n, dv] -> [1, Hq, n, dv]."""
+    b, hkv, rows, dv = o.shape
+    return o.reshape(b, hq, rows * hkv // hq, dv)
+
+
 def attention(q, k, v, live_pos: torch.Tensor, scale: float):
     """Live queries q [1, Hq, n, d] (absolute positions live_pos [n], ascending) over all keys
     k, v [1, Hkv, N, d] at positions 0..N-1. GQA when Hq != Hkv. Returns [1, Hq, n, d]."""
     n, N = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
+    hq, hkv = q.shape[1], k.shape[1]
+    gqa = hq != hkv
     # The live tokens are the last n keys (prefill, prefix-cache resume, decode): causal, aligned
     # bottom-right, through the fused kernels; no [n, N] mask is built.
     tail = int(live_pos[0]) == N - n
     if tail and n == 1:
         return sdpa(q, k, v, scale=scale, enable_gqa=gqa)
+    masked = not tail or n < N
+    if gqa and masked and (hq // hkv) * n * N <= GQA_FOLD_MAX_MASK:
+        # A masked call with few live rows (seams between cached spans, a short prefix-cache
+        # resume): the query heads of a KV head become extra query rows with the mask repeated for
+        # them, so the cached keys are read once per KV head and never copied (repeating them cost
+        # 4 x the context's K/V in copies per layer at the Qwen3.5-9B shape).
+        keep = torch.arange(N, device=q.device)[None, :] <= live_pos[:, None]  # [n, N]
+        o = sdpa(gqa_fold(q, hkv), k, v, attn_mask=keep.repeat(hq // hkv, 1), scale=scale)
+        return gqa_unfold(o, hq)
     if gqa and q.is_cuda:
         # KV heads repeated: the fused causal kernels and the masked memory-efficient one take no GQA
-        rep = q.shape[1] // k.shape[1]
+        rep = hq // hkv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         gqa = False
     if tail and n == N:

@@ -45,3 +45,34 @@ def test_attention_interleaved_live_tokens():
     assert rel_rms(out, ref) < 1e-5
     # the first query must not see key 5: dropping the mask changes the output
     assert rel_rms(F.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True), ref) > 1e-2
+
+
+def test_gqa_fold_roundtrip_groups_heads_like_repeat_interleave():
+    """gqa_fold puts query head h in KV group h // rep (the grouping repeat_interleave gives the
+    keys); gqa_unfold restores the head order."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 6, 5, 8)
+    f = backends.gqa_fold(q, 2)
+    assert f.shape == (1, 2, 15, 8)
+    assert torch.equal(f[0, 1, 5:10], q[0, 4])  # KV head 1, second query head of its group = head 4
+    assert torch.equal(backends.gqa_unfold(f, 6), q)
+
+
+def test_masked_gqa_folds_query_heads(monkeypatch):
+    """Seams with GQA: SDPA gets the KV heads as they are and each KV head's query heads as extra
+    rows (equal to the reference); above GQA_FOLD_MAX_MASK the other path answers the same."""
+    torch.manual_seed(1)
+    q = torch.randn(1, 8, 4, 16)
+    k, v = torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16)
+    live_pos = torch.tensor([3, 4, 17, 29])
+    ref = reference(q, k, v, live_pos, 0.25)
+    seen = []
+    real = backends.sdpa
+    monkeypatch.setattr(
+        backends, "sdpa", lambda q_, k_, v_, **kw: seen.append((q_.shape, k_.shape)) or real(q_, k_, v_, **kw)
+    )
+    assert rel_rms(backends.attention(q, k, v, live_pos, 0.25), ref) < 1e-5
+    assert seen == [((1, 2, 16, 16), (1, 2, 30, 16))]
+    monkeypatch.setattr(backends, "GQA_FOLD_MAX_MASK", 10)
+    assert rel_rms(backends.attention(q, k, v, live_pos, 0.25), ref) < 1e-5
+    assert seen[1][0] == (1, 8, 4, 16)
