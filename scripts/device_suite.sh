@@ -40,7 +40,9 @@ for stage in "$@"; do
     case $stage in
     gpu-tests)
         # only the files that hold gpu tests: the device machine lacks the serving stack's packages
-        gpu_files=$(grep -rl --include='test_*.py' -e 'mark\.gpu' tests | sort)
+        # (the families' file last: fla's KDA kernels autotune for minutes)
+        gpu_files=$(grep -rl --include='test_*.py' -e 'mark\.gpu' tests | sort | grep -v test_families_gpu.py)
+        gpu_files="$gpu_files tests/kernels/test_families_gpu.py"
         TRITON_F32_DEFAULT=ieee python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --timeout 240 $gpu_files \
             --deselect "$families" > "$OUT/gpu_tests.log" 2>&1
         echo "gpu-tests rc=$?"; grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -3 ;;

@@ -73,6 +73,18 @@ def test_compose_qwen35_shape_gpu():
 
 
 @pytest.mark.gpu
+def test_compose_one_layer_of_heads_all_states_gpu():
+    """One layer's 32 heads (the live scan's launch, narrower column blocks to fill the SMs), every
+    intermediate state, 7 segments: within bf16 precision of the reference."""
+    T, S = make_segments(7, 32, 128, 128, torch.bfloat16)
+    h0 = torch.randn(32, 128, 128, device="cuda")
+    ht, hs = compose_states_fwd(T, S, h0, output_all=True)
+    for n in range(1, 8):
+        assert rel_rms(hs[n - 1], reference(T[:n], S[:n], h0)) < 2**-8
+    assert torch.equal(ht, hs[-1])
+
+
+@pytest.mark.gpu
 def test_compose_fp32_entries_keep_fp32_accuracy_gpu():
     T, S = make_segments(5, 2 * 3, 128, 96, torch.float32)
     h0 = torch.randn(6, 128, 96, device="cuda")

@@ -12,6 +12,8 @@ Entries may be stored in bf16 or fp32; the running state is fp32. The reference 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -66,6 +68,11 @@ def compose_states_fwd_kernel(
     tl.store(ht + p_h, b_h, mask=m_kv)
 
 
+@functools.cache
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def compose_states_fwd(
     T: torch.Tensor,
     S: torch.Tensor,
@@ -83,7 +90,8 @@ def compose_states_fwd(
         S: [N, G, K, V] zero-start states S(body|0), same dtype family.
         initial_state: [G, K, V] running state before the first segment (zeros if None).
         block_v: columns of S per program (default: all of V on CPU; on GPU 128 for bf16
-            entries, so each T is read once, and 64 for fp32 entries).
+            entries, so each T is read once, and 64 for fp32 entries, halved down to 32 while
+            the programs would not cover the GPU's SMs).
         dot_precision: Triton tl.dot input precision. Default under the interpreter: "ieee". On
             GPU: "tf32x3" (fp32-level accuracy at tensor-core speed) for fp32 entries and "tf32"
             for bf16 entries: one TF32 pass keeps a 10-bit mantissa, more than the entries' own 8
@@ -113,6 +121,11 @@ def compose_states_fwd(
     BV = block_v or max(16, triton.next_power_of_2(V))
     if on_gpu and block_v is None:
         BV = min(128 if half and BK <= 128 else 64, BV)
+        # Few (layer, head) pairs, e.g. one layer's heads in the live scan: narrower column blocks
+        # until the programs cover the SMs (32 heads x 1 block left 100 of an H200's 132 idle,
+        # each program walking all n segments in sequence).
+        while BV > 32 and G * triton.cdiv(V, BV) < _sm_count(S.device):
+            BV //= 2
     precision = dot_precision or (("tf32" if half else "tf32x3") if on_gpu else "ieee")
     ht = torch.empty(G, K, V, dtype=torch.float32, device=S.device)
     hs = torch.empty(N, G, K, V, dtype=torch.float32, device=S.device) if output_all else None

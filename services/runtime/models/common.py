@@ -179,8 +179,10 @@ def attention_layout(
         dev = K_new.device
         per_pos = torch.repeat_interleave(torch.tensor(shifts, device=dev), torch.tensor(lengths, device=dev))
         K_new = rotate(K_new, per_pos)
-    state.k = torch.cat([state.k, K_new], dim=2)
-    state.v = torch.cat([state.v, *vs], dim=2)
+    # (an empty state, e.g. a request with nothing cached before it, takes the new K/V as they are:
+    # K_new and the cat of vs are fresh tensors, not views of k or v)
+    state.k = torch.cat([state.k, K_new], dim=2) if state.k.shape[2] else K_new.to(state.k.dtype)
+    state.v = torch.cat([state.v, *vs], dim=2) if state.v.shape[2] else torch.cat(vs, dim=2).to(state.v.dtype)
     out = backends.attention(q, state.k, state.v, live_pos, scale)  # [1, Hq, n, dv]
     return out.transpose(1, 2).reshape(1, q.shape[2], -1)
 
