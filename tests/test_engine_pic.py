@@ -244,10 +244,15 @@ def test_batched_entry_builds_equal_single_builds(model_dirs, arch, w):
     """Cold segments prefilled together (one padded batch) give the entries one-by-one builds give."""
     eng = engine(model_dirs[arch], w=w)
     rng = random.Random(11)
-    segs = [[rng.randrange(0, 256) for _ in range(n)] for n in (40, 97, w + 4, 63)]
+    segs = [[rng.randrange(0, 256) for _ in range(n)] for n in (40, 97, w + 4, 63, w + 2)]
     for single, batched in zip([eng.build_entry(s) for s in segs], eng.build_entries(segs)):
         assert batched.key == single.key and batched.nbytes == single.nbytes
         a, b = single.data, batched.data
+        # every tensor of an entry owns only its values (a view into the batch's buffers would keep
+        # them alive behind the cache's byte count)
+        held = [t for sp in b.linear.values() for t in (sp.T, sp.S, sp.conv_tail)]
+        held += [t for sp in b.attn.values() for t in (sp.k, sp.v)]
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in held)
         for i in a.linear:
             for f in ("T", "S", "conv_tail"):
                 assert rel(getattr(b.linear[i], f), getattr(a.linear[i], f)) <= 1e-5

@@ -181,7 +181,10 @@ class GatedDeltaNet(nn.Module):
         o_body, _, (T, S0) = gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], S_w, True)
         outs.append(o_body)
         for j, n in enumerate(lengths):
-            tail = torch.cat([zero_tail[j : j + 1], mixed[j : j + 1, :n].transpose(1, 2)], dim=-1)[..., -W1:]
+            # the last W1 conv inputs of the segment (zeros before its start), as a tensor of its
+            # own: a view of a cat over the whole segment kept D x n values alive per entry and layer
+            last = mixed[j : j + 1, max(0, n - W1) : n].transpose(1, 2)
+            tail = torch.cat([zero_tail[j : j + 1], last], dim=-1)[..., -W1:].clone()
             datas[j].linear[layer_idx] = LinearSpan(T=T[j : j + 1].clone(), S=S0[j : j + 1].clone(), conv_tail=tail)
         o = torch.cat(outs, dim=1).to(x.dtype)  # [B, L, Hv, dv]
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(B, L, self.value_dim)
