@@ -50,7 +50,7 @@ def chunk_gated_delta_rule_entry(
     if scale is None:
         scale = K**-0.5
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    g_cum = chunk_local_cumsum(g.float().contiguous(), chunk_size=chunk_size, scale=RCP_LN2)
+    g_cum = local_cumsum_one_row(g, chunk_size, lambda x: chunk_local_cumsum(x, chunk_size=chunk_size, scale=RCP_LN2))
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=chunk_size)
     eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(B, HV, K, K)
     h0 = initial_state.float() if initial_state is not None else torch.zeros(B, HV, K, V, device=k.device)
@@ -97,6 +97,24 @@ def chunk_gated_delta_rule_entry(
         u_t = chunk_fwd_o(q=q, k=k, v=v_new_t, h=h_t, g=g_cum, scale=scale, chunk_size=chunk_size)
         return o, S_final, (Tr, S0), u_t
     return o, S_final, (Tr, S0)
+
+
+def local_cumsum_one_row(g: torch.Tensor, chunk_size: int, cumsum) -> torch.Tensor:
+    """Chunk-local cumsum of g [B, T, H] (fp32) through `cumsum`, called with a batch of one:
+    the B runs, each padded to whole chunks, are laid end to end on the time axis. fla's cumsum
+    kernel takes B as a compile-time constant and autotunes per B, so every new number of runs
+    (one per reused segment in a pic request, one per segment in a batched build) compiled and
+    benchmarked four configurations again; padding adds zeros after each run's last chunk, which
+    no earlier position's cumsum sees."""
+    B, T, H = g.shape
+    g = g.float()
+    if B == 1:
+        return cumsum(g.contiguous())
+    Tp = -(-T // chunk_size) * chunk_size
+    if Tp != T:
+        g = torch.nn.functional.pad(g, (0, 0, 0, Tp - T))
+    out = cumsum(g.reshape(1, B * Tp, H).contiguous()).view(B, Tp, H)
+    return out if Tp == T else out[:, :T].contiguous()
 
 
 def transition_by_identity_start(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
