@@ -58,12 +58,35 @@ def gated_delta_rule(q, k, v, g, beta, initial_state, output_transition: bool):
             )
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-        return fla_chunk(q, k, v, g=g.float(), beta=beta, initial_state=state, output_final_state=True)
+        return chunk_as_varlen(fla_chunk, q, k, v, g.float(), beta, state)
     if q.shape[1] < SHORT_RUN:
         return naive_recurrent_gated_delta_rule(
             q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition
         )
     return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition)
+
+
+def chunk_as_varlen(chunk_fn, q, k, v, g, beta, state):
+    """fla's chunked gated delta rule over B equal-length runs [B, T, ...] as one variable-length
+    row of B sequences (cu_seqlens), initial states [B, H, K, V] or None. fla's chunk-local cumsum
+    takes the batch size as a compile-time constant and autotunes per value, so batches of runs
+    (a prompt's splits, one per checkpoint) compiled it again for every new count; as varlen the
+    batch is always 1. Returns (o [B, T, H, V], final states [B, H, K, V])."""
+    B, T = q.shape[:2]
+    if B == 1:
+        return chunk_fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True)
+    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.long)
+    flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    o, final = chunk_fn(
+        *flat[:3],
+        g=flat[3],
+        beta=flat[4],
+        initial_state=state,
+        output_final_state=True,
+        cu_seqlens=cu.to(q.device),
+        cu_seqlens_cpu=cu,
+    )
+    return o.reshape(B, T, *o.shape[2:]), final
 
 
 def gated_delta_rule_pieces(q, k, v, g, beta):

@@ -76,3 +76,31 @@ def test_masked_gqa_folds_query_heads(monkeypatch):
     monkeypatch.setattr(backends, "GQA_FOLD_MAX_MASK", 10)
     assert rel_rms(backends.attention(q, k, v, live_pos, 0.25), ref) < 1e-5
     assert seen[1][0] == (1, 8, 4, 16)
+
+
+def test_equal_runs_go_to_fla_as_one_varlen_row():
+    """B equal-length runs reach fla's chunk function as one row with cu_seqlens (its cumsum kernel
+    compiles per batch size); outputs and final states equal each run on its own. A reference
+    chunked rule stands in for fla's kernel (CPU)."""
+    from hybridcache.kernels.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def fake_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens=None, cu_seqlens_cpu=None):
+        assert q.shape[0] == 1 and torch.equal(cu_seqlens, cu_seqlens_cpu)
+        bounds = cu_seqlens_cpu.tolist()
+        outs, finals = [], []
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            s0 = initial_state[i : i + 1] if initial_state is not None else None
+            o, S = chunk_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=s0)
+            outs.append(o)
+            finals.append(S)
+        return torch.cat(outs, 1), torch.cat(finals)
+
+    torch.manual_seed(3)
+    B, T, H, K, V = 3, 37, 2, 8, 6
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1) for _ in range(2))
+    v, g, beta = torch.randn(B, T, H, V), -torch.rand(B, T, H) * 0.2, torch.rand(B, T, H)
+    state = torch.randn(B, H, K, V)
+    o, S = backends.chunk_as_varlen(fake_fla, q, k, v, g, beta, state)
+    o_ref, S_ref = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+    assert o.shape == (B, T, H, V) and S.shape == (B, H, K, V)
+    assert rel_rms(o, o_ref) < 1e-5 and rel_rms(S, S_ref) < 1e-5
