@@ -179,6 +179,7 @@ class PromptStream(torch.utils.data.IterableDataset):
         ramp: float = 0.0,
         filler_ramp: tuple[float, float] = (0.0, 0.0),
         distinct_initials: bool = False,
+        short_names_until: float = 0.0,
     ):
         self.tok_json, self.seed, self.min_docs, self.max_docs, self.questions = (
             tok_json,
@@ -190,6 +191,7 @@ class PromptStream(torch.utils.data.IterableDataset):
         self.ramp = ramp
         self.filler_ramp = filler_ramp
         self.distinct_initials = distinct_initials
+        self.short_names_until = short_names_until
         self.progress = torch.multiprocessing.Value("d", 0.0)
 
     def __iter__(self):
@@ -200,6 +202,7 @@ class PromptStream(torch.utils.data.IterableDataset):
         gen.distinct_initials = self.distinct_initials
         while True:
             frac = self.progress.value
+            gen.short_names = frac < self.short_names_until
             gen.min_docs, gen.max_docs = curriculum_docs(frac, self.ramp, self.min_docs, self.max_docs)
             gen.filler = curriculum_filler(frac, self.filler_ramp)
             yield encode_prompt(tok, gen.prompt(self.questions))
@@ -326,6 +329,7 @@ def answer_accuracy(
     seed=0,
     filler=1.0,
     distinct_initials=False,
+    short_names=False,
 ):
     """Teacher-forced exact match: every answer token (and the closing newline) is the argmax.
     This is what greedy decoding up to the newline returns. `filler` < 1 shortens the documents
@@ -333,6 +337,7 @@ def answer_accuracy(
     gen = QAGenerator(split, seed, min_docs, max_docs)
     gen.filler = filler
     gen.distinct_initials = distinct_initials
+    gen.short_names = short_names
     model.eval()
     right = 0
     for _ in range(n):
@@ -405,6 +410,14 @@ def main(argv=None) -> int:
         default=1.0,
         help="filler share of validation documents (1 = the evaluated task; 0 = facts only, as --filler-ramp 1 1)",
     )
+    p.add_argument(
+        "--short-names-until",
+        type=float,
+        default=0.0,
+        metavar="FRAC",
+        help="train on one-syllable entity names (one-token keys) for this fraction of training, then on the "
+        "task's names; validation stays on the task's names (a curriculum: binding is learnt on short keys first)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument(
         "--distinct-initials",
@@ -447,6 +460,8 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
     )
+    if not 0.0 <= args.short_names_until <= 1.0:
+        p.error("--short-names-until needs 0 <= FRAC <= 1")
     if not 0.0 <= args.filler_ramp[0] <= args.filler_ramp[1] <= 1.0:
         p.error("--filler-ramp needs 0 <= START <= END <= 1")
     stream = PromptStream(
@@ -458,6 +473,7 @@ def main(argv=None) -> int:
         args.curriculum,
         tuple(args.filler_ramp),
         args.distinct_initials,
+        args.short_names_until,
     )
     loader = torch.utils.data.DataLoader(
         stream,
@@ -498,6 +514,13 @@ def main(argv=None) -> int:
                     args.seed,
                     args.val_filler,
                     args.distinct_initials,
+                )
+            if progress() < args.short_names_until:
+                # binding on the curriculum's one-syllable names while it trains on them (fresh
+                # prompts of training-split names: the validation split has too few for it)
+                rec["train_acc_1hop_short_names"] = answer_accuracy(
+                    model, tok, "train", args.val, 1, device, args.min_docs, args.max_docs, args.seed + 7,
+                    args.val_filler, args.distinct_initials, short_names=True,
                 )
         save_model(model, tok, out, config)
         if args.export:

@@ -112,3 +112,42 @@ def test_answer_weight_scales_only_the_answer_term(train):
     l1, lm1, qa1 = train.loss_fn(logits, ids, valid, ans, 1.0)
     assert torch.allclose(lm4, lm1) and torch.allclose(qa4, qa1)
     assert torch.allclose(l4, lm4 + train.ANSWER_WEIGHT * qa4) and torch.allclose(l1, lm1 + qa1)
+
+
+def test_short_names_are_one_syllable_words_distinct_within_a_prompt():
+    from hybridcache.services.runtime.qa_data import _SYLLABLES, QAGenerator
+
+    gen = QAGenerator("train", 5, 8, 12)
+    gen.short_names = True
+    for _ in range(10):
+        ex = gen.prompt(4)
+        titles = [d.split("\n")[0].removeprefix("Document: ") for d in ex[0].documents]
+        people = [t for t in titles if len(t.split()) == 2 and t.split()[1].lower() in _SYLLABLES]
+        assert len(people) >= 5
+        for t in people:
+            assert all(w.lower() in _SYLLABLES for w in t.split())
+        surnames = [t.split()[1] for t in people]
+        assert len(set(surnames)) == len(surnames)  # surname-only facts stay unambiguous
+        for e in ex:  # the answer is still in its gold document
+            assert e.answer.removeprefix("the ") in ex[0].documents[e.gold[-1]]
+
+
+def test_stream_trains_on_short_names_until_the_switch(train):
+    from hybridcache.services.runtime.qa_data import _ORG_KINDS
+    from tokenizers import Tokenizer
+
+    kinds = {w for k in _ORG_KINDS for w in k.split()}
+    tok = train.train_tokenizer(n_prompts=20)
+    stream = train.PromptStream(tok.to_str(), 0, 4, 5, 2, short_names_until=0.5)
+    it = iter(stream)
+
+    def longest_title_word():
+        ids, _ = next(it)
+        text = Tokenizer.from_str(tok.to_str()).decode(ids)
+        titles = [line.removeprefix("Document: ") for line in text.split("\n") if line.startswith("Document: ")]
+        return max(len(w) for t in titles for w in t.split() if w not in kinds)
+
+    stream.progress.value = 0.2
+    assert max(longest_title_word() for _ in range(3)) <= 4  # one syllable: at most 4 letters
+    stream.progress.value = 0.6
+    assert max(longest_title_word() for _ in range(3)) > 4

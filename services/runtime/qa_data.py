@@ -183,6 +183,13 @@ class QAGenerator:
         # and questions (a person's surname, an organisation's first word), so one token of the
         # question can find its entity (training experiments; off = the default task).
         self.distinct_initials = False
+        # Names of one syllable a word (a person "Nim Quin", an organisation "Nim Works"), each
+        # entity of a prompt with its own surname (organisation: first word): keys of one or two
+        # tokens, the first stage of a training curriculum. A model learns to bind a question to
+        # its fact with one-token keys in a few thousand steps and then moves to longer names in a
+        # few hundred, where it does not learn them from the start
+        # (benchmarks/results/binding_probe_cpu_20261201.json). Off = the evaluated task.
+        self.short_names = False
         self.rng = random.Random(f"{split}:{seed}")
 
     # ------------------------------------------------------------------ entities
@@ -195,7 +202,8 @@ class QAGenerator:
         starts with a syllable no other entity of the prompt starts that word with."""
         for _ in range(1000):
             name = make()
-            initial = "^" + _first_syllable(name.split()[key_word]) if self.distinct_initials else None
+            distinct = self.distinct_initials or self.short_names
+            initial = "^" + _first_syllable(name.split()[key_word]) if distinct else None
             if name not in taken and initial not in taken and split_of(name) == self.split:
                 taken.add(name)
                 if initial is not None:
@@ -205,7 +213,10 @@ class QAGenerator:
 
     def person(self, taken: set[str], employer: str) -> Person:
         r = self.rng
-        name = self._name(lambda: f"{self._word(2)} {self._word(r.choice((2, 3)))}", taken, key_word=1)
+        if self.short_names:
+            name = self._name(lambda: f"{self._word(1)} {self._word(1)}", taken, key_word=1)
+        else:
+            name = self._name(lambda: f"{self._word(2)} {self._word(r.choice((2, 3)))}", taken, key_word=1)
         return Person(
             name,
             r.choice(CITIES),
@@ -218,7 +229,8 @@ class QAGenerator:
 
     def org(self, taken: set[str]) -> Org:
         r = self.rng
-        name = self._name(lambda: f"{self._word(2)} {r.choice(_ORG_KINDS)}", taken)
+        words = 1 if self.short_names else 2
+        name = self._name(lambda: f"{self._word(words)} {r.choice(_ORG_KINDS)}", taken)
         return Org(name, r.choice(CITIES), r.randrange(1800, 2000), r.choice(GOODS))
 
     # ------------------------------------------------------------------ documents

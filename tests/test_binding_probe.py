@@ -1,0 +1,39 @@
+"""benchmarks/binding_probe.py: its prompts answer each question with the city of the fact about
+the named person; bad arguments exit 2; a few training steps run and report."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import binding_probe as bp  # noqa: E402
+
+
+def test_answers_are_the_named_persons_cities():
+    p = bp.Prompts(seed=3, people=5, name_tokens=2, filler=2)
+    for _ in range(20):
+        ids, answers = p.sample()
+        facts = {}
+        i = 0
+        while ids[i] != bp.Q:
+            name = tuple(ids[i : i + 2])
+            assert ids[i + 2 : i + 4] == [bp.LIVES, bp.IN]
+            facts[name] = ids[i + 4]
+            i += 2 + 4 + 2  # name, lives in CITY ., filler
+        assert len(facts) == 5
+        for a in answers:
+            assert ids[a] == bp.A and ids[a - 3] == bp.Q
+            assert ids[a + 1] == facts[tuple(ids[a - 2 : a])]
+
+
+def test_bad_arguments_exit_2(capsys):
+    assert bp.main(["--people", "1"]) == 2
+    assert "people" in capsys.readouterr().err
+
+
+def test_a_few_steps_run_and_report(capsys):
+    assert bp.main(["--steps", "2", "--every", "1", "--hidden", "16", "--batch", "2", "--threads", "1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["step"] for r in lines[:-1]] == [1, 2]
+    assert 0.0 <= lines[-1]["summary"]["final"]["accuracy"] <= 1.0
