@@ -92,6 +92,13 @@ def main(argv=None) -> int:
     ap.add_argument("--filler", type=int, default=0, help="random filler tokens after each fact")
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--switch-step", type=int, default=0, help="one-token names before this step")
+    ap.add_argument(
+        "--switch-at-accuracy",
+        type=float,
+        default=0.0,
+        help="one-token names until an evaluation reaches this accuracy, then --name-tokens (a curriculum "
+        "that advances once binding is learnt; the step it took is when one-token binding was learnt)",
+    )
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--hidden", type=int, default=64)
@@ -106,8 +113,15 @@ def main(argv=None) -> int:
     sys.modules.setdefault("fla", None)  # transformers' PyTorch gated delta rule, as train_qa_model.py on CPU
     from train_qa_model import build_model, model_config
 
+    if args.switch_step and args.switch_at_accuracy:
+        print("binding_probe: error: give --switch-step or --switch-at-accuracy, not both", file=sys.stderr)
+        return 2
+    if not 0.0 <= args.switch_at_accuracy <= 1.0:
+        print("binding_probe: error: --switch-at-accuracy must be in [0, 1]", file=sys.stderr)
+        return 2
+    curriculum = args.switch_step > 1 or args.switch_at_accuracy > 0
     try:
-        prompts = Prompts(args.seed, args.people, 1 if args.switch_step > 1 else args.name_tokens, args.filler)
+        prompts = Prompts(args.seed, args.people, 1 if curriculum else args.name_tokens, args.filler)
         evals = Prompts(args.seed + 1, args.people, prompts.name_tokens, args.filler)
         Prompts(args.seed, args.people, args.name_tokens, args.filler)
     except ValueError as e:
@@ -116,10 +130,11 @@ def main(argv=None) -> int:
     cfg = dict(model_config(args.hidden, args.layers, args.heads), vocab_size=VOCAB)
     model = build_model(args.seed, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    t0, reached, log = time.time(), None, []
+    t0, reached, switched, log = time.time(), None, None, []
     for step in range(1, args.steps + 1):
         if step == args.switch_step:
             prompts.name_tokens = evals.name_tokens = args.name_tokens
+            switched = step
         for group in opt.param_groups:
             group["lr"] = args.lr * min(1.0, step / 100)
         loss, _ = answer_nll_and_accuracy(model, *prompts.batch(args.batch))
@@ -134,9 +149,13 @@ def main(argv=None) -> int:
                    "accuracy": round(acc, 3), "seconds": round(time.time() - t0, 1)}
             log.append(row)
             print(json.dumps(row), flush=True)
-            if reached is None and acc >= 0.9 and evals.name_tokens == args.name_tokens:
+            if reached is None and acc >= 0.9 and evals.name_tokens == args.name_tokens and switched != step:
                 reached = step
+            if args.switch_at_accuracy and switched is None and acc >= args.switch_at_accuracy:
+                prompts.name_tokens = evals.name_tokens = args.name_tokens
+                switched = step
     print(json.dumps({"summary": {**vars(args), "guess": round(1 / args.people, 3),
+                                  "switched_at_step": switched,
                                   "first_step_at_0.9": reached, "final": log[-1] if log else None}}))
     return 0
 

@@ -30,6 +30,8 @@ def test_answers_are_the_named_persons_cities():
 def test_bad_arguments_exit_2(capsys):
     assert bp.main(["--people", "1"]) == 2
     assert "people" in capsys.readouterr().err
+    assert bp.main(["--switch-step", "5", "--switch-at-accuracy", "0.9"]) == 2
+    assert "not both" in capsys.readouterr().err
 
 
 def test_a_few_steps_run_and_report(capsys):
