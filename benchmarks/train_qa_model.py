@@ -193,6 +193,8 @@ class PromptStream(torch.utils.data.IterableDataset):
         self.distinct_initials = distinct_initials
         self.short_names_until = short_names_until
         self.progress = torch.multiprocessing.Value("d", 0.0)
+        # set by the training loop when an adaptive curriculum ends the short-name stage early
+        self.short_names_done = torch.multiprocessing.Value("b", 0)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -202,7 +204,7 @@ class PromptStream(torch.utils.data.IterableDataset):
         gen.distinct_initials = self.distinct_initials
         while True:
             frac = self.progress.value
-            gen.short_names = frac < self.short_names_until
+            gen.short_names = frac < self.short_names_until and not self.short_names_done.value
             gen.min_docs, gen.max_docs = curriculum_docs(frac, self.ramp, self.min_docs, self.max_docs)
             gen.filler = curriculum_filler(frac, self.filler_ramp)
             yield encode_prompt(tok, gen.prompt(self.questions))
@@ -418,6 +420,14 @@ def main(argv=None) -> int:
         help="train on one-syllable entity names (one-token keys) for this fraction of training, then on the "
         "task's names; validation stays on the task's names (a curriculum: binding is learnt on short keys first)",
     )
+    p.add_argument(
+        "--short-names-accuracy",
+        type=float,
+        default=0.0,
+        metavar="ACC",
+        help="end the short-name stage early at the first checkpoint whose 1-hop accuracy on short names reaches "
+        "ACC (binding appears at a step that varies from run to run: benchmarks/binding_probe.py)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument(
         "--distinct-initials",
@@ -462,6 +472,8 @@ def main(argv=None) -> int:
     )
     if not 0.0 <= args.short_names_until <= 1.0:
         p.error("--short-names-until needs 0 <= FRAC <= 1")
+    if not 0.0 <= args.short_names_accuracy <= 1.0 or (args.short_names_accuracy and not args.short_names_until):
+        p.error("--short-names-accuracy needs 0 <= ACC <= 1 and --short-names-until")
     if not 0.0 <= args.filler_ramp[0] <= args.filler_ramp[1] <= 1.0:
         p.error("--filler-ramp needs 0 <= START <= END <= 1")
     stream = PromptStream(
@@ -515,13 +527,16 @@ def main(argv=None) -> int:
                     args.val_filler,
                     args.distinct_initials,
                 )
-            if progress() < args.short_names_until:
+            if progress() < args.short_names_until and not stream.short_names_done.value:
                 # binding on the curriculum's one-syllable names while it trains on them (fresh
                 # prompts of training-split names: the validation split has too few for it)
                 rec["train_acc_1hop_short_names"] = answer_accuracy(
                     model, tok, "train", args.val, 1, device, args.min_docs, args.max_docs, args.seed + 7,
                     args.val_filler, args.distinct_initials, short_names=True,
                 )
+                if args.short_names_accuracy and rec["train_acc_1hop_short_names"] >= args.short_names_accuracy:
+                    stream.short_names_done.value = 1  # binding learnt on short keys: the task's names from now on
+                    rec["short_names_stage_ended"] = True
         save_model(model, tok, out, config)
         if args.export:
             export_sharded(model, tok, Path(args.export), config=config)

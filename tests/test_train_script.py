@@ -151,3 +151,14 @@ def test_stream_trains_on_short_names_until_the_switch(train):
     assert max(longest_title_word() for _ in range(3)) <= 4  # one syllable: at most 4 letters
     stream.progress.value = 0.6
     assert max(longest_title_word() for _ in range(3)) > 4
+    # the adaptive curriculum ends the stage early (--short-names-accuracy)
+    stream.progress.value = 0.2
+    stream.short_names_done.value = 1
+    assert max(longest_title_word() for _ in range(3)) > 4
+
+
+def test_short_names_accuracy_needs_the_short_name_stage(train, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--out", str(tmp_path), "--steps", "1", "--short-names-accuracy", "0.9"])
+    assert e.value.code == 2
+    assert "--short-names-until" in capsys.readouterr().err
