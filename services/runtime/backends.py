@@ -302,8 +302,7 @@ def attention(q, k, v, live_pos: torch.Tensor, scale: float):
         # resume): the query heads of a KV head become extra query rows with the mask repeated for
         # them, so the cached keys are read once per KV head and never copied (repeating them cost
         # 4 x the context's K/V in copies per layer at the Qwen3.5-9B shape).
-        keep = torch.arange(N, device=q.device)[None, :] <= live_pos[:, None]  # [n, N]
-        o = sdpa(gqa_fold(q, hkv), k, v, attn_mask=keep.repeat(hq // hkv, 1), scale=scale)
+        o = sdpa(gqa_fold(q, hkv), k, v, attn_mask=_live_mask(live_pos, N).repeat(hq // hkv, 1), scale=scale)
         return gqa_unfold(o, hq)
     if gqa and q.is_cuda:
         # KV heads repeated: the fused causal kernels and the masked memory-efficient one take no GQA
@@ -318,6 +317,9 @@ def attention(q, k, v, live_pos: torch.Tensor, scale: float):
 
         return sdpa(q, k, v, attn_mask=causal_lower_right(n, N), scale=scale)
     # Live tokens interleaved with cached spans (seams): an explicit mask, n x N booleans.
-    key_pos = torch.arange(N, device=q.device)
-    mask = key_pos[None, :] <= live_pos[:, None]  # [n, N]
-    return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return sdpa(q, k, v, attn_mask=_live_mask(live_pos, N), scale=scale, enable_gqa=gqa)
+
+
+def _live_mask(live_pos: torch.Tensor, N: int) -> torch.Tensor:
+    """[n, N] booleans: live query i sees keys at positions <= live_pos[i]."""
+    return torch.arange(N, device=live_pos.device)[None, :] <= live_pos[:, None]

@@ -185,10 +185,11 @@ class QAGenerator:
         self.distinct_initials = False
         # Names of one syllable a word (a person "Nim Quin", an organisation "Nim Works"), each
         # entity of a prompt with its own surname (organisation: first word): keys of one or two
-        # tokens, the first stage of a training curriculum. A model learns to bind a question to
-        # its fact with one-token keys in a few thousand steps and then moves to longer names in a
-        # few hundred, where it does not learn them from the start
-        # (benchmarks/results/binding_probe_cpu_20261201.json). Off = the evaluated task.
+        # tokens, the first stage of a training curriculum. In the binding probe at proxy size
+        # (benchmarks/results/binding_probe_cpu_20261201.json) one-token keys were bound after
+        # 2,000-3,400 steps (not within 7,000 in one run), two-token keys from the start stayed at
+        # guessing for 4,000, and a model bound on one-token keys reached 90 % on two-token keys
+        # within 100-200 steps. Off = the evaluated task.
         self.short_names = False
         self.rng = random.Random(f"{split}:{seed}")
 
@@ -200,9 +201,9 @@ class QAGenerator:
     def _name(self, make, taken: set[str], key_word: int = 0) -> str:
         """A fresh name of this split; with distinct_initials, also one whose word `key_word`
         starts with a syllable no other entity of the prompt starts that word with."""
+        distinct = self.distinct_initials or self.short_names
         for _ in range(1000):
             name = make()
-            distinct = self.distinct_initials or self.short_names
             initial = "^" + _first_syllable(name.split()[key_word]) if distinct else None
             if name not in taken and initial not in taken and split_of(name) == self.split:
                 taken.add(name)
