@@ -212,6 +212,16 @@ def fused_rms_norm_gated(x, gate, weight, eps: float):
     return rms_norm_gated(x, gate, weight, eps)
 
 
+def fused_silu_mul(gate, up):
+    """CUDA: silu(gate) * up in one launch reading gate and up in place (kernels/ops/activation);
+    None elsewhere, and the caller runs its eager form."""
+    if not use_fast_kernels(gate):
+        return None
+    from hybridcache.kernels.ops.activation.triton import silu_mul
+
+    return silu_mul(gate, up)
+
+
 def causal_conv1d(x, weight, bias, initial_state, activation):
     """x [B, T, D], weight [D, W], state [B, D, W - 1] -> (y [B, T, D], tail [B, D, W - 1])."""
     if use_fast_kernels(x):

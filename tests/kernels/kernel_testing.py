@@ -18,11 +18,12 @@ if torch.cuda.is_available():
 else:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from hybridcache.kernels.ops.activation.triton import silu_mul  # noqa: E402
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd  # noqa: E402
 from hybridcache.kernels.ops.norm.triton import L2, RMS, row_norm  # noqa: E402
 from hybridcache.kernels.ops.transition.compose_triton import compose_states_fwd  # noqa: E402
 
-__all__ = ["L2", "RMS", "causal_conv1d_fwd", "compose_states_fwd", "device", "rel_rms", "row_norm"]
+__all__ = ["L2", "RMS", "causal_conv1d_fwd", "compose_states_fwd", "device", "rel_rms", "row_norm", "silu_mul"]
 
 
 def rel_rms(a, b):

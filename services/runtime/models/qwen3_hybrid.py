@@ -475,7 +475,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = merged_linear(x, getattr(self, "_gate_up", None), (self.gate_proj, self.up_proj))
-        return self.down_proj(F.silu(gate) * up)
+        act = backends.fused_silu_mul(gate, up)
+        return self.down_proj(act if act is not None else F.silu(gate) * up)
 
 
 class Router(nn.Module):
