@@ -1,7 +1,12 @@
 """Where the time of one forward goes on the GPU: torch.profiler over a decode step and a pic
 assembly (Qwen3.5-9B shape, random bf16 weights); prints JSON with the top ops by host and device time.
 
-    python benchmarks/profile_forward.py [--segments 8] [--top 25]
+    python benchmarks/profile_forward.py [--segments 8] [--top 25] [--sync-check]
+
+--sync-check also runs each forward once under torch.cuda.set_sync_debug_mode("warn") and reports
+every host-device synchronization with its call site in the project or in fla: one sync in a
+host-bound forward stalls the host until the GPU drains, so the launches after it no longer
+overlap the GPU's work.
 """
 
 from __future__ import annotations
@@ -31,10 +36,43 @@ def table(prof, key, top):
     ]
 
 
+def sync_sites(fn, depth: int = 4) -> dict[str, int]:
+    """Runs fn with CUDA sync debugging on; counts each synchronizing call by the innermost
+    `depth` frames of its stack that lie in hybridcache or fla (file:line, innermost first)."""
+    import collections
+    import traceback
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+    old_show = warnings.showwarning
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return old_show(message, category, filename, lineno, file, line)
+        frames = [
+            f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno}"
+            for f in reversed(traceback.extract_stack()[:-1])
+            if ("hybridcache" in f.filename or "/fla/" in f.filename) and "profile_forward" not in f.filename
+        ]
+        sites[" <- ".join(frames[:depth]) or f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old_show
+    return dict(sites.most_common())
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--segments", type=int, default=8)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--sync-check", action="store_true", help="report host-device syncs and their call sites")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     from gpu_bench import SEAM, SEG, build_entries, build_models, pic_layout
@@ -73,6 +111,10 @@ def main(argv=None):
             "by_host_time": table(prof, "self_cpu_time_total", args.top),
             "by_device_time": table(prof, "self_device_time_total", args.top),
         }
+        if args.sync_check:
+            sites = sync_sites(fn)
+            out[name]["syncs"] = sum(sites.values())
+            out[name]["sync_sites"] = sites
     print(json.dumps(out, indent=1))
     return 0
 

@@ -75,7 +75,7 @@ def chunk_as_varlen(chunk_fn, q, k, v, g, beta, state):
     B, T = q.shape[:2]
     if B == 1:
         return chunk_fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True)
-    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.long)
+    cu, cu_cpu = equal_run_offsets(B, T, q.device)
     flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
     o, final = chunk_fn(
         *flat[:3],
@@ -83,10 +83,20 @@ def chunk_as_varlen(chunk_fn, q, k, v, g, beta, state):
         beta=flat[4],
         initial_state=state,
         output_final_state=True,
-        cu_seqlens=cu.to(q.device),
-        cu_seqlens_cpu=cu,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
     )
     return o.reshape(B, T, *o.shape[2:]), final
+
+
+@functools.lru_cache(maxsize=64)
+def equal_run_offsets(B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cu_seqlens of B runs of T tokens, on `device` and on the host, the same two objects for
+    every call with these arguments: fla keys its chunk-index tables on the identity of the
+    cu_seqlens tensor (and some of its kernels rebuild them from the device copy, a host sync
+    each time), so every linear layer of a forward reuses the tables the first one built."""
+    cu_cpu = torch.arange(0, (B + 1) * T, T, dtype=torch.long)
+    return cu_cpu.to(device), cu_cpu
 
 
 def gated_delta_rule_pieces(q, k, v, g, beta):

@@ -84,8 +84,11 @@ def test_equal_runs_go_to_fla_as_one_varlen_row():
     chunked rule stands in for fla's kernel (CPU)."""
     from hybridcache.kernels.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    seen = []
+
     def fake_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens=None, cu_seqlens_cpu=None):
         assert q.shape[0] == 1 and torch.equal(cu_seqlens, cu_seqlens_cpu)
+        seen.append((cu_seqlens, cu_seqlens_cpu))
         bounds = cu_seqlens_cpu.tolist()
         outs, finals = [], []
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
@@ -104,3 +107,8 @@ def test_equal_runs_go_to_fla_as_one_varlen_row():
     o_ref, S_ref = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state)
     assert o.shape == (B, T, H, V) and S.shape == (B, H, K, V)
     assert rel_rms(o, o_ref) < 1e-5 and rel_rms(S, S_ref) < 1e-5
+    # a second call with the same run shape (the next layer) passes the very same cu_seqlens
+    # objects: fla caches its chunk-index tables by the tensors' identity
+    backends.chunk_as_varlen(fake_fla, q, k, v, g, beta, state)
+    assert seen[1][0] is seen[0][0] and seen[1][1] is seen[0][1]
+    assert seen[0][1].tolist() == [0, T, 2 * T, 3 * T]
