@@ -222,6 +222,17 @@ def fused_rms_norm_gated(x, gate, weight, eps: float):
     return rms_norm_gated(x, gate, weight, eps)
 
 
+def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without stalling the host: on CUDA through pinned memory with a
+    non-blocking copy (a copy from pageable memory waits, and in a launch-bound forward the host
+    then no longer runs ahead of the GPU). torch's host allocator keeps the pinned block until the
+    copy is done."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def fused_silu_mul(gate, up):
     """CUDA: silu(gate) * up in one launch reading gate and up in place (kernels/ops/activation);
     None elsewhere, and the caller runs its eager form."""
@@ -305,15 +316,16 @@ def gqa_unfold(o, hq: int):
     return o.reshape(b, hq, rows * hkv // hq, dv)
 
 
-def attention(q, k, v, live_pos: torch.Tensor, scale: float):
+def attention(q, k, v, live_pos: torch.Tensor, scale: float, first_pos: int | None = None):
     """Live queries q [1, Hq, n, d] (absolute positions live_pos [n], ascending) over all keys
-    k, v [1, Hkv, N, d] at positions 0..N-1. GQA when Hq != Hkv. Returns [1, Hq, n, d]."""
+    k, v [1, Hkv, N, d] at positions 0..N-1. GQA when Hq != Hkv. Returns [1, Hq, n, d].
+    `first_pos`: live_pos[0] as known on the host; reading it from a device tensor syncs."""
     n, N = q.shape[2], k.shape[2]
     hq, hkv = q.shape[1], k.shape[1]
     gqa = hq != hkv
     # The live tokens are the last n keys (prefill, prefix-cache resume, decode): causal, aligned
     # bottom-right, through the fused kernels; no [n, N] mask is built.
-    tail = int(live_pos[0]) == N - n
+    tail = (int(live_pos[0]) if first_pos is None else first_pos) == N - n
     if tail and n == 1:
         return sdpa(q, k, v, scale=scale, enable_gqa=gqa)
     masked = not tail or n < N

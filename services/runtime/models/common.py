@@ -176,14 +176,22 @@ def attention_layout(
         off += m
     K_new = torch.cat(ks, dim=2)
     if rotate is not None and any(shifts):
-        dev = K_new.device
-        per_pos = torch.repeat_interleave(torch.tensor(shifts, device=dev), torch.tensor(lengths, device=dev))
+        # each key's shift depends on the layout only: built on the host once per forward and
+        # shared by every attention layer (on the device, repeat_interleave syncs to size its output)
+        key = ("attn_shifts", tuple(shifts), tuple(lengths))
+        per_pos = rec.scratch.get(key) if rec is not None else None
+        if per_pos is None:
+            per_pos = torch.repeat_interleave(torch.tensor(shifts), torch.tensor(lengths))
+            per_pos = backends.to_device_async(per_pos, K_new.device)
+            if rec is not None:
+                rec.scratch[key] = per_pos
         K_new = rotate(K_new, per_pos)
     # (an empty state, e.g. a request with nothing cached before it, takes the new K/V as they are:
     # K_new and the cat of vs are fresh tensors, not views of k or v)
     state.k = torch.cat([state.k, K_new], dim=2) if state.k.shape[2] else K_new.to(state.k.dtype)
     state.v = torch.cat([state.v, *vs], dim=2) if state.v.shape[2] else torch.cat(vs, dim=2).to(state.v.dtype)
-    out = backends.attention(q, state.k, state.v, live_pos, scale)  # [1, Hq, n, dv]
+    first = next(p.start for p in layout if isinstance(p, LiveRun))
+    out = backends.attention(q, state.k, state.v, live_pos, scale, first_pos=first)  # [1, Hq, n, dv]
     return out.transpose(1, 2).reshape(1, q.shape[2], -1)
 
 
@@ -273,8 +281,8 @@ class LayoutLM(nn.Module):
     ):
         """Same contract as qwen3_hybrid.HybridLM.forward_layout."""
         rec, ids, positions, end = new_recording(state, layout, snapshot_after)
-        positions = positions.to(self.device)
-        x = self.embed(ids.to(self.device))[None]  # [1, n_live, h]
+        positions = backends.to_device_async(positions, self.device)
+        x = self.embed(backends.to_device_async(ids, self.device))[None]  # [1, n_live, h]
         for i, layer in enumerate(self.layers):
             if i in capture_hidden:
                 rec.hidden[i] = x[0].clone()

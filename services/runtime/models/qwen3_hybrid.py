@@ -166,7 +166,7 @@ class GatedDeltaNet(nn.Module):
         # one causal conv over seam and body: the same as the seam from zero, then the body from its tail
         conv_out, _ = backends.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, zero_tail, "silu")
         q, k, v, g, beta = self.qkv_gates(conv_out, b, a)
-        lens = torch.tensor(lengths, device=x.device)
+        lens = backends.to_device_async(torch.tensor(lengths), x.device)
         pad = (torch.arange(L, device=x.device)[None, :] >= lens[:, None])[..., None]  # [B, L, 1]
         k = k.masked_fill(pad[..., None], 0.0)
         v = v.masked_fill(pad[..., None], 0.0)
@@ -297,12 +297,13 @@ class GatedDeltaNet(nn.Module):
             for j, (_, o0, n) in enumerate(runs):
                 rows += list(range(o0, o0 + n)) + [total] * (L - n)
                 flat += range(j * L, j * L + n)
-            index = torch.tensor(rows, device=dev).view(m, L)
+            index = backends.to_device_async(torch.tensor(rows), dev).view(m, L)
             mask = index < total  # [m, L]
-            flat = torch.tensor(flat, device=dev)  # real positions of the padded batch, in run order
+            # real positions of the padded batch, in run order
+            flat = backends.to_device_async(torch.tensor(flat, dtype=torch.long), dev)
             # the last W - 1 inputs of every run at least that long (its conv tail)
             tails = [list(range(o0 + n - W1, o0 + n)) for _, o0, n in runs if n >= W1]
-            tail_index = torch.tensor(tails, device=dev).view(len(tails), W1) if tails else None
+            tail_index = backends.to_device_async(torch.tensor(tails), dev).view(len(tails), W1) if tails else None
             if rec is not None:
                 rec.scratch[key] = (index, mask, flat, tail_index)
         long_pos = {j: i for i, j in enumerate(j for j, (_, _, n) in enumerate(runs) if n >= W1)}
@@ -365,7 +366,7 @@ class GatedDeltaNet(nn.Module):
         if snap_at:
             rows = [pair_of[i] for i in snap_at]
             if isinstance(states, torch.Tensor):
-                gathered = states[torch.tensor(rows, device=states.device)]
+                gathered = states[backends.to_device_async(torch.tensor(rows), states.device)]
             else:
                 gathered = torch.stack([states[r] for r in rows])
             kept = {i: gathered[n] for n, i in enumerate(snap_at)}
@@ -447,7 +448,7 @@ class GatedAttention(nn.Module):
         B, L = x.shape[:2]
         positions = torch.arange(L, device=x.device)
         q, k, v, gate = self.qkv(x, positions)
-        out = backends.attention(q, k, v, positions, self.d**-0.5)  # [B, Hq, L, d]
+        out = backends.attention(q, k, v, positions, self.d**-0.5, first_pos=0)  # [B, Hq, L, d]
         for j, n in enumerate(lengths):
             body = slice(seam, n)
             datas[j].attn[layer_idx] = AttnSpan(k=k[j : j + 1, :, body].clone(), v=v[j : j + 1, :, body].clone())
@@ -584,7 +585,7 @@ class HybridLM(LayoutLM):
         for j, s in enumerate(segments):
             ids[j, : len(s)] = torch.as_tensor(s)
         datas = [SpanData(n - seam, seam, {}, {}) for n in lengths]
-        x = self.embed(ids.to(self.device))  # [B, L, h]
+        x = self.embed(backends.to_device_async(ids, self.device))  # [B, L, h]
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             mixer = layer.linear_attn if layer.kind == "linear_attention" else layer.self_attn
