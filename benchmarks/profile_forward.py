@@ -115,6 +115,31 @@ def main(argv=None):
             sites = sync_sites(fn)
             out[name]["syncs"] = sum(sites.values())
             out[name]["sync_sites"] = sites
+    # gpu_bench times pic as a median of five while the previous run's (logits, state) is alive;
+    # time the same assembly both ways (its 32 x 1k figure has been 50 ms above this script's wall)
+    def pic_kept():
+        state = model.empty_state()
+        return model.forward_layout(state, pic_layout(segs, entries, question), "last"), state
+
+    for keep in (False, True):
+        prev, times = pic_kept(), []
+        torch.cuda.synchronize()
+        for _ in range(5):
+            t0 = time.perf_counter()
+            cur = pic_kept()
+            torch.cuda.synchronize()
+            times.append(round((time.perf_counter() - t0) * 1e3, 2))
+            prev = cur if keep else None
+            del cur
+        del prev
+        out["pic"]["wall_ms_x5_keep_previous" if keep else "wall_ms_x5_drop_previous"] = times
+    stats = torch.cuda.memory_stats()
+    out["cuda_memory"] = {
+        "num_alloc_retries": stats.get("num_alloc_retries"),
+        "num_device_alloc": stats.get("num_device_alloc"),
+        "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
+        "reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 2),
+    }
     print(json.dumps(out, indent=1))
     return 0
 
