@@ -10,7 +10,14 @@
 #   bench       benchmarks/gpu_bench.py (one GPU)
 #   qps         benchmarks/segment_parallel.py --qps-only --trace-requests 24 (one GPU)
 #   sp2         benchmarks/segment_parallel.py --gpus 2 --no-qps --repeats 3 (two GPUs)
+#   profile     benchmarks/profile_forward.py --segments 32 --sync-check (one GPU)
 # Timing stages should run alone on the machine: CPU-heavy neighbours slow launch-bound work.
+#
+# Triton's cache (compiled kernels and, with fla's cache_results, its autotuning results) is
+# restored from .triton-cache/triton_cache.tgz when that file is there, and saved to
+# $OUT/triton_cache.tgz at the end (if under 16 MiB, the limit on a file brought back). Copy it
+# into .triton-cache/ (git-ignored) and carry that folder: later calls skip the compilation and
+# autotuning that kept fla's KDA tests from finishing inside a call.
 set -u
 if [ $# -lt 2 ]; then
     echo "usage: bash scripts/device_suite.sh COMMIT STAGE [STAGE ...]" >&2
@@ -20,9 +27,9 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | qps | sp2) ;;
+    gpu-tests | families | bench | qps | sp2 | profile) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, sp2)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, sp2, profile)" >&2
         exit 2 ;;
     esac
 done
@@ -33,6 +40,21 @@ if ls .whl/*.whl > /dev/null 2>&1; then
         || { echo "device_suite: installing .whl/ failed" >&2; exit 2; }
 fi
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/hybridcache
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .triton-cache/triton_cache.tgz ]; then
+    tar -xzf .triton-cache/triton_cache.tgz -C "$TRITON_CACHE_DIR" && echo "device_suite: Triton cache restored ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
+fi
+save_triton_cache() {
+    tar -czf /tmp/triton_cache.tgz -C "$TRITON_CACHE_DIR" . 2> /dev/null || return
+    if [ "$(stat -c %s /tmp/triton_cache.tgz)" -lt $((16 * 1024 * 1024)) ]; then
+        cp /tmp/triton_cache.tgz "$OUT/triton_cache.tgz"
+    else
+        echo "device_suite: Triton cache is $(du -h /tmp/triton_cache.tgz | cut -f1), over the 16 MiB a file may bring back; not saved" >&2
+    fi
+}
+trap save_triton_cache EXIT
+trap "exit 143" TERM INT
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 HYBRIDCACHE_COMMIT=$commit
 python3 -c "import fla" 2> /dev/null || echo "device_suite: warning: fla-core is not importable (put its wheel in .whl/)" >&2
 families="tests/kernels/test_families_gpu.py::test_tiny_model_cuda_fp32_matches_cpu_and_pic_is_consistent"
@@ -59,5 +81,8 @@ for stage in "$@"; do
     sp2)
         python3 benchmarks/segment_parallel.py --gpus 2 --no-qps --repeats 3 --out "$OUT/sp2.json" > "$OUT/sp2.log" 2>&1
         echo "sp2 rc=$?" ;;
+    profile)
+        python3 benchmarks/profile_forward.py --segments 32 --top 25 --sync-check > "$OUT/profile.json" 2> "$OUT/profile.log"
+        echo "profile rc=$?" ;;
     esac
 done

@@ -23,3 +23,29 @@ def test_usage_and_unknown_stage_exit_2(tmp_path):
     r = _run("abc123", "bench", "nope", tmp_path=tmp_path)
     assert r.returncode == 2 and "unknown stage nope" in r.stderr
     assert not (tmp_path / "out").exists()  # refused before any set-up or stage ran
+
+
+def test_triton_cache_restored_and_saved(tmp_path):
+    """A carried .triton-cache/triton_cache.tgz is unpacked into TRITON_CACHE_DIR before the stages,
+    and the cache (with what the stages added) comes back as $OUT/triton_cache.tgz."""
+    import tarfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "kernel.cubin").write_bytes(b"\x00compiled")
+    (tmp_path / ".triton-cache").mkdir()
+    with tarfile.open(tmp_path / ".triton-cache" / "triton_cache.tgz", "w:gz") as tf:
+        tf.add(src / "kernel.cubin", arcname="ab/kernel.cubin")
+    cache = tmp_path / "tc"
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "device_suite.sh"), "abc123", "bench"],
+        cwd=tmp_path,  # no benchmarks/ here: the stage fails at once
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "TRITON_CACHE_DIR": str(cache)},
+        timeout=60,
+    )
+    assert "bench rc=" in r.stdout and "Triton cache restored" in r.stdout, r.stdout + r.stderr
+    assert (cache / "ab" / "kernel.cubin").read_bytes() == b"\x00compiled"
+    with tarfile.open(tmp_path / "out" / "triton_cache.tgz") as tf:
+        assert "./ab/kernel.cubin" in tf.getnames()
