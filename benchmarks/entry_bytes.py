@@ -84,8 +84,16 @@ def main() -> int:
     for arch, preset in REAL:
         cfg = config_from_dict(hf_config(arch, preset))
         n = expected_entry_nbytes(cfg, L, torch.bfloat16)
-        detail["real_shapes"][preset] = {"entry_bytes": n, "body_tokens": L, "dtype": "bfloat16"}
+        n16 = expected_entry_nbytes(cfg, L, torch.bfloat16, torch.bfloat16)
+        detail["real_shapes"][preset] = {
+            "entry_bytes": n,
+            "entry_bytes_bf16_states": n16,
+            "body_tokens": L,
+            "dtype": "bfloat16",
+        }
         figures[f"{preset}_entry_bytes_per_token_L{L}"] = round(n / L, 1)
+        # EngineConfig(entry_state_dtype="bfloat16"): T and S in bf16 as well
+        figures[f"{preset}_entry_bytes_per_token_L{L}_bf16_states"] = round(n16 / L, 1)
 
     # one layer, 16 heads, K = V = 128: what T costs against S by family
     for fam in ("simple_gla", "lightning", "mamba2", "gla", "gated_delta_rule", "kda"):

@@ -265,6 +265,35 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
     figures[f"pic_ttft_speedup_vs_prefix_{tag}_gpu_resident"] = round(t_prefix / t_pic, 2)
     figures[f"pic_ttft_speedup_vs_prefix_{tag}_host"] = round(t_prefix / t_host, 2)
     figures[f"entry_mb_per_segment_{tag}"] = round(entry_bytes / n_seg / 2**20, 1)
+    # the same entries with T and S in bf16 (EngineConfig.entry_state_dtype="bfloat16"): bytes,
+    # TTFT GPU-resident and from the host tier, and how far the logits move from fp32 states
+    import dataclasses
+
+    from hybridcache.services.runtime.cache import cast_entry_states, entry_nbytes
+
+    e16 = [
+        cast_entry_states(dataclasses.replace(e, linear=dict(e.linear), attn=dict(e.attn)), torch.bfloat16)
+        for e in entries
+    ]
+
+    def run_pic16():
+        return model.forward_layout(model.empty_state(), pic_layout(segs, e16, question), "last")
+
+    t16, (logits16, _) = timed(run_pic16, repeat=5)
+    host16 = [to_host(SegmentEntry(f"bench16-{i}", SEG, e, 0.0)) for i, e in enumerate(e16)]
+
+    def run_pic16_host():
+        staged = stage(host16, "cuda")
+        return model.forward_layout(model.empty_state(), pic_layout(segs, staged, question), "last")
+
+    t16_host, _ = timed(run_pic16_host, repeat=3)
+    figures[f"entry_mb_per_segment_{tag}_bf16_states"] = round(sum(map(entry_nbytes, e16)) / n_seg / 2**20, 1)
+    figures[f"pic_ttft_ms_{tag}_gpu_resident_bf16_states"] = round(t16, 2)
+    figures[f"pic_ttft_ms_{tag}_host_bf16_states"] = round(t16_host, 2)
+    figures[f"pic_bf16_states_vs_fp32_logits_max_abs_diff_{tag}"] = float(
+        f"{(logits16.float() - logits_pic.float()).abs().max().item():.3g}"
+    )
+    figures[f"pic_bf16_states_top1_agrees_{tag}"] = int(logits16.argmax() == logits_pic.argmax())
     # numerics of pic vs full in bf16 on this prompt
     state_full = model.empty_state()
     model.forward_layout(state_full, [LiveRun(all_ids, 0)], "none")

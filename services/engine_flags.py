@@ -13,6 +13,7 @@ FLAGS = (
     "replay_anchors",
     "anchor_dtype",
     "host_cache_bytes",
+    "entry_state_dtype",
 )
 
 
@@ -35,6 +36,9 @@ def add_prefix_cache_flags(sp) -> None:
     sp.add_argument("--host-cache-bytes", type=int, default=0,
                     help="segment entries evicted from the device cache move to a host-memory tier of this "
                          "many bytes (pinned with CUDA) and are staged back layer by layer on a hit; 0 = off")
+    sp.add_argument("--entry-state-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="storage of the segment entries' linear-layer T and S; bfloat16 halves a "
+                         "delta-rule entry (composition keeps its running state in fp32)")
     # Checked by EngineConfig (a bad value is one error line, exit 2), not by argparse choices.
     sp.add_argument("--anchor-dtype", default="model", metavar="{model,float8_e4m3fn}",
                     help="suffix_replay: anchor storage; float8_e4m3fn keeps fp8 values with a per-anchor "
@@ -51,6 +55,7 @@ def prefix_cache_config(args) -> dict:
         "anchor_dtype": None if args.anchor_dtype == "model" else args.anchor_dtype,
         "entry_policy": args.entry_policy,
         "host_cache_bytes": args.host_cache_bytes,
+        "entry_state_dtype": args.entry_state_dtype,
     }
 
 

@@ -141,3 +141,17 @@ def test_single_state_policy(arch, family_dirs):
     one = dict(obj, segments=obj["segments"][:1])
     a, b = engine(True, w=0), engine(False, w=0)
     assert (a.prefill(a.parse_request(one)).logits - b.prefill(b.parse_request(one)).logits).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_bf16_entry_states_sized_as_configured(arch, family_dirs):
+    """entry_state_dtype="bfloat16": every family's entry holds T and S in bf16 and is as large
+    as its config's entry_nbytes says for that state dtype (scalar and dense T alike)."""
+    model = load_model(family_dirs[arch])
+    obj = _request(arch)
+    eng = _engine(model, family_dirs[arch], mode="pic", seam_window=4, entry_state_dtype="bfloat16")
+    eng.prefill(eng.parse_request(obj))
+    entry, hit = eng.get_or_build_entry(obj["segments"][1])
+    assert hit and {s.S.dtype for s in entry.data.linear.values()} == {torch.bfloat16}
+    assert entry.nbytes == expected_entry_nbytes(model.cfg, entry.data.num_tokens, model.dtype, torch.bfloat16)
+    assert entry.nbytes < expected_entry_nbytes(model.cfg, entry.data.num_tokens, model.dtype)

@@ -47,15 +47,15 @@ class _Message:
 def entry_tensor_specs(engine: Engine, body_tokens: int):
     """(layer, name, shape, dtype) of every tensor of an entry with `body_tokens` body tokens, in
     the order they are sent: layer by layer, T, S, conv_tail or k, v."""
-    cfg, dt = engine.cfg, engine.model.dtype
+    cfg, dt, st = engine.cfg, engine.model.dtype, engine.config.state_dtype
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
     out = []
     for layer, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
             out += [
-                (layer, "T", (1, hv, dk, dk), torch.float32),
-                (layer, "S", (1, hv, dk, dv), torch.float32),
+                (layer, "T", (1, hv, dk, dk), st),
+                (layer, "S", (1, hv, dk, dv), st),
                 (layer, "conv_tail", (1, conv_dim, cfg.linear_conv_kernel_dim - 1), dt),
             ]
         else:
@@ -64,11 +64,12 @@ def entry_tensor_specs(engine: Engine, body_tokens: int):
     return out
 
 
-def _layer_tensors(data: SpanData, layer: int):
-    """One layer's tensors of an entry in send order; T and S as fp32 (the receiver's buffers are)."""
+def _layer_tensors(data: SpanData, layer: int, state_dtype: torch.dtype):
+    """One layer's tensors of an entry in send order; T and S in the engine's entry state dtype
+    (the receiver's buffers are)."""
     if layer in data.linear:
         s = data.linear[layer]
-        return [s.T.float(), s.S.float(), s.conv_tail]
+        return [s.T.to(state_dtype), s.S.to(state_dtype), s.conv_tail]
     a = data.attn[layer]
     return [a.k, a.v]
 
@@ -136,18 +137,18 @@ def build_and_send(engine: Engine, segments: list[list[int]], dst: int) -> list:
     message per (batch, layer), batches in `stream_batches` order, each batch's layer i for all its
     segments as soon as it is computed; for others one message per entry (all layers). Returns
     (work, buffer) pairs; the buffers must live until the works complete. `post_receives` mirrors it."""
-    w = engine.config.seam_window
+    w, st = engine.config.seam_window, engine.config.state_dtype
     n_layers = engine.cfg.num_hidden_layers
     if not streams_layers(engine):
         out = []
         for e in engine.build_entries(segments):
-            buf = pack(t for layer in range(n_layers) for t in _layer_tensors(e.data, layer))
+            buf = pack(t for layer in range(n_layers) for t in _layer_tensors(e.data, layer, st))
             out.append((dist.isend(buf, dst=dst), buf))
         return out
     out = []
 
     def on_layer(layer, datas):
-        buf = pack(t for data in datas for t in _layer_tensors(data, layer))
+        buf = pack(t for data in datas for t in _layer_tensors(data, layer, st))
         out.append((dist.isend(buf, dst=dst), buf))
 
     for batch in stream_batches(engine, segments):

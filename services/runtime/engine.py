@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.cache import (
+    ENTRY_STATE_DTYPES,
     POLICIES,
     EntryStore,
     MemoryEntryStore,
@@ -38,7 +39,9 @@ from hybridcache.services.runtime.cache import (
     PrefixSnapshot,
     PrefixStore,
     SegmentEntry,
+    cast_entry_states,
     chain_key,
+    entry_nbytes,
     restore_state,
     segment_key,
 )
@@ -110,6 +113,10 @@ class EngineConfig:
     # Bytes of a host-memory tier under the entry cache (cache/host_tier.py): entries the device
     # cache evicts move there and are staged back layer by layer on a hit. 0 = no host tier.
     host_cache_bytes: int = 0
+    # Storage of the entries' linear-layer T and S(body|0): "float32", or "bfloat16" (half the bytes
+    # of a delta-rule entry; composition keeps its running state in fp32). K/V and conv tails are
+    # always in the model dtype.
+    entry_state_dtype: str = "float32"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -129,6 +136,15 @@ class EngineConfig:
             raise ValueError("cache budgets must be positive")
         if self.host_cache_bytes < 0:
             raise ValueError("host_cache_bytes must be >= 0 (0 = no host tier)")
+        if self.entry_state_dtype not in ENTRY_STATE_DTYPES:
+            raise ValueError(
+                f"entry_state_dtype must be one of {', '.join(ENTRY_STATE_DTYPES)}, got {self.entry_state_dtype!r}"
+            )
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The torch dtype of the entries' T and S."""
+        return ENTRY_STATE_DTYPES[self.entry_state_dtype]
 
     @property
     def uses_prefix_cache(self) -> bool:
@@ -320,10 +336,14 @@ class Engine:
     @property
     def _entry_tag(self) -> str:
         """Model fingerprint, plus the entry policy when entries are not exact (a single-state entry
-        must never answer an exact lookup, in this engine's store or in a shared cache tier)."""
-        if self.config.entry_policy == "exact":
-            return self.fingerprint
-        return f"{self.fingerprint}|{self.config.entry_policy}"
+        must never answer an exact lookup, in this engine's store or in a shared cache tier) and the
+        state dtype when it is not fp32 (nor may a rounded one)."""
+        tag = self.fingerprint
+        if self.config.entry_policy != "exact":
+            tag += f"|{self.config.entry_policy}"
+        if self.config.entry_state_dtype != "float32":
+            tag += f"|states={self.config.entry_state_dtype}"
+        return tag
 
     def entry_key(self, segment_ids: list[int]) -> str:
         return segment_key(self._entry_tag, self.config.seam_window, segment_ids)
@@ -353,8 +373,13 @@ class Engine:
         )
 
     def _apply_entry_policy(self, entry: SegmentEntry) -> SegmentEntry:
-        """Entries are built exact; the single-state policy drops their T as they are made, so every
-        store (this engine's, a combine worker's, a cache tier) holds what the policy uses."""
+        """Entries are built exact in fp32; the single-state policy drops their T and a bf16 state
+        dtype rounds T and S as they are made, so every store (this engine's, a combine worker's, a
+        cache tier) holds what the engine uses."""
+        if self.config.entry_state_dtype != "float32":
+            cast_entry_states(entry.data, self.config.state_dtype)
+            entry.nbytes = entry_nbytes(entry.data)
+            entry.meta["entry_state_dtype"] = self.config.entry_state_dtype
         return to_single_state(entry) if self.config.entry_policy == "single_state" else entry
 
     def build_entries(self, segments: list[list[int]]) -> list[SegmentEntry]:

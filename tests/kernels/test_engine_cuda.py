@@ -21,6 +21,26 @@ def tiny_models():
     return cfg, ref, fast.to("cuda", torch.bfloat16)
 
 
+def build_entries(model, segs):
+    """Each segment's body entry, built as the engine does (seam live, body recorded)."""
+    out = []
+    for seg in segs:
+        layout = [LiveRun(seg[:SEAM], 0), LiveRun(seg[SEAM:], SEAM, record="entry")]
+        _, rec = model.forward_layout(model.empty_state(), layout, "none")
+        out.append(rec.entries[1])
+    return out
+
+
+def pic_layout(segs, entries, question):
+    """Each segment's seam live and its body cached, then the question."""
+    layout, pos = [], 0
+    for seg, data in zip(segs, entries):
+        layout += [LiveRun(seg[:SEAM], pos), CachedSpan(data, pos + SEAM)]
+        pos += seg.numel()
+    layout.append(LiveRun(question, pos))
+    return layout
+
+
 def test_full_prefill_cuda_bf16_matches_cpu_fp32():
     cfg, ref, fast = tiny_models()
     ids = torch.randint(0, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
@@ -38,16 +58,7 @@ def test_pic_vs_full_cuda_bf16():
     gen = torch.Generator().manual_seed(3)
     segs = [torch.randint(0, cfg.vocab_size, (200,), generator=gen) for _ in range(3)]
     question = torch.randint(0, cfg.vocab_size, (16,), generator=gen)
-    entries = []
-    for seg in segs:
-        layout = [LiveRun(seg[:SEAM], 0), LiveRun(seg[SEAM:], SEAM, record="entry")]
-        _, rec = fast.forward_layout(fast.empty_state(), layout, "none")
-        entries.append(rec.entries[1])
-    layout, pos = [], 0
-    for seg, data in zip(segs, entries):
-        layout += [LiveRun(seg[:SEAM], pos), CachedSpan(data, pos + SEAM)]
-        pos += seg.numel()
-    layout.append(LiveRun(question, pos))
+    layout = pic_layout(segs, build_entries(fast, segs), question)
     pic = fast.empty_state()
     lo_pic, _ = fast.forward_layout(pic, layout, "last")
     naive = fast.empty_state()
@@ -63,3 +74,29 @@ def test_pic_vs_full_cuda_bf16():
     exact = [rel_rms(pic.linear[i].ssm, full.linear[i].ssm) for i in full.linear if i < first_attn]
     assert max(exact) < 3e-2, exact
     assert rel_rms(lo_pic, lo_full) < rel_rms(lo_naive, lo_full) / 2
+
+
+def test_pic_with_bf16_entry_states_cuda():
+    """Entries whose T and S are kept in bf16 (EngineConfig.entry_state_dtype) through the CUDA
+    pic path: the batched scan casts the live runs' pairs to the spans' dtype so the one-launch fold
+    gets one dtype; the logits stay close to fp32 entries' and the state after the fold too."""
+    from hybridcache.services.runtime.cache import cast_entry_states
+
+    cfg, _, fast = tiny_models()
+    gen = torch.Generator().manual_seed(5)
+    segs = [torch.randint(0, cfg.vocab_size, (150,), generator=gen) for _ in range(4)]
+    question = torch.randint(0, cfg.vocab_size, (16,), generator=gen)
+
+    def pic(entries):
+        state = fast.empty_state()
+        logits, _ = fast.forward_layout(state, pic_layout(segs, entries, question), "last")
+        return logits.float(), state
+
+    lo32, st32 = pic(build_entries(fast, segs))
+    e16 = [cast_entry_states(d, torch.bfloat16) for d in build_entries(fast, segs)]
+    assert all(s.T.dtype == torch.bfloat16 for d in e16 for s in d.linear.values())
+    lo16, st16 = pic(e16)
+    assert lo16.argmax() == lo32.argmax()
+    assert rel_rms(lo16, lo32) < 2e-2
+    for i in st32.linear:
+        assert rel_rms(st16.linear[i].ssm, st32.linear[i].ssm) < 2e-2

@@ -3,7 +3,9 @@
 from hybridcache.services.runtime.cache.base import EntryStore
 from hybridcache.services.runtime.cache.entry import (
     CACHE_FORMAT,
+    ENTRY_STATE_DTYPES,
     SegmentEntry,
+    cast_entry_states,
     entry_checksum,
     entry_nbytes,
     expected_entry_nbytes,
@@ -22,6 +24,7 @@ from hybridcache.services.runtime.cache.radix import PageNode, PagePayload, Page
 
 __all__ = [
     "CACHE_FORMAT",
+    "ENTRY_STATE_DTYPES",
     "EntryStore",
     "MemoryEntryStore",
     "POLICIES",
@@ -33,6 +36,7 @@ __all__ = [
     "PrefixSnapshot",
     "PrefixStore",
     "SegmentEntry",
+    "cast_entry_states",
     "chain_key",
     "entry_checksum",
     "entry_nbytes",

@@ -37,16 +37,35 @@ def entry_nbytes(data: SpanData) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(data))
 
 
-def expected_entry_nbytes(cfg: ModelConfig, body_tokens: int, dtype: torch.dtype) -> int:
-    """Bytes of an entry before it is built: T and S in fp32, conv tail and K/V in the model dtype."""
+def expected_entry_nbytes(
+    cfg: ModelConfig, body_tokens: int, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32
+) -> int:
+    """Bytes of an entry before it is built: T and S in `state_dtype` (fp32 unless the engine keeps
+    them in bf16: EngineConfig.entry_state_dtype), conv tail and K/V in the model dtype."""
     if hasattr(cfg, "entry_nbytes"):  # non-Qwen architectures know their own layout (models/registry.py)
-        return cfg.entry_nbytes(body_tokens, dtype)
+        return cfg.entry_nbytes(body_tokens, dtype, state_dtype)
     esz = torch.tensor([], dtype=dtype).element_size()
+    ssz = torch.tensor([], dtype=state_dtype).element_size()
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
-    per_linear = 4 * (hv * dk * dk + hv * dk * dv) + esz * conv_dim * (cfg.linear_conv_kernel_dim - 1)
+    per_linear = ssz * (hv * dk * dk + hv * dk * dv) + esz * conv_dim * (cfg.linear_conv_kernel_dim - 1)
     per_attn = 2 * esz * cfg.num_key_value_heads * cfg.head_dim * body_tokens
     return len(cfg.linear_layers) * per_linear + len(cfg.attention_layers) * per_attn
+
+
+ENTRY_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cast_entry_states(data: SpanData, dtype: torch.dtype) -> SpanData:
+    """Every linear layer's T and S(body|0) stored in `dtype`, in place (returned). bf16 halves the
+    dense T and S, the bulk of a delta-rule entry (a Qwen3.5-9B 1k-token entry: 129 -> 81 MB);
+    composition still accumulates the running state in fp32."""
+    from hybridcache.services.runtime.sequence import LinearSpan
+
+    for i, span in data.linear.items():
+        if span.T.dtype != dtype or span.S.dtype != dtype:
+            data.linear[i] = LinearSpan(T=span.T.to(dtype), S=span.S.to(dtype), conv_tail=span.conv_tail)
+    return data
 
 
 def entry_checksum(data: SpanData) -> str:

@@ -109,11 +109,12 @@ class KimiLinearConfig(LayerTypes):
     def conv_dim(self) -> int:
         return 3 * self.linear_num_heads * self.linear_head_dim
 
-    def entry_nbytes(self, body_tokens: int, dtype: torch.dtype) -> int:
-        """Dense T and S (fp32) and the conv tail per KDA layer; MLA latents [c, k_r] per attention layer."""
+    def entry_nbytes(self, body_tokens: int, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
+        """Dense T and S (state_dtype) and the conv tail per KDA layer; MLA latents [c, k_r] per attention layer."""
         esz = torch.tensor([], dtype=dtype).element_size()
+        ssz = torch.tensor([], dtype=state_dtype).element_size()
         h, d = self.linear_num_heads, self.linear_head_dim
-        per_linear = 4 * h * d * (d + d) + esz * self.conv_dim * (self.linear_conv_kernel_dim - 1)
+        per_linear = ssz * h * d * (d + d) + esz * self.conv_dim * (self.linear_conv_kernel_dim - 1)
         per_attn = esz * (self.kv_lora_rank + self.qk_rope_head_dim) * body_tokens
         return len(self.linear_layers) * per_linear + len(self.attention_layers) * per_attn
 

@@ -109,11 +109,12 @@ class MiniMaxConfig(LayerTypes):
         rate = base ** (torch.arange(heads, device=device) + 1)
         return rate * (1 - layer_idx / (self.num_hidden_layers - 1 + 1e-5) + 1e-5)
 
-    def entry_nbytes(self, body_tokens: int, dtype: torch.dtype) -> int:
-        """Scalar T [H] and S [H, d, d] (fp32) per lightning layer, no conv tail; K/V per attention layer."""
+    def entry_nbytes(self, body_tokens: int, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
+        """Scalar T [H] and S [H, d, d] (state_dtype) per lightning layer, no conv tail; K/V per attention layer."""
         esz = torch.tensor([], dtype=dtype).element_size()
+        ssz = torch.tensor([], dtype=state_dtype).element_size()
         h, d = self.num_attention_heads, self.head_dim
-        per_linear = 4 * h * (1 + d * d)
+        per_linear = ssz * h * (1 + d * d)
         per_attn = 2 * esz * self.num_key_value_heads * d * body_tokens
         return len(self.linear_layers) * per_linear + len(self.attention_layers) * per_attn
 

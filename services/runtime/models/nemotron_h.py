@@ -78,12 +78,13 @@ class NemotronHConfig(LayerTypes):
     def conv_dim(self) -> int:
         return self.mamba_num_heads * self.mamba_head_dim + 2 * self.n_groups * self.ssm_state_size
 
-    def entry_nbytes(self, body_tokens: int, dtype: torch.dtype) -> int:
-        """Scalar T and S [H, N, P] in fp32, conv tail and K/V in the model dtype."""
+    def entry_nbytes(self, body_tokens: int, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
+        """Scalar T and S [H, N, P] in state_dtype, conv tail and K/V in the model dtype."""
         esz = torch.tensor([], dtype=dtype).element_size()
+        ssz = torch.tensor([], dtype=state_dtype).element_size()
         h = self.mamba_num_heads
         conv_tail = esz * self.conv_dim * (self.conv_kernel - 1)
-        per_linear = 4 * (h + h * self.ssm_state_size * self.mamba_head_dim) + conv_tail
+        per_linear = ssz * (h + h * self.ssm_state_size * self.mamba_head_dim) + conv_tail
         per_attn = 2 * esz * self.num_key_value_heads * self.head_dim * body_tokens
         return len(self.linear_layers) * per_linear + len(self.attention_layers) * per_attn
 

@@ -75,12 +75,13 @@ class OlmoHybridConfig(LayerTypes):
         ):
             raise ModelConfigError("query/value head counts must be multiples of the key head counts")
 
-    def entry_nbytes(self, body_tokens: int, dtype: torch.dtype) -> int:
-        """Bytes of a segment entry: dense T and S in fp32, conv tail and K/V in the model dtype."""
+    def entry_nbytes(self, body_tokens: int, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of a segment entry: dense T and S in state_dtype, conv tail and K/V in the model dtype."""
         esz = torch.tensor([], dtype=dtype).element_size()
+        ssz = torch.tensor([], dtype=state_dtype).element_size()
         hv, dk, dv = self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim
         conv_dim = 2 * self.linear_num_key_heads * dk + hv * dv
-        per_linear = 4 * hv * dk * (dk + dv) + esz * conv_dim * (self.linear_conv_kernel_dim - 1)
+        per_linear = ssz * hv * dk * (dk + dv) + esz * conv_dim * (self.linear_conv_kernel_dim - 1)
         per_attn = 2 * esz * self.num_key_value_heads * self.head_dim * body_tokens
         return len(self.linear_layers) * per_linear + len(self.attention_layers) * per_attn
 

@@ -341,7 +341,15 @@ class GatedDeltaNet(nn.Module):
         o0, T_runs, S0_runs, u = backends.gated_delta_rule_pieces(q, k, v, g, beta)
         # 2. states entering each run
 
-        # The pieces' (T, S) pairs in order, folded in one pass (one launch on CUDA).
+        # The pieces' (T, S) pairs in order, folded in one pass (one launch on CUDA). Entries kept
+        # in bf16 (EngineConfig.entry_state_dtype) take the runs' pairs in bf16 too: a mixed-dtype
+        # concatenation copies its inputs one launch each, and the fold reads them in fp32 anyway.
+        span_dt = next(
+            (layout[i].data.linear[layer_idx].T.dtype for i in range(lo, hi) if isinstance(layout[i], CachedSpan)),
+            T_runs.dtype,
+        )
+        if T_runs.is_cuda and span_dt != T_runs.dtype:
+            T_runs, S0_runs = T_runs.to(span_dt), S0_runs.to(span_dt)
         Ts, Ss, use_t, pair_of = [], [], [], {}
         j = 0
         for idx in range(lo, hi):

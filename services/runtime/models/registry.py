@@ -2,7 +2,7 @@
 
 Every config class has `from_dict(hf_config_dict)`, the fields the engine reads (vocab_size,
 eos_token_ids, max_position_embeddings, linear_conv_kernel_dim, layer_types, raw) and
-`entry_nbytes(body_tokens, dtype)`; every model class has the interface of
+`entry_nbytes(body_tokens, dtype, state_dtype)`; every model class has the interface of
 qwen3_hybrid.HybridLM (cfg, device, dtype, empty_state(), forward_layout(...)).
 """
 

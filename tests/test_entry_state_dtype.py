@@ -1,0 +1,88 @@
+"""Entries with T and S kept in bf16 (EngineConfig.entry_state_dtype): bytes, keys, pic answers,
+segment parallelism's wire specs, and the config and flag checks."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hybridcache.services.runtime.cache import expected_entry_nbytes
+from hybridcache.services.runtime.engine import Engine, EngineConfig
+
+
+def rag_request(seed, n_docs=4, lo=90, hi=140):
+    rng = random.Random(seed)
+    return {
+        "system": [rng.randrange(0, 256) for _ in range(10)],
+        "segments": [[rng.randrange(0, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(n_docs)],
+        "suffix": [rng.randrange(0, 256) for _ in range(16)],
+        "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+    }
+
+
+def kl(p_logits, q_logits):
+    p, q = F.log_softmax(p_logits, -1), F.log_softmax(q_logits, -1)
+    return (p.exp() * (p - q)).sum().item()
+
+
+def test_bad_state_dtype_is_a_clear_error():
+    with pytest.raises(ValueError, match="entry_state_dtype must be one of float32, bfloat16"):
+        EngineConfig(entry_state_dtype="float16")
+
+
+def test_bf16_entries_halve_the_states_and_answer_like_fp32(qwen35_dir):
+    """The same request reused after another prefix: with bf16 states every hit entry's T and S are
+    bf16, its bytes are what expected_entry_nbytes says before the build (smaller than fp32's), and
+    the next-token distribution stays as close to fp32 entries' as the rounding allows."""
+    fp32 = Engine.from_dir(qwen35_dir, config=EngineConfig(mode="pic"))
+    bf16 = Engine.from_dir(qwen35_dir, config=EngineConfig(mode="pic", entry_state_dtype="bfloat16"))
+    assert fp32.entry_key([1, 2, 3] * 30) != bf16.entry_key([1, 2, 3] * 30)  # never mixed in a shared tier
+    kls = []
+    for seed in range(2):
+        req = rag_request(seed)
+        logits = []
+        for eng in (fp32, bf16):
+            eng.generate(dict(req, system=[5, 6, 7], segments=req["segments"][::-1]))
+            pre = eng.prefill(eng.parse_request(req))
+            assert all(s.hit for s in pre.stats.segments)
+            logits.append(pre.logits)
+        kls.append(kl(logits[0], logits[1]))
+        assert logits[0].argmax() == logits[1].argmax()
+    print("KL(fp32 entries || bf16 entries):", kls)
+    assert max(kls) < 1e-3, kls
+    w = bf16.config.seam_window
+    for seg in rag_request(0)["segments"]:
+        e32, e16 = fp32.entries.get(fp32.entry_key(seg)), bf16.entries.get(bf16.entry_key(seg))
+        assert {s.T.dtype for s in e16.data.linear.values()} == {torch.bfloat16}
+        assert {s.S.dtype for s in e16.data.linear.values()} == {torch.bfloat16}
+        assert {s.S.dtype for s in e32.data.linear.values()} == {torch.float32}
+        assert e16.nbytes == expected_entry_nbytes(bf16.cfg, len(seg) - w, bf16.model.dtype, torch.bfloat16)
+        assert e32.nbytes == expected_entry_nbytes(fp32.cfg, len(seg) - w, fp32.model.dtype)
+        assert e16.nbytes < e32.nbytes
+        assert e16.meta["entry_state_dtype"] == "bfloat16"
+
+
+def test_segment_parallel_wire_specs_follow_the_state_dtype(qwen35_dir):
+    from hybridcache.services.parallel.segment_parallel import entry_tensor_specs
+
+    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        eng = Engine.from_dir(qwen35_dir, config=EngineConfig(entry_state_dtype=name))
+        specs = entry_tensor_specs(eng, 40)
+        assert {d for _, n, _, d in specs if n in ("T", "S")} == {dt}
+        assert {d for _, n, _, d in specs if n not in ("T", "S")} == {eng.model.dtype}
+        total = sum(torch.Size(shape).numel() * torch.tensor([], dtype=d).element_size() for _, _, shape, d in specs)
+        assert total == expected_entry_nbytes(eng.cfg, 40, eng.model.dtype, dt)
+
+
+def test_flag_reaches_the_engine_config():
+    import argparse
+
+    from hybridcache.services.engine_flags import add_prefix_cache_flags, cache_flag_args, prefix_cache_config
+
+    ap = argparse.ArgumentParser()
+    add_prefix_cache_flags(ap)
+    args = ap.parse_args(["--entry-state-dtype", "bfloat16"])
+    assert EngineConfig(**prefix_cache_config(args)).state_dtype == torch.bfloat16
+    assert "--entry-state-dtype" in cache_flag_args(args)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--entry-state-dtype", "int8"])
