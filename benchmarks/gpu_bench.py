@@ -117,6 +117,18 @@ def cold_prefill(model, peer, n, vocab, figures, tag):
     t_entry, _ = timed(lambda: model.forward_layout(model.empty_state(), layout_entry, "none"), repeat=2)
     t_plain, _ = timed(lambda: model.forward_layout(model.empty_state(), [LiveRun(ids, 0)], "none"), repeat=2)
     figures[f"construction_overhead_pct_{tag}"] = round((t_entry / t_plain - 1) * 100, 2)
+    # each layout of the entry's T run (kernels/ops/gated_delta_rule/fla_entry.py), same run
+    old = os.environ.get("HYBRIDCACHE_ENTRY_T_RUN")
+    try:
+        for mode in ("stacked", "sequential", "stream"):
+            os.environ["HYBRIDCACHE_ENTRY_T_RUN"] = mode
+            t_mode, _ = timed(lambda: model.forward_layout(model.empty_state(), layout_entry, "none"), repeat=2)
+            figures[f"construction_overhead_pct_{tag}_t_run_{mode}"] = round((t_mode / t_plain - 1) * 100, 2)
+    finally:
+        if old is None:
+            os.environ.pop("HYBRIDCACHE_ENTRY_T_RUN", None)
+        else:
+            os.environ["HYBRIDCACHE_ENTRY_T_RUN"] = old
 
 
 def compose_figures(cfg, figures, n_seg=32):

@@ -4,8 +4,15 @@ fla's chunked forward is three stages: the intra-chunk WY representation (w, u f
 triangular solve), the inter-chunk state recurrence (h per chunk, v_new = u - w h), and the
 output. The transition T of the run is the same recurrence started from I with u = 0
 (README.md here), so it needs only the middle stage again, sharing w and the decay cumsum.
-When K == V the value run and the T run are stacked on the batch axis and go through one launch
-of the state kernel; the WY stage and the output stage run once.
+How the T run goes (`t_run`, or HYBRIDCACHE_ENTRY_T_RUN; default by shape):
+- "stacked" (K == V): value run and T run stacked on the batch axis, one launch of the state
+  kernel: fills SMs a single run leaves idle (B x HV (batch, head) pairs, one program per pair
+  and column block), at the price of copying k, w and u into the doubled batch;
+- "sequential": the T run as its own launch after the value run, no copies (the default when
+  B x HV already covers the SMs, e.g. a batched build of 32 segments);
+- "stream": the T run's launch on a side CUDA stream, overlapping the value run without the
+  copies (gpu_bench times all three: `construction_overhead_pct_*_t_run_*`).
+The WY stage and the output stage run once.
 
 S(run|0) comes out as S_final - T S_init (exact in exact arithmetic; both terms are fp32 states
 of the same kernel). Imports fla lazily: this module is importable without it.
@@ -13,7 +20,35 @@ of the same kernel). Imports fla lazily: this module is importable without it.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+
+T_RUNS = ("stacked", "sequential", "stream")
+
+
+@functools.cache
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _side_stream(device):
+    return torch.cuda.Stream(device)
+
+
+def pick_t_run(B: int, HV: int, K: int, V: int, device, t_run: str | None = None) -> str:
+    """The T run's layout: `t_run`, else HYBRIDCACHE_ENTRY_T_RUN, else "stacked" when K == V and
+    the value run's (batch, head) pairs leave SMs idle, "sequential" otherwise."""
+    mode = t_run or os.environ.get("HYBRIDCACHE_ENTRY_T_RUN") or None
+    if mode is None:
+        mode = "stacked" if K == V and B * HV < _sm_count(device) else "sequential"
+    if mode not in T_RUNS:
+        raise ValueError(f"t_run must be one of {', '.join(T_RUNS)}, got {mode!r}")
+    if mode == "stacked" and K != V:
+        mode = "sequential"  # stacking needs the T run's value width K to equal V
+    return mode
 
 
 def chunk_gated_delta_rule_entry(
@@ -26,6 +61,7 @@ def chunk_gated_delta_rule_entry(
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
     output_query_transition: bool = False,
+    t_run: str | None = None,
 ):
     """Chunked gated delta rule that also returns the run's (T, S(run|0)); with
     output_query_transition also u [B, T, HV, K] (v's dtype), u_t = scale T_t^T q_t: the outputs of
@@ -54,7 +90,8 @@ def chunk_gated_delta_rule_entry(
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=chunk_size)
     eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(B, HV, K, K)
     h0 = initial_state.float() if initial_state is not None else torch.zeros(B, HV, K, V, device=k.device)
-    if K == V:
+    mode = pick_t_run(B, HV, K, V, k.device, t_run)
+    if mode == "stacked":
         h, v_new, final = chunk_gated_delta_rule_fwd_h(
             k=k.repeat(2, 1, 1, 1),
             w=w.repeat(2, 1, 1, 1),
@@ -72,6 +109,27 @@ def chunk_gated_delta_rule_entry(
             return both[:B], S_final, (Tr, S0), both[B:]
         h, v_new = h[:B], v_new[:B]
     else:
+
+        def t_recurrence():
+            return chunk_gated_delta_rule_fwd_h(
+                k=k,
+                w=w,
+                u=u.new_zeros(*u.shape[:-1], K),
+                g=g_cum,
+                initial_state=eye.contiguous(),
+                output_final_state=True,
+                chunk_size=chunk_size,
+                save_new_value=output_query_transition,
+            )
+
+        if mode == "stream":
+            # k, w, g_cum come from the main stream, which waits for the side one before it goes
+            # on, so their blocks are not reused early; what the side stream allocates and the
+            # main one reads is marked as used there.
+            main, side = torch.cuda.current_stream(k.device), _side_stream(k.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                h_t, v_new_t, Tr = t_recurrence()
         h, v_new, S_final = chunk_gated_delta_rule_fwd_h(
             k=k,
             w=w,
@@ -81,16 +139,13 @@ def chunk_gated_delta_rule_entry(
             output_final_state=True,
             chunk_size=chunk_size,
         )
-        h_t, v_new_t, Tr = chunk_gated_delta_rule_fwd_h(
-            k=k,
-            w=w,
-            u=u.new_zeros(*u.shape[:-1], K),
-            g=g_cum,
-            initial_state=eye.contiguous(),
-            output_final_state=True,
-            chunk_size=chunk_size,
-            save_new_value=output_query_transition,
-        )
+        if mode == "stream":
+            main.wait_stream(side)
+            for t in (h_t, v_new_t, Tr):
+                if t is not None:
+                    t.record_stream(main)
+        else:
+            h_t, v_new_t, Tr = t_recurrence()
     o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=chunk_size)
     S0 = S_final if initial_state is None else S_final - Tr @ h0
     if output_query_transition:
