@@ -239,12 +239,17 @@ def test_prefix_mode_runs_its_checkpoint_splits_at_once(qwen35_dir, monkeypatch)
     assert (a.logits - b.logits).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("arch,w", [("qwen3_next", 8), ("qwen3_5_moe", 3), ("qwen3_5_text", 0)])
-def test_batched_entry_builds_equal_single_builds(model_dirs, arch, w):
-    """Cold segments prefilled together (one padded batch) give the entries one-by-one builds give."""
+@pytest.mark.parametrize(
+    "arch,w,equal",
+    [("qwen3_next", 8, False), ("qwen3_5_moe", 3, False), ("qwen3_5_text", 0, False), ("qwen3_5_text", 8, True)],
+)
+def test_batched_entry_builds_equal_single_builds(model_dirs, arch, w, equal):
+    """Cold segments prefilled together (one padded batch, or one of equal lengths that needs no
+    padding) give the entries one-by-one builds give."""
     eng = engine(model_dirs[arch], w=w)
     rng = random.Random(11)
-    segs = [[rng.randrange(0, 256) for _ in range(n)] for n in (40, 97, w + 4, 63, w + 2)]
+    lengths = (57, 57, 57) if equal else (40, 97, w + 4, 63, w + 2)
+    segs = [[rng.randrange(0, 256) for _ in range(n)] for n in lengths]
     for single, batched in zip([eng.build_entry(s) for s in segs], eng.build_entries(segs)):
         assert batched.key == single.key and batched.nbytes == single.nbytes
         a, b = single.data, batched.data

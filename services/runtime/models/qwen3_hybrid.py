@@ -166,12 +166,13 @@ class GatedDeltaNet(nn.Module):
         # one causal conv over seam and body: the same as the seam from zero, then the body from its tail
         conv_out, _ = backends.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, zero_tail, "silu")
         q, k, v, g, beta = self.qkv_gates(conv_out, b, a)
-        lens = backends.to_device_async(torch.tensor(lengths), x.device)
-        pad = (torch.arange(L, device=x.device)[None, :] >= lens[:, None])[..., None]  # [B, L, 1]
-        k = k.masked_fill(pad[..., None], 0.0)
-        v = v.masked_fill(pad[..., None], 0.0)
-        g = g.masked_fill(pad, 0.0)
-        beta = beta.masked_fill(pad, 0.0)
+        if min(lengths) < L:  # padded steps become identity steps (equal lengths need no pass)
+            lens = backends.to_device_async(torch.tensor(lengths), x.device)
+            pad = (torch.arange(L, device=x.device)[None, :] >= lens[:, None])[..., None]  # [B, L, 1]
+            k = k.masked_fill(pad[..., None], 0.0)
+            v = v.masked_fill(pad[..., None], 0.0)
+            g = g.masked_fill(pad, 0.0)
+            beta = beta.masked_fill(pad, 0.0)
         outs, S_w = [], None
         if seam:
             sw = slice(0, seam)
