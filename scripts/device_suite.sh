@@ -11,6 +11,10 @@
 #   qps         benchmarks/segment_parallel.py --qps-only --trace-requests 24 (one GPU)
 #   sp2         benchmarks/segment_parallel.py --gpus 2 --no-qps --repeats 3 (two GPUs)
 #   profile     benchmarks/profile_forward.py --segments 32 --sync-check (one GPU)
+#   train       benchmarks/train_qa_model.py --fla (the QA model of issue 7) for TRAIN_SECONDS (default
+#               500), continuing from .qa-ckpt/ when it holds a model (carry it); TRAIN_ARGS adds
+#               flags. The model comes back sharded in $OUT/model; to chain calls, here:
+#               python benchmarks/train_qa_model.py --install-from <that folder> --out .qa-ckpt
 # Timing stages should run alone on the machine: CPU-heavy neighbours slow launch-bound work.
 #
 # Triton's cache (compiled kernels and, with fla's cache_results, its autotuning results) is
@@ -27,9 +31,9 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | qps | sp2 | profile) ;;
+    gpu-tests | families | bench | qps | sp2 | profile | train) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, sp2, profile)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, sp2, profile, train)" >&2
         exit 2 ;;
     esac
 done
@@ -84,5 +88,14 @@ for stage in "$@"; do
     profile)
         python3 benchmarks/profile_forward.py --segments 32 --top 25 --sync-check > "$OUT/profile.json" 2> "$OUT/profile.log"
         echo "profile rc=$?" ;;
+    train)
+        init=()
+        if [ -f .qa-ckpt/model.safetensors ]; then
+            init=(--init-from .qa-ckpt --warmup 20)
+        fi
+        # shellcheck disable=SC2086  # TRAIN_ARGS is a list of flags
+        python3 benchmarks/train_qa_model.py --fla --out /tmp/qa --export "$OUT/model" --time-budget "${TRAIN_SECONDS:-500}" \
+            --workers 12 --save-every 120 "${init[@]}" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
+        echo "train rc=$? (init: ${init[*]:-none})"; grep -E '"val_acc_1hop"' "$OUT/train.log" | tail -3 ;;
     esac
 done

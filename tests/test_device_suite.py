@@ -49,3 +49,13 @@ def test_triton_cache_restored_and_saved(tmp_path):
     assert (cache / "ab" / "kernel.cubin").read_bytes() == b"\x00compiled"
     with tarfile.open(tmp_path / "out" / "triton_cache.tgz") as tf:
         assert "./ab/kernel.cubin" in tf.getnames()
+
+
+def test_train_stage_continues_from_a_carried_checkpoint(tmp_path):
+    """The train stage passes --init-from .qa-ckpt when a carried checkpoint is there, else none."""
+    r = _run("abc123", "train", tmp_path=tmp_path)  # no benchmarks/ here: the script fails at once
+    assert "train rc=" in r.stdout and "(init: none)" in r.stdout, r.stdout + r.stderr
+    (tmp_path / ".qa-ckpt").mkdir()
+    (tmp_path / ".qa-ckpt" / "model.safetensors").write_bytes(b"")
+    r = _run("abc123", "train", tmp_path=tmp_path)
+    assert "(init: --init-from .qa-ckpt --warmup 20)" in r.stdout, r.stdout + r.stderr
