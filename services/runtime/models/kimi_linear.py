@@ -315,7 +315,7 @@ class MLAttention(nn.Module):
         k_lat = torch.cat([C, K_r], dim=-1)  # [1, 1, N, r + dr]
         N = C.shape[2]
         mask = None
-        first = next(p.start for p in layout if isinstance(p, LiveRun))  # live_pos[0], host-side
+        first = next((p.start for p in layout if isinstance(p, LiveRun)), None)  # live_pos[0], host-side
         if not (n == 1 and first == N - 1):
             mask = torch.arange(N, device=x.device)[None, :] <= live_pos[:, None]  # [n, N]
         o_lat = backends.sdpa(q_lat, k_lat, C, attn_mask=mask, scale=self.scale, enable_gqa=True)  # [1, H, n, r]
