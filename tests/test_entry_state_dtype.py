@@ -86,3 +86,18 @@ def test_flag_reaches_the_engine_config():
     assert "--entry-state-dtype" in cache_flag_args(args)
     with pytest.raises(SystemExit):
         ap.parse_args(["--entry-state-dtype", "int8"])
+
+
+def test_bf16_state_entries_answer_the_same_from_the_host_tier(qwen35_dir):
+    """bf16 T and S survive the host tier's packing and staging: the same logits as from the device."""
+    cfg = dict(mode="pic", entry_state_dtype="bfloat16")
+    plain = Engine.from_dir(qwen35_dir, config=EngineConfig(**cfg))
+    tiered = Engine.from_dir(qwen35_dir, config=EngineConfig(host_cache_bytes=1 << 30, **cfg))
+    req = rag_request(7, n_docs=3)
+    for e in (plain, tiered):
+        e.generate(req)
+    tiered.entries.demote_all()
+    assert len(tiered.entries.host) == 3
+    pre = [e.prefill(e.parse_request(dict(req, segments=req["segments"][::-1]))) for e in (plain, tiered)]
+    assert [s.source for s in pre[1].stats.segments] == ["host"] * 3
+    assert torch.equal(pre[0].logits, pre[1].logits)
