@@ -43,13 +43,13 @@ def _worker(rank, world, port, model_dir, out):
         dist.destroy_process_group()
 
 
-def _run_two_ranks(target, model_dir):
-    """Run target(rank, 2, port, model_dir, queue) in two spawned gloo processes; rank 0's result."""
+def _run_two_ranks(target, model_dir, *extra):
+    """Run target(rank, 2, port, model_dir, queue, *extra) in two spawned gloo processes; rank 0's result."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [ctx.Process(target=target, args=(r, 2, port, str(model_dir), out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, 2, port, str(model_dir), out, *extra)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -83,9 +83,10 @@ def test_lpt_beats_round_robin_on_skewed_lengths():
     assert makespan(lpt) <= sum(lengths) / 2 * 4 / 3 + max(lengths) / 3  # Graham's LPT bound
 
 
-def _stream_worker(rank, world, port, model_dir, out):
+def _stream_worker(rank, world, port, model_dir, out, state_dtype="float32"):
     """Several entry batches per worker (small entry_batch_tokens) and a combine share for rank 0:
-    the layer-by-layer stream must still pair every send with its receive."""
+    the layer-by-layer stream must still pair every send with its receive (T and S on the wire in
+    the engine's entry state dtype)."""
     import torch
     import torch.distributed as dist
     from hybridcache.services.parallel.segment_parallel import run_cold_request
@@ -94,7 +95,7 @@ def _stream_worker(rank, world, port, model_dir, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        cfg = EngineConfig(mode="pic", seam_window=4, entry_batch_tokens=200)
+        cfg = EngineConfig(mode="pic", seam_window=4, entry_batch_tokens=200, entry_state_dtype=state_dtype)
         eng = Engine.from_dir(model_dir, config=cfg)
         lens = (90, 40, 120, 60, 75, 33, 101, 50, 64)
         segs = [[(5 * i + 3 * j) % 250 for j in range(n)] for i, n in enumerate(lens)]
@@ -116,7 +117,8 @@ def _stream_worker(rank, world, port, model_dir, out):
         dist.destroy_process_group()
 
 
-def test_streamed_batches_and_combine_share_keep_the_answer(qwen35_dir):
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_streamed_batches_and_combine_share_keep_the_answer(qwen35_dir, state_dtype):
     from hybridcache.services.runtime.engine import entry_batches
 
     lens = [90, 40, 120, 60, 75, 33, 101, 50, 64]
@@ -124,7 +126,9 @@ def test_streamed_batches_and_combine_share_keep_the_answer(qwen35_dir):
     assert len(batches) > 2 and sorted(i for b in batches for i in b) == list(range(len(lens)))
     assert all(len(b) * max(lens[i] for i in b) <= 200 or len(b) == 1 for b in batches)
 
-    tok, owner, ref, (scatter, sent, sent_bytes, want_bytes, ttft) = _run_two_ranks(_stream_worker, qwen35_dir)
+    tok, owner, ref, (scatter, sent, sent_bytes, want_bytes, ttft) = _run_two_ranks(
+        _stream_worker, qwen35_dir, state_dtype
+    )
     assert tok == ref
     # the split: both ranks' build times, rank 1's sends done after its builds, every byte counted.
     # (Rank 1's send-done time is not compared with rank 0's first token: the two clocks start at
