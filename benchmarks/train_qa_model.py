@@ -494,6 +494,7 @@ def main(argv=None) -> int:
         collate_fn=lambda b: collate(b, MODEL_CONFIG["pad_token_id"]),
         prefetch_factor=4 if args.workers else None,
         persistent_workers=bool(args.workers),
+        pin_memory=device.type == "cuda",  # so the copies below do not block the host
     )
     start = time.time()
     last_save = start
@@ -555,7 +556,10 @@ def main(argv=None) -> int:
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
-        ids, valid, ans = ids.to(device, non_blocking=True), valid.to(device), ans.to(device)
+        # counted on the host: reading a device tensor each step would make the host wait for the
+        # GPU, and launching the next step could no longer overlap this one
+        n_valid = int(valid.sum())
+        ids, valid, ans = (t.to(device, non_blocking=True) for t in (ids, valid, ans))
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(input_ids=ids).logits
         loss, lm_t, qa_t = loss_fn(logits, ids, valid, ans, args.answer_weight)
@@ -564,7 +568,7 @@ def main(argv=None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        tokens += int(valid.sum())
+        tokens += n_valid
         if step % 25 == 0 or step == 1:
             lm, qa = round(lm_t.item(), 4), round(qa_t.item(), 4)
             print(
