@@ -41,15 +41,25 @@ def client(cluster):
 
 def test_entries_live_on_their_consistent_hash_owner(cluster, engine):
     # First in this file: the tiers are still empty, so nothing is evicted before the check.
-    docs = [f"Placement document {i}: " + "one two three four five six " * 3 for i in range(6)]
+    tiers = [t.grpc for t in cluster.role("cache-tier")]
+    ring = HashRing(tiers)
+
+    def key(d):
+        return engine.entry_key(engine.tokenizer.encode(d))
+
+    # Six documents, three owned by each member. The ring hashes the members' addresses, whose
+    # ports differ from run to run, so a fixed six could all land on one member (CI saw it once).
+    candidates = [f"Placement document {i}: " + "one two three four five six " * 3 for i in range(64)]
+    docs = []
+    for t in tiers:
+        docs += [d for d in candidates if ring.owner(key(d)) == t][:3]
+    assert len(docs) == 6
     status, _ = http("POST", f"{cluster.url}/generate", {"segments": docs, "text": "q?",
                                                         "sampling_params": {"max_new_tokens": 1}})
     assert status == 200
-    tiers = [t.grpc for t in cluster.role("cache-tier")]
-    ring = HashRing(tiers)
-    keys = [engine.entry_key(engine.tokenizer.encode(d)) for d in docs]
+    keys = [key(d) for d in docs]
     owners = {k: ring.owner(k) for k in keys}
-    assert len(set(owners.values())) == 2  # six keys land on both members
+    assert len(set(owners.values())) == 2  # the six keys land on both members
     deadline = time.monotonic() + 10
     while True:
         present = {t: list(rpc.CacheTierStub(grpc.insecure_channel(t)).Stat(pb.StatRequest(keys=keys), timeout=10)
