@@ -222,6 +222,18 @@ def fused_rms_norm_gated(x, gate, weight, eps: float):
     return rms_norm_gated(x, gate, weight, eps)
 
 
+def gdn_gates(a, b, A_log, dt_bias):
+    """g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), fp32 [..., H]: one launch on
+    CUDA (kernels/ops/gated_delta_rule/gates.py) instead of about ten eager ops."""
+    if use_fast_kernels(a):
+        from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates as fused
+
+        return fused(a, b, A_log, dt_bias)
+    from hybridcache.kernels.ops.gated_delta_rule.naive import gdn_gates_reference
+
+    return gdn_gates_reference(a, b, A_log, dt_bias)
+
+
 def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor on `device` without stalling the host: on CUDA through pinned memory with a
     non-blocking copy (a copy from pageable memory waits, and in a launch-bound forward the host

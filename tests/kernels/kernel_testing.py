@@ -20,10 +20,21 @@ else:
 
 from hybridcache.kernels.ops.activation.triton import silu_mul  # noqa: E402
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd  # noqa: E402
+from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
 from hybridcache.kernels.ops.norm.triton import L2, RMS, row_norm  # noqa: E402
 from hybridcache.kernels.ops.transition.compose_triton import compose_states_fwd  # noqa: E402
 
-__all__ = ["L2", "RMS", "causal_conv1d_fwd", "compose_states_fwd", "device", "rel_rms", "row_norm", "silu_mul"]
+__all__ = [
+    "L2",
+    "RMS",
+    "causal_conv1d_fwd",
+    "compose_states_fwd",
+    "device",
+    "gdn_gates",
+    "rel_rms",
+    "row_norm",
+    "silu_mul",
+]
 
 
 def rel_rms(a, b):

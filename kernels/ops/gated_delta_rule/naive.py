@@ -102,3 +102,12 @@ def naive_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> to
     zeros_v = torch.zeros(B, T, H, K, dtype=torch.float32, device=k.device)
     _, S = naive_recurrent_gated_delta_rule(k, k, zeros_v, g, beta, initial_state=eye)
     return S
+
+
+def gdn_gates_reference(a, b, A_log, dt_bias):
+    """The per-token gates from the projections a, b [..., H] (Qwen3-Next, Qwen3.5, OLMo-Hybrid):
+    g = -exp(A_log) softplus(a + dt_bias) (log decay) and beta = sigmoid(b), both fp32 [..., H].
+    gates.py computes them in one Triton launch."""
+    beta = b.float().sigmoid()
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    return g, beta

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.common import (
@@ -167,8 +166,8 @@ class OlmoGatedDeltaNet(nn.Module):
             q = q.repeat_interleave(self.hv // self.hk, dim=2)
             k = k.repeat_interleave(self.hv // self.hk, dim=2)
         q, k = backends.l2norm_fp32(q), backends.l2norm_fp32(k)
-        beta = b.float().sigmoid() * self.beta_scale
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g, beta = backends.gdn_gates(a, b, self.A_log, self.dt_bias)
+        beta = beta * self.beta_scale
         res = gated_delta_rule(q, k, v.reshape(1, n, self.hv, self.dv), g, beta, state.ssm, output_transition)
         return res[0], res[1], (res[2] if output_transition else None), tail
 

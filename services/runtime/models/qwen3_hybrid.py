@@ -283,8 +283,7 @@ class GatedDeltaNet(nn.Module):
             q = q.repeat_interleave(self.hv // self.hk, dim=2)
             k = k.repeat_interleave(self.hv // self.hk, dim=2)
         q, k = backends.l2norm_fp32(q), backends.l2norm_fp32(k)
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g, beta = backends.gdn_gates(a, b, self.A_log, self.dt_bias)
         return q, k, v, g, beta
 
     def batched_scan(self, mixed, b, a, layout, state, rec, layer_idx, lo, hi, off):
