@@ -202,6 +202,18 @@ def l2norm_fp32(x, eps: float = 1e-6):
     return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
 
 
+def l2norm_qk(x, dtype, eps: float = 1e-6):
+    """q or k of the gated delta rule, L2-normalized in fp32. On CUDA with fla the result is stored
+    straight in `dtype` (v's), which fla's kernels are given anyway: the same single rounding,
+    without writing an fp32 copy and casting it (two launches a layer, and at a 32k-token prefill
+    of the 9B shape about 2 GB of traffic a layer). Elsewhere fp32, as l2norm_fp32."""
+    if use_fast_kernels(x) and fla_available():
+        from hybridcache.kernels.ops.norm.triton import L2, row_norm
+
+        return row_norm(x, None, None, eps, L2, dtype)
+    return l2norm_fp32(x, eps)
+
+
 def fused_rms_norm(x, weight, eps: float):
     """CUDA: x * rsqrt(mean(x^2) + eps) * weight in one launch (kernels/ops/norm, fp32 inside, x's
     dtype out) instead of about eight eager ops; None elsewhere, and the caller runs its own eager

@@ -165,7 +165,7 @@ class OlmoGatedDeltaNet(nn.Module):
         if self.hv != self.hk:
             q = q.repeat_interleave(self.hv // self.hk, dim=2)
             k = k.repeat_interleave(self.hv // self.hk, dim=2)
-        q, k = backends.l2norm_fp32(q), backends.l2norm_fp32(k)
+        q, k = backends.l2norm_qk(q, v.dtype), backends.l2norm_qk(k, v.dtype)
         g, beta = backends.gdn_gates(a, b, self.A_log, self.dt_bias)
         beta = beta * self.beta_scale
         res = gated_delta_rule(q, k, v.reshape(1, n, self.hv, self.dv), g, beta, state.ssm, output_transition)

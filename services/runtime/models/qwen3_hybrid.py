@@ -272,8 +272,8 @@ class GatedDeltaNet(nn.Module):
         return mixed.new_zeros(1, 0, self.hv, self.dv) if o is None else o
 
     def qkv_gates(self, conv_out, b, a):
-        """conv outputs [B, n, conv_dim], b, a [B, n, Hv] -> q, k [B, n, Hv, dk] (fp32, L2-normed),
-        v [B, n, Hv, dv], g, beta [B, n, Hv] fp32."""
+        """conv outputs [B, n, conv_dim], b, a [B, n, Hv] -> q, k [B, n, Hv, dk] (L2-normed; fp32, or
+        v's dtype on CUDA with fla, whose kernels take that), v [B, n, Hv, dv], g, beta [B, n, Hv] fp32."""
         B, n = conv_out.shape[:2]
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, n, self.hk, self.dk)
@@ -282,7 +282,7 @@ class GatedDeltaNet(nn.Module):
         if self.hv != self.hk:
             q = q.repeat_interleave(self.hv // self.hk, dim=2)
             k = k.repeat_interleave(self.hv // self.hk, dim=2)
-        q, k = backends.l2norm_fp32(q), backends.l2norm_fp32(k)
+        q, k = backends.l2norm_qk(q, v.dtype), backends.l2norm_qk(k, v.dtype)
         g, beta = backends.gdn_gates(a, b, self.A_log, self.dt_bias)
         return q, k, v, g, beta
 
