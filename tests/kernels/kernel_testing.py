@@ -21,7 +21,7 @@ else:
 from hybridcache.kernels.ops.activation.triton import silu_mul  # noqa: E402
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd  # noqa: E402
 from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
-from hybridcache.kernels.ops.norm.triton import L2, RMS, row_norm  # noqa: E402
+from hybridcache.kernels.ops.norm.triton import L2, RMS, l2norm_heads, row_norm  # noqa: E402
 from hybridcache.kernels.ops.transition.compose_triton import compose_states_fwd  # noqa: E402
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "compose_states_fwd",
     "device",
     "gdn_gates",
+    "l2norm_heads",
     "rel_rms",
     "row_norm",
     "silu_mul",

@@ -5,7 +5,7 @@ interpreter and fp32/bf16 on a GPU."""
 import pytest
 import torch
 from hybridcache.kernels.ops.norm import naive
-from kernel_testing import L2, RMS, device, rel_rms, row_norm
+from kernel_testing import L2, RMS, device, l2norm_heads, rel_rms, row_norm
 
 
 @pytest.mark.parametrize("shape", [(1, 7), (5, 33), (2, 19, 96), (300, 16)])
@@ -42,6 +42,26 @@ def test_l2norm_strided_input_fp32_out():
     assert torch.allclose(got.norm(dim=-1), torch.ones(2, 11, 3, device=got.device), atol=1e-5)
 
 
+@pytest.mark.parametrize("rep", [1, 2, 3])
+def test_l2norm_heads_repeats_and_normalizes_strided_heads(rep):
+    """q as the first columns of a conv output [B, n, conv_dim] viewed [B, n, Hk, D]: every head
+    L2-normalized and written rep times in a row, equal to repeat_interleave then the reference."""
+    g = torch.Generator().manual_seed(4)
+    B, n, Hk, D = 2, 7, 3, 20
+    conv_out = torch.randn(B, n, 2 * Hk * D + 11, generator=g).to(device())
+    q = conv_out[..., : Hk * D].reshape(B, n, Hk, D)
+    assert not q.is_contiguous()
+    got = l2norm_heads(q, rep, 1e-6, torch.float32)
+    ref = naive.l2norm(q.repeat_interleave(rep, dim=2))
+    assert got.shape == (B, n, Hk * rep, D) and got.is_contiguous()
+    assert rel_rms(got, ref) < 1e-6
+    # the wrong grouping (heads tiled instead of repeated in place) is far off
+    if rep > 1:
+        assert rel_rms(got, naive.l2norm(q.repeat(1, 1, rep, 1))) > 0.1
+    with pytest.raises(ValueError, match="repeat"):
+        l2norm_heads(q, 0)
+
+
 def test_row_norm_rejects_mismatched_inputs():
     x = torch.randn(4, 8, device=device())
     with pytest.raises(ValueError, match="weight"):
@@ -70,3 +90,14 @@ def test_row_norm_bf16_gpu(rows):
         ):
             assert got.dtype == ref.dtype
             assert rel_rms(got, ref) < 4e-3, (rows, dim)
+
+
+@pytest.mark.gpu
+def test_l2norm_heads_bf16_gpu():
+    torch.manual_seed(5)
+    for n, Hk, rep, D in ((1, 16, 2, 128), (4099, 16, 2, 128), (33, 4, 1, 64)):
+        conv_out = torch.randn(1, n, 2 * Hk * D + 4096, device="cuda", dtype=torch.bfloat16)
+        k = conv_out[..., Hk * D : 2 * Hk * D].reshape(1, n, Hk, D)
+        got = l2norm_heads(k, rep, 1e-6, torch.bfloat16)
+        ref = naive.l2norm(k.repeat_interleave(rep, dim=2)).to(torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and rel_rms(got, ref) < 1e-2

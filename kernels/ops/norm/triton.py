@@ -124,3 +124,48 @@ def rms_norm_gated(x, gate, weight, eps: float):
 
 def l2norm(x, eps: float = 1e-6):
     return row_norm(x, None, None, eps, L2, torch.float32)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def l2norm_heads_kernel(
+    x, y, n_rows, stride_t, stride_h, eps, HV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
+    BD: tl.constexpr, BR: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # output rows: token * HV + head
+    cols = tl.arange(0, BD)
+    m_r, m_c = rows < n_rows, cols < D
+    mask = m_r[:, None] & m_c[None, :]
+    src = (rows // HV) * stride_t + ((rows % HV) // REP) * stride_h
+    b_x = tl.load(x + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + eps)
+    tl.store(y + rows[:, None] * D + cols[None, :], (b_x * r[:, None]).to(y.dtype.element_ty), mask=mask)
+
+
+def l2norm_heads(x: torch.Tensor, repeat: int = 1, eps: float = 1e-6, out_dtype: torch.dtype | None = None):
+    """L2 norm of every head of x [..., H, D] (fp32 inside), each head written `repeat` times in a
+    row: x.repeat_interleave(repeat, dim=-2) normalized, in one launch and without the repeated
+    copy (grouped value heads of the delta rules share a key head). x may be a strided view (q or k
+    columns of the conv output) as long as its leading dims flatten to one stride and D is
+    unit-stride. Output [..., H * repeat, D] contiguous, in out_dtype (default x's)."""
+    *lead, H, D = x.shape
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    if D > 16384:
+        raise ValueError(f"feature dim {D} is above the kernel's 16384")
+    try:
+        x3 = x.view(-1, H, D)
+    except RuntimeError:
+        x3 = x.contiguous().view(-1, H, D)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    y = torch.empty(*lead, H * repeat, D, dtype=out_dtype or x.dtype, device=x.device)
+    n = y.numel() // D
+    if n == 0:
+        return y
+    BD = triton.next_power_of_2(D)
+    BR = max(1, min(16, 2048 // BD))
+    l2norm_heads_kernel[(triton.cdiv(n, BR),)](
+        x3, y, n, x3.stride(0), x3.stride(1), float(eps),
+        HV=H * repeat, REP=repeat, D=D, BD=BD, BR=BR, num_warps=4 if BD * BR <= 4096 else 8,
+    )
+    return y

@@ -162,10 +162,8 @@ class OlmoGatedDeltaNet(nn.Module):
         conv_out, tail = backends.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, "silu")
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(1, n, self.hk, self.dk), k.reshape(1, n, self.hk, self.dk)
-        if self.hv != self.hk:
-            q = q.repeat_interleave(self.hv // self.hk, dim=2)
-            k = k.repeat_interleave(self.hv // self.hk, dim=2)
-        q, k = backends.l2norm_qk(q, v.dtype), backends.l2norm_qk(k, v.dtype)
+        rep = self.hv // self.hk  # grouped value heads share a key head
+        q, k = backends.l2norm_qk(q, v.dtype, rep), backends.l2norm_qk(k, v.dtype, rep)
         g, beta = backends.gdn_gates(a, b, self.A_log, self.dt_bias)
         beta = beta * self.beta_scale
         res = gated_delta_rule(q, k, v.reshape(1, n, self.hv, self.dv), g, beta, state.ssm, output_transition)

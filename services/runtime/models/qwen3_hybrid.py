@@ -279,10 +279,8 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(B, n, self.hk, self.dk)
         k = k.reshape(B, n, self.hk, self.dk)
         v = v.reshape(B, n, self.hv, self.dv)
-        if self.hv != self.hk:
-            q = q.repeat_interleave(self.hv // self.hk, dim=2)
-            k = k.repeat_interleave(self.hv // self.hk, dim=2)
-        q, k = backends.l2norm_qk(q, v.dtype), backends.l2norm_qk(k, v.dtype)
+        rep = self.hv // self.hk  # grouped value heads share a key head
+        q, k = backends.l2norm_qk(q, v.dtype, rep), backends.l2norm_qk(k, v.dtype, rep)
         g, beta = backends.gdn_gates(a, b, self.A_log, self.dt_bias)
         return q, k, v, g, beta
 
