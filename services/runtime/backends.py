@@ -250,6 +250,27 @@ def gdn_gates(a, b, A_log, dt_bias):
     return gdn_gates_reference(a, b, A_log, dt_bias)
 
 
+def rope_heads(x, cos, sin):
+    """CUDA: x [B, H, n, D] rotated by cos/sin [n, R] (fp32) in one launch (kernels/ops/rope), as a
+    contiguous [B, H, n, D]; None elsewhere, and the caller runs its eager form."""
+    if not use_fast_kernels(x):
+        return None
+    from hybridcache.kernels.ops.rope.triton import rope_heads as fused
+
+    return fused(x, cos, sin)
+
+
+def norm_rope(x, scale, eps: float, cos, sin):
+    """CUDA: the heads x [B, n, H, D] (token-major views of a projection) RMS-normalized with a
+    per-channel scale, then rotated, in one launch (kernels/ops/rope): [B, H, n, D] contiguous.
+    None elsewhere."""
+    if not use_fast_kernels(x):
+        return None
+    from hybridcache.kernels.ops.rope.triton import norm_rope_tokens
+
+    return norm_rope_tokens(x, scale, eps, cos, sin)
+
+
 def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor on `device` without stalling the host: on CUDA through pinned memory with a
     non-blocking copy (a copy from pageable memory waits, and in a launch-bound forward the host

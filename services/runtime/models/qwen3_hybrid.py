@@ -458,6 +458,8 @@ class GatedAttention(nn.Module):
 
     def rotate(self, x, positions):
         """x [1, H, N, d] rotated by per-position angles positions [N]."""
+        if backends.use_fast_kernels(x):
+            return backends.rope_heads(x, *self.rope(positions, torch.float32))
         cos, sin = self.rope(positions, x.dtype)
         return apply_rope(x, cos, sin)
 
@@ -472,9 +474,16 @@ class GatedAttention(nn.Module):
         qg, k, v = merged_linear(x, getattr(self, "_qkv", None), (self.q_proj, self.k_proj, self.v_proj))
         q, gate = torch.chunk(qg.reshape(B, n, self.hq, 2 * self.d), 2, dim=-1)
         gate = gate.reshape(B, n, -1)
-        q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(k.reshape(B, n, self.hkv, self.d)).transpose(1, 2)
         v = v.reshape(B, n, self.hkv, self.d).transpose(1, 2)
+        k = k.reshape(B, n, self.hkv, self.d)
+        if backends.use_fast_kernels(x):
+            # head norm and rotation in one launch each for q and k (kernels/ops/rope)
+            cos, sin = self.rope(positions, torch.float32)
+            q = backends.norm_rope(q, self.q_norm._scale(), self.q_norm.eps, cos, sin)
+            k = backends.norm_rope(k, self.k_norm._scale(), self.k_norm.eps, cos, sin)
+            return q, k, v, gate
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(k).transpose(1, 2)
         return self.rotate(q, positions), self.rotate(k, positions), v, gate
 
     def build_spans(self, x, lengths, seam, datas, layer_idx):

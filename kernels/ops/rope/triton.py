@@ -1,0 +1,90 @@
+"""Rotary embedding of attention heads in one Triton kernel, optionally fused with the heads'
+RMSNorm (q_norm / k_norm); reference: naive.py.
+
+Eager, one rotation is about six launches (slices, negation, two concatenations, two products
+and a sum) and the norm before it one more; a forward of the Qwen3.5-9B shape rotates queries,
+keys and the cached keys' shifts in each of its 8 attention layers, a decode step included. Here
+each is one launch.
+
+One program handles BR rows (one row = one head of one token) of D channels, fp32 inside. The
+input is addressed by strides (batch, token, head), so the projection's token-major [B, n, H, D]
+views and head-major [B, H, n, D] tensors are read in place; the output is head-major
+[B, H, n, D], contiguous, as attention reads it. cos/sin [n, R] hold the angles of each token;
+channels from R on pass through (partial rotary).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_tok"])
+def rope_kernel(
+    x, y, cos, sin, scale, n_rows, n_tok, s_b, s_t, s_h, eps,
+    H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # output rows: (b * H + h) * n_tok + t
+    cols = tl.arange(0, BD)
+    m_r, m_c = rows < n_rows, cols < D
+    mask = m_r[:, None] & m_c[None, :]
+    t = rows % n_tok
+    bh = rows // n_tok
+    src = (bh // H) * s_b + t * s_t + (bh % H) * s_h
+    b_x = tl.load(x + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    half: tl.constexpr = R // 2
+    # the rotate-half partner of each rotated channel, and its sign
+    partner = tl.where(cols < half, cols + half, cols - half)
+    m_rot = cols < R
+    b_p = tl.load(x + src[:, None] + partner[None, :], mask=mask & m_rot[None, :], other=0.0).to(tl.float32)
+    if HAS_NORM:
+        r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+        b_s = tl.load(scale + cols, mask=m_c, other=0.0).to(tl.float32)
+        b_sp = tl.load(scale + partner, mask=m_rot, other=0.0).to(tl.float32)
+        b_x = b_x * r[:, None] * b_s[None, :]
+        b_p = b_p * r[:, None] * b_sp[None, :]
+    m_cs = m_r[:, None] & m_rot[None, :]
+    b_cos = tl.load(cos + t[:, None] * R + cols[None, :], mask=m_cs, other=1.0).to(tl.float32)
+    b_sin = tl.load(sin + t[:, None] * R + cols[None, :], mask=m_cs, other=0.0).to(tl.float32)
+    sign = tl.where(cols < half, -1.0, 1.0)
+    b_y = b_x * b_cos + sign[None, :] * b_p * b_sin
+    tl.store(y + rows[:, None] * D + cols[None, :], b_y.to(y.dtype.element_ty), mask=mask)
+
+
+def _rope(x4: torch.Tensor, strides, B: int, n: int, H: int, cos, sin, scale, eps: float) -> torch.Tensor:
+    D = x4.shape[-1]
+    R = cos.shape[-1]
+    if x4.stride(-1) != 1:
+        raise ValueError("the head dim must be unit-stride")
+    if R % 2 or R > D or cos.shape != (n, R) or sin.shape != (n, R):
+        raise ValueError(f"cos/sin must be [{n}, R] with an even R <= {D}, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    y = torch.empty(B, H, n, D, dtype=x4.dtype, device=x4.device)
+    rows = B * H * n
+    if rows == 0:
+        return y
+    BD = triton.next_power_of_2(D)
+    BR = max(1, min(16, 2048 // BD))
+    s_b, s_t, s_h = strides
+    rope_kernel[(triton.cdiv(rows, BR),)](
+        x4, y, cos.float().contiguous(), sin.float().contiguous(), scale if scale is not None else cos,
+        rows, n, s_b, s_t, s_h, float(eps),
+        H=H, D=D, R=R, BD=BD, BR=BR, HAS_NORM=scale is not None, num_warps=4,
+    )
+    return y
+
+
+def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, n, D] (any strides, D unit-stride) rotated -> [B, H, n, D] contiguous."""
+    B, H, n, _ = x.shape
+    return _rope(x, (x.stride(0), x.stride(2), x.stride(1)), B, n, H, cos, sin, None, 0.0)
+
+
+def norm_rope_tokens(x: torch.Tensor, scale: torch.Tensor, eps: float, cos, sin) -> torch.Tensor:
+    """x [B, n, H, D] (token-major, any strides, D unit-stride): RMSNorm * scale [D] (fp32), then
+    rotated -> [B, H, n, D] contiguous."""
+    B, n, H, D = x.shape
+    if scale.shape != (D,):
+        raise ValueError(f"scale {tuple(scale.shape)} does not match head dim {D}")
+    return _rope(x, (x.stride(0), x.stride(1), x.stride(2)), B, n, H, cos, sin, scale.float().contiguous(), eps)

@@ -1,0 +1,72 @@
+"""The rotary-embedding kernel (kernels/ops/rope/triton.py) against its reference (naive.py): full
+and partial rotary widths, odd token, head and channel counts, token-major strided views of a
+projection's output (with the head RMSNorm) and head-major tensors; fp32 under Triton's
+interpreter on CPU, bf16 on a GPU."""
+
+import pytest
+import torch
+from hybridcache.kernels.ops.rope import naive
+from kernel_testing import device, norm_rope_tokens, rel_rms, rope_heads
+
+
+def angles(n, R, gen, start=0):
+    pos = torch.arange(start, start + n, dtype=torch.float)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, R, 2, dtype=torch.float) / R))
+    f = pos[:, None] * inv[None, :]
+    emb = torch.cat((f, f), dim=-1)
+    return emb.cos().to(device()), emb.sin().to(device())
+
+
+@pytest.mark.parametrize("B,n,H,D,R", [(1, 1, 1, 8, 8), (2, 7, 3, 20, 8), (1, 13, 5, 32, 32), (1, 4, 2, 64, 16)])
+def test_rope_heads_matches_reference(B, n, H, D, R):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(B, H + 1, n, D, generator=gen).to(device())
+    x = base[:, 1:]  # a strided head-major view
+    cos, sin = angles(n, R, gen, start=37)
+    got = rope_heads(x, cos, sin)
+    ref = naive.rope(x, cos, sin)
+    assert got.shape == (B, H, n, D) and got.is_contiguous()
+    assert rel_rms(got, ref) < 1e-6
+    if R < D:  # channels past R pass through untouched
+        assert torch.equal(got[..., R:], x[..., R:])
+    # a wrong sign in rotate_half is far off
+    assert rel_rms(naive.rope(x, cos, -sin), ref) > 0.05
+
+
+@pytest.mark.parametrize("B,n,H,D,R", [(1, 1, 2, 16, 16), (2, 9, 3, 24, 8), (1, 33, 4, 32, 16)])
+def test_norm_rope_tokens_reads_projection_views(B, n, H, D, R):
+    """q as [B, n, H, D] chunks of a [B, n, H, 2D] projection (q | gate per head), as the model has it."""
+    gen = torch.Generator().manual_seed(1)
+    qg = (torch.randn(B, n, H, 2 * D, generator=gen) * 3).to(device())
+    q = qg[..., :D]
+    assert not q.is_contiguous()
+    scale = (1 + 0.2 * torch.randn(D, generator=gen)).to(device())
+    cos, sin = angles(n, R, gen)
+    got = norm_rope_tokens(q, scale, 1e-6, cos, sin)
+    ref = naive.norm_rope(q, scale, 1e-6, cos, sin)
+    assert got.shape == (B, H, n, D) and rel_rms(got, ref) < 1e-6
+
+
+def test_rope_rejects_bad_angles():
+    x = torch.zeros(1, 2, 3, 8, device=device())
+    with pytest.raises(ValueError, match="cos/sin"):
+        rope_heads(x, torch.zeros(3, 7, device=device()), torch.zeros(3, 7, device=device()))
+    with pytest.raises(ValueError, match="cos/sin"):
+        rope_heads(x, torch.zeros(2, 8, device=device()), torch.zeros(2, 8, device=device()))
+    with pytest.raises(ValueError, match="scale"):
+        norm_rope_tokens(torch.zeros(1, 3, 2, 8, device=device()), torch.ones(7, device=device()), 1e-6,
+                         torch.zeros(3, 8, device=device()), torch.zeros(3, 8, device=device()))
+
+
+@pytest.mark.gpu
+def test_norm_rope_bf16_gpu():
+    torch.manual_seed(2)
+    for n, H, D, R in ((1, 16, 256, 64), (4099, 16, 256, 64), (77, 4, 128, 128)):
+        qg = torch.randn(1, n, H, 2 * D, device="cuda", dtype=torch.bfloat16)
+        q = qg[..., :D]
+        scale = 1 + 0.1 * torch.randn(D, device="cuda")
+        cos, sin = (t.cuda() for t in angles(n, R, None))
+        got = norm_rope_tokens(q, scale, 1e-6, cos, sin)
+        assert got.dtype == torch.bfloat16 and rel_rms(got, naive.norm_rope(q, scale, 1e-6, cos, sin)) < 1e-2
+        k = got.float().bfloat16()
+        assert rel_rms(rope_heads(k, cos, sin), naive.rope(k, cos, sin)) < 1e-2
