@@ -204,15 +204,15 @@ def l2norm_fp32(x, eps: float = 1e-6):
 
 def l2norm_qk(x, dtype, repeat: int = 1, eps: float = 1e-6):
     """q or k [..., H, D] of the gated delta rule, each head repeated `repeat` times (grouped value
-    heads) and L2-normalized in fp32. On CUDA with fla: one launch (kernels/ops/norm l2norm_heads),
-    no repeated copy, and the result stored straight in `dtype` (v's), which fla's kernels are
+    heads) and L2-normalized in fp32. On CUDA: one launch (kernels/ops/norm l2norm_heads) and no
+    repeated copy; with fla the result is stored straight in `dtype` (v's), which fla's kernels are
     given anyway: the same single rounding without an fp32 copy and a cast (four launches a layer
     fewer, and at a 32k-token prefill of the 9B shape ~3 GB less traffic a layer). Elsewhere
     repeat_interleave and fp32, as before."""
-    if use_fast_kernels(x) and fla_available():
+    if use_fast_kernels(x):
         from hybridcache.kernels.ops.norm.triton import l2norm_heads
 
-        return l2norm_heads(x, repeat, eps, dtype)
+        return l2norm_heads(x, repeat, eps, dtype if fla_available() else torch.float32)
     if repeat > 1:
         x = x.repeat_interleave(repeat, dim=-2)
     return l2norm_fp32(x, eps)

@@ -27,6 +27,30 @@ def test_pic_assembly_with_fast_kernels_equals_reference(qwen35_dir, monkeypatch
     monkeypatch.setattr(
         compose_triton, "compose_states_fwd", lambda *a, **k: calls.append(k.get("output_all")) or real(*a, **k)
     )
+    # the other fused kernels of the CUDA path, counted as they run
+    from hybridcache.kernels.ops.activation import triton as act
+    from hybridcache.kernels.ops.gated_delta_rule import gates
+    from hybridcache.kernels.ops.norm import triton as norm
+    from hybridcache.kernels.ops.rope import triton as rope
+
+    used = set()
+
+    def counted(fn, name):
+        def run(*a, **k):
+            used.add(name)
+            return fn(*a, **k)
+
+        return run
+
+    fused = (
+        (gates, "gdn_gates"),
+        (norm, "l2norm_heads"),
+        (rope, "norm_rope_tokens"),
+        (rope, "rope_heads"),
+        (act, "silu_mul"),
+    )
+    for mod, name in fused:
+        monkeypatch.setattr(mod, name, counted(getattr(mod, name), name))
     results = []
     for fast in (False, True):
         monkeypatch.setattr(backends, "use_fast_kernels", lambda t, fast=fast: fast)
@@ -35,6 +59,7 @@ def test_pic_assembly_with_fast_kernels_equals_reference(qwen35_dir, monkeypatch
         results.append(eng.prefill(eng.parse_request(req)))
     ref, fast = results
     assert calls and all(calls)  # the fold really ran in the Triton kernel, with every state out
+    assert used == {name for _, name in fused}
     assert all(s.hit for s in fast.stats.segments)
     assert rel_rms(fast.logits, ref.logits) < 1e-5
     for i in ref.state.linear:
