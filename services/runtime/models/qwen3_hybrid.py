@@ -43,7 +43,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x):
-        if x.is_cuda:
+        if backends.use_fast_kernels(x):
             fused = backends.fused_rms_norm(x, self._scale(), self.eps)
             if fused is not None:
                 return fused
@@ -74,7 +74,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, gate):
-        if x.is_cuda:
+        if backends.use_fast_kernels(x):
             fused = backends.fused_rms_norm_gated(x, gate, self.weight, self.eps)
             if fused is not None:
                 return fused
@@ -375,7 +375,7 @@ class GatedDeltaNet(nn.Module):
             (layout[i].data.linear[layer_idx].T.dtype for i in range(lo, hi) if isinstance(layout[i], CachedSpan)),
             T_runs.dtype,
         )
-        if T_runs.is_cuda and span_dt != T_runs.dtype:
+        if backends.use_fast_kernels(T_runs) and span_dt != T_runs.dtype:
             T_runs, S0_runs = T_runs.to(span_dt), S0_runs.to(span_dt)
         Ts, Ss, use_t, pair_of = [], [], [], {}
         j = 0
