@@ -314,25 +314,24 @@ class GatedDeltaNet(nn.Module):
             prev = len(runs) - 1  # the tail after that run
             off += n
         m, L = len(runs), max(n for _, _, n in runs)
-        total = mixed.shape[1]
         # Gather indices depend on the layout only: built once per forward, shared by all layers.
         key = ("batched_scan", lo)
         if rec is not None and key in rec.scratch:
-            index, mask, flat, tail_index = rec.scratch[key]
+            flat, pad, tail_index = rec.scratch[key]
         else:
-            rows, flat = [], []
-            for j, (_, o0, n) in enumerate(runs):
-                rows += list(range(o0, o0 + n)) + [total] * (L - n)
+            flat, pad = [], []
+            for j, (_, _, n) in enumerate(runs):
                 flat += range(j * L, j * L + n)
-            index = backends.to_device_async(torch.tensor(rows), dev).view(m, L)
-            mask = index < total  # [m, L]
-            # real positions of the padded batch, in run order
+                pad += [False] * n + [True] * (L - n)
+            # real positions of the padded batch, in run order; the padding steps
             flat = backends.to_device_async(torch.tensor(flat, dtype=torch.long), dev)
+            pad = backends.to_device_async(torch.tensor(pad), dev).view(m, L, 1)
             # the last W - 1 inputs of every run at least that long (its conv tail)
             tails = [list(range(o0 + n - W1, o0 + n)) for _, o0, n in runs if n >= W1]
             tail_index = backends.to_device_async(torch.tensor(tails), dev).view(len(tails), W1) if tails else None
             if rec is not None:
-                rec.scratch[key] = (index, mask, flat, tail_index)
+                rec.scratch[key] = (flat, pad, tail_index)
+        first, count = runs[0][1], sum(n for _, _, n in runs)  # the region's live rows, in run order
         long_pos = {j: i for i, j in enumerate(j for j, (_, _, n) in enumerate(runs) if n >= W1)}
         tails_buf = []
 
@@ -353,15 +352,16 @@ class GatedDeltaNet(nn.Module):
             return torch.cat([source(j), mixed[:, o0 : o0 + n].transpose(1, 2)], dim=-1)[..., -W1:]
 
         def padded(t):  # [1, n_live, X] -> [m, L, X], zeros past each run
-            return torch.cat([t[0], t.new_zeros(1, t.shape[-1])])[index]
+            rows = t[0, first : first + count]
+            return t.new_zeros(m * L, t.shape[-1]).index_copy_(0, flat, rows).view(m, L, -1)
 
         conv_src = [source(j) for j in range(m)]
         conv_in = torch.cat(conv_src, dim=0)  # [m, D, W - 1]
         conv_out, _ = backends.causal_conv1d(padded(mixed), self.conv1d.weight.squeeze(1), None, conv_in, "silu")
+        # padding steps are identity steps: k = v = 0 (zero conv outputs normalize to zero; the
+        # outputs at those steps are dropped), g = beta = 0
+        conv_out = conv_out.masked_fill(pad, 0.0)
         q, k, v, g, beta = self.qkv_gates(conv_out, padded(b), padded(a))
-        pad = ~mask[..., None]
-        k = k.masked_fill(pad[..., None], 0.0)
-        v = v.masked_fill(pad[..., None], 0.0)
         g = g.masked_fill(pad, 0.0)
         beta = beta.masked_fill(pad, 0.0)
         # 1. zero-start pairs, with each run's outputs from zero and its query transition u
