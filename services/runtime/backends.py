@@ -383,7 +383,7 @@ def attention(q, k, v, live_pos: torch.Tensor, scale: float, first_pos: int | No
         # resume): the query heads of a KV head become extra query rows with the mask repeated for
         # them, so the cached keys are read once per KV head and never copied (repeating them cost
         # 4 x the context's K/V in copies per layer at the Qwen3.5-9B shape).
-        o = sdpa(gqa_fold(q, hkv), k, v, attn_mask=_live_mask(live_pos, N).repeat(hq // hkv, 1), scale=scale)
+        o = sdpa(gqa_fold(q, hkv), k, v, attn_mask=_live_mask(live_pos, N, hq // hkv), scale=scale)
         return gqa_unfold(o, hq)
     if gqa and q.is_cuda:
         # KV heads repeated: the fused causal kernels and the masked memory-efficient one take no GQA
@@ -401,6 +401,24 @@ def attention(q, k, v, live_pos: torch.Tensor, scale: float, first_pos: int | No
     return sdpa(q, k, v, attn_mask=_live_mask(live_pos, N), scale=scale, enable_gqa=gqa)
 
 
-def _live_mask(live_pos: torch.Tensor, N: int) -> torch.Tensor:
-    """[n, N] booleans: live query i sees keys at positions <= live_pos[i]."""
-    return torch.arange(N, device=live_pos.device)[None, :] <= live_pos[:, None]
+_LIVE_MASK_LAST: dict = {}  # device -> (live_pos, its version, N, repeat, mask) of the last call
+
+
+def _live_mask(live_pos: torch.Tensor, N: int, repeat: int = 1) -> torch.Tensor:
+    """[repeat * n, N] booleans: live query i (of each of `repeat` stacked copies) sees keys at
+    positions <= live_pos[i]. Every attention layer of a forward asks for the same mask (same live
+    positions tensor, same context length): the last one is kept with the positions tensor and
+    returned again for that very, unmodified tensor."""
+    try:
+        version = live_pos._version
+    except RuntimeError:  # an inference-mode tensor has no version counter: never kept
+        version = None
+    last = _LIVE_MASK_LAST.get(live_pos.device)
+    if version is not None and last is not None and last[0] is live_pos and last[1:4] == (version, N, repeat):
+        return last[4]
+    mask = torch.arange(N, device=live_pos.device)[None, :] <= live_pos[:, None]
+    if repeat > 1:
+        mask = mask.repeat(repeat, 1)
+    if version is not None:
+        _LIVE_MASK_LAST[live_pos.device] = (live_pos, version, N, repeat, mask)
+    return mask

@@ -112,3 +112,18 @@ def test_equal_runs_go_to_fla_as_one_varlen_row():
     backends.chunk_as_varlen(fake_fla, q, k, v, g, beta, state)
     assert seen[1][0] is seen[0][0] and seen[1][1] is seen[0][1]
     assert seen[0][1].tolist() == [0, T, 2 * T, 3 * T]
+
+
+def test_live_mask_kept_per_positions_tensor():
+    """Every attention layer of a forward builds the same [n, N] mask: the last is reused for the
+    very same, unmodified positions tensor with the same N and repeat, and never otherwise."""
+    pos = torch.tensor([3, 4, 9])
+    m = backends._live_mask(pos, 12, 2)
+    want = (torch.arange(12)[None, :] <= pos[:, None]).repeat(2, 1)
+    assert torch.equal(m, want)
+    assert backends._live_mask(pos, 12, 2) is m
+    assert backends._live_mask(pos, 13, 2) is not m and backends._live_mask(pos, 13, 2).shape == (6, 13)
+    assert torch.equal(backends._live_mask(pos, 12, 1), want[:3])
+    assert torch.equal(backends._live_mask(pos.clone(), 12, 2), want)
+    pos += 1  # modified in place: rebuilt
+    assert torch.equal(backends._live_mask(pos, 12, 2), (torch.arange(12)[None, :] <= pos[:, None]).repeat(2, 1))
