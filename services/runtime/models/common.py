@@ -174,7 +174,9 @@ def attention_layout(
         if rec is not None and piece.record == "entry":
             rec.entries[idx].attn[layer_idx] = AttnSpan(k=ks[-1].clone(), v=vs[-1].clone())
         off += m
-    K_new = torch.cat(ks, dim=2)
+    # one piece on a non-empty state (a decode step, a live tail): its keys go straight into the
+    # concatenation below, no copy of their own
+    K_new = ks[0] if len(ks) == 1 and state.k.shape[2] else torch.cat(ks, dim=2)
     if rotate is not None and any(shifts):
         # each key's shift depends on the layout only: built on the host once per forward and
         # shared by every attention layer (on the device, repeat_interleave syncs to size its output)
