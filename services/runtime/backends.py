@@ -282,6 +282,18 @@ def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def gated_heads(o, gate):
+    """Gated attention's output: o [B, H, n, d] (head-major) as [B, n, H * d] times sigmoid(gate)
+    [B, n, H, d]. CUDA: one launch (kernels/ops/activation); elsewhere the eager transpose, sigmoid
+    and product."""
+    if use_fast_kernels(o):
+        from hybridcache.kernels.ops.activation.triton import sigmoid_gate_heads
+
+        return sigmoid_gate_heads(o, gate)
+    B, H, n, d = o.shape
+    return o.transpose(1, 2).reshape(B, n, H * d) * torch.sigmoid(gate.reshape(B, n, H * d))
+
+
 def fused_silu_mul(gate, up):
     """CUDA: silu(gate) * up in one launch reading gate and up in place (kernels/ops/activation);
     None elsewhere, and the caller runs its eager form."""

@@ -18,7 +18,7 @@ if torch.cuda.is_available():
 else:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from hybridcache.kernels.ops.activation.triton import silu_mul  # noqa: E402
+from hybridcache.kernels.ops.activation.triton import sigmoid_gate_heads, silu_mul  # noqa: E402
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd  # noqa: E402
 from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
 from hybridcache.kernels.ops.norm.triton import L2, RMS, l2norm_heads, row_norm  # noqa: E402
@@ -36,6 +36,7 @@ __all__ = [
     "norm_rope_tokens",
     "rel_rms",
     "rope_heads",
+    "sigmoid_gate_heads",
     "row_norm",
     "silu_mul",
 ]

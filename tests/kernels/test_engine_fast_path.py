@@ -48,6 +48,7 @@ def test_pic_assembly_with_fast_kernels_equals_reference(qwen35_dir, monkeypatch
         (rope, "norm_rope_tokens"),
         (rope, "rope_heads"),
         (act, "silu_mul"),
+        (act, "sigmoid_gate_heads"),
     )
     for mod, name in fused:
         monkeypatch.setattr(mod, name, counted(getattr(mod, name), name))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hybridcache.kernels.ops.activation import naive
-from kernel_testing import device, rel_rms, silu_mul
+from kernel_testing import device, rel_rms, sigmoid_gate_heads, silu_mul
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 33), (17, 2100)])
@@ -38,6 +38,27 @@ def test_silu_mul_rejects_mismatched_inputs_and_takes_no_rows():
     assert silu_mul(torch.zeros(0, 8, device=device()), torch.zeros(0, 8, device=device())).shape == (0, 8)
 
 
+@pytest.mark.parametrize("B,H,n,d", [(1, 1, 1, 4), (1, 3, 7, 20), (2, 4, 5, 16)])
+def test_sigmoid_gate_heads_matches_reference(B, H, n, d):
+    """Gated attention's output: head-major o times sigmoid of the gate, where the gate is the second
+    half of each head's [q | gate] projection columns (strided heads read in place)."""
+    g = torch.Generator().manual_seed(2)
+    o = torch.randn(B, H, n, d, generator=g).to(device())
+    qg = (torch.randn(B, n, H, 2 * d, generator=g) * 3).to(device())
+    gate = qg[..., d:]
+    assert n * H == 1 or not gate.is_contiguous()
+    got = sigmoid_gate_heads(o, gate)
+    ref = naive.sigmoid_gate_heads(o, gate)
+    assert got.shape == (B, n, H * d) and got.is_contiguous()
+    assert rel_rms(got, ref) < 1e-6
+    assert rel_rms(sigmoid_gate_heads(o, gate.reshape(B, n, H * d)), ref) < 1e-6  # flat gate too
+    # a head-major reading of o (no transpose) is far off
+    if n > 1 and H > 1:
+        assert rel_rms(o.reshape(B, n, H * d) * torch.sigmoid(gate.reshape(B, n, H * d)), ref) > 0.1
+    with pytest.raises(ValueError, match="gate"):
+        sigmoid_gate_heads(o, gate[..., :-1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 77, 4099])
 def test_silu_mul_bf16_gpu(rows):
@@ -48,3 +69,14 @@ def test_silu_mul_bf16_gpu(rows):
         got = silu_mul(gate, up)
         assert got.dtype == torch.bfloat16
         assert rel_rms(got, naive.silu_mul(gate, up)) < 5e-3
+
+
+@pytest.mark.gpu
+def test_sigmoid_gate_heads_bf16_gpu():
+    torch.manual_seed(4)
+    for n, H, d in ((1, 16, 256), (4099, 16, 256)):
+        o = torch.randn(1, H, n, d, device="cuda", dtype=torch.bfloat16)
+        qg = torch.randn(1, n, H, 2 * d, device="cuda", dtype=torch.bfloat16)
+        got = sigmoid_gate_heads(o, qg[..., d:])
+        assert got.dtype == torch.bfloat16
+        assert rel_rms(got, naive.sigmoid_gate_heads(o, qg[..., d:])) < 5e-3

@@ -53,3 +53,41 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         g2, u2, y2, n, g2.stride(0), u2.stride(0), y2.stride(0), D=D, BC=BC, num_warps=4 if BC <= 1024 else 8
     )
     return y
+
+
+@triton.jit(do_not_specialize=["n_tok"])
+def sigmoid_gate_heads_kernel(o, gate, y, n_tok, s_ob, s_oh, s_ot, s_gr, s_gh, D: tl.constexpr, HD: tl.constexpr,
+                              BC: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # b * n_tok + t
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)  # channel of the token-major output: h * D + j
+    m = cols < HD
+    b, t = row // n_tok, row % n_tok
+    h, j = cols // D, cols % D
+    b_o = tl.load(o + b * s_ob + h * s_oh + t * s_ot + j, mask=m, other=0.0).to(tl.float32)
+    b_g = tl.load(gate + row * s_gr + h * s_gh + j, mask=m, other=0.0).to(tl.float32)
+    tl.store(y + row * HD + cols, (b_o * tl.sigmoid(b_g)).to(y.dtype.element_ty), mask=m)
+
+
+def sigmoid_gate_heads(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o [B, H, n, d] (any strides, d unit-stride) as token-major [B, n, H * d] times sigmoid(gate),
+    gate [B, n, H, d] or [B, n, H * d] (strided rows and heads read in place, channels
+    unit-stride), in one launch instead of a transposing copy, a copy of the gate, a sigmoid and a
+    product; output [B, n, H * d] contiguous in o's dtype."""
+    B, H, n, d = o.shape
+    if gate.shape == (B, n, H * d):
+        gate = gate.view(B, n, H, d) if gate.stride(-1) == 1 else gate.contiguous().view(B, n, H, d)
+    if gate.shape != (B, n, H, d):
+        raise ValueError(f"gate {tuple(gate.shape)} does not match o {tuple(o.shape)} as [B, n, H(, d)]")
+    if o.stride(-1) != 1:
+        o = o.contiguous()
+    if gate.stride(-1) != 1 or (B > 1 and gate.stride(0) != n * gate.stride(1)):
+        gate = gate.contiguous()
+    y = torch.empty(B, n, H * d, dtype=o.dtype, device=o.device)
+    if y.numel() == 0:
+        return y
+    BC = min(2048, triton.next_power_of_2(H * d))
+    sigmoid_gate_heads_kernel[(B * n, triton.cdiv(H * d, BC))](
+        o, gate, y, n, o.stride(0), o.stride(1), o.stride(2), gate.stride(1), gate.stride(2), D=d, HD=H * d,
+        BC=BC, num_warps=4 if BC <= 1024 else 8,
+    )
+    return y

@@ -147,7 +147,8 @@ def linear_layout(
 
 
 def attention_layout(
-    q, k, v, layout, state: AttnState, rec: Recording | None, layer_idx: int, live_pos, scale, rotate=None
+    q, k, v, layout, state: AttnState, rec: Recording | None, layer_idx: int, live_pos, scale, rotate=None,
+    head_major: bool = False,
 ):
     """Causal attention of live queries over all K/V before them.
 
@@ -155,7 +156,8 @@ def attention_layout(
     absolute positions); rotate(x, positions [N]) rotates keys by per-position angles (None: the
     family has no positions in attention). Cached spans' K go to absolute positions in one
     rotation per layer (live keys rotate by 0, which is exact). Updates `state`; returns
-    [1, n, Hq * dv].
+    [1, n, Hq * dv], or with head_major the attention's own [1, Hq, n, dv] (a caller that gates
+    the output transposes it in the same pass).
     """
     ks, vs, shifts, lengths, off = [], [], [], [], 0
     for idx, piece in enumerate(layout):
@@ -194,7 +196,7 @@ def attention_layout(
     state.v = torch.cat([state.v, *vs], dim=2) if state.v.shape[2] else torch.cat(vs, dim=2).to(state.v.dtype)
     first = next((p.start for p in layout if isinstance(p, LiveRun)), None)  # live_pos[0], host-side
     out = backends.attention(q, state.k, state.v, live_pos, scale, first_pos=first)  # [1, Hq, n, dv]
-    return out.transpose(1, 2).reshape(1, q.shape[2], -1)
+    return out if head_major else out.transpose(1, 2).reshape(1, q.shape[2], -1)
 
 
 def new_recording(state: SequenceState, layout, snapshot_after):

@@ -469,11 +469,10 @@ class GatedAttention(nn.Module):
         return AttnState(k=z, v=z.clone())
 
     def qkv(self, x, positions):
-        """x [B, n, h] -> q [B, Hq, n, d], k, v [B, Hkv, n, d] (q, k rotated at `positions`), gate [B, n, Hq*d]."""
+        """x [B, n, h] -> q [B, Hq, n, d], k, v [B, Hkv, n, d] (q, k rotated at `positions`), gate [B, n, Hq, d]."""
         B, n = x.shape[:2]
         qg, k, v = merged_linear(x, getattr(self, "_qkv", None), (self.q_proj, self.k_proj, self.v_proj))
-        q, gate = torch.chunk(qg.reshape(B, n, self.hq, 2 * self.d), 2, dim=-1)
-        gate = gate.reshape(B, n, -1)
+        q, gate = torch.chunk(qg.reshape(B, n, self.hq, 2 * self.d), 2, dim=-1)  # gate [B, n, Hq, d]
         v = v.reshape(B, n, self.hkv, self.d).transpose(1, 2)
         k = k.reshape(B, n, self.hkv, self.d)
         if backends.use_fast_kernels(x):
@@ -496,15 +495,15 @@ class GatedAttention(nn.Module):
         for j, n in enumerate(lengths):
             body = slice(seam, n)
             datas[j].attn[layer_idx] = AttnSpan(k=k[j : j + 1, :, body].clone(), v=v[j : j + 1, :, body].clone())
-        out = out.transpose(1, 2).reshape(B, L, -1) * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return self.o_proj(backends.gated_heads(out, gate))
 
     def forward_layout(self, x, layout, state: AttnState, rec: Recording | None, layer_idx: int, live_pos):
         """x [1, n_live, h]; live_pos [n_live] absolute positions of the live tokens."""
         q, k, v, gate = self.qkv(x, live_pos)
-        out = attention_layout(q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5, self.rotate)
-        out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        out = attention_layout(
+            q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5, self.rotate, head_major=True
+        )
+        return self.o_proj(backends.gated_heads(out, gate))
 
 
 class MLP(nn.Module):
