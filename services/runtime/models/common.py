@@ -143,7 +143,9 @@ def linear_layout(
             outs.append(o)
         if rec is not None and idx in rec.snapshots:
             rec.snapshots[idx][layer_idx] = LinearState(state.ssm.clone(), state.conv.clone())
-    return torch.cat(outs, dim=1) if outs else None
+    if not outs:
+        return None
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # one run (decode, a prefill): no copy
 
 
 def attention_layout(
@@ -217,6 +219,8 @@ def new_recording(state: SequenceState, layout, snapshot_after):
         pos = piece.end
     if not live_ids:
         raise ValueError("a layout needs at least one live token")
+    if len(live_ids) == 1:
+        return rec, live_ids[0], live_pos[0], pos
     return rec, torch.cat(live_ids), torch.cat(live_pos), pos
 
 
