@@ -229,6 +229,16 @@ def fused_rms_norm(x, weight, eps: float):
     return rms_norm(x, weight, eps)
 
 
+def fused_add_rms_norm(x, r, weight, eps: float):
+    """CUDA: (x + r, RMSNorm(x + r) * weight) in one launch (kernels/ops/norm), the residual sum
+    in x's dtype as the eager add leaves it; None elsewhere."""
+    if not use_fast_kernels(x):
+        return None
+    from hybridcache.kernels.ops.norm.triton import add_rms_norm
+
+    return add_rms_norm(x, r, weight, eps)
+
+
 def fused_rms_norm_gated(x, gate, weight, eps: float):
     """CUDA: rms_norm(x) * weight * silu(gate) in one launch (kernels/ops/norm); None elsewhere."""
     if not use_fast_kernels(x):

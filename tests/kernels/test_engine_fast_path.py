@@ -45,6 +45,7 @@ def test_pic_assembly_with_fast_kernels_equals_reference(qwen35_dir, monkeypatch
     fused = (
         (gates, "gdn_gates"),
         (norm, "l2norm_heads"),
+        (norm, "add_rms_norm"),
         (rope, "norm_rope_tokens"),
         (rope, "rope_heads"),
         (act, "silu_mul"),

@@ -5,7 +5,7 @@ interpreter and fp32/bf16 on a GPU."""
 import pytest
 import torch
 from hybridcache.kernels.ops.norm import naive
-from kernel_testing import L2, RMS, device, l2norm_heads, rel_rms, row_norm
+from kernel_testing import L2, RMS, add_rms_norm, device, l2norm_heads, rel_rms, row_norm
 
 
 @pytest.mark.parametrize("shape", [(1, 7), (5, 33), (2, 19, 96), (300, 16)])
@@ -62,6 +62,21 @@ def test_l2norm_heads_repeats_and_normalizes_strided_heads(rep):
         l2norm_heads(q, 0)
 
 
+@pytest.mark.parametrize("shape", [(1, 7), (2, 5, 33), (300, 16)])
+def test_add_rms_norm_matches_reference(shape):
+    """The residual sum and the norm of it in one launch: both outputs equal the reference's."""
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(*shape, generator=g) * 3).to(device())
+    r = torch.randn(*shape, generator=g).to(device())
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=g)).to(device())
+    s, y = add_rms_norm(x, r, w, 1e-6)
+    s_ref, y_ref = naive.add_rms_norm(x, r, w, 1e-6)
+    assert torch.allclose(s, s_ref, atol=1e-6) and rel_rms(y, y_ref) < 1e-6
+    assert rel_rms(y, naive.rms_norm(x, w, 1e-6)) > 0.05  # the norm is of the sum, not of x
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm(x, r[..., :-1], w, 1e-6)
+
+
 def test_row_norm_rejects_mismatched_inputs():
     x = torch.randn(4, 8, device=device())
     with pytest.raises(ValueError, match="weight"):
@@ -101,3 +116,15 @@ def test_l2norm_heads_bf16_gpu():
         got = l2norm_heads(k, rep, 1e-6, torch.bfloat16)
         ref = naive.l2norm(k.repeat_interleave(rep, dim=2)).to(torch.bfloat16)
         assert got.dtype == torch.bfloat16 and rel_rms(got, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_add_rms_norm_bf16_gpu():
+    torch.manual_seed(7)
+    for rows in (1, 4099):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) * 3
+        r = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        w = 1 + 0.1 * torch.randn(4096, device="cuda")
+        s, y = add_rms_norm(x, r, w, 1e-6)
+        s_ref, y_ref = naive.add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(s, s_ref) and rel_rms(y, y_ref) < 1e-2

@@ -169,3 +169,43 @@ def l2norm_heads(x: torch.Tensor, repeat: int = 1, eps: float = 1e-6, out_dtype:
         HV=H * repeat, REP=repeat, D=D, BD=BD, BR=BR, num_warps=4 if BD * BR <= 4096 else 8,
     )
     return y
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def add_rms_norm_kernel(x, r, w, s, y, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BD)
+    m_c = cols < D
+    mask = (rows < n_rows)[:, None] & m_c[None, :]
+    off = rows[:, None] * D + cols[None, :]
+    b_s = tl.load(x + off, mask=mask, other=0.0).to(tl.float32) + tl.load(r + off, mask=mask, other=0.0).to(tl.float32)
+    b_s = b_s.to(s.dtype.element_ty)  # the residual stream keeps x's dtype, and the norm reads it rounded
+    tl.store(s + off, b_s, mask=mask)
+    b_f = b_s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(b_f * b_f, axis=1) / D + eps)
+    b_w = tl.load(w + cols, mask=m_c, other=0.0).to(tl.float32)
+    tl.store(y + off, (b_f * rstd[:, None] * b_w[None, :]).to(y.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float):
+    """s = x + r (x's dtype) and RMSNorm(s) * weight in one launch (a residual add and the norm
+    after it); x, r [..., D] of one shape, made contiguous. Returns (s, y)."""
+    if r.shape != x.shape:
+        raise ValueError(f"residual {tuple(r.shape)} does not match x {tuple(x.shape)}")
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"weight {tuple(weight.shape)} does not match feature dim {D}")
+    if D > 16384:
+        raise ValueError(f"feature dim {D} is above the kernel's 16384")
+    x, r = x.contiguous(), r.contiguous()
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    n = x.numel() // D
+    if n == 0:
+        return s, y
+    BD = triton.next_power_of_2(D)
+    BR = max(1, min(16, 2048 // BD))
+    add_rms_norm_kernel[(triton.cdiv(n, BR),)](
+        x, r.to(x.dtype), weight.contiguous(), s, y, n, float(eps), D=D, BD=BD, BR=BR,
+        num_warps=4 if BD * BR <= 4096 else 8,
+    )
+    return s, y

@@ -595,8 +595,17 @@ class DecoderLayer(nn.Module):
             h = self.linear_attn.forward_layout(h, layout, state, rec, layer_idx)
         else:
             h = self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions)
+        x, h = self.add_norm(x, h)
+        return x + self.mlp(h)
+
+    def add_norm(self, x, h):
+        """The residual sum x + h and the post-attention norm of it (one launch on CUDA)."""
+        ln = self.post_attention_layernorm
+        fused = backends.fused_add_rms_norm(x, h, ln._scale(), ln.eps)
+        if fused is not None:
+            return fused
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x, ln(x)
 
 
 class HybridLM(LayoutLM):
@@ -632,8 +641,8 @@ class HybridLM(LayoutLM):
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             mixer = layer.linear_attn if layer.kind == "linear_attention" else layer.self_attn
-            x = x + mixer.build_spans(h, lengths, seam, datas, i)
+            x, h = layer.add_norm(x, mixer.build_spans(h, lengths, seam, datas, i))
             if on_layer is not None:
                 on_layer(i, datas)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.mlp(h)
         return datas
