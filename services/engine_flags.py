@@ -19,7 +19,7 @@ FLAGS = (
 
 def add_prefix_cache_flags(sp) -> None:
     """Prefix page-tree flags (shared by every command that builds an engine)."""
-    from hybridcache.services.runtime.cache import POLICIES
+    from hybridcache.services.runtime.cache import ENTRY_STATE_DTYPES, POLICIES
 
     sp.add_argument("--prefix-policy", default="exact_replay", choices=list(POLICIES),
                     help="how prefix pages keep the linear layers' state")
@@ -36,7 +36,7 @@ def add_prefix_cache_flags(sp) -> None:
     sp.add_argument("--host-cache-bytes", type=int, default=0,
                     help="segment entries evicted from the device cache move to a host-memory tier of this "
                          "many bytes (pinned with CUDA) and are staged back layer by layer on a hit; 0 = off")
-    sp.add_argument("--entry-state-dtype", default="float32", choices=["float32", "bfloat16"],
+    sp.add_argument("--entry-state-dtype", default="float32", choices=list(ENTRY_STATE_DTYPES),
                     help="storage of the segment entries' linear-layer T and S; bfloat16 halves a "
                          "delta-rule entry (composition keeps its running state in fp32)")
     # Checked by EngineConfig (a bad value is one error line, exit 2), not by argparse choices.

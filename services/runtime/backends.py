@@ -423,24 +423,40 @@ def attention(q, k, v, live_pos: torch.Tensor, scale: float, first_pos: int | No
     return sdpa(q, k, v, attn_mask=_live_mask(live_pos, N), scale=scale, enable_gqa=gqa)
 
 
-_LIVE_MASK_LAST: dict = {}  # device -> (live_pos, its version, N, repeat, mask) of the last call
-
-
 def _live_mask(live_pos: torch.Tensor, N: int, repeat: int = 1) -> torch.Tensor:
     """[repeat * n, N] booleans: live query i (of each of `repeat` stacked copies) sees keys at
     positions <= live_pos[i]. Every attention layer of a forward asks for the same mask (same live
-    positions tensor, same context length): the last one is kept with the positions tensor and
-    returned again for that very, unmodified tensor."""
+    positions tensor, same context length), so it is built once (kept_for)."""
+
+    def build():
+        mask = torch.arange(N, device=live_pos.device)[None, :] <= live_pos[:, None]
+        return mask.repeat(repeat, 1) if repeat > 1 else mask
+
+    return kept_for(("live_mask", live_pos.device), live_pos, (N, repeat), build)
+
+
+def tensor_version(t: torch.Tensor):
+    """t's in-place version counter; None for a tensor made under inference_mode (it has none)."""
     try:
-        version = live_pos._version
-    except RuntimeError:  # an inference-mode tensor has no version counter: never kept
-        version = None
-    last = _LIVE_MASK_LAST.get(live_pos.device)
-    if version is not None and last is not None and last[0] is live_pos and last[1:4] == (version, N, repeat):
-        return last[4]
-    mask = torch.arange(N, device=live_pos.device)[None, :] <= live_pos[:, None]
-    if repeat > 1:
-        mask = mask.repeat(repeat, 1)
+        return t._version
+    except RuntimeError:
+        return None
+
+
+_KEPT: dict = {}  # slot -> (tensor, its version, extra key, result) of the slot's last build
+
+
+def kept_for(slot, t: torch.Tensor, extra, build):
+    """build()'s result, kept as `slot`'s last one together with the tensor t it derives from and
+    returned again while a caller passes that very tensor, unmodified (same version counter), with
+    an equal `extra`: what every layer of a forward derives alike from one positions tensor (RoPE
+    angles, the live-token mask) is computed once. One result per slot; a tensor without a version
+    counter is never kept."""
+    version = tensor_version(t)
+    last = _KEPT.get(slot)
+    if version is not None and last is not None and last[0] is t and last[1] == version and last[2] == extra:
+        return last[3]
+    out = build()
     if version is not None:
-        _LIVE_MASK_LAST[live_pos.device] = (live_pos, version, N, repeat, mask)
-    return mask
+        _KEPT[slot] = (t, version, extra, out)
+    return out

@@ -196,9 +196,14 @@ def attention_layout(
     # K_new and the cat of vs are fresh tensors, not views of k or v)
     state.k = torch.cat([state.k, K_new], dim=2) if state.k.shape[2] else K_new.to(state.k.dtype)
     state.v = torch.cat([state.v, *vs], dim=2) if state.v.shape[2] else torch.cat(vs, dim=2).to(state.v.dtype)
-    first = next((p.start for p in layout if isinstance(p, LiveRun)), None)  # live_pos[0], host-side
-    out = backends.attention(q, state.k, state.v, live_pos, scale, first_pos=first)  # [1, Hq, n, dv]
+    out = backends.attention(q, state.k, state.v, live_pos, scale, first_pos=first_live_start(layout))  # [1, Hq, n, dv]
     return out if head_major else out.transpose(1, 2).reshape(1, q.shape[2], -1)
+
+
+def first_live_start(layout) -> int | None:
+    """The position of the first live token (live_pos[0]) read from the layout on the host, where
+    reading the device positions tensor would sync; None without a live run."""
+    return next((p.start for p in layout if isinstance(p, LiveRun)), None)
 
 
 def new_recording(state: SequenceState, layout, snapshot_after):

@@ -30,13 +30,14 @@ from hybridcache.services.runtime.models.common import (
     LayoutLM,
     RMSNorm,
     eos_ids,
+    first_live_start,
     linear_layout,
     merge_weights,
     merged_linear,
     need,
 )
 from hybridcache.services.runtime.models.qwen3_hybrid import MLP, Experts
-from hybridcache.services.runtime.sequence import AttnSpan, AttnState, CachedSpan, LinearState, LiveRun
+from hybridcache.services.runtime.sequence import AttnSpan, AttnState, CachedSpan, LinearState
 from torch import nn
 
 
@@ -315,8 +316,7 @@ class MLAttention(nn.Module):
         k_lat = torch.cat([C, K_r], dim=-1)  # [1, 1, N, r + dr]
         N = C.shape[2]
         mask = None
-        first = next((p.start for p in layout if isinstance(p, LiveRun)), None)  # live_pos[0], host-side
-        if not (n == 1 and first == N - 1):
+        if not (n == 1 and first_live_start(layout) == N - 1):
             mask = torch.arange(N, device=x.device)[None, :] <= live_pos[:, None]  # [n, N]
         o_lat = backends.sdpa(q_lat, k_lat, C, attn_mask=mask, scale=self.scale, enable_gqa=True)  # [1, H, n, r]
         out = torch.einsum("bhnr,hvr->bnhv", o_lat, w_uv).reshape(1, n, self.nh * self.dv)

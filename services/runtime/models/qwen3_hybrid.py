@@ -54,11 +54,7 @@ class ZeroCenteredRMSNorm(nn.Module):
     def _scale(self):
         """1 + weight in fp32, kept until the weight changes (the fused kernel's multiplier)."""
         w = self.weight
-        try:
-            version = w._version
-        except RuntimeError:  # a weight made under inference_mode has no version counter
-            version = None
-        key = (version, w.data_ptr(), w.device, w.dtype)
+        key = (backends.tensor_version(w), w.data_ptr(), w.device, w.dtype)
         if getattr(self, "_scale_key", None) != key:
             self._scale_cache = 1.0 + w.detach().float()
             self._scale_key = key
@@ -91,34 +87,20 @@ def _inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:
     return 1.0 / (theta**exponents)
 
 
-# (rotary_dim, theta, dtype, device) -> (positions, its version, cos, sin) of the last call
-_ROPE_LAST: dict = {}
-
-
-def _version(t: torch.Tensor):
-    try:
-        return t._version
-    except RuntimeError:  # a tensor made under inference_mode has no version counter
-        return None
-
-
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype):
     """cos, sin [n, rotary_dim] for integer positions [n].
 
     Every attention layer of a forward rotates its queries and keys at the same positions tensor
-    (and the cached keys at one shift table): the last result is kept with the positions tensor
-    itself and returned again for that very tensor, unmodified, instead of about ten launches per
-    rotation again (16 rotations a forward at the Qwen3.5-9B shape, a decode step included)."""
-    key = (rotary_dim, float(theta), dtype, positions.device)
-    last = _ROPE_LAST.get(key)
-    version = _version(positions)
-    if last is not None and last[0] is positions and last[1] == version and version is not None:
-        return last[2], last[3]
-    freqs = positions.float()[:, None] * _inv_freq(rotary_dim, float(theta), positions.device)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    _ROPE_LAST[key] = (positions, version, cos, sin)
-    return cos, sin
+    (and the cached keys at one shift table): the result is kept with the positions tensor
+    (backends.kept_for) instead of about ten launches per rotation again (16 rotations a forward
+    at the Qwen3.5-9B shape, a decode step included)."""
+
+    def build():
+        freqs = positions.float()[:, None] * _inv_freq(rotary_dim, float(theta), positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    return backends.kept_for(("rope", rotary_dim, float(theta), dtype, positions.device), positions, None, build)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
