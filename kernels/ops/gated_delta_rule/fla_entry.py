@@ -24,13 +24,9 @@ import functools
 import os
 
 import torch
+from hybridcache.kernels.ops.transition.compose_triton import _sm_count
 
 T_RUNS = ("stacked", "sequential", "stream")
-
-
-@functools.cache
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
