@@ -82,21 +82,29 @@ def test_pic_with_bf16_entry_states_cuda():
     gets one dtype; the logits stay close to fp32 entries' and the state after the fold too."""
     from hybridcache.services.runtime.cache import cast_entry_states
 
-    cfg, _, fast = tiny_models()
+    cfg, ref, fast = tiny_models()
     gen = torch.Generator().manual_seed(5)
     segs = [torch.randint(0, cfg.vocab_size, (150,), generator=gen) for _ in range(4)]
     question = torch.randint(0, cfg.vocab_size, (16,), generator=gen)
 
-    def pic(entries):
-        state = fast.empty_state()
-        logits, _ = fast.forward_layout(state, pic_layout(segs, entries, question), "last")
-        return logits.float(), state
+    def pic(model, entries):
+        state = model.empty_state()
+        logits, _ = model.forward_layout(state, pic_layout(segs, entries, question), "last")
+        return logits.float().cpu(), state
 
-    lo32, st32 = pic(build_entries(fast, segs))
+    # the same assembly in fp32 on the CPU: what both CUDA runs are measured against
+    lo_ref, st_ref = pic(ref, build_entries(ref, segs))
+    lo32, st32 = pic(fast, build_entries(fast, segs))
     e16 = [cast_entry_states(d, torch.bfloat16) for d in build_entries(fast, segs)]
     assert all(s.T.dtype == torch.bfloat16 for d in e16 for s in d.linear.values())
-    lo16, st16 = pic(e16)
-    assert lo16.argmax() == lo32.argmax()
-    assert rel_rms(lo16, lo32) < 2e-2
-    for i in st32.linear:
-        assert rel_rms(st16.linear[i].ssm, st32.linear[i].ssm) < 2e-2
+    lo16, st16 = pic(fast, e16)
+    assert lo16.argmax() == lo32.argmax() == lo_ref.argmax()
+    # A bf16 model is ~7 % from fp32 here whatever the entries hold (CPU emulation of this test
+    # under Triton's interpreter: fp32 entries 0.072, bf16 entries 0.082); bf16 states may add a
+    # quarter of that, no more.
+    err32, err16 = rel_rms(lo32, lo_ref), rel_rms(lo16, lo_ref)
+    assert err16 < 1.25 * err32 + 1e-2, (err16, err32)
+    for i in st_ref.linear:
+        s32 = rel_rms(st32.linear[i].ssm.float().cpu(), st_ref.linear[i].ssm)
+        s16 = rel_rms(st16.linear[i].ssm.float().cpu(), st_ref.linear[i].ssm)
+        assert s16 < 1.25 * s32 + 1e-2, (i, s16, s32)
