@@ -83,28 +83,41 @@ def test_pic_with_bf16_entry_states_cuda():
     from hybridcache.services.runtime.cache import cast_entry_states
 
     cfg, ref, fast = tiny_models()
-    gen = torch.Generator().manual_seed(5)
-    segs = [torch.randint(0, cfg.vocab_size, (150,), generator=gen) for _ in range(4)]
-    question = torch.randint(0, cfg.vocab_size, (16,), generator=gen)
+    errs = {"logits32": [], "logits16": []}
+    state_errs: dict[int, list[tuple[float, float]]] = {}
+    for seed in (5, 6, 7):
+        gen = torch.Generator().manual_seed(seed)
+        segs = [torch.randint(0, cfg.vocab_size, (150,), generator=gen) for _ in range(4)]
+        question = torch.randint(0, cfg.vocab_size, (16,), generator=gen)
 
-    def pic(model, entries):
-        state = model.empty_state()
-        logits, _ = model.forward_layout(state, pic_layout(segs, entries, question), "last")
-        return logits.float().cpu(), state
+        def pic(model, entries, segs=segs, question=question):
+            state = model.empty_state()
+            logits, _ = model.forward_layout(state, pic_layout(segs, entries, question), "last")
+            return logits.float().cpu(), state
 
-    # the same assembly in fp32 on the CPU: what both CUDA runs are measured against
-    lo_ref, st_ref = pic(ref, build_entries(ref, segs))
-    lo32, st32 = pic(fast, build_entries(fast, segs))
-    e16 = [cast_entry_states(d, torch.bfloat16) for d in build_entries(fast, segs)]
-    assert all(s.T.dtype == torch.bfloat16 for d in e16 for s in d.linear.values())
-    lo16, st16 = pic(fast, e16)
-    assert lo16.argmax() == lo32.argmax() == lo_ref.argmax()
-    # A bf16 model is ~7 % from fp32 here whatever the entries hold (CPU emulation of this test
-    # under Triton's interpreter: fp32 entries 0.072, bf16 entries 0.082); bf16 states may add a
-    # quarter of that, no more.
-    err32, err16 = rel_rms(lo32, lo_ref), rel_rms(lo16, lo_ref)
-    assert err16 < 1.25 * err32 + 1e-2, (err16, err32)
-    for i in st_ref.linear:
-        s32 = rel_rms(st32.linear[i].ssm.float().cpu(), st_ref.linear[i].ssm)
-        s16 = rel_rms(st16.linear[i].ssm.float().cpu(), st_ref.linear[i].ssm)
-        assert s16 < 1.25 * s32 + 1e-2, (i, s16, s32)
+        # the same assembly in fp32 on the CPU: what both CUDA runs are measured against
+        lo_ref, st_ref = pic(ref, build_entries(ref, segs))
+        lo32, st32 = pic(fast, build_entries(fast, segs))
+        e16 = [cast_entry_states(d, torch.bfloat16) for d in build_entries(fast, segs)]
+        assert all(s.T.dtype == torch.bfloat16 for d in e16 for s in d.linear.values())
+        lo16, st16 = pic(fast, e16)
+        assert lo16.argmax() == lo32.argmax() == lo_ref.argmax()
+        errs["logits32"].append(rel_rms(lo32, lo_ref))
+        errs["logits16"].append(rel_rms(lo16, lo_ref))
+        for i in st_ref.linear:
+            state_errs.setdefault(i, []).append(
+                (
+                    rel_rms(st32.linear[i].ssm.float().cpu(), st_ref.linear[i].ssm),
+                    rel_rms(st16.linear[i].ssm.float().cpu(), st_ref.linear[i].ssm),
+                )
+            )
+    # A bf16 model is 2-8 % from fp32 here whatever the entries hold, and the H200's bf16 kernels
+    # move one prompt's error by up to ~2 points from run to run (seed 5: fp32 entries 0.034 in one
+    # run, 0.045 in another). On an H200 (2026-12-01) the means over the three prompts were 0.049
+    # with fp32 entries and 0.044 with bf16; bf16 states may add a quarter, no more.
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    err32, err16 = mean(errs["logits32"]), mean(errs["logits16"])
+    assert err16 < 1.25 * err32 + 1e-2, errs
+    for i, pairs in state_errs.items():
+        s32, s16 = mean([a for a, _ in pairs]), mean([b for _, b in pairs])
+        assert s16 < 1.25 * s32 + 1e-2, (i, pairs)
