@@ -15,19 +15,17 @@ from hybridcache.services.engine_flags import add_prefix_cache_flags, prefix_cac
 
 EXIT_USAGE = 2
 
-SAMPLE_RAG_REQUEST = {
-    "system": "You answer questions using the documents below.\n",
-    "segments": [
-        "Document 1: The Varnel Bridge spans the Osk river. It was completed in 1872 by the engineer "
-        "Ilse Marrow and carries a single railway track between Tarn and Lowmere.\n",
-        "Document 2: Lowmere is a market town of 14,000 people. Its cheese fair takes place every "
-        "October and draws visitors from across the valley.\n",
-        "Document 3: Ilse Marrow was born in Tarn in 1831. Besides the Varnel Bridge she designed two "
-        "lighthouses on the northern coast.\n",
-    ],
-    "suffix": "Question: Who built the Varnel Bridge?\nAnswer:",
-    "sampling_params": {"max_new_tokens": 16, "temperature": 0.0},
-}
+# The demo's request: a 1-hop question of the QA task's test split (documents the shipped model never
+# saw in training) over four of its documents; the same seed gives the same request everywhere.
+SAMPLE_SEED = 11
+
+
+def sample_rag_request() -> tuple[dict, str, str]:
+    """(request, question, expected answer) of the demo."""
+    from hybridcache.services.runtime.qa_data import QAGenerator
+
+    ex = QAGenerator("test", seed=SAMPLE_SEED, min_docs=4, max_docs=4).example(hops=1)
+    return ex.request(max_new_tokens=8), ex.question, ex.answer
 
 
 class UsageError(Exception):
@@ -97,11 +95,12 @@ def cmd_demo(args) -> int:
     if args.serve:
         from hybridcache.services.launcher import demo_serve
 
-        return demo_serve(args, SAMPLE_RAG_REQUEST)
+        return demo_serve(args, *sample_rag_request())
     engine = _engine(args)
     print(f"model: {engine.model.path} ({engine.cfg.model_type}, mode {engine.config.mode}, "
           f"seam window {engine.config.seam_window})")
-    req = dict(SAMPLE_RAG_REQUEST)
+    req, question, expected = sample_rag_request()
+    print(f"{len(req['segments'])} documents; question: {question!r} (expected answer {expected!r})")
     for attempt, segments in (("first", req["segments"]), ("second, documents reordered", req["segments"][::-1])):
         res = engine.generate(dict(req, segments=segments))
         st = res.stats

@@ -213,7 +213,7 @@ def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
         return json.loads(r.read())
 
 
-def demo_serve(args, sample: dict) -> int:
+def demo_serve(args, sample: dict, question: str, expected: str) -> int:
     """`hybridcache demo --serve`: run `hybridcache up`, send the sample RAG request twice over HTTP
     (documents reordered the second time), then stop the services with SIGTERM."""
     from hybridcache.services.runtime.modelzoo import default_model_dir
@@ -230,6 +230,7 @@ def demo_serve(args, sample: dict) -> int:
             print("hybridcache: error: `hybridcache up` did not become ready", file=sys.stderr)
             return 1
         url = json.loads(line)["http"]
+        print(f"{len(sample['segments'])} documents; question: {question!r} (expected answer {expected!r})")
         for attempt, segments in (("first", sample["segments"]),
                                   ("second, documents reordered", sample["segments"][::-1])):
             res = _post(f"{url}/generate", dict(sample, segments=segments))

@@ -148,3 +148,22 @@ def test_bad_sdpa_backends_exit_2(qwen35_dir, tmp_path, capsys, monkeypatch):
         backends.sdpa_backends.cache_clear()
     assert code == 2 and out == ""
     assert "HYBRIDCACHE_SDPA_BACKENDS='flash,fastest'" in err and "comma list" in err
+
+
+@pytest.mark.skipif(
+    not (__import__("hybridcache.services.runtime.modelzoo", fromlist=["x"]).SHIPPED_MODEL / "config.json").is_file(),
+    reason="models/default is not shipped in this checkout",
+)
+def test_demo_answers_the_sample_question_and_reuses_every_document(capsys, monkeypatch):
+    """`hybridcache demo` on the shipped QA model: the right answer both times, all documents built
+    on the first request and reused (in another order) on the second."""
+    from hybridcache.services.cli import sample_rag_request
+
+    monkeypatch.delenv("HYBRIDCACHE_MODEL", raising=False)
+    req, _, expected = sample_rag_request()
+    n = len(req["segments"])
+    code, out, _ = run_cli(capsys, "demo")
+    assert code == 0
+    answers = [line.split("answer: ", 1)[1] for line in out.splitlines() if "] answer: " in line]
+    assert [a.strip(" '\"") for a in answers] == [expected, expected], out
+    assert f"segments hit 0/{n}" in out and f"segments hit {n}/{n}" in out, out

@@ -1,8 +1,11 @@
 """The shipped QA model and the quality harness (`hybridcache eval`).
 
 The CI check runs the eval on a small fixed subset of the test split on CPU: it fails when `pic`
-answers more than PIC_MARGIN (1) questions fewer than `full`, when `full` no longer answers most of
-them (the model did not learn or did not load right), or when `naive` is not clearly worse.
+answers more than PIC_MARGIN (1) of 16 questions fewer than `full`, or when `full` no longer answers most
+of them (the model did not learn or did not load right). `naive` runs too but is not required to be
+worse: the shipped model's linear layers forget within a document (T is zero in fp32 in four of its
+six Gated DeltaNet layers after one 100-190-token document), so dropping T changes nothing it
+answers from (README, "Quality").
 """
 
 import json
@@ -25,10 +28,10 @@ needs_model = pytest.mark.skipif(
     reason="models/default is not shipped in this checkout",
 )
 
-# ~40 s on a 2-core CI machine: 6 questions x (full + pic + naive) over 8 documents (~1.2k tokens)
-SUBSET = dict(limit=6, seed=0, hops=1, min_docs=8, max_docs=8)
-PIC_MARGIN = 1  # answers of the subset's 6; the full-size eval's figures are in benchmarks/results/
-FULL_FLOOR = 4  # answers of 6 that `full` must get right (the shipped model reaches >= 90 % on 1-hop)
+# ~16 s on a 2-core machine: 16 questions x (full + pic + naive) over 8 documents (~1.2k tokens)
+SUBSET = dict(limit=16, seed=0, hops=1, min_docs=8, max_docs=8)
+PIC_MARGIN = 1  # answers of the subset's 16; the full-size eval's figures are in benchmarks/results/
+FULL_FLOOR = 12  # answers of 16 that `full` must get right (the shipped model: 14 of 16, 90.5 % on 200)
 
 
 @needs_model
@@ -58,7 +61,6 @@ def test_eval_subset_pic_close_to_full():
     assert full.n == pic.n == naive.n == SUBSET["limit"]
     assert full.correct >= FULL_FLOOR, table
     assert pic.correct >= full.correct - PIC_MARGIN, table
-    assert naive.correct < full.correct, table
     # pic really reused the segments: most prompt tokens came from cache entries
     assert results_json(scores)["pic"]["reused_token_fraction"] > 0.5
     assert results_json(scores)["full"]["reused_token_fraction"] == 0.0
