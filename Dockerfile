@@ -21,6 +21,8 @@ COPY services/ services/
 COPY operator/ operator/
 RUN pip install --no-deps . \
     && hybridcache model init --arch qwen3_5_text --preset tiny --out /app/models/tiny
+# the project's trained QA model (README, "Quality"): what the CPU demo resource serves
+COPY models/default/ /app/models/default/
 
 FROM python:3.11-slim-bookworm
 RUN groupadd --gid 10001 hybridcache \

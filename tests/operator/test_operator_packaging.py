@@ -38,8 +38,13 @@ def test_dockerfile_runs_as_non_root_with_the_cli_entrypoint():
 
 def test_cpu_example_model_path_is_built_into_the_image():
     example = yaml.safe_load((REPO / "manifests/examples/cpu-demo.yaml").read_text())
-    path = example["spec"]["model"]["path"]
-    assert re.search(rf"--out {re.escape(path)}\b", " ".join(dockerfile_instructions()))
+    path = example["spec"]["model"]["path"].rstrip("/")
+    lines = dockerfile_instructions()
+    generated = re.search(rf"--out {re.escape(path)}\b", " ".join(lines))
+    copied = [line.split()[1] for line in lines if line.startswith("COPY") and line.split()[-1].rstrip("/") == path]
+    assert generated or copied, f"{path} is neither generated nor copied into the image"
+    for src in copied:  # a copied model must be in the repository, whole
+        assert (REPO / src / "config.json").is_file() and (REPO / src / "model.safetensors").is_file(), src
 
 
 def test_operator_manifests_validate_and_are_locked_down():
