@@ -18,10 +18,13 @@
 # Timing stages should run alone on the machine: CPU-heavy neighbours slow launch-bound work.
 #
 # Triton's cache (compiled kernels and, with fla's cache_results, its autotuning results) is
-# restored from .triton-cache/triton_cache.tgz when that file is there, and saved to
-# $OUT/triton_cache.tgz at the end (if under 16 MiB, the limit on a file brought back). Copy it
-# into .triton-cache/ (git-ignored) and carry that folder: later calls skip the compilation and
-# autotuning that kept fla's KDA tests from finishing inside a call.
+# restored from .triton-cache/triton_cache.tgz (or its parts triton_cache.tgz.aa, .ab, ...) when
+# there, and saved to $OUT at the end: as triton_cache.tgz when under 16 MiB (the limit on a file
+# brought back), else split into 15 MiB parts (a file brought back each, 8 at most in all; 37 MB
+# after the KDA tests' compilation). Copy what comes back into .triton-cache/ (git-ignored) and
+# carry that folder: later calls skip the compilation and autotuning that kept fla's KDA tests
+# from finishing inside a call. TRITON_CACHE_SAVE=0 saves nothing (a call that needs its file
+# slots for other results).
 set -u
 if [ $# -lt 2 ]; then
     echo "usage: bash scripts/device_suite.sh COMMIT STAGE [STAGE ...]" >&2
@@ -48,13 +51,22 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -f .triton-cache/triton_cache.tgz ]; then
     tar -xzf .triton-cache/triton_cache.tgz -C "$TRITON_CACHE_DIR" && echo "device_suite: Triton cache restored ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
+elif ls .triton-cache/triton_cache.tgz.?? > /dev/null 2>&1; then
+    cat .triton-cache/triton_cache.tgz.?? | tar -xz -C "$TRITON_CACHE_DIR" \
+        && echo "device_suite: Triton cache restored from $(ls .triton-cache/triton_cache.tgz.?? | wc -l) parts ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
 fi
 save_triton_cache() {
+    [ "${TRITON_CACHE_SAVE:-1}" = 0 ] && return
     tar -czf /tmp/triton_cache.tgz -C "$TRITON_CACHE_DIR" . 2> /dev/null || return
-    if [ "$(stat -c %s /tmp/triton_cache.tgz)" -lt $((16 * 1024 * 1024)) ]; then
+    local size
+    size=$(stat -c %s /tmp/triton_cache.tgz)
+    if [ "$size" -lt $((16 * 1024 * 1024)) ]; then
         cp /tmp/triton_cache.tgz "$OUT/triton_cache.tgz"
+    elif [ "$size" -le $((5 * 15 * 1024 * 1024)) ]; then
+        split -b 15M -a 2 /tmp/triton_cache.tgz "$OUT/triton_cache.tgz."
+        echo "device_suite: Triton cache is $(du -h /tmp/triton_cache.tgz | cut -f1): saved in $(ls "$OUT"/triton_cache.tgz.?? | wc -l) parts" >&2
     else
-        echo "device_suite: Triton cache is $(du -h /tmp/triton_cache.tgz | cut -f1), over the 16 MiB a file may bring back; not saved" >&2
+        echo "device_suite: Triton cache is $(du -h /tmp/triton_cache.tgz | cut -f1), over the five 15 MiB parts it may take of the files brought back; not saved" >&2
     fi
 }
 trap save_triton_cache EXIT

@@ -59,3 +59,30 @@ def test_train_stage_continues_from_a_carried_checkpoint(tmp_path):
     (tmp_path / ".qa-ckpt" / "model.safetensors").write_bytes(b"")
     r = _run("abc123", "train", tmp_path=tmp_path)
     assert "(init: --init-from .qa-ckpt --warmup 20)" in r.stdout, r.stdout + r.stderr
+
+
+def test_large_triton_cache_comes_back_in_parts_and_is_restored_from_them(tmp_path):
+    """A cache over the 16 MiB a returned file may hold is saved as 15 MiB parts; carried parts
+    are put back together and unpacked before the stages."""
+    import os
+
+    cache = tmp_path / "tc"
+    (cache / "kda").mkdir(parents=True)
+    blob = os.urandom(20 << 20)  # incompressible: the archive stays over 16 MiB
+    (cache / "kda" / "autotune.bin").write_bytes(blob)
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "TRITON_CACHE_DIR": str(cache)}
+    run = dict(cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "abc123", "bench"], **run)
+    parts = sorted((tmp_path / "out").glob("triton_cache.tgz.??"))
+    assert [p.name for p in parts] == ["triton_cache.tgz.aa", "triton_cache.tgz.ab"], r.stdout + r.stderr
+    assert all(p.stat().st_size <= 15 << 20 for p in parts)
+    assert not (tmp_path / "out" / "triton_cache.tgz").exists()
+    # a later call carries the parts in .triton-cache/ and starts from an empty cache folder
+    (tmp_path / ".triton-cache").mkdir()
+    for p in parts:
+        (tmp_path / ".triton-cache" / p.name).write_bytes(p.read_bytes())
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "tc2"), OUT=str(tmp_path / "out2"), TRITON_CACHE_SAVE="0")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "abc123", "bench"], **run)
+    assert "restored from 2 parts" in r.stdout, r.stdout + r.stderr
+    assert (tmp_path / "tc2" / "kda" / "autotune.bin").read_bytes() == blob
+    assert not list((tmp_path / "out2").glob("triton_cache*"))  # TRITON_CACHE_SAVE=0
