@@ -146,3 +146,25 @@ def test_prefix_policy_runs_restore_the_shared_documents(tmp_path):
     assert 0.0 < res["prefix_ckpt"]["reused_token_fraction"] <= res["prefix_exact"]["reused_token_fraction"]
     assert res["full"]["reused_token_fraction"] == 0.0
     assert res["pic_single"]["n"] == 2 and res["pic_single"]["reused_token_fraction"] > 0.5
+
+
+@needs_model
+def test_linear_memory_probe_reports_transitions_and_pic_matches_full(capsys):
+    """benchmarks/linear_memory_probe.py on one question: a T norm per linear layer of the shipped
+    model and last-token logits of pic within 1 % of full's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "linear_memory_probe.py"
+    spec = importlib.util.spec_from_file_location("linear_memory_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.main(["--model", str(SHIPPED_MODEL), "--questions", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    linear = [str(i) for i, t in enumerate(cfg["layer_types"]) if t == "linear_attention"]
+    norms = out["T_spectral_norm_after_one_document"]
+    assert sorted(norms) == sorted(linear)
+    assert all(0.0 <= v["median"] <= v["max"] <= 1.5 for v in norms.values())
+    assert out["last_token_vs_full"]["pic"]["top1_agree"] == "1/1"
+    assert out["last_token_vs_full"]["pic"]["rel_logit_diff"] < 1e-2
