@@ -1,9 +1,9 @@
 """How much a QA model's linear layers carry from one document to the next (issue 7's `naive` check).
 
-For questions of the QA task's test split it builds every document's segment entry as the engine
-does (seam window live, body recorded) and reports, per linear layer, the spectral norm of the
-body's transition T (max over heads): the factor by which whatever state came before the document
-can still reach past it. Then it compares the last prompt token's logits of `full` with:
+For questions of the QA task's test split it builds every document's segment entry with the
+engine's own `build_entry` (seam window live, body recorded) and reports, per linear layer, the
+spectral norm of the body's transition T (max over heads): the factor by which whatever state came
+before the document can still reach past it. Then it compares the last prompt token's logits of `full` with:
   pic          entries composed with T (the engine's pic),
   naive        entries added without T (S_end = S_start + S(body|0)),
   zero_state   pic, then every linear layer's recurrent state zeroed before the question: what the
@@ -24,16 +24,10 @@ import time
 from pathlib import Path
 
 import torch
-from hybridcache.services.runtime.engine import Engine
+from hybridcache.services.runtime.engine import Engine, EngineConfig
 from hybridcache.services.runtime.evaluation import _orders, eval_examples
 from hybridcache.services.runtime.modelzoo import default_model_dir
 from hybridcache.services.runtime.sequence import CachedSpan, LiveRun
-
-
-def body_entry(model, seg: torch.Tensor, seam: int):
-    layout = [LiveRun(seg[:seam], 0), LiveRun(seg[seam:], seam, record="entry")]
-    _, rec = model.forward_layout(model.empty_state(), layout, "none")
-    return rec.entries[1]
 
 
 def cached_layout(system, segs, entries, seam: int, use_t: bool):
@@ -56,7 +50,7 @@ def main(argv=None) -> int:
     if args.questions < 1:
         p.error("--questions must be positive")
     model_dir = Path(args.model) if args.model else default_model_dir()
-    engine = Engine.from_dir(model_dir)
+    engine = Engine.from_dir(model_dir, config=EngineConfig(seam_window=args.seam_window))
     model, w = engine.model, args.seam_window
     norms: dict[int, list[float]] = {}
     runs = {
@@ -75,7 +69,7 @@ def main(argv=None) -> int:
             ids = torch.cat([system, *segs, question])
             full, _ = model.forward_layout(model.empty_state(), [LiveRun(ids, 0)], "last")
             full = full.float().flatten()
-            entries = [body_entry(model, s, w) for s in segs]
+            entries = [engine.build_entry(s).data for s in req.segment_ids]
             for e in entries:
                 for layer, s in e.linear.items():
                     norms.setdefault(layer, []).append(torch.linalg.matrix_norm(s.T.float(), ord=2).max().item())
