@@ -92,15 +92,14 @@ def test_local_cumsum_runs_fla_with_a_batch_of_one_cpu(B, T):
 
 
 def test_t_run_choice_cpu(monkeypatch):
-    """Stacking only while the value run leaves SMs idle and K == V; an explicit choice or the
-    environment wins; a bad name is an error, not a silent default."""
+    """Sequential by default; stacking only where K == V; an explicit choice or the environment
+    wins; a bad name is an error, not a silent default."""
     from hybridcache.kernels.ops.gated_delta_rule import fla_entry
 
-    monkeypatch.setattr(fla_entry, "_sm_count", lambda device: 132)
     monkeypatch.delenv("HYBRIDCACHE_ENTRY_T_RUN", raising=False)
-    assert fla_entry.pick_t_run(1, 32, 128, 128, "cuda") == "stacked"  # 32 pairs on 132 SMs
-    assert fla_entry.pick_t_run(32, 32, 128, 128, "cuda") == "sequential"  # a batched build
-    assert fla_entry.pick_t_run(1, 32, 64, 128, "cuda") == "sequential"  # K != V cannot stack
+    assert fla_entry.pick_t_run(1, 32, 128, 128, "cuda") == "sequential"
+    assert fla_entry.pick_t_run(1, 32, 128, 128, "cuda", "stacked") == "stacked"
+    assert fla_entry.pick_t_run(1, 32, 64, 128, "cuda", "stacked") == "sequential"  # K != V cannot stack
     assert fla_entry.pick_t_run(32, 32, 128, 128, "cuda", "stream") == "stream"
     monkeypatch.setenv("HYBRIDCACHE_ENTRY_T_RUN", "stream")
     assert fla_entry.pick_t_run(1, 32, 128, 128, "cuda") == "stream"

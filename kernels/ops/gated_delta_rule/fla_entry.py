@@ -4,14 +4,17 @@ fla's chunked forward is three stages: the intra-chunk WY representation (w, u f
 triangular solve), the inter-chunk state recurrence (h per chunk, v_new = u - w h), and the
 output. The transition T of the run is the same recurrence started from I with u = 0
 (README.md here), so it needs only the middle stage again, sharing w and the decay cumsum.
-How the T run goes (`t_run`, or HYBRIDCACHE_ENTRY_T_RUN; default by shape):
+How the T run goes (`t_run`, or HYBRIDCACHE_ENTRY_T_RUN; default "sequential"):
+- "sequential": the T run as its own launch after the value run, no copies;
 - "stacked" (K == V): value run and T run stacked on the batch axis, one launch of the state
   kernel: fills SMs a single run leaves idle (B x HV (batch, head) pairs, one program per pair
   and column block), at the price of copying k, w and u into the doubled batch;
-- "sequential": the T run as its own launch after the value run, no copies (the default when
-  B x HV already covers the SMs, e.g. a batched build of 32 segments);
 - "stream": the T run's launch on a side CUDA stream, overlapping the value run without the
-  copies (gpu_bench times all three: `construction_overhead_pct_*_t_run_*`).
+  copies.
+gpu_bench times all three (`construction_overhead_pct_*_t_run_*`). On one H200 at the
+Qwen3.5-9B shape (98a17af, one segment of 8k / 32k tokens: 32 (batch, head) pairs on 132 SMs)
+stacked cost 4.5 % / 4.4 % over a plain prefill, sequential -1.9 % / 1.5 % and stream
+1.5 % / 1.6 %: the copies cost more than the idle SMs, so sequential is the default.
 The WY stage and the output stage run once.
 
 S(run|0) comes out as S_final - T S_init (exact in exact arithmetic; both terms are fp32 states
@@ -24,7 +27,6 @@ import functools
 import os
 
 import torch
-from hybridcache.kernels.ops.transition.compose_triton import _sm_count
 
 T_RUNS = ("stacked", "sequential", "stream")
 
@@ -35,11 +37,8 @@ def _side_stream(device):
 
 
 def pick_t_run(B: int, HV: int, K: int, V: int, device, t_run: str | None = None) -> str:
-    """The T run's layout: `t_run`, else HYBRIDCACHE_ENTRY_T_RUN, else "stacked" when K == V and
-    the value run's (batch, head) pairs leave SMs idle, "sequential" otherwise."""
-    mode = t_run or os.environ.get("HYBRIDCACHE_ENTRY_T_RUN") or None
-    if mode is None:
-        mode = "stacked" if K == V and B * HV < _sm_count(device) else "sequential"
+    """The T run's layout: `t_run`, else HYBRIDCACHE_ENTRY_T_RUN, else "sequential"."""
+    mode = t_run or os.environ.get("HYBRIDCACHE_ENTRY_T_RUN") or "sequential"
     if mode not in T_RUNS:
         raise ValueError(f"t_run must be one of {', '.join(T_RUNS)}, got {mode!r}")
     if mode == "stacked" and K != V:
