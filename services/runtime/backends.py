@@ -2,7 +2,9 @@
 
 CPU (and CI): the pure-PyTorch references in kernels/ops. CUDA: fla-core's chunked gated delta
 rule (with initial state) when importable, our fused entry construction for runs that record a
-cache entry, Triton causal conv, and SDPA for attention (flash for a plain causal prefill).
+cache entry, Triton causal conv, our live-token attention kernel (kernels/ops/attention) where live
+tokens sit between cached spans, and SDPA for the other attention (flash for a plain causal
+prefill, a live tail and decode).
 `HYBRIDCACHE_KERNELS=reference` forces the references on any device (for A/B comparisons).
 Kernel modules are imported lazily, so importing the runtime never imports Triton.
 """
@@ -387,6 +389,19 @@ def gqa_unfold(o, hq: int):
     return o.reshape(b, hq, rows * hkv // hq, dv)
 
 
+LIVE_ATTENTION_KERNELS = ("triton", "sdpa")
+
+
+def live_attention_kernel() -> str:
+    """Which attention serves live tokens between cached spans on CUDA: "triton"
+    (kernels/ops/attention, the default) or "sdpa" (masked SDPA, for A/B runs); from
+    HYBRIDCACHE_LIVE_ATTENTION."""
+    name = os.environ.get("HYBRIDCACHE_LIVE_ATTENTION", "triton")
+    if name not in LIVE_ATTENTION_KERNELS:
+        raise ValueError(f"HYBRIDCACHE_LIVE_ATTENTION={name!r}: expected one of {', '.join(LIVE_ATTENTION_KERNELS)}")
+    return name
+
+
 def attention(q, k, v, live_pos: torch.Tensor, scale: float, first_pos: int | None = None):
     """Live queries q [1, Hq, n, d] (absolute positions live_pos [n], ascending) over all keys
     k, v [1, Hkv, N, d] at positions 0..N-1. GQA when Hq != Hkv. Returns [1, Hq, n, d].
@@ -400,6 +415,12 @@ def attention(q, k, v, live_pos: torch.Tensor, scale: float, first_pos: int | No
     if tail and n == 1:
         return sdpa(q, k, v, scale=scale, enable_gqa=gqa)
     masked = not tail or n < N
+    if not tail and use_fast_kernels(q) and live_attention_kernel() == "triton":
+        # Live tokens interleaved with cached spans (seams): kernels/ops/attention, each query's
+        # keys bounded by its position inside the kernel, GQA folded, no mask and no K/V copies
+        from hybridcache.kernels.ops.attention.triton import live_attention
+
+        return live_attention(q, k, v, live_pos, scale)
     if gqa and masked and (hq // hkv) * n * N <= GQA_FOLD_MAX_MASK:
         # A masked call with few live rows (seams between cached spans, a short prefix-cache
         # resume): the query heads of a KV head become extra query rows with the mask repeated for

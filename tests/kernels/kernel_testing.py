@@ -19,6 +19,7 @@ else:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from hybridcache.kernels.ops.activation.triton import sigmoid_gate_heads, silu_mul  # noqa: E402
+from hybridcache.kernels.ops.attention.triton import live_attention  # noqa: E402
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd  # noqa: E402
 from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
 from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_heads, row_norm  # noqa: E402
@@ -34,6 +35,7 @@ __all__ = [
     "device",
     "gdn_gates",
     "l2norm_heads",
+    "live_attention",
     "norm_rope_tokens",
     "rel_rms",
     "rope_heads",

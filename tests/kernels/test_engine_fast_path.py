@@ -29,6 +29,7 @@ def test_pic_assembly_with_fast_kernels_equals_reference(qwen35_dir, monkeypatch
     )
     # the other fused kernels of the CUDA path, counted as they run
     from hybridcache.kernels.ops.activation import triton as act
+    from hybridcache.kernels.ops.attention import triton as attn
     from hybridcache.kernels.ops.gated_delta_rule import gates
     from hybridcache.kernels.ops.norm import triton as norm
     from hybridcache.kernels.ops.rope import triton as rope
@@ -50,6 +51,7 @@ def test_pic_assembly_with_fast_kernels_equals_reference(qwen35_dir, monkeypatch
         (rope, "rope_heads"),
         (act, "silu_mul"),
         (act, "sigmoid_gate_heads"),
+        (attn, "live_attention"),
     )
     for mod, name in fused:
         monkeypatch.setattr(mod, name, counted(getattr(mod, name), name))
