@@ -5,7 +5,8 @@
 #   bash scripts/device_suite.sh COMMIT STAGE [STAGE ...]
 #
 # Stages (each writes its JSON and log under $OUT, default ./device_out):
-#   gpu-tests   every test marked gpu except the families' engine tests (pytest, 240 s a test)
+#   gpu-tests   every test marked gpu except the families' engine tests (pytest, 240 s a test);
+#               GPU_TESTS='file ...' limits it to those files
 #   families    the families' engine tests alone, one pytest each (fla's KDA autotuning alone has
 #               taken > 200 s); FAMILIES='kimi_linear olmo_hybrid' picks, FAMILIES_TIMEOUT (500 s) bounds
 #   bench       benchmarks/gpu_bench.py (one GPU)
@@ -82,6 +83,7 @@ for stage in "$@"; do
         # (the families' file last: fla's KDA kernels autotune for minutes)
         gpu_files=$(grep -rl --include='test_*.py' -e 'mark\.gpu' tests | sort | grep -v test_families_gpu.py)
         gpu_files="$gpu_files tests/kernels/test_families_gpu.py"
+        gpu_files=${GPU_TESTS:-$gpu_files}  # GPU_TESTS='file ...' runs those files only
         TRITON_F32_DEFAULT=ieee python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --timeout 240 $gpu_files \
             --deselect "$families" > "$OUT/gpu_tests.log" 2>&1
         echo "gpu-tests rc=$?"; grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -3 ;;
