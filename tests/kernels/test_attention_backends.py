@@ -87,3 +87,41 @@ def test_models_call_attention_only_through_backends():
         if "scaled_dot_product_attention(" in p.read_text() and p.name != "backends.py"
     ]
     assert direct == [], f"call backends.sdpa instead of F.scaled_dot_product_attention in {direct}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA path runs for real on a GPU")
+def test_seams_take_the_live_attention_kernel_on_the_fast_path(monkeypatch):
+    """Seams (live queries between cached spans) go to kernels/ops/attention on the fast path, with
+    the same result as the masked SDPA path; a live tail, wide heads and
+    HYBRIDCACHE_LIVE_ATTENTION=sdpa do not; a bad value of that variable is an error."""
+    import kernel_testing  # noqa: F401  (Triton's interpreter on CPU, set before the kernel loads)
+    from hybridcache.kernels.ops.attention import triton as attn
+
+    calls = []
+    real = attn.live_attention
+    monkeypatch.setattr(attn, "live_attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    gen = torch.Generator().manual_seed(4)
+    N = 40
+
+    def run(d, pos, fast=True):
+        q = torch.randn(1, 4, len(pos), d, generator=gen)
+        k, v = torch.randn(1, 2, N, d, generator=gen), torch.randn(1, 2, N, d, generator=gen)
+        live = torch.tensor(pos)
+        monkeypatch.setattr(backends, "use_fast_kernels", lambda t: fast)
+        return backends.attention(q, k, v, live, d**-0.5, first_pos=pos[0]), (q, k, v, live)
+
+    seams = [3, 4, 20, 21, 39]
+    monkeypatch.delenv("HYBRIDCACHE_LIVE_ATTENTION", raising=False)
+    got, (q, k, v, live) = run(16, seams)
+    assert calls == [q.shape]
+    monkeypatch.setattr(backends, "use_fast_kernels", lambda t: False)
+    ref = backends.attention(q, k, v, live, 16**-0.5, first_pos=seams[0])
+    assert (got - ref).abs().max().item() < 1e-5
+    run(16, list(range(N - 5, N)))  # a live tail: fused SDPA
+    run(288, seams)  # heads wider than the kernel's tested tiles: SDPA
+    monkeypatch.setenv("HYBRIDCACHE_LIVE_ATTENTION", "sdpa")
+    run(16, seams)
+    assert len(calls) == 1
+    monkeypatch.setenv("HYBRIDCACHE_LIVE_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="HYBRIDCACHE_LIVE_ATTENTION"):
+        run(16, seams)
