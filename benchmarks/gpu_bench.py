@@ -156,15 +156,17 @@ def compose_figures(cfg, figures, n_seg=32):
         if dtype != torch.bfloat16:
             continue
         # Variants of the kernel for bf16 entries (the default: one TF32 pass, 128 columns per
-        # program, 8 warps, Triton's default stages): time and error of each.
+        # program, 16 warps, 2 stages; 8 warps and Triton's 3 stages before 2026-12-01's change, now
+        # the variant tf32_bv128_w8): time and error of each. A name without _s uses 3 stages.
         variants = [("tf32x3", 64, 8, 0), ("tf32x3", 128, 8, 0), ("tf32", 64, 8, 0)]
-        variants += [("tf32", 128, w, st) for w, st in ((4, 0), (8, 1), (8, 2), (16, 0), (16, 2))]
+        variants += [("tf32", 128, w, st) for w, st in ((4, 0), (8, 0), (8, 1), (8, 2), (16, 0), (16, 2))]
         for prec, bv, nw, st in variants:
-            name = f"{prec}_bv{bv}" + (f"_w{nw}" if nw != 8 else "") + (f"_s{st}" if st else "")
+            old_default = (prec, bv, nw, st) == ("tf32", 128, 8, 0)
+            name = f"{prec}_bv{bv}" + (f"_w{nw}" if nw != 8 or old_default else "") + (f"_s{st}" if st else "")
             try:
                 t_v, out_v = timed(
                     lambda T=T, S=S, prec=prec, bv=bv, nw=nw, st=st: compose_states_fwd(
-                        T, S, h0, block_v=bv, dot_precision=prec, num_warps=nw, num_stages=st or None
+                        T, S, h0, block_v=bv, dot_precision=prec, num_warps=nw, num_stages=st or 3
                     ),
                     repeat=20,
                     warmup=3,

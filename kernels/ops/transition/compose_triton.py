@@ -98,7 +98,11 @@ def compose_states_fwd(
             bits, at about half the time (gpu_bench_h200_4e990a9.json: 24.3 against 46.9 us per
             segment with 128 columns at Qwen3.5-9B's shape on an H200, relative error 2.2e-3
             against fp32 math on the same bf16 entries).
-        num_warps, num_stages: Triton launch options (defaults: 8 warps for K >= 128 on GPU).
+        num_warps, num_stages: Triton launch options (defaults on GPU for K >= 128: 16 warps and
+            2 stages for bf16 entries at 128 columns, else 8 warps and Triton's stages). 16 warps
+            and 2 stages timed at or below 8 warps in each of nine gpu_bench runs on an H200
+            (0b4d660 to dc47e28, Qwen3.5-9B's shape, 32 segments: median 23.4 against 24.8 us per
+            segment).
 
         output_all: also return the state after every segment, [N, G, K, V] fp32.
 
@@ -126,6 +130,7 @@ def compose_states_fwd(
         # each program walking all n segments in sequence).
         while BV > 32 and G * triton.cdiv(V, BV) < _sm_count(S.device):
             BV //= 2
+    wide = on_gpu and half and BK >= 128 and BV >= 128  # the 16-warp, 2-stage default (docstring)
     precision = dot_precision or (("tf32" if half else "tf32x3") if on_gpu else "ieee")
     ht = torch.empty(G, K, V, dtype=torch.float32, device=S.device)
     hs = torch.empty(N, G, K, V, dtype=torch.float32, device=S.device) if output_all else None
@@ -143,7 +148,7 @@ def compose_states_fwd(
         BK=BK,
         BV=BV,
         DOT_PRECISION=precision,
-        num_warps=num_warps or (8 if on_gpu and BK >= 128 else 4),
-        **({"num_stages": num_stages} if num_stages else {}),
+        num_warps=num_warps or ((16 if wide else 8) if on_gpu and BK >= 128 else 4),
+        **({"num_stages": num_stages or 2} if num_stages or wide else {}),
     )
     return (ht, hs) if output_all else ht
