@@ -214,7 +214,8 @@ def test_tiny_model_cuda_fp32_matches_cpu_and_pic_is_consistent(arch, tmp_path, 
         ref, _ = cpu.forward_layout(cpu.empty_state(), [LiveRun(ids, 0)], logits_for="all")
         got, _ = gpu.forward_layout(gpu.empty_state(), [LiveRun(ids, 0)], logits_for="all")
     assert ref.abs().max().item() > 1e-2
-    assert (got.float().cpu() - ref).abs().max().item() <= LOGITS_ATOL.get(arch, 1e-3)
+    err = (got.float().cpu() - ref).abs().max().item()
+    assert err <= LOGITS_ATOL.get(arch, 1e-3), f"{arch}: max |logits CUDA - CPU| = {err:.3g}"
 
     # pic on CUDA: segments of 70 tokens (chunked path for the entries), cold == warm (up to rounding)
     gen = torch.Generator().manual_seed(5)
@@ -225,5 +226,9 @@ def test_tiny_model_cuda_fp32_matches_cpu_and_pic_is_consistent(arch, tmp_path, 
     warm = pic.prefill(pic.parse_request(obj))
     assert cold.stats.built_tokens > 0 and warm.stats.built_tokens == 0
     # warm resumes from the prefix cache; on the CPU reference path kimi_linear and minimax differ
-    # from cold by float rounding (max 1.2e-6 / 4.2e-7, measured 2026-11-30), the others are equal
-    assert (cold.logits - warm.logits).abs().max().item() <= 1e-4
+    # from cold by float rounding (max 1.2e-6 / 4.2e-7, measured 2026-11-30), the others are equal.
+    # On CUDA, cold and warm run fla's chunked kernels over different runs (a batched cold build,
+    # then a restore and a live tail); where those kernels take TF32 dots whatever the fp32 setting
+    # (olmo_hybrid, kimi_linear: LOGITS_ATOL above), their results differ by TF32 rounding too.
+    gap = (cold.logits - warm.logits).abs().max().item()
+    assert gap <= (LOGITS_ATOL[arch] if arch in LOGITS_ATOL else 1e-4), f"{arch}: max |cold - warm| = {gap:.3g}"
