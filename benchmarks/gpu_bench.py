@@ -11,6 +11,7 @@ GPU and in pinned host memory), decode tokens/s, and pic-vs-full numerics in bf1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -23,6 +24,20 @@ import time
 import torch
 
 SEG, QUESTION, SEAM = 1024, 64, 8
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str):
+    """os.environ[name] = value inside the block, restored (or removed) after it."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def timed(fn, repeat=3, warmup=1):
@@ -119,17 +134,10 @@ def cold_prefill(model, peer, n, vocab, figures, tag):
     t_plain, _ = timed(lambda: model.forward_layout(model.empty_state(), [LiveRun(ids, 0)], "none"), repeat=5)
     figures[f"construction_overhead_pct_{tag}"] = round((t_entry / t_plain - 1) * 100, 2)
     # each layout of the entry's T run (kernels/ops/gated_delta_rule/fla_entry.py), same run
-    old = os.environ.get("HYBRIDCACHE_ENTRY_T_RUN")
-    try:
-        for mode in ("stacked", "sequential", "stream"):
-            os.environ["HYBRIDCACHE_ENTRY_T_RUN"] = mode
+    for mode in ("stacked", "sequential", "stream"):
+        with env_var("HYBRIDCACHE_ENTRY_T_RUN", mode):
             t_mode, _ = timed(lambda: model.forward_layout(model.empty_state(), layout_entry, "none"), repeat=5)
-            figures[f"construction_overhead_pct_{tag}_t_run_{mode}"] = round((t_mode / t_plain - 1) * 100, 2)
-    finally:
-        if old is None:
-            os.environ.pop("HYBRIDCACHE_ENTRY_T_RUN", None)
-        else:
-            os.environ["HYBRIDCACHE_ENTRY_T_RUN"] = old
+        figures[f"construction_overhead_pct_{tag}_t_run_{mode}"] = round((t_mode / t_plain - 1) * 100, 2)
 
 
 def compose_figures(cfg, figures, n_seg=32):
@@ -242,15 +250,8 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
 
     t_pic, (logits_pic, state_pic) = timed(run_pic, repeat=5)
     # the same assembly with the seams' attention in masked SDPA instead of kernels/ops/attention
-    old = os.environ.get("HYBRIDCACHE_LIVE_ATTENTION")
-    os.environ["HYBRIDCACHE_LIVE_ATTENTION"] = "sdpa"
-    try:
+    with env_var("HYBRIDCACHE_LIVE_ATTENTION", "sdpa"):
         t_pic_sdpa, (logits_sdpa, _) = timed(run_pic, repeat=5)
-    finally:
-        if old is None:
-            os.environ.pop("HYBRIDCACHE_LIVE_ATTENTION", None)
-        else:
-            os.environ["HYBRIDCACHE_LIVE_ATTENTION"] = old
     figures[f"pic_ttft_ms_{tag}_gpu_resident_sdpa_live_attention"] = round(t_pic_sdpa, 2)
     figures[f"pic_live_attention_triton_vs_sdpa_logits_max_abs_diff_{tag}"] = float(
         f"{(logits_pic.float() - logits_sdpa.float()).abs().max().item():.3g}"
@@ -343,38 +344,33 @@ def shape_churn_figures(model, cfg, figures, n_seg=8, fresh=4, steps=16):
     gen = torch.Generator().manual_seed(99)
     segs = [torch.randint(0, cfg.vocab_size, (SEG,), generator=gen) for _ in range(n_seg)]
     entries = build_entries(model, segs)
-    old = os.environ.get("HYBRIDCACHE_SDPA_BACKENDS")
     base = 40
     try:
         for tag, spec in (("torch", "torch"), ("default", backends.DEFAULT_SDPA_BACKENDS)):
-            os.environ["HYBRIDCACHE_SDPA_BACKENDS"] = spec
-            backends.sdpa_backends.cache_clear()
-            first, again = [], []
-            for i in range(fresh):
-                q = torch.randint(0, cfg.vocab_size, (base + i,), generator=gen)
-                for times in (first, again):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    model.forward_layout(model.empty_state(), pic_layout(segs, entries, q), "last")
-                    torch.cuda.synchronize()
-                    times.append((time.perf_counter() - t0) * 1e3)
-            base += fresh
-            figures[f"pic_ms_new_shape_8x1k_sdpa_{tag}"] = round(statistics.median(first), 2)
-            figures[f"pic_ms_same_shape_8x1k_sdpa_{tag}"] = round(statistics.median(again), 2)
-            state = model.empty_state()
-            logits, _ = model.forward_layout(state, [LiveRun(torch.cat(segs[:2]), 0)], "last")
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                tok = logits.argmax().view(1).cpu()
-                logits, _ = model.forward_layout(state, [LiveRun(tok, state.length)], "last")
-            torch.cuda.synchronize()
-            figures[f"decode_tokens_per_s_batch1_sdpa_{tag}"] = round(steps / (time.perf_counter() - t0), 1)
+            with env_var("HYBRIDCACHE_SDPA_BACKENDS", spec):
+                backends.sdpa_backends.cache_clear()
+                first, again = [], []
+                for i in range(fresh):
+                    q = torch.randint(0, cfg.vocab_size, (base + i,), generator=gen)
+                    for times in (first, again):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        model.forward_layout(model.empty_state(), pic_layout(segs, entries, q), "last")
+                        torch.cuda.synchronize()
+                        times.append((time.perf_counter() - t0) * 1e3)
+                base += fresh
+                figures[f"pic_ms_new_shape_8x1k_sdpa_{tag}"] = round(statistics.median(first), 2)
+                figures[f"pic_ms_same_shape_8x1k_sdpa_{tag}"] = round(statistics.median(again), 2)
+                state = model.empty_state()
+                logits, _ = model.forward_layout(state, [LiveRun(torch.cat(segs[:2]), 0)], "last")
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    tok = logits.argmax().view(1).cpu()
+                    logits, _ = model.forward_layout(state, [LiveRun(tok, state.length)], "last")
+                torch.cuda.synchronize()
+                figures[f"decode_tokens_per_s_batch1_sdpa_{tag}"] = round(steps / (time.perf_counter() - t0), 1)
     finally:
-        if old is None:
-            os.environ.pop("HYBRIDCACHE_SDPA_BACKENDS", None)
-        else:
-            os.environ["HYBRIDCACHE_SDPA_BACKENDS"] = old
         backends.sdpa_backends.cache_clear()
 
 

@@ -418,7 +418,7 @@ def attention(q, k, v, live_pos: torch.Tensor, scale: float, first_pos: int | No
     narrow = max(q.shape[-1], v.shape[-1]) <= 256
     if not tail and narrow and use_fast_kernels(q) and live_attention_kernel() == "triton":
         # Live tokens interleaved with cached spans (seams): kernels/ops/attention, each query's
-        # keys bounded by its position inside the kernel, GQA folded, no mask and no K/V copies
+        # keys bounded by its position inside the kernel, GQA folded: no mask, no repeated K/V
         # (its tiles are tuned and GPU-tested up to head dim 256; wider heads stay on SDPA)
         from hybridcache.kernels.ops.attention.triton import live_attention
 

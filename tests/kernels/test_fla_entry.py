@@ -97,11 +97,11 @@ def test_t_run_choice_cpu(monkeypatch):
     from hybridcache.kernels.ops.gated_delta_rule import fla_entry
 
     monkeypatch.delenv("HYBRIDCACHE_ENTRY_T_RUN", raising=False)
-    assert fla_entry.pick_t_run(1, 32, 128, 128, "cuda") == "sequential"
-    assert fla_entry.pick_t_run(1, 32, 128, 128, "cuda", "stacked") == "stacked"
-    assert fla_entry.pick_t_run(1, 32, 64, 128, "cuda", "stacked") == "sequential"  # K != V cannot stack
-    assert fla_entry.pick_t_run(32, 32, 128, 128, "cuda", "stream") == "stream"
+    assert fla_entry.pick_t_run(128, 128) == "sequential"
+    assert fla_entry.pick_t_run(128, 128, "stacked") == "stacked"
+    assert fla_entry.pick_t_run(64, 128, "stacked") == "sequential"  # K != V cannot stack
+    assert fla_entry.pick_t_run(128, 128, "stream") == "stream"
     monkeypatch.setenv("HYBRIDCACHE_ENTRY_T_RUN", "stream")
-    assert fla_entry.pick_t_run(1, 32, 128, 128, "cuda") == "stream"
+    assert fla_entry.pick_t_run(128, 128) == "stream"
     with pytest.raises(ValueError, match="t_run must be one of"):
-        fla_entry.pick_t_run(1, 32, 128, 128, "cuda", "parallel")
+        fla_entry.pick_t_run(128, 128, "parallel")

@@ -37,11 +37,10 @@ negative position sees no key and gets zeros.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+from hybridcache.kernels.ops.transition.compose_triton import _sm_count
 
 _LOG2E = 1.4426950408889634
 
@@ -167,11 +166,6 @@ def _config(dq: int, dv: int, dtype: torch.dtype, rows: int):
     # few rows (decode: G rows): a smaller row block, 16 at least (tl.dot)
     bm = min(bm, max(16, triton.next_power_of_2(rows)))
     return bm, bn, warps, stages
-
-
-@functools.cache
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 MIN_SPLIT_KEYS = 512  # keys per split at least: a split's fixed costs (Q tile, partial store) stay small

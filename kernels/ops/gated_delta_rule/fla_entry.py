@@ -36,7 +36,7 @@ def _side_stream(device):
     return torch.cuda.Stream(device)
 
 
-def pick_t_run(B: int, HV: int, K: int, V: int, device, t_run: str | None = None) -> str:
+def pick_t_run(K: int, V: int, t_run: str | None = None) -> str:
     """The T run's layout: `t_run`, else HYBRIDCACHE_ENTRY_T_RUN, else "sequential"."""
     mode = t_run or os.environ.get("HYBRIDCACHE_ENTRY_T_RUN") or "sequential"
     if mode not in T_RUNS:
@@ -85,7 +85,7 @@ def chunk_gated_delta_rule_entry(
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=chunk_size)
     eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(B, HV, K, K)
     h0 = initial_state.float() if initial_state is not None else torch.zeros(B, HV, K, V, device=k.device)
-    mode = pick_t_run(B, HV, K, V, k.device, t_run)
+    mode = pick_t_run(K, V, t_run)
     if mode == "stacked":
         h, v_new, final = chunk_gated_delta_rule_fwd_h(
             k=k.repeat(2, 1, 1, 1),

@@ -131,6 +131,7 @@ def compose_states_fwd(
         while BV > 32 and G * triton.cdiv(V, BV) < _sm_count(S.device):
             BV //= 2
     wide = on_gpu and half and BK >= 128 and BV >= 128  # the 16-warp, 2-stage default (docstring)
+    stages = num_stages or (2 if wide else None)
     precision = dot_precision or (("tf32" if half else "tf32x3") if on_gpu else "ieee")
     ht = torch.empty(G, K, V, dtype=torch.float32, device=S.device)
     hs = torch.empty(N, G, K, V, dtype=torch.float32, device=S.device) if output_all else None
@@ -149,6 +150,6 @@ def compose_states_fwd(
         BV=BV,
         DOT_PRECISION=precision,
         num_warps=num_warps or ((16 if wide else 8) if on_gpu and BK >= 128 else 4),
-        **({"num_stages": num_stages or 2} if num_stages or wide else {}),
+        **({"num_stages": stages} if stages else {}),
     )
     return (ht, hs) if output_all else ht
