@@ -95,7 +95,7 @@ for stage in "$@"; do
         per=$(( ${FAMILIES_TIMEOUT:-500} / $(echo $fams | wc -w) ))
         : > "$OUT/families.log"
         for fam in $fams; do
-            TRITON_F32_DEFAULT=ieee timeout -s INT "$per" python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+            TRITON_F32_DEFAULT=ieee timeout -s INT "$per" python3 -m pytest -v -s -m gpu -p no:cacheprovider -rfE \
                 --tb=short "$families[$fam]" >> "$OUT/families.log" 2>&1
             echo "families $fam rc=$? (limit $per s)"
         done
