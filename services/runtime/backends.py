@@ -175,20 +175,37 @@ def ssd(x, dt, A, B, C, D, initial_state, output_transition: bool):
     return naive_ssd(x, dt, A, B, C, D=D, initial_state=initial_state, output_transition=output_transition)
 
 
+def _block(b):
+    """A fold_states block as a tensor: b itself, or row i of base for a pair (base, i)."""
+    return b[0][b[1] : b[1] + 1] if isinstance(b, tuple) else b
+
+
 def fold_states(Ts, Ss, initial_state, use_transition):
     """States after each of n (T, S) pairs folded in order from initial_state [1, H, K, V]:
     S_i = T_i S_{i-1} + S_i (S_{i-1} + S_i where use_transition[i] is False, the naive ablation).
-    Ts [1, H, K, K] (or vector / scalar T), Ss [1, H, K, V]. Returns a sequence of n [1, H, K, V].
-    On CUDA, matrix T: one Triton launch (compose_states_fwd with every intermediate state)."""
-    matrix = all(T.dim() == 4 and T.shape[-1] == T.shape[-2] for T in Ts)
-    if use_fast_kernels(initial_state) and matrix and all(use_transition):
-        from hybridcache.kernels.ops.transition.compose_triton import compose_states_fwd
+    Ts [1, H, K, K] (or vector / scalar T), Ss [1, H, K, V]; a block may also be a pair (base, i)
+    standing for base[i : i + 1] of a stack of pairs. Returns a sequence of n [1, H, K, V].
+    On CUDA, matrix T: one Triton launch that reads the blocks where they lie through a table of
+    their addresses (compose_states_blocks), every intermediate state out, no stacked copy; the
+    blocks of one kind must share a dtype and be contiguous there (else they are stacked, as
+    torch.cat promotes)."""
+    if use_fast_kernels(initial_state) and all(use_transition):
+        t0 = _block(Ts[0])
+        if t0.dim() == 4 and t0.shape[-1] == t0.shape[-2]:
+            from hybridcache.kernels.ops.transition.compose_triton import compose_states_blocks, compose_states_fwd
 
-        _, states = compose_states_fwd(torch.cat(Ts), torch.cat(Ss), initial_state[0], output_all=True)
-        return states[:, None]  # [n, 1, H, K, V]
+            bases_T = [b[0] if isinstance(b, tuple) else b for b in Ts]
+            bases_S = [b[0] if isinstance(b, tuple) else b for b in Ss]
+            uniform = len({b.dtype for b in bases_T}) == 1 and len({b.dtype for b in bases_S}) == 1
+            if uniform and all(b.is_contiguous() for b in bases_T + bases_S):
+                _, states = compose_states_blocks(Ts, Ss, initial_state[0], output_all=True)
+            else:
+                Ts, Ss = [_block(b) for b in Ts], [_block(b) for b in Ss]
+                _, states = compose_states_fwd(torch.cat(Ts), torch.cat(Ss), initial_state[0], output_all=True)
+            return states[:, None]  # [n, 1, H, K, V]
     out, S = [], initial_state
     for T, S_i, use_t in zip(Ts, Ss, use_transition):
-        S = apply_segment(T, S_i, S, use_t)
+        S = apply_segment(_block(T), _block(S_i), S, use_t)
         out.append(S)
     return out
 

@@ -24,13 +24,14 @@ from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd  # noqa
 from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
 from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_heads, row_norm  # noqa: E402
 from hybridcache.kernels.ops.rope.triton import norm_rope_tokens, rope_heads  # noqa: E402
-from hybridcache.kernels.ops.transition.compose_triton import compose_states_fwd  # noqa: E402
+from hybridcache.kernels.ops.transition.compose_triton import compose_states_blocks, compose_states_fwd  # noqa: E402
 
 __all__ = [
     "L2",
     "RMS",
     "add_rms_norm",
     "causal_conv1d_fwd",
+    "compose_states_blocks",
     "compose_states_fwd",
     "device",
     "gdn_gates",

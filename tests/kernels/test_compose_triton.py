@@ -3,7 +3,7 @@
 import pytest
 import torch
 from hybridcache.kernels.ops.transition import apply_segment
-from kernel_testing import compose_states_fwd, device, rel_rms
+from kernel_testing import compose_states_blocks, compose_states_fwd, device, rel_rms
 
 
 def make_segments(N, G, K, V, dtype, seed=42):
@@ -101,3 +101,65 @@ def test_compose_outputs_every_intermediate_state(with_init):
     for i in range(4):
         assert rel_rms(states[i], reference(T[: i + 1], S[: i + 1], h0)) < 1e-5
     assert torch.equal(states[-1], final)
+
+
+def _scattered_blocks(T, S, dtype_runs=None):
+    """The segments of T, S as the engine holds them: entries as separate [1, G, K, K] tensors
+    (odd indices) and the rest as rows of one [M, G, K, K] base of live runs (even indices)."""
+    runs_T, runs_S = T[0::2].clone(), S[0::2].clone()  # separate storage from T, S
+    Ts, Ss = [], []
+    for i in range(T.shape[0]):
+        if i % 2:
+            Ts.append(T[i : i + 1].clone())
+            Ss.append(S[i : i + 1].clone())
+        else:
+            Ts.append((runs_T, i // 2))
+            Ss.append((runs_S, i // 2))
+    return Ts, Ss, (runs_T, runs_S)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_init", [False, True])
+def test_compose_blocks_reads_entries_in_place(dtype, with_init):
+    """The address-table form over separately stored blocks equals the stacked form and the
+    reference, final and every intermediate state, on odd shapes (K = 20, V = 12, 5 segments)."""
+    T, S = make_segments(5, 3, 20, 12, dtype)
+    h0 = torch.randn(3, 20, 12, device=device()) if with_init else None
+    Ts, Ss, _keep = _scattered_blocks(T, S)
+    final, states = compose_states_blocks(Ts, Ss, h0, output_all=True)
+    ref_final, ref_states = compose_states_fwd(T, S, h0, output_all=True)
+    assert torch.allclose(states, ref_states, rtol=1e-6, atol=1e-6)
+    assert torch.equal(states[-1], final)
+    for i in range(5):
+        assert rel_rms(states[i], reference(T[: i + 1], S[: i + 1], h0)) < 1e-5
+    # the order of the table is the order of the fold
+    rev = compose_states_blocks(Ts[::-1], Ss[::-1], h0)
+    assert rel_rms(rev, ref_final) > 1e-2
+
+
+def test_compose_blocks_rejects_bad_blocks():
+    T, S = make_segments(2, 2, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="as many"):
+        compose_states_blocks([T[0:1]], [S[0:1], S[1:2]])
+    with pytest.raises(ValueError, match="is not"):
+        compose_states_blocks([T[0:1], T[0:1, :1]], [S[0:1], S[1:2]])
+    with pytest.raises(ValueError, match="contiguous"):
+        compose_states_blocks([T[0:1].transpose(-1, -2)], [S[0:1]])
+    with pytest.raises(ValueError, match="dtype"):
+        compose_states_blocks([T[0:1], T[1:2].double()], [S[0:1], S[1:2]])
+    with pytest.raises(ValueError, match="outside"):
+        compose_states_blocks([(T, 2)], [(S, 0)])
+    with pytest.raises(ValueError, match="initial_state"):
+        compose_states_blocks([T[0:1]], [S[0:1]], torch.zeros(2, 16, 4, device=device()))
+
+
+@pytest.mark.gpu
+def test_compose_blocks_one_layer_gpu():
+    """The engine's per-layer launch at Qwen3.5-9B's head shape: 32 heads x 128^2, bf16 entries
+    scattered over 65 blocks, against the stacked kernel (same math: equal up to rounding)."""
+    T, S = make_segments(65, 32, 128, 128, torch.bfloat16)
+    h0 = torch.randn(32, 128, 128, device="cuda")
+    Ts, Ss, _keep = _scattered_blocks(T, S)
+    final, states = compose_states_blocks(Ts, Ss, h0, output_all=True)
+    ref_final, ref_states = compose_states_fwd(T, S, h0, output_all=True)
+    assert torch.equal(final, ref_final) and torch.equal(states, ref_states)

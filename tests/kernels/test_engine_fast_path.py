@@ -1,5 +1,6 @@
 """The engine's fast-kernel dispatch, run on CPU under the Triton interpreter: a pic assembly whose
-linear layers fold spans and runs with the Triton compose kernel (every intermediate state) and
+linear layers fold spans and runs with the Triton compose kernel (reading the entries and the runs'
+pairs in place through an address table, every intermediate state out) and
 warm their convs with the Triton causal conv gives the reference path's logits and states."""
 
 import random
@@ -23,9 +24,9 @@ def test_pic_assembly_with_fast_kernels_equals_reference(qwen35_dir, monkeypatch
     from hybridcache.kernels.ops.transition import compose_triton
 
     calls = []
-    real = compose_triton.compose_states_fwd
+    real = compose_triton.compose_states_blocks
     monkeypatch.setattr(
-        compose_triton, "compose_states_fwd", lambda *a, **k: calls.append(k.get("output_all")) or real(*a, **k)
+        compose_triton, "compose_states_blocks", lambda *a, **k: calls.append(k.get("output_all")) or real(*a, **k)
     )
     # the other fused kernels of the CUDA path, counted as they run
     from hybridcache.kernels.ops.activation import triton as act
@@ -62,7 +63,8 @@ def test_pic_assembly_with_fast_kernels_equals_reference(qwen35_dir, monkeypatch
         eng.generate(dict(req, system=[1]))  # warm the entries after another prefix
         results.append(eng.prefill(eng.parse_request(req)))
     ref, fast = results
-    assert calls and all(calls)  # the fold really ran in the Triton kernel, with every state out
+    # the fold really ran in the Triton kernel over the entries in place, with every state out
+    assert calls and all(calls)
     assert used == {name for _, name in fused}
     assert all(s.hit for s in fast.stats.segments)
     assert rel_rms(fast.logits, ref.logits) < 1e-5

@@ -32,6 +32,8 @@ def compose_states_fwd_kernel(
     h0,
     ht,
     hs,
+    Tref,
+    Sref,
     N,
     G: tl.constexpr,
     K: tl.constexpr,
@@ -41,7 +43,10 @@ def compose_states_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     STORE_ALL: tl.constexpr,
+    INDIRECT: tl.constexpr,
 ):
+    # INDIRECT: T and S are int64 tables of N addresses, each of one segment's [G, K, K] / [G, K, V]
+    # block (contiguous), in the element types of Tref / Sref; else [N, G, K, K] / [N, G, K, V].
     i_g, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -56,9 +61,15 @@ def compose_states_fwd_kernel(
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     for i_n in range(N):
-        i_ng = i_g + i_n * G
-        p_t = T + i_ng * K * K + o_k[:, None] * K + o_k[None, :]
-        p_s = S + i_ng * K * V + o_k[:, None] * V + o_v[None, :]
+        if INDIRECT:
+            t_base = tl.load(T + i_n).to(Tref.dtype, bitcast=True)
+            s_base = tl.load(S + i_n).to(Sref.dtype, bitcast=True)
+            p_t = t_base + i_g * K * K + o_k[:, None] * K + o_k[None, :]
+            p_s = s_base + i_g * K * V + o_k[:, None] * V + o_v[None, :]
+        else:
+            i_ng = i_g + i_n * G
+            p_t = T + i_ng * K * K + o_k[:, None] * K + o_k[None, :]
+            p_s = S + i_ng * K * V + o_k[:, None] * V + o_v[None, :]
         b_t = tl.load(p_t, mask=m_kk, other=0.0).to(tl.float32)  # [BK, BK]
         b_s = tl.load(p_s, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
         b_h = tl.dot(b_t, b_h, b_s, input_precision=DOT_PRECISION)
@@ -117,10 +128,15 @@ def compose_states_fwd(
     if initial_state is not None and initial_state.shape != (G, K, V):
         raise ValueError(f"initial_state must be [{G}, {K}, {V}], got {tuple(initial_state.shape)}")
     T, S = T.contiguous(), S.contiguous()
+    return _launch(T, S, T, S, N, G, K, V, initial_state, output_all, block_v, dot_precision, num_warps, num_stages)
+
+
+def _launch(T, S, Tref, Sref, N, G, K, V, initial_state, output_all, block_v, dot_precision, num_warps, num_stages):
+    """One launch of the kernel over stacked entries (T is Tref) or address tables (T is int64)."""
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    on_gpu = S.is_cuda
-    half = T.dtype in (torch.bfloat16, torch.float16) and S.dtype in (torch.bfloat16, torch.float16)
+    on_gpu = Sref.is_cuda
+    half = Tref.dtype in (torch.bfloat16, torch.float16) and Sref.dtype in (torch.bfloat16, torch.float16)
     BK = max(16, triton.next_power_of_2(K))
     BV = block_v or max(16, triton.next_power_of_2(V))
     if on_gpu and block_v is None:
@@ -128,13 +144,13 @@ def compose_states_fwd(
         # Few (layer, head) pairs, e.g. one layer's heads in the live scan: narrower column blocks
         # until the programs cover the SMs (32 heads x 1 block left 100 of an H200's 132 idle,
         # each program walking all n segments in sequence).
-        while BV > 32 and G * triton.cdiv(V, BV) < _sm_count(S.device):
+        while BV > 32 and G * triton.cdiv(V, BV) < _sm_count(Sref.device):
             BV //= 2
     wide = on_gpu and half and BK >= 128 and BV >= 128  # the 16-warp, 2-stage default (docstring)
     stages = num_stages or (2 if wide else None)
     precision = dot_precision or (("tf32" if half else "tf32x3") if on_gpu else "ieee")
-    ht = torch.empty(G, K, V, dtype=torch.float32, device=S.device)
-    hs = torch.empty(N, G, K, V, dtype=torch.float32, device=S.device) if output_all else None
+    ht = torch.empty(G, K, V, dtype=torch.float32, device=Sref.device)
+    hs = torch.empty(N, G, K, V, dtype=torch.float32, device=Sref.device) if output_all else None
     grid = (G, triton.cdiv(V, BV))
     compose_states_fwd_kernel[grid](
         T=T,
@@ -142,6 +158,8 @@ def compose_states_fwd(
         h0=initial_state,
         ht=ht,
         hs=hs,
+        Tref=Tref,
+        Sref=Sref,
         N=N,
         G=G,
         K=K,
@@ -149,7 +167,74 @@ def compose_states_fwd(
         BK=BK,
         BV=BV,
         DOT_PRECISION=precision,
+        INDIRECT=T is not Tref,
         num_warps=num_warps or ((16 if wide else 8) if on_gpu and BK >= 128 else 4),
         **({"num_stages": stages} if stages else {}),
     )
     return (ht, hs) if output_all else ht
+
+
+def _block_addresses(blocks, inner: tuple[int, int, int], what: str):
+    """Addresses of the [G, K, X] blocks `inner` in `blocks` (tensors whose leading dims are all 1,
+    or (base, i) for row i of a [M, G, K, X] base), with one tensor for their dtype and device."""
+    addrs, ref, size = [], None, inner[0] * inner[1] * inner[2]
+    checked = set()
+    for b in blocks:
+        base, i = b if isinstance(b, tuple) else (b, 0)
+        if id(base) not in checked:
+            rows = base.shape[0] if isinstance(b, tuple) and base.dim() == 4 else 1
+            if tuple(base.shape[-3:]) != inner or base.numel() != rows * size:
+                raise ValueError(f"{what} block of shape {tuple(base.shape)} is not [{', '.join(map(str, inner))}]")
+            if not base.is_contiguous():
+                raise ValueError(f"{what} blocks must be contiguous")
+            if ref is None:
+                ref = base
+            elif base.dtype != ref.dtype or base.device != ref.device:
+                got, want = f"{base.dtype} on {base.device}", f"{ref.dtype} on {ref.device}"
+                raise ValueError(f"{what} blocks differ in dtype or device: {got} against {want}")
+            checked.add(id(base))
+        if isinstance(b, tuple) and not 0 <= i < base.shape[0]:
+            raise ValueError(f"{what} block row {i} is outside its base of {base.shape[0]} rows")
+        addrs.append(base.data_ptr() + i * size * base.element_size())
+    return addrs, ref
+
+
+def compose_states_blocks(
+    Ts,
+    Ss,
+    initial_state: torch.Tensor | None = None,
+    output_all: bool = False,
+    block_v: int | None = None,
+    dot_precision: str | None = None,
+):
+    """compose_states_fwd over entries left where they are: no [N, ...] stack is copied.
+
+    Ts, Ss: n blocks each, in order; a block is a contiguous tensor of one segment's [G, K, K] (T)
+    or [G, K, V] (S) with leading dims of size 1 (e.g. an entry's [1, H, K, K] layer), or a pair
+    (base, i) for row i of a contiguous [M, G, K, K] / [M, G, K, V] base (e.g. the live runs'
+    pairs of one scan). All T blocks share a dtype and device, all S blocks too. The kernel reads
+    each block through a table of addresses (one small host-to-device copy); the blocks must stay
+    alive until the launch has run, as they do while the caller holds them.
+
+    Returns as compose_states_fwd: [G, K, V] fp32 (and the [N, G, K, V] states with output_all).
+    """
+    if len(Ts) != len(Ss) or not Ts:
+        raise ValueError(f"need as many T blocks as S blocks, at least one (got {len(Ts)} and {len(Ss)})")
+    t0 = Ts[0][0] if isinstance(Ts[0], tuple) else Ts[0]
+    s0 = Ss[0][0] if isinstance(Ss[0], tuple) else Ss[0]
+    if t0.dim() < 3 or s0.dim() < 3:
+        raise ValueError(f"T and S blocks must be [G, K, K] and [G, K, V], got {tuple(t0.shape)}, {tuple(s0.shape)}")
+    G, K, V = s0.shape[-3:]
+    if initial_state is not None and initial_state.shape != (G, K, V):
+        raise ValueError(f"initial_state must be [{G}, {K}, {V}], got {tuple(initial_state.shape)}")
+    t_addr, Tref = _block_addresses(Ts, (G, K, K), "T")
+    s_addr, Sref = _block_addresses(Ss, (G, K, V), "S")
+    if Tref.device != Sref.device:
+        raise ValueError(f"T blocks on {Tref.device}, S blocks on {Sref.device}")
+    table = torch.tensor(t_addr + s_addr, dtype=torch.int64)
+    if Sref.is_cuda:
+        table = table.pin_memory().to(Sref.device, non_blocking=True)
+    N = len(Ts)
+    return _launch(
+        table[:N], table[N:], Tref, Sref, N, G, K, V, initial_state, output_all, block_v, dot_precision, None, None
+    )

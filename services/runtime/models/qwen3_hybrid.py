@@ -253,6 +253,26 @@ class GatedDeltaNet(nn.Module):
         o = linear_layout(layout, (mixed, b, a), state, rec, layer_idx, scan, lo, hi, off)
         return mixed.new_zeros(1, 0, self.hv, self.dv) if o is None else o
 
+    @staticmethod
+    def _entering_states(states, rows, state_in):
+        """[m, H, K, V]: for each run, the folded state before it, row r of `states` (a stack
+        [n, 1, H, K, V] from the CUDA fold, else a list of [1, H, K, V]), -1 for state_in. From
+        the stack: one strided view when the rows are evenly spaced (runs and spans alternating),
+        else one gather; never a select and a copy per run."""
+        if not isinstance(states, torch.Tensor):
+            return torch.cat([state_in if r < 0 else states[r] for r in rows], dim=0)
+        head, rest = (rows[:1], rows[1:]) if rows[0] < 0 else ([], rows)
+        if not rest:
+            picked = None
+        elif len(rest) == 1 or len({b - a for a, b in zip(rest, rest[1:])}) == 1 and rest[1] > rest[0]:
+            step = rest[1] - rest[0] if len(rest) > 1 else 1
+            picked = states[rest[0] : rest[-1] + 1 : step, 0]
+        else:
+            picked = states[backends.to_device_async(torch.tensor(rest), states.device), 0]
+        if not head:
+            return picked
+        return state_in if picked is None else torch.cat([state_in, picked], dim=0)
+
     def qkv_gates(self, conv_out, b, a):
         """conv outputs [B, n, conv_dim], b, a [B, n, Hv] -> q, k [B, n, Hv, dk] (L2-normed; fp32, or
         v's dtype on CUDA with fla, whose kernels take that), v [B, n, Hv, dv], g, beta [B, n, Hv] fp32."""
@@ -370,11 +390,12 @@ class GatedDeltaNet(nn.Module):
                 Ss.append(span.S)
                 use_t.append(piece.use_transition)
             else:
-                Ts.append(T_runs[j : j + 1])
-                Ss.append(S0_runs[j : j + 1])
+                Ts.append((T_runs, j))  # row j of the runs' pairs, not a slice (host time per piece)
+                Ss.append((S0_runs, j))
                 use_t.append(True)
                 j += 1
-        states = backends.fold_states(Ts, Ss, state.ssm, use_t)
+        state_in = state.ssm
+        states = backends.fold_states(Ts, Ss, state_in, use_t)
         # States kept for the prefix store: one gather per layer (not a clone per piece); the
         # snapshots are views of it. Restoring a snapshot clones, and entries are never written
         # in place, so a span's conv tail is kept as is.
@@ -387,7 +408,7 @@ class GatedDeltaNet(nn.Module):
             else:
                 gathered = torch.stack([states[r] for r in rows])
             kept = {i: gathered[n] for n, i in enumerate(snap_at)}
-        entering = []
+        entering = []  # per run: the fold's row of the state entering it, -1 for the layer's state
         j = 0
         for idx in range(lo, hi):
             piece, p = layout[idx], pair_of[idx]
@@ -396,7 +417,7 @@ class GatedDeltaNet(nn.Module):
                     tail = piece.data.linear[layer_idx].conv_tail.to(dt)
                     rec.snapshots[idx][layer_idx] = LinearState(kept[idx], tail)
                 continue
-            entering.append(states[p - 1] if p else state.ssm)
+            entering.append(p - 1)
             if rec is not None and piece.record == "entry":
                 rec.entries[idx].linear[layer_idx] = LinearSpan(
                     T=T_runs[j : j + 1].clone(), S=S0_runs[j : j + 1].clone(), conv_tail=tail_after(j)
@@ -412,7 +433,7 @@ class GatedDeltaNet(nn.Module):
         else:
             state.conv = tail_after(m - 1)
         # 3. outputs from the entering states: o0 + u S_in (one batched product, no second scan)
-        s_in = torch.cat(entering, dim=0)  # [m, Hv, dk, dv] fp32
+        s_in = self._entering_states(states, entering, state_in)  # [m, Hv, dk, dv] fp32
         o_pad = (o0.float() + torch.einsum("mlhk,mhkv->mlhv", u.float(), s_in)).to(o0.dtype)
         o_runs = o_pad.reshape(m * L, *o_pad.shape[2:])[flat]  # gather, no host sync
         return o_runs.unsqueeze(0)
