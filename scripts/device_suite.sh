@@ -13,6 +13,7 @@
 #   qps         benchmarks/segment_parallel.py --qps-only --trace-requests 24 (one GPU)
 #   sp2         benchmarks/segment_parallel.py --gpus 2 --no-qps --repeats 3 (two GPUs)
 #   profile     benchmarks/profile_forward.py --segments 32 --sync-check (one GPU)
+#   fold        benchmarks/fold_bench.py: one linear layer's fold of a 32 x 1k pic request (one GPU)
 #   train       benchmarks/train_qa_model.py --fla (the QA model of issue 7) for TRAIN_SECONDS (default
 #               500), continuing from .qa-ckpt/ when it holds a model (carry it); TRAIN_ARGS adds
 #               flags. The model comes back sharded in $OUT/model; to chain calls, here:
@@ -36,9 +37,9 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | qps | sp2 | profile | train) ;;
+    gpu-tests | families | bench | qps | sp2 | profile | fold | train) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, sp2, profile, train)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, sp2, profile, fold, train)" >&2
         exit 2 ;;
     esac
 done
@@ -112,6 +113,9 @@ for stage in "$@"; do
     profile)
         python3 benchmarks/profile_forward.py --segments 32 --top 25 --sync-check > "$OUT/profile.json" 2> "$OUT/profile.log"
         echo "profile rc=$?" ;;
+    fold)
+        python3 benchmarks/fold_bench.py --out "$OUT/fold.json" > "$OUT/fold.log" 2>&1
+        echo "fold rc=$?" ;;
     train)
         init=()
         if [ -f .qa-ckpt/model.safetensors ]; then

@@ -118,22 +118,23 @@ def _scattered_blocks(T, S, dtype_runs=None):
     return Ts, Ss, (runs_T, runs_S)
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_init", [False, True])
-def test_compose_blocks_reads_entries_in_place(dtype, with_init):
+def test_compose_blocks_reads_entries_in_place(dtype, with_init, prefetch):
     """The address-table form over separately stored blocks equals the stacked form and the
     reference, final and every intermediate state, on odd shapes (K = 20, V = 12, 5 segments)."""
     T, S = make_segments(5, 3, 20, 12, dtype)
     h0 = torch.randn(3, 20, 12, device=device()) if with_init else None
     Ts, Ss, _keep = _scattered_blocks(T, S)
-    final, states = compose_states_blocks(Ts, Ss, h0, output_all=True)
+    final, states = compose_states_blocks(Ts, Ss, h0, output_all=True, prefetch_addresses=prefetch)
     ref_final, ref_states = compose_states_fwd(T, S, h0, output_all=True)
     assert torch.allclose(states, ref_states, rtol=1e-6, atol=1e-6)
     assert torch.equal(states[-1], final)
     for i in range(5):
         assert rel_rms(states[i], reference(T[: i + 1], S[: i + 1], h0)) < 1e-5
     # the order of the table is the order of the fold
-    rev = compose_states_blocks(Ts[::-1], Ss[::-1], h0)
+    rev = compose_states_blocks(Ts[::-1], Ss[::-1], h0, prefetch_addresses=prefetch)
     assert rel_rms(rev, ref_final) > 1e-2
 
 
@@ -160,6 +161,7 @@ def test_compose_blocks_one_layer_gpu():
     T, S = make_segments(65, 32, 128, 128, torch.bfloat16)
     h0 = torch.randn(32, 128, 128, device="cuda")
     Ts, Ss, _keep = _scattered_blocks(T, S)
-    final, states = compose_states_blocks(Ts, Ss, h0, output_all=True)
     ref_final, ref_states = compose_states_fwd(T, S, h0, output_all=True)
-    assert torch.equal(final, ref_final) and torch.equal(states, ref_states)
+    for prefetch in (True, False):
+        final, states = compose_states_blocks(Ts, Ss, h0, output_all=True, prefetch_addresses=prefetch)
+        assert torch.equal(final, ref_final) and torch.equal(states, ref_states)

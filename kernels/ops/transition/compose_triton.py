@@ -44,6 +44,7 @@ def compose_states_fwd_kernel(
     USE_INITIAL_STATE: tl.constexpr,
     STORE_ALL: tl.constexpr,
     INDIRECT: tl.constexpr,
+    PREFETCH_ADDRESSES: tl.constexpr,
 ):
     # INDIRECT: T and S are int64 tables of N addresses, each of one segment's [G, K, K] / [G, K, V]
     # block (contiguous), in the element types of Tref / Sref; else [N, G, K, K] / [N, G, K, V].
@@ -60,10 +61,20 @@ def compose_states_fwd_kernel(
         b_h = tl.load(h0 + p_h, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if INDIRECT and PREFETCH_ADDRESSES:
+        t_next = tl.load(T).to(Tref.dtype, bitcast=True)
+        s_next = tl.load(S).to(Sref.dtype, bitcast=True)
     for i_n in range(N):
         if INDIRECT:
-            t_base = tl.load(T + i_n).to(Tref.dtype, bitcast=True)
-            s_base = tl.load(S + i_n).to(Sref.dtype, bitcast=True)
+            if PREFETCH_ADDRESSES:
+                # the next step's addresses load a step ahead, so the tile loads need not wait on them
+                t_base, s_base = t_next, s_next
+                i_next = tl.minimum(i_n + 1, N - 1)
+                t_next = tl.load(T + i_next).to(Tref.dtype, bitcast=True)
+                s_next = tl.load(S + i_next).to(Sref.dtype, bitcast=True)
+            else:
+                t_base = tl.load(T + i_n).to(Tref.dtype, bitcast=True)
+                s_base = tl.load(S + i_n).to(Sref.dtype, bitcast=True)
             p_t = t_base + i_g * K * K + o_k[:, None] * K + o_k[None, :]
             p_s = s_base + i_g * K * V + o_k[:, None] * V + o_v[None, :]
         else:
@@ -131,7 +142,23 @@ def compose_states_fwd(
     return _launch(T, S, T, S, N, G, K, V, initial_state, output_all, block_v, dot_precision, num_warps, num_stages)
 
 
-def _launch(T, S, Tref, Sref, N, G, K, V, initial_state, output_all, block_v, dot_precision, num_warps, num_stages):
+def _launch(
+    T,
+    S,
+    Tref,
+    Sref,
+    N,
+    G,
+    K,
+    V,
+    initial_state,
+    output_all,
+    block_v,
+    dot_precision,
+    num_warps,
+    num_stages,
+    prefetch=True,
+):
     """One launch of the kernel over stacked entries (T is Tref) or address tables (T is int64)."""
     if initial_state is not None:
         initial_state = initial_state.contiguous()
@@ -168,6 +195,7 @@ def _launch(T, S, Tref, Sref, N, G, K, V, initial_state, output_all, block_v, do
         BV=BV,
         DOT_PRECISION=precision,
         INDIRECT=T is not Tref,
+        PREFETCH_ADDRESSES=prefetch,
         num_warps=num_warps or ((16 if wide else 8) if on_gpu and BK >= 128 else 4),
         **({"num_stages": stages} if stages else {}),
     )
@@ -206,6 +234,9 @@ def compose_states_blocks(
     output_all: bool = False,
     block_v: int | None = None,
     dot_precision: str | None = None,
+    prefetch_addresses: bool = True,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ):
     """compose_states_fwd over entries left where they are: no [N, ...] stack is copied.
 
@@ -214,7 +245,9 @@ def compose_states_blocks(
     (base, i) for row i of a contiguous [M, G, K, K] / [M, G, K, V] base (e.g. the live runs'
     pairs of one scan). All T blocks share a dtype and device, all S blocks too. The kernel reads
     each block through a table of addresses (one small host-to-device copy); the blocks must stay
-    alive until the launch has run, as they do while the caller holds them.
+    alive until the launch has run, as they do while the caller holds them. prefetch_addresses:
+    each program reads the next segment's addresses a step ahead (benchmarks/fold_bench.py times
+    both). Launch options as compose_states_fwd's.
 
     Returns as compose_states_fwd: [G, K, V] fp32 (and the [N, G, K, V] states with output_all).
     """
@@ -236,5 +269,19 @@ def compose_states_blocks(
         table = table.pin_memory().to(Sref.device, non_blocking=True)
     N = len(Ts)
     return _launch(
-        table[:N], table[N:], Tref, Sref, N, G, K, V, initial_state, output_all, block_v, dot_precision, None, None
+        table[:N],
+        table[N:],
+        Tref,
+        Sref,
+        N,
+        G,
+        K,
+        V,
+        initial_state,
+        output_all,
+        block_v,
+        dot_precision,
+        num_warps,
+        num_stages,
+        prefetch_addresses,
     )

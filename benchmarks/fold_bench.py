@@ -1,0 +1,123 @@
+"""The live scan's fold of one linear layer, alone: cached spans' entries and the layer's seam
+runs folded from the running state with every intermediate state out, as
+`GatedDeltaNet.batched_scan` does for a pic assembly (Qwen3.5-9B's linear layer: 32 heads,
+128 x 128 state, bf16 entries; 32 spans and 33 runs, the 32 x 1k + question request).
+
+Variants, same inputs, timed in the same run:
+- `stack`: the path before 531ce67: a slice per run, torch.cat of the 65 T and the 65 S blocks,
+  then compose_states_fwd over the stack;
+- `blocks`: compose_states_blocks (the entries read in place through an address table), each
+  step's addresses loaded in its own iteration;
+- `blocks_prefetch`: the same with the next step's addresses loaded a step ahead (default);
+- `blocks_prefetch_w4`: as blocks_prefetch with 4 warps a program instead of 8.
+
+Per variant: GPU time of one fold (CUDA events around `--iters` folds, divided), host time of one
+fold's calls (the host returning from the call, without waiting for the GPU), and the largest
+difference of its states from `stack`'s. Prints one JSON object; `--out FILE` also writes it.
+
+    python benchmarks/fold_bench.py [--spans 32] [--iters 200] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spans", type=int, default=32, help="cached spans; the runs are one more (default 32)")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=128, help="key and value head dim (default 128)")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.spans < 1 or args.heads < 1 or args.dim < 1 or args.iters < 1:
+        print("fold_bench: error: --spans, --heads, --dim and --iters must be positive", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("fold_bench: error: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from hybridcache.kernels.ops.transition.compose_triton import compose_states_blocks, compose_states_fwd
+
+    torch.manual_seed(0)
+    H, K, n = args.heads, args.dim, args.spans
+    dev, bf = "cuda", torch.bfloat16
+
+    def transitions(m):
+        u = torch.nn.functional.normalize(torch.randn(m, H, K, 2, device=dev), dim=-2)
+        return (0.9 * (torch.eye(K, device=dev) - 0.5 * u @ u.transpose(-1, -2))).to(bf)
+
+    spans = [(transitions(1), torch.randn(1, H, K, K, device=dev).to(bf)) for _ in range(n)]
+    runs_T, runs_S = transitions(n + 1), torch.randn(n + 1, H, K, K, device=dev).to(bf)
+    h0 = torch.randn(1, H, K, K, device=dev)
+    # run, span, run, span, ..., run: the order of a pic request's pieces after its first segment
+    blocks = []
+    for j in range(n + 1):
+        blocks.append(((runs_T, j), (runs_S, j)))
+        if j < n:
+            blocks.append(spans[j])
+    Ts = [b[0] for b in blocks]
+    Ss = [b[1] for b in blocks]
+
+    def stack():
+        t = [b[0][b[1] : b[1] + 1] if isinstance(b, tuple) else b for b in Ts]
+        s = [b[0][b[1] : b[1] + 1] if isinstance(b, tuple) else b for b in Ss]
+        return compose_states_fwd(torch.cat(t), torch.cat(s), h0[0], output_all=True)[1]
+
+    variants = {
+        "stack": stack,
+        "blocks": lambda: compose_states_blocks(Ts, Ss, h0[0], output_all=True, prefetch_addresses=False)[1],
+        "blocks_prefetch": lambda: compose_states_blocks(Ts, Ss, h0[0], output_all=True)[1],
+        "blocks_prefetch_w4": lambda: compose_states_blocks(Ts, Ss, h0[0], output_all=True, num_warps=4)[1],
+    }
+    ref = stack()
+    figures, detail = {}, {}
+    for name, fn in variants.items():
+        diff = (fn() - ref).abs().max().item()
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        host = 0.0
+        start.record()
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            fn()
+            host += time.perf_counter() - t0
+        end.record()
+        torch.cuda.synchronize()
+        gpu_us = 1000 * start.elapsed_time(end) / args.iters
+        figures[f"fold_us_{name}"] = round(gpu_us, 2)
+        figures[f"fold_host_us_{name}"] = round(1e6 * host / args.iters, 2)
+        detail[name] = {"max_abs_diff_vs_stack": diff}
+    commit = (
+        os.environ.get("HYBRIDCACHE_COMMIT")
+        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    )
+    out = {
+        "gpu": torch.cuda.get_device_name(),
+        "commit": commit or "unknown",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python benchmarks/fold_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "shape": {"heads": H, "dim": K, "spans": n, "runs": n + 1, "blocks": len(Ts), "entry_dtype": "bfloat16"},
+        "detail": detail,
+        "figures": figures,
+    }
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
