@@ -7,8 +7,8 @@ Variants, same inputs, timed in the same run:
 - `stack`: the path before 531ce67: a slice per run, torch.cat of the 65 T and the 65 S blocks,
   then compose_states_fwd over the stack;
 - `blocks`: compose_states_blocks (the entries read in place through an address table), each
-  step's addresses loaded in its own iteration;
-- `blocks_prefetch`: the same with the next step's addresses loaded a step ahead (default);
+  step's addresses loaded in its own iteration (the default);
+- `blocks_prefetch`: the same with the next step's addresses loaded a step ahead;
 - `blocks_prefetch_w4`: as blocks_prefetch with 4 warps a program instead of 8.
 
 Per variant: GPU time of one fold (CUDA events around `--iters` folds, divided), host time of one
@@ -74,9 +74,11 @@ def main(argv=None) -> int:
 
     variants = {
         "stack": stack,
-        "blocks": lambda: compose_states_blocks(Ts, Ss, h0[0], output_all=True, prefetch_addresses=False)[1],
-        "blocks_prefetch": lambda: compose_states_blocks(Ts, Ss, h0[0], output_all=True)[1],
-        "blocks_prefetch_w4": lambda: compose_states_blocks(Ts, Ss, h0[0], output_all=True, num_warps=4)[1],
+        "blocks": lambda: compose_states_blocks(Ts, Ss, h0[0], output_all=True)[1],
+        "blocks_prefetch": lambda: compose_states_blocks(Ts, Ss, h0[0], output_all=True, prefetch_addresses=True)[1],
+        "blocks_prefetch_w4": lambda: compose_states_blocks(
+            Ts, Ss, h0[0], output_all=True, prefetch_addresses=True, num_warps=4
+        )[1],
     }
     ref = stack()
     figures, detail = {}, {}

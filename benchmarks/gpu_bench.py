@@ -256,6 +256,14 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
     figures[f"pic_live_attention_triton_vs_sdpa_logits_max_abs_diff_{tag}"] = float(
         f"{(logits_pic.float() - logits_sdpa.float()).abs().max().item():.3g}"
     )
+    # the same assembly with the linear layers' fold over a stack of the pieces (torch.cat) instead
+    # of reading them in place (HYBRIDCACHE_FOLD, backends.fold_states)
+    with env_var("HYBRIDCACHE_FOLD", "stack"):
+        t_pic_stack, (logits_stack, _) = timed(run_pic, repeat=5)
+    figures[f"pic_ttft_ms_{tag}_gpu_resident_fold_stack"] = round(t_pic_stack, 2)
+    figures[f"pic_fold_blocks_vs_stack_logits_max_abs_diff_{tag}"] = float(
+        f"{(logits_pic.float() - logits_stack.float()).abs().max().item():.3g}"
+    )
     # Entries in the engine's host tier (cache/host_tier.py): one pinned buffer per entry, staged
     # layer by layer on a side stream while the forward runs (the engine's path for host hits).
     from hybridcache.services.runtime.cache import SegmentEntry

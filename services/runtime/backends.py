@@ -180,6 +180,19 @@ def _block(b):
     return b[0][b[1] : b[1] + 1] if isinstance(b, tuple) else b
 
 
+FOLD_PATHS = ("blocks", "stack")
+
+
+def fold_path() -> str:
+    """How the CUDA fold reads matrix-T pieces: "blocks" (in place, through an address table, the
+    default) or "stack" (a torch.cat of them first, the path before 531ce67, for A/B runs); from
+    HYBRIDCACHE_FOLD."""
+    name = os.environ.get("HYBRIDCACHE_FOLD", "blocks")
+    if name not in FOLD_PATHS:
+        raise ValueError(f"HYBRIDCACHE_FOLD={name!r}: expected one of {', '.join(FOLD_PATHS)}")
+    return name
+
+
 def fold_states(Ts, Ss, initial_state, use_transition):
     """States after each of n (T, S) pairs folded in order from initial_state [1, H, K, V]:
     S_i = T_i S_{i-1} + S_i (S_{i-1} + S_i where use_transition[i] is False, the naive ablation).
@@ -188,7 +201,7 @@ def fold_states(Ts, Ss, initial_state, use_transition):
     On CUDA, matrix T: one Triton launch that reads the blocks where they lie through a table of
     their addresses (compose_states_blocks), every intermediate state out, no stacked copy; the
     blocks of one kind must share a dtype and be contiguous there (else they are stacked, as
-    torch.cat promotes)."""
+    torch.cat promotes; HYBRIDCACHE_FOLD=stack always stacks)."""
     if use_fast_kernels(initial_state) and all(use_transition):
         t0 = _block(Ts[0])
         if t0.dim() == 4 and t0.shape[-1] == t0.shape[-2]:
@@ -197,7 +210,7 @@ def fold_states(Ts, Ss, initial_state, use_transition):
             bases_T = [b[0] if isinstance(b, tuple) else b for b in Ts]
             bases_S = [b[0] if isinstance(b, tuple) else b for b in Ss]
             uniform = len({b.dtype for b in bases_T}) == 1 and len({b.dtype for b in bases_S}) == 1
-            if uniform and all(b.is_contiguous() for b in bases_T + bases_S):
+            if uniform and fold_path() == "blocks" and all(b.is_contiguous() for b in bases_T + bases_S):
                 _, states = compose_states_blocks(Ts, Ss, initial_state[0], output_all=True)
             else:
                 Ts, Ss = [_block(b) for b in Ts], [_block(b) for b in Ss]

@@ -90,3 +90,24 @@ def test_entering_states_gather(rows):
     got = GatedDeltaNet._entering_states(states, rows, state_in)
     assert got.shape == want.shape and torch.equal(got, want)
     assert torch.equal(GatedDeltaNet._entering_states(list(states), rows, state_in), want)
+
+
+def test_fold_path_switch(monkeypatch):
+    """HYBRIDCACHE_FOLD=stack takes the stacked kernel (same states); a bad value is a clear error."""
+    from hybridcache.kernels.ops.transition import compose_triton
+
+    monkeypatch.setattr(backends, "use_fast_kernels", lambda t: True)
+    T, S, Ts, Ss = _pieces(5)
+    h0 = torch.randn(1, 3, 20, 12)
+    launched = []
+    for name in ("compose_states_fwd", "compose_states_blocks"):
+        real = getattr(compose_triton, name)
+        monkeypatch.setattr(compose_triton, name, lambda *a, _r=real, _n=name, **k: launched.append(_n) or _r(*a, **k))
+    blocks = backends.fold_states(Ts, Ss, h0, [True] * 5)
+    monkeypatch.setenv("HYBRIDCACHE_FOLD", "stack")
+    stacked = backends.fold_states(Ts, Ss, h0, [True] * 5)
+    assert launched == ["compose_states_blocks", "compose_states_fwd"]
+    assert torch.allclose(blocks, stacked, atol=1e-6)
+    monkeypatch.setenv("HYBRIDCACHE_FOLD", "cat")
+    with pytest.raises(ValueError, match="HYBRIDCACHE_FOLD='cat'"):
+        backends.fold_states(Ts, Ss, h0, [True] * 5)

@@ -234,7 +234,7 @@ def compose_states_blocks(
     output_all: bool = False,
     block_v: int | None = None,
     dot_precision: str | None = None,
-    prefetch_addresses: bool = True,
+    prefetch_addresses: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ):
@@ -246,8 +246,11 @@ def compose_states_blocks(
     pairs of one scan). All T blocks share a dtype and device, all S blocks too. The kernel reads
     each block through a table of addresses (one small host-to-device copy); the blocks must stay
     alive until the launch has run, as they do while the caller holds them. prefetch_addresses:
-    each program reads the next segment's addresses a step ahead (benchmarks/fold_bench.py times
-    both). Launch options as compose_states_fwd's.
+    each program reads the next segment's addresses a step ahead (off by default until timed on a
+    GPU: benchmarks/fold_bench.py times both). At 531ce67 on one H200 (profile_forward, 32 x 1k
+    pic), the in-place fold without it took 8.5 ms of GPU time over the 24 layers against 6.0 ms
+    for the stacked kernel at dc47e28, while the stacking's copies it removes had taken about 3.8 ms.
+    Launch options as compose_states_fwd's.
 
     Returns as compose_states_fwd: [G, K, V] fp32 (and the [N, G, K, V] states with output_all).
     """
