@@ -40,6 +40,7 @@ __all__ = [
     "norm_rope_tokens",
     "rel_rms",
     "rope_heads",
+    "scattered_blocks",
     "sigmoid_gate_heads",
     "row_norm",
     "silu_mul",
@@ -54,3 +55,19 @@ def rel_rms(a, b):
 
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def scattered_blocks(T, S):
+    """Segments T [N, G, K, K], S [N, G, K, V] as the engine's live scan holds them: odd ones as
+    separate [1, G, K, K] entries, even ones as rows (base, i) of one stack of the runs' pairs,
+    all in storage of their own. Returns (Ts, Ss, bases); keep the bases alive while in use."""
+    runs_T, runs_S = T[0::2].clone(), S[0::2].clone()
+    Ts, Ss = [], []
+    for i in range(T.shape[0]):
+        if i % 2:
+            Ts.append(T[i : i + 1].clone())
+            Ss.append(S[i : i + 1].clone())
+        else:
+            Ts.append((runs_T, i // 2))
+            Ss.append((runs_S, i // 2))
+    return Ts, Ss, (runs_T, runs_S)

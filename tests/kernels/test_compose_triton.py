@@ -3,7 +3,7 @@
 import pytest
 import torch
 from hybridcache.kernels.ops.transition import apply_segment
-from kernel_testing import compose_states_blocks, compose_states_fwd, device, rel_rms
+from kernel_testing import compose_states_blocks, compose_states_fwd, device, rel_rms, scattered_blocks
 
 
 def make_segments(N, G, K, V, dtype, seed=42):
@@ -103,21 +103,6 @@ def test_compose_outputs_every_intermediate_state(with_init):
     assert torch.equal(states[-1], final)
 
 
-def _scattered_blocks(T, S, dtype_runs=None):
-    """The segments of T, S as the engine holds them: entries as separate [1, G, K, K] tensors
-    (odd indices) and the rest as rows of one [M, G, K, K] base of live runs (even indices)."""
-    runs_T, runs_S = T[0::2].clone(), S[0::2].clone()  # separate storage from T, S
-    Ts, Ss = [], []
-    for i in range(T.shape[0]):
-        if i % 2:
-            Ts.append(T[i : i + 1].clone())
-            Ss.append(S[i : i + 1].clone())
-        else:
-            Ts.append((runs_T, i // 2))
-            Ss.append((runs_S, i // 2))
-    return Ts, Ss, (runs_T, runs_S)
-
-
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_init", [False, True])
@@ -126,7 +111,7 @@ def test_compose_blocks_reads_entries_in_place(dtype, with_init, prefetch):
     reference, final and every intermediate state, on odd shapes (K = 20, V = 12, 5 segments)."""
     T, S = make_segments(5, 3, 20, 12, dtype)
     h0 = torch.randn(3, 20, 12, device=device()) if with_init else None
-    Ts, Ss, _keep = _scattered_blocks(T, S)
+    Ts, Ss, _keep = scattered_blocks(T, S)
     final, states = compose_states_blocks(Ts, Ss, h0, output_all=True, prefetch_addresses=prefetch)
     ref_final, ref_states = compose_states_fwd(T, S, h0, output_all=True)
     assert torch.allclose(states, ref_states, rtol=1e-6, atol=1e-6)
@@ -160,7 +145,7 @@ def test_compose_blocks_one_layer_gpu():
     scattered over 65 blocks, against the stacked kernel (same math: equal up to rounding)."""
     T, S = make_segments(65, 32, 128, 128, torch.bfloat16)
     h0 = torch.randn(32, 128, 128, device="cuda")
-    Ts, Ss, _keep = _scattered_blocks(T, S)
+    Ts, Ss, _keep = scattered_blocks(T, S)
     ref_final, ref_states = compose_states_fwd(T, S, h0, output_all=True)
     for prefetch in (True, False):
         final, states = compose_states_blocks(Ts, Ss, h0, output_all=True, prefetch_addresses=prefetch)

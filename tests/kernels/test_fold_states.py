@@ -7,7 +7,7 @@ import torch
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.models.qwen3_hybrid import GatedDeltaNet
-from kernel_testing import rel_rms  # sets TRITON_INTERPRET on CPU
+from kernel_testing import rel_rms, scattered_blocks  # sets TRITON_INTERPRET on CPU
 
 
 def _pieces(n, H=3, K=20, V=12, dtype=torch.float32, seed=0):
@@ -16,15 +16,7 @@ def _pieces(n, H=3, K=20, V=12, dtype=torch.float32, seed=0):
     u = torch.nn.functional.normalize(torch.randn(n, H, K, 2, generator=g), dim=-2)
     T = (0.9 * (torch.eye(K) - 0.5 * u @ u.transpose(-1, -2))).to(dtype)
     S = torch.randn(n, H, K, V, generator=g).to(dtype)
-    runs_T, runs_S = T[0::2].clone(), S[0::2].clone()
-    Ts, Ss = [], []
-    for i in range(n):
-        if i % 2:
-            Ts.append(T[i : i + 1].clone())
-            Ss.append(S[i : i + 1].clone())
-        else:
-            Ts.append((runs_T, i // 2))
-            Ss.append((runs_S, i // 2))
+    Ts, Ss, _ = scattered_blocks(T, S)  # the bases stay alive through the blocks that hold them
     return T, S, Ts, Ss
 
 

@@ -142,24 +142,9 @@ def compose_states_fwd(
     return _launch(T, S, T, S, N, G, K, V, initial_state, output_all, block_v, dot_precision, num_warps, num_stages)
 
 
-def _launch(
-    T,
-    S,
-    Tref,
-    Sref,
-    N,
-    G,
-    K,
-    V,
-    initial_state,
-    output_all,
-    block_v,
-    dot_precision,
-    num_warps,
-    num_stages,
-    prefetch=True,
-):
+def _launch(T, S, Tref, Sref, N, G, K, V, h0, output_all, block_v, precision, warps, stages, prefetch=False):
     """One launch of the kernel over stacked entries (T is Tref) or address tables (T is int64)."""
+    initial_state, dot_precision, num_warps, num_stages = h0, precision, warps, stages
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     on_gpu = Sref.is_cuda
@@ -271,20 +256,5 @@ def compose_states_blocks(
     if Sref.is_cuda:
         table = table.pin_memory().to(Sref.device, non_blocking=True)
     N = len(Ts)
-    return _launch(
-        table[:N],
-        table[N:],
-        Tref,
-        Sref,
-        N,
-        G,
-        K,
-        V,
-        initial_state,
-        output_all,
-        block_v,
-        dot_precision,
-        num_warps,
-        num_stages,
-        prefetch_addresses,
-    )
+    args = (initial_state, output_all, block_v, dot_precision, num_warps, num_stages, prefetch_addresses)
+    return _launch(table[:N], table[N:], Tref, Sref, N, G, K, V, *args)
