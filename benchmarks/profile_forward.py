@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,7 +76,7 @@ def main(argv=None):
     ap.add_argument("--sync-check", action="store_true", help="report host-device syncs and their call sites")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
-    from gpu_bench import SEAM, SEG, build_entries, build_models, pic_layout
+    from gpu_bench import SEAM, SEG, build_entries, build_models, env_var, pic_layout
     from hybridcache.services.runtime.sequence import LiveRun
 
     cfg, model, _, _ = build_models("qwen3.5-9b", False)
@@ -95,8 +96,18 @@ def main(argv=None):
         s = state.clone()
         model.forward_layout(s, [LiveRun(torch.tensor([5]), s.length)], "last")
 
-    for name, fn in (("decode", decode), ("pic", pic)):
-        for _ in range(2):
+    def graphs(on: bool):
+        """The eager live pass, or its CUDA graphs (services/runtime/graphs.py; captured at the
+        shape's second sighting, so after the warm-up runs below every run is a replay)."""
+
+        def fn():
+            with env_var("HYBRIDCACHE_CUDA_GRAPHS", "on" if on else "off"):
+                pic()
+
+        return fn
+
+    for name, fn in (("decode", decode), ("pic", graphs(False)), ("pic_graphs", graphs(True))):
+        for _ in range(3):
             fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -106,8 +117,11 @@ def main(argv=None):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         out[name] = {
             "wall_ms": round(wall, 2),
+            "gpu_kernel_ms": round(sum(e.self_device_time_total for e in kernels) / 1e3, 3),
+            "kernel_launches": sum(e.count for e in kernels),
             "by_host_time": table(prof, "self_cpu_time_total", args.top),
             "by_device_time": table(prof, "self_device_time_total", args.top),
         }
@@ -121,6 +135,7 @@ def main(argv=None):
         state = model.empty_state()
         return model.forward_layout(state, pic_layout(segs, entries, question), "last"), state
 
+    os.environ["HYBRIDCACHE_CUDA_GRAPHS"] = "off"  # the eager pass, as before graphs
     for keep in (False, True):
         prev, times = pic_kept(), []
         torch.cuda.synchronize()

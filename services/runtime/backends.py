@@ -11,9 +11,11 @@ Kernel modules are imported lazily, so importing the runtime never imports Trito
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +93,7 @@ def chunk_as_varlen(chunk_fn, q, k, v, g, beta, state):
     return o.reshape(B, T, *o.shape[2:]), final
 
 
-@functools.lru_cache(maxsize=64)
+@functools.cache  # never evicted: a CUDA graph may read the tensors it returned
 def equal_run_offsets(B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cu_seqlens of B runs of T tokens, on `device` and on the host, the same two objects for
     every call with these arguments: fla keys its chunk-index tables on the identity of the
@@ -211,7 +213,10 @@ def fold_states(Ts, Ss, initial_state, use_transition):
             bases_S = [b[0] if isinstance(b, tuple) else b for b in Ss]
             uniform = len({b.dtype for b in bases_T}) == 1 and len({b.dtype for b in bases_S}) == 1
             if uniform and fold_path() == "blocks" and all(b.is_contiguous() for b in bases_T + bases_S):
-                _, states = compose_states_blocks(Ts, Ss, initial_state[0], output_all=True)
+                dev = initial_state.device
+                _, states = compose_states_blocks(
+                    Ts, Ss, initial_state[0], output_all=True, to_device=lambda t: to_device_async(t, dev)
+                )
             else:
                 Ts, Ss = [_block(b) for b in Ts], [_block(b) for b in Ss]
                 _, states = compose_states_fwd(torch.cat(Ts), torch.cat(Ss), initial_state[0], output_all=True)
@@ -317,11 +322,83 @@ def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor on `device` without stalling the host: on CUDA through pinned memory with a
     non-blocking copy (a copy from pageable memory waits, and in a launch-bound forward the host
     then no longer runs ahead of the GPU). torch's host allocator keeps the pinned block until the
-    copy is done."""
+    copy is done. While a live pass is captured into a CUDA graph (graphs.py), the copy reads from
+    the graph's pinned arena instead (HostConstants)."""
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
+    arena = getattr(_CONSTANTS, "arena", None)
+    if arena is not None:
+        out = arena.to_device(t, device)
+        if out is not None:
+            return out
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def pin(t: torch.Tensor) -> torch.Tensor:
+    """t in pinned host memory (a source a non-blocking copy to CUDA does not wait on)."""
+    return t.pin_memory() if torch.cuda.is_available() and not t.is_pinned() else t
+
+
+_CONSTANTS = threading.local()
+
+
+class HostConstants:
+    """The host tensors a live pass copies to the device (layout-derived index tensors, address
+    tables), for a CUDA graph of that pass: inside a capture a copy must read host memory that stays
+    valid, unchanged, for every replay. `measuring()` (an eager run of the same pass) counts their
+    bytes and then allocates one pinned arena; `serving()` (the capture) writes each tensor into
+    the arena and captures a copy from there. The arena lives as long as the graph that keeps this
+    object. A capture that asks for more bytes than were measured fails (and the pass runs eagerly)."""
+
+    ALIGN = 64
+
+    def __init__(self):
+        self.nbytes = 0
+        self.mode = None
+        self.buffer = None
+        self.offset = 0
+
+    def _slot(self, t: torch.Tensor) -> int:
+        return -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+
+    def to_device(self, t: torch.Tensor, device) -> torch.Tensor | None:
+        """The device copy of t as this mode makes it; None: copy as usual (measuring)."""
+        if self.mode == "measure":
+            self.nbytes += self._slot(t)
+            return None
+        n = self._slot(t)
+        if self.buffer is None or self.offset + n > self.buffer.numel():
+            raise RuntimeError("the captured pass copies more host data than its eager run measured")
+        raw = self.buffer[self.offset : self.offset + t.numel() * t.element_size()]
+        self.offset += n
+        host = raw.view(t.dtype).view(t.shape)
+        host.copy_(t)
+        out = torch.empty(t.shape, dtype=t.dtype, device=device)
+        out.copy_(host, non_blocking=True)
+        return out
+
+    @contextlib.contextmanager
+    def measuring(self):
+        with self._active("measure"):
+            yield self
+        pinned = torch.cuda.is_available()  # (pinned memory needs a CUDA driver; the CPU tests use plain)
+        self.buffer = torch.empty(max(self.nbytes, self.ALIGN), dtype=torch.uint8, pin_memory=pinned)
+
+    @contextlib.contextmanager
+    def serving(self):
+        self.offset = 0
+        with self._active("serve"):
+            yield self
+
+    @contextlib.contextmanager
+    def _active(self, mode):
+        prev = getattr(_CONSTANTS, "arena", None)
+        self.mode, _CONSTANTS.arena = mode, self
+        try:
+            yield
+        finally:
+            self.mode, _CONSTANTS.arena = None, prev
 
 
 def gated_heads(o, gate):
@@ -497,6 +574,11 @@ def tensor_version(t: torch.Tensor):
 
 
 _KEPT: dict = {}  # slot -> (tensor, its version, extra key, result) of the slot's last build
+
+
+def clear_kept() -> None:
+    """Forget every kept result (graphs.py: a graph must not read a tensor an eager forward made)."""
+    _KEPT.clear()
 
 
 def kept_for(slot, t: torch.Tensor, extra, build):

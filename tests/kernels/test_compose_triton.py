@@ -43,6 +43,20 @@ def test_compose_bf16_entries_and_column_blocks():
     assert rel_rms(out, reference(T, S, h0)) < 1e-5
 
 
+def test_compose_column_blocks_launched_side_by_side():
+    """grid_vg: the column blocks of one (layer, head) are neighbours on the grid's first axis."""
+    T, S = make_segments(3, 3, 32, 40, torch.float32)
+    h0 = torch.randn(3, 32, 40, device=device())
+    out = compose_states_fwd(T, S, h0, block_v=16, grid_vg=True)
+    assert rel_rms(out, reference(T, S, h0)) < 1e-5
+
+
+def test_compose_split_state_needs_16_bit_transitions():
+    T, S = make_segments(2, 1, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="bf16x2 needs T in 16 bits"):
+        compose_states_fwd(T, S, dot_precision="bf16x2")
+
+
 def test_compose_order_matters():
     """Folding in a different order gives a different state (the kernel really applies T)."""
     T, S = make_segments(2, 1, 16, 16, torch.float32)
@@ -150,3 +164,17 @@ def test_compose_blocks_one_layer_gpu():
     for prefetch in (True, False):
         final, states = compose_states_blocks(Ts, Ss, h0, output_all=True, prefetch_addresses=prefetch)
         assert torch.equal(final, ref_final) and torch.equal(states, ref_states)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid_vg", [False, True])
+def test_compose_split_state_bf16_dots_gpu(grid_vg):
+    """bf16x2: T as stored (bf16), the fp32 state in two bf16 halves: about as close to fp32 math on
+    the same bf16 entries as one TF32 pass (whose 10-bit mantissa the default keeps)."""
+    T, S = make_segments(32, 48, 128, 128, torch.bfloat16)
+    h0 = torch.randn(48, 128, 128, device="cuda")
+    ref = reference(T, S, h0)
+    tf32 = rel_rms(compose_states_fwd(T, S, h0, dot_precision="tf32"), ref)
+    for bv in (64, 128):
+        split = rel_rms(compose_states_fwd(T, S, h0, block_v=bv, dot_precision="bf16x2", grid_vg=grid_vg), ref)
+        assert split < max(2 * tf32, 1e-3), (bv, split, tf32)

@@ -45,10 +45,18 @@ def compose_states_fwd_kernel(
     STORE_ALL: tl.constexpr,
     INDIRECT: tl.constexpr,
     PREFETCH_ADDRESSES: tl.constexpr,
+    SPLIT_STATE: tl.constexpr,
+    GRID_VG: tl.constexpr,
 ):
     # INDIRECT: T and S are int64 tables of N addresses, each of one segment's [G, K, K] / [G, K, V]
     # block (contiguous), in the element types of Tref / Sref; else [N, G, K, K] / [N, G, K, V].
-    i_g, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    # SPLIT_STATE (T in 16 bits): T stays in its storage type and the fp32 state is split into a
+    # high and a low 16-bit part, two 16-bit dots (about 16 bits of the state's mantissa kept).
+    # GRID_VG: axis 0 walks the column blocks of one g, so the programs sharing a T run together.
+    if GRID_VG:
+        i_v, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    else:
+        i_g, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -81,9 +89,16 @@ def compose_states_fwd_kernel(
             i_ng = i_g + i_n * G
             p_t = T + i_ng * K * K + o_k[:, None] * K + o_k[None, :]
             p_s = S + i_ng * K * V + o_k[:, None] * V + o_v[None, :]
-        b_t = tl.load(p_t, mask=m_kk, other=0.0).to(tl.float32)  # [BK, BK]
         b_s = tl.load(p_s, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
-        b_h = tl.dot(b_t, b_h, b_s, input_precision=DOT_PRECISION)
+        if SPLIT_STATE:
+            b_t = tl.load(p_t, mask=m_kk, other=0.0)  # [BK, BK], 16-bit
+            b_hi = b_h.to(b_t.dtype)
+            b_lo = (b_h - b_hi.to(tl.float32)).to(b_t.dtype)
+            b_h = tl.dot(b_t, b_hi, b_s)
+            b_h = tl.dot(b_t, b_lo, b_h)
+        else:
+            b_t = tl.load(p_t, mask=m_kk, other=0.0).to(tl.float32)  # [BK, BK]
+            b_h = tl.dot(b_t, b_h, b_s, input_precision=DOT_PRECISION)
         if STORE_ALL:
             # the state after segment i_n (the live-token scan reads the states entering each run)
             tl.store(hs + i_n * G * K * V + p_h, b_h, mask=m_kv)
@@ -104,6 +119,7 @@ def compose_states_fwd(
     output_all: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    grid_vg: bool = False,
 ):
     """Fold n segments into a running state: S_end = T_n(...(T_1 S_start + S_1)...) + S_n.
 
@@ -127,6 +143,10 @@ def compose_states_fwd(
             segment).
 
         output_all: also return the state after every segment, [N, G, K, V] fp32.
+        grid_vg: launch the column blocks of one (layer, head) next to each other (they read the
+            same T: the second read may come from L2).
+        dot_precision "bf16x2" (T in 16 bits): the state split into two 16-bit halves, two 16-bit
+            dots per step, T read as stored (no fp32 copy of it).
 
     Returns:
         [G, K, V] fp32 (and the [N, G, K, V] states with output_all).
@@ -139,11 +159,15 @@ def compose_states_fwd(
     if initial_state is not None and initial_state.shape != (G, K, V):
         raise ValueError(f"initial_state must be [{G}, {K}, {V}], got {tuple(initial_state.shape)}")
     T, S = T.contiguous(), S.contiguous()
-    return _launch(T, S, T, S, N, G, K, V, initial_state, output_all, block_v, dot_precision, num_warps, num_stages)
+    args = (initial_state, output_all, block_v, dot_precision, num_warps, num_stages)
+    return _launch(T, S, T, S, N, G, K, V, *args, grid_vg=grid_vg)
 
 
-def _launch(T, S, Tref, Sref, N, G, K, V, h0, output_all, block_v, precision, warps, stages, prefetch=False):
-    """One launch of the kernel over stacked entries (T is Tref) or address tables (T is int64)."""
+def _launch(
+    T, S, Tref, Sref, N, G, K, V, h0, output_all, block_v, precision, warps, stages, prefetch=False, grid_vg=False
+):
+    """One launch of the kernel over stacked entries (T is Tref) or address tables (T is int64).
+    precision "bf16x2" (16-bit T only): SPLIT_STATE (the kernel's comment)."""
     initial_state, dot_precision, num_warps, num_stages = h0, precision, warps, stages
     if initial_state is not None:
         initial_state = initial_state.contiguous()
@@ -161,9 +185,12 @@ def _launch(T, S, Tref, Sref, N, G, K, V, h0, output_all, block_v, precision, wa
     wide = on_gpu and half and BK >= 128 and BV >= 128  # the 16-warp, 2-stage default (docstring)
     stages = num_stages or (2 if wide else None)
     precision = dot_precision or (("tf32" if half else "tf32x3") if on_gpu else "ieee")
+    split = precision == "bf16x2"
+    if split and Tref.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dot precision bf16x2 needs T in 16 bits, got {Tref.dtype}")
     ht = torch.empty(G, K, V, dtype=torch.float32, device=Sref.device)
     hs = torch.empty(N, G, K, V, dtype=torch.float32, device=Sref.device) if output_all else None
-    grid = (G, triton.cdiv(V, BV))
+    grid = (triton.cdiv(V, BV), G) if grid_vg else (G, triton.cdiv(V, BV))
     compose_states_fwd_kernel[grid](
         T=T,
         S=S,
@@ -178,9 +205,11 @@ def _launch(T, S, Tref, Sref, N, G, K, V, h0, output_all, block_v, precision, wa
         V=V,
         BK=BK,
         BV=BV,
-        DOT_PRECISION=precision,
+        DOT_PRECISION="ieee" if split else precision,
         INDIRECT=T is not Tref,
         PREFETCH_ADDRESSES=prefetch,
+        SPLIT_STATE=split,
+        GRID_VG=grid_vg,
         num_warps=num_warps or ((16 if wide else 8) if on_gpu and BK >= 128 else 4),
         **({"num_stages": stages} if stages else {}),
     )
@@ -222,6 +251,7 @@ def compose_states_blocks(
     prefetch_addresses: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    to_device=None,
 ):
     """compose_states_fwd over entries left where they are: no [N, ...] stack is copied.
 
@@ -235,7 +265,9 @@ def compose_states_blocks(
     GPU: benchmarks/fold_bench.py times both). At 531ce67 on one H200 (profile_forward, 32 x 1k
     pic), the in-place fold without it took 8.5 ms of GPU time over the 24 layers against 6.0 ms
     for the stacked kernel at dc47e28, while the stacking's copies it removes had taken about 3.8 ms.
-    Launch options as compose_states_fwd's.
+    Launch options as compose_states_fwd's. `to_device(host_table)` moves the address table to the
+    device when given (the engine's copy, which a CUDA graph's capture redirects), else a pinned
+    non-blocking copy.
 
     Returns as compose_states_fwd: [G, K, V] fp32 (and the [N, G, K, V] states with output_all).
     """
@@ -253,7 +285,9 @@ def compose_states_blocks(
     if Tref.device != Sref.device:
         raise ValueError(f"T blocks on {Tref.device}, S blocks on {Sref.device}")
     table = torch.tensor(t_addr + s_addr, dtype=torch.int64)
-    if Sref.is_cuda:
+    if to_device is not None:
+        table = to_device(table)
+    elif Sref.is_cuda:
         table = table.pin_memory().to(Sref.device, non_blocking=True)
     N = len(Ts)
     args = (initial_state, output_all, block_v, dot_precision, num_warps, num_stages, prefetch_addresses)

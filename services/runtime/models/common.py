@@ -253,6 +253,9 @@ class LayoutLM(nn.Module):
     `forward_layout(x, layout, state, rec, layer_idx, positions) -> x`, residuals included."""
 
     norm_offset = 1.0  # modelzoo.random_init_: these models use plain RMSNorm (weight * x)
+    # Whether the live pass of an assembly may run from CUDA graphs (graphs.py): only where it has
+    # no host synchronization (a MoE layer's expert loop reads the routing on the host) and is tested so.
+    cuda_graphs = False
 
     def __init__(self, cfg, backbone: nn.Module):
         super().__init__()
@@ -292,21 +295,43 @@ class LayoutLM(nn.Module):
     def forward_layout(
         self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=(), capture_hidden=()
     ):
-        """Same contract as qwen3_hybrid.HybridLM.forward_layout."""
+        """Run the live tokens of `layout` from `state` (updated in place), layer by layer.
+
+        logits_for: "last" ([vocab] fp32 after the last live token), "all" ([n_live, vocab]) or
+        "none". snapshot_after: layout indices whose linear states to record; capture_hidden:
+        layers whose entering residual stream to record. Returns (logits or None, Recording).
+        On CUDA an assembly (a layout with cached spans) may run from CUDA graphs of its shape
+        (graphs.py), with the same results."""
+        from hybridcache.services.runtime.graphs import layout_graphs
+
+        graphs = layout_graphs(self)
+        if graphs is not None:
+            out = graphs.run(state, layout, logits_for, snapshot_after, capture_hidden)
+            if out is not None:
+                return out
         rec, ids, positions, end = new_recording(state, layout, snapshot_after)
         positions = backends.to_device_async(positions, self.device)
         x = self.embed(backends.to_device_async(ids, self.device))[None]  # [1, n_live, h]
-        for i, layer in enumerate(self.layers):
-            if i in capture_hidden:
-                rec.hidden[i] = x[0].clone()
-            x = layer.forward_layout(x, layout, state.linear.get(i, state.attn.get(i)), rec, i, positions)
+        for i in range(len(self.layers)):
+            x = self.run_layer(i, x, layout, state, rec, positions, capture_hidden)
         state.length = end
+        return self.logits_of(x, logits_for), rec
+
+    def run_layer(self, i: int, x, layout, state: SequenceState, rec: Recording, positions, capture_hidden=()):
+        """Layer i of the live pass: x [1, n_live, h] -> [1, n_live, h]; its state updated."""
+        if i in capture_hidden:
+            rec.hidden[i] = x[0].clone()
+        layer = self.layers[i]
+        return layer.forward_layout(x, layout, state.linear.get(i, state.attn.get(i)), rec, i, positions)
+
+    def logits_of(self, x, logits_for: str):
+        """The forward's logits from the last layer's output x [1, n_live, h] (None for "none")."""
         if logits_for == "none":
-            return None, rec
+            return None
         if logits_for == "last":
             x = x[:, -1:]
         logits = self.head(x)[0].float()
-        return (logits[-1] if logits_for == "last" else logits), rec
+        return logits[-1] if logits_for == "last" else logits
 
     def merge_projections(self) -> int:
         """Merge the projections that read the same input into one GEMM each (merge_weights), in

@@ -616,6 +616,11 @@ class HybridLM(LayoutLM):
 
     norm_offset = 0.0  # modelzoo.random_init_: zero-centred RMSNorm, scale (1 + weight)
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Dense models only: the MoE block reads its routing on the host (torch.unique)."""
+        return self.cfg.num_experts == 0
+
     def __init__(self, cfg: ModelConfig):
         super().__init__(
             cfg,

@@ -1,0 +1,497 @@
+"""CUDA graphs of the live pass over assembled layouts (LayoutLM.forward_layout).
+
+A warm pic request is bound by the host, not the GPU: the 32 x 1k assembly of the Qwen3.5-9B
+shape issues about 1,800 kernel launches and ~6,000 torch ops from Python for ~55 ms of GPU work
+(README, GPU results). Given a layout's *shape* — the pieces' kinds, lengths and positions, the
+entries' dtypes, the state it starts from, what it records — its live pass is one fixed sequence
+of kernels, so it can be captured once and replayed.
+
+LayoutGraphs keeps, for each shape seen `capture_after` times, one CUDA graph per layer (the
+embedding with the first, the final norm and the head with the last) captured over *static*
+buffers: the live token ids, every cached span's tensors, the entering state. A replay
+
+1. copies the request's tensors into those buffers, layer by layer just before that layer's graph
+   (entries staged from the host tier still arrive while earlier layers run: reading a layer of
+   an ArrivingLayers waits for its copies on the stream, as the eager forward does);
+2. replays the layer's graph;
+3. clones what the request keeps out of the graphs' memory — the state, the logits, the recorded
+   snapshots and hidden states — since the next replay overwrites it.
+
+Capture, the first time a shape qualifies: the live pass runs eagerly on the static buffers (it
+warms every kernel and cache and is this request's answer), then each layer is captured, then
+the graphs are replayed once and must reproduce that answer, else they are dropped and the shape
+runs eagerly from then on. Whatever goes wrong while binding or capturing (a shape mismatch, an
+op that cannot be captured) falls back to the eager forward before the caller's state is touched:
+a graph never changes an answer. Host-to-device copies of layout-derived index tensors inside the
+forward (backends.to_device_async) become copies from a pinned arena the graph keeps.
+
+Off with HYBRIDCACHE_CUDA_GRAPHS=off; only models that declare `cuda_graphs = True` (their live
+pass has no host synchronization) and only layouts with a cached span (an assembly; decode and
+plain prefills change shape every call) are captured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from hybridcache.services.runtime import backends
+from hybridcache.services.runtime.sequence import (
+    AttnSpan,
+    AttnState,
+    CachedSpan,
+    LinearSpan,
+    LinearState,
+    LiveRun,
+    Recording,
+    SequenceState,
+    SpanData,
+)
+
+log = logging.getLogger(__name__)
+
+GRAPH_ENV = "HYBRIDCACHE_CUDA_GRAPHS"
+# Environment switches that change which kernels the live pass launches: part of a graph's key.
+PATH_ENVS = (
+    "HYBRIDCACHE_KERNELS",
+    "HYBRIDCACHE_LIVE_ATTENTION",
+    "HYBRIDCACHE_FOLD",
+    "HYBRIDCACHE_SDPA_BACKENDS",
+    "HYBRIDCACHE_ENTRY_T_RUN",
+)
+
+
+class GraphUnsupported(RuntimeError):
+    """This layout cannot run from a graph (capture failed, or a request's tensors do not fit the
+    graph's buffers); the caller runs the eager forward."""
+
+
+def graphs_enabled() -> bool:
+    value = os.environ.get(GRAPH_ENV, "on")
+    if value not in ("on", "off"):
+        raise ValueError(f"{GRAPH_ENV}={value!r}: expected on or off")
+    return value == "on"
+
+
+def layout_graphs(model) -> LayoutGraphs | None:
+    """The model's graph cache when its live pass may run from CUDA graphs here, else None."""
+    if not getattr(model, "cuda_graphs", False) or not graphs_enabled():
+        return None
+    if model.device.type != "cuda" or not backends.use_fast_kernels(model.lm_head.weight):
+        return None
+    graphs = getattr(model, "_layout_graphs", None)
+    if graphs is None:
+        graphs = model._layout_graphs = LayoutGraphs(model)
+    return graphs
+
+
+def peek(mapping, layer):
+    """A layer's span without waiting for its tensors to arrive (ArrivingLayers waits on indexing)."""
+    spans = getattr(mapping, "_spans", None)
+    return (spans if spans is not None else mapping)[layer]
+
+
+def _span_key(data: SpanData) -> tuple:
+    """What of a span's tensors fixes the graph's buffers, from its first layer of each kind
+    (entries are uniform across layers; binding checks every tensor)."""
+    key = [data.num_tokens, data.local_start]
+    for group, fields in ((data.linear, ("T", "S", "conv_tail")), (data.attn, ("k", "v"))):
+        layers = tuple(group)
+        key.append(layers)
+        if layers:
+            span = peek(group, layers[0])
+            key += [(getattr(span, f).dtype, tuple(getattr(span, f).shape)) for f in fields]
+    return tuple(key)
+
+
+def layout_key(state: SequenceState, layout, logits_for, snapshot_after, capture_hidden) -> tuple | None:
+    """The shape of a live pass: equal keys launch the same kernels on same-shaped tensors.
+    None when the layout is not one to capture (no cached span, or a run records an entry)."""
+    pieces, spans = [], 0
+    for p in layout:
+        if isinstance(p, CachedSpan):
+            spans += 1
+            pieces.append(("span", p.start, p.use_transition, _span_key(p.data)))
+        elif isinstance(p, LiveRun):
+            if p.record is not None:
+                return None
+            pieces.append(("live", p.start, int(p.token_ids.numel())))
+        else:
+            return None
+    if not spans:
+        return None
+    held = tuple(
+        (i, s.ssm.dtype, tuple(s.ssm.shape), s.conv.dtype, tuple(s.conv.shape)) for i, s in state.linear.items()
+    ) + tuple((i, a.k.dtype, tuple(a.k.shape), tuple(a.v.shape)) for i, a in state.attn.items())
+    envs = tuple(os.environ.get(e) for e in PATH_ENVS)
+    return (
+        state.length,
+        held,
+        logits_for,
+        tuple(sorted(snapshot_after)),
+        tuple(sorted(capture_hidden)),
+        envs,
+        tuple(pieces),
+    )
+
+
+def clone_out(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fresh copies of tensors that may live in a graph's memory, few launches: tensors that are
+    views of one storage (the snapshots of a layer are views of one gather) are copied as one block
+    spanning them and viewed again."""
+    groups: dict[tuple, list[int]] = {}
+    for j, t in enumerate(tensors):
+        key = (t.untyped_storage().data_ptr(), t.dtype, t.device) if t.numel() else ("empty", j)
+        groups.setdefault(key, []).append(j)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for js in groups.values():
+        if len(js) == 1:
+            out[js[0]] = tensors[js[0]].clone()
+            continue
+        ref = tensors[js[0]]
+        lo = min(tensors[j].storage_offset() for j in js)
+        hi = max(
+            tensors[j].storage_offset() + sum((n - 1) * s for n, s in zip(tensors[j].shape, tensors[j].stride())) + 1
+            for j in js
+        )
+        flat = ref.new_empty(0).set_(ref.untyped_storage(), lo, (hi - lo,), (1,)).clone()
+        for j in js:
+            t = tensors[j]
+            out[j] = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+    return out
+
+
+@dataclass
+class _Static:
+    """One captured shape: its static inputs, per-layer graphs and the tensors they write."""
+
+    layout: list  # the layout with each CachedSpan's data replaced by static buffers
+    spans: list[tuple[int, SpanData]]  # (layout index, static data)
+    ids: torch.Tensor  # [n_live] int64
+    positions: torch.Tensor  # [n_live] int64, fixed by the layout
+    state: SequenceState  # the layers' entering states as static buffers (reset before runs)
+    inputs: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> its static entering state
+    arena: backends.HostConstants
+    graphs: list = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    rec: Recording | None = None
+    nbytes: int = 0
+
+    def reset_state(self, layer: int | None = None) -> None:
+        """Point the static state back at its input buffers (all layers, or one)."""
+        for i, (a, b) in self.inputs.items():
+            if layer is not None and i != layer:
+                continue
+            if i in self.state.linear:
+                self.state.linear[i] = LinearState(a, b)
+            else:
+                self.state.attn[i] = AttnState(a, b)
+
+    def bind(self, layer: int, state: SequenceState, layout, ids: torch.Tensor | None) -> None:
+        """Copy layer `layer`'s request tensors into the static buffers (ids with the first layer).
+        Raises GraphUnsupported where a tensor does not match its buffer (nothing written yet to the
+        caller's state)."""
+        dst, src = [], []
+        if ids is not None:
+            self.ids.copy_(backends.pin(ids), non_blocking=True)
+        if layer in self.inputs:
+            real = state.linear[layer] if layer in state.linear else state.attn[layer]
+            pair = (real.ssm, real.conv) if layer in state.linear else (real.k, real.v)
+            dst += self.inputs[layer]
+            src += pair
+        for idx, data in self.spans:
+            real = layout[idx].data
+            if layer in data.linear:
+                s, r = data.linear[layer], real.linear[layer]  # indexing waits for arriving layers
+                dst += (s.T, s.S, s.conv_tail)
+                src += (r.T, r.S, r.conv_tail)
+            elif layer in data.attn:
+                s, r = data.attn[layer], real.attn[layer]
+                dst += (s.k, s.v)
+                src += (r.k, r.v)
+        for d, s in zip(dst, src):
+            if d.shape != s.shape or d.dtype != s.dtype or d.device != s.device:
+                raise GraphUnsupported(
+                    f"layer {layer}: a {s.dtype} {tuple(s.shape)} tensor on {s.device} does not fit its "
+                    f"graph buffer {d.dtype} {tuple(d.shape)}"
+                )
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def collect(self, state: SequenceState, end: int) -> tuple[torch.Tensor | None, Recording]:
+        """Clone what the request keeps out of the graphs' memory (the tensors the last run left in
+        the static state and recording) into `state` and a new Recording."""
+        order = sorted(self.inputs)
+        held = [self.state.linear[i] if i in self.state.linear else self.state.attn[i] for i in order]
+        flat = [t for s in held for t in ((s.ssm, s.conv) if isinstance(s, LinearState) else (s.k, s.v))]
+        snaps = [(idx, lay, s) for idx, by_layer in self.rec.snapshots.items() for lay, s in by_layer.items()]
+        flat += [t for _, _, s in snaps for t in (s.ssm, s.conv)]
+        hidden = sorted(self.rec.hidden.items())
+        flat += [h for _, h in hidden]
+        if self.logits is not None:
+            flat.append(self.logits)
+        out = iter(clone_out(flat))
+        for i in order:
+            a, b = next(out), next(out)
+            if i in state.linear:
+                state.linear[i] = LinearState(a, b)
+            else:
+                state.attn[i] = AttnState(a, b)
+        state.length = end
+        rec = Recording()
+        for idx, lay, _ in snaps:
+            rec.snapshots.setdefault(idx, {})[lay] = LinearState(next(out), next(out))
+        for i, _ in hidden:
+            rec.hidden[i] = next(out)
+        return (next(out) if self.logits is not None else None), rec
+
+
+def _static_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _build_static(model, state: SequenceState, layout, positions: torch.Tensor, n_live: int, arena) -> _Static:
+    static_layout, spans, nbytes = [], [], 0
+    for idx, p in enumerate(layout):
+        if not isinstance(p, CachedSpan):
+            static_layout.append(p)
+            continue
+        d = p.data
+        lin = {
+            i: LinearSpan(*(_static_copy(t) for t in (s.T, s.S, s.conv_tail)))
+            for i, s in ((i, peek(d.linear, i)) for i in d.linear)
+        }
+        att = {i: AttnSpan(_static_copy(a.k), _static_copy(a.v)) for i, a in ((i, peek(d.attn, i)) for i in d.attn)}
+        data = SpanData(d.num_tokens, d.local_start, lin, att)
+        nbytes += sum(t.numel() * t.element_size() for s in lin.values() for t in (s.T, s.S, s.conv_tail))
+        nbytes += sum(t.numel() * t.element_size() for a in att.values() for t in (a.k, a.v))
+        static_layout.append(CachedSpan(data, p.start, p.use_transition))
+        spans.append((idx, data))
+    inputs = {i: (_static_copy(s.ssm), _static_copy(s.conv)) for i, s in state.linear.items()}
+    inputs.update({i: (_static_copy(a.k), _static_copy(a.v)) for i, a in state.attn.items()})
+    st = SequenceState(state.length, {i: None for i in state.linear}, {i: None for i in state.attn})
+    ids = torch.empty(n_live, dtype=torch.long, device=model.device)
+    static = _Static(static_layout, spans, ids, positions, st, inputs, arena, nbytes=nbytes)
+    static.reset_state()
+    return static
+
+
+class CudaLayerGraph:
+    """One layer's CUDA graph, captured on a side stream into a memory pool shared by the shape's
+    layers (they replay in capture order, never concurrently, so the pool's blocks may be shared)."""
+
+    def __init__(self, pool, device):
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+        self.device = device
+
+    def capture(self, fn, reset=None):
+        main = torch.cuda.current_stream(self.device)
+        side = _capture_stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            # thread_local: other threads' CUDA calls (a server's) neither break this capture nor
+            # are refused while it runs
+            self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                out = fn()
+            finally:
+                self.graph.capture_end()
+        main.wait_stream(side)
+        return out
+
+    def replay(self):
+        self.graph.replay()
+
+
+_CAPTURE_STREAMS: dict = {}
+
+
+def _capture_stream(device):
+    s = _CAPTURE_STREAMS.get(device)
+    if s is None:
+        s = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return s
+
+
+class _NoFlaTensorCache:
+    """fla memoizes index tensors by argument identity in small queues; a tensor made eagerly and
+    read by a graph could be evicted and freed later. During capture the memo is off, so such
+    tensors are made inside the graph (or the capture fails and the shape runs eagerly)."""
+
+    def __enter__(self):
+        import sys
+
+        self.mod = sys.modules.get("fla.utils")
+        if self.mod is not None:
+            self.old = getattr(self.mod, "FLA_DISABLE_TENSOR_CACHE", False)
+            self.mod.FLA_DISABLE_TENSOR_CACHE = True
+
+    def __exit__(self, *exc):
+        if self.mod is not None:
+            self.mod.FLA_DISABLE_TENSOR_CACHE = self.old
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _max_abs_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+class LayoutGraphs:
+    """Per-shape CUDA graphs of a model's live pass (module docstring). `max_graphs` shapes are
+    kept, least recently used dropped first; a shape is captured the `capture_after`-th time it is
+    seen (its first run compiles and autotunes kernels on the eager path). `graph_factory(pool,
+    device)` makes a layer's graph (CudaLayerGraph)."""
+
+    def __init__(self, model, max_graphs: int = 4, capture_after: int = 2, graph_factory=None):
+        if max_graphs < 1 or capture_after < 1:
+            raise ValueError("max_graphs and capture_after must be >= 1")
+        self.model = model
+        self.max_graphs = max_graphs
+        self.capture_after = capture_after
+        self._graph_factory = graph_factory or CudaLayerGraph
+        self._graphs: OrderedDict[tuple, _Static] = OrderedDict()
+        self._seen: dict[tuple, int] = {}
+        self.failed: dict[tuple, str] = {}
+        self._lock = threading.Lock()
+        self.stats = {"captures": 0, "replays": 0, "eager": 0, "failures": 0}
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        """Drop every graph (and what is known of shapes); needed after the weights change."""
+        with self._lock:
+            self._graphs.clear()
+            self._seen.clear()
+            self.failed.clear()
+
+    @torch.no_grad()
+    def run(self, state: SequenceState, layout, logits_for, snapshot_after, capture_hidden):
+        """(logits, rec) of the live pass from this layout's graphs, updating `state` as the eager
+        forward does; None when the caller should run the eager forward instead."""
+        key = layout_key(state, layout, logits_for, snapshot_after, capture_hidden)
+        if key is None or key in self.failed or _capturing():
+            return None
+        if not self._lock.acquire(blocking=False):  # a concurrent forward holds the buffers
+            return None
+        try:
+            static = self._graphs.get(key)
+            if static is None:
+                self._seen[key] = self._seen.get(key, 0) + 1
+                if len(self._seen) > 4096:  # shapes seen once each, e.g. decode-like traffic: forget them
+                    self._seen = {key: self._seen[key]}
+                if self._seen[key] < self.capture_after:
+                    self.stats["eager"] += 1
+                    return None
+                return self._capture(key, state, layout, logits_for, snapshot_after, capture_hidden)
+            self._graphs.move_to_end(key)
+            from hybridcache.services.runtime.models.common import new_recording
+
+            _, ids, _, end = new_recording(state, layout, snapshot_after)
+            try:
+                for i, graph in enumerate(static.graphs):
+                    static.bind(i, state, layout, ids if i == 0 else None)
+                    graph.replay()
+            except GraphUnsupported as e:
+                log.warning("a captured shape's graphs not used: %s", e)
+                self.stats["eager"] += 1
+                return None
+            self.stats["replays"] += 1
+            return static.collect(state, end)
+        finally:
+            self._lock.release()
+
+    def _capture(self, key, state, layout, logits_for, snapshot_after, capture_hidden):
+        """Run this request eagerly on new static buffers, then capture and check the graphs. Returns
+        the eager answer (state updated); None, before touching the state, if binding failed."""
+        from hybridcache.services.runtime.models.common import new_recording
+
+        model = self.model
+        _, ids, positions, end = new_recording(state, layout, snapshot_after)
+        arena = backends.HostConstants()
+        static = _build_static(model, state, layout, backends.to_device_async(positions, model.device), len(ids), arena)
+        n_layers = len(model.layers)
+
+        def live_pass(rec, only=None, x=None):
+            """The forward's layer loop over the static buffers (layer `only` alone, from x)."""
+            for i in range(n_layers) if only is None else (only,):
+                if i == 0:
+                    x = model.embed(static.ids)[None]  # [1, n_live, h]
+                x = model.run_layer(i, x, static.layout, static.state, rec, static.positions, capture_hidden)
+                if i == n_layers - 1:
+                    static.logits = model.logits_of(x, logits_for)
+            return x
+
+        try:
+            for i in range(n_layers):
+                static.bind(i, state, layout, ids if i == 0 else None)
+        except GraphUnsupported as e:
+            self.failed[key] = str(e)
+            self.stats["failures"] += 1
+            return None
+        # 1. this request, eagerly on the static buffers (every kernel and cache warm, host constants measured)
+        backends.clear_kept()
+        static.rec = new_recording(static.state, static.layout, snapshot_after)[0]
+        with arena.measuring():
+            live_pass(static.rec)
+        result = SequenceState(state.length, dict(state.linear), dict(state.attn))
+        answer = static.collect(result, end)
+        try:
+            # 2. capture, layer by layer
+            static.reset_state()
+            static.rec = new_recording(static.state, static.layout, snapshot_after)[0]
+            static.logits = None
+            backends.clear_kept()
+            pool = torch.cuda.graph_pool_handle() if model.device.type == "cuda" else None
+            x = None
+            with arena.serving(), _NoFlaTensorCache():
+                for i in range(n_layers):
+                    graph = self._graph_factory(pool, model.device)
+                    x = graph.capture(
+                        lambda i=i, x=x: live_pass(static.rec, i, x), reset=lambda i=i: static.reset_state(i)
+                    )
+                    static.graphs.append(graph)
+            backends.clear_kept()
+            # 3. one replay on the same inputs must give the eager answer
+            for graph in static.graphs:
+                graph.replay()
+            graphed = SequenceState(state.length, dict(state.linear), dict(state.attn))
+            logits, _ = static.collect(graphed, end)
+            _check_same(result, answer[0], graphed, logits)
+        except Exception as e:  # noqa: BLE001 (whatever fails here, the shape runs eagerly)
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            self.stats["failures"] += 1
+            log.warning("live pass of a layout shape not captured, runs eagerly: %s", self.failed[key])
+        else:
+            self._graphs[key] = static
+            self.stats["captures"] += 1
+            while len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)
+        # the eager answer stands either way
+        state.linear.update(result.linear)
+        state.attn.update(result.attn)
+        state.length = end
+        return answer
+
+
+def _check_same(eager: SequenceState, eager_logits, graphed: SequenceState, graphed_logits) -> None:
+    """The replayed graphs' logits and states against the eager pass's: the same kernels on the same
+    inputs, equal up to the order of floating-point reductions."""
+    pairs = [("logits", eager_logits, graphed_logits)] if eager_logits is not None else []
+    pairs += [(f"layer {i}'s state", s.ssm, graphed.linear[i].ssm) for i, s in eager.linear.items()]
+    pairs += [(f"layer {i}'s keys", a.k, graphed.attn[i].k) for i, a in eager.attn.items()]
+    for name, a, b in pairs:
+        if a.shape != b.shape:
+            raise GraphUnsupported(f"the replayed graphs' {name} has shape {tuple(b.shape)}, not {tuple(a.shape)}")
+        gap = _max_abs_gap(a, b)
+        scale = float(a.float().abs().max()) if a.numel() else 0.0
+        if not gap <= 1e-3 * (scale + 1.0):
+            raise GraphUnsupported(f"the replayed graphs' {name} differs from the eager pass's by {gap:.3g}")

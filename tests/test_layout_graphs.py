@@ -1,0 +1,260 @@
+"""The CUDA-graph layer of the live pass (services/runtime/graphs.py) on CPU.
+
+CUDA graphs need a GPU (tests/kernels/test_cuda_graphs.py runs them there). Here a layer's "graph"
+is an eager double: capture runs the layer once on the static buffers, replay runs it again and
+writes its output into the tensor capture returned, as a CUDA graph's replay rewrites the memory
+it captured. That exercises everything of graphs.py but the capture itself: the shape key, the
+static buffers and the binding of each request into them, the eager answer of the capturing
+request, the check replay, the cloning of state and recordings out, fallbacks and eviction.
+"""
+
+import pytest
+import torch
+from hybridcache.services.runtime import backends
+from hybridcache.services.runtime.cache import SegmentEntry
+from hybridcache.services.runtime.cache.host_tier import stage, to_host
+from hybridcache.services.runtime.config import ModelConfig
+from hybridcache.services.runtime.graphs import (
+    GraphUnsupported,
+    LayoutGraphs,
+    clone_out,
+    layout_graphs,
+    layout_key,
+)
+from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
+from hybridcache.services.runtime.modelzoo import hf_config, random_init_
+from hybridcache.services.runtime.sequence import CachedSpan, LiveRun
+
+SEAM = 4
+
+
+class EagerLayerGraph:
+    """CPU double of graphs.CudaLayerGraph (module docstring)."""
+
+    def __init__(self, pool, device):
+        self.replays = 0
+
+    def capture(self, fn, reset=None):
+        self.fn, self.reset = fn, reset
+        self.out = fn()
+        return self.out
+
+    def replay(self):
+        self.replays += 1
+        self.reset()
+        self.out.copy_(self.fn())
+
+
+class FailingCapture(EagerLayerGraph):
+    def capture(self, fn, reset=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+class DriftingReplay(EagerLayerGraph):
+    """A replay whose output is off: the check replay must catch it."""
+
+    def replay(self):
+        super().replay()
+        self.out.add_(0.5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.from_dict(hf_config("qwen3_5_text", "tiny"))
+    m = HybridLM(cfg).eval()
+    random_init_(m, seed=3, std=0.08)
+    return m
+
+
+def entries_of(model, segs):
+    out = []
+    for seg in segs:
+        layout = [LiveRun(seg[:SEAM], 0), LiveRun(seg[SEAM:], SEAM, record="entry")]
+        _, rec = model.forward_layout(model.empty_state(), layout, "none")
+        out.append(rec.entries[1])
+    return out
+
+
+def request(model, seed, lengths=(37, 50, 29), question=9):
+    gen = torch.Generator().manual_seed(seed)
+    segs = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen) for n in lengths]
+    q = torch.randint(0, model.cfg.vocab_size, (question,), generator=gen)
+    return segs, entries_of(model, segs), q
+
+
+def pic_layout(segs, datas, question, start=0):
+    layout, pos = [], start
+    for seg, data in zip(segs, datas):
+        layout += [LiveRun(seg[:SEAM], pos), CachedSpan(data, pos + SEAM)]
+        pos += seg.numel()
+    layout.append(LiveRun(question, pos))
+    return layout
+
+
+def eager(model, state, layout, **kw):
+    return model.forward_layout(state, layout, "last", **kw)
+
+
+def assert_same_state(a, b, tol=1e-5):
+    assert a.length == b.length
+    for i in b.linear:
+        torch.testing.assert_close(a.linear[i].ssm, b.linear[i].ssm, atol=tol, rtol=tol)
+        torch.testing.assert_close(a.linear[i].conv, b.linear[i].conv, atol=tol, rtol=tol)
+    for i in b.attn:
+        torch.testing.assert_close(a.attn[i].k, b.attn[i].k, atol=tol, rtol=tol)
+        torch.testing.assert_close(a.attn[i].v, b.attn[i].v, atol=tol, rtol=tol)
+
+
+def test_replays_of_a_shape_answer_each_request_as_the_eager_forward(model):
+    graphs = LayoutGraphs(model, capture_after=1, graph_factory=EagerLayerGraph)
+    snaps = {1, 3}
+    hidden = (0, 2)
+    for seed in (1, 2, 3):  # one capture, then two requests with other tokens and entries
+        segs, datas, q = request(model, seed)
+        ref_state = model.empty_state()
+        ref_logits, ref_rec = eager(
+            model, ref_state, pic_layout(segs, datas, q), snapshot_after=snaps, capture_hidden=hidden
+        )
+        state = model.empty_state()
+        logits, rec = graphs.run(state, pic_layout(segs, datas, q), "last", snaps, hidden)
+        torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+        assert_same_state(state, ref_state)
+        assert set(rec.snapshots) == set(ref_rec.snapshots) == snaps
+        for idx in snaps:
+            for lay, s in ref_rec.snapshots[idx].items():
+                torch.testing.assert_close(rec.snapshots[idx][lay].ssm, s.ssm, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(rec.snapshots[idx][lay].conv, s.conv, atol=1e-5, rtol=1e-5)
+        for i in hidden:
+            torch.testing.assert_close(rec.hidden[i], ref_rec.hidden[i], atol=1e-5, rtol=1e-5)
+    assert graphs.stats["captures"] == 1 and graphs.stats["replays"] == 2 and graphs.stats["failures"] == 0
+    # what a request keeps is its own: the next replay must not change it
+    kept = logits.clone(), state.linear[0].ssm.clone()
+    segs, datas, q = request(model, 9)
+    graphs.run(model.empty_state(), pic_layout(segs, datas, q), "last", snaps, hidden)
+    assert torch.equal(kept[0], logits) and torch.equal(kept[1], state.linear[0].ssm)
+
+
+def test_a_shape_is_captured_on_its_nth_sighting_and_other_shapes_run_eagerly(model):
+    graphs = LayoutGraphs(model, capture_after=2, graph_factory=EagerLayerGraph)
+    segs, datas, q = request(model, 1)
+    assert graphs.run(model.empty_state(), pic_layout(segs, datas, q), "last", (), ()) is None
+    assert graphs.run(model.empty_state(), pic_layout(segs, datas, q), "last", (), ()) is not None
+    assert len(graphs) == 1
+    # another segment length, another shape: first sighting again
+    segs2, datas2, q2 = request(model, 1, lengths=(37, 51, 29))
+    assert graphs.run(model.empty_state(), pic_layout(segs2, datas2, q2), "last", (), ()) is None
+    # no cached span, or a run that records an entry: never captured
+    assert layout_key(model.empty_state(), [LiveRun(q, 0)], "last", (), ()) is None
+    rec_layout = [LiveRun(segs[0][:SEAM], 0), LiveRun(segs[0][SEAM:], SEAM, record="entry")]
+    assert layout_key(model.empty_state(), rec_layout, "none", (), ()) is None
+
+
+def test_shape_key_tells_apart_what_changes_the_kernels(model, monkeypatch):
+    segs, datas, q = request(model, 1)
+    state = model.empty_state()
+    base = layout_key(state, pic_layout(segs, datas, q), "last", (), ())
+    assert base == layout_key(state, pic_layout(*request(model, 2)), "last", (), ())  # other tokens, same shape
+    assert base != layout_key(state, pic_layout(segs, datas, q, start=0)[:-1] + [LiveRun(q[:-1], 104)], "last", (), ())
+    assert base != layout_key(state, pic_layout(segs, datas, q), "all", (), ())
+    assert base != layout_key(state, pic_layout(segs, datas, q), "last", {1}, ())
+    naive = [CachedSpan(p.data, p.start, False) if isinstance(p, CachedSpan) else p for p in pic_layout(segs, datas, q)]
+    assert base != layout_key(state, naive, "last", (), ())
+    monkeypatch.setenv("HYBRIDCACHE_LIVE_ATTENTION", "sdpa")
+    assert base != layout_key(state, pic_layout(segs, datas, q), "last", (), ())
+
+
+def test_a_request_whose_tensors_do_not_fit_runs_eagerly(model):
+    graphs = LayoutGraphs(model, capture_after=1, graph_factory=EagerLayerGraph)
+    segs, datas, q = request(model, 1)
+    graphs.run(model.empty_state(), pic_layout(segs, datas, q), "last", (), ())
+    segs, datas, q = request(model, 2)
+    # the key reads each span's first layers only; a later layer in another dtype must not bind
+    last_linear = max(datas[1].linear)
+    span = datas[1].linear[last_linear]
+    datas[1].linear[last_linear] = type(span)(span.T.double(), span.S, span.conv_tail)
+    state = model.empty_state()
+    assert graphs.run(state, pic_layout(segs, datas, q), "last", (), ()) is None
+    assert state.length == 0 and state.attn[min(state.attn)].k.shape[2] == 0  # untouched
+    with pytest.raises(GraphUnsupported):
+        next(iter(graphs._graphs.values())).bind(last_linear, state, pic_layout(segs, datas, q), None)
+
+
+@pytest.mark.parametrize("factory", [FailingCapture, DriftingReplay], ids=["capture-fails", "replay-differs"])
+def test_a_shape_that_cannot_be_captured_answers_eagerly_and_stays_eager(model, factory):
+    graphs = LayoutGraphs(model, capture_after=1, graph_factory=factory)
+    segs, datas, q = request(model, 1)
+    ref_state = model.empty_state()
+    ref_logits, _ = eager(model, ref_state, pic_layout(segs, datas, q))
+    state = model.empty_state()
+    logits, _ = graphs.run(state, pic_layout(segs, datas, q), "last", (), ())
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)  # the eager answer stands
+    assert_same_state(state, ref_state)
+    assert graphs.stats["failures"] == 1 and len(graphs) == 0 and len(graphs.failed) == 1
+    assert graphs.run(model.empty_state(), pic_layout(segs, datas, q), "last", (), ()) is None
+
+
+def test_a_shape_from_a_prefix_state_and_host_staged_entries(model):
+    """A layout that starts after a restored prefix (the entering state is an input too), with its
+    entries staged from the host tier (ArrivingLayers: bound layer by layer)."""
+    graphs = LayoutGraphs(model, capture_after=1, graph_factory=EagerLayerGraph)
+    gen = torch.Generator().manual_seed(5)
+    for seed in (1, 2):
+        prefix = torch.randint(0, model.cfg.vocab_size, (21,), generator=gen)
+        start = model.empty_state()
+        model.forward_layout(start, [LiveRun(prefix, 0)], "none")
+        segs, datas, q = request(model, seed)
+        hosted = stage(
+            [to_host(SegmentEntry(f"e{seed}{i}", len(s), d, 0.0)) for i, (s, d) in enumerate(zip(segs, datas))], "cpu"
+        )
+        ref_state = start.clone()
+        ref_logits, _ = eager(model, ref_state, pic_layout(segs, datas, q, start=21))
+        state = start.clone()
+        logits, _ = graphs.run(state, pic_layout(segs, hosted, q, start=21), "last", (), ())
+        torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+        assert_same_state(state, ref_state)
+    assert graphs.stats["replays"] == 1
+
+
+def test_least_recently_used_shape_is_dropped(model):
+    graphs = LayoutGraphs(model, max_graphs=1, capture_after=1, graph_factory=EagerLayerGraph)
+    a, b = request(model, 1), request(model, 2, lengths=(40, 40))
+    graphs.run(model.empty_state(), pic_layout(*a), "last", (), ())
+    graphs.run(model.empty_state(), pic_layout(*b), "last", (), ())
+    assert len(graphs) == 1 and graphs.stats["captures"] == 2
+    key_b = layout_key(model.empty_state(), pic_layout(*b), "last", (), ())
+    assert list(graphs._graphs) == [key_b]
+
+
+def test_clone_out_copies_views_of_one_storage_as_one_block():
+    base = torch.arange(60.0).view(5, 12)
+    views = [base[1], base[3], base[4, 2:7]]
+    lone = torch.ones(3)
+    out = clone_out([*views, lone, torch.empty(0)])
+    for o, v in zip(out, [*views, lone]):
+        assert torch.equal(o, v)
+    assert out[0].untyped_storage().data_ptr() == out[1].untyped_storage().data_ptr()  # one copy
+    assert out[0].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    base.zero_()
+    assert out[1][0].item() == 36.0 and out[4].numel() == 0
+
+
+def test_host_constants_serve_what_was_measured_from_one_arena():
+    arena = backends.HostConstants()
+    a, b = torch.arange(5), torch.tensor([[1.5, 2.5]])
+    with arena.measuring():
+        assert arena.to_device(a, "cpu") is None and arena.to_device(b, "cpu") is None
+    assert arena.buffer.numel() == 2 * arena.ALIGN
+    with arena.serving():
+        assert torch.equal(arena.to_device(a, "cpu"), a)
+        assert torch.equal(arena.to_device(b, "cpu"), b)
+        with pytest.raises(RuntimeError, match="more host data"):
+            arena.to_device(a, "cpu")
+
+
+def test_graphs_are_off_on_cpu_and_by_switch(model, monkeypatch):
+    assert layout_graphs(model) is None  # a CPU model: the eager forward
+    monkeypatch.setenv("HYBRIDCACHE_CUDA_GRAPHS", "sometimes")
+    with pytest.raises(ValueError, match="HYBRIDCACHE_CUDA_GRAPHS"):
+        layout_graphs(model)
+    moe = HybridLM(ModelConfig.from_dict(hf_config("qwen3_5_moe_text", "tiny")))
+    assert not moe.cuda_graphs and model.cuda_graphs
