@@ -161,22 +161,18 @@ def compose_figures(cfg, figures, n_seg=32):
         t_ref, ref = timed(torch_path, repeat=5, warmup=1)
         figures[f"compose_torch_baddbmm_us_per_segment{tag}"] = round(t_ref * 1e3 / n_seg, 2)
         figures[f"compose_rel_err_vs_torch{tag}"] = float(f"{((out - ref).norm() / ref.norm()).item():.3g}")
-        if dtype != torch.bfloat16:
-            continue
-        # Variants of the kernel for bf16 entries (the default: one TF32 pass, 128 columns per
-        # program, 16 warps, 2 stages; 8 warps and Triton's 3 stages before 2026-12-01's change, now
-        # the variant tf32_bv128_w8): time and error of each. A name without _s uses 3 stages.
-        # vg: the column blocks of one (layer, head) launched side by side (they share T, whose
-        # second read may then come from L2); bf16x2: T read as stored, the state split in two bf16 halves
-        variants = [("tf32x3", 64, 8, 0, False), ("tf32x3", 128, 8, 0, False), ("tf32", 64, 8, 0, False)]
-        variants += [("tf32", 128, w, st, False) for w, st in ((4, 0), (8, 0), (8, 1), (8, 2), (16, 0), (16, 2))]
-        variants += [("tf32", 64, w, st, True) for w, st in ((4, 2), (8, 2), (8, 3))]
-        variants += [("bf16x2", bv, w, st, vg) for bv, w, st, vg in
-                     ((128, 8, 2, False), (128, 16, 2, False), (64, 4, 2, True), (64, 8, 2, True), (64, 8, 3, True))]
+        # Variants (precision, columns, warps, stages (0: Triton's), column blocks side by side).
+        # bf16 entries' default since 2026-12-02: bf16x2, 64 columns, side by side, 8 warps, 2 stages
+        # (one TF32 pass, 128 columns, 16 warps, 2 stages before: tf32_bv128_w16_s2; 8 warps and
+        # Triton's stages before that: tf32_bv128_w8). fp32 entries: tf32x3, 64 columns, side by side.
+        if dtype == torch.bfloat16:
+            variants = [("tf32", 128, 16, 2, False), ("tf32", 128, 8, 0, False), ("tf32", 64, 4, 2, True)]
+            variants += [("bf16x2", bv, w, st, vg) for bv, w, st, vg in
+                         ((128, 8, 2, False), (64, 4, 2, True), (64, 8, 3, True), (32, 4, 2, True))]
+        else:
+            variants = [("tf32x3", 64, 8, 0, False), ("tf32x3", 32, 8, 0, True), ("tf32x3", 64, 4, 2, True)]
         for prec, bv, nw, st, vg in variants:
-            old_default = (prec, bv, nw, st, vg) == ("tf32", 128, 8, 0, False)
-            name = f"{prec}_bv{bv}" + (f"_w{nw}" if nw != 8 or old_default else "") + (f"_s{st}" if st else "")
-            name += "_vg" if vg else ""
+            name = f"{prec}_bv{bv}_w{nw}" + (f"_s{st}" if st else "") + ("_vg" if vg else "") + tag
             try:
                 t_v, out_v = timed(
                     lambda T=T, S=S, prec=prec, bv=bv, nw=nw, st=st, vg=vg: compose_states_fwd(

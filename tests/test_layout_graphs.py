@@ -238,16 +238,22 @@ def test_clone_out_copies_views_of_one_storage_as_one_block():
     assert out[1][0].item() == 36.0 and out[4].numel() == 0
 
 
-def test_host_constants_serve_what_was_measured_from_one_arena():
+def test_host_constants_are_device_tensors_filled_once_after_the_capture():
     arena = backends.HostConstants()
     a, b = torch.arange(5), torch.tensor([[1.5, 2.5]])
     with arena.measuring():
         assert arena.to_device(a, "cpu") is None and arena.to_device(b, "cpu") is None
-    assert arena.buffer.numel() == 2 * arena.ALIGN
+    assert [tuple(t.shape) for t in arena.slots] == [(5,), (1, 2)]
     with arena.serving():
-        assert torch.equal(arena.to_device(a, "cpu"), a)
-        assert torch.equal(arena.to_device(b, "cpu"), b)
-        with pytest.raises(RuntimeError, match="more host data"):
+        sa = arena.to_device(a, "cpu")
+        assert sa is arena.slots[0]
+        sb = arena.to_device(b + 1, "cpu")
+    assert torch.equal(sa, a) and torch.equal(sb, b + 1)  # filled on leaving the capture
+    with pytest.raises(RuntimeError, match="differs from its eager run"):
+        with arena.serving():
+            arena.to_device(b, "cpu")
+    with pytest.raises(RuntimeError, match="made 1 host copies, its eager run 2"):
+        with arena.serving():
             arena.to_device(a, "cpu")
 
 

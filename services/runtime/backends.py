@@ -345,51 +345,57 @@ _CONSTANTS = threading.local()
 
 class HostConstants:
     """The host tensors a live pass copies to the device (layout-derived index tensors, address
-    tables), for a CUDA graph of that pass: inside a capture a copy must read host memory that stays
-    valid, unchanged, for every replay. `measuring()` (an eager run of the same pass) counts their
-    bytes and then allocates one pinned arena; `serving()` (the capture) writes each tensor into
-    the arena and captures a copy from there. The arena lives as long as the graph that keeps this
-    object. A capture that asks for more bytes than were measured fails (and the pass runs eagerly)."""
-
-    ALIGN = 64
+    tables), for a CUDA graph of that pass. A copy inside a capture would be a memcpy node of the
+    graph, reading host memory on every replay and queued on the copy engine behind whatever else
+    is copying (a host-tier request's entries: a replay then waited for all of them). Instead:
+    `measuring()` (an eager run of the same pass) notes each copy's shape and dtype and allocates a
+    device tensor for each; `serving()` (the capture) hands those tensors out in the same order,
+    keeps the host values, and on leaving copies them in, outside the graph, once: a graph reads
+    them as constants. The tensors live as long as the graph that keeps this object. A capture
+    whose copies differ in number, shape or dtype from the measured ones fails (the pass then
+    runs eagerly)."""
 
     def __init__(self):
-        self.nbytes = 0
         self.mode = None
-        self.buffer = None
-        self.offset = 0
+        self.specs: list[tuple] = []
+        self.slots: list[torch.Tensor] = []
+        self.pending: list[torch.Tensor] = []
 
-    def _slot(self, t: torch.Tensor) -> int:
-        return -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.slots)
 
     def to_device(self, t: torch.Tensor, device) -> torch.Tensor | None:
-        """The device copy of t as this mode makes it; None: copy as usual (measuring)."""
+        """The device tensor for host tensor t as this mode makes it; None: copy as usual (measuring)."""
         if self.mode == "measure":
-            self.nbytes += self._slot(t)
+            self.specs.append((tuple(t.shape), t.dtype, torch.device(device)))
             return None
-        n = self._slot(t)
-        if self.buffer is None or self.offset + n > self.buffer.numel():
-            raise RuntimeError("the captured pass copies more host data than its eager run measured")
-        raw = self.buffer[self.offset : self.offset + t.numel() * t.element_size()]
-        self.offset += n
-        host = raw.view(t.dtype).view(t.shape)
-        host.copy_(t)
-        out = torch.empty(t.shape, dtype=t.dtype, device=device)
-        out.copy_(host, non_blocking=True)
-        return out
+        i = len(self.pending)
+        if i >= len(self.slots) or self.specs[i] != (tuple(t.shape), t.dtype, torch.device(device)):
+            raise RuntimeError(
+                f"host copy {i} of the captured pass ({t.dtype} {tuple(t.shape)}) differs from its eager run's"
+            )
+        self.pending.append(t.clone())
+        return self.slots[i]
 
     @contextlib.contextmanager
     def measuring(self):
+        self.specs = []
         with self._active("measure"):
             yield self
-        pinned = torch.cuda.is_available()  # (pinned memory needs a CUDA driver; the CPU tests use plain)
-        self.buffer = torch.empty(max(self.nbytes, self.ALIGN), dtype=torch.uint8, pin_memory=pinned)
+        self.slots = [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype, dev in self.specs]
 
     @contextlib.contextmanager
     def serving(self):
-        self.offset = 0
+        self.pending = []
         with self._active("serve"):
             yield self
+        if len(self.pending) != len(self.slots):
+            made, measured = len(self.pending), len(self.slots)
+            raise RuntimeError(f"the captured pass made {made} host copies, its eager run {measured}")
+        for slot, host in zip(self.slots, self.pending):
+            slot.copy_(host)
+        self.pending = []
 
     @contextlib.contextmanager
     def _active(self, mode):

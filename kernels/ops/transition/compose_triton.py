@@ -119,7 +119,7 @@ def compose_states_fwd(
     output_all: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    grid_vg: bool = False,
+    grid_vg: bool | None = None,
 ):
     """Fold n segments into a running state: S_end = T_n(...(T_1 S_start + S_1)...) + S_n.
 
@@ -127,26 +127,22 @@ def compose_states_fwd(
         T: [N, G, K, K] transitions, segment-major (G = layers x heads flattened), bf16 or fp32.
         S: [N, G, K, V] zero-start states S(body|0), same dtype family.
         initial_state: [G, K, V] running state before the first segment (zeros if None).
-        block_v: columns of S per program (default: all of V on CPU; on GPU 128 for bf16
-            entries, so each T is read once, and 64 for fp32 entries, halved down to 32 while
-            the programs would not cover the GPU's SMs).
-        dot_precision: Triton tl.dot input precision. Default under the interpreter: "ieee". On
-            GPU: "tf32x3" (fp32-level accuracy at tensor-core speed) for fp32 entries and "tf32"
-            for bf16 entries: one TF32 pass keeps a 10-bit mantissa, more than the entries' own 8
-            bits, at about half the time (gpu_bench_h200_4e990a9.json: 24.3 against 46.9 us per
-            segment with 128 columns at Qwen3.5-9B's shape on an H200, relative error 2.2e-3
-            against fp32 math on the same bf16 entries).
-        num_warps, num_stages: Triton launch options (defaults on GPU for K >= 128: 16 warps and
-            2 stages for bf16 entries at 128 columns, else 8 warps and Triton's stages). 16 warps
-            and 2 stages timed at or below 8 warps in each of nine gpu_bench runs on an H200
-            (0b4d660 to dc47e28, Qwen3.5-9B's shape, 32 segments: median 23.4 against 24.8 us per
-            segment).
-
+        block_v: columns of S per program (default: all of V on CPU; on GPU 64, halved down to
+            32 while the programs would not cover the GPU's SMs).
+        dot_precision: Triton tl.dot input precision, or "bf16x2". Default under the interpreter:
+            "ieee". On GPU: "tf32x3" (fp32-level accuracy at tensor-core speed) for fp32 T, and
+            "bf16x2" for 16-bit T: T read as stored and the fp32 running state split into a high
+            and a low bf16 part, two bf16 dots a step (about 16 of the state's mantissa bits kept).
+            On an H200 at Qwen3.5-9B's shape (gpu_bench at 3a94072, 32 segments, bf16 entries):
+            18.6 us per segment with 64 columns, side by side, 8 warps, 2 stages, relative error
+            5e-6 against fp32 math on the same entries, where one TF32 pass (the default before)
+            took 27-31 us at 2.2e-3.
+        num_warps, num_stages: Triton launch options (defaults on GPU for K >= 128: 8 warps; 2
+            stages for 16-bit T, Triton's for fp32 T).
         output_all: also return the state after every segment, [N, G, K, V] fp32.
         grid_vg: launch the column blocks of one (layer, head) next to each other (they read the
-            same T: the second read may come from L2).
-        dot_precision "bf16x2" (T in 16 bits): the state split into two 16-bit halves, two 16-bit
-            dots per step, T read as stored (no fp32 copy of it).
+            same T: the second read may come from L2); default on GPU wherever V has two blocks
+            or more.
 
     Returns:
         [G, K, V] fp32 (and the [N, G, K, V] states with output_all).
@@ -164,7 +160,7 @@ def compose_states_fwd(
 
 
 def _launch(
-    T, S, Tref, Sref, N, G, K, V, h0, output_all, block_v, precision, warps, stages, prefetch=False, grid_vg=False
+    T, S, Tref, Sref, N, G, K, V, h0, output_all, block_v, precision, warps, stages, prefetch=False, grid_vg=None
 ):
     """One launch of the kernel over stacked entries (T is Tref) or address tables (T is int64).
     precision "bf16x2" (16-bit T only): SPLIT_STATE (the kernel's comment)."""
@@ -172,22 +168,26 @@ def _launch(
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     on_gpu = Sref.is_cuda
-    half = Tref.dtype in (torch.bfloat16, torch.float16) and Sref.dtype in (torch.bfloat16, torch.float16)
+    half_t = Tref.dtype in (torch.bfloat16, torch.float16)
     BK = max(16, triton.next_power_of_2(K))
     BV = block_v or max(16, triton.next_power_of_2(V))
     if on_gpu and block_v is None:
-        BV = min(128 if half and BK <= 128 else 64, BV)
+        BV = min(64, BV)
         # Few (layer, head) pairs, e.g. one layer's heads in the live scan: narrower column blocks
         # until the programs cover the SMs (32 heads x 1 block left 100 of an H200's 132 idle,
         # each program walking all n segments in sequence).
         while BV > 32 and G * triton.cdiv(V, BV) < _sm_count(Sref.device):
             BV //= 2
-    wide = on_gpu and half and BK >= 128 and BV >= 128  # the 16-warp, 2-stage default (docstring)
-    stages = num_stages or (2 if wide else None)
-    precision = dot_precision or (("tf32" if half else "tf32x3") if on_gpu else "ieee")
+    # GPU defaults (docstring of compose_states_fwd): 16-bit T in two 16-bit dots of the split
+    # state, the column blocks of a (layer, head) side by side, 8 warps, 2 stages for 16-bit T
+    precision = dot_precision or (("bf16x2" if half_t and BK <= 128 else "tf32x3") if on_gpu else "ieee")
     split = precision == "bf16x2"
-    if split and Tref.dtype not in (torch.bfloat16, torch.float16):
+    if split and not half_t:
         raise ValueError(f"dot precision bf16x2 needs T in 16 bits, got {Tref.dtype}")
+    if grid_vg is None:
+        grid_vg = on_gpu and triton.cdiv(V, BV) > 1
+    stages = num_stages or (2 if on_gpu and half_t and BK >= 128 else None)
+    warps = num_warps or (8 if on_gpu and BK >= 128 else 4)
     ht = torch.empty(G, K, V, dtype=torch.float32, device=Sref.device)
     hs = torch.empty(N, G, K, V, dtype=torch.float32, device=Sref.device) if output_all else None
     grid = (triton.cdiv(V, BV), G) if grid_vg else (G, triton.cdiv(V, BV))
@@ -210,7 +210,7 @@ def _launch(
         PREFETCH_ADDRESSES=prefetch,
         SPLIT_STATE=split,
         GRID_VG=grid_vg,
-        num_warps=num_warps or ((16 if wide else 8) if on_gpu and BK >= 128 else 4),
+        num_warps=warps,
         **({"num_stages": stages} if stages else {}),
     )
     return (ht, hs) if output_all else ht

@@ -17,7 +17,6 @@ all entries of a request.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 
@@ -88,16 +87,58 @@ def is_host(entry: SegmentEntry) -> bool:
     return "host" in entry.meta
 
 
-class _EventWait:
-    """Makes the device's current stream wait for a copy stream's event (no host synchronization)."""
+class _Stager:
+    """The copies of staged layers, queued on the copy stream in layer order as the forward reaches
+    them: `window` layers ahead of the one waited for. Queuing them all at once put every copy
+    the forward itself makes to the device (its token ids, index tables) behind all of them on
+    the copy engine, so the forward started only when the last layer had arrived."""
 
-    def __init__(self, event, device: torch.device):
-        self._event, self._device = event, device
+    def __init__(self, stream, layers: list[int], window: int):
+        self.stream = stream
+        self.layers = layers
+        self.window = window
+        self.copies: dict[int, list] = {lay: [] for lay in layers}  # layer -> [(dst, src)]
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.events: dict[int, torch.cuda.Event] = {}
+        self.queued = 0  # layers[:queued] are on the copy stream
+
+    def queue_through(self, n: int) -> None:
+        """Queue the copies of layers[:n] not queued yet."""
+        n = min(n, len(self.layers))
+        if n <= self.queued:
+            return
+        with torch.cuda.stream(self.stream):
+            for lay in self.layers[self.queued : n]:
+                for dst, src in self.copies.pop(lay):
+                    dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                # allocated on the compute stream, written on the copy stream: the allocator must
+                # not hand its memory out again before those copies are done, even if the forward
+                # stops before it reaches this layer
+                self.buffers.pop(lay).record_stream(self.stream)
+                self.events[lay] = event
+        self.queued = n
+
+    def waiter(self, layer: int, device):
+        return _EventWait(self, layer, device)
+
+
+class _EventWait:
+    """Makes the device's current stream wait for a staged layer's copies (no host synchronization),
+    queuing them and the next `window` layers' first if they are not queued yet."""
+
+    def __init__(self, stager: _Stager, layer: int, device: torch.device):
+        self._stager, self._layer, self._device = stager, layer, device
+        self._done = False
 
     def wait(self) -> None:
-        if self._event is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._event)
-            self._event = None
+        if self._done:
+            return
+        st = self._stager
+        st.queue_through(st.layers.index(self._layer) + 1 + st.window)
+        torch.cuda.current_stream(self._device).wait_event(st.events[self._layer])
+        self._done = True
 
 
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -111,46 +152,50 @@ def _copy_stream(device: torch.device):
         return _copy_streams[device]
 
 
-def stage(entries: list[SegmentEntry], device: torch.device | str) -> list[SpanData]:
+STAGE_WINDOW = 2  # layers queued ahead of the one the forward waits for
+
+
+def stage(entries: list[SegmentEntry], device: torch.device | str, window: int = STAGE_WINDOW) -> list[SpanData]:
     """Device-side SpanData of host entries (to_host copies), layer by layer: for each layer one
     device buffer with that layer of every entry, filled on a side stream (CUDA) and waited for on
-    first use of the layer. On the CPU the copies run in place and nothing waits."""
+    first use of the layer; the copies of the first `window` layers are queued at once, each later
+    layer's when the forward waits for the layer `window` before it (_Stager). On the CPU the
+    copies run in place and nothing waits."""
     device = torch.device(device)
     hosts = [e.meta["host"] for e in entries]
     if not hosts:
         return []
     layers = sorted(hosts[0].layers)
     cuda = device.type == "cuda"
-    stream = _copy_stream(device) if cuda else None
+    stager = None
     if cuda:
+        stager = _Stager(_copy_stream(device), layers, window)
         # the buffers are allocated on the compute stream; the copy stream must not run ahead of that
-        stream.wait_stream(torch.cuda.current_stream(device))
+        stager.stream.wait_stream(torch.cuda.current_stream(device))
     spans = [({}, {}) for _ in hosts]
     waits: dict[int, _EventWait] = {}
     for lay in layers:
         total = sum(h.layers[lay][1] for h in hosts)
         buf = torch.empty(total, dtype=torch.uint8, device=device)
         off = 0
-        ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
-        with ctx:
-            for h in hosts:
-                start, n = h.layers[lay]
-                buf[off : off + n].copy_(h.buffer[start : start + n], non_blocking=cuda)
-                off += n
+        for h in hosts:
+            start, n = h.layers[lay]
+            if cuda:
+                stager.copies[lay].append((buf[off : off + n], h.buffer[start : start + n]))
+            else:
+                buf[off : off + n].copy_(h.buffer[start : start + n])
+            off += n
         if cuda:
-            event = torch.cuda.Event()
-            event.record(stream)
-            # allocated on the compute stream, written on the copy stream: the allocator must not
-            # hand its memory out again before those copies are done, even if the forward stops
-            # before it reaches this layer
-            buf.record_stream(stream)
-            waits[lay] = _EventWait(event, device)
+            stager.buffers[lay] = buf
+            waits[lay] = stager.waiter(lay, device)
         off = 0
         for j, h in enumerate(hosts):
             src = h.data
             views, _ = _views(buf, off, _layer_tensors(src, lay))
             off += h.layers[lay][1]
             (spans[j][0] if lay in src.linear else spans[j][1])[lay] = _span(src, lay, views)
+    if cuda:
+        stager.queue_through(window)
     out = []
     for h, (linear, attn) in zip(hosts, spans):
         out.append(SpanData(h.data.num_tokens, h.data.local_start, ArrivingLayers(linear, waits),
