@@ -67,9 +67,9 @@ def assert_close_states(a, b, tol):
         assert gap(a.attn[i].v, b.attn[i].v) <= tol * (1 + b.attn[i].v.abs().max().item()), i
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_replays_of_a_shape_match_the_eager_forward(dtype, monkeypatch):
-    model = cuda_model(dtype)
+def test_replays_of_a_shape_match_the_eager_forward(monkeypatch):
+    """bf16, the served dtype (fp32 adds minutes of fla compilation; the CPU tests cover the logic)."""
+    model = cuda_model(torch.bfloat16)
     monkeypatch.setenv("HYBRIDCACHE_CUDA_GRAPHS", "on")
     graphs = layout_graphs(model)
     assert graphs is not None

@@ -84,8 +84,10 @@ def chunk_gated_delta_rule_entry(
     g_cum = local_cumsum_one_row(g, chunk_size, lambda x: chunk_local_cumsum(x, chunk_size=chunk_size, scale=RCP_LN2))
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=chunk_size)
     eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(B, HV, K, K)
-    h0 = initial_state.float() if initial_state is not None else torch.zeros(B, HV, K, V, device=k.device)
+    h0 = initial_state.float() if initial_state is not None else None
     mode = pick_t_run(K, V, t_run)
+    if mode == "stacked" and h0 is None:
+        h0 = torch.zeros(B, HV, K, V, device=k.device)
     if mode == "stacked":
         h, v_new, final = chunk_gated_delta_rule_fwd_h(
             k=k.repeat(2, 1, 1, 1),
@@ -125,12 +127,13 @@ def chunk_gated_delta_rule_entry(
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 h_t, v_new_t, Tr = t_recurrence()
+        # a zero start goes to fla as None (no [B, H, K, V] of zeros written and read a call)
         h, v_new, S_final = chunk_gated_delta_rule_fwd_h(
             k=k,
             w=w,
             u=u,
             g=g_cum,
-            initial_state=h0.contiguous(),
+            initial_state=h0.contiguous() if h0 is not None else None,
             output_final_state=True,
             chunk_size=chunk_size,
         )
@@ -142,7 +145,7 @@ def chunk_gated_delta_rule_entry(
         else:
             h_t, v_new_t, Tr = t_recurrence()
     o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=chunk_size)
-    S0 = S_final if initial_state is None else S_final - Tr @ h0
+    S0 = S_final if h0 is None else S_final - Tr @ h0
     if output_query_transition:
         u_t = chunk_fwd_o(q=q, k=k, v=v_new_t, h=h_t, g=g_cum, scale=scale, chunk_size=chunk_size)
         return o, S_final, (Tr, S0), u_t

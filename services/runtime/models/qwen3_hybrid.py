@@ -360,9 +360,11 @@ class GatedDeltaNet(nn.Module):
         conv_src = [source(j) for j in range(m)]
         conv_in = torch.cat(conv_src, dim=0)  # [m, D, W - 1]
         conv_out, _ = backends.causal_conv1d(padded(mixed), self.conv1d.weight.squeeze(1), None, conv_in, "silu")
-        # padding steps are identity steps: k = v = 0 (zero conv outputs normalize to zero; the
-        # outputs at those steps are dropped), g = beta = 0
-        conv_out = conv_out.masked_fill(pad, 0.0)
+        # Padding steps (after each run's last token) are identity steps: g = beta = 0 makes
+        # alpha = 1 and the update beta k (v - k^T S) exactly zero whatever k and v are, so T and S
+        # pass through unchanged, and no real step of a run sees a later (padding) one; their
+        # outputs are dropped. (Zeroing the conv outputs too cost a pass over [runs, longest, conv
+        # dim] a layer: 2.9 ms of the 32 x 1k assembly on an H200.)
         q, k, v, g, beta = self.qkv_gates(conv_out, padded(b), padded(a))
         g = g.masked_fill(pad, 0.0)
         beta = beta.masked_fill(pad, 0.0)
@@ -434,7 +436,7 @@ class GatedDeltaNet(nn.Module):
             state.conv = tail_after(m - 1)
         # 3. outputs from the entering states: o0 + u S_in (one batched product, no second scan)
         s_in = self._entering_states(states, entering, state_in)  # [m, Hv, dk, dv] fp32
-        o_pad = (o0.float() + torch.einsum("mlhk,mhkv->mlhv", u.float(), s_in)).to(o0.dtype)
+        o_pad = (o0.float() + backends.run_outputs_from_states(u, s_in)).to(o0.dtype)
         o_runs = o_pad.reshape(m * L, *o_pad.shape[2:])[flat]  # gather, no host sync
         return o_runs.unsqueeze(0)
 
