@@ -78,7 +78,10 @@ def test_pic_consistency(arch, family_dirs):
     cold = pic.prefill(pic.parse_request(obj))
     warm = pic.prefill(pic.parse_request(obj))
     assert cold.stats.built_tokens > 0 and warm.stats.built_tokens == 0
-    assert torch.equal(cold.logits, warm.logits)
+    # the warm request resumes from the part chain's state after the last segment, so its live
+    # tokens are only the suffix: GEMMs of another row count, which on some CPUs (AVX-512 MKL)
+    # round differently in the last bit
+    assert (cold.logits - warm.logits).abs().max().item() <= 1e-5
     # entries are as large as the config says before they are built
     entry, hit = pic.get_or_build_entry(obj["segments"][1])
     assert hit and entry.nbytes == expected_entry_nbytes(model.cfg, entry.data.num_tokens, model.dtype)
@@ -131,7 +134,10 @@ def test_single_state_policy(arch, family_dirs):
     single, exact = engine(True), engine(False)
     cold = single.prefill(single.parse_request(obj))
     warm = single.prefill(single.parse_request(obj))
-    assert torch.equal(cold.logits, warm.logits)
+    # the warm request resumes from the part chain's state after the last segment, so its live
+    # tokens are only the suffix: GEMMs of another row count, which on some CPUs (AVX-512 MKL)
+    # round differently in the last bit
+    assert (cold.logits - warm.logits).abs().max().item() <= 1e-5
     ref = exact.prefill(exact.parse_request(obj)).logits
     assert (cold.logits - ref).abs().max().item() > 1e-4
     sizes = [e.get_or_build_entry(obj["segments"][1])[0].nbytes for e in (single, exact)]

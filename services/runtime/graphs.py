@@ -25,7 +25,8 @@ op that cannot be captured) falls back to the eager forward before the caller's 
 a graph never changes an answer. Host-to-device copies of layout-derived index tensors inside the
 forward (backends.to_device_async) become copies from a pinned arena the graph keeps.
 
-Off with HYBRIDCACHE_CUDA_GRAPHS=off; only models that declare `cuda_graphs = True` (their live
+Off with HYBRIDCACHE_CUDA_GRAPHS=off; HYBRIDCACHE_CUDA_GRAPH_SHAPES (default 4) bounds the shapes
+kept. Only models that declare `cuda_graphs = True` (their live
 pass has no host synchronization) and only layouts with a cached span (an assembly; decode and
 plain prefills change shape every call) are captured.
 """
@@ -55,6 +56,9 @@ from hybridcache.services.runtime.sequence import (
 log = logging.getLogger(__name__)
 
 GRAPH_ENV = "HYBRIDCACHE_CUDA_GRAPHS"
+# How many layout shapes keep their graphs (each holds buffers the size of its request's entries,
+# 4.1 GB at the 32 x 1k shape of Qwen3.5-9B with fp32 entries, and its graphs' intermediates).
+SHAPES_ENV = "HYBRIDCACHE_CUDA_GRAPH_SHAPES"
 # Environment switches that change which kernels the live pass launches: part of a graph's key.
 PATH_ENVS = (
     "HYBRIDCACHE_KERNELS",
@@ -85,7 +89,10 @@ def layout_graphs(model) -> LayoutGraphs | None:
         return None
     graphs = getattr(model, "_layout_graphs", None)
     if graphs is None:
-        graphs = model._layout_graphs = LayoutGraphs(model)
+        raw = os.environ.get(SHAPES_ENV, "4")
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{SHAPES_ENV}={raw!r}: expected a positive number of layout shapes")
+        graphs = model._layout_graphs = LayoutGraphs(model, max_graphs=int(raw))
     return graphs
 
 
@@ -373,6 +380,11 @@ class LayoutGraphs:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the static entry buffers of the shapes kept (their graphs' pools come on top)."""
+        return sum(s.nbytes for s in self._graphs.values())
 
     def clear(self) -> None:
         """Drop every graph (and what is known of shapes); needed after the weights change."""
