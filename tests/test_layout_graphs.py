@@ -18,6 +18,7 @@ from hybridcache.services.runtime.graphs import (
     GraphUnsupported,
     LayoutGraphs,
     clone_out,
+    find_patch_sites,
     layout_graphs,
     layout_key,
 )
@@ -264,3 +265,18 @@ def test_graphs_are_off_on_cpu_and_by_switch(model, monkeypatch):
         layout_graphs(model)
     moe = HybridLM(ModelConfig.from_dict(hf_config("qwen3_5_moe_text", "tiny")))
     assert not moe.cuda_graphs and model.cuda_graphs
+
+
+def test_patch_sites_are_the_table_entries_holding_a_buffer_address():
+    tables = [torch.tensor([7, 1 << 41, 3, (1 << 41) + 4096]), torch.tensor([0.5, 2.0]), torch.tensor([[1 << 41, 9]])]
+    sites = find_patch_sites(tables, {1 << 41: ("span0", "T"), (1 << 41) + 4096: ("span0", "S"), 123: ("x",)})
+    assert sites == {("span0", "T"): [(0, 1), (2, 0)], ("span0", "S"): [(0, 3)]}
+
+
+def test_on_cpu_spans_are_bound_by_copies(model):
+    """Without CUDA the pass makes no host constants, so no address table can be patched: T and S
+    are copied into the static buffers (the GPU test checks patched binding)."""
+    graphs = LayoutGraphs(model, capture_after=1, graph_factory=EagerLayerGraph)
+    graphs.run(model.empty_state(), pic_layout(*request(model, 1)), "last", (), ())
+    static = next(iter(graphs._graphs.values()))
+    assert not static.patched and static.patch_sites() is None

@@ -376,6 +376,7 @@ class HostConstants:
         self.specs: list[tuple] = []
         self.slots: list[torch.Tensor] = []
         self.pending: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
 
     @property
     def nbytes(self) -> int:
@@ -411,7 +412,7 @@ class HostConstants:
             raise RuntimeError(f"the captured pass made {made} host copies, its eager run {measured}")
         for slot, host in zip(self.slots, self.pending):
             slot.copy_(host)
-        self.pending = []
+        self.values, self.pending = self.pending, []  # the host values, as the graph reads them
 
     @contextlib.contextmanager
     def _active(self, mode):

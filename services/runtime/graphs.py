@@ -187,6 +187,61 @@ class _Static:
     logits: torch.Tensor | None = None
     rec: Recording | None = None
     nbytes: int = 0
+    # Patched binding (see enable_patching): layer -> [(slot, index, span position, "T" | "S")], the
+    # entries of the host-constant address tables that point at span T/S buffers
+    patch: dict[int, list[tuple[int, int, int, str]]] = field(default_factory=dict)
+    patched: bool = False
+    expect: dict[tuple[int, int, str], tuple] = field(default_factory=dict)  # (span, layer, field) -> (shape, dtype)
+
+    def patch_sites(self) -> dict[tuple[int, int, str], list[tuple[int, int]]] | None:
+        """Where the graphs' address tables (the fold's, compose_states_blocks) point at the spans'
+        static T and S buffers; None unless every span T and S of every layer is found there."""
+        addresses = {}
+        for j, (_, data) in enumerate(self.spans):
+            for lay, span in data.linear.items():
+                addresses[span.T.data_ptr()] = (j, lay, "T")
+                addresses[span.S.data_ptr()] = (j, lay, "S")
+        sites = find_patch_sites(self.arena.values, addresses)
+        return sites if set(sites) == set(addresses.values()) else None
+
+    def enable_patching(self, sites) -> None:
+        """Bind span T and S by rewriting the tables' addresses (no copies of the 3.2 GB of T and S
+        of a 32 x 1k fp32 request) and drop their static buffers. The caller has checked, with those
+        buffers poisoned, that the graphs read T and S only through the tables."""
+        self.patch = {}
+        for (j, lay, name), where in sites.items():
+            self.patch.setdefault(lay, []).extend((k, i, j, name) for k, i in where)
+        for j, (_, data) in enumerate(self.spans):
+            for lay, span in list(data.linear.items()):
+                for name in ("T", "S"):
+                    t = getattr(span, name)
+                    self.expect[(j, lay, name)] = (tuple(t.shape), t.dtype, t.device)
+                    self.nbytes -= t.numel() * t.element_size()
+                data.linear[lay] = LinearSpan(None, None, span.conv_tail)
+        self.patched = True
+
+    def _patch(self, layer: int, layout) -> None:
+        """Point layer `layer`'s address-table entries at the request's span T and S."""
+        tables: dict[int, torch.Tensor] = {}
+        for k, i, j, name in self.patch.get(layer, ()):
+            t = getattr(layout[self.spans[j][0]].data.linear[layer], name)  # indexing waits for arriving layers
+            shape, dtype, device = self.expect[(j, layer, name)]
+            if tuple(t.shape) != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
+                raise GraphUnsupported(
+                    f"layer {layer}: span {name} {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()}) "
+                    f"does not fit the graph's {dtype} {shape}"
+                )
+            if k not in tables:
+                tables[k] = self.arena.values[k].tolist()
+            tables[k][i] = t.data_ptr()
+        for k, values in tables.items():
+            host = torch.tensor(values, dtype=torch.int64)
+            self.arena.slots[k].copy_(backends.pin(host).view(self.arena.slots[k].shape), non_blocking=True)
+
+    def unpatch(self) -> None:
+        """Tables back to the static buffers' addresses (after a failed patching check)."""
+        for slot, values in zip(self.arena.slots, self.arena.values):
+            slot.copy_(values)
 
     def reset_state(self, layer: int | None = None) -> None:
         """Point the static state back at its input buffers (all layers, or one)."""
@@ -210,12 +265,18 @@ class _Static:
             pair = (real.ssm, real.conv) if layer in state.linear else (real.k, real.v)
             dst += self.inputs[layer]
             src += pair
+        if self.patched:
+            self._patch(layer, layout)
         for idx, data in self.spans:
             real = layout[idx].data
             if layer in data.linear:
                 s, r = data.linear[layer], real.linear[layer]  # indexing waits for arriving layers
-                dst += (s.T, s.S, s.conv_tail)
-                src += (r.T, r.S, r.conv_tail)
+                if self.patched:
+                    dst.append(s.conv_tail)
+                    src.append(r.conv_tail)
+                else:
+                    dst += (s.T, s.S, s.conv_tail)
+                    src += (r.T, r.S, r.conv_tail)
             elif layer in data.attn:
                 s, r = data.attn[layer], real.attn[layer]
                 dst += (s.k, s.v)
@@ -263,6 +324,21 @@ class _Static:
         for i, _ in hidden:
             rec.hidden[i] = next(out)
         return (next(out) if self.logits is not None else None), rec
+
+
+def find_patch_sites(tables: list[torch.Tensor], addresses: dict[int, tuple]) -> dict[tuple, list[tuple[int, int]]]:
+    """For host int64 tables (the host constants of a captured pass) and device addresses -> keys:
+    where each address appears, {key: [(table, index), ...]} (index tensors hold small numbers,
+    never a device address)."""
+    sites: dict[tuple, list[tuple[int, int]]] = {}
+    for k, table in enumerate(tables):
+        if table.dtype != torch.int64:
+            continue
+        for i, value in enumerate(table.reshape(-1).tolist()):
+            key = addresses.get(value)
+            if key is not None:
+                sites.setdefault(key, []).append((k, i))
+    return sites
 
 
 def _static_copy(t: torch.Tensor) -> torch.Tensor:
@@ -429,6 +505,40 @@ class LayoutGraphs:
         finally:
             self._lock.release()
 
+    def _try_patching(self, static: _Static, state, layout, ids, eager: SequenceState, eager_logits, end) -> None:
+        """Switch the shape to patched binding of span T and S if the graphs read them only through
+        address tables: with the static T and S buffers poisoned (NaN) and the tables pointing at
+        this request's own T and S, a replay must give the eager answer; else copies stay."""
+        sites = static.patch_sites()
+        if sites is None:
+            return
+        _poison(static)
+        saved = static.patch, static.patched
+        static.patch = {}
+        for (j, lay, name), where in sites.items():
+            static.patch.setdefault(lay, []).extend((k, i, j, name) for k, i in where)
+        static.expect = {
+            (j, lay, name): (tuple(getattr(sp, name).shape), getattr(sp, name).dtype, getattr(sp, name).device)
+            for j, (_, data) in enumerate(static.spans)
+            for lay, sp in data.linear.items()
+            for name in ("T", "S")
+        }
+        static.patched = True
+        try:
+            for i, graph in enumerate(static.graphs):
+                static._patch(i, layout)
+                graph.replay()
+            check = SequenceState(state.length, dict(state.linear), dict(state.attn))
+            logits, _ = static.collect(check, end)
+            _check_same(eager, eager_logits, check, logits)
+        except GraphUnsupported as e:
+            log.warning("span T and S of a captured shape stay copied: %s", e)
+            static.patch, static.patched = saved
+            static.unpatch()  # the next bind copies T and S into the static buffers again
+            return
+        static.patched = False
+        static.enable_patching(sites)
+
     def _capture(self, key, state, layout, logits_for, snapshot_after, capture_hidden):
         """Run this request eagerly on new static buffers, then capture and check the graphs. Returns
         the eager answer (state updated); None, before touching the state, if binding failed."""
@@ -486,6 +596,7 @@ class LayoutGraphs:
             graphed = SequenceState(state.length, dict(state.linear), dict(state.attn))
             logits, _ = static.collect(graphed, end)
             _check_same(result, answer[0], graphed, logits)
+            self._try_patching(static, state, layout, ids, result, answer[0], end)
         except Exception as e:  # noqa: BLE001 (whatever fails here, the shape runs eagerly)
             self.failed[key] = f"{type(e).__name__}: {e}"
             self.stats["failures"] += 1
@@ -500,6 +611,13 @@ class LayoutGraphs:
         state.attn.update(result.attn)
         state.length = end
         return answer
+
+
+def _poison(static: _Static) -> None:
+    for _, data in static.spans:
+        for span in data.linear.values():
+            span.T.fill_(float("nan"))
+            span.S.fill_(float("nan"))
 
 
 def _check_same(eager: SequenceState, eager_logits, graphed: SequenceState, graphed_logits) -> None:

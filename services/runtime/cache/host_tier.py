@@ -188,6 +188,8 @@ def stage(entries: list[SegmentEntry], device: torch.device | str, window: int =
         if cuda:
             stager.buffers[lay] = buf
             waits[lay] = stager.waiter(lay, device)
+            if len(stager.buffers) + stager.queued == window:
+                stager.queue_through(window)  # the copy engine starts while the views are made
         off = 0
         for j, h in enumerate(hosts):
             src = h.data
