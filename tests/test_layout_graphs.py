@@ -280,3 +280,33 @@ def test_on_cpu_spans_are_bound_by_copies(model):
     graphs.run(model.empty_state(), pic_layout(*request(model, 1)), "last", (), ())
     static = next(iter(graphs._graphs.values()))
     assert not static.patched and static.patch_sites() is None
+
+
+def test_patched_binding_rewrites_the_tables_to_the_request_s_t_and_s(model):
+    """The mechanics of patched binding, on tables made here (on a GPU the fold's address tables are
+    the captured pass's host constants): sites found for every span T and S, the static T and S
+    dropped, each request's addresses written in; a tensor that does not fit is refused first."""
+    graphs = LayoutGraphs(model, capture_after=1, graph_factory=EagerLayerGraph)
+    graphs.run(model.empty_state(), pic_layout(*request(model, 1)), "last", (), ())
+    static = next(iter(graphs._graphs.values()))
+    layers = sorted(static.spans[0][1].linear)
+    rows = [[7, d.linear[lay].T.data_ptr(), 3, d.linear[lay].S.data_ptr()] for _, d in static.spans for lay in layers]
+    static.arena.values = [torch.tensor(r) for r in rows]
+    static.arena.slots = [torch.zeros(4, dtype=torch.int64) for _ in rows]
+    sites = static.patch_sites()
+    assert sites is not None and len(sites) == 2 * len(static.spans) * len(layers)
+    static.enable_patching(sites)
+    assert static.patched and all(s.T is None and s.S is None for _, d in static.spans for s in d.linear.values())
+    segs, datas, q = request(model, 2)
+    layout = pic_layout(segs, datas, q)
+    static.patch_tables(layout)
+    n = 0
+    for data in datas:
+        for lay in layers:
+            want = [7, data.linear[lay].T.data_ptr(), 3, data.linear[lay].S.data_ptr()]
+            assert static.arena.slots[n].tolist() == want
+            n += 1
+    span = datas[0].linear[layers[0]]
+    datas[0].linear[layers[0]] = type(span)(span.T.transpose(-1, -2), span.S, span.conv_tail)  # not contiguous
+    with pytest.raises(GraphUnsupported, match="contiguous: False"):
+        static.patch_tables(pic_layout(segs, datas, q))

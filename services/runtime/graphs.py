@@ -220,20 +220,26 @@ class _Static:
                 data.linear[lay] = LinearSpan(None, None, span.conv_tail)
         self.patched = True
 
-    def _patch(self, layer: int, layout) -> None:
-        """Point layer `layer`'s address-table entries at the request's span T and S."""
-        tables: dict[int, torch.Tensor] = {}
-        for k, i, j, name in self.patch.get(layer, ()):
-            t = getattr(layout[self.spans[j][0]].data.linear[layer], name)  # indexing waits for arriving layers
-            shape, dtype, device = self.expect[(j, layer, name)]
-            if tuple(t.shape) != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
-                raise GraphUnsupported(
-                    f"layer {layer}: span {name} {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()}) "
-                    f"does not fit the graph's {dtype} {shape}"
-                )
-            if k not in tables:
-                tables[k] = self.arena.values[k].tolist()
-            tables[k][i] = t.data_ptr()
+    def patch_tables(self, layout, layers=None) -> None:
+        """Point the address tables' span entries (of `layers`, default all) at the request's span T
+        and S, in one host-to-device copy per table, queued before any layer's graph: the addresses
+        are read without waiting for arriving layers (peek), so on a host-tier request these small
+        copies do not queue on the copy engine behind the entries' staging (each graph still waits
+        for its layer's arrival in bind). Raises GraphUnsupported before any copy if a tensor does not
+        fit."""
+        tables: dict[int, list[int]] = {}
+        for layer in self.patch if layers is None else layers:
+            for k, i, j, name in self.patch.get(layer, ()):
+                t = getattr(peek(layout[self.spans[j][0]].data.linear, layer), name)
+                shape, dtype, device = self.expect[(j, layer, name)]
+                if tuple(t.shape) != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
+                    raise GraphUnsupported(
+                        f"layer {layer}: span {name} {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()}) "
+                        f"does not fit the graph's {dtype} {shape}"
+                    )
+                if k not in tables:
+                    tables[k] = self.arena.values[k].reshape(-1).tolist()
+                tables[k][i] = t.data_ptr()
         for k, values in tables.items():
             host = torch.tensor(values, dtype=torch.int64)
             self.arena.slots[k].copy_(backends.pin(host).view(self.arena.slots[k].shape), non_blocking=True)
@@ -254,9 +260,9 @@ class _Static:
                 self.state.attn[i] = AttnState(a, b)
 
     def bind(self, layer: int, state: SequenceState, layout, ids: torch.Tensor | None) -> None:
-        """Copy layer `layer`'s request tensors into the static buffers (ids with the first layer).
-        Raises GraphUnsupported where a tensor does not match its buffer (nothing written yet to the
-        caller's state)."""
+        """Copy layer `layer`'s request tensors into the static buffers (ids with the first layer;
+        span T and S too unless patched: patch_tables first). Raises GraphUnsupported where a tensor
+        does not match its buffer (nothing written yet to the caller's state)."""
         dst, src = [], []
         if ids is not None:
             self.ids.copy_(backends.pin(ids), non_blocking=True)
@@ -265,8 +271,6 @@ class _Static:
             pair = (real.ssm, real.conv) if layer in state.linear else (real.k, real.v)
             dst += self.inputs[layer]
             src += pair
-        if self.patched:
-            self._patch(layer, layout)
         for idx, data in self.spans:
             real = layout[idx].data
             if layer in data.linear:
@@ -493,6 +497,8 @@ class LayoutGraphs:
 
             _, ids, _, end = new_recording(state, layout, snapshot_after)
             try:
+                if static.patched:
+                    static.patch_tables(layout)
                 for i, graph in enumerate(static.graphs):
                     static.bind(i, state, layout, ids if i == 0 else None)
                     graph.replay()
@@ -525,8 +531,8 @@ class LayoutGraphs:
         }
         static.patched = True
         try:
-            for i, graph in enumerate(static.graphs):
-                static._patch(i, layout)
+            static.patch_tables(layout)
+            for graph in static.graphs:
                 graph.replay()
             check = SequenceState(state.length, dict(state.linear), dict(state.attn))
             logits, _ = static.collect(check, end)
