@@ -338,8 +338,8 @@ def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor on `device` without stalling the host: on CUDA through pinned memory with a
     non-blocking copy (a copy from pageable memory waits, and in a launch-bound forward the host
     then no longer runs ahead of the GPU). torch's host allocator keeps the pinned block until the
-    copy is done. While a live pass is captured into a CUDA graph (graphs.py), the copy reads from
-    the graph's pinned arena instead (HostConstants)."""
+    copy is done. While a live pass is captured into a CUDA graph (graphs.py), the result is a
+    device tensor the graph keeps, filled once after the capture (HostConstants)."""
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)

@@ -20,14 +20,21 @@ buffers: the live token ids, every cached span's tensors, the entering state. A 
 Capture, the first time a shape qualifies: the live pass runs eagerly on the static buffers (it
 warms every kernel and cache and is this request's answer), then each layer is captured, then
 the graphs are replayed once and must reproduce that answer, else they are dropped and the shape
-runs eagerly from then on. Whatever goes wrong while binding or capturing (a shape mismatch, an
-op that cannot be captured) falls back to the eager forward before the caller's state is touched:
-a graph never changes an answer. Host-to-device copies of layout-derived index tensors inside the
-forward (backends.to_device_async) become copies from a pinned arena the graph keeps.
+runs eagerly from then on. Span T and S (most of an entry's bytes) are then bound without copies
+where the graphs read them only through the fold's address tables: those table entries are found
+among the host constants, and if a replay with the static T/S buffers poisoned (NaN) and the
+tables pointing at the request's own T/S gives the same answer, later requests rewrite the tables
+instead of copying, and the static T/S buffers are dropped (_Static.enable_patching).
+
+Whatever goes wrong while binding or capturing (a shape mismatch, an op that cannot be captured)
+falls back to the eager forward before the caller's state is touched: a graph never changes an
+answer. Host-to-device copies of layout-derived index tensors inside the forward
+(backends.to_device_async) become device tensors filled once after the capture
+(backends.HostConstants), so no graph holds a memcpy node.
 
 Off with HYBRIDCACHE_CUDA_GRAPHS=off; HYBRIDCACHE_CUDA_GRAPH_SHAPES (default 4) bounds the shapes
-kept. Only models that declare `cuda_graphs = True` (their live
-pass has no host synchronization) and only layouts with a cached span (an assembly; decode and
+kept. Only models that declare `cuda_graphs = True` (their live pass has no host synchronization) and
+only layouts with a cached span (an assembly; decode and
 plain prefills change shape every call) are captured.
 """
 
