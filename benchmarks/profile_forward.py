@@ -1,5 +1,7 @@
 """Where the time of one forward goes on the GPU: torch.profiler over a decode step and a pic
-assembly (Qwen3.5-9B shape, random bf16 weights); prints JSON with the top ops by host and device time.
+assembly (Qwen3.5-9B shape, random bf16 weights) run eagerly, from its CUDA graphs, and from its
+graphs with the entries staged from the host tier; prints JSON with the top ops by host and
+device time.
 
     python benchmarks/profile_forward.py [--segments 8] [--top 25] [--sync-check]
 
@@ -106,7 +108,20 @@ def main(argv=None):
 
         return fn
 
-    for name, fn in (("decode", decode), ("pic", graphs(False)), ("pic_graphs", graphs(True))):
+    # the same assembly with its entries in the host tier (staged layer by layer while the graphs
+    # replay): where the transfer and the compute fail to overlap shows in its timeline
+    from hybridcache.services.runtime.cache import SegmentEntry
+    from hybridcache.services.runtime.cache.host_tier import stage, to_host
+
+    hosted = [to_host(SegmentEntry(f"profile-{i}", SEG, e, 0.0)) for i, e in enumerate(entries)]
+
+    def pic_host():
+        with env_var("HYBRIDCACHE_CUDA_GRAPHS", "on"):
+            staged = stage(hosted, "cuda")
+            model.forward_layout(model.empty_state(), pic_layout(segs, staged, question), "last")
+
+    cases = (("decode", decode), ("pic", graphs(False)), ("pic_graphs", graphs(True)), ("pic_host_graphs", pic_host))
+    for name, fn in cases:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
