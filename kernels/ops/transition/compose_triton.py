@@ -133,10 +133,10 @@ def compose_states_fwd(
             "ieee". On GPU: "tf32x3" (fp32-level accuracy at tensor-core speed) for fp32 T, and
             "bf16x2" for 16-bit T: T read as stored and the fp32 running state split into a high
             and a low bf16 part, two bf16 dots a step (about 16 of the state's mantissa bits kept).
-            On an H200 at Qwen3.5-9B's shape (gpu_bench at 3a94072, 32 segments, bf16 entries):
-            18.6 us per segment with 64 columns, side by side, 8 warps, 2 stages, relative error
-            5e-6 against fp32 math on the same entries, where one TF32 pass (the default before)
-            took 27-31 us at 2.2e-3.
+            On an H200 at Qwen3.5-9B's shape (gpu_bench, 32 segments, bf16 entries, 3a94072,
+            637f190, c825280): 18.6, 20.9 and 18.7 us per segment with 64 columns, side by side,
+            8 warps, 2 stages, relative error 5e-6 against fp32 math on the same entries, where one
+            TF32 pass (the default before) took 26-31 us at 2.2e-3.
         num_warps, num_stages: Triton launch options (defaults on GPU for K >= 128: 8 warps; 2
             stages for 16-bit T, Triton's for fp32 T).
         output_all: also return the state after every segment, [N, G, K, V] fp32.
