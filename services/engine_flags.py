@@ -1,6 +1,7 @@
 """Cache flags shared by every command that builds an engine (`hybridcache generate | demo | up`,
-`hybridcache serve ROLE`): the prefix page tree's linear-state policy and its parameters, and the
-segment-entry policy. `hybridcache up` forwards them to the services it starts (`cache_flag_args`).
+`hybridcache serve ROLE`): the prefix page tree's linear-state policy and its parameters, the
+segment-entry policy, and whether the live pass runs from CUDA graphs. `hybridcache up` forwards
+them to the services it starts (`cache_flag_args`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ FLAGS = (
     "anchor_dtype",
     "host_cache_bytes",
     "entry_state_dtype",
+    "cuda_graphs",
 )
 
 
@@ -39,6 +41,9 @@ def add_prefix_cache_flags(sp) -> None:
     sp.add_argument("--entry-state-dtype", default="float32", choices=list(ENTRY_STATE_DTYPES),
                     help="storage of the segment entries' linear-layer T and S; bfloat16 halves a "
                          "delta-rule entry (composition keeps its running state in fp32)")
+    sp.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
+                    help="on CUDA, run the live pass of assembled prompts from CUDA graphs of their shapes "
+                         "(off: every forward eagerly)")
     # Checked by EngineConfig (a bad value is one error line, exit 2), not by argparse choices.
     sp.add_argument("--anchor-dtype", default="model", metavar="{model,float8_e4m3fn}",
                     help="suffix_replay: anchor storage; float8_e4m3fn keeps fp8 values with a per-anchor "
@@ -56,6 +61,7 @@ def prefix_cache_config(args) -> dict:
         "entry_policy": args.entry_policy,
         "host_cache_bytes": args.host_cache_bytes,
         "entry_state_dtype": args.entry_state_dtype,
+        "cuda_graphs": args.cuda_graphs == "on",
     }
 
 

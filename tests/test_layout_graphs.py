@@ -310,3 +310,33 @@ def test_patched_binding_rewrites_the_tables_to_the_request_s_t_and_s(model):
     datas[0].linear[layers[0]] = type(span)(span.T.transpose(-1, -2), span.S, span.conv_tail)  # not contiguous
     with pytest.raises(GraphUnsupported, match="contiguous: False"):
         static.patch_tables(pic_layout(segs, datas, q))
+
+
+def test_cuda_graphs_flag_reaches_the_model(monkeypatch, qwen35_dir):
+    """--cuda-graphs off -> EngineConfig.cuda_graphs -> the engine's model runs eagerly; the flag is
+    forwarded to the services `hybridcache up` starts."""
+    import argparse
+
+    from hybridcache.services.engine_flags import add_prefix_cache_flags, cache_flag_args, prefix_cache_config
+    from hybridcache.services.runtime import graphs as graphs_mod
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+
+    ap = argparse.ArgumentParser()
+    add_prefix_cache_flags(ap)
+    off = ap.parse_args(["--cuda-graphs", "off"])
+    assert EngineConfig(**prefix_cache_config(off)).cuda_graphs is False
+    assert EngineConfig(**prefix_cache_config(ap.parse_args([]))).cuda_graphs is True
+    forwarded = cache_flag_args(off)
+    assert forwarded[forwarded.index("--cuda-graphs") + 1] == "off"
+    # a model that would be captured (as on a GPU): the device and the fast-kernel check stand in
+    monkeypatch.setattr(HybridLM, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(graphs_mod.backends, "use_fast_kernels", lambda t: True)
+    eng = Engine.from_dir(qwen35_dir, config=EngineConfig(cuda_graphs=True))
+    assert layout_graphs(eng.model) is not None
+    Engine(eng.model, eng.tokenizer, EngineConfig(**prefix_cache_config(off)))
+    assert layout_graphs(eng.model) is None
+    monkeypatch.setenv("HYBRIDCACHE_CUDA_GRAPH_SHAPES", "0")
+    graphs_mod.set_cuda_graphs(eng.model, True)
+    eng.model._layout_graphs = None
+    with pytest.raises(ValueError, match="HYBRIDCACHE_CUDA_GRAPH_SHAPES"):
+        layout_graphs(eng.model)

@@ -117,6 +117,10 @@ class EngineConfig:
     # of a delta-rule entry; composition keeps its running state in fp32). K/V and conv tails are
     # always in the model dtype.
     entry_state_dtype: str = "float32"
+    # On CUDA, run the live pass of assemblies from CUDA graphs of their shapes (runtime/graphs.py);
+    # False runs every forward eagerly (as vLLM's --enforce-eager). A setting of the model: engines
+    # sharing one model share it. HYBRIDCACHE_CUDA_GRAPHS=off turns graphs off for the process.
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -271,6 +275,9 @@ class Engine:
         self.eos_ids = frozenset(eos)
         if getattr(model, "device", torch.device("cpu")).type == "cuda":
             backends.sdpa_backends()  # a bad HYBRIDCACHE_SDPA_BACKENDS fails here, not in a request
+        from hybridcache.services.runtime.graphs import set_cuda_graphs
+
+        set_cuda_graphs(model, self.config.cuda_graphs)
 
     def _new_entry_store(self) -> EntryStore:
         cfg = self.config

@@ -32,7 +32,8 @@ answer. Host-to-device copies of layout-derived index tensors inside the forward
 (backends.to_device_async) become device tensors filled once after the capture
 (backends.HostConstants), so no graph holds a memcpy node.
 
-Off with HYBRIDCACHE_CUDA_GRAPHS=off; HYBRIDCACHE_CUDA_GRAPH_SHAPES (default 4) bounds the shapes
+Off with EngineConfig(cuda_graphs=False) (`--cuda-graphs off`) for a model, HYBRIDCACHE_CUDA_GRAPHS=off for
+the process; HYBRIDCACHE_CUDA_GRAPH_SHAPES (default 4) bounds the shapes
 kept. Only models that declare `cuda_graphs = True` (their live pass has no host synchronization) and
 only layouts with a cached span (an assembly; decode and
 plain prefills change shape every call) are captured.
@@ -88,9 +89,20 @@ def graphs_enabled() -> bool:
     return value == "on"
 
 
+def set_cuda_graphs(model, enabled: bool) -> None:
+    """Turn CUDA graphs of `model`'s live pass on or off (EngineConfig.cuda_graphs); off also drops
+    the graphs it holds."""
+    model._cuda_graphs_enabled = bool(enabled)
+    graphs = getattr(model, "_layout_graphs", None)
+    if not enabled and graphs is not None:
+        graphs.clear()
+
+
 def layout_graphs(model) -> LayoutGraphs | None:
     """The model's graph cache when its live pass may run from CUDA graphs here, else None."""
-    if not getattr(model, "cuda_graphs", False) or not graphs_enabled():
+    if not getattr(model, "cuda_graphs", False) or not getattr(model, "_cuda_graphs_enabled", True):
+        return None
+    if not graphs_enabled():
         return None
     if model.device.type != "cuda" or not backends.use_fast_kernels(model.lm_head.weight):
         return None
