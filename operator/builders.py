@@ -85,6 +85,7 @@ def serve_args(spec: HybridCacheSpec, name: str, role: RoleSpec) -> list[str]:
             "--seam-window", str(spec.engine.seam_window),
             "--dtype", spec.engine.dtype,
             "--prefix-policy", spec.engine.prefix_policy,
+            "--cuda-graphs", "on" if spec.engine.cuda_graphs else "off",
             "--device", "cuda" if role.gpus_per_pod else "cpu",
         ]
     if spec.observability.otlp_endpoint:

@@ -114,6 +114,7 @@ class EngineSpec:
     dtype: str = "bfloat16"
     seam_window: int = 8
     prefix_policy: str = "exact_replay"
+    cuda_graphs: bool = True
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None) -> EngineSpec:
@@ -122,9 +123,12 @@ class EngineSpec:
             dtype=raw.get("dtype", cls.dtype),
             seam_window=int(raw.get("seamWindow", cls.seam_window)),
             prefix_policy=raw.get("prefixPolicy", cls.prefix_policy),
+            cuda_graphs=raw.get("cudaGraphs", cls.cuda_graphs),
         )
         if engine.dtype not in DTYPES or engine.prefix_policy not in PREFIX_POLICIES:
             raise SpecError(f"unknown engine.dtype or engine.prefixPolicy: {engine}")
+        if not isinstance(engine.cuda_graphs, bool):
+            raise SpecError(f"engine.cudaGraphs must be true or false, got {engine.cuda_graphs!r}")
         return engine
 
 

@@ -72,7 +72,7 @@ def test_defaults_are_applied():
         "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 300, "maxStep": 2,
         "metricsSource": {"type": "Router", "url": "", "query": ""},
     }
-    assert spec["engine"] == {"dtype": "bfloat16", "seamWindow": 8, "prefixPolicy": "exact_replay"}
+    assert spec["engine"] == {"dtype": "bfloat16", "seamWindow": 8, "prefixPolicy": "exact_replay", "cudaGraphs": True}
     assert spec["paused"] is False
 
 

@@ -105,7 +105,10 @@ def test_combine_deployment_engine_flags():
     assert c["args"][:2] == ["serve", "combine"]
     assert arg(c["args"], "--seam-window") == "8" and arg(c["args"], "--dtype") == "bfloat16"
     assert arg(c["args"], "--prefix-policy") == "exact_replay"
+    assert arg(c["args"], "--cuda-graphs") == "on"
     assert arg(c["args"], "--model") == "/models/qwen3-next"
+    eager = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}, "engine": {"cudaGraphs": False}})
+    assert arg(container(builders.combine_deployment(eager, NAME))["args"], "--cuda-graphs") == "off"
 
 
 def test_cache_tier_statefulset():

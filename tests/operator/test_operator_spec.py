@@ -68,6 +68,7 @@ def test_full_spec_fields():
     ({**MINIMAL, "scatter": {"autoscaling": {"mode": "Sometimes"}}}, "mode"),
     ({**MINIMAL, "scatter": {"autoscaling": {"metricsSource": {"type": "Prometheus"}}}}, "url"),
     ({**MINIMAL, "cacheTier": {"replicas": 2}}, "etcd"),
+    ({**MINIMAL, "engine": {"cudaGraphs": "yes"}}, "cudaGraphs"),
     ({**MINIMAL, "engine": {"dtype": "float16"}}, "dtype"),
     ({}, "model"),
 ])
