@@ -295,7 +295,8 @@ def test_patched_binding_rewrites_the_tables_to_the_request_s_t_and_s(model):
     static.arena.slots = [torch.zeros(4, dtype=torch.int64) for _ in rows]
     sites = static.patch_sites()
     assert sites is not None and len(sites) == 2 * len(static.spans) * len(layers)
-    static.enable_patching(sites)
+    static.plan_patching(sites)
+    static.drop_static_transitions()
     assert static.patched and all(s.T is None and s.S is None for _, d in static.spans for s in d.linear.values())
     segs, datas, q = request(model, 2)
     layout = pic_layout(segs, datas, q)

@@ -378,10 +378,6 @@ class HostConstants:
         self.pending: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.slots)
-
     def to_device(self, t: torch.Tensor, device) -> torch.Tensor | None:
         """The device tensor for host tensor t as this mode makes it; None: copy as usual (measuring)."""
         if self.mode == "measure":

@@ -24,7 +24,7 @@ runs eagerly from then on. Span T and S (most of an entry's bytes) are then boun
 where the graphs read them only through the fold's address tables: those table entries are found
 among the host constants, and if a replay with the static T/S buffers poisoned (NaN) and the
 tables pointing at the request's own T/S gives the same answer, later requests rewrite the tables
-instead of copying, and the static T/S buffers are dropped (_Static.enable_patching).
+instead of copying, and the static T/S buffers are dropped (_Static.plan_patching).
 
 Whatever goes wrong while binding or capturing (a shape mismatch, an op that cannot be captured)
 falls back to the eager forward before the caller's state is touched: a graph never changes an
@@ -206,7 +206,7 @@ class _Static:
     logits: torch.Tensor | None = None
     rec: Recording | None = None
     nbytes: int = 0
-    # Patched binding (see enable_patching): layer -> [(slot, index, span position, "T" | "S")], the
+    # Patched binding (see plan_patching): layer -> [(slot, index, span position, "T" | "S")], the
     # entries of the host-constant address tables that point at span T/S buffers
     patch: dict[int, list[tuple[int, int, int, str]]] = field(default_factory=dict)
     patched: bool = False
@@ -223,32 +223,44 @@ class _Static:
         sites = find_patch_sites(self.arena.values, addresses)
         return sites if set(sites) == set(addresses.values()) else None
 
-    def enable_patching(self, sites) -> None:
-        """Bind span T and S by rewriting the tables' addresses (no copies of the 3.2 GB of T and S
-        of a 32 x 1k fp32 request) and drop their static buffers. The caller has checked, with those
-        buffers poisoned, that the graphs read T and S only through the tables."""
+    def plan_patching(self, sites) -> None:
+        """From now on bind span T and S by rewriting the address tables at `sites` (patch_tables)
+        instead of copying them into the static buffers."""
         self.patch = {}
         for (j, lay, name), where in sites.items():
             self.patch.setdefault(lay, []).extend((k, i, j, name) for k, i in where)
-        for j, (_, data) in enumerate(self.spans):
-            for lay, span in list(data.linear.items()):
-                for name in ("T", "S"):
-                    t = getattr(span, name)
-                    self.expect[(j, lay, name)] = (tuple(t.shape), t.dtype, t.device)
-                    self.nbytes -= t.numel() * t.element_size()
-                data.linear[lay] = LinearSpan(None, None, span.conv_tail)
+        self.expect = {
+            (j, lay, name): (tuple(getattr(sp, name).shape), getattr(sp, name).dtype, getattr(sp, name).device)
+            for j, (_, data) in enumerate(self.spans)
+            for lay, sp in data.linear.items()
+            for name in ("T", "S")
+        }
         self.patched = True
 
-    def patch_tables(self, layout, layers=None) -> None:
-        """Point the address tables' span entries (of `layers`, default all) at the request's span T
-        and S, in one host-to-device copy per table, queued before any layer's graph: the addresses
-        are read without waiting for arriving layers (peek), so on a host-tier request these small
-        copies do not queue on the copy engine behind the entries' staging (each graph still waits
-        for its layer's arrival in bind). Raises GraphUnsupported before any copy if a tensor does not
-        fit."""
+    def cancel_patching(self) -> None:
+        """Back to copied T and S (after a failed patching check): tables at the static buffers."""
+        self.patch, self.expect, self.patched = {}, {}, False
+        for slot, values in zip(self.arena.slots, self.arena.values):
+            slot.copy_(values)
+
+    def drop_static_transitions(self) -> None:
+        """Free the static T and S buffers, which patched binding does not read (no copies of the
+        3.2 GB of T and S of a 32 x 1k fp32 request); the caller has checked, with those buffers
+        poisoned, that the graphs read T and S only through the tables."""
+        for _, data in self.spans:
+            for lay, span in list(data.linear.items()):
+                self.nbytes -= sum(t.numel() * t.element_size() for t in (span.T, span.S))
+                data.linear[lay] = LinearSpan(None, None, span.conv_tail)
+
+    def patch_tables(self, layout) -> None:
+        """Point the address tables' span entries at the request's span T and S, in one host-to-
+        device copy per table, queued before any layer's graph: the addresses are read without
+        waiting for arriving layers (peek), so on a host-tier request these small copies do not
+        queue on the copy engine behind the entries' staging (each graph still waits for its layer's
+        arrival in bind). Raises GraphUnsupported before any copy if a tensor does not fit."""
         tables: dict[int, list[int]] = {}
-        for layer in self.patch if layers is None else layers:
-            for k, i, j, name in self.patch.get(layer, ()):
+        for layer, sites in self.patch.items():
+            for k, i, j, name in sites:
                 t = getattr(peek(layout[self.spans[j][0]].data.linear, layer), name)
                 shape, dtype, device = self.expect[(j, layer, name)]
                 if tuple(t.shape) != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
@@ -262,11 +274,6 @@ class _Static:
         for k, values in tables.items():
             host = torch.tensor(values, dtype=torch.int64)
             self.arena.slots[k].copy_(backends.pin(host).view(self.arena.slots[k].shape), non_blocking=True)
-
-    def unpatch(self) -> None:
-        """Tables back to the static buffers' addresses (after a failed patching check)."""
-        for slot, values in zip(self.arena.slots, self.arena.values):
-            slot.copy_(values)
 
     def reset_state(self, layer: int | None = None) -> None:
         """Point the static state back at its input buffers (all layers, or one)."""
@@ -404,6 +411,8 @@ class CudaLayerGraph:
         self.device = device
 
     def capture(self, fn, reset=None):
+        """Capture fn() (the layer's pass) and return its outputs. `reset` (point the layer's state
+        back at its input buffers) is for graphs that rerun Python on replay; a CUDA graph does not."""
         main = torch.cuda.current_stream(self.device)
         side = _capture_stream(self.device)
         side.wait_stream(main)
@@ -530,7 +539,7 @@ class LayoutGraphs:
         finally:
             self._lock.release()
 
-    def _try_patching(self, static: _Static, state, layout, ids, eager: SequenceState, eager_logits, end) -> None:
+    def _try_patching(self, static: _Static, state, layout, eager: SequenceState, eager_logits, end) -> None:
         """Switch the shape to patched binding of span T and S if the graphs read them only through
         address tables: with the static T and S buffers poisoned (NaN) and the tables pointing at
         this request's own T and S, a replay must give the eager answer; else copies stay."""
@@ -538,17 +547,7 @@ class LayoutGraphs:
         if sites is None:
             return
         _poison(static)
-        saved = static.patch, static.patched
-        static.patch = {}
-        for (j, lay, name), where in sites.items():
-            static.patch.setdefault(lay, []).extend((k, i, j, name) for k, i in where)
-        static.expect = {
-            (j, lay, name): (tuple(getattr(sp, name).shape), getattr(sp, name).dtype, getattr(sp, name).device)
-            for j, (_, data) in enumerate(static.spans)
-            for lay, sp in data.linear.items()
-            for name in ("T", "S")
-        }
-        static.patched = True
+        static.plan_patching(sites)
         try:
             static.patch_tables(layout)
             for graph in static.graphs:
@@ -558,11 +557,9 @@ class LayoutGraphs:
             _check_same(eager, eager_logits, check, logits)
         except GraphUnsupported as e:
             log.warning("span T and S of a captured shape stay copied: %s", e)
-            static.patch, static.patched = saved
-            static.unpatch()  # the next bind copies T and S into the static buffers again
+            static.cancel_patching()  # the next bind copies T and S into the static buffers again
             return
-        static.patched = False
-        static.enable_patching(sites)
+        static.drop_static_transitions()
 
     def _capture(self, key, state, layout, logits_for, snapshot_after, capture_hidden):
         """Run this request eagerly on new static buffers, then capture and check the graphs. Returns
@@ -621,7 +618,7 @@ class LayoutGraphs:
             graphed = SequenceState(state.length, dict(state.linear), dict(state.attn))
             logits, _ = static.collect(graphed, end)
             _check_same(result, answer[0], graphed, logits)
-            self._try_patching(static, state, layout, ids, result, answer[0], end)
+            self._try_patching(static, state, layout, result, answer[0], end)
         except Exception as e:  # noqa: BLE001 (whatever fails here, the shape runs eagerly)
             self.failed[key] = f"{type(e).__name__}: {e}"
             self.stats["failures"] += 1

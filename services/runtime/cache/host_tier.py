@@ -188,7 +188,7 @@ def stage(entries: list[SegmentEntry], device: torch.device | str, window: int =
         if cuda:
             stager.buffers[lay] = buf
             waits[lay] = stager.waiter(lay, device)
-            if len(stager.buffers) + stager.queued == window:
+            if lay == layers[min(window, len(layers)) - 1]:
                 stager.queue_through(window)  # the copy engine starts while the views are made
         off = 0
         for j, h in enumerate(hosts):
@@ -196,8 +196,6 @@ def stage(entries: list[SegmentEntry], device: torch.device | str, window: int =
             views, _ = _views(buf, off, _layer_tensors(src, lay))
             off += h.layers[lay][1]
             (spans[j][0] if lay in src.linear else spans[j][1])[lay] = _span(src, lay, views)
-    if cuda:
-        stager.queue_through(window)
     out = []
     for h, (linear, attn) in zip(hosts, spans):
         out.append(SpanData(h.data.num_tokens, h.data.local_start, ArrivingLayers(linear, waits),

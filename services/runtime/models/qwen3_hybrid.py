@@ -364,7 +364,7 @@ class GatedDeltaNet(nn.Module):
         # alpha = 1 and the update beta k (v - k^T S) exactly zero whatever k and v are, so T and S
         # pass through unchanged, and no real step of a run sees a later (padding) one; their
         # outputs are dropped. (Zeroing the conv outputs too cost a pass over [runs, longest, conv
-        # dim] a layer: 2.9 ms of the 32 x 1k assembly on an H200.)
+        # dim] a layer: with the two gate fills, 2.9 ms of the 32 x 1k assembly on an H200.)
         q, k, v, g, beta = self.qkv_gates(conv_out, padded(b), padded(a))
         g = g.masked_fill(pad, 0.0)
         beta = beta.masked_fill(pad, 0.0)
