@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -37,6 +37,87 @@ def table(prof, key, top):
         }
         for e in rows
     ]
+
+
+def timeline(prof, buckets: int = 20) -> dict:
+    """When the copy engine and the SMs were busy in one profiled run, on the profiler's clock (ms
+    from the first host range): host-to-device copies and kernels as unions of their intervals,
+    their overlap, the copies' idle gaps between the first and the last one, the host ranges
+    named by record_function (`stage`, `forward`), and per time bucket the busy fraction of both
+    and the device-to-device memcpys started (a memcpy runs on a copy engine, behind its queue).
+    A transfer that overlaps the compute shows as overlap_ms near the smaller of the two."""
+
+    def merged(iv):
+        out = []
+        for a, b in sorted(iv):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    def total(iv):
+        return sum(b - a for a, b in iv)
+
+    def intersect(x, y):
+        i = j = 0
+        acc = 0.0
+        while i < len(x) and j < len(y):
+            lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+            acc += max(0.0, hi - lo)
+            if x[i][1] < y[j][1]:
+                i += 1
+            else:
+                j += 1
+        return acc
+
+    cuda = torch.autograd.DeviceType.CUDA
+    events = list(prof.events())
+    dev = [e for e in events if e.device_type == cuda]
+    host = {
+        e.name: (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type != cuda and e.name in ("stage", "forward")
+    }
+    h2d = merged([(e.time_range.start, e.time_range.end) for e in dev if "HtoD" in e.name])
+    ker = merged(
+        [
+            (e.time_range.start, e.time_range.end)
+            for e in dev
+            if not e.name.startswith("Memcpy") and not e.name.startswith("Memset")
+        ]
+    )
+    d2d = [e.time_range.start for e in dev if "DtoD" in e.name]
+    t0 = min([a for a, _ in host.values()] + [iv[0][0] for iv in (h2d, ker) if iv])
+    ms = lambda t: round((t - t0) / 1e3, 3)  # noqa: E731
+    out = {name: [ms(a), ms(b)] for name, (a, b) in host.items()}
+    out.update(kernels=[ms(ker[0][0]), ms(ker[-1][1])] if ker else None, kernel_busy_ms=round(total(ker) / 1e3, 3))
+    if h2d:
+        gaps = [(h2d[k + 1][0] - h2d[k][1], h2d[k][1]) for k in range(len(h2d) - 1)]
+        big = sorted(gaps, reverse=True)[:5]
+        out.update(
+            h2d=[ms(h2d[0][0]), ms(h2d[-1][1])],
+            h2d_busy_ms=round(total(h2d) / 1e3, 3),
+            h2d_idle_between_ms=round(sum(g for g, _ in gaps) / 1e3, 3),
+            h2d_largest_gaps=[{"ms": round(g / 1e3, 3), "at_ms": ms(at)} for g, at in big],
+            overlap_ms=round(intersect(h2d, ker) / 1e3, 3),
+        )
+    end = max([iv[-1][1] for iv in (h2d, ker) if iv] + [b for _, b in host.values()])
+    width = (end - t0) / buckets
+    if width > 0:
+        rows = []
+        for k in range(buckets):
+            win = [[t0 + k * width, t0 + (k + 1) * width]]
+            lo, hi = win[0]
+            rows.append(
+                [
+                    round(intersect(h2d, win) / width, 2),
+                    round(intersect(ker, win) / width, 2),
+                    sum(lo <= a < hi for a in d2d),
+                ]
+            )
+        out["busy_by_bucket_h2d_kernels_d2d"] = {"bucket_ms": round(width / 1e3, 3), "rows": rows}
+    return out
 
 
 def sync_sites(fn, depth: int = 4) -> dict[str, int]:
@@ -103,7 +184,7 @@ def main(argv=None):
         shape's second sighting, so after the warm-up runs below every run is a replay)."""
 
         def fn():
-            with env_var("HYBRIDCACHE_CUDA_GRAPHS", "on" if on else "off"):
+            with env_var("HYBRIDCACHE_CUDA_GRAPHS", "on" if on else "off"), record_function("forward"):
                 pic()
 
         return fn
@@ -117,10 +198,25 @@ def main(argv=None):
 
     def pic_host():
         with env_var("HYBRIDCACHE_CUDA_GRAPHS", "on"):
-            staged = stage(hosted, "cuda")
-            model.forward_layout(model.empty_state(), pic_layout(segs, staged, question), "last")
+            with record_function("stage"):
+                staged = stage(hosted, "cuda")
+            with record_function("forward"):
+                model.forward_layout(model.empty_state(), pic_layout(segs, staged, question), "last")
 
-    cases = (("decode", decode), ("pic", graphs(False)), ("pic_graphs", graphs(True)), ("pic_host_graphs", pic_host))
+    def pic_host_eager():
+        with env_var("HYBRIDCACHE_CUDA_GRAPHS", "off"):
+            with record_function("stage"):
+                staged = stage(hosted, "cuda")
+            with record_function("forward"):
+                model.forward_layout(model.empty_state(), pic_layout(segs, staged, question), "last")
+
+    cases = (
+        ("decode", decode),
+        ("pic", graphs(False)),
+        ("pic_graphs", graphs(True)),
+        ("pic_host_graphs", pic_host),
+        ("pic_host_eager", pic_host_eager),
+    )
     for name, fn in cases:
         for _ in range(3):
             fn()
@@ -140,10 +236,13 @@ def main(argv=None):
             "by_host_time": table(prof, "self_cpu_time_total", args.top),
             "by_device_time": table(prof, "self_device_time_total", args.top),
         }
+        if name.startswith("pic"):
+            out[name]["timeline"] = timeline(prof)
         if args.sync_check:
             sites = sync_sites(fn)
             out[name]["syncs"] = sum(sites.values())
             out[name]["sync_sites"] = sites
+
     # gpu_bench times pic as a median of five while the previous run's (logits, state) is alive;
     # time the same assembly both ways (its 32 x 1k figure has been 50 ms above this script's wall)
     def pic_kept():

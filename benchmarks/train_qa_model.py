@@ -230,6 +230,41 @@ def build_model(seed: int, config: dict | None = None):
     return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg))
 
 
+def long_memory_heads(model, memories: list[int]) -> list[tuple[torch.Tensor, int, float]]:
+    """Give the last len(memories) heads of every Gated DeltaNet layer a fixed, data-independent
+    decay: head h keeps 1 - 1/L of its state per token (memory L tokens; the delta rule's erasure
+    stays learnt). In Qwen3.5's GDN the per-token log decay is -exp(A_log) * softplus(a_t + dt_bias),
+    a_t = in_proj_a(x_t): a zero row of in_proj_a, dt_bias = 0 and A_log = log(-log(1 - 1/L) / log 2)
+    make it log(1 - 1/L) for every token. Returns (tensor, head, value) for `pin_long_memory`, which
+    restores them after every optimizer step (their gradients are dropped too): a model whose linear
+    layers carry state across documents, as issue 7's `naive` check needs, still in the standard
+    architecture (the decay is just weights)."""
+    pins = []
+    n = len(memories)
+    for layer in model.model.layers:
+        gdn = getattr(layer, "linear_attn", None)
+        if gdn is None:
+            continue
+        heads = gdn.A_log.numel()
+        if n > heads:
+            raise ValueError(f"--long-memory gives {n} heads, the layers have {heads}")
+        for j, mem in enumerate(memories):
+            h = heads - n + j
+            g = math.log(1.0 - 1.0 / mem)
+            a_log = math.log(-g / math.log(2.0))
+            pins += [(gdn.A_log, h, a_log), (gdn.dt_bias, h, 0.0), (gdn.in_proj_a.weight, h, 0.0)]
+    pin_long_memory(pins)
+    return pins
+
+
+def pin_long_memory(pins) -> None:
+    with torch.no_grad():
+        for t, h, v in pins:
+            t[h] = v
+            if t.grad is not None:
+                t.grad[h] = 0
+
+
 def gdn_kernel(use_fla: bool) -> str:
     """Which gated-delta-rule kernel transformers will run. transformers takes fla's whenever fla is
     importable. Without --fla, fla is hidden (before transformers is imported) and the pure-torch
@@ -430,6 +465,13 @@ def main(argv=None) -> int:
     )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument(
+        "--long-memory",
+        default="",
+        metavar="L,...",
+        help="fixed decays for the last heads of every Gated DeltaNet layer, one memory length in tokens a "
+        "head (e.g. 32,256: keep 1 - 1/L of the state per token); pinned through training",
+    )
+    p.add_argument(
         "--distinct-initials",
         action="store_true",
         help="every entity of a prompt starts its surname (organisation: first word) with its own syllable, "
@@ -465,6 +507,16 @@ def main(argv=None) -> int:
     else:
         tok = train_tokenizer(seed=args.seed)
         model = build_model(args.seed, config).to(device)
+    try:
+        memories = [int(x) for x in args.long_memory.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--long-memory needs comma-separated integers, got {args.long_memory!r}")
+    if any(m < 2 for m in memories):
+        p.error("--long-memory lengths must be >= 2 tokens")
+    try:
+        pins = long_memory_heads(model, memories) if memories else []
+    except ValueError as e:
+        p.error(str(e))
     n_params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"params": n_params, "device": str(device), "gdn_kernel": kernels}), flush=True)
     opt = torch.optim.AdamW(
@@ -565,8 +617,12 @@ def main(argv=None) -> int:
         loss, lm_t, qa_t = loss_fn(logits, ids, valid, ans, args.answer_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if pins:
+            pin_long_memory(pins)  # no gradient into the pinned decays, before the clipping sees them
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if pins:
+            pin_long_memory(pins)  # and back to the pinned values (AdamW's weight decay moves A_log)
         step += 1
         tokens += n_valid
         if step % 25 == 0 or step == 1:
@@ -595,6 +651,7 @@ def main(argv=None) -> int:
         total_seconds=round(time.time() - t0, 1),
         seed=args.seed,
         batch=args.batch,
+        long_memory=memories,
     )
     print(json.dumps(rec))
     return 0

@@ -162,3 +162,41 @@ def test_short_names_accuracy_needs_the_short_name_stage(train, tmp_path, capsys
         train.main(["--out", str(tmp_path), "--steps", "1", "--short-names-accuracy", "0.9"])
     assert e.value.code == 2
     assert "--short-names-until" in capsys.readouterr().err
+
+
+def test_long_memory_pins_decays_through_training(train):
+    """--long-memory: the last heads of every GDN layer decay by exactly 1 - 1/L a token, for any
+    input, and stay so after optimizer steps (gradients dropped, AdamW's weight decay undone)."""
+    torch.manual_seed(0)
+    model = train.build_model(0, train.model_config(hidden=64, layers=4, heads=4))
+    pins = train.long_memory_heads(model, [32, 256])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randint(0, train.VOCAB_SIZE, (2, 40))
+    before = model.model.layers[0].linear_attn.A_log.detach().clone()
+    for _ in range(3):
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        train.pin_long_memory(pins)
+        opt.step()
+        train.pin_long_memory(pins)
+    for layer in model.model.layers:
+        gdn = getattr(layer, "linear_attn", None)
+        if gdn is None:
+            continue
+        h = torch.randn(5, 64)
+        a = gdn.in_proj_a(h)  # [tokens, heads]
+        g = -gdn.A_log.exp() * torch.nn.functional.softplus(a + gdn.dt_bias)
+        memory = 1.0 / (1.0 - g.exp())
+        assert torch.allclose(memory[:, 2], torch.full((5,), 32.0), rtol=1e-4)
+        assert torch.allclose(memory[:, 3], torch.full((5,), 256.0), rtol=1e-3)
+        assert memory[:, 0].std() > 0  # the other heads stay data-dependent
+    assert not torch.equal(model.model.layers[0].linear_attn.A_log[:2], before[:2])  # and keep learning
+
+
+def test_long_memory_rejects_bad_lengths(train, tmp_path, capsys):
+    for bad in ("32,x", "1", "2,3,4,5,6"):
+        with pytest.raises(SystemExit) as e:
+            train.main(["--out", str(tmp_path), "--steps", "1", "--hidden", "64", "--long-memory", bad, "--val", "0"])
+        assert e.value.code == 2, bad
+        assert "--long-memory" in capsys.readouterr().err

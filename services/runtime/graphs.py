@@ -121,6 +121,21 @@ def peek(mapping, layer):
     return (spans if spans is not None else mapping)[layer]
 
 
+def release_arrivals(layout) -> None:
+    """After the replay's own uploads (token ids, patched address tables), let entries still
+    arriving send all their layers: the graphs make no host-to-device copies, so nothing of the
+    request's waits behind them on the copy engine, and the transfer no longer waits for the host
+    to reach each layer (ArrivingLayers.release)."""
+    for piece in layout:
+        data = getattr(piece, "data", None)
+        if data is None:
+            continue
+        for group in (data.linear, data.attn):
+            rel = getattr(group, "release", None)
+            if rel is not None:
+                rel()
+
+
 def _span_key(data: SpanData) -> tuple:
     """What of a span's tensors fixes the graph's buffers, from its first layer of each kind
     (entries are uniform across layers; binding checks every tensor)."""
@@ -529,6 +544,8 @@ class LayoutGraphs:
                     static.patch_tables(layout)
                 for i, graph in enumerate(static.graphs):
                     static.bind(i, state, layout, ids if i == 0 else None)
+                    if i == 0:
+                        release_arrivals(layout)
                     graph.replay()
             except GraphUnsupported as e:
                 log.warning("a captured shape's graphs not used: %s", e)

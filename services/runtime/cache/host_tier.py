@@ -140,6 +140,10 @@ class _EventWait:
         torch.cuda.current_stream(self._device).wait_event(st.events[self._layer])
         self._done = True
 
+    def release(self) -> None:
+        """The forward makes no more copies of its own to the device: queue every layer now."""
+        self._stager.queue_through(len(self._stager.layers))
+
 
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 _copy_lock = threading.Lock()
