@@ -203,6 +203,10 @@ def main(argv=None):
             with record_function("forward"):
                 model.forward_layout(model.empty_state(), pic_layout(segs, staged, question), "last")
 
+    def pic_host_queue_all():
+        with env_var("HYBRIDCACHE_STAGE_WINDOW", "all"):
+            pic_host()
+
     def pic_host_eager():
         with env_var("HYBRIDCACHE_CUDA_GRAPHS", "off"):
             with record_function("stage"):
@@ -215,6 +219,7 @@ def main(argv=None):
         ("pic", graphs(False)),
         ("pic_graphs", graphs(True)),
         ("pic_host_graphs", pic_host),
+        ("pic_host_graphs_queue_all", pic_host_queue_all),
         ("pic_host_eager", pic_host_eager),
     )
     for name, fn in cases:

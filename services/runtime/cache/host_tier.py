@@ -17,6 +17,7 @@ all entries of a request.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -159,13 +160,31 @@ def _copy_stream(device: torch.device):
 STAGE_WINDOW = 2  # layers queued ahead of the one the forward waits for
 
 
-def stage(entries: list[SegmentEntry], device: torch.device | str, window: int = STAGE_WINDOW) -> list[SpanData]:
+def stage_window() -> int:
+    """HYBRIDCACHE_STAGE_WINDOW: layers queued ahead (default STAGE_WINDOW); "all" queues every layer
+    at staging."""
+    v = os.environ.get("HYBRIDCACHE_STAGE_WINDOW", "").strip().lower()
+    if not v:
+        return STAGE_WINDOW
+    if v == "all":
+        return 1 << 30
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"HYBRIDCACHE_STAGE_WINDOW must be a positive number of layers or 'all', not {v!r}")
+    return n
+
+
+def stage(entries: list[SegmentEntry], device: torch.device | str, window: int | None = None) -> list[SpanData]:
     """Device-side SpanData of host entries (to_host copies), layer by layer: for each layer one
     device buffer with that layer of every entry, filled on a side stream (CUDA) and waited for on
     first use of the layer; the copies of the first `window` layers are queued at once, each later
     layer's when the forward waits for the layer `window` before it (_Stager). On the CPU the
     copies run in place and nothing waits."""
     device = torch.device(device)
+    window = stage_window() if window is None else window
     hosts = [e.meta["host"] for e in entries]
     if not hosts:
         return []
