@@ -203,8 +203,8 @@ def main(argv=None):
             with record_function("forward"):
                 model.forward_layout(model.empty_state(), pic_layout(segs, staged, question), "last")
 
-    def pic_host_queue_all():
-        with env_var("HYBRIDCACHE_STAGE_WINDOW", "all"):
+    def pic_host_window2():
+        with env_var("HYBRIDCACHE_STAGE_WINDOW", "2"):
             pic_host()
 
     def pic_host_eager():
@@ -219,7 +219,7 @@ def main(argv=None):
         ("pic", graphs(False)),
         ("pic_graphs", graphs(True)),
         ("pic_host_graphs", pic_host),
-        ("pic_host_graphs_queue_all", pic_host_queue_all),
+        ("pic_host_graphs_window2", pic_host_window2),
         ("pic_host_eager", pic_host_eager),
     )
     for name, fn in cases:

@@ -63,8 +63,23 @@ def test_stage_gives_the_same_tensors_layer_by_layer(engine):
         assert data.num_tokens == e.data.num_tokens and data.local_start == e.data.local_start
         assert sorted(data.linear) == sorted(e.data.linear) and sorted(data.attn) == sorted(e.data.attn)
         for x, y in zip(_tensors(data), _tensors(e.data)):
-            assert torch.equal(x, y)
+            assert torch.equal(x, y) and x.dtype == y.dtype and x.is_contiguous()
             assert x.data_ptr() != y.data_ptr()  # copies, not the host buffer itself
+
+
+def test_stage_window_setting(monkeypatch):
+    from hybridcache.services.runtime.cache.host_tier import stage_window
+
+    monkeypatch.delenv("HYBRIDCACHE_STAGE_WINDOW", raising=False)
+    assert stage_window() is None  # every layer queued during staging
+    monkeypatch.setenv("HYBRIDCACHE_STAGE_WINDOW", "all")
+    assert stage_window() is None
+    monkeypatch.setenv("HYBRIDCACHE_STAGE_WINDOW", "3")
+    assert stage_window() == 3
+    for bad in ("0", "-2", "two"):
+        monkeypatch.setenv("HYBRIDCACHE_STAGE_WINDOW", bad)
+        with pytest.raises(ValueError, match="HYBRIDCACHE_STAGE_WINDOW"):
+            stage_window()
 
 
 def _request(segments, system):

@@ -63,6 +63,7 @@ class HostEntry:
         size = packed_bytes([(t.shape, t.dtype) for lay in layers for t in _layer_tensors(src, lay)])
         self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         self.layers: dict[int, tuple[int, int]] = {}
+        self.specs: dict[int, list[tuple]] = {}  # layer -> [(shape, stride, dtype, byte offset in the layer)]
         linear, attn, off = {}, {}, 0
         for lay in layers:
             tensors = _layer_tensors(src, lay)
@@ -70,6 +71,10 @@ class HostEntry:
             for v, t in zip(views, tensors):
                 v.copy_(t)  # device -> host (synchronous: the entry is leaving the device)
             (linear if lay in src.linear else attn)[lay] = _span(src, lay, views)
+            # where each tensor lies in the layer's bytes, for stage's one-call views
+            self.specs[lay] = [
+                (v.shape, v.stride(), v.dtype, v.storage_offset() * v.element_size() - off) for v in views
+            ]
             self.layers[lay] = (off, end - off)
             off = end
         self.data = SpanData(src.num_tokens, src.local_start, linear, attn)
@@ -157,17 +162,15 @@ def _copy_stream(device: torch.device):
         return _copy_streams[device]
 
 
-STAGE_WINDOW = 2  # layers queued ahead of the one the forward waits for
+STAGE_WINDOW = None  # every layer queued as staging allocates it
 
 
-def stage_window() -> int:
-    """HYBRIDCACHE_STAGE_WINDOW: layers queued ahead (default STAGE_WINDOW); "all" queues every layer
-    at staging."""
+def stage_window() -> int | None:
+    """HYBRIDCACHE_STAGE_WINDOW: layers queued ahead of the one the forward waits for (the rest as
+    the forward reaches them), or "all" (the default): every layer queued during staging."""
     v = os.environ.get("HYBRIDCACHE_STAGE_WINDOW", "").strip().lower()
-    if not v:
+    if not v or v == "all":
         return STAGE_WINDOW
-    if v == "all":
-        return 1 << 30
     try:
         n = int(v)
     except ValueError:
@@ -177,27 +180,31 @@ def stage_window() -> int:
     return n
 
 
-def stage(entries: list[SegmentEntry], device: torch.device | str, window: int | None = None) -> list[SpanData]:
+def stage(entries: list[SegmentEntry], device: torch.device | str, window: int | None = -1) -> list[SpanData]:
     """Device-side SpanData of host entries (to_host copies), layer by layer: for each layer one
     device buffer with that layer of every entry, filled on a side stream (CUDA) and waited for on
-    first use of the layer; the copies of the first `window` layers are queued at once, each later
-    layer's when the forward waits for the layer `window` before it (_Stager). On the CPU the
-    copies run in place and nothing waits."""
+    first use of the layer. By default (window None) each layer's copies are queued as soon as
+    its buffer is allocated, so the copy engine runs while the rest of staging builds the views
+    (at 32 x 1k that host work had held the copies back for tens of milliseconds); with a window
+    of n layers, the first n are queued here and each later one when the forward waits for the
+    layer n before it (_Stager). window -1: HYBRIDCACHE_STAGE_WINDOW. On the CPU the copies run
+    in place and nothing waits."""
     device = torch.device(device)
-    window = stage_window() if window is None else window
+    window = stage_window() if window == -1 else window
     hosts = [e.meta["host"] for e in entries]
     if not hosts:
         return []
     layers = sorted(hosts[0].layers)
+    ahead = len(layers) if window is None else min(window, len(layers))
     cuda = device.type == "cuda"
     stager = None
     if cuda:
-        stager = _Stager(_copy_stream(device), layers, window)
+        stager = _Stager(_copy_stream(device), layers, ahead)
         # the buffers are allocated on the compute stream; the copy stream must not run ahead of that
         stager.stream.wait_stream(torch.cuda.current_stream(device))
     spans = [({}, {}) for _ in hosts]
     waits: dict[int, _EventWait] = {}
-    for lay in layers:
+    for k, lay in enumerate(layers):
         total = sum(h.layers[lay][1] for h in hosts)
         buf = torch.empty(total, dtype=torch.uint8, device=device)
         off = 0
@@ -211,13 +218,19 @@ def stage(entries: list[SegmentEntry], device: torch.device | str, window: int |
         if cuda:
             stager.buffers[lay] = buf
             waits[lay] = stager.waiter(lay, device)
-            if lay == layers[min(window, len(layers)) - 1]:
-                stager.queue_through(window)  # the copy engine starts while the views are made
+            if k < ahead:
+                stager.queue_through(k + 1)  # the copy engine starts while the views are made
+        typed: dict[torch.dtype, torch.Tensor] = {}
         off = 0
         for j, h in enumerate(hosts):
-            src = h.data
-            views, _ = _views(buf, off, _layer_tensors(src, lay))
+            views = []
+            for shape, stride, dtype, rel in h.specs[lay]:
+                whole = typed.get(dtype)
+                if whole is None:
+                    whole = typed[dtype] = buf.view(dtype)  # sizes are 16-byte padded (packing.py)
+                views.append(whole.as_strided(shape, stride, (off + rel) // whole.element_size()))
             off += h.layers[lay][1]
+            src = h.data
             (spans[j][0] if lay in src.linear else spans[j][1])[lay] = _span(src, lay, views)
     out = []
     for h, (linear, attn) in zip(hosts, spans):
