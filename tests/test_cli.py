@@ -150,6 +150,17 @@ def test_bad_sdpa_backends_exit_2(qwen35_dir, tmp_path, capsys, monkeypatch):
     assert "HYBRIDCACHE_SDPA_BACKENDS='flash,fastest'" in err and "comma list" in err
 
 
+def test_bad_stage_window_exits_2(qwen35_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HYBRIDCACHE_STAGE_WINDOW", "two")
+    req = tmp_path / "r.json"
+    req.write_text('{"segments": [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], "suffix": [1, 2]}')
+    code, out, err = run_cli(
+        capsys, "generate", "--model", str(qwen35_dir), "--request", str(req), "--host-cache-bytes", "16000000"
+    )
+    assert code == 2 and out == ""
+    assert "HYBRIDCACHE_STAGE_WINDOW" in err and "'two'" in err
+
+
 @pytest.mark.skipif(
     not (__import__("hybridcache.services.runtime.modelzoo", fromlist=["x"]).SHIPPED_MODEL / "config.json").is_file(),
     reason="models/default is not shipped in this checkout",

@@ -275,6 +275,10 @@ class Engine:
         self.eos_ids = frozenset(eos)
         if getattr(model, "device", torch.device("cpu")).type == "cuda":
             backends.sdpa_backends()  # a bad HYBRIDCACHE_SDPA_BACKENDS fails here, not in a request
+        if self.config.host_cache_bytes:
+            from hybridcache.services.runtime.cache.host_tier import stage_window
+
+            stage_window()  # likewise a bad HYBRIDCACHE_STAGE_WINDOW
         from hybridcache.services.runtime.graphs import set_cuda_graphs
 
         set_cuda_graphs(model, self.config.cuda_graphs)
