@@ -196,31 +196,26 @@ def main(argv=None):
 
     hosted = [to_host(SegmentEntry(f"profile-{i}", SEG, e, 0.0)) for i, e in enumerate(entries)]
 
-    def pic_host():
-        with env_var("HYBRIDCACHE_CUDA_GRAPHS", "on"):
-            with record_function("stage"):
-                staged = stage(hosted, "cuda")
-            with record_function("forward"):
-                model.forward_layout(model.empty_state(), pic_layout(segs, staged, question), "last")
+    def pic_host(graphs_on: str = "on", window: str = "all"):
+        """Stage the host entries (every layer queued at once, or a window of layers) and run the
+        assembly from its graphs or eagerly."""
 
-    def pic_host_window2():
-        with env_var("HYBRIDCACHE_STAGE_WINDOW", "2"):
-            pic_host()
+        def fn():
+            with env_var("HYBRIDCACHE_CUDA_GRAPHS", graphs_on), env_var("HYBRIDCACHE_STAGE_WINDOW", window):
+                with record_function("stage"):
+                    staged = stage(hosted, "cuda")
+                with record_function("forward"):
+                    model.forward_layout(model.empty_state(), pic_layout(segs, staged, question), "last")
 
-    def pic_host_eager():
-        with env_var("HYBRIDCACHE_CUDA_GRAPHS", "off"):
-            with record_function("stage"):
-                staged = stage(hosted, "cuda")
-            with record_function("forward"):
-                model.forward_layout(model.empty_state(), pic_layout(segs, staged, question), "last")
+        return fn
 
     cases = (
         ("decode", decode),
         ("pic", graphs(False)),
         ("pic_graphs", graphs(True)),
-        ("pic_host_graphs", pic_host),
-        ("pic_host_graphs_window2", pic_host_window2),
-        ("pic_host_eager", pic_host_eager),
+        ("pic_host_graphs", pic_host()),
+        ("pic_host_graphs_window2", pic_host(window="2")),
+        ("pic_host_eager", pic_host("off")),
     )
     for name, fn in cases:
         for _ in range(3):
