@@ -2,10 +2,9 @@
 
 The CI check runs the eval on a small fixed subset of the test split on CPU: it fails when `pic`
 answers more than PIC_MARGIN (1) of 16 questions fewer than `full`, or when `full` no longer answers most
-of them (the model did not learn or did not load right). `naive` runs too but is not required to be
-worse: the shipped model's linear layers forget within a document (T is zero in fp32 in four of its
-six Gated DeltaNet layers after one 100-190-token document), so dropping T changes nothing it
-answers from (README, "Quality").
+of them (the model did not learn or did not load right), or when `naive` does not answer at least
+NAIVE_GAP fewer than `full` (the shipped model carries linear state across documents, so dropping T
+must cost answers; README, "Quality").
 """
 
 import json
@@ -31,7 +30,11 @@ needs_model = pytest.mark.skipif(
 # ~16 s on a 2-core machine: 16 questions x (full + pic + naive) over 8 documents (~1.2k tokens)
 SUBSET = dict(limit=16, seed=0, hops=1, min_docs=8, max_docs=8)
 PIC_MARGIN = 1  # answers of the subset's 16; the full-size eval's figures are in benchmarks/results/
-FULL_FLOOR = 12  # answers of 16 that `full` must get right (the shipped model: 14 of 16, 90.5 % on 200)
+FULL_FLOOR = 12  # answers of 16 that `full` must get right (the shipped model: 14 of 16)
+# answers of 16 by which `naive` must trail `full`: the shipped model's linear layers carry state across
+# documents, so dropping T must cost answers (11 of 16 against 14); equal scores would mean the
+# ablation no longer drops T, or the model no longer uses its linear memory
+NAIVE_GAP = 2
 
 
 @needs_model
@@ -61,6 +64,7 @@ def test_eval_subset_pic_close_to_full():
     assert full.n == pic.n == naive.n == SUBSET["limit"]
     assert full.correct >= FULL_FLOOR, table
     assert pic.correct >= full.correct - PIC_MARGIN, table
+    assert naive.correct <= full.correct - NAIVE_GAP, table
     # pic really reused the segments: most prompt tokens came from cache entries
     assert results_json(scores)["pic"]["reused_token_fraction"] > 0.5
     assert results_json(scores)["full"]["reused_token_fraction"] == 0.0
@@ -166,5 +170,8 @@ def test_linear_memory_probe_reports_transitions_and_pic_matches_full(capsys):
     norms = out["T_spectral_norm_after_one_document"]
     assert sorted(norms) == sorted(linear)
     assert all(0.0 <= v["median"] <= v["max"] <= 1.5 for v in norms.values())
+    # the shipped model's long-memory heads (32 and 256 tokens) carry state past a document in every
+    # linear layer (T's norm about e^(-length/256)); the earlier model's T was 0 in four of six
+    assert all(v["median"] >= 0.3 for v in norms.values()), norms
     assert out["last_token_vs_full"]["pic"]["top1_agree"] == "1/1"
-    assert out["last_token_vs_full"]["pic"]["rel_logit_diff"] < 1e-2
+    assert out["last_token_vs_full"]["pic"]["rel_logit_diff"] < 0.1
