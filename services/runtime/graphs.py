@@ -121,21 +121,6 @@ def peek(mapping, layer):
     return (spans if spans is not None else mapping)[layer]
 
 
-def release_arrivals(layout) -> None:
-    """After the replay's own uploads (token ids, patched address tables), let entries still
-    arriving send all their layers: the graphs make no host-to-device copies, so nothing of the
-    request's waits behind them on the copy engine, and the transfer no longer waits for the host
-    to reach each layer (ArrivingLayers.release)."""
-    for piece in layout:
-        data = getattr(piece, "data", None)
-        if data is None:
-            continue
-        for group in (data.linear, data.attn):
-            rel = getattr(group, "release", None)
-            if rel is not None:
-                rel()
-
-
 def _span_key(data: SpanData) -> tuple:
     """What of a span's tensors fixes the graph's buffers, from its first layer of each kind
     (entries are uniform across layers; binding checks every tensor)."""
@@ -270,9 +255,8 @@ class _Static:
     def patch_tables(self, layout) -> None:
         """Point the address tables' span entries at the request's span T and S, in one host-to-
         device copy per table, queued before any layer's graph: the addresses are read without
-        waiting for arriving layers (peek), so on a host-tier request these small copies do not
-        queue on the copy engine behind the entries' staging (each graph still waits for its layer's
-        arrival in bind). Raises GraphUnsupported before any copy if a tensor does not fit."""
+        waiting for arriving layers (peek); each graph still waits for its layer's arrival in bind.
+        Raises GraphUnsupported before any copy if a tensor does not fit."""
         tables: dict[int, list[int]] = {}
         for layer, sites in self.patch.items():
             for k, i, j, name in sites:
@@ -544,8 +528,6 @@ class LayoutGraphs:
                     static.patch_tables(layout)
                 for i, graph in enumerate(static.graphs):
                     static.bind(i, state, layout, ids if i == 0 else None)
-                    if i == 0:
-                        release_arrivals(layout)
                     graph.replay()
             except GraphUnsupported as e:
                 log.warning("a captured shape's graphs not used: %s", e)

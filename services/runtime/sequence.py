@@ -62,16 +62,6 @@ class ArrivingLayers(Mapping):
     def __len__(self):
         return len(self._spans)
 
-    def release(self) -> None:
-        """Tell what carries the layers that the forward will queue no more host-to-device copies
-        of its own (a CUDA-graph replay uploads its inputs before its first layer): the carrier
-        may send the rest of its layers at once (host-tier staging does). Carriers without
-        release() ignore it."""
-        for w in {id(w): w for w in self._waits.values()}.values():
-            rel = getattr(w, "release", None)
-            if rel is not None:
-                rel()
-
 
 @dataclass(slots=True)
 class LiveRun:

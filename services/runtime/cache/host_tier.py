@@ -94,10 +94,9 @@ def is_host(entry: SegmentEntry) -> bool:
 
 
 class _Stager:
-    """The copies of staged layers, queued on the copy stream in layer order as the forward reaches
-    them: `window` layers ahead of the one waited for. Queuing them all at once put every copy
-    the forward itself makes to the device (its token ids, index tables) behind all of them on
-    the copy engine, so the forward started only when the last layer had arrived."""
+    """The copies of staged layers, queued on the copy stream in layer order: `window` layers by
+    stage itself (every layer by default), each later one when the forward waits for the layer
+    `window` before it."""
 
     def __init__(self, stream, layers: list[int], window: int):
         self.stream = stream
@@ -146,10 +145,6 @@ class _EventWait:
         torch.cuda.current_stream(self._device).wait_event(st.events[self._layer])
         self._done = True
 
-    def release(self) -> None:
-        """The forward makes no more copies of its own to the device: queue every layer now."""
-        self._stager.queue_through(len(self._stager.layers))
-
 
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 _copy_lock = threading.Lock()
@@ -180,17 +175,17 @@ def stage_window() -> int | None:
     return n
 
 
-def stage(entries: list[SegmentEntry], device: torch.device | str, window: int | None = -1) -> list[SpanData]:
+def stage(entries: list[SegmentEntry], device: torch.device | str) -> list[SpanData]:
     """Device-side SpanData of host entries (to_host copies), layer by layer: for each layer one
     device buffer with that layer of every entry, filled on a side stream (CUDA) and waited for on
-    first use of the layer. By default (window None) each layer's copies are queued as soon as
+    first use of the layer. By default each layer's copies are queued as soon as
     its buffer is allocated, so the copy engine runs while the rest of staging builds the views
     (at 32 x 1k that host work had held the copies back for tens of milliseconds); with a window
-    of n layers, the first n are queued here and each later one when the forward waits for the
-    layer n before it (_Stager). window -1: HYBRIDCACHE_STAGE_WINDOW. On the CPU the copies run
-    in place and nothing waits."""
+    of n layers (HYBRIDCACHE_STAGE_WINDOW), the first n are queued here and each later one when
+    the forward waits for the layer n before it (_Stager). On the CPU the copies run in place and
+    nothing waits."""
     device = torch.device(device)
-    window = stage_window() if window == -1 else window
+    window = stage_window()
     hosts = [e.meta["host"] for e in entries]
     if not hosts:
         return []
