@@ -291,7 +291,7 @@ def gdn_kernel(use_fla: bool) -> str:
 def set_gdn_chunk(chunk_size: int) -> None:
     """Chunk length of transformers' pure-torch chunked gated delta rule (its default is 64). The
     inter-chunk scan is a Python loop of small launches, so longer chunks mean fewer launches per
-    layer (the result is the same up to fp32 rounding; tests/test_train_script.py checks outputs
+    layer (the result is the same up to fp32 rounding; tests/benchmarks/test_train_script.py checks outputs
     and gradients). Applies to the fallback only, not to fla's kernels."""
     import functools
 

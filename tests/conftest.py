@@ -8,7 +8,7 @@ import pytest
 # models to GPU-only kernels.
 sys.modules.setdefault("fla", None)
 
-# Every model_type of the Qwen family the runtime serves (tests/test_models_vs_transformers.py lists them too).
+# Every model_type of the Qwen family the runtime serves (tests/runtime/test_models_vs_transformers.py lists them too).
 ARCHS = ["qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"]
 
 

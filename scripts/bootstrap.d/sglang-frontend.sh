@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SGLang's frontend (sgl.function, sgl.RuntimeEndpoint) for tests/serving: sglang's metadata pins a
+# SGLang's frontend (sgl.function, sgl.RuntimeEndpoint) for tests/services: sglang's metadata pins a
 # CUDA torch, so it goes in with --no-deps, then the few packages its frontend imports.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -1,6 +1,6 @@
 """Regenerate the checked-in gRPC code from hybridcache.proto: `python -m hybridcache.services.protocol.build`.
 
-The generated modules are checked in (so a plain install needs no protoc); tests/serving checks
+The generated modules are checked in (so a plain install needs no protoc); tests/services checks
 that they match what grpcio-tools produces from the .proto today.
 """
 

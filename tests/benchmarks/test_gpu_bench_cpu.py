@@ -8,7 +8,7 @@ import torch
 
 
 def _gpu_bench():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_bench.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_bench.py"
     spec = importlib.util.spec_from_file_location("gpu_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

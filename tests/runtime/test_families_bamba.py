@@ -1,4 +1,4 @@
-"""Bamba specifics beyond tests/test_families_models.py: partial RoPE parsed as transformers does,
+"""Bamba specifics beyond tests/runtime/test_families_models.py: partial RoPE parsed as transformers does,
 cached K re-rotated by the shift, and config errors."""
 
 import pytest

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "train_qa_model.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "train_qa_model.py"
 
 
 @pytest.fixture(scope="module")

@@ -167,7 +167,7 @@ def test_bytes_only_benchmark_matches_the_engine_and_meets_the_goal(capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefix_cache.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "prefix_cache.py"
     spec = importlib.util.spec_from_file_location("prefix_cache_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -159,7 +159,7 @@ def test_linear_memory_probe_reports_transitions_and_pic_matches_full(capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "linear_memory_probe.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "linear_memory_probe.py"
     spec = importlib.util.spec_from_file_location("linear_memory_probe", path)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
