@@ -67,8 +67,6 @@ class Api:
         ])
         return app
 
-    # ------------------------------------------------------------------ helpers
-
     async def _body(self, request: web.Request) -> dict:
         try:
             raw = await request.read()
@@ -151,8 +149,6 @@ class Api:
                 "total_tokens": prompt + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": stats.get("reused_tokens", 0)}}
 
-    # ------------------------------------------------------------------ OpenAI
-
     async def chat(self, request):
         return await self._handle(request, chat_to_native, self._chat_respond)
 
@@ -204,8 +200,6 @@ class Api:
     async def models(self, request):
         return web.json_response({"object": "list", "data": [
             {"id": self.served_model, "object": "model", "created": 0, "owned_by": "hybridcache"}]})
-
-    # ------------------------------------------------------------------ SGLang native
 
     async def generate(self, request):
         return await self._handle(request, sglang_to_native, self._generate_respond)

@@ -243,13 +243,12 @@ def run_cold_request(
     group calls this with the same request; ranks >= workers only take part in the barriers.
 
     `combine_share`: the combine's cost as a fraction of building all the request's segments on one
-    worker (measured: benchmarks/segment_parallel.py); rank 0 starts the assignment with that much
+    worker (benchmarks/segment_parallel.py measures it); rank 0 starts the assignment with that much
     work queued, so it gets fewer segments and its combine overlaps the other ranks' builds.
 
     `speeds`: each rank's build rate relative to rank 0 (LPT only; default equal). A sending rank
-    builds slower than rank 0 while its sends run (measured: 37.8 against 33.5 ms per 1k-token segment
-    on 2xH200), so rates measured on an earlier request give a better split
-    (`measured_speeds`).
+    builds slower than rank 0 while its sends run, so rates measured on an earlier request give a
+    better split (`measured_speeds`).
 
     Rank 0 returns the result (TTFT measured from a common barrier to the first token chosen);
     other ranks return None. The engine's entry store is not used: every segment is cold.
@@ -289,9 +288,9 @@ def run_cold_request(
         _gather_split(device, t_built - t0 if works else 0.0, t_sent - t0 if works else 0.0, sent)
         return None
     # rank 0: build its own share first, then post the receives in each sender's order: NCCL
-    # receive kernels left pending on the GPU while it computes slow its builds (measured at
-    # cbdb179, when receives were posted first). Senders stream each batch layer by layer, so the
-    # forward below folds layer i while their layer i + 1 may still be computing.
+    # receive kernels left pending on the GPU while it computes slow its builds. Senders stream
+    # each batch layer by layer, so the forward below folds layer i while their layer i + 1 may
+    # still be computing.
     datas: dict[int, SpanData] = {}
     mine = [i for i in order if owner[i] == 0]
     for i, entry in zip(mine, engine.build_entries([segs[i] for i in mine])):

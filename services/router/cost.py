@@ -1,9 +1,10 @@
 """Fetch or recompute: the router's cost model (DESIGN §5).
 
-Python gRPC moves ~0.4 GB/s on loopback, slower than a GPU recomputes a segment, so per warm
+Python gRPC on loopback moves an entry slower than a GPU recomputes its segment
+(benchmarks/transport_loopback.py), so per warm
 segment the router compares the time to move its entry over the path it would take with the time
 to prefill it again, and picks the sooner. Bandwidths and prefill speed are running averages of
-what the services measure; the defaults are the figures measured on this project's machines.
+what the services measure; the defaults are starting values until the first measurements.
 """
 
 from __future__ import annotations

@@ -72,8 +72,6 @@ class Router:
         self._tiers: dict[str, CacheTierClient] = {}
         self.info: pb.InfoReply | None = None
 
-    # ---------------------------------------------------------------- plumbing
-
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
             self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
@@ -111,8 +109,6 @@ class Router:
     def cold_queue_depth(self) -> int:
         with self._lock:
             return sum(self._depth.values())
-
-    # ---------------------------------------------------------------- planning
 
     def parse(self, obj: dict):
         try:
@@ -190,8 +186,6 @@ class Router:
                 if p.source == "scatter":
                     self._depth[p.address] = max(0, self._depth.get(p.address, 0) - 1)
                     metrics.COLD_QUEUE_DEPTH.labels(worker=p.address).set(self._depth[p.address])
-
-    # ---------------------------------------------------------------- generation
 
     def stream(self, req) -> Iterator[pb.TokenChunk]:
         """Token chunks from a combine worker; the last one has done=True and the stats."""

@@ -122,9 +122,9 @@ def gated_delta_rule_pieces(q, k, v, g, beta):
 
 def run_outputs_from_states(u: torch.Tensor, s_in: torch.Tensor) -> torch.Tensor:
     """u S_in for each run: u [m, L, H, K] (query transitions), s_in [m, H, K, V] fp32 (the states
-    entering the runs) -> [m, L, H, V] fp32. On CUDA one batched TF32 product (fp32 FFMA took
-    1.6 ms of the 32 x 1k assembly on an H200; the result goes into bf16 outputs, whose rounding
-    is coarser than TF32's); elsewhere fp32."""
+    entering the runs) -> [m, L, H, V] fp32. On CUDA one batched TF32 product (fp32 FFMA is a
+    visible share of the assembly; the result goes into bf16 outputs, whose rounding is coarser
+    than TF32's); elsewhere fp32."""
     if not use_fast_kernels(s_in):
         return torch.einsum("mlhk,mhkv->mlhv", u.float(), s_in)
     prev = torch.backends.cuda.matmul.allow_tf32
@@ -203,7 +203,7 @@ FOLD_PATHS = ("blocks", "stack")
 
 def fold_path() -> str:
     """How the CUDA fold reads matrix-T pieces: "blocks" (in place, through an address table, the
-    default) or "stack" (a torch.cat of them first, the path before 531ce67, for A/B runs); from
+    default) or "stack" (a torch.cat of them first, kept for A/B runs); from
     HYBRIDCACHE_FOLD."""
     name = os.environ.get("HYBRIDCACHE_FOLD", "blocks")
     if name not in FOLD_PATHS:

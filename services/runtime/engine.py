@@ -293,8 +293,6 @@ class Engine:
     def from_dir(cls, path: str | Path, device: str = "cpu", dtype=torch.float32, config: EngineConfig | None = None):
         return cls(load_model(path, device, dtype), Tokenizer.from_dir(path), config)
 
-    # ------------------------------------------------------------------ requests
-
     def parse_request(self, obj) -> Request:
         """Validate a request object ({"system", "segments", "suffix", "sampling_params"})."""
         if not isinstance(obj, dict):
@@ -341,8 +339,6 @@ class Engine:
                 )
             return list(value)
         raise RequestError(f"{what} must be a string or a list of token ids")
-
-    # ------------------------------------------------------------------ entries
 
     @property
     def _entry_tag(self) -> str:
@@ -422,8 +418,6 @@ class Engine:
         entry = self.build_entry(segment_ids)
         self.entries.put(entry)
         return entry, False
-
-    # ------------------------------------------------------------------ prefill
 
     def _prefix_root(self) -> str:
         mode = self.config.mode
@@ -604,8 +598,6 @@ class Engine:
                 self.pages.unlock(node)
             pre.locked.clear()
 
-    # ------------------------------------------------------------------ decode
-
     @torch.no_grad()
     def decode_one_token(
         self, state: SequenceState, token_id: int, recorder: PageRecorder | None = None
@@ -633,15 +625,13 @@ class Engine:
             text.append(delta)
         return GenerateResult("".join(text), ids, req.prompt_ids, gen.finish_reason, gen.prefill.stats)
 
-    # ------------------------------------------------------------------ warm-up
-
     def warmup(self) -> dict:
         """Send a few synthetic requests down every path a request can take before real traffic
         comes: a batch of cold entry builds (runs shorter and longer than one chunk, odd and
         multiple-of-16 lengths), an assembly with several seams, the same segments reused in
         another order after another prefix, a prefix-cache hit with one new segment, and decode
         steps. On CUDA the first call of each Triton kernel configuration compiles and autotunes
-        (seconds to minutes: fla's KDA kernels took over 200 s on an H200), which a server must
+        (seconds to minutes: fla's KDA kernels are the slowest), which a server must
         not charge to its first requests. The engine's caches are swapped for throwaway ones
         meanwhile, so nothing of the warm-up stays cached or counts against a budget.
         Returns {"requests": n, "seconds": wall time}."""

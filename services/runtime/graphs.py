@@ -1,8 +1,8 @@
 """CUDA graphs of the live pass over assembled layouts (LayoutLM.forward_layout).
 
-A warm pic request is bound by the host, not the GPU: the 32 x 1k assembly of the Qwen3.5-9B
-shape issues about 1,800 kernel launches and ~6,000 torch ops from Python for ~55 ms of GPU work
-(README, GPU results). Given a layout's *shape* — the pieces' kinds, lengths and positions, the
+A warm pic request is bound by the host, not the GPU: an assembly of many segments issues
+thousands of kernel launches and torch ops from Python for little GPU work each
+(benchmarks/op_count.py counts them). Given a layout's *shape* — the pieces' kinds, lengths and positions, the
 entries' dtypes, the state it starts from, what it records — its live pass is one fixed sequence
 of kernels, so it can be captured once and replayed.
 
@@ -317,8 +317,8 @@ class _Static:
                     f"graph buffer {d.dtype} {tuple(d.shape)}"
                 )
         # one multi-tensor copy per dtype: a list that mixes dtypes leaves torch's fused path, and
-        # its tensor-by-tensor copies (2,745 at the 32 x 1k shape) took 6.5 ms of GPU time and more
-        # of the host's
+        # its tensor-by-tensor copies (thousands at a many-segment shape) cost GPU time and more of
+        # the host's
         groups: dict[torch.dtype, tuple[list, list]] = {}
         for d, s in zip(dst, src):
             g = groups.setdefault(d.dtype, ([], []))

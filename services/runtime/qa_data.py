@@ -193,8 +193,6 @@ class QAGenerator:
         self.short_names = False
         self.rng = random.Random(f"{split}:{seed}")
 
-    # ------------------------------------------------------------------ entities
-
     def _word(self, n: int) -> str:
         return "".join(self.rng.choice(_SYLLABLES) for _ in range(n)).capitalize()
 
@@ -234,8 +232,6 @@ class QAGenerator:
         name = self._name(lambda: f"{self._word(words)} {r.choice(_ORG_KINDS)}", taken)
         return Org(name, r.choice(CITIES), r.randrange(1800, 2000), r.choice(GOODS))
 
-    # ------------------------------------------------------------------ documents
-
     def person_doc(self, p: Person) -> str:
         r = self.rng
         short = p.name.split()[-1]
@@ -273,8 +269,6 @@ class QAGenerator:
         k = r.randint(0, len(facts))
         body = facts[:k] + lines + facts[k:]
         return f"Document: {title}\n" + " ".join(body) + "\n\n"
-
-    # ------------------------------------------------------------------ questions
 
     def example(self, hops: int | None = None) -> QAExample:
         return self.prompt(1, hops)[0]

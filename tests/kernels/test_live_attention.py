@@ -176,7 +176,7 @@ def test_clear_errors():
         live_attention(q, k, v, pos, 0.3, num_splits=0)
 
 
-# --- GPU: the engine's shape in bf16 (Qwen3.5-9B attention layer) -----------------------------------
+# GPU: the engine's shape in bf16 (Qwen3.5-9B attention layer)
 
 HQ, HKV, D, N_CTX = 16, 4, 256, 32768
 

@@ -196,7 +196,7 @@ class StrictEmulator(kmock.KubernetesScaffold):
         await response.write_eof()
         return response
 
-    # --- set-up and introspection (call from the emulator's loop, or via EmulatorThread) ---
+    # Set-up and introspection (call from the emulator's loop, or via EmulatorThread)
 
     def declare(self, resource: str, rtype: ResourceType) -> None:
         """Serve a resource type ("group/version/plural", "" group for core)."""
@@ -233,7 +233,7 @@ class StrictEmulator(kmock.KubernetesScaffold):
         }
         self._faults.append(Fault([kmock.Criteria.guess(c) for c in criteria], times, body))
 
-    # --- internals ---
+    # Internals
 
     def _type(self, request: kmock.Request) -> tuple[str, ResourceType]:
         assert request.resource is not None
@@ -294,7 +294,7 @@ class StrictEmulator(kmock.KubernetesScaffold):
             raise _error(409, "Conflict", "the object has been modified; please apply your changes "
                                           "to the latest version and try again")
 
-    # --- verbs ---
+    # Verbs
 
     async def _list(self, request: kmock.Request) -> dict[str, Any]:
         resource, _ = self._type(request)

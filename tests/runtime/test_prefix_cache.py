@@ -173,7 +173,7 @@ def test_pic_mode_caches_exact_pages_only(tiny_dir):
     assert len(prefix_only.pages) == (len(system) + 60 + 50 + 12 + 3) // P
 
 
-# ---------------------------------------------------------------- tree mechanics (no model)
+# Tree mechanics (no model)
 
 
 def payload(nbytes=64):

@@ -4,8 +4,8 @@ context, with GQA, in Triton; reference: naive.py.
 The live tokens of a forward sit wherever the request left them: between cached spans (seams),
 as a tail after the cached prefix, or one token at the end (decode). Query i at position q_pos[i]
 sees keys 0..q_pos[i]. Eager, that is a masked SDPA call with an [n, N] boolean mask, which
-PyTorch serves with its memory-efficient kernel (2.5 ms per layer at the Qwen3.5-9B shape:
-Hq 16, Hkv 4, d 256, N 32768, n 320). Here no mask is built: the positions are read in the kernel.
+PyTorch serves with its memory-efficient kernel, materializing the mask per layer. Here no mask
+is built: the positions are read in the kernel.
 
 GQA is folded into the rows: one program serves all G = Hq // Hkv query heads of one KV head, so
 each key tile it loads feeds G times as many rows. Row r of the n * G rows of a (batch, KV head)
@@ -16,8 +16,8 @@ the largest of them (+1), so a block of early queries stops early; key j > q_pos
 Online softmax in the exp2 domain (the scale folded with log2 e), fp32 accumulators, tl.dot for
 QK^T and PV. Every key block is masked, also those all rows see in full: a separate unmasked loop
 for those got its own pipeline buffers, doubling the shared memory, so d = 256 only fit BLOCK_N 32,
-and it measured 2 to 3 x slower on an H200 than one masked loop at BLOCK_M 128, BLOCK_N 64 (the
-mask is a compare and a select per score, little next to two 256-deep dots).
+which is slower than one masked loop at BLOCK_M 128, BLOCK_N 64 (the mask is a compare and a
+select per score, little next to two 256-deep dots).
 
 When the row blocks times B * Hkv are too few to fill the GPU (decode: one program per KV head),
 the keys are also split into chunks (flash-decoding): each program writes its chunk's normalized
@@ -157,9 +157,9 @@ def _config(dq: int, dv: int, dtype: torch.dtype, rows: int):
     elif d <= 64:
         bm, bn, warps, stages = 64, 64, 4, 3
     elif d <= 256:
-        # d 256, bf16, H200 (Hq 16, Hkv 4, N 32768): 0.45 ms at 320 seam/tail queries, 5.1 ms at a
-        # 4096-token tail; 64 x 64 tiles: 0.67 / 10.3 ms; 128 x 32: 0.57 / 6.8 ms. Shared memory: about
-        # Q 64 KiB + 2 stages x (K + V) 64 KiB of the 227 KiB; BLOCK_N 128 or a third stage exceeds it.
+        # d 256, bf16: 128 x 64 tiles beat 64 x 64 and 128 x 32 for both seam/tail queries and long
+        # tails. Shared memory: about Q 64 KiB + 2 stages x (K + V) 64 KiB of an H200's 227 KiB;
+        # BLOCK_N 128 or a third stage exceeds it.
         bm, bn, warps, stages = 128, 64, 8, 2
     else:
         bm, bn, warps, stages = 64, 32, 8, 1

@@ -11,10 +11,9 @@ How the T run goes (`t_run`, or HYBRIDCACHE_ENTRY_T_RUN; default "sequential"):
   and column block), at the price of copying k, w and u into the doubled batch;
 - "stream": the T run's launch on a side CUDA stream, overlapping the value run without the
   copies.
-gpu_bench times all three (`construction_overhead_pct_*_t_run_*`). On one H200 at the
-Qwen3.5-9B shape (98a17af, one segment of 8k / 32k tokens: 32 (batch, head) pairs on 132 SMs)
-stacked cost 4.5 % / 4.4 % over a plain prefill, sequential -1.9 % / 1.5 % and stream
-1.5 % / 1.6 %: the copies cost more than the idle SMs, so sequential is the default.
+gpu_bench times all three (`construction_overhead_pct_*_t_run_*`). At the Qwen3.5-9B shape
+(32 (batch, head) pairs on an H200's 132 SMs) the copies of "stacked" cost more than the idle SMs
+it fills, and "stream" gains nothing over "sequential", so sequential is the default.
 The WY stage and the output stage run once.
 
 S(run|0) comes out as S_final - T S_init (exact in exact arithmetic; both terms are fp32 states

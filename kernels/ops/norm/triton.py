@@ -2,8 +2,8 @@
 
 Why not fla's norm kernels: for rows of at most 512 features they are autotuned over nine configs
 with a key that holds NB = cdiv(rows, 2048), so every new bucket of row counts (a new prompt
-length, a new live-token count) compiles and times nine kernels again; on two H200s the
-segment-parallel benchmark spent its whole 170 s budget in that compilation. This kernel has one
+length, a new live-token count) compiles and times nine kernels again, which can take longer
+than a benchmark's whole time budget. This kernel has one
 configuration per feature width, chosen from the width alone, and the row count is a runtime
 argument (not specialized), so each (width, dtypes, kind) compiles once.
 

@@ -133,10 +133,8 @@ def compose_states_fwd(
             "ieee". On GPU: "tf32x3" (fp32-level accuracy at tensor-core speed) for fp32 T, and
             "bf16x2" for 16-bit T: T read as stored and the fp32 running state split into a high
             and a low bf16 part, two bf16 dots a step (about 16 of the state's mantissa bits kept).
-            On an H200 at Qwen3.5-9B's shape (gpu_bench, 32 segments, bf16 entries, 3a94072,
-            637f190, c825280): 18.6, 20.9 and 18.7 us per segment with 64 columns, side by side,
-            8 warps, 2 stages, relative error 5e-6 against fp32 math on the same entries, where one
-            TF32 pass (the default before) took 26-31 us at 2.2e-3.
+            bf16x2 is both faster and about 400 x more accurate than a single TF32 pass on bf16
+            entries (gpu_bench's compose section times it against fp32 math on the same entries).
         num_warps, num_stages: Triton launch options (defaults on GPU for K >= 128: 8 warps; 2
             stages for 16-bit T, Triton's for fp32 T).
         output_all: also return the state after every segment, [N, G, K, V] fp32.
@@ -174,8 +172,8 @@ def _launch(
     if on_gpu and block_v is None:
         BV = min(64, BV)
         # Few (layer, head) pairs, e.g. one layer's heads in the live scan: narrower column blocks
-        # until the programs cover the SMs (32 heads x 1 block left 100 of an H200's 132 idle,
-        # each program walking all n segments in sequence).
+        # until the programs cover the SMs (one block per head leaves most SMs idle while each
+        # program walks all n segments in sequence).
         while BV > 32 and G * triton.cdiv(V, BV) < _sm_count(Sref.device):
             BV //= 2
     # GPU defaults (docstring of compose_states_fwd): 16-bit T in two 16-bit dots of the split
@@ -261,10 +259,9 @@ def compose_states_blocks(
     pairs of one scan). All T blocks share a dtype and device, all S blocks too. The kernel reads
     each block through a table of addresses (one small host-to-device copy); the blocks must stay
     alive until the launch has run, as they do while the caller holds them. prefetch_addresses:
-    each program reads the next segment's addresses a step ahead (off by default until timed on a
-    GPU: benchmarks/fold_bench.py times both). At 531ce67 on one H200 (profile_forward, 32 x 1k
-    pic), the in-place fold without it took 8.5 ms of GPU time over the 24 layers against 6.0 ms
-    for the stacked kernel at dc47e28, while the stacking's copies it removes had taken about 3.8 ms.
+    each program reads the next segment's addresses a step ahead (off by default; fold_bench times
+    both). The in-place fold is slower per launch than the stacked kernel but saves the stacking's
+    copies, which cost more.
     Launch options as compose_states_fwd's. `to_device(host_table)` moves the address table to the
     device when given (the engine's copy, which a CUDA graph's capture redirects), else a pinned
     non-blocking copy.
