@@ -1,7 +1,8 @@
 """Cache flags shared by every command that builds an engine (`hybridcache generate | demo | up`,
 `hybridcache serve ROLE`): the prefix page tree's linear-state policy and its parameters, the
 segment-entry policy, and whether the live pass runs from CUDA graphs. `hybridcache up` forwards
-them to the services it starts (`cache_flag_args`).
+them to the services it starts (`cache_flag_args`), and likewise the served engine's flags of
+`add_engine_flags` (`engine_flag_args`).
 """
 
 from __future__ import annotations
@@ -70,4 +71,41 @@ def cache_flag_args(args) -> list[str]:
     out = []
     for name in FLAGS:
         out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return out
+
+
+# flag -> the roles of `hybridcache up` it is forwarded to (--device goes by services/devices.py)
+ENGINE_FLAGS = {
+    "dtype": ("combine", "scatter"),
+    "mode": ("combine", "scatter"),
+    "entry_cache_bytes": ("combine", "scatter"),
+    "prefix_cache_bytes": ("combine", "scatter"),
+    "max_model_len": ("router",),
+}
+
+
+def add_engine_flags(sp) -> None:
+    """The served engine's device, dtype, mode, limits and cache budgets (`serve`, `up`)."""
+    sp.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where combine and scatter workers run (router and cache tier stay on the CPU)")
+    sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model weights and K/V")
+    sp.add_argument("--mode", default="pic", choices=["full", "prefix", "pic", "naive"],
+                    help="combine/scatter: what the engine caches (the router adopts the combine worker's)")
+    sp.add_argument("--max-model-len", type=int, default=None,
+                    help="router: longest prompt plus max_new_tokens accepted (default and ceiling: the "
+                         "model's max_position_embeddings)")
+    sp.add_argument("--entry-cache-bytes", type=int, default=None,
+                    help="segment-entry cache budget (default: 1 GiB on the CPU; on CUDA a share of the device "
+                         "memory free after the model loads, stated at start-up)")
+    sp.add_argument("--prefix-cache-bytes", type=int, default=None,
+                    help="prefix page-tree budget (default: as --entry-cache-bytes, a smaller share)")
+
+
+def engine_flag_args(args, role: str) -> list[str]:
+    """The command-line form of add_engine_flags' values that `role` takes (for child processes)."""
+    out = []
+    for name, roles in ENGINE_FLAGS.items():
+        value = getattr(args, name, None)
+        if role in roles and value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
     return out

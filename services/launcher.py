@@ -1,5 +1,6 @@
 """`hybridcache up`: router, N scatter workers, a combine worker and a cache tier as local
-processes on 127.0.0.1, the same services the operator runs as pods."""
+processes on 127.0.0.1, the same services the operator runs as pods; with --device cuda the
+workers on GPUs (services/devices.py), the router and the cache tier on the CPU."""
 
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ class LocalCluster:
 
     def __init__(self, model_dir: str | Path, port: int = 8000, scatter_workers: int = 2, etcd: str | None = None,
                  seam_window: int = 8, cache_bytes: int = 256 << 20, env: dict | None = None,
-                 extra: dict[str, list[str]] | None = None, ready_timeout_s: float = 120.0, cache_tiers: int = 1):
+                 extra: dict[str, list[str]] | None = None, ready_timeout_s: float = 120.0, cache_tiers: int = 1,
+                 device: str = "cpu", gpus: tuple[int, ...] = (0,)):
+        from hybridcache.services.devices import place_services
+
         if scatter_workers < 0:
             raise ValueError("scatter_workers must be >= 0")
         if cache_tiers < 1:
@@ -66,14 +70,22 @@ class LocalCluster:
         self.extra = extra or {}
         self.timeout = ready_timeout_s
         self.services: list[Service] = []
+        self.device = device
+        # start order of the workers: the combine worker takes the first GPU
+        placed = place_services(["cache-tier", "router", "combine"] + ["scatter"] * scatter_workers, device, gpus)
+        self.placement = {"cache-tier": placed[0], "router": placed[1], "combine": placed[2]}
+        self.scatter_placement = placed[3:]
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _spawn(self, role: str, grpc_port: int, http_port: int, flags: list[str], env: dict | None = None) -> Service:
+    def _spawn(self, role: str, grpc_port: int, http_port: int, flags: list[str], env: dict | None = None,
+               placement=None) -> Service:
+        placement = placement or self.placement[role]
+        env = dict(placement.env, **(env or {}))
         cmd = [sys.executable, "-m", "hybridcache.services.cli", "serve", role, "--grpc-port", str(grpc_port),
-               "--http-port", str(http_port), "--seam-window", str(self.seam_window)]
+               "--http-port", str(http_port), "--seam-window", str(self.seam_window), *placement.args]
         if role != "cache-tier":
             cmd += ["--model", self.model_dir]
         if self.etcd:
@@ -107,9 +119,12 @@ class LocalCluster:
             tiers = [self._spawn("cache-tier", free_port(), free_port(), ["--cache-bytes", str(self.cache_bytes)])
                      for _ in range(self.n_tiers)]
             scatters = [self._spawn("scatter", free_port(), free_port(), [],
-                                    env=(scatter_env or [{}] * self.n_scatter)[i] if scatter_env else None)
+                                    env=(scatter_env or [{}] * self.n_scatter)[i] if scatter_env else None,
+                                    placement=self.scatter_placement[i])
                         for i in range(self.n_scatter)]
-            combine = self._spawn("combine", free_port(), free_port(), ["--cache-bytes", str(self.cache_bytes)])
+            # on CUDA the combine worker sizes its caches from free device memory (unless flags say)
+            budget = ["--cache-bytes", str(self.cache_bytes)] if self.device == "cpu" else []
+            combine = self._spawn("combine", free_port(), free_port(), budget)
             for s in [*tiers, *scatters, combine]:
                 self._wait_ready(s)
             flags = ["--combine", combine.grpc]
@@ -153,23 +168,42 @@ def up(args) -> int:
         print(f"hybridcache: error: no model (config.json) in {model}", file=sys.stderr)
         return 2
     try:
-        from hybridcache.services.engine_flags import cache_flag_args, prefix_cache_config
+        from hybridcache.services.devices import parse_gpus
+        from hybridcache.services.engine_flags import cache_flag_args, engine_flag_args, prefix_cache_config
+        from hybridcache.services.router.router import RouterConfig, served_max_model_len
+        from hybridcache.services.runtime.config import ModelConfig
         from hybridcache.services.runtime.engine import EngineConfig
 
-        EngineConfig(seam_window=args.seam_window, **prefix_cache_config(args))  # bad values: one line, exit 2
+        # bad values: one line, exit 2, before anything starts
+        EngineConfig(mode=args.mode, seam_window=args.seam_window, **prefix_cache_config(args))
+        RouterConfig(max_model_len=args.max_model_len)
+        served_max_model_len(ModelConfig.from_dir(model), args.max_model_len)
+        gpus = parse_gpus(args.gpus)
+        if args.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda given but no CUDA device is visible")
+            if max(gpus) >= torch.cuda.device_count():
+                raise ValueError(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
         flags = cache_flag_args(args)
         cluster = LocalCluster(model, port=args.port, scatter_workers=args.scatter_workers, etcd=args.etcd,
-                               seam_window=args.seam_window, cache_tiers=args.cache_tiers,
-                               extra={role: flags for role in ("router", "combine", "scatter")})
+                               seam_window=args.seam_window, cache_tiers=args.cache_tiers, device=args.device,
+                               gpus=gpus, extra={role: flags + engine_flag_args(args, role)
+                                                 for role in ("router", "combine", "scatter")})
     except ValueError as e:
         print(f"hybridcache: error: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    where = "on the CPU"
+    if args.device == "cuda":
+        gpus_of = [f"combine: GPU {cluster.placement['combine'].gpu}"]
+        gpus_of += [f"scatter {i}: GPU {p.gpu}" for i, p in enumerate(cluster.scatter_placement)]
+        where = f"on CUDA ({', '.join(gpus_of)}; router and cache tier on the CPU)"
     print(f"hybridcache up: starting {args.cache_tiers} cache tier(s), {args.scatter_workers} scatter worker(s), "
-          f"a combine worker and "
-          f"router for {model}", file=sys.stderr, flush=True)
+          f"a combine worker and router for {model} {where}", file=sys.stderr, flush=True)
     try:
         cluster.start()
     except RuntimeError as e:
@@ -193,9 +227,11 @@ def up(args) -> int:
 
 
 def add_up_flags(p) -> None:
-    from hybridcache.services.engine_flags import add_prefix_cache_flags
+    from hybridcache.services.engine_flags import add_engine_flags, add_prefix_cache_flags
 
     add_prefix_cache_flags(p)  # forwarded to the router, combine and scatter workers
+    add_engine_flags(p)  # forwarded to the roles engine_flags.ENGINE_FLAGS names
+    p.add_argument("--gpus", help="with --device cuda: GPU indices the workers take round robin (default 0)")
     p.add_argument("--model", help="model directory (default: the embedded default model)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the router")
     p.add_argument("--scatter-workers", type=int, default=2)

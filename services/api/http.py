@@ -15,7 +15,7 @@ import uuid
 from aiohttp import web
 from hybridcache.services.api.openai_compat import chat_to_native, completion_to_native, sglang_to_native
 from hybridcache.services.observability import metrics
-from hybridcache.services.router.router import RequestTooLarge, Router, ServiceUnavailable
+from hybridcache.services.router.router import Router, ServiceUnavailable
 from hybridcache.services.runtime.sampling import RequestError
 
 MAX_BODY_BYTES = 4 << 20
@@ -101,7 +101,7 @@ class Api:
         except _Reject as e:
             return _error(e.status, e.message)
         except RequestError as e:
-            return _error(413 if isinstance(e, RequestTooLarge) else 400, str(e))
+            return _error(400, str(e))
         try:
             return await respond(request, req, stream, body)
         except ServiceUnavailable as e:

@@ -20,7 +20,7 @@ import grpc
 from hybridcache.services.cache_tier.client import GRPC_OPTIONS
 from hybridcache.services.contract import ROLES
 from hybridcache.services.directory import make_directory
-from hybridcache.services.engine_flags import add_prefix_cache_flags, prefix_cache_config
+from hybridcache.services.engine_flags import add_engine_flags, add_prefix_cache_flags, prefix_cache_config
 from hybridcache.services.observability import tracing
 from hybridcache.services.observability.http import serve_health_and_metrics
 from hybridcache.services.protocol import rpc
@@ -40,10 +40,10 @@ def add_serve_flags(p) -> None:
     p.add_argument("--cache-tier", action="append", default=[], help="cache-tier gRPC address (repeatable)")
     p.add_argument("--scatter", action="append", default=[], help="scatter worker gRPC address (repeatable)")
     p.add_argument("--seam-window", type=int, default=8)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_engine_flags(p)
     add_prefix_cache_flags(p)
-    p.add_argument("--cache-bytes", type=int, default=1 << 30, help="entry cache budget of this process")
+    p.add_argument("--cache-bytes", type=int, default=None,
+                   help="cache tier: its store's budget (default 1 GiB); combine: as --entry-cache-bytes")
     p.add_argument("--spill-dir", help="cache tier: spill evicted entries to this directory")
     p.add_argument("--assignment", default="lpt", choices=["lpt", "round_robin"], help="router: cold-segment dispatch")
     p.add_argument("--max-segments", type=int, default=64, help="router: segments per request")
@@ -57,16 +57,34 @@ def add_serve_flags(p) -> None:
     )
 
 
-def _engine(args, entry_store=None):
+def _engine(args, pinning_store: bool = False):
+    """The role's engine. Cache budgets not given are sized now, from the device memory left free
+    by the model (devices.cache_budgets), and stated in the log."""
     import torch
+    from hybridcache.services.devices import cache_budgets, free_device_memory
     from hybridcache.services.runtime.engine import Engine, EngineConfig
     from hybridcache.services.runtime.loader import load_model
     from hybridcache.services.runtime.tokenizer import Tokenizer
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    config = EngineConfig(seam_window=args.seam_window, entry_cache_bytes=args.cache_bytes, **prefix_cache_config(args))
+    flags = prefix_cache_config(args)
+    EngineConfig(mode=args.mode, seam_window=args.seam_window, **flags)  # bad flags fail before the model loads
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda given but no CUDA device is visible")
     model = load_model(args.model, args.device, dtype)
-    return Engine(model, Tokenizer.from_dir(args.model), config, entry_store=entry_store)
+    entry_given = args.entry_cache_bytes if args.entry_cache_bytes is not None else args.cache_bytes
+    entry, prefix, why = cache_budgets(args.device, free_device_memory(model.device), entry_given,
+                                       args.prefix_cache_bytes)
+    log.info("cache budgets on %s: entries %.2f GiB, prefix pages %.2f GiB (%s)", model.device, entry / 2**30,
+             prefix / 2**30, why)
+    config = EngineConfig(mode=args.mode, seam_window=args.seam_window, entry_cache_bytes=entry,
+                          prefix_cache_bytes=prefix, **flags)
+    store = None
+    if pinning_store:
+        from hybridcache.services.combine.store import PinningEntryStore
+
+        store = PinningEntryStore(entry, args.host_cache_bytes)
+    return Engine(model, Tokenizer.from_dir(args.model), config, entry_store=store)
 
 
 def serve(args) -> int:
@@ -106,8 +124,9 @@ def _serve(args) -> int:
     if args.role == "cache-tier":
         from hybridcache.services.cache_tier.server import CacheTierServicer
         from hybridcache.services.cache_tier.store import TierStore
+        from hybridcache.services.devices import CPU_CACHE_BYTES
 
-        store = TierStore(args.cache_bytes, args.spill_dir)
+        store = TierStore(args.cache_bytes or CPU_CACHE_BYTES, args.spill_dir)
         rpc.add_CacheTierServicer_to_server(CacheTierServicer(store), server)
     elif args.role == "scatter":
         from hybridcache.services.scatter.worker import ScatterServicer
@@ -115,16 +134,16 @@ def _serve(args) -> int:
         engine = _engine(args)
         rpc.add_ScatterServicer_to_server(ScatterServicer(engine), server)
     elif args.role == "combine":
-        from hybridcache.services.combine.store import PinningEntryStore
         from hybridcache.services.combine.worker import CombineServicer
 
-        engine = _engine(args, PinningEntryStore(args.cache_bytes, args.host_cache_bytes))
+        engine = _engine(args, pinning_store=True)
         rpc.add_CombineServicer_to_server(CombineServicer(engine, dtype=args.dtype), server)
     else:
         from hybridcache.services.api.grpc_inference import InferenceServicer
         from hybridcache.services.router.router import Router, RouterConfig
 
-        router = Router(args.model, directory, RouterConfig(assignment=args.assignment, max_segments=args.max_segments),
+        router = Router(args.model, directory, RouterConfig(assignment=args.assignment, max_segments=args.max_segments,
+                                                            max_model_len=args.max_model_len),
                         seam_window=args.seam_window)
         rpc.add_InferenceServicer_to_server(InferenceServicer(router), server)
 

@@ -33,7 +33,7 @@ log = logging.getLogger("hybridcache.router")
 
 
 class RequestTooLarge(RequestError):
-    """A prompt over the server's or the model's length limit (HTTP 413)."""
+    """A prompt over the served length limit (HTTP 400, as vLLM answers it)."""
 
 
 class ServiceUnavailable(RuntimeError):
@@ -44,12 +44,23 @@ class ServiceUnavailable(RuntimeError):
 class RouterConfig:
     assignment: str = "lpt"  # lpt | round_robin
     max_segments: int = 64
-    max_prompt_tokens: int = 16384
+    # prompt plus max_new_tokens; None: the model's max_position_embeddings (also the ceiling)
+    max_model_len: int | None = None
     timeout_s: float = 300.0
 
     def __post_init__(self):
         if self.assignment not in ("lpt", "round_robin"):
             raise ValueError("assignment must be lpt or round_robin")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
+
+
+def served_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
+    """The model's max_position_embeddings, or --max-model-len when that says less (more is an error)."""
+    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    return max_model_len or cfg.max_position_embeddings
 
 
 class Router:
@@ -59,6 +70,7 @@ class Router:
         self.directory = directory
         cfg = ModelConfig.from_dir(model_dir)
         self.model_name = Path(model_dir).name
+        self.max_model_len = served_max_model_len(cfg, self.config.max_model_len)
         # Tokenizer, validation and entry keys need no weights: an Engine over a weightless shell.
         shell = SimpleNamespace(cfg=cfg, fingerprint="")
         self.shell = Engine(shell, Tokenizer.from_dir(model_dir),
@@ -117,9 +129,10 @@ class Router:
             if "context limit" in str(e):
                 raise RequestTooLarge(str(e)) from None
             raise
-        if len(req.prompt_ids) > self.config.max_prompt_tokens:
-            raise RequestTooLarge(f"prompt of {len(req.prompt_ids)} tokens exceeds this server's limit of "
-                               f"{self.config.max_prompt_tokens}")
+        n, new = len(req.prompt_ids), req.sampling.max_new_tokens
+        if n + new > self.max_model_len:
+            raise RequestTooLarge(f"prompt of {n} tokens plus max_new_tokens {new} exceeds this server's "
+                                  f"max model length of {self.max_model_len} tokens")
         return req
 
     def plan(self, req) -> tuple[list[pb.SegmentPlan], dict[str, float], list[str]]:

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 from hybridcache.services.launcher import LocalCluster, free_port
-from serving_helpers import TIER_BYTES, Etcd
+from serving_helpers import MAX_MODEL_LEN, TIER_BYTES, Etcd
 
 
 @pytest.fixture(scope="session")
@@ -26,8 +26,10 @@ def engine(model_dir):
 @pytest.fixture(scope="session")
 def cluster(model_dir):
     # Two cache-tier members of ~5 tiny-model entries each, so that the load test makes them evict.
+    # The router's length limit below the tiny model's 4096 positions: test_http_api checks both.
     with LocalCluster(model_dir, port=free_port(), scatter_workers=2, cache_tiers=2, cache_bytes=64 << 20,
-                      extra={"cache-tier": ["--cache-bytes", str(TIER_BYTES)]}) as c:
+                      extra={"cache-tier": ["--cache-bytes", str(TIER_BYTES)],
+                             "router": ["--max-model-len", str(MAX_MODEL_LEN)]}) as c:
         yield c
 
 

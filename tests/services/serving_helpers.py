@@ -11,6 +11,7 @@ import urllib.request
 from hybridcache.services.launcher import free_port
 
 TIER_BYTES = 300_000  # two cache-tier members of ~5 tiny-model entries each: the load test evicts
+MAX_MODEL_LEN = 3000  # the cluster's --max-model-len, under the tiny model's max_position_embeddings
 
 
 def http(method: str, url: str, body=None, raw: bytes | None = None, timeout: float = 60.0):

@@ -19,7 +19,7 @@ from hybridcache.services.contract import (
 )
 from hybridcache.services.directory import HashRing
 from hybridcache.services.protocol import pb, rpc
-from serving_helpers import TIER_BYTES, http
+from serving_helpers import MAX_MODEL_LEN, TIER_BYTES, http
 
 DOCS = [
     "Document A: the Varnel Bridge spans the Osk river and was completed in 1872 by Ilse Marrow.\n",
@@ -192,9 +192,22 @@ def test_bad_input_is_a_4xx_with_a_message(cluster, case):
     assert http("GET", f"{cluster.url}/health")[0] == 200
 
 
-def test_long_prompt_is_413(cluster):
-    status, res = http("POST", f"{cluster.url}/generate", {"text": "word " * 20000})
-    assert status == 413 and "limit" in res["error"]["message"]
+@pytest.mark.parametrize("prompt_tokens, new_tokens, limit", [
+    (MAX_MODEL_LEN - 4, 8, "max model length of 3000"),  # --max-model-len counts max_new_tokens too
+    (MAX_MODEL_LEN + 500, 1, "max model length of 3000"),  # under the model's 4096, over the flag
+    (20000, 1, "context limit of 4096"),  # over the model's own limit
+])
+def test_prompt_over_the_length_limit_is_400(cluster, prompt_tokens, new_tokens, limit):
+    body = {"input_ids": [7] * prompt_tokens, "sampling_params": {"max_new_tokens": new_tokens}}
+    status, res = http("POST", f"{cluster.url}/generate", body)
+    assert status == 400 and limit in res["error"]["message"], res
+    assert res["error"]["type"] == "invalid_request_error"
+
+
+def test_prompt_at_the_length_limit_is_served(cluster):
+    body = {"input_ids": [7] * (MAX_MODEL_LEN - 1), "sampling_params": {"max_new_tokens": 1}}
+    status, res = http("POST", f"{cluster.url}/generate", body, timeout=120)
+    assert status == 200 and res["meta_info"]["prompt_tokens"] == MAX_MODEL_LEN - 1, res
 
 
 def test_load_mixed_hits_no_errors_and_cache_within_budget(cluster):

@@ -1,0 +1,101 @@
+"""Where the local services run and how much device memory their caches get.
+
+`hybridcache up --device cuda --gpus 0,1` puts every worker (combine, scatter) on one GPU, round
+robin over --gpus in start order (the combine worker first), and keeps the router and the cache
+tier on the CPU. A worker's own GPU is its `cuda:0`; the other GPUs of the list stay visible after
+it (CUDA_VISIBLE_DEVICES="own,others"), because a receiver opens a CUDA IPC handle on the GPU
+that holds the memory (services/transport/cuda_ipc.py). Cache budgets left unset are sized from
+the device memory free once the model is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WORKER_ROLES = ("combine", "scatter")
+CPU_CACHE_BYTES = 1 << 30  # entry and prefix budgets on the CPU (and the cache tier's store)
+# Share of the device memory free after the model loads that the caches may take: the rest is for
+# activations of batched cold builds and for other workers placed on the same GPU.
+CACHE_MEMORY_FRACTION = 0.5
+ENTRY_SHARE = 0.75  # of that, the segment entries' part; the prefix page tree gets the rest
+
+
+def parse_gpus(text: str | None) -> tuple[int, ...]:
+    """"0,1,3" -> (0, 1, 3); None or "" -> (0,). Bad lists raise ValueError (one error line)."""
+    if not text:
+        return (0,)
+    try:
+        gpus = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise ValueError(f"--gpus must be a comma-separated list of GPU indices, got {text!r}") from None
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus must list distinct non-negative GPU indices, got {text!r}")
+    return gpus
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One child process of `hybridcache up`: its device flag and the environment it adds."""
+
+    role: str
+    device: str  # cpu | cuda
+    gpu: int | None  # physical GPU index (its cuda:0), None on the CPU
+    env: dict[str, str]
+
+    @property
+    def args(self) -> list[str]:
+        return ["--device", self.device] if self.role in WORKER_ROLES else []
+
+
+def place_services(roles: list[str], device: str, gpus: tuple[int, ...] = (0,)) -> list[Placement]:
+    """The placement of each role in `roles` (start order). Workers on CUDA take the GPUs round
+    robin; everything else, and every role with device cpu, runs with no GPU visible."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not gpus:
+        raise ValueError("--device cuda needs at least one GPU in --gpus")
+    out, n = [], 0
+    for role in roles:
+        if device == "cuda" and role in WORKER_ROLES:
+            own = gpus[n % len(gpus)]
+            n += 1
+            visible = [own, *(g for g in gpus if g != own)]
+            out.append(Placement(role, "cuda", own, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, visible))}))
+        else:
+            out.append(Placement(role, "cpu", None, {"CUDA_VISIBLE_DEVICES": ""}))
+    return out
+
+
+def cache_budgets(device: str, free_bytes: int | None, entry_bytes: int | None = None,
+                  prefix_bytes: int | None = None, fraction: float = CACHE_MEMORY_FRACTION) -> tuple[int, int, str]:
+    """(entry budget, prefix budget, how they were chosen) for an engine process. Budgets given
+    stay as given; the others are CPU_CACHE_BYTES on the CPU and shares of `fraction` of the free
+    device memory on CUDA."""
+    for name, v in (("entry", entry_bytes), ("prefix", prefix_bytes)):
+        if v is not None and v <= 0:
+            raise ValueError(f"the {name} cache budget must be positive, got {v}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"the cache memory fraction must be in (0, 1], got {fraction}")
+    if device != "cuda" or free_bytes is None:
+        auto_entry = auto_prefix = CPU_CACHE_BYTES
+        why = "CPU defaults"
+    else:
+        pool = int(free_bytes * fraction)
+        auto_entry, auto_prefix = int(pool * ENTRY_SHARE), pool - int(pool * ENTRY_SHARE)
+        why = f"{fraction:g} of {free_bytes / 2**30:.1f} GiB free on the device"
+    entry = entry_bytes if entry_bytes is not None else auto_entry
+    prefix = prefix_bytes if prefix_bytes is not None else auto_prefix
+    given = [n for n, v in (("entry", entry_bytes), ("prefix", prefix_bytes)) if v is not None]
+    if given:
+        why += f"; {' and '.join(given)} as given"
+    return entry, prefix, why
+
+
+def free_device_memory(device) -> int | None:
+    """Free bytes on `device` now (torch.cuda.mem_get_info), None off CUDA."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]

@@ -1,0 +1,116 @@
+"""Device placement of `hybridcache up` (which child gets which GPU and environment), the flags it
+forwards to each role, and the cache budgets sized from free device memory."""
+
+from __future__ import annotations
+
+import io
+import itertools
+
+import pytest
+from hybridcache.services import launcher
+from hybridcache.services.cli import build_parser
+from hybridcache.services.devices import CPU_CACHE_BYTES, cache_budgets, parse_gpus, place_services
+from hybridcache.services.engine_flags import engine_flag_args
+
+GiB = 1 << 30
+
+
+def test_workers_take_the_gpus_round_robin_with_their_own_first():
+    roles = ["cache-tier", "router", "combine", "scatter", "scatter", "scatter"]
+    placed = place_services(roles, "cuda", (2, 5))
+    assert [p.gpu for p in placed] == [None, None, 2, 5, 2, 5]
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in placed] == ["", "", "2,5", "5,2", "2,5", "5,2"]
+    assert [p.args for p in placed] == [[], [], ["--device", "cuda"]] + [["--device", "cuda"]] * 3
+
+
+def test_one_gpu_holds_every_worker_and_cpu_hides_the_gpus():
+    placed = place_services(["combine", "scatter", "router"], "cuda", (0,))
+    assert [(p.device, p.env["CUDA_VISIBLE_DEVICES"]) for p in placed] == [("cuda", "0"), ("cuda", "0"), ("cpu", "")]
+    cpu = place_services(["combine", "scatter", "cache-tier"], "cpu", (0, 1))
+    assert {(p.device, p.gpu, p.env["CUDA_VISIBLE_DEVICES"]) for p in cpu} == {("cpu", None, "")}
+    assert cpu[0].args == ["--device", "cpu"] and cpu[2].args == []
+
+
+@pytest.mark.parametrize("text, want", [(None, (0,)), ("", (0,)), ("3", (3,)), ("0,1,2", (0, 1, 2))])
+def test_parse_gpus(text, want):
+    assert parse_gpus(text) == want
+
+
+@pytest.mark.parametrize("text", ["0,x", "-1", "1,1", "0,,1"])
+def test_bad_gpu_lists_are_rejected(text):
+    with pytest.raises(ValueError, match="--gpus"):
+        parse_gpus(text)
+
+
+def test_cache_budgets_cpu_defaults_cuda_shares_and_given_values():
+    assert cache_budgets("cpu", None)[:2] == (CPU_CACHE_BYTES, CPU_CACHE_BYTES)
+    entry, prefix, why = cache_budgets("cuda", 120 * GiB)
+    assert entry + prefix == 60 * GiB and entry == 3 * prefix
+    assert "120.0 GiB free" in why
+    # a 32 x 1k working set of Qwen3.5-9B entries (~80 MB each) fits the sized default on an H200
+    assert entry > 32 * 80e6 * 10
+    entry, prefix, why = cache_budgets("cuda", 120 * GiB, entry_bytes=5 * GiB)
+    assert entry == 5 * GiB and prefix == 15 * GiB and "entry as given" in why
+    with pytest.raises(ValueError, match="positive"):
+        cache_budgets("cuda", GiB, prefix_bytes=0)
+
+
+def _up_args(*flags):
+    return build_parser().parse_args(["up", *flags])
+
+
+def test_engine_flags_reach_the_roles_that_take_them():
+    args = _up_args("--device", "cuda", "--gpus", "0,1", "--dtype", "bfloat16", "--mode", "prefix",
+                    "--max-model-len", "2048", "--entry-cache-bytes", "123", "--prefix-cache-bytes", "45")
+    assert engine_flag_args(args, "combine") == ["--dtype", "bfloat16", "--mode", "prefix",
+                                                 "--entry-cache-bytes", "123", "--prefix-cache-bytes", "45"]
+    assert engine_flag_args(args, "scatter") == engine_flag_args(args, "combine")
+    assert engine_flag_args(args, "router") == ["--max-model-len", "2048"]
+    assert engine_flag_args(args, "cache-tier") == []
+    # unset budgets and limits are not forwarded: each process sizes its own
+    assert "--entry-cache-bytes" not in engine_flag_args(_up_args(), "combine")
+    # what up forwards, serve parses
+    serve = build_parser().parse_args(["serve", "combine", *engine_flag_args(args, "combine"), "--device", "cuda"])
+    assert (serve.dtype, serve.mode, serve.entry_cache_bytes, serve.device) == ("bfloat16", "prefix", 123, "cuda")
+
+
+class _FakeProc:
+    _pids = itertools.count(1000)
+
+    def __init__(self, cmd, stdout=None, stderr=None, text=None, env=None, start_new_session=None):
+        self.cmd, self.env = cmd, env
+        self.pid = next(self._pids)
+        self.stdout = io.StringIO('{"ready": "x"}\n')
+        self.returncode = None
+
+    def poll(self):
+        return self.returncode
+
+    def send_signal(self, sig):
+        self.returncode = 0
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+    def kill(self):
+        self.returncode = -9
+
+
+def test_local_cluster_spawns_each_child_on_its_device(monkeypatch, tmp_path):
+    monkeypatch.setattr(launcher.subprocess, "Popen", _FakeProc)
+    cluster = launcher.LocalCluster(tmp_path, port=18000, scatter_workers=3, device="cuda", gpus=(0, 1),
+                                    extra={"combine": ["--dtype", "bfloat16"]})
+    cluster.start()
+    try:
+        got = {}
+        for s in cluster.services:
+            cmd = s.proc.cmd
+            device = cmd[cmd.index("--device") + 1] if "--device" in cmd else None
+            got.setdefault(s.role, []).append((device, s.proc.env["CUDA_VISIBLE_DEVICES"]))
+            assert ("--cache-bytes" in cmd) == (s.role == "cache-tier")  # workers size their own on CUDA
+        assert got == {"cache-tier": [(None, "")], "router": [(None, "")], "combine": [("cuda", "0,1")],
+                       "scatter": [("cuda", "1,0"), ("cuda", "0,1"), ("cuda", "1,0")]}
+        combine = cluster.role("combine")[0].proc.cmd
+        assert combine[combine.index("--dtype") + 1] == "bfloat16"
+    finally:
+        cluster.stop()
