@@ -461,7 +461,7 @@ def main(argv=None) -> int:
         default=0.0,
         metavar="ACC",
         help="end the short-name stage early at the first checkpoint whose 1-hop accuracy on short names reaches "
-        "ACC (binding appears at a step that varies from run to run: benchmarks/binding_probe.py)",
+        "ACC (binding appears at a step that varies from run to run: tools/binding_probe.py)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument(

@@ -12,8 +12,8 @@
 #   bench       benchmarks/gpu_bench.py (one GPU)
 #   qps         benchmarks/segment_parallel.py --qps-only --trace-requests 24 (one GPU)
 #   sp2         benchmarks/segment_parallel.py --gpus 2 --no-qps --repeats 3 (two GPUs)
-#   profile     benchmarks/profile_forward.py --segments 32 --sync-check (one GPU)
-#   fold        benchmarks/fold_bench.py: one linear layer's fold of a 32 x 1k pic request (one GPU)
+#   profile     tools/profile_forward.py --segments 32 --sync-check (one GPU)
+#   fold        tools/fold_bench.py: one linear layer's fold of a 32 x 1k pic request (one GPU)
 #   train       benchmarks/train_qa_model.py --fla (the QA model of issue 7) for TRAIN_SECONDS (default
 #               500), continuing from .qa-ckpt/ when it holds a model (carry it); TRAIN_ARGS adds
 #               flags. The model comes back sharded in $OUT/model; to chain calls, here:
@@ -111,10 +111,10 @@ for stage in "$@"; do
         python3 benchmarks/segment_parallel.py --gpus 2 --no-qps --repeats 3 --out "$OUT/sp2.json" > "$OUT/sp2.log" 2>&1
         echo "sp2 rc=$?" ;;
     profile)
-        python3 benchmarks/profile_forward.py --segments 32 --top 25 --sync-check > "$OUT/profile.json" 2> "$OUT/profile.log"
+        python3 tools/profile_forward.py --segments 32 --top 25 --sync-check > "$OUT/profile.json" 2> "$OUT/profile.log"
         echo "profile rc=$?" ;;
     fold)
-        python3 benchmarks/fold_bench.py --out "$OUT/fold.json" > "$OUT/fold.log" 2>&1
+        python3 tools/fold_bench.py --out "$OUT/fold.json" > "$OUT/fold.log" 2>&1
         echo "fold rc=$?" ;;
     train)
         init=()

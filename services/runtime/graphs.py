@@ -2,7 +2,7 @@
 
 A warm pic request is bound by the host, not the GPU: an assembly of many segments issues
 thousands of kernel launches and torch ops from Python for little GPU work each
-(benchmarks/op_count.py counts them). Given a layout's *shape* — the pieces' kinds, lengths and positions, the
+(tools/op_count.py counts them). Given a layout's *shape* — the pieces' kinds, lengths and positions, the
 entries' dtypes, the state it starts from, what it records — its live pass is one fixed sequence
 of kernels, so it can be captured once and replayed.
 

@@ -128,8 +128,10 @@ def test_eval_cli_writes_json(tmp_path):
     assert res.returncode == 0, res.stderr
     data = json.loads(out.read_text())
     assert set(data) == {"full", "pic_w4"}
-    for r in data.values():
-        assert r["n"] == 2 and 0.0 <= r["accuracy"] <= 1.0
+    # the flags reach the harness: the file equals an in-process run with the same arguments
+    expected = evaluate(model, limit=2, runs=["full", "pic_w4"], min_docs=2, max_docs=2, progress=False)
+    assert data == results_json(expected)
+    assert data["full"]["reused_token_fraction"] == 0.0 < data["pic_w4"]["reused_token_fraction"]
     assert "pic_w4" in res.stdout and set(RUNS) >= set(data)
 
 
@@ -154,12 +156,12 @@ def test_prefix_policy_runs_restore_the_shared_documents(tmp_path):
 
 @needs_model
 def test_linear_memory_probe_reports_transitions_and_pic_matches_full(capsys):
-    """benchmarks/linear_memory_probe.py on one question: a T norm per linear layer of the shipped
+    """tools/linear_memory_probe.py on one question: a T norm per linear layer of the shipped
     model and last-token logits of pic within 1 % of full's."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "linear_memory_probe.py"
+    path = Path(__file__).resolve().parents[2] / "tools" / "linear_memory_probe.py"
     spec = importlib.util.spec_from_file_location("linear_memory_probe", path)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)

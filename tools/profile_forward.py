@@ -3,7 +3,7 @@ assembly (Qwen3.5-9B shape, random bf16 weights) run eagerly, from its CUDA grap
 graphs with the entries staged from the host tier; prints JSON with the top ops by host and
 device time.
 
-    python benchmarks/profile_forward.py [--segments 8] [--top 25] [--sync-check]
+    python tools/profile_forward.py [--segments 8] [--top 25] [--sync-check]
 
 --sync-check also runs each forward once under torch.cuda.set_sync_debug_mode("warn") and reports
 every host-device synchronization with its call site in the project or in fla: one sync in a
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 def table(prof, key, top):

@@ -2,7 +2,7 @@
 attribute of which entity type is asked): shows whether a model answers by binding the question to
 its entity or by guessing among the prompt's values of the asked kind. Prints one JSON object.
 
-    python benchmarks/qa_accuracy_by_kind.py MODEL_DIR [--n 300] [--seed 1] [--min-docs 4] [--max-docs 6]
+    python tools/qa_accuracy_by_kind.py MODEL_DIR [--n 300] [--seed 1] [--min-docs 4] [--max-docs 6]
         [--filler 0] [--distinct-initials]
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 # question opening -> kind; "*" marks facts that name a person by surname only
 KINDS = (
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     used = sys.argv[1:] if argv is None else argv
     by_kind = {k: {"right": right[k], "n": total[k], "accuracy": round(right[k] / total[k], 3)} for k in total}
     out = {
-        "command": "python benchmarks/qa_accuracy_by_kind.py " + " ".join(used),
+        "command": "python tools/qa_accuracy_by_kind.py " + " ".join(used),
         "by_kind": by_kind,
         "all": round(sum(right.values()) / max(1, sum(total.values())), 3),
     }

@@ -12,7 +12,7 @@ attributes. With `--switch-step S`, names have one token before step S and `--na
 (a curriculum). Prints a JSON line per `--every` steps (loss, accuracy on 64 fresh prompts) and a
 summary with the first step whose accuracy reached 0.9.
 
-    python benchmarks/binding_probe.py [--name-tokens 1] [--people 6] [--steps 3000] [--switch-step 0]
+    python tools/binding_probe.py [--name-tokens 1] [--people 6] [--steps 3000] [--switch-step 0]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 SYLLABLES, CITIES, FILLER = 40, 60, 60
 LIVES, IN, DOT, Q, A, PAD = range(6)

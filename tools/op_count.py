@@ -1,10 +1,10 @@
 """Count the torch ops that launch work (views and metadata left out) in a pic assembly and a
 decode step, through the engine on the CPU. On a GPU each of them is at least one kernel launch,
-and the warm pic TTFT is host-bound (benchmarks/profile_forward.py), so this is the CPU-side
+and the warm pic TTFT is host-bound (tools/profile_forward.py), so this is the CPU-side
 measure of launch overhead; the linear layers' recurrences run their reference ops on the CPU,
 so families' GPU kernels are not counted as on the GPU.
 
-    python benchmarks/op_count.py [--preset tiny] [--segments 4 8 16] [--segment-tokens 64]
+    python tools/op_count.py [--preset tiny] [--segments 4 8 16] [--segment-tokens 64]
         [--cold-segment-tokens 448]
 
 Also counts a cold prompt of 8 segments (nothing cached) in `full`, `prefix` and `pic` mode.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 # aten ops that only make views or read metadata: no kernel of their own on a GPU
 NO_LAUNCH = {

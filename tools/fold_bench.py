@@ -15,7 +15,7 @@ Per variant: GPU time of one fold (CUDA events around `--iters` folds, divided),
 fold's calls (the host returning from the call, without waiting for the GPU), and the largest
 difference of its states from `stack`'s. Prints one JSON object; `--out FILE` also writes it.
 
-    python benchmarks/fold_bench.py [--spans 32] [--iters 200] [--out FILE]
+    python tools/fold_bench.py [--spans 32] [--iters 200] [--out FILE]
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         "gpu": torch.cuda.get_device_name(),
         "commit": commit or "unknown",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/fold_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python tools/fold_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "shape": {"heads": H, "dim": K, "spans": n, "runs": n + 1, "blocks": len(Ts), "entry_dtype": "bfloat16"},
         "detail": detail,
         "figures": figures,

@@ -10,7 +10,7 @@ before the document can still reach past it. Then it compares the last prompt to
                question can answer with no linear memory of the documents at all.
 Prints JSON (figures per layer and per run).
 
-    python benchmarks/linear_memory_probe.py [--model models/default] [--questions 12] [--hops 1]
+    python tools/linear_memory_probe.py [--model models/default] [--questions 12] [--hops 1]
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
                 "model": str(model_dir),
                 "commit": commit,
                 "date": time.strftime("%Y-%m-%d"),
-                "command": "python benchmarks/linear_memory_probe.py "
+                "command": "python tools/linear_memory_probe.py "
                 + " ".join(argv if argv is not None else sys.argv[1:]),
                 "questions": n,
                 "hops": args.hops,

@@ -8,7 +8,7 @@ host-to-device copy on the compute stream outside the graph (as a replay's token
 per variant, the time of the transfer alone, of the compute alone and of both (median of
 --repeats), and overlap_ms = transfer + compute - both (the transfer's time hidden under compute).
 
-    python benchmarks/copy_overlap.py [--layers 32] [--mb 128] [--layer-ms 1.4] [--out FILE]
+    python tools/copy_overlap.py [--layers 32] [--mb 128] [--layer-ms 1.4] [--out FILE]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         res["overlap_ms"] = round(res["transfer"] + res["compute"] - res["both"], 2)
         res["transfer_gb_per_s"] = round(args.layers * n / (res["transfer"] / 1e3) / 1e9, 1)
         figures[kind] = res
-    out = {"command": "python benchmarks/copy_overlap.py " + " ".join(argv or sys.argv[1:]), "figures": figures}
+    out = {"command": "python tools/copy_overlap.py " + " ".join(argv or sys.argv[1:]), "figures": figures}
     print(json.dumps(out, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

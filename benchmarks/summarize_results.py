@@ -1,0 +1,252 @@
+"""Regenerate benchmarks/results/SUMMARY.md and summary.json from the result files.
+
+    python benchmarks/summarize_results.py           # rewrite both
+    python benchmarks/summarize_results.py --check   # exit 1 when either is stale
+
+Each named figure (FIGURES) reads one value from every result file that has it; the summary
+gives the latest (by the file's date, same-day runs by the order of their commits) with its GPU,
+commit, date, command and file, and the figure's earlier values as its history. Result files
+are never edited: a new run is a new file, and this script picks it up.
+tests/benchmarks/test_results_summary.py fails while the summary is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# Commits that produced result files, oldest first (git log order). Only breaks ties between
+# runs recorded with a date but no time; a commit not listed counts as newer than all of these.
+COMMIT_ORDER = (
+    "3394602 240c47c a038784 5f18ea0 7c8a14a 1dcd78c cbdb179 da9ac71 3390a34 69e5cf2 4e990a9 "
+    "2a1bbf3 0b4d660 51b4324 2d28369 c4c3635 538c710 99d6573 d1ca92f eeb5dd2 5f1c62e ed44f23 "
+    "98a17af dc47e28 531ce67 3a94072 637f190 c825280 eca2999 ce133e5 8ce3ed3 b4864fe 1a4fcbb "
+    "b6b2555 edf4464 bc9355e"
+).split()
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One published figure: where it is read from and how it is shown."""
+
+    name: str
+    files: str  # glob over the result file names
+    path: str  # dotted path inside the JSON
+    unit: str = ""
+    digits: int = 1
+    scale: float = 1.0  # shown value = stored value * scale (e.g. 100 for a fraction in %)
+    machine: str = ""  # overrides the file's gpu field (e.g. an eval that ran on CPU)
+    goal: str = ""
+
+
+FIGURES = (
+    Figure("warm pic TTFT, 32 x 1k + 64, GPU-resident entries", "gpu_bench_h200*.json",
+           "figures.pic_ttft_ms_32x1k_gpu_resident", "ms", 1),
+    Figure("warm prefix TTFT, 32 x 1k + 64 (the peer)", "gpu_bench_h200*.json",
+           "figures.ttft_ms_prefix_32x1k", "ms", 0),
+    Figure("warm pic TTFT speed-up vs prefix, GPU-resident", "gpu_bench_h200*.json",
+           "figures.pic_ttft_speedup_vs_prefix_32x1k_gpu_resident", "x", 1, goal=">= 20x"),
+    Figure("warm pic TTFT, 32 x 1k + 64, host-tier entries", "gpu_bench_h200*.json",
+           "figures.pic_ttft_ms_32x1k_host", "ms", 1),
+    Figure("warm pic TTFT speed-up vs prefix, host tier", "gpu_bench_h200*.json",
+           "figures.pic_ttft_speedup_vs_prefix_32x1k_host", "x", 1, goal=">= 8x"),
+    Figure("cold prefill, 32k tokens", "gpu_bench_h200*.json", "figures.cold_prefill_ms_32k", "ms", 0),
+    Figure("cold prefill vs transformers + fla, 32k", "gpu_bench_h200*.json",
+           "figures.cold_prefill_speedup_vs_transformers_32k", "x", 2, goal=">= 1.1x"),
+    Figure("cold prefill vs transformers + fla, 8k", "gpu_bench_h200*.json",
+           "figures.cold_prefill_speedup_vs_transformers_8k", "x", 2),
+    Figure("entry-construction overhead, 32k", "gpu_bench_h200*.json",
+           "figures.construction_overhead_pct_32k", "%", 2, goal="<= 3 %"),
+    Figure("entry-construction overhead, 8k", "gpu_bench_h200*.json",
+           "figures.construction_overhead_pct_8k", "%", 2, goal="<= 3 %"),
+    Figure("composition per segment (24 x 32 x 128^2, bf16 entries)", "gpu_bench_h200*.json",
+           "figures.compose_us_per_segment", "us", 1, goal="<= 20 us"),
+    Figure("decode, batch 1", "gpu_bench_h200*.json", "figures.decode_tokens_per_s_batch1", "tokens/s", 1),
+    Figure("decode, batch 32", "gpu_bench_h200*.json", "figures.decode_tokens_per_s_batch32", "tokens/s", 0),
+    Figure("entry size, Qwen3.5-9B, 1k-token segment, bf16 states", "gpu_bench_h200*.json",
+           "figures.entry_mb_per_segment_32x1k_bf16_states", "MB", 1),
+    Figure("cold TTFT speed-up, 1 -> 2 scatter workers (32 x 1k)", "segment_parallel_2xh200*.json",
+           "figures.cold_ttft_speedup_2_workers_32k", "x", 2, goal=">= 1.85x"),
+    Figure("LPT vs round robin, heavy-tailed segment lengths", "segment_parallel_2xh200*.json",
+           "figures.lpt_vs_round_robin_speedup", "x", 2, goal=">= 1.4x"),
+    Figure("NCCL send/recv between two GPUs of one host", "segment_parallel_2xh200*.json",
+           "figures.nccl_transfer_GBps", "GB/s", 0),
+    Figure("QPS under a 1 s p50 TTFT SLO, pic", "segment_parallel_qps_h200*.json",
+           "figures.qps_at_slo_pic", "req/s", 2),
+    Figure("QPS under the SLO, pic vs the better of prefix and full", "segment_parallel_qps_h200*.json",
+           "figures.qps_at_slo_pic_vs_prefix", "x", 2, goal=">= 2x"),
+    Figure("prefix cache, linear-state bytes per token, exact_replay", "prefix_cache_h200*.json",
+           "figures.analytic_exact_replay_bytes_per_token", "B", 0),
+    Figure("prefix cache, linear-state bytes per token, suffix_replay (bf16)", "prefix_cache_h200*.json",
+           "figures.analytic_suffix_replay_bytes_per_token", "B", 0),
+    Figure("prefix cache, linear-state bytes per token, dense checkpoint per page", "prefix_cache_h200*.json",
+           "figures.analytic_dense_checkpoint_every_page_bytes_per_token", "B", 0),
+    Figure("prefix cache, state restore after 32k tokens, exact_replay", "prefix_cache_h200*.json",
+           "figures.exact_replay_state_ms_32768", "ms", 0),
+    Figure("prefix cache, re-prefill of the same 32k tokens", "prefix_cache_h200*.json",
+           "figures.reprefill_ms_32704", "ms", 0),
+    Figure("QA 1-hop exact match (200 test questions), full", "train_qa_fla_h200_long_memory_*.json",
+           "eval_1hop_200_call1.full.accuracy", "%", 1, 100.0, "CPU (eval of models/default)"),
+    Figure("QA 1-hop exact match, pic (w = 8)", "train_qa_fla_h200_long_memory_*.json",
+           "eval_1hop_200_call1.pic.accuracy", "%", 1, 100.0, "CPU (eval of models/default)"),
+    Figure("QA 1-hop exact match, naive (T dropped)", "train_qa_fla_h200_long_memory_*.json",
+           "eval_1hop_200_call1.naive.accuracy", "%", 1, 100.0, "CPU (eval of models/default)"),
+    Figure("QA 2-hop exact match (200 test questions), full", "eval_2hop_cpu_*.json",
+           "results.full.accuracy", "%", 1, 100.0),
+    Figure("QA 2-hop exact match, pic", "eval_2hop_cpu_*.json", "results.pic.accuracy", "%", 1, 100.0),
+    Figure("QA 2-hop exact match, naive", "eval_2hop_cpu_*.json", "results.naive.accuracy", "%", 1, 100.0),
+    Figure("entry Get over gRPC on loopback (CPU, 56 MiB entry)", "transport_loopback_cpu_*.json",
+           "figures.get_grpc_gb_s", "GB/s", 2),
+    Figure("entry Get through shared memory (CPU, 56 MiB entry)", "transport_loopback_cpu_*.json",
+           "figures.get_shm_gb_s", "GB/s", 2),
+)
+
+
+@dataclass(frozen=True)
+class Reading:
+    value: float
+    file: str
+    gpu: str
+    commit: str
+    date: str
+    command: str
+
+
+def _lookup(data, path: str):
+    for key in path.split("."):
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data if isinstance(data, (int, float)) and not isinstance(data, bool) else None
+
+
+def _commit(data: dict, file_name: str) -> str:
+    """The short hash a run names first (its commit field, else its file name), or ''."""
+    m = re.match(r"[0-9a-f]{7,40}", str(data.get("commit", "")))
+    if m:
+        return m.group()[:7]
+    m = re.search(r"_([0-9a-f]{7})(?:_[a-z]+)?\.json$", file_name)
+    return m.group(1) if m else ""
+
+
+def _date(data: dict) -> str:
+    """YYYY-MM-DD[ HH:MM] from the run's date field."""
+    m = re.match(r"(\d{4}-\d{2}-\d{2})(?:[ T](\d{2}:\d{2}))?", str(data.get("date", "")))
+    if not m:
+        return ""
+    return m.group(1) + (f" {m.group(2)}" if m.group(2) else "")
+
+
+def _order(r: Reading) -> tuple:
+    rank = COMMIT_ORDER.index(r.commit) if r.commit in COMMIT_ORDER else len(COMMIT_ORDER)
+    day, _, time = r.date.partition(" ")
+    return (day, rank, time, r.file)
+
+
+def readings(fig: Figure, results: Path = RESULTS) -> list[Reading]:
+    """Every recorded value of `fig`, oldest first."""
+    out = []
+    for p in sorted(results.glob("*.json")):
+        if not fnmatch.fnmatch(p.name, fig.files):
+            continue
+        data = json.loads(p.read_text())
+        if not isinstance(data, dict):
+            continue
+        value = _lookup(data, fig.path)
+        if value is None:
+            continue
+        gpu = fig.machine or str(data.get("gpu") or data.get("machine") or data.get("device") or "")
+        command = " ".join(str(data.get("command", "")).split())
+        out.append(Reading(float(value), p.name, gpu, _commit(data, p.name), _date(data), command))
+    return sorted(out, key=_order)
+
+
+def _shown(fig: Figure, value: float) -> str:
+    v = value * fig.scale
+    text = f"{v:,.{fig.digits}f}"
+    return f"{text} {fig.unit}" if fig.unit and fig.unit not in ("x", "%") else text + fig.unit.replace("%", " %")
+
+
+def summary(results: Path = RESULTS) -> dict:
+    figures = []
+    for fig in FIGURES:
+        rs = readings(fig, results)
+        if not rs:
+            raise SystemExit(f"summarize_results: no result file has {fig.name!r} ({fig.files}: {fig.path})")
+        last = rs[-1]
+        figures.append({
+            "name": fig.name,
+            "value": round(last.value * fig.scale, 6),
+            "unit": fig.unit,
+            "shown": _shown(fig, last.value),
+            "goal": fig.goal,
+            "gpu": last.gpu,
+            "commit": last.commit,
+            "date": last.date,
+            "file": last.file,
+            "command": last.command,
+            "history": [{"shown": _shown(fig, r.value), "commit": r.commit, "date": r.date, "file": r.file}
+                        for r in rs],
+        })
+    return {"generated_by": "python benchmarks/summarize_results.py", "figures": figures}
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def markdown(s: dict) -> str:
+    lines = [
+        "# Benchmark results: the latest value of each figure",
+        "",
+        "Generated by `python benchmarks/summarize_results.py` from the result files in this folder",
+        "(do not edit; tests/benchmarks/test_results_summary.py fails while it is stale). How each figure",
+        "is measured, and its caveats: docs/performance.md. Every run's full output is its result file.",
+        "",
+        "| figure | latest | goal | GPU | commit | date | result file |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in s["figures"]:
+        lines.append(f"| {_cell(f['name'])} | **{f['shown']}** | {_cell(f['goal'])} | {_cell(f['gpu'])} | "
+                     f"{f['commit']} | {f['date']} | [{f['file']}]({f['file']}) |")
+    lines += ["", "## Commands", "", "| figure | command of its latest run |", "|---|---|"]
+    for f in s["figures"]:
+        lines.append(f"| {_cell(f['name'])} | `{_cell(f['command'])}` |")
+    lines += ["", "## History", "", "Every recorded value, oldest first (value at commit, date).", ""]
+    for f in s["figures"]:
+        hist = "; ".join(f"{h['shown']} at {h['commit'] or '?'} ({h['date']})" for h in f["history"])
+        lines.append(f"- {f['name']}: {hist}")
+    return "\n".join(lines) + "\n"
+
+
+def outputs(results: Path = RESULTS) -> dict[Path, str]:
+    s = summary(results)
+    return {results / "summary.json": json.dumps(s, indent=1) + "\n", results / "SUMMARY.md": markdown(s)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when SUMMARY.md or summary.json is stale")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="folder of result files")
+    args = ap.parse_args(argv)
+    files = outputs(args.results)
+    if args.check:
+        stale = [p.name for p, text in files.items() if not p.is_file() or p.read_text() != text]
+        if stale:
+            print(f"stale: {', '.join(stale)}; run python benchmarks/summarize_results.py")
+            return 1
+        return 0
+    for p, text in files.items():
+        p.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
