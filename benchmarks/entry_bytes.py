@@ -74,7 +74,7 @@ def policy_fidelity(model_dir: Path, seg_len: int = 48, n_segments: int = 4, w: 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--body-tokens", type=int, default=1024, help="body length for the real-shape figures")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()

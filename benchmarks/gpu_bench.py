@@ -524,7 +524,7 @@ SECTIONS = ("cold_prefill", "compose", "ttft", "decode", "shape_churn")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3.5-9b")
     ap.add_argument("--quick", action="store_true", help="short prompts only (smoke run)")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers + fla")

@@ -399,7 +399,7 @@ def run_ranks(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=torch.cuda.device_count(), help="ranks (CPU processes without CUDA)")
     ap.add_argument("--preset", default="qwen3.5-9b")
     ap.add_argument("--repeats", type=int, default=3)

@@ -48,7 +48,7 @@ def commit() -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out")

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybridcache.services.engine_flags import add_prefix_cache_flags, prefix_cache_config
+from hybridcache.services.config import add_config_flags, config_from_args
 
 EXIT_USAGE = 2
 
@@ -39,20 +39,20 @@ def _dtype(name: str):
 
 
 def _engine(args):
-    from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from hybridcache.services.runtime.engine import Engine
     from hybridcache.services.runtime.modelzoo import default_model_dir
 
-    if args.device == "cuda":
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if config.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda given but no CUDA device is available")
     model_dir = Path(args.model) if args.model else default_model_dir()
-    try:
-        config = EngineConfig(mode=args.mode, seam_window=args.seam_window, **prefix_cache_config(args))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    return Engine.from_dir(model_dir, device=args.device, dtype=_dtype(args.dtype), config=config)
+    return Engine.from_dir(model_dir, device=config.device, dtype=config.torch_dtype, config=config)
 
 
 def _read_requests(path: str) -> list:
@@ -92,6 +92,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    try:
+        config_from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.serve:
         from hybridcache.services.launcher import demo_serve
 
@@ -112,20 +116,20 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridcache", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    # allow_abbrev=False everywhere: with prefixes allowed, `--mode` would also match `--model`.
+    p = argparse.ArgumentParser(prog="hybridcache", description=__doc__.splitlines()[0], allow_abbrev=False)
+    subs = p.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help: str, parent=subs) -> argparse.ArgumentParser:
+        return parent.add_parser(name, help=help, allow_abbrev=False)
 
     def engine_flags(sp, model_required: bool):
         sp.add_argument("--model", required=model_required, help="model directory (HF format)")
-        sp.add_argument("--mode", default="pic", choices=["full", "prefix", "pic", "naive"])
-        sp.add_argument("--seam-window", type=int, default=8, help="live tokens at the start of each reused segment")
-        sp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-        sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-        add_prefix_cache_flags(sp)
+        add_config_flags(sp)
 
-    m = sub.add_parser("model", help="model directories")
+    m = command("model", "model directories")
     msub = m.add_subparsers(dest="model_command", required=True)
-    mi = msub.add_parser("init", help="write a random-weight model directory in Hugging Face format")
+    mi = command("init", "write a random-weight model directory in Hugging Face format", msub)
     mi.add_argument("--arch", required=True, help="Hugging Face model_type, e.g. qwen3_5, qwen3_next, qwen3_5_moe")
     mi.add_argument("--preset", required=True, help="tiny, qwen3.5-9b, qwen3.5-35b-a3b")
     mi.add_argument("--out", required=True)
@@ -133,28 +137,28 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     mi.set_defaults(func=cmd_model_init)
 
-    g = sub.add_parser("generate", help="run requests from a JSON file against one cache, print JSON lines")
+    g = command("generate", "run requests from a JSON file against one cache, print JSON lines")
     engine_flags(g, model_required=True)
     g.add_argument("--request", required=True, help="JSON file with one request or a list ('-' for stdin)")
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("demo", help="send a sample RAG request twice to the embedded default model")
+    d = command("demo", "send a sample RAG request twice to the embedded default model")
     engine_flags(d, model_required=False)
     d.add_argument("--serve", action="store_true", help="run it through `hybridcache up` over HTTP instead")
     d.set_defaults(func=cmd_demo)
 
     from hybridcache.services.runtime.evaluation import add_eval_flags, cmd_eval
 
-    e = sub.add_parser("eval", help="exact-match accuracy of cached answers (full, prefix, pic, naive) on QA")
+    e = command("eval", "exact-match accuracy of cached answers (full, prefix, pic, naive) on QA")
     add_eval_flags(e)
     e.set_defaults(func=cmd_eval)
 
     from hybridcache.services.api.serve import add_serve_flags
     from hybridcache.services.launcher import add_up_flags
 
-    u = sub.add_parser("up", help="start router, scatter workers, combine worker and cache tier locally")
+    u = command("up", "start router, scatter workers, combine worker and cache tier locally")
     add_up_flags(u)
-    s = sub.add_parser("serve", help="run one service (router, combine, scatter, cache-tier)")
+    s = command("serve", "run one service (router, combine, scatter, cache-tier)")
     add_serve_flags(s)
     return p
 
@@ -162,8 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "seam_window", 0) < 0:
-        parser.error("--seam-window must be >= 0")
     from hybridcache.services.runtime.config import ModelConfigError
     from hybridcache.services.runtime.loader import ModelLoadError
     from hybridcache.services.runtime.sampling import RequestError

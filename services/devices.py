@@ -10,7 +10,10 @@ the device memory free once the model is loaded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
+
+log = logging.getLogger("hybridcache.devices")
 
 WORKER_ROLES = ("combine", "scatter")
 CPU_CACHE_BYTES = 1 << 30  # entry and prefix budgets on the CPU (and the cache tier's store)
@@ -35,16 +38,13 @@ def parse_gpus(text: str | None) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Placement:
-    """One child process of `hybridcache up`: its device flag and the environment it adds."""
+    """One child process of `hybridcache up`: its device and the environment it adds (its --device
+    comes with the other settings, services/config.py)."""
 
     role: str
     device: str  # cpu | cuda
     gpu: int | None  # physical GPU index (its cuda:0), None on the CPU
     env: dict[str, str]
-
-    @property
-    def args(self) -> list[str]:
-        return ["--device", self.device] if self.role in WORKER_ROLES else []
 
 
 def place_services(roles: list[str], device: str, gpus: tuple[int, ...] = (0,)) -> list[Placement]:
@@ -89,6 +89,21 @@ def cache_budgets(device: str, free_bytes: int | None, entry_bytes: int | None =
     if given:
         why += f"; {' and '.join(given)} as given"
     return entry, prefix, why
+
+
+def with_cache_budgets(config, device):
+    """`config` (a RuntimeConfig) with its unset cache budgets sized for `device` (cache_budgets,
+    from the memory free now: call it once the model is loaded), stated in the log."""
+    if config.entry_cache_bytes is not None and config.prefix_cache_bytes is not None:
+        return config
+    import torch
+
+    device = torch.device(device)
+    entry, prefix, why = cache_budgets(device.type, free_device_memory(device), config.entry_cache_bytes,
+                                       config.prefix_cache_bytes)
+    log.info("cache budgets on %s: entries %.2f GiB, prefix pages %.2f GiB (%s)", device, entry / 2**30,
+             prefix / 2**30, why)
+    return replace(config, entry_cache_bytes=entry, prefix_cache_bytes=prefix)
 
 
 def free_device_memory(device) -> int | None:

@@ -12,8 +12,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from hybridcache.services.config import RuntimeConfig, add_config_flags, config_args, config_from_args
 
 _HANDED_OUT: set[int] = set()
 
@@ -49,9 +51,12 @@ class LocalCluster:
     """Start, watch and stop the local services. Every child is stopped on stop() or on error."""
 
     def __init__(self, model_dir: str | Path, port: int = 8000, scatter_workers: int = 2, etcd: str | None = None,
-                 seam_window: int = 8, cache_bytes: int = 256 << 20, env: dict | None = None,
+                 config: RuntimeConfig | None = None, env: dict | None = None,
                  extra: dict[str, list[str]] | None = None, ready_timeout_s: float = 120.0, cache_tiers: int = 1,
-                 device: str = "cpu", gpus: tuple[int, ...] = (0,)):
+                 gpus: tuple[int, ...] = (0,), **settings):
+        """`config` (with `settings`: RuntimeConfig fields set over it) goes to every service, each
+        role getting the fields it takes; `extra` adds flags per role. With device cuda the workers
+        take the `gpus` round robin (services/devices.py)."""
         from hybridcache.services.devices import place_services
 
         if scatter_workers < 0:
@@ -63,16 +68,15 @@ class LocalCluster:
         self.port = port
         self.n_scatter = scatter_workers
         self.etcd = etcd
-        self.seam_window = seam_window
-        self.cache_bytes = cache_bytes
+        self.config = replace(config or RuntimeConfig(), **settings)
         # Several torch processes share the cores: one intra-op thread each avoids oversubscription.
         self.env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
         self.extra = extra or {}
         self.timeout = ready_timeout_s
         self.services: list[Service] = []
-        self.device = device
         # start order of the workers: the combine worker takes the first GPU
-        placed = place_services(["cache-tier", "router", "combine"] + ["scatter"] * scatter_workers, device, gpus)
+        placed = place_services(["cache-tier", "router", "combine"] + ["scatter"] * scatter_workers,
+                                self.config.device, gpus)
         self.placement = {"cache-tier": placed[0], "router": placed[1], "combine": placed[2]}
         self.scatter_placement = placed[3:]
 
@@ -85,7 +89,7 @@ class LocalCluster:
         placement = placement or self.placement[role]
         env = dict(placement.env, **(env or {}))
         cmd = [sys.executable, "-m", "hybridcache.services.cli", "serve", role, "--grpc-port", str(grpc_port),
-               "--http-port", str(http_port), "--seam-window", str(self.seam_window), *placement.args]
+               "--http-port", str(http_port), *config_args(self.config, role)]
         if role != "cache-tier":
             cmd += ["--model", self.model_dir]
         if self.etcd:
@@ -116,15 +120,12 @@ class LocalCluster:
 
     def start(self, scatter_env: list[dict] | None = None) -> LocalCluster:
         try:
-            tiers = [self._spawn("cache-tier", free_port(), free_port(), ["--cache-bytes", str(self.cache_bytes)])
-                     for _ in range(self.n_tiers)]
+            tiers = [self._spawn("cache-tier", free_port(), free_port(), []) for _ in range(self.n_tiers)]
             scatters = [self._spawn("scatter", free_port(), free_port(), [],
                                     env=(scatter_env or [{}] * self.n_scatter)[i] if scatter_env else None,
                                     placement=self.scatter_placement[i])
                         for i in range(self.n_scatter)]
-            # on CUDA the combine worker sizes its caches from free device memory (unless flags say)
-            budget = ["--cache-bytes", str(self.cache_bytes)] if self.device == "cpu" else []
-            combine = self._spawn("combine", free_port(), free_port(), budget)
+            combine = self._spawn("combine", free_port(), free_port(), [])
             for s in [*tiers, *scatters, combine]:
                 self._wait_ready(s)
             flags = ["--combine", combine.grpc]
@@ -169,28 +170,22 @@ def up(args) -> int:
         return 2
     try:
         from hybridcache.services.devices import parse_gpus
-        from hybridcache.services.engine_flags import cache_flag_args, engine_flag_args, prefix_cache_config
-        from hybridcache.services.router.router import RouterConfig, served_max_model_len
+        from hybridcache.services.router.router import served_max_model_len
         from hybridcache.services.runtime.config import ModelConfig
-        from hybridcache.services.runtime.engine import EngineConfig
 
         # bad values: one line, exit 2, before anything starts
-        EngineConfig(mode=args.mode, seam_window=args.seam_window, **prefix_cache_config(args))
-        RouterConfig(max_model_len=args.max_model_len)
-        served_max_model_len(ModelConfig.from_dir(model), args.max_model_len)
+        config = config_from_args(args)
+        served_max_model_len(ModelConfig.from_dir(model), config.max_model_len)
         gpus = parse_gpus(args.gpus)
-        if args.device == "cuda":
+        if config.device == "cuda":
             import torch
 
             if not torch.cuda.is_available():
                 raise ValueError("--device cuda given but no CUDA device is visible")
             if max(gpus) >= torch.cuda.device_count():
                 raise ValueError(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
-        flags = cache_flag_args(args)
         cluster = LocalCluster(model, port=args.port, scatter_workers=args.scatter_workers, etcd=args.etcd,
-                               seam_window=args.seam_window, cache_tiers=args.cache_tiers, device=args.device,
-                               gpus=gpus, extra={role: flags + engine_flag_args(args, role)
-                                                 for role in ("router", "combine", "scatter")})
+                               config=config, cache_tiers=args.cache_tiers, gpus=gpus)
     except ValueError as e:
         print(f"hybridcache: error: {e}", file=sys.stderr)
         return 2
@@ -198,7 +193,7 @@ def up(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     where = "on the CPU"
-    if args.device == "cuda":
+    if cluster.config.device == "cuda":
         gpus_of = [f"combine: GPU {cluster.placement['combine'].gpu}"]
         gpus_of += [f"scatter {i}: GPU {p.gpu}" for i, p in enumerate(cluster.scatter_placement)]
         where = f"on CUDA ({', '.join(gpus_of)}; router and cache tier on the CPU)"
@@ -227,10 +222,6 @@ def up(args) -> int:
 
 
 def add_up_flags(p) -> None:
-    from hybridcache.services.engine_flags import add_engine_flags, add_prefix_cache_flags
-
-    add_prefix_cache_flags(p)  # forwarded to the router, combine and scatter workers
-    add_engine_flags(p)  # forwarded to the roles engine_flags.ENGINE_FLAGS names
     p.add_argument("--gpus", help="with --device cuda: GPU indices the workers take round robin (default 0)")
     p.add_argument("--model", help="model directory (default: the embedded default model)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the router")
@@ -238,7 +229,7 @@ def add_up_flags(p) -> None:
     p.add_argument("--cache-tiers", type=int, default=1,
                    help="cache-tier processes (entries spread over them by consistent hashing)")
     p.add_argument("--etcd", help="etcd endpoint HOST:PORT (default: in-process directory)")
-    p.add_argument("--seam-window", type=int, default=8)
+    add_config_flags(p)  # each forwarded to the services that take it
 
 
 def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
@@ -257,7 +248,7 @@ def demo_serve(args, sample: dict, question: str, expected: str) -> int:
     model = Path(args.model) if args.model else default_model_dir()
     port = free_port()
     cmd = [sys.executable, "-m", "hybridcache.services.cli", "up", "--model", str(model), "--port", str(port),
-           "--seam-window", str(args.seam_window)]
+           *config_args(config_from_args(args))]
     print("$ hybridcache up --port", port, flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:

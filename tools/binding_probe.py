@@ -86,7 +86,7 @@ def answer_nll_and_accuracy(model, x, at):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--name-tokens", type=int, default=1)
     ap.add_argument("--people", type=int, default=6)
     ap.add_argument("--filler", type=int, default=0, help="random filler tokens after each fact")

@@ -24,7 +24,7 @@ import torch
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--mb", type=int, default=128)
     ap.add_argument("--layer-ms", type=float, default=1.4)

@@ -32,7 +32,7 @@ import torch
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--spans", type=int, default=32, help="cached spans; the runs are one more (default 32)")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--dim", type=int, default=128, help="key and value head dim (default 128)")

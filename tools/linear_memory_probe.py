@@ -40,7 +40,7 @@ def cached_layout(system, segs, entries, seam: int, use_t: bool):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (default: the embedded default model)")
     p.add_argument("--questions", type=int, default=12)
     p.add_argument("--hops", type=int, default=1, choices=(1, 2))

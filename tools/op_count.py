@@ -83,7 +83,7 @@ def launching_ops_fast_path(fn) -> dict[str, int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--segments", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--segment-tokens", type=int, default=64)

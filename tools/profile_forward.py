@@ -153,7 +153,7 @@ def sync_sites(fn, depth: int = 4) -> dict[str, int]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--segments", type=int, default=8)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sync-check", action="store_true", help="report host-device syncs and their call sites")

@@ -33,7 +33,7 @@ KINDS = (
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("model_dir")
     ap.add_argument("--n", type=int, default=300, help="1-hop validation questions")
     ap.add_argument("--seed", type=int, default=1)

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from hybridcache.services.cache_tier.client import GRPC_OPTIONS
+from hybridcache.services.config import add_config_flags, config_from_args
 from hybridcache.services.contract import ROLES
 from hybridcache.services.directory import make_directory
-from hybridcache.services.engine_flags import add_engine_flags, add_prefix_cache_flags, prefix_cache_config
 from hybridcache.services.observability import tracing
 from hybridcache.services.observability.http import serve_health_and_metrics
 from hybridcache.services.protocol import rpc
@@ -39,14 +39,8 @@ def add_serve_flags(p) -> None:
     p.add_argument("--combine", action="append", default=[], help="combine worker gRPC address (repeatable)")
     p.add_argument("--cache-tier", action="append", default=[], help="cache-tier gRPC address (repeatable)")
     p.add_argument("--scatter", action="append", default=[], help="scatter worker gRPC address (repeatable)")
-    p.add_argument("--seam-window", type=int, default=8)
-    add_engine_flags(p)
-    add_prefix_cache_flags(p)
-    p.add_argument("--cache-bytes", type=int, default=None,
-                   help="cache tier: its store's budget (default 1 GiB); combine: as --entry-cache-bytes")
     p.add_argument("--spill-dir", help="cache tier: spill evicted entries to this directory")
     p.add_argument("--assignment", default="lpt", choices=["lpt", "round_robin"], help="router: cold-segment dispatch")
-    p.add_argument("--max-segments", type=int, default=64, help="router: segments per request")
     p.add_argument("--otlp-endpoint", help="OTLP/gRPC endpoint for traces")
     p.add_argument(
         "--warmup",
@@ -55,36 +49,28 @@ def add_serve_flags(p) -> None:
         help="scatter/combine: run synthetic requests through every kernel path before registering "
         "(/health answers 503 meanwhile); auto = on with --device cuda, where kernels compile on first use",
     )
+    add_config_flags(p)
 
 
-def _engine(args, pinning_store: bool = False):
-    """The role's engine. Cache budgets not given are sized now, from the device memory left free
-    by the model (devices.cache_budgets), and stated in the log."""
+def _engine(config, model_dir: str, pinning_store: bool = False):
+    """The role's engine. Cache budgets not given are sized once the model is loaded, from the
+    device memory it left free (devices.with_cache_budgets), and stated in the log."""
     import torch
-    from hybridcache.services.devices import cache_budgets, free_device_memory
-    from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from hybridcache.services.devices import with_cache_budgets
+    from hybridcache.services.runtime.engine import Engine
     from hybridcache.services.runtime.loader import load_model
     from hybridcache.services.runtime.tokenizer import Tokenizer
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    flags = prefix_cache_config(args)
-    EngineConfig(mode=args.mode, seam_window=args.seam_window, **flags)  # bad flags fail before the model loads
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda given but no CUDA device is visible")
-    model = load_model(args.model, args.device, dtype)
-    entry_given = args.entry_cache_bytes if args.entry_cache_bytes is not None else args.cache_bytes
-    entry, prefix, why = cache_budgets(args.device, free_device_memory(model.device), entry_given,
-                                       args.prefix_cache_bytes)
-    log.info("cache budgets on %s: entries %.2f GiB, prefix pages %.2f GiB (%s)", model.device, entry / 2**30,
-             prefix / 2**30, why)
-    config = EngineConfig(mode=args.mode, seam_window=args.seam_window, entry_cache_bytes=entry,
-                          prefix_cache_bytes=prefix, **flags)
+    model = load_model(model_dir, config.device, config.torch_dtype)
+    config = with_cache_budgets(config, model.device)
     store = None
     if pinning_store:
         from hybridcache.services.combine.store import PinningEntryStore
 
-        store = PinningEntryStore(entry, args.host_cache_bytes)
-    return Engine(model, Tokenizer.from_dir(args.model), config, entry_store=store)
+        store = PinningEntryStore(config.entry_cache_bytes, config.host_cache_bytes)
+    return Engine(model, Tokenizer.from_dir(model_dir), config, entry_store=store)
 
 
 def serve(args) -> int:
@@ -100,6 +86,7 @@ def _serve(args) -> int:
     from hybridcache.services.runtime.modelzoo import default_model_dir
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role} %(levelname)s %(message)s")
+    config = config_from_args(args)
     if args.model is None and args.role != "cache-tier":
         args.model = str(default_model_dir())
     ports = ROLES[args.role]
@@ -115,7 +102,7 @@ def _serve(args) -> int:
     health = {"status": "starting", "role": args.role, "address": address}
     http_runner = None
     warm = args.role in ("scatter", "combine") and (
-        args.warmup == "on" or (args.warmup == "auto" and args.device == "cuda")
+        args.warmup == "on" or (args.warmup == "auto" and config.device == "cuda")
     )
     if args.role != "router":
         serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend))
@@ -124,27 +111,24 @@ def _serve(args) -> int:
     if args.role == "cache-tier":
         from hybridcache.services.cache_tier.server import CacheTierServicer
         from hybridcache.services.cache_tier.store import TierStore
-        from hybridcache.services.devices import CPU_CACHE_BYTES
 
-        store = TierStore(args.cache_bytes or CPU_CACHE_BYTES, args.spill_dir)
+        store = TierStore(config.tier_cache_bytes, args.spill_dir)
         rpc.add_CacheTierServicer_to_server(CacheTierServicer(store), server)
     elif args.role == "scatter":
         from hybridcache.services.scatter.worker import ScatterServicer
 
-        engine = _engine(args)
+        engine = _engine(config, args.model)
         rpc.add_ScatterServicer_to_server(ScatterServicer(engine), server)
     elif args.role == "combine":
         from hybridcache.services.combine.worker import CombineServicer
 
-        engine = _engine(args, pinning_store=True)
-        rpc.add_CombineServicer_to_server(CombineServicer(engine, dtype=args.dtype), server)
+        engine = _engine(config, args.model, pinning_store=True)
+        rpc.add_CombineServicer_to_server(CombineServicer(engine, dtype=config.dtype), server)
     else:
         from hybridcache.services.api.grpc_inference import InferenceServicer
         from hybridcache.services.router.router import Router, RouterConfig
 
-        router = Router(args.model, directory, RouterConfig(assignment=args.assignment, max_segments=args.max_segments,
-                                                            max_model_len=args.max_model_len),
-                        seam_window=args.seam_window)
+        router = Router(args.model, directory, RouterConfig(assignment=args.assignment), config)
         rpc.add_InferenceServicer_to_server(InferenceServicer(router), server)
 
     if server.add_insecure_port(address) == 0:

@@ -10,13 +10,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
 import torch
 from hybridcache.services.cache_tier.client import GRPC_OPTIONS, CacheTierClient
+from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.directory import Directory
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import pb, rpc
@@ -24,7 +25,7 @@ from hybridcache.services.router.assign import lpt_assign, round_robin_assign
 from hybridcache.services.router.cost import CostModel
 from hybridcache.services.runtime.cache import expected_entry_nbytes
 from hybridcache.services.runtime.config import ModelConfig
-from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.runtime.tokenizer import Tokenizer
 from hybridcache.services.transport import choose_transport
@@ -43,16 +44,11 @@ class ServiceUnavailable(RuntimeError):
 @dataclass
 class RouterConfig:
     assignment: str = "lpt"  # lpt | round_robin
-    max_segments: int = 64
-    # prompt plus max_new_tokens; None: the model's max_position_embeddings (also the ceiling)
-    max_model_len: int | None = None
     timeout_s: float = 300.0
 
     def __post_init__(self):
         if self.assignment not in ("lpt", "round_robin"):
             raise ValueError("assignment must be lpt or round_robin")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
 
 
 def served_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
@@ -65,16 +61,16 @@ def served_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
 
 class Router:
     def __init__(self, model_dir: str | Path, directory: Directory, config: RouterConfig | None = None,
-                 seam_window: int = 8):
+                 runtime: RuntimeConfig | None = None):
         self.config = config or RouterConfig()
+        self.runtime = runtime or RuntimeConfig()  # seam window and mode until a combine worker tells its own
         self.directory = directory
         cfg = ModelConfig.from_dir(model_dir)
         self.model_name = Path(model_dir).name
-        self.max_model_len = served_max_model_len(cfg, self.config.max_model_len)
+        self.max_model_len = served_max_model_len(cfg, self.runtime.max_model_len)
         # Tokenizer, validation and entry keys need no weights: an Engine over a weightless shell.
         shell = SimpleNamespace(cfg=cfg, fingerprint="")
-        self.shell = Engine(shell, Tokenizer.from_dir(model_dir),
-                            EngineConfig(seam_window=seam_window, max_segments=self.config.max_segments))
+        self.shell = Engine(shell, Tokenizer.from_dir(model_dir), self.runtime)
         self.cost = CostModel()
         self._queued: dict[str, float] = {}  # scatter worker -> outstanding estimated seconds
         self._depth: dict[str, int] = {}
@@ -111,8 +107,7 @@ class Router:
         """Key entries as the served engine does (its fingerprint, seam window and mode)."""
         self.info = info
         self.shell.fingerprint = info.fingerprint
-        self.shell.config = EngineConfig(seam_window=info.seam_window, mode=info.mode or "pic",
-                                         max_segments=self.config.max_segments)
+        self.shell.config = replace(self.runtime, seam_window=info.seam_window, mode=info.mode or "pic")
         if info.prefill_tokens_per_second > 0:
             self.cost.prefill_tokens_per_s = info.prefill_tokens_per_second
         return info

@@ -27,15 +27,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from hybridcache.services.config import RuntimeConfig
+from hybridcache.services.devices import with_cache_budgets
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.cache import (
-    ENTRY_STATE_DTYPES,
-    POLICIES,
     EntryStore,
     MemoryEntryStore,
     PageRecorder,
     PageTree,
-    PrefixPolicy,
     PrefixSnapshot,
     PrefixStore,
     SegmentEntry,
@@ -53,8 +52,8 @@ from hybridcache.services.runtime.sampling import RequestError, SamplingParams, 
 from hybridcache.services.runtime.sequence import CachedSpan, LiveRun, SequenceState
 from hybridcache.services.runtime.tokenizer import SPECIAL_TOKENS, Tokenizer
 
-MODES = ("full", "prefix", "pic", "naive")
-ENTRY_POLICIES = ("exact", "single_state")
+# The engine's settings: one frozen config whose fields are also the command-line flags.
+EngineConfig = RuntimeConfig
 
 
 def entry_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -90,83 +89,6 @@ def entry_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
         else:
             lo = mid + 1
     return cut(lo)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    mode: str = "pic"
-    seam_window: int = 8  # live tokens at the start of every reused segment (part of the entry key)
-    entry_cache_bytes: int = 1 << 30
-    prefix_cache_bytes: int = 1 << 30
-    max_segments: int = 512
-    entry_batch_tokens: int = 16384  # padded tokens per batched standalone prefill of cold segments
-    verify_checksums: bool = False  # re-hash entries on every read (stores fed over the network do)
-    # Prefix page tree (cache/policies.py): how pages keep the linear layers' state.
-    prefix_policy: str = "exact_replay"  # checkpoint | suffix_replay | exact_replay
-    checkpoint_every: int = 4  # pages between dense linear-state checkpoints (checkpoint, exact_replay)
-    anchors_per_page: int = 4  # suffix_replay: hidden states kept per page at each linear-group entry
-    replay_anchors: int = 64  # suffix_replay: most anchors a hit replays per group
-    anchor_dtype: str | None = None  # suffix_replay: None = model dtype, "float8_e4m3fn" = fp8 + fp32 row scale
-    # Segment entries: "exact" composition (T S + S), or "single_state" (a reused segment keeps only
-    # its own S(body|0), i.e. T = 0: the policy some papers argue for; cache/single_state.py)
-    entry_policy: str = "exact"
-    # Bytes of a host-memory tier under the entry cache (cache/host_tier.py): entries the device
-    # cache evicts move there and are staged back layer by layer on a hit. 0 = no host tier.
-    host_cache_bytes: int = 0
-    # Storage of the entries' linear-layer T and S(body|0): "float32", or "bfloat16" (half the bytes
-    # of a delta-rule entry; composition keeps its running state in fp32). K/V and conv tails are
-    # always in the model dtype.
-    entry_state_dtype: str = "float32"
-    # On CUDA, run the live pass of assemblies from CUDA graphs of their shapes (runtime/graphs.py);
-    # False runs every forward eagerly (as vLLM's --enforce-eager). A setting of the model: engines
-    # sharing one model share it. HYBRIDCACHE_CUDA_GRAPHS=off turns graphs off for the process.
-    cuda_graphs: bool = True
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.prefix_policy not in POLICIES:
-            raise ValueError(
-                f"prefix_policy must be one of {', '.join(POLICIES)}, got {self.prefix_policy!r}"
-            )
-        _ = self.page_policy  # validates the policy's parameters
-        if self.seam_window < 0:
-            raise ValueError("seam_window must be >= 0")
-        if self.entry_policy not in ENTRY_POLICIES:
-            raise ValueError(
-                f"entry_policy must be one of {', '.join(ENTRY_POLICIES)}, got {self.entry_policy!r}"
-            )
-        if self.entry_cache_bytes <= 0 or self.prefix_cache_bytes <= 0:
-            raise ValueError("cache budgets must be positive")
-        if self.host_cache_bytes < 0:
-            raise ValueError("host_cache_bytes must be >= 0 (0 = no host tier)")
-        if self.entry_state_dtype not in ENTRY_STATE_DTYPES:
-            raise ValueError(
-                f"entry_state_dtype must be one of {', '.join(ENTRY_STATE_DTYPES)}, got {self.entry_state_dtype!r}"
-            )
-
-    @property
-    def state_dtype(self) -> torch.dtype:
-        """The torch dtype of the entries' T and S."""
-        return ENTRY_STATE_DTYPES[self.entry_state_dtype]
-
-    @property
-    def uses_prefix_cache(self) -> bool:
-        return self.mode != "full"
-
-    @property
-    def uses_entries(self) -> bool:
-        return self.mode in ("pic", "naive")
-
-    @property
-    def page_policy(self) -> PrefixPolicy:
-        return PrefixPolicy(
-            self.prefix_policy,
-            checkpoint_every=self.checkpoint_every,
-            anchors_per_page=self.anchors_per_page,
-            replay_anchors=self.replay_anchors,
-            anchor_dtype=self.anchor_dtype,
-        )
 
 
 @dataclass(slots=True)
@@ -260,7 +182,8 @@ class Engine:
     ):
         self.model = model
         self.tokenizer = tokenizer
-        self.config = config or EngineConfig()
+        # unset cache budgets: 1 GiB on the CPU, a share of the free memory on CUDA
+        self.config = with_cache_budgets(config or EngineConfig(), getattr(model, "device", "cpu"))
         self.cfg = model.cfg
         self.fingerprint = getattr(model, "fingerprint", "unfingerprinted")
         self.entries = entry_store or self._new_entry_store()

@@ -39,6 +39,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from hybridcache.services.config import RuntimeConfig, add_config_flags, config_from_args
 from hybridcache.services.runtime.qa_data import INSTRUCTIONS, QAExample, QAGenerator, normalize_answer
 
 # run name -> (engine mode, seam window)
@@ -67,17 +68,23 @@ ALL_RUNS = (*RUNS, *PREFIX_POLICY_RUNS, *SINGLE_STATE_RUNS)
 WARM_QUESTION = "Which of these documents is the longest?"  # shares the prompt up to "Question: "
 
 
-def run_config(name: str):
-    """The EngineConfig of a run name (RUNS, PREFIX_POLICY_RUNS or SINGLE_STATE_RUNS)."""
-    from hybridcache.services.runtime.engine import EngineConfig
+# RuntimeConfig fields a run name sets; `hybridcache eval` takes flags for the others.
+RUN_FIELDS = ("mode", "seam_window", "prefix_policy", "checkpoint_every", "anchors_per_page", "replay_anchors",
+              "anchor_dtype", "entry_policy")
 
+
+def run_config(name: str, base: RuntimeConfig | None = None) -> RuntimeConfig:
+    """The config of a run name (RUNS, PREFIX_POLICY_RUNS or SINGLE_STATE_RUNS): `base` (its fields
+    but RUN_FIELDS) with the run's settings."""
+    base = base or RuntimeConfig()
+    base = replace(base, **{f: getattr(RuntimeConfig, f) for f in RUN_FIELDS})
     if name in PREFIX_POLICY_RUNS:
-        return EngineConfig(mode="prefix", **PREFIX_POLICY_RUNS[name])
+        return replace(base, mode="prefix", **PREFIX_POLICY_RUNS[name])
     if name in SINGLE_STATE_RUNS:
         mode, w = SINGLE_STATE_RUNS[name]
-        return EngineConfig(mode=mode, seam_window=w, entry_policy="single_state")
+        return replace(base, mode=mode, seam_window=w, entry_policy="single_state")
     mode, w = RUNS[name]
-    return EngineConfig(mode=mode, seam_window=w)
+    return replace(base, mode=mode, seam_window=w)
 DEFAULT_SEED = 0  # the fixed test set; another seed draws a fresh set from the test split
 
 
@@ -133,7 +140,9 @@ def evaluate(
     min_docs: int = 8,
     max_docs: int = 16,
     progress: bool = True,
+    base: RuntimeConfig | None = None,
 ) -> dict[str, RunScore]:
+    """Scores of each run; `base` gives the runs their settings but RUN_FIELDS."""
     import torch
     from hybridcache.services.runtime.engine import Engine
     from hybridcache.services.runtime.loader import load_model
@@ -146,7 +155,7 @@ def evaluate(
         raise ValueError(f"unknown run(s) {', '.join(unknown)}; known: {', '.join(ALL_RUNS)}")
     model = load_model(model_dir, device, dtype or torch.float32)
     tokenizer = Tokenizer.from_dir(model_dir)
-    configs = {r: run_config(r) for r in runs}
+    configs = {r: run_config(r, base) for r in runs}
     examples = eval_examples(limit, seed, hops, min_docs, max_docs)
     scores = {r: RunScore() for r in runs}
 
@@ -236,9 +245,9 @@ def add_eval_flags(sp: argparse.ArgumentParser) -> None:
     )
     sp.add_argument("--min-docs", type=_positive, default=8)
     sp.add_argument("--max-docs", type=_positive, default=16)
-    sp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     sp.add_argument("--output", help="write the JSON results here")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_flags(sp, exclude=RUN_FIELDS)  # the runs set the others
 
 
 def cmd_eval(args) -> int:
@@ -262,7 +271,8 @@ def _eval(args) -> int:
         from hybridcache.services.runtime.modelzoo import default_model_dir
 
         model_dir = default_model_dir()
-    if args.device == "cuda":
+    config = config_from_args(args)
+    if config.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
@@ -273,10 +283,12 @@ def _eval(args) -> int:
         args.seed,
         args.hops,
         args.runs,
-        args.device,
+        config.device,
+        config.torch_dtype,
         min_docs=args.min_docs,
         max_docs=args.max_docs,
         progress=not args.no_progress,
+        base=config,
     )
     result = results_json(scores)
     print(f"model {model_dir}, {args.limit} test questions, seed {args.seed}, hops {args.hops or '1+2'}")
@@ -288,7 +300,7 @@ def _eval(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hybridcache eval", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hybridcache eval", description=__doc__.splitlines()[0], allow_abbrev=False)
     add_eval_flags(p)
     return cmd_eval(p.parse_args(argv))
 

@@ -77,13 +77,14 @@ def test_segment_parallel_wire_specs_follow_the_state_dtype(qwen35_dir):
 def test_flag_reaches_the_engine_config():
     import argparse
 
-    from hybridcache.services.engine_flags import add_prefix_cache_flags, cache_flag_args, prefix_cache_config
+    from hybridcache.services.config import add_config_flags, config_args, config_from_args
 
     ap = argparse.ArgumentParser()
-    add_prefix_cache_flags(ap)
+    add_config_flags(ap)
     args = ap.parse_args(["--entry-state-dtype", "bfloat16"])
-    assert EngineConfig(**prefix_cache_config(args)).state_dtype == torch.bfloat16
-    assert "--entry-state-dtype" in cache_flag_args(args)
+    assert config_from_args(args).state_dtype == torch.bfloat16
+    forwarded = config_args(config_from_args(args), "combine")
+    assert forwarded[forwarded.index("--entry-state-dtype") + 1] == "bfloat16"
     with pytest.raises(SystemExit):
         ap.parse_args(["--entry-state-dtype", "int8"])
 

@@ -318,23 +318,23 @@ def test_cuda_graphs_flag_reaches_the_model(monkeypatch, qwen35_dir):
     forwarded to the services `hybridcache up` starts."""
     import argparse
 
-    from hybridcache.services.engine_flags import add_prefix_cache_flags, cache_flag_args, prefix_cache_config
+    from hybridcache.services.config import add_config_flags, config_args, config_from_args
     from hybridcache.services.runtime import graphs as graphs_mod
     from hybridcache.services.runtime.engine import Engine, EngineConfig
 
     ap = argparse.ArgumentParser()
-    add_prefix_cache_flags(ap)
-    off = ap.parse_args(["--cuda-graphs", "off"])
-    assert EngineConfig(**prefix_cache_config(off)).cuda_graphs is False
-    assert EngineConfig(**prefix_cache_config(ap.parse_args([]))).cuda_graphs is True
-    forwarded = cache_flag_args(off)
+    add_config_flags(ap)
+    off = config_from_args(ap.parse_args(["--cuda-graphs", "off"]))
+    assert off.cuda_graphs is False
+    assert config_from_args(ap.parse_args([])).cuda_graphs is True
+    forwarded = config_args(off, "scatter")
     assert forwarded[forwarded.index("--cuda-graphs") + 1] == "off"
     # a model that would be captured (as on a GPU): the device and the fast-kernel check stand in
     monkeypatch.setattr(HybridLM, "device", property(lambda self: torch.device("cuda")))
     monkeypatch.setattr(graphs_mod.backends, "use_fast_kernels", lambda t: True)
     eng = Engine.from_dir(qwen35_dir, config=EngineConfig(cuda_graphs=True))
     assert layout_graphs(eng.model) is not None
-    Engine(eng.model, eng.tokenizer, EngineConfig(**prefix_cache_config(off)))
+    Engine(eng.model, eng.tokenizer, off)
     assert layout_graphs(eng.model) is None
     monkeypatch.setenv("HYBRIDCACHE_CUDA_GRAPH_SHAPES", "0")
     graphs_mod.set_cuda_graphs(eng.model, True)

@@ -9,8 +9,8 @@ import itertools
 import pytest
 from hybridcache.services import launcher
 from hybridcache.services.cli import build_parser
+from hybridcache.services.config import config_args, config_from_args
 from hybridcache.services.devices import CPU_CACHE_BYTES, cache_budgets, parse_gpus, place_services
-from hybridcache.services.engine_flags import engine_flag_args
 
 GiB = 1 << 30
 
@@ -20,7 +20,7 @@ def test_workers_take_the_gpus_round_robin_with_their_own_first():
     placed = place_services(roles, "cuda", (2, 5))
     assert [p.gpu for p in placed] == [None, None, 2, 5, 2, 5]
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in placed] == ["", "", "2,5", "5,2", "2,5", "5,2"]
-    assert [p.args for p in placed] == [[], [], ["--device", "cuda"]] + [["--device", "cuda"]] * 3
+    assert [p.device for p in placed] == ["cpu", "cpu", "cuda", "cuda", "cuda", "cuda"]
 
 
 def test_one_gpu_holds_every_worker_and_cpu_hides_the_gpus():
@@ -28,7 +28,6 @@ def test_one_gpu_holds_every_worker_and_cpu_hides_the_gpus():
     assert [(p.device, p.env["CUDA_VISIBLE_DEVICES"]) for p in placed] == [("cuda", "0"), ("cuda", "0"), ("cpu", "")]
     cpu = place_services(["combine", "scatter", "cache-tier"], "cpu", (0, 1))
     assert {(p.device, p.gpu, p.env["CUDA_VISIBLE_DEVICES"]) for p in cpu} == {("cpu", None, "")}
-    assert cpu[0].args == ["--device", "cpu"] and cpu[2].args == []
 
 
 @pytest.mark.parametrize("text, want", [(None, (0,)), ("", (0,)), ("3", (3,)), ("0,1,2", (0, 1, 2))])
@@ -62,15 +61,23 @@ def _up_args(*flags):
 def test_engine_flags_reach_the_roles_that_take_them():
     args = _up_args("--device", "cuda", "--gpus", "0,1", "--dtype", "bfloat16", "--mode", "prefix",
                     "--max-model-len", "2048", "--entry-cache-bytes", "123", "--prefix-cache-bytes", "45")
-    assert engine_flag_args(args, "combine") == ["--dtype", "bfloat16", "--mode", "prefix",
-                                                 "--entry-cache-bytes", "123", "--prefix-cache-bytes", "45"]
-    assert engine_flag_args(args, "scatter") == engine_flag_args(args, "combine")
-    assert engine_flag_args(args, "router") == ["--max-model-len", "2048"]
-    assert engine_flag_args(args, "cache-tier") == []
+    config = config_from_args(args)
+
+    def flags(role):
+        out = config_args(config, role)
+        return dict(zip(out[::2], out[1::2]))
+
+    assert {k: flags("combine").get(k) for k in ("--device", "--dtype", "--mode", "--entry-cache-bytes",
+                                                 "--prefix-cache-bytes", "--max-model-len")} == {
+        "--device": "cuda", "--dtype": "bfloat16", "--mode": "prefix", "--entry-cache-bytes": "123",
+        "--prefix-cache-bytes": "45", "--max-model-len": None}
+    assert flags("scatter") == flags("combine")
+    assert flags("router")["--max-model-len"] == "2048" and "--device" not in flags("router")
+    assert "--device" not in flags("cache-tier") and "--entry-cache-bytes" not in flags("cache-tier")
     # unset budgets and limits are not forwarded: each process sizes its own
-    assert "--entry-cache-bytes" not in engine_flag_args(_up_args(), "combine")
+    assert "--entry-cache-bytes" not in config_args(config_from_args(_up_args()), "combine")
     # what up forwards, serve parses
-    serve = build_parser().parse_args(["serve", "combine", *engine_flag_args(args, "combine"), "--device", "cuda"])
+    serve = build_parser().parse_args(["serve", "combine", *config_args(config, "combine")])
     assert (serve.dtype, serve.mode, serve.entry_cache_bytes, serve.device) == ("bfloat16", "prefix", 123, "cuda")
 
 
@@ -107,7 +114,8 @@ def test_local_cluster_spawns_each_child_on_its_device(monkeypatch, tmp_path):
             cmd = s.proc.cmd
             device = cmd[cmd.index("--device") + 1] if "--device" in cmd else None
             got.setdefault(s.role, []).append((device, s.proc.env["CUDA_VISIBLE_DEVICES"]))
-            assert ("--cache-bytes" in cmd) == (s.role == "cache-tier")  # workers size their own on CUDA
+            assert ("--cache-bytes" in cmd) == (s.role == "cache-tier")
+            assert "--entry-cache-bytes" not in cmd  # workers size their own on CUDA
         assert got == {"cache-tier": [(None, "")], "router": [(None, "")], "combine": [("cuda", "0,1")],
                        "scatter": [("cuda", "1,0"), ("cuda", "0,1"), ("cuda", "1,0")]}
         combine = cluster.role("combine")[0].proc.cmd

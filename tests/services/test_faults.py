@@ -28,7 +28,7 @@ def etcd_server(tmp_path_factory):
 def faulty(model_dir, etcd_server):
     # The first scatter worker exits after streaming one entry; the combine keeps ~1 entry itself.
     c = LocalCluster(model_dir, port=free_port(), scatter_workers=2, etcd=etcd_server.endpoint,
-                     cache_bytes=32 << 20, extra={"combine": ["--cache-bytes", "60000"]})
+                     tier_cache_bytes=32 << 20, extra={"combine": ["--entry-cache-bytes", "60000"]})
     c.start(scatter_env=[{"HYBRIDCACHE_FAULT_EXIT_AFTER_ENTRIES": "1"}, {}])
     yield c
     c.stop()

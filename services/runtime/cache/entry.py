@@ -7,6 +7,7 @@ import struct
 from dataclasses import dataclass, field
 
 import torch
+from hybridcache.services.config import ENTRY_STATE_DTYPES as ENTRY_STATE_DTYPE_NAMES
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.sequence import SpanData
 
@@ -53,7 +54,7 @@ def expected_entry_nbytes(
     return len(cfg.linear_layers) * per_linear + len(cfg.attention_layers) * per_attn
 
 
-ENTRY_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ENTRY_STATE_DTYPES = {name: getattr(torch, name) for name in ENTRY_STATE_DTYPE_NAMES}
 
 
 def cast_entry_states(data: SpanData, dtype: torch.dtype) -> SpanData:

@@ -26,71 +26,14 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
+# PrefixPolicy (the settings) lives with the runtime config, importable without torch.
+from hybridcache.services.config import ANCHOR_DTYPES, POLICIES, PrefixPolicy  # noqa: F401 (re-exported)
 from hybridcache.services.runtime.cache.radix import PageNode, PagePayload
 from hybridcache.services.runtime.sequence import AttnState, LinearState, SequenceState
 
-POLICIES = ("checkpoint", "suffix_replay", "exact_replay")
-ANCHOR_DTYPES = ("float8_e4m3fn",)  # besides None (the model's dtype)
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _SCALE_BYTES = 4  # one fp32 scale per anchor row
-
-
-@dataclass(frozen=True)
-class PrefixPolicy:
-    name: str = "exact_replay"
-    page_size: int = 64
-    checkpoint_every: int = 4  # pages between dense checkpoints (checkpoint, exact_replay); 4 = 256 tokens
-    anchors_per_page: int = 4  # r: anchors kept per page by suffix_replay (the page's last r tokens)
-    replay_anchors: int = 64  # k: most anchors a suffix_replay hit replays per group
-    # None: anchors in the model's dtype; "float8_e4m3fn": fp8 with a per-row fp32 scale (suffix_replay only)
-    anchor_dtype: str | None = None
-
-    def __post_init__(self):
-        if self.name not in POLICIES:
-            raise ValueError(f"prefix policy must be one of {', '.join(POLICIES)}, got {self.name!r}")
-        if self.page_size <= 0:
-            raise ValueError("page_size must be positive")
-        if self.checkpoint_every <= 0:
-            raise ValueError("checkpoint_every must be >= 1 page")
-        if not 1 <= self.anchors_per_page <= self.page_size:
-            raise ValueError(f"anchors_per_page must be in [1, {self.page_size}]")
-        if self.replay_anchors <= 0:
-            raise ValueError("replay_anchors must be >= 1")
-        if self.anchor_dtype is not None and self.anchor_dtype not in ANCHOR_DTYPES:
-            raise ValueError(
-                f"anchor_dtype must be None (the model's dtype) or one of {', '.join(ANCHOR_DTYPES)}, "
-                f"got {self.anchor_dtype!r}"
-            )
-        if self.anchor_dtype is not None and self.name != "suffix_replay":
-            raise ValueError(f"anchor_dtype {self.anchor_dtype} is only allowed with suffix_replay "
-                             f"({self.name} must stay exact)")
-
-    @property
-    def stores_checkpoints(self) -> bool:
-        return self.name != "suffix_replay"
-
-    @property
-    def anchors_kept(self) -> int:
-        """Anchors per page (the last ones of the page)."""
-        kept = {"checkpoint": 0, "suffix_replay": self.anchors_per_page, "exact_replay": self.page_size}
-        return kept[self.name]
-
-    def anchor_row_bytes(self, hidden_size: int, model_itemsize: int) -> int:
-        """Bytes one token's anchor takes at one group entry, as stored."""
-        if self.anchor_dtype == "float8_e4m3fn":
-            return hidden_size + _SCALE_BYTES
-        return hidden_size * model_itemsize
-
-    @property
-    def checkpoint_tokens(self) -> int:
-        return self.page_size * self.checkpoint_every
-
-    def is_checkpoint_position(self, pos: int) -> bool:
-        return self.stores_checkpoints and pos > 0 and pos % self.checkpoint_tokens == 0
-
-    def usable(self, node: PageNode) -> bool:
-        """Can a hit end at this node?"""
-        return self.name != "checkpoint" or node.payload.checkpoint is not None
 
 
 def linear_state_bytes_per_token(policy: PrefixPolicy, dense_state_bytes: int, anchor_bytes: int) -> float:

@@ -1,0 +1,272 @@
+"""The runtime config: one frozen dataclass, one field per setting of an engine, and the flags of
+every command that builds one (`hybridcache generate | demo | eval | serve | up`) generated from
+its fields (as vLLM's `EngineArgs`): a field's default is the flag's default, its `help` the
+flag's help, its `roles` the `hybridcache serve` roles that `hybridcache up` forwards it to.
+
+To add a setting, add a field here with `setting(...)`; its flag, its forwarding and its row in
+docs/configuration.md (`python -m hybridcache.services.config_docs`) follow. Importable without
+torch (the router and the command-line parser need no tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from hybridcache.services.devices import CPU_CACHE_BYTES
+
+MODES = ("full", "prefix", "pic", "naive")
+ENTRY_POLICIES = ("exact", "single_state")
+ENTRY_STATE_DTYPES = ("float32", "bfloat16")
+POLICIES = ("checkpoint", "suffix_replay", "exact_replay")
+ANCHOR_DTYPES = ("float8_e4m3fn",)  # besides "model" (the model's dtype)
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16")
+# `hybridcache serve` roles that build an engine: scatter and combine workers run the model; the
+# router plans requests (tokens, segment keys, limits) without one.
+WORKERS = ("combine", "scatter")
+ENGINE_ROLES = ("router", *WORKERS)
+
+
+def setting(default: Any, help: str, *, roles: tuple[str, ...] = WORKERS, choices: tuple | None = None,
+            flag: str | None = None, metavar: str | None = None, type: type | None = None):
+    """A config field that is also a command-line flag (`--field-name` unless `flag` is given).
+    `type` parses the flag's value (default: the default's type; needed when the default is None,
+    which means "unset": such a field is not forwarded, each process decides)."""
+    return field(default=default, metadata={"help": help, "roles": roles, "choices": choices, "flag": flag,
+                                            "metavar": metavar, "type": type})
+
+
+@dataclass(frozen=True)
+class PrefixPolicy:
+    """How prefix pages keep the linear layers' state (cache/policies.py implements it)."""
+
+    name: str = "exact_replay"
+    page_size: int = 64
+    checkpoint_every: int = 4  # pages between dense checkpoints (checkpoint, exact_replay); 4 = 256 tokens
+    anchors_per_page: int = 4  # r: anchors kept per page by suffix_replay (the page's last r tokens)
+    replay_anchors: int = 64  # k: most anchors a suffix_replay hit replays per group
+    # None: anchors in the model's dtype; "float8_e4m3fn": fp8 with a per-row fp32 scale (suffix_replay only)
+    anchor_dtype: str | None = None
+
+    def __post_init__(self):
+        if self.name not in POLICIES:
+            raise ValueError(f"prefix policy must be one of {', '.join(POLICIES)}, got {self.name!r}")
+        if self.page_size <= 0:
+            raise ValueError("page_size must be positive")
+        if self.checkpoint_every <= 0:
+            raise ValueError("checkpoint_every must be >= 1 page")
+        if not 1 <= self.anchors_per_page <= self.page_size:
+            raise ValueError(f"anchors_per_page must be in [1, {self.page_size}]")
+        if self.replay_anchors <= 0:
+            raise ValueError("replay_anchors must be >= 1")
+        if self.anchor_dtype is not None and self.anchor_dtype not in ANCHOR_DTYPES:
+            raise ValueError(
+                f"anchor_dtype must be None (the model's dtype) or one of {', '.join(ANCHOR_DTYPES)}, "
+                f"got {self.anchor_dtype!r}"
+            )
+        if self.anchor_dtype is not None and self.name != "suffix_replay":
+            raise ValueError(f"anchor_dtype {self.anchor_dtype} is only allowed with suffix_replay "
+                             f"({self.name} must stay exact)")
+
+    @property
+    def stores_checkpoints(self) -> bool:
+        return self.name != "suffix_replay"
+
+    @property
+    def anchors_kept(self) -> int:
+        """Anchors per page (the last ones of the page)."""
+        kept = {"checkpoint": 0, "suffix_replay": self.anchors_per_page, "exact_replay": self.page_size}
+        return kept[self.name]
+
+    def anchor_row_bytes(self, hidden_size: int, model_itemsize: int) -> int:
+        """Bytes one token's anchor takes at one group entry, as stored."""
+        if self.anchor_dtype == "float8_e4m3fn":
+            return hidden_size + 4  # fp8 values and one fp32 scale per row
+        return hidden_size * model_itemsize
+
+    @property
+    def checkpoint_tokens(self) -> int:
+        return self.page_size * self.checkpoint_every
+
+    def is_checkpoint_position(self, pos: int) -> bool:
+        return self.stores_checkpoints and pos > 0 and pos % self.checkpoint_tokens == 0
+
+    def usable(self, node) -> bool:
+        """Can a hit end at this node (a cache/radix.py PageNode)?"""
+        return self.name != "checkpoint" or node.payload.checkpoint is not None
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Every setting of an engine. `EngineConfig` (services/runtime/engine.py) is this class."""
+
+    device: str = setting("cpu", "device the model runs on", choices=DEVICES)
+    dtype: str = setting("float32", "dtype of the model's weights and activations", choices=DTYPES)
+    mode: str = setting(
+        "pic", "full: no cache; prefix: exact prefix cache; pic: prefix cache + position-independent "
+        "segment entries; naive: pic without the transition T (an ablation)", choices=MODES)
+    seam_window: int = setting(
+        8, "live tokens at the start of every reused segment (part of the entry key)", roles=ENGINE_ROLES)
+    max_segments: int = setting(64, "most segments a request may have", roles=ENGINE_ROLES)
+    max_model_len: int | None = setting(
+        None, "router: longest prompt plus max_new_tokens accepted (default and ceiling: the model's "
+        "max_position_embeddings)", roles=("router",), type=int)
+    entry_cache_bytes: int | None = setting(
+        None, "segment-entry cache budget (default: 1 GiB on the CPU; on CUDA a share of the device memory "
+        "free after the model loads, stated at start-up)", type=int)
+    prefix_cache_bytes: int | None = setting(
+        None, "prefix page-tree (and part-chain snapshot) budget (default: as --entry-cache-bytes, a smaller "
+        "share)", type=int)
+    tier_cache_bytes: int = setting(CPU_CACHE_BYTES, "cache tier: its store's byte budget", roles=("cache-tier",),
+                                    flag="--cache-bytes")
+    entry_batch_tokens: int = setting(16384, "padded tokens per batched standalone prefill of cold segments")
+    verify_checksums: bool = setting(False, "re-hash every segment entry on every read of the entry cache")
+    prefix_policy: str = setting("exact_replay", "how prefix pages keep the linear layers' state", choices=POLICIES)
+    checkpoint_every: int = setting(
+        4, "pages (64 tokens) between dense linear-state checkpoints (checkpoint, exact_replay)")
+    anchors_per_page: int = setting(4, "suffix_replay: hidden states kept per page at each linear-group entry (r)")
+    replay_anchors: int = setting(64, "suffix_replay: most anchors a hit replays per group (k)")
+    # Checked in __post_init__ (one error line, exit 2), not by argparse choices: it depends on prefix_policy.
+    anchor_dtype: str = setting(
+        "model", "suffix_replay: anchor storage; float8_e4m3fn keeps fp8 values with a per-anchor fp32 scale "
+        "(about half the bytes of bf16 anchors)", metavar="{model,float8_e4m3fn}")
+    entry_policy: str = setting(
+        "exact", "segment entries (pic): exact composition T S + S, or single_state (a reused segment keeps "
+        "only its own state)", choices=ENTRY_POLICIES)
+    host_cache_bytes: int = setting(
+        0, "segment entries evicted from the device cache move to a host-memory tier of this many bytes "
+        "(pinned with CUDA) and are staged back layer by layer on a hit; 0 = off")
+    entry_state_dtype: str = setting(
+        "float32", "storage of the segment entries' linear-layer T and S; bfloat16 halves a delta-rule entry "
+        "(composition keeps its running state in fp32)", choices=ENTRY_STATE_DTYPES)
+    # A setting of the model: engines sharing one model share it.
+    cuda_graphs: bool = setting(
+        True, "on CUDA, run the live pass of assembled prompts from CUDA graphs of their shapes "
+        "(off: every forward eagerly)")
+
+    def __post_init__(self):
+        if self.anchor_dtype is None:  # the Python spelling of "model"
+            object.__setattr__(self, "anchor_dtype", "model")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
+        if self.seam_window < 0:
+            raise ValueError("seam_window must be >= 0")
+        if self.max_segments < 1:
+            raise ValueError("max_segments must be >= 1")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        for name in ("entry_cache_bytes", "prefix_cache_bytes", "tier_cache_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"cache budgets must be positive, got {name}={getattr(self, name)}")
+        if self.entry_batch_tokens <= 0:
+            raise ValueError("entry_batch_tokens must be positive")
+        if self.host_cache_bytes < 0:
+            raise ValueError("host_cache_bytes must be >= 0 (0 = no host tier)")
+        _ = self.page_policy  # validates the policy's parameters
+
+    @property
+    def page_policy(self) -> PrefixPolicy:
+        return PrefixPolicy(
+            self.prefix_policy,
+            checkpoint_every=self.checkpoint_every,
+            anchors_per_page=self.anchors_per_page,
+            replay_anchors=self.replay_anchors,
+            anchor_dtype=None if self.anchor_dtype == "model" else self.anchor_dtype,
+        )
+
+    @property
+    def state_dtype(self):
+        """The torch dtype of the entries' T and S."""
+        import torch
+
+        return getattr(torch, self.entry_state_dtype)
+
+    @property
+    def torch_dtype(self):
+        """The torch dtype of the model."""
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        return self.mode != "full"
+
+    @property
+    def uses_entries(self) -> bool:
+        return self.mode in ("pic", "naive")
+
+
+def flag_name(f) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _on_off(text: str) -> bool:
+    if text in ("on", "true", "1"):
+        return True
+    if text in ("off", "false", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+def flag_kwargs(f) -> dict:
+    """The add_argument keywords of a field's flag: its one default, type, choices and help."""
+    kind = f.metadata.get("type") or type(f.default)
+    kw: dict = {"dest": f.name, "default": f.default,
+                "help": f.metadata["help"] if f.default is None else
+                f"{f.metadata['help']} (default: {format_value(f.default)})"}
+    if kind is bool:
+        kw.update(type=_on_off, metavar="{on,off}")
+    else:
+        kw["type"] = kind
+        if f.metadata.get("choices"):
+            kw["choices"] = list(f.metadata["choices"])
+        else:
+            kw["metavar"] = flag_name(f)[2:].upper().replace("-", "_")
+    if f.metadata.get("metavar"):
+        kw["metavar"] = f.metadata["metavar"]
+    return kw
+
+
+def config_fields(exclude: tuple[str, ...] = ()) -> list:
+    return [f for f in fields(RuntimeConfig) if f.name not in exclude]
+
+
+def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per RuntimeConfig field (but `exclude`d ones), in a group of its own."""
+    group = parser.add_argument_group("runtime config (services/config.py)")
+    for f in config_fields(exclude):
+        assert f.default is not MISSING, f.name
+        group.add_argument(flag_name(f), **flag_kwargs(f))
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> RuntimeConfig:
+    """The RuntimeConfig of parsed flags (fields without a flag keep their defaults); a bad value
+    raises ValueError with a one-line message."""
+    values = {f.name: getattr(args, f.name) for f in fields(RuntimeConfig) if hasattr(args, f.name)}
+    return RuntimeConfig(**{**values, **overrides})
+
+
+def format_value(value) -> str:
+    """A value as its flag spells it ("unset" for None, which has no spelling: the flag is left out)."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def config_args(config: RuntimeConfig, role: str | None = None) -> list[str]:
+    """The command-line form of a config: every field's flag and value (only the fields `role`
+    takes, when given; unset ones left out): how `hybridcache up` passes its settings to the
+    services it starts."""
+    out: list[str] = []
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if value is not None and (role is None or role in f.metadata["roles"]):
+            out += [flag_name(f), format_value(value)]
+    return out
