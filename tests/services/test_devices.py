@@ -106,7 +106,7 @@ class _FakeProc:
 def test_local_cluster_spawns_each_child_on_its_device(monkeypatch, tmp_path):
     monkeypatch.setattr(launcher.subprocess, "Popen", _FakeProc)
     cluster = launcher.LocalCluster(tmp_path, port=18000, scatter_workers=3, device="cuda", gpus=(0, 1),
-                                    extra={"combine": ["--dtype", "bfloat16"]})
+                                    dtype="bfloat16")
     cluster.start()
     try:
         got = {}
