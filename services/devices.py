@@ -107,10 +107,10 @@ def with_cache_budgets(config, device):
 
 
 def free_device_memory(device) -> int | None:
-    """Free bytes on `device` now (torch.cuda.mem_get_info), None off CUDA."""
+    """Free bytes on `device` now (torch.cuda.mem_get_info), None off CUDA (or with no CUDA to ask)."""
     import torch
 
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return torch.cuda.mem_get_info(device)[0]
