@@ -380,9 +380,12 @@ class Engine:
         return [LiveRun(t[a - pos : b - pos], a) for a, b in zip(bounds, bounds[1:])]
 
     @torch.no_grad()
-    def prefill(self, req: Request) -> Prefill:
+    def prefill(self, req: Request, pinned: dict | None = None, built: dict | None = None) -> Prefill:
         """Assemble and run the prompt. The prefix pages it read or wrote stay locked until
-        finish_prefix(prefill) (a Generation calls it when iteration ends)."""
+        finish_prefix(prefill) (a Generation calls it when iteration ends). pinned: key -> entry
+        found for this request elsewhere (hits); built: key -> entry already built for it (the
+        scheduler builds cold segments ahead, batched across requests)."""
+        pinned, ahead = pinned or {}, built or {}
         started = time.perf_counter()
         cfg = self.config
         stats = RequestStats(mode=cfg.mode, seam_window=cfg.seam_window)
@@ -422,9 +425,10 @@ class Engine:
         for j in range(first, len(parts)):
             if reused(j):
                 key = self.entry_key(parts[j][1])
-                if key not in cold and not self.entries.contains(key):
+                if key not in cold and key not in pinned and key not in ahead and not self.entries.contains(key):
                     cold[key] = parts[j][1]
-        built = dict(zip(cold, self.build_entries(list(cold.values()))))
+        built = dict(ahead)
+        built.update(zip(cold, self.build_entries(list(cold.values()))))
         for entry in built.values():
             self.entries.put(entry)
 
@@ -438,6 +442,8 @@ class Engine:
                 key = self.entry_key(ids)
                 if key in built:
                     entry, hit = built.pop(key), False
+                elif key in pinned:
+                    entry, hit = pinned[key], True
                 else:
                     entry, hit = self.get_or_build_entry(ids)
                 if not hit:
@@ -618,6 +624,52 @@ def coalesce_live_runs(layout: list, keep: set[int], boundary: dict[int, int]):
     return out, {where[i] for i in keep}, {where[i]: j for i, j in boundary.items() if i in where}
 
 
+class TextStream:
+    """Detokenization of one request's output and its stop conditions (stop ids, EOS, stop
+    strings), shared by Generation and the scheduler. push(token) -> (events, done): events are
+    (token_id, text_delta) to emit, token_id -1 for text only. Text that could be the start of a
+    stop string is held back until it cannot be."""
+
+    def __init__(self, engine: Engine, params: SamplingParams):
+        self.engine, self.params = engine, params
+        self.output_ids: list[int] = []
+        self.finish_reason = "length"
+        self.emitted = ""
+        self.hold = max((len(s) for s in params.stop), default=0)
+
+    def push(self, tok: int) -> tuple[list[tuple[int, str]], bool]:
+        params = self.params
+        if (tok in self.engine.eos_ids and not params.ignore_eos) or tok in params.stop_token_ids:
+            self.finish_reason = "stop"
+            return self.flush(), True
+        self.output_ids.append(tok)
+        text = self.engine.tokenizer.decode(self.output_ids)
+        cut = min((text.find(s) for s in params.stop if s in text), default=-1)
+        if cut >= 0:
+            self.finish_reason = "stop"
+            return [(tok, text[len(self.emitted) : cut] if cut > len(self.emitted) else "")], True
+        safe = max(len(text) - self.hold + 1, len(self.emitted)) if self.hold else len(text)
+        delta = text[len(self.emitted) : safe]
+        self.emitted = text[:safe]
+        return [(tok, delta)], len(self.output_ids) >= params.max_new_tokens
+
+    def flush(self) -> list[tuple[int, str]]:
+        """The text held back, once the output ends without a stop string."""
+        text = self.engine.tokenizer.decode(self.output_ids)
+        if len(text) <= len(self.emitted):
+            return []
+        rest, self.emitted = text[len(self.emitted) :], text
+        return [(-1, rest)]
+
+
+def request_generator(params: SamplingParams) -> torch.Generator | None:
+    """The sampling generator of one request: seeded by params.seed, else at random; None when greedy."""
+    if params.temperature <= 0:
+        return None
+    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+    return torch.Generator().manual_seed(seed)
+
+
 class Generation:
     """Decoding after a prefill: iterate for (token_id, text_delta); token_id -1 flushes text only.
 
@@ -640,35 +692,22 @@ class Generation:
 
     def _decode(self) -> Iterator[tuple[int, str]]:
         eng, params, pre = self.engine, self.req.sampling, self.prefill
-        gen = None
-        if params.temperature > 0:
-            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-            gen = torch.Generator().manual_seed(seed)
-        out = self.output_ids
-        emitted = ""
+        gen = request_generator(params)
+        stream = TextStream(eng, params)
+        self.output_ids = stream.output_ids
         logits = pre.logits
-        hold = max((len(s) for s in params.stop), default=0)
         if params.max_new_tokens == 0:
             pre.stats.ttft_ms = (time.perf_counter() - pre.started) * 1000
         for step in range(params.max_new_tokens):
             tok = sample_token(logits, params, gen)
             if step == 0:
                 pre.stats.ttft_ms = (time.perf_counter() - pre.started) * 1000
-            if (tok in eng.eos_ids and not params.ignore_eos) or tok in params.stop_token_ids:
-                self.finish_reason = "stop"
+            events, done = stream.push(tok)
+            yield from events
+            if done:
+                self.finish_reason = stream.finish_reason
+                if stream.finish_reason == "stop":
+                    return
                 break
-            out.append(tok)
-            text = eng.tokenizer.decode(out)
-            cut = min((text.find(s) for s in params.stop if s in text), default=-1)
-            if cut >= 0:
-                self.finish_reason = "stop"
-                yield tok, text[len(emitted) : cut] if cut > len(emitted) else ""
-                return
-            safe = max(len(text) - hold + 1, len(emitted)) if hold else len(text)
-            yield tok, text[len(emitted) : safe]
-            emitted = text[:safe]
-            if step + 1 < params.max_new_tokens:
-                logits = eng.decode_one_token(pre.state, tok, pre.recorder)
-        text = eng.tokenizer.decode(out)
-        if len(text) > len(emitted):
-            yield -1, text[len(emitted) :]
+            logits = eng.decode_one_token(pre.state, tok, pre.recorder)
+        yield from stream.flush()

@@ -123,7 +123,13 @@ def linear_layout(
     lo; scan(inputs_of_run, state, output_transition) -> (o [1, n, ...], S_final, (T, S0) or None,
     conv tail) for one live run. Updates `state` in place and returns the live outputs
     concatenated along dim 1 (None when the pieces hold no live run).
+    A DecodeBatch layout runs one token of each of B requests: inputs [1, B, ...], `state` their
+    states stacked [B, ...]; one scan for the batch, outputs [1, B, ...].
     """
+    if isinstance(layout, DecodeBatch):
+        o, S, _, tail = scan(tuple(t.transpose(0, 1) for t in inputs), state, False)  # [B, 1, ...]
+        state.ssm, state.conv = S, tail
+        return o.transpose(0, 1)
     outs = []
     for idx in range(lo, len(layout) if hi is None else hi):
         piece = layout[idx]
@@ -160,7 +166,11 @@ def attention_layout(
     rotation per layer (live keys rotate by 0, which is exact). Updates `state`; returns
     [1, n, Hq * dv], or with head_major the attention's own [1, Hq, n, dv] (a caller that gates
     the output transposes it in the same pass).
+    A DecodeBatch layout: the n live tokens are one token of each request, `state` their AttnStates.
     """
+    if isinstance(layout, DecodeBatch):
+        out = decode_attention(q, k, v, layout, state, scale)  # [1, Hq, B, dv]
+        return out if head_major else out.transpose(1, 2).reshape(1, q.shape[2], -1)
     ks, vs, shifts, lengths, off = [], [], [], [], 0
     for idx, piece in enumerate(layout):
         if isinstance(piece, CachedSpan):
@@ -198,6 +208,59 @@ def attention_layout(
     state.v = torch.cat([state.v, *vs], dim=2) if state.v.shape[2] else torch.cat(vs, dim=2).to(state.v.dtype)
     out = backends.attention(q, state.k, state.v, live_pos, scale, first_pos=first_live_start(layout))  # [1, Hq, n, dv]
     return out if head_major else out.transpose(1, 2).reshape(1, q.shape[2], -1)
+
+
+class DecodeBatch:
+    """The layout of a batched decode step: one new token for each of B requests, request b at
+    position positions[b]. Layers see the B tokens as one sequence [1, B, h] (their per-token math
+    is unchanged); linear layers get the B states stacked, attention layers the B AttnStates."""
+
+    __slots__ = ("positions", "lengths", "_mask")
+
+    def __init__(self, positions: list[int]):
+        self.positions = positions
+        self.lengths = [p + 1 for p in positions]  # keys each request attends to, its new one included
+        self._mask = {}
+
+    def key_mask(self, device):
+        """[B, 1, 1, N_max] booleans (key j of request b is valid when j < lengths[b]); None when the
+        lengths are equal (no padding). Built once per step, shared by every attention layer."""
+        if min(self.lengths) == max(self.lengths):
+            return None
+        if device not in self._mask:
+            lens = backends.to_device_async(torch.tensor(self.lengths), device)
+            valid = torch.arange(max(self.lengths), device=device)[None, :] < lens[:, None]
+            self._mask[device] = valid[:, None, None]
+        return self._mask[device]
+
+
+def append_padded(new: torch.Tensor, batch: DecodeBatch, old: list[torch.Tensor]) -> torch.Tensor:
+    """Each request's cached rows old[b] [1, H, N_b - 1, d] with its new row new[:, :, b] (new
+    [1, H, B, d]) appended, padded into one [B, H, N_max, d] (zeros past each length)."""
+    B, N = len(old), max(batch.lengths)
+    out = new.new_zeros(B, new.shape[1], N, new.shape[3])
+    for b, t in enumerate(old):
+        n = batch.lengths[b] - 1
+        if n:
+            out[b, :, :n] = t[0].to(out.dtype)
+        out[b, :, n] = new[0, :, b]
+    return out
+
+
+def decode_attention(q, k, v, batch: DecodeBatch, states: list[AttnState], scale) -> torch.Tensor:
+    """One decode step of B requests: q [1, Hq, B, d], k, v [1, Hkv, B, d] (rotated at each
+    request's position) -> [1, Hq, B, dv]. Each request's K/V (its own tensors, any length) are
+    padded into one batch under a key mask, so the B queries are one attention call; each state
+    becomes a view of that batch (no second copy). The query heads that share a KV head are its
+    query rows (no repeated K/V)."""
+    K = append_padded(k, batch, [s.k for s in states])  # [B, Hkv, N_max, d]
+    V = append_padded(v, batch, [s.v for s in states])
+    for b, s in enumerate(states):
+        s.k, s.v = K[b : b + 1, :, : batch.lengths[b]], V[b : b + 1, :, : batch.lengths[b]]
+    hq, hkv, B = q.shape[1], k.shape[1], q.shape[2]
+    qb = q[0].transpose(0, 1).reshape(B, hkv, hq // hkv, q.shape[3])  # [B, Hkv, rep, d]
+    o = backends.sdpa(qb, K, V, attn_mask=batch.key_mask(q.device), scale=scale)  # [B, Hkv, rep, dv]
+    return o.reshape(B, hq, o.shape[-1]).transpose(0, 1)[None]
 
 
 def first_live_start(layout) -> int | None:
@@ -316,6 +379,42 @@ class LayoutLM(nn.Module):
             x = self.run_layer(i, x, layout, state, rec, positions, capture_hidden)
         state.length = end
         return self.logits_of(x, logits_for), rec
+
+    @torch.no_grad()
+    def decode_batch(self, states: list[SequenceState], token_ids: list[int], linear=None, capture_hidden=()):
+        """One decode step of B requests in one forward: token_ids[b] is request b's next token, at
+        position states[b].length. linear: layer -> LinearState of the B requests' states stacked
+        [B, ...] (a slot pool's), replaced by the states after the step; None stacks them from
+        `states` and leaves each request's state a view of the result. Attention K/V stay per
+        request. Returns (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
+        batch = DecodeBatch([s.length for s in states])
+        own = linear is None
+        if own:
+            linear = {
+                i: LinearState(
+                    torch.cat([s.linear[i].ssm for s in states]), torch.cat([s.linear[i].conv for s in states])
+                )
+                for i in states[0].linear
+            }
+        positions = backends.to_device_async(torch.tensor(batch.positions), self.device)
+        x = self.embed(backends.to_device_async(torch.tensor(token_ids), self.device))[None]  # [1, B, h]
+        hidden = {}
+        for i, layer in enumerate(self.layers):
+            if i in capture_hidden:
+                hidden[i] = x[0].clone()
+            if i in linear:
+                st = linear[i]
+            elif i in states[0].attn:
+                st = [s.attn[i] for s in states]
+            else:
+                st = None
+            x = layer.forward_layout(x, batch, st, None, i, positions)
+        for b, s in enumerate(states):
+            s.length += 1
+            if own:
+                for i, lin in linear.items():
+                    s.linear[i] = LinearState(lin.ssm[b : b + 1], lin.conv[b : b + 1])
+        return self.head(x)[0].float(), hidden
 
     def run_layer(self, i: int, x, layout, state: SequenceState, rec: Recording, positions, capture_hidden=()):
         """Layer i of the live pass: x [1, n_live, h] -> [1, n_live, h]; its state updated."""

@@ -26,9 +26,11 @@ from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.common import (
     Backbone,
+    DecodeBatch,
     LayerTypes,
     LayoutLM,
     RMSNorm,
+    append_padded,
     eos_ids,
     first_live_start,
     linear_layout,
@@ -232,9 +234,9 @@ class KimiDeltaAttention(nn.Module):
 
     def scan(self, inputs, state: LinearState, output_transition: bool):
         mixed, g, beta = inputs
-        n = mixed.shape[1]
+        B, n = mixed.shape[:2]
         conv_out, tail = backends.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, "silu")
-        q, k, v = (t.reshape(1, n, self.nh, self.d) for t in torch.split(conv_out, self.qkv_dim, dim=-1))
+        q, k, v = (t.reshape(B, n, self.nh, self.d) for t in torch.split(conv_out, self.qkv_dim, dim=-1))
         res = backends.kda(backends.l2norm_fp32(q), backends.l2norm_fp32(k), v, g, beta, state.ssm, output_transition)
         return res[0], res[1], (res[2] if output_transition else None), tail
 
@@ -309,10 +311,21 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
         c = self.kv_a_layernorm(c)[:, None]  # [1, 1, n, r]
-        C, K_r = self.gather_latents(c, k_r[:, None], layout, state, rec, layer_idx)
         w = self.kv_b_proj.weight.view(self.nh, self.dn + self.dv, self.r)
         w_uk, w_uv = w[:, : self.dn], w[:, self.dn :]  # [H, dn, r], [H, dv, r]
         q_lat = torch.cat([torch.einsum("bhnd,hdr->bhnr", q_nope, w_uk), q_rope], dim=-1)  # [1, H, n, r + dr]
+        if isinstance(layout, DecodeBatch):
+            # one token of each of n requests: their latents padded into one batch under a key mask
+            C = append_padded(c, layout, [s.k for s in state])  # [n, 1, N_max, r]
+            K_r = append_padded(k_r[:, None], layout, [s.v for s in state])
+            for b, s in enumerate(state):
+                s.k, s.v = C[b : b + 1, :, : layout.lengths[b]], K_r[b : b + 1, :, : layout.lengths[b]]
+            qb = q_lat[0].transpose(0, 1)[:, :, None]  # [n, H, 1, r + dr]
+            mask = layout.key_mask(x.device)
+            o_lat = backends.sdpa(qb, torch.cat([C, K_r], dim=-1), C, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out = torch.einsum("nhr,hvr->nhv", o_lat[:, :, 0], w_uv).reshape(1, n, self.nh * self.dv)
+            return self.o_proj(out)
+        C, K_r = self.gather_latents(c, k_r[:, None], layout, state, rec, layer_idx)
         k_lat = torch.cat([C, K_r], dim=-1)  # [1, 1, N, r + dr]
         N = C.shape[2]
         mask = None

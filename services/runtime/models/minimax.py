@@ -203,7 +203,7 @@ class LightningAttention(nn.Module):
 
     def scan(self, inputs, state: LinearState, output_transition: bool):
         (qkv,) = inputs
-        q, k, v = qkv.view(1, qkv.shape[1], self.nh, 3 * self.d).split(self.d, dim=-1)  # [1, n, H, d] each
+        q, k, v = qkv.reshape(*qkv.shape[:2], self.nh, 3 * self.d).split(self.d, dim=-1)  # [1, n, H, d] each
         slopes = self.cfg.slopes(self.layer_idx, qkv.device)
         res = backends.lightning_attention(q, k, v, slopes, 1.0, state.ssm, output_transition)
         return res[0], res[1], (res[2] if output_transition else None), state.conv

@@ -170,17 +170,17 @@ class Mamba2Mixer(nn.Module):
 
     def scan(self, inputs, state: LinearState, output_transition: bool):
         xbc, dt = inputs
-        n = xbc.shape[1]
+        b, n = xbc.shape[:2]
         bias = self.conv1d.bias
         conv_out, tail = backends.causal_conv1d(xbc, self.conv1d.weight.squeeze(1), bias, state.conv, "silu")
         x, B, C = torch.split(conv_out, [self.inner, self.g * self.n, self.g * self.n], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp_min(self.cfg.time_step_min)
         res = backends.ssd(
-            x.reshape(1, n, self.h, self.p),
+            x.reshape(b, n, self.h, self.p),
             dt,
             -self.A_log.float().exp(),
-            B.reshape(1, n, self.g, self.n),
-            C.reshape(1, n, self.g, self.n),
+            B.reshape(b, n, self.g, self.n),
+            C.reshape(b, n, self.g, self.n),
             self.D,
             state.ssm,
             output_transition,

@@ -158,15 +158,15 @@ class OlmoGatedDeltaNet(nn.Module):
 
     def scan(self, inputs, state: LinearState, output_transition: bool):
         mixed, b, a = inputs
-        n = mixed.shape[1]
+        B, n = mixed.shape[:2]
         conv_out, tail = backends.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, "silu")
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = q.reshape(1, n, self.hk, self.dk), k.reshape(1, n, self.hk, self.dk)
+        q, k = q.reshape(B, n, self.hk, self.dk), k.reshape(B, n, self.hk, self.dk)
         rep = self.hv // self.hk  # grouped value heads share a key head
         q, k = backends.l2norm_qk(q, v.dtype, rep), backends.l2norm_qk(k, v.dtype, rep)
         g, beta = backends.gdn_gates(a, b, self.A_log, self.dt_bias)
         beta = beta * self.beta_scale
-        res = gated_delta_rule(q, k, v.reshape(1, n, self.hv, self.dv), g, beta, state.ssm, output_transition)
+        res = gated_delta_rule(q, k, v.reshape(B, n, self.hv, self.dv), g, beta, state.ssm, output_transition)
         return res[0], res[1], (res[2] if output_transition else None), tail
 
     def merge_projections(self) -> int:

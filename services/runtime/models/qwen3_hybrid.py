@@ -16,6 +16,7 @@ from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.models.common import (
     Backbone,
+    DecodeBatch,
     LayoutLM,
     attention_layout,
     linear_layout,
@@ -219,6 +220,10 @@ class GatedDeltaNet(nn.Module):
     def forward_layout(self, x, layout, state: LinearState, rec: Recording | None, layer_idx: int):
         """x [1, n_live, h] (normed) -> [1, n_live, h]; state updated in place."""
         mixed, z, b, a = self.project(x)
+        if isinstance(layout, DecodeBatch):
+            o = self.sequential_scan(mixed, b, a, layout, state, rec, layer_idx, 0, 0, 0).to(x.dtype)
+            o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(1, -1, self.value_dim)
+            return self.out_proj(o)
         # Two regions: the pieces before the first cached span (live runs only, e.g. a prompt
         # split where prefix checkpoints are kept), and the rest (seams and the question between
         # cached spans). A region with two or more live runs runs them all at once (batched_scan)

@@ -1,0 +1,452 @@
+"""Continuous batching over one Engine: many requests in flight, one batched decode step a time.
+
+A Scheduler owns an Engine and runs a loop in its own thread. Each step it
+    1. drops the requests whose handles were cancelled (the client went away);
+    2. admits waiting requests while fewer than `max_num_seqs` run and their attention K/V
+       (prompt + max_new_tokens, reserved up front) fits `kv_cache_bytes`;
+    3. spends up to `max_num_batched_tokens` on admitted requests' prefill: first their cold
+       segments, built as one batched standalone prefill across requests (Engine.build_entries),
+       then their assemblies (Engine.prefill over warm entries), each request's first token
+       sampled from it;
+    4. runs ONE decode step over every running request (LayoutLM.decode_batch): B tokens in one
+       forward, the linear-layer states of the B requests taken from their slots of a
+       preallocated pool (LinearStatePool), attention K/V per request, padded under a key mask.
+A request's prefill is cut between steps at segment granularity (cold builds) and the assembly
+runs as one unit, so running streams wait for at most one step's budget of prefill.
+
+Sampling (per request: temperature, top_p, top_k, seed) and stop conditions are the single-request
+path's (sampling.sample_token, engine.TextStream). A finished request's prefix pages go into the
+page tree and are released (Engine.finish_prefix), its slot is freed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from hybridcache.services.runtime.engine import (
+    Engine,
+    GenerateResult,
+    Prefill,
+    Request,
+    TextStream,
+    request_generator,
+)
+from hybridcache.services.runtime.sampling import sample_token
+from hybridcache.services.runtime.sequence import LinearState, SequenceState
+
+log = logging.getLogger("hybridcache.scheduler")
+
+_DONE = object()
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound (HTTP 429, gRPC RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16  # requests decoding at once (vLLM's name)
+    max_waiting: int = 64  # requests queued for admission; one more is refused (QueueFull)
+    max_num_batched_tokens: int = 2048  # prefill tokens (cold builds, assemblies) per step
+    kv_cache_bytes: int = 1 << 32  # attention K/V reserved by running requests (prompt + max_new_tokens)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+
+
+class RequestHandle:
+    """One request in a Scheduler: iterate for (token_id, text_delta) as they come (token_id -1:
+    text only); cancel() (or leaving the iteration early) ends it within one step."""
+
+    def __init__(self, req: Request, scheduler: Scheduler):
+        self.req = req
+        self._scheduler = scheduler
+        self._events: queue.Queue = queue.Queue()
+        self._cancelled = threading.Event()
+        self.done = threading.Event()
+        self.finish_reason: str | None = None
+        self.output_ids: list[int] = []
+        self.prefill: Prefill | None = None
+        self.error: BaseException | None = None
+        self.finished_step = -1  # the scheduler step that ended it
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        if not self.done.is_set():
+            self._cancelled.set()
+            self._scheduler._wake()
+
+    def __iter__(self):
+        try:
+            while (item := self._events.get()) is not _DONE:
+                yield item
+            if self.error is not None:
+                raise self.error
+        finally:
+            if not self.done.is_set():
+                self.cancel()
+
+    def result(self) -> GenerateResult:
+        """Wait for the end; the same result Engine.generate gives."""
+        text = "".join(delta for _, delta in self)
+        stats = self.prefill.stats if self.prefill is not None else None
+        return GenerateResult(text, list(self.output_ids), self.req.prompt_ids, self.finish_reason, stats)
+
+    # called by the scheduler's thread
+    def _emit(self, events) -> None:
+        for ev in events:
+            self._events.put(ev)
+
+    def _finish(self, reason: str, error: BaseException | None = None) -> None:
+        self.finish_reason, self.error = reason, error
+        self.finished_step = self._scheduler.steps
+        self.done.set()
+        self._events.put(_DONE)
+
+
+@dataclass(slots=True)
+class _Seq:
+    handle: RequestHandle
+    req: Request
+    arrived: float
+    kv_bytes: int  # attention K/V it needs at most
+    pinned: dict
+    cost: int  # prefill tokens the assembly runs (estimate)
+    cold: dict = field(default_factory=dict)  # key -> token ids still to build
+    built: dict = field(default_factory=dict)  # key -> entry built ahead for it
+    prefill: Prefill | None = None
+    stream: TextStream | None = None
+    generator: torch.Generator | None = None
+    slot: int = -1
+    last_token: int = -1
+    reserved: int = 0  # bytes of kv_cache_bytes held since admission
+
+
+class LinearStatePool:
+    """The linear-layer states of running requests, one slot each, preallocated per layer as
+    [max_num_seqs, ...] (ssm fp32, conv tail). A request's SequenceState.linear holds views of its
+    slot, so the page tree and finish_prefix see its current state; a decode step reads the slots
+    of the batch (a view when they are consecutive) and writes the new states back in place."""
+
+    def __init__(self, empty: SequenceState, slots: int):
+        self.ssm = {i: s.ssm.new_zeros(slots, *s.ssm.shape[1:]) for i, s in empty.linear.items()}
+        self.conv = {i: s.conv.new_zeros(slots, *s.conv.shape[1:]) for i, s in empty.linear.items()}
+        self.free = list(range(slots))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.ssm, self.conv) for t in d.values())
+
+    def assign(self, state: SequenceState) -> int:
+        """Move a prefilled state's linear part into the lowest free slot; its state then views it."""
+        self.free.sort()
+        slot = self.free.pop(0)
+        for i, s in state.linear.items():
+            self.ssm[i][slot].copy_(s.ssm[0])
+            self.conv[i][slot].copy_(s.conv[0])
+            state.linear[i] = LinearState(self.ssm[i][slot : slot + 1], self.conv[i][slot : slot + 1])
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def _index(self, slots: list[int]):
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return slice(slots[0], slots[0] + len(slots))
+        return torch.tensor(slots, device=next(iter(self.ssm.values())).device)
+
+    def gather(self, slots: list[int]) -> tuple[dict[int, LinearState], object]:
+        idx = self._index(slots)
+        return {i: LinearState(self.ssm[i][idx], self.conv[i][idx]) for i in self.ssm}, idx
+
+    def scatter(self, idx, linear: dict[int, LinearState]) -> None:
+        for i, s in linear.items():
+            if isinstance(idx, slice):
+                self.ssm[i][idx].copy_(s.ssm)
+                self.conv[i][idx].copy_(s.conv)
+            else:
+                self.ssm[i].index_copy_(0, idx, s.ssm.to(self.ssm[i].dtype))
+                self.conv[i].index_copy_(0, idx, s.conv.to(self.conv[i].dtype))
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None):
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._admitted: list[_Seq] = []  # prefill in progress
+        self._running: list[_Seq] = []  # decoding, in slot order
+        self._kv_reserved = 0
+        self._stop = False
+        empty = engine.model.empty_state()
+        # per layer k [1, H, 0, d] and v [1, H, 0, dv] (MLA: latents and the shared key part)
+        self._kv_per_token = sum(
+            (a.k.shape[1] * a.k.shape[3] + a.v.shape[1] * a.v.shape[3]) * a.k.element_size()
+            for a in empty.attn.values()
+        )
+        self.pool = LinearStatePool(empty, self.config.max_num_seqs)
+        self.steps = 0
+        self.batch_sizes: collections.Counter = collections.Counter()  # decode batch size -> steps
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- API
+
+    def add_request(self, req: Request, pinned: dict | None = None) -> RequestHandle:
+        """Queue a request; raises QueueFull when max_waiting requests are already waiting.
+        pinned: key -> segment entry gathered for this request (held until it is assembled)."""
+        handle = RequestHandle(req, self)
+        n_prompt = len(req.prompt_ids)
+        seq = _Seq(handle, req, time.perf_counter(), (n_prompt + req.sampling.max_new_tokens) * self._kv_per_token,
+                   dict(pinned or {}), self._assembly_tokens(req))
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the scheduler is stopped")
+            if len(self._waiting) >= self.config.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (limit {self.config.max_waiting}); "
+                                "retry later", self.retry_after_s())
+            self._waiting.append(seq)
+            self._cv.notify()
+        return handle
+
+    def has_room(self) -> bool:
+        """Whether add_request would queue a request now (it may still refuse one later)."""
+        with self._cv:
+            return len(self._waiting) < self.config.max_waiting
+
+    def retry_after_s(self) -> float:
+        """A client's back-off when the queue is full (HTTP's Retry-After is whole seconds)."""
+        return 1.0
+
+    def generate(self, request) -> GenerateResult:
+        req = request if isinstance(request, Request) else self.engine.parse_request(request)
+        return self.add_request(req).result()
+
+    def load(self) -> dict:
+        with self._cv:
+            return {"waiting": len(self._waiting), "prefilling": len(self._admitted), "running": len(self._running)}
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    # ---------------------------------------------------------------- loop
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not (self._waiting or self._admitted or self._running):
+                    self._cv.wait()
+                if self._stop:
+                    break
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - every request in flight gets the error, the loop goes on
+                log.exception("scheduler step failed")
+                for seq in self._admitted + self._running:
+                    self._release(seq)
+                    seq.handle._finish("error", e)
+                self._admitted, self._running = [], []
+        for seq in list(self._waiting) + self._admitted + self._running:
+            self._release(seq)
+            seq.handle._finish("abort", RuntimeError("the scheduler stopped"))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self._reap_cancelled()
+        self._admit()
+        self._prefill_step()
+        if self._running:
+            self._decode_step()
+        self.steps += 1
+
+    def _assembly_tokens(self, req: Request) -> int:
+        """Tokens the assembly runs live: every prompt token but the reusable segments' bodies."""
+        cfg, eng = self.engine.config, self.engine
+        n = len(req.prompt_ids)
+        if not cfg.uses_entries:
+            return n
+        last = len(req.segment_ids) - 1 if not req.suffix_ids else -1
+        for j, ids in enumerate(req.segment_ids):
+            if j != last and eng.cacheable(ids):
+                n -= len(ids) - cfg.seam_window
+        return max(n, 1)
+
+    def _reap_cancelled(self) -> None:
+        with self._cv:
+            gone = [s for s in self._waiting if s.handle.cancelled]
+            for s in gone:
+                self._waiting.remove(s)
+        gone += [s for s in self._admitted + self._running if s.handle.cancelled]
+        if not gone:
+            return
+        self._admitted = [s for s in self._admitted if not s.handle.cancelled]
+        self._running = [s for s in self._running if not s.handle.cancelled]
+        for seq in gone:
+            self._release(seq)
+            seq.handle._finish("abort")
+
+    def _admit(self) -> None:
+        cfg = self.config
+        with self._cv:
+            while self._waiting and len(self._admitted) + len(self._running) < cfg.max_num_seqs:
+                seq = self._waiting[0]
+                busy = self._admitted or self._running
+                if busy and self._kv_reserved + seq.kv_bytes > cfg.kv_cache_bytes:
+                    break
+                self._waiting.popleft()
+                seq.reserved = seq.kv_bytes
+                self._kv_reserved += seq.reserved
+                self._admitted.append(seq)
+                seq.cold = self._cold_segments(seq)
+
+    def _cold_segments(self, seq: _Seq) -> dict:
+        eng = self.engine
+        if not eng.config.uses_entries:
+            return {}
+        req, out = seq.req, {}
+        last = len(req.segment_ids) - 1 if not req.suffix_ids else -1
+        for j, ids in enumerate(req.segment_ids):
+            if j == last or not eng.cacheable(ids):
+                continue
+            key = eng.entry_key(ids)
+            if key not in seq.pinned and not eng.entries.contains(key):
+                out[key] = ids
+        return out
+
+    def _prefill_step(self) -> None:
+        budget = self.config.max_num_batched_tokens
+        # cold segments of the admitted requests, oldest first, as one batched build
+        todo: dict[str, list[int]] = {}
+        for seq in self._admitted:
+            for key, ids in seq.cold.items():
+                if key in todo:
+                    continue
+                if todo and budget < len(ids):
+                    break
+                todo[key] = ids
+                budget -= len(ids)
+            if budget <= 0:
+                break
+        if todo:
+            entries = dict(zip(todo, self.engine.build_entries(list(todo.values()))))
+            for seq in self._admitted:
+                for key in [k for k in seq.cold if k in entries]:
+                    seq.built[key] = entries[key]
+                    del seq.cold[key]
+        # assemblies of the requests whose entries are all there, while the budget lasts (at least
+        # one a step when no cold build ran: an assembly longer than the budget still gets its turn)
+        still, progressed = [], bool(todo)
+        for seq in self._admitted:
+            if seq.cold or (budget <= 0 and progressed):
+                still.append(seq)
+                continue
+            budget -= seq.cost
+            progressed = True
+            self._assemble(seq)
+        self._admitted = still
+
+    def _assemble(self, seq: _Seq) -> None:
+        eng, params = self.engine, seq.req.sampling
+        try:
+            pre = eng.prefill(seq.req, pinned=seq.pinned, built=seq.built)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            self._release(seq)
+            seq.handle._finish("error", e)
+            return
+        seq.pinned, seq.built = {}, {}
+        seq.prefill = seq.handle.prefill = pre
+        pre.started = seq.arrived  # TTFT counts the time in the queue
+        seq.stream = TextStream(eng, params)
+        seq.handle.output_ids = seq.stream.output_ids
+        seq.generator = request_generator(params)
+        if params.max_new_tokens == 0:
+            pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
+            self._end(seq, "length")
+            return
+        tok = sample_token(pre.logits, params, seq.generator)
+        pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
+        if self._push(seq, tok):
+            return
+        seq.slot = self.pool.assign(pre.state)
+        self._running.append(seq)
+        self._running.sort(key=lambda s: s.slot)
+
+    def _push(self, seq: _Seq, tok: int) -> bool:
+        """Emit what token `tok` gives; True when the request ended with it."""
+        events, done = seq.stream.push(tok)
+        seq.handle._emit(events)
+        if done:
+            if seq.stream.finish_reason == "length":
+                seq.handle._emit(seq.stream.flush())
+            self._end(seq, seq.stream.finish_reason)
+            return True
+        seq.last_token = tok
+        return False
+
+    def _decode_step(self) -> None:
+        batch = self._running
+        states = [s.prefill.state for s in batch]
+        recorders = [s.prefill.recorder for s in batch]
+        capture = sorted({i for r in recorders if r is not None for i in r.capture_layers})
+        linear, idx = self.pool.gather([s.slot for s in batch])
+        toks = [s.last_token for s in batch]
+        logits, hidden = self.engine.model.decode_batch(states, toks, linear, capture)
+        self.pool.scatter(idx, linear)
+        self.batch_sizes[len(batch)] += 1
+        for b, (seq, rec) in enumerate(zip(batch, recorders)):
+            if rec is not None:
+                rec.token_ids.append(toks[b])
+                rec.add_hidden({i: hidden[i][b : b + 1] for i in rec.capture_layers}, 1)
+                rec.add_checkpoint(seq.prefill.state.length, seq.prefill.state.linear, copy=True)
+        greedy = [b for b, s in enumerate(batch) if s.req.sampling.temperature == 0.0]
+        picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
+        done = []
+        for b, seq in enumerate(batch):
+            tok = picks[b] if b in picks else sample_token(logits[b], seq.req.sampling, seq.generator)
+            if self._push(seq, tok):
+                done.append(seq)
+        if done:
+            self._running = [s for s in self._running if s not in done]
+
+    def _end(self, seq: _Seq, reason: str) -> None:
+        self._release(seq)
+        seq.handle._finish(reason)
+
+    def _release(self, seq: _Seq) -> None:
+        """Give back what a request holds: its prefix pages (finish_prefix), slot and K/V reservation."""
+        self._kv_reserved -= seq.reserved
+        seq.reserved = 0
+        if seq.prefill is not None:
+            try:
+                self.engine.finish_prefix(seq.prefill)
+            except Exception:  # noqa: BLE001 - a page insert that fails costs the cache, not the answer
+                log.exception("finish_prefix failed")
+        if seq.slot >= 0:
+            self.pool.release(seq.slot)
+            seq.slot = -1
+        seq.pinned, seq.built = {}, {}

@@ -1,0 +1,205 @@
+"""Continuous batching (runtime/scheduler.py, LayoutLM.decode_batch): requests run concurrently give
+the answers they give one by one, for every family; batched decode logits equal sequential ones;
+admission, queue bound, cancellation and interleaving behave as a server needs."""
+
+import time
+
+import pytest
+import torch
+from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.loader import load_model
+from hybridcache.services.runtime.modelzoo import init_model_dir
+from hybridcache.services.runtime.scheduler import QueueFull, Scheduler, SchedulerConfig
+from hybridcache.services.runtime.sequence import LiveRun
+from hybridcache.services.runtime.tokenizer import Tokenizer
+
+FAMILIES = ["qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "olmo_hybrid", "nemotron_h", "bamba", "kimi_linear",
+            "minimax"]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sched_models")
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = init_model_dir(arch, "tiny", root / arch, seed=1, std=0.08)
+        return cache[arch]
+
+    return get
+
+
+def _ids(gen, n):
+    return torch.randint(0, 250, (n,), generator=gen).tolist()
+
+
+def _requests(n, seed=0, max_new=(12, 5, 9, 16, 3)):
+    """Requests with shared and own segments (cold builds batched across requests, entry reuse,
+    prefix-page hits) and different lengths, so the batch has padding and changes as they finish."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = _ids(gen, 40)
+    sys_ids = _ids(gen, 70)  # over one 64-token page: the page tree holds it after the first request
+    out = []
+    for i in range(n):
+        segs = [shared, _ids(gen, 20 + 7 * i)] if i % 2 == 0 else [_ids(gen, 30 + 3 * i), shared]
+        out.append({"system": sys_ids if i % 3 == 0 else _ids(gen, 5 + i), "segments": segs,
+                    "suffix": _ids(gen, 4 + i),
+                    "sampling_params": {"max_new_tokens": max_new[i % len(max_new)], "ignore_eos": True}})
+    return out
+
+
+def _engine(path, **cfg):
+    return Engine(load_model(path), Tokenizer.from_dir(path), EngineConfig(**cfg))
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_batched_decode_logits_equal_sequential(arch, dirs):
+    model = load_model(dirs(arch))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.tensor(_ids(gen, n)) for n in (5, 23, 11, 1)]
+    seq, bat = [], []
+    for p in prompts:
+        for states in (seq, bat):
+            s = model.empty_state()
+            model.forward_layout(s, [LiveRun(p, 0)], logits_for="none")
+            states.append(s)
+    for _ in range(3):
+        toks = _ids(gen, len(prompts))
+        ref = torch.stack(
+            [model.forward_layout(s, [LiveRun(torch.tensor([t]), s.length)])[0] for s, t in zip(seq, toks)]
+        )
+        out, _ = model.decode_batch(bat, toks)
+        assert ref.abs().max().item() > 0.1
+        assert (out - ref).abs().max().item() <= 1e-5
+    for a, b in zip(seq, bat):
+        assert a.length == b.length
+        for i in a.linear:
+            assert torch.allclose(a.linear[i].ssm, b.linear[i].ssm, atol=1e-5)
+        for i in a.attn:
+            assert torch.allclose(a.attn[i].k, b.attn[i].k, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_concurrent_greedy_equals_one_by_one(arch, dirs):
+    n = 3 if arch == "kimi_linear" else 5
+    reqs = _requests(n)
+    one = _engine(dirs(arch))
+    ref = [one.generate(r) for r in reqs]
+    eng = _engine(dirs(arch))
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    try:
+        handles = [sched.add_request(eng.parse_request(r)) for r in reqs]
+        out = [h.result() for h in handles]
+    finally:
+        sched.stop()
+    for a, b in zip(ref, out):
+        assert b.output_ids == a.output_ids
+        assert b.text == a.text and b.finish_reason == a.finish_reason
+    assert [len(r.output_ids) for r in out] == [r["sampling_params"]["max_new_tokens"] for r in reqs]
+    # several requests decoded in one step, and the batch changed as requests came and went
+    assert max(sched.batch_sizes) >= 3 and len(sched.batch_sizes) >= 2
+    assert sched.pool.free and sorted(sched.pool.free) == list(range(4))
+
+
+def test_modes_sampling_and_stops_equal_one_by_one(qwen35_dir):
+    reqs = _requests(4, seed=5)
+    reqs[0]["sampling_params"].update(temperature=0.8, top_p=0.9, top_k=20, seed=7)
+    reqs[1]["sampling_params"].update(temperature=1.3, seed=11)
+    reqs[2]["sampling_params"].update(ignore_eos=False, stop_token_ids=[3, 17, 99])
+    for mode in ("full", "prefix", "pic"):
+        base = _engine(qwen35_dir, mode=mode)
+        ref = [base.generate(r) for r in reqs]
+        # a stop string from the middle of request 3's own greedy output
+        text = ref[3].text
+        stops = [dict(r) for r in reqs]
+        stops[3] = dict(reqs[3], sampling_params=dict(reqs[3]["sampling_params"], stop=[text[len(text) // 2:][:3]]))
+        ref[3] = _engine(qwen35_dir, mode=mode).generate(stops[3])
+        eng = _engine(qwen35_dir, mode=mode)
+        sched = Scheduler(eng, SchedulerConfig(max_num_seqs=3))
+        try:
+            out = [h.result() for h in [sched.add_request(eng.parse_request(r)) for r in stops]]
+        finally:
+            sched.stop()
+        for a, b in zip(ref, out):
+            assert (b.output_ids, b.text, b.finish_reason) == (a.output_ids, a.text, a.finish_reason), mode
+        assert ref[3].finish_reason == "stop" and len(ref[3].text) < len(text)
+
+
+def _long(max_new=2000):
+    return {"segments": [list(range(10, 80))], "suffix": [5, 6, 7],
+            "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}}
+
+
+def test_queue_full_cancel_and_short_behind_long(qwen35_dir):
+    eng = _engine(qwen35_dir, mode="prefix")
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_waiting=1))
+    try:
+        long = sched.add_request(eng.parse_request(_long()))
+        it = iter(long)
+        next(it)  # running
+        short = sched.add_request(eng.parse_request(_long(4)))
+        res = short.result()
+        # the short one finished while the long one still decodes
+        assert len(res.output_ids) == 4 and not long.done.is_set()
+        # two running, one waiting: the next is refused
+        blocker = sched.add_request(eng.parse_request(_long()))
+        next(iter(blocker))
+        waiting = sched.add_request(eng.parse_request(_long(2)))
+        with pytest.raises(QueueFull) as e:
+            sched.add_request(eng.parse_request(_long(2)))
+        assert e.value.retry_after_s >= 1
+        # cancelling frees a seat within a step: the waiting request runs next
+        steps = sched.steps
+        long.cancel()
+        blocker.cancel()
+        assert long.done.wait(5) and blocker.done.wait(5)
+        assert long.finish_reason == "abort" and long.finished_step - steps <= 1
+        assert len(waiting.result().output_ids) == 2
+        assert sched.load() == {"waiting": 0, "prefilling": 0, "running": 0}
+        assert len(long.output_ids) < 2000
+        # a consumer that stops iterating cancels its request too
+        h = sched.add_request(eng.parse_request(_long()))
+        for n, _ in enumerate(h):
+            if n == 3:
+                break
+        assert h.done.wait(5) and h.finish_reason == "abort"
+        assert sched._kv_reserved == 0 and sorted(sched.pool.free) == [0, 1]
+        # no page of the tree stays locked by the cancelled requests
+        nodes, todo = [], [eng.pages.root]
+        while todo:
+            node = todo.pop()
+            nodes.append(node)
+            todo += node.children.values()
+        assert len(nodes) > 1 and all(node.ref_count == 0 for node in nodes)
+    finally:
+        sched.stop()
+
+
+def test_memory_budget_admits_what_fits(qwen35_dir):
+    eng = _engine(qwen35_dir, mode="full")
+    probe = Scheduler(eng, SchedulerConfig())
+    per_token = probe._kv_per_token
+    probe.stop()
+    req = _long(30)
+    need = (len(eng.parse_request(req).prompt_ids) + 30) * per_token
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=4, kv_cache_bytes=need + need // 2))
+    try:
+        a, b = (sched.add_request(eng.parse_request(req)) for _ in range(2))
+        first_b = None
+        for _ in b:
+            first_b = time.perf_counter()
+            break
+        # b got no token before a had finished: only one fits the budget
+        assert a.done.is_set() and first_b is not None
+        b.result()
+        assert max(sched.batch_sizes) == 1
+    finally:
+        sched.stop()
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_waiting"):
+        SchedulerConfig(max_waiting=-1)
