@@ -208,7 +208,6 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self._thread.start()
 
-    # ---------------------------------------------------------------- API
 
     def add_request(self, req: Request, pinned: dict | None = None) -> RequestHandle:
         """Queue a request; raises QueueFull when max_waiting requests are already waiting.
@@ -250,7 +249,6 @@ class Scheduler:
             self._cv.notify()
         self._thread.join(timeout=30)
 
-    # ---------------------------------------------------------------- loop
 
     def _wake(self) -> None:
         with self._cv:
