@@ -11,7 +11,6 @@ GPU and in pinned host memory), decode tokens/s, and pic-vs-full numerics in bf1
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
@@ -24,20 +23,6 @@ import time
 import torch
 
 SEG, QUESTION, SEAM = 1024, 64, 8
-
-
-@contextlib.contextmanager
-def env_var(name: str, value: str):
-    """os.environ[name] = value inside the block, restored (or removed) after it."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def timed(fn, repeat=3, warmup=1):
@@ -133,11 +118,6 @@ def cold_prefill(model, peer, n, vocab, figures, tag):
     t_entry, _ = timed(lambda: model.forward_layout(model.empty_state(), layout_entry, "none"), repeat=5)
     t_plain, _ = timed(lambda: model.forward_layout(model.empty_state(), [LiveRun(ids, 0)], "none"), repeat=5)
     figures[f"construction_overhead_pct_{tag}"] = round((t_entry / t_plain - 1) * 100, 2)
-    # each layout of the entry's T run (kernels/ops/gated_delta_rule/fla_entry.py), same run
-    for mode in ("stacked", "sequential", "stream"):
-        with env_var("HYBRIDCACHE_ENTRY_T_RUN", mode):
-            t_mode, _ = timed(lambda: model.forward_layout(model.empty_state(), layout_entry, "none"), repeat=5)
-        figures[f"construction_overhead_pct_{tag}_t_run_{mode}"] = round((t_mode / t_plain - 1) * 100, 2)
 
 
 def compose_figures(cfg, figures, n_seg=32):
@@ -253,9 +233,9 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
     # The live pass runs from CUDA graphs of its shape (services/runtime/graphs.py): captured at a
     # shape's second sighting (the first compiles and autotunes eagerly), replayed after. The timed
     # runs are replays; the eager pass and the capturing request are timed on their own.
-    from hybridcache.services.runtime.graphs import layout_graphs
+    from hybridcache.services.runtime.graphs import eager, layout_graphs
 
-    with env_var("HYBRIDCACHE_CUDA_GRAPHS", "off"):
+    with eager(model):
         t_eager, (logits_eager, _) = timed(run_pic, repeat=5)
     run_pic()  # first sighting of the shape with graphs on (the eager runs above do not count)
     torch.cuda.synchronize()
@@ -277,21 +257,6 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
     if graphs is not None:  # the captured shape's static entry buffers
         figures[f"pic_graph_entry_buffers_mb_{tag}"] = round((graphs.buffer_bytes - buffers) / 2**20, 1)
     figures[f"pic_graph_failures_{tag}"] = list(graphs.failed.values())[:3] if graphs is not None else None
-    # the same assembly with the seams' attention in masked SDPA instead of kernels/ops/attention
-    with env_var("HYBRIDCACHE_LIVE_ATTENTION", "sdpa"):
-        t_pic_sdpa, (logits_sdpa, _) = timed(run_pic, repeat=5, warmup=3)
-    figures[f"pic_ttft_ms_{tag}_gpu_resident_sdpa_live_attention"] = round(t_pic_sdpa, 2)
-    figures[f"pic_live_attention_triton_vs_sdpa_logits_max_abs_diff_{tag}"] = float(
-        f"{(logits_pic.float() - logits_sdpa.float()).abs().max().item():.3g}"
-    )
-    # the same assembly with the linear layers' fold over a stack of the pieces (torch.cat) instead
-    # of reading them in place (HYBRIDCACHE_FOLD, backends.fold_states)
-    with env_var("HYBRIDCACHE_FOLD", "stack"):
-        t_pic_stack, (logits_stack, _) = timed(run_pic, repeat=5, warmup=3)
-    figures[f"pic_ttft_ms_{tag}_gpu_resident_fold_stack"] = round(t_pic_stack, 2)
-    figures[f"pic_fold_blocks_vs_stack_logits_max_abs_diff_{tag}"] = float(
-        f"{(logits_pic.float() - logits_stack.float()).abs().max().item():.3g}"
-    )
     # Entries in the engine's host tier (cache/host_tier.py): one pinned buffer per entry, staged
     # layer by layer on a side stream while the forward runs (the engine's path for host hits).
     from hybridcache.services.runtime.cache import SegmentEntry
@@ -381,33 +346,29 @@ def shape_churn_figures(model, cfg, figures, n_seg=8, fresh=4, steps=16):
     segs = [torch.randint(0, cfg.vocab_size, (SEG,), generator=gen) for _ in range(n_seg)]
     entries = build_entries(model, segs)
     base = 40
-    try:
-        for tag, spec in (("torch", "torch"), ("default", backends.DEFAULT_SDPA_BACKENDS)):
-            with env_var("HYBRIDCACHE_SDPA_BACKENDS", spec):
-                backends.sdpa_backends.cache_clear()
-                first, again = [], []
-                for i in range(fresh):
-                    q = torch.randint(0, cfg.vocab_size, (base + i,), generator=gen)
-                    for times in (first, again):
-                        torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        model.forward_layout(model.empty_state(), pic_layout(segs, entries, q), "last")
-                        torch.cuda.synchronize()
-                        times.append((time.perf_counter() - t0) * 1e3)
-                base += fresh
-                figures[f"pic_ms_new_shape_8x1k_sdpa_{tag}"] = round(statistics.median(first), 2)
-                figures[f"pic_ms_same_shape_8x1k_sdpa_{tag}"] = round(statistics.median(again), 2)
-                state = model.empty_state()
-                logits, _ = model.forward_layout(state, [LiveRun(torch.cat(segs[:2]), 0)], "last")
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    tok = logits.argmax().view(1).cpu()
-                    logits, _ = model.forward_layout(state, [LiveRun(tok, state.length)], "last")
-                torch.cuda.synchronize()
-                figures[f"decode_tokens_per_s_batch1_sdpa_{tag}"] = round(steps / (time.perf_counter() - t0), 1)
-    finally:
-        backends.sdpa_backends.cache_clear()
+    for tag, spec in (("torch", "torch"), ("default", backends.DEFAULT_SDPA_BACKENDS)):
+        with backends.dispatching(backends.OpDispatch(sdpa_backends=spec)):
+            first, again = [], []
+            for i in range(fresh):
+                q = torch.randint(0, cfg.vocab_size, (base + i,), generator=gen)
+                for times in (first, again):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    model.forward_layout(model.empty_state(), pic_layout(segs, entries, q), "last")
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+            base += fresh
+            figures[f"pic_ms_new_shape_8x1k_sdpa_{tag}"] = round(statistics.median(first), 2)
+            figures[f"pic_ms_same_shape_8x1k_sdpa_{tag}"] = round(statistics.median(again), 2)
+            state = model.empty_state()
+            logits, _ = model.forward_layout(state, [LiveRun(torch.cat(segs[:2]), 0)], "last")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = logits.argmax().view(1).cpu()
+                logits, _ = model.forward_layout(state, [LiveRun(tok, state.length)], "last")
+            torch.cuda.synchronize()
+            figures[f"decode_tokens_per_s_batch1_sdpa_{tag}"] = round(steps / (time.perf_counter() - t0), 1)
 
 
 def decode_figures(model, cfg, figures, prompt=1024, steps=32):

@@ -190,20 +190,12 @@ def env_names(root: Path = ROOT) -> dict[str, list[str]]:
 # What each variable does, for the table; a name the code gains without an entry here gets an
 # empty cell (the table still lists it, so the docs test asks for a regeneration).
 ENV_HELP = {
-    "HYBRIDCACHE_CUDA_GRAPHS": "`off` turns CUDA graphs of the live pass off for the process (as `--cuda-graphs off`)",
-    "HYBRIDCACHE_CUDA_GRAPH_SHAPES": "layout shapes whose graphs are kept (default 4, least recently used dropped)",
-    "HYBRIDCACHE_ENTRY_T_RUN": "entry construction's T run: `sequential` (default), `stacked` or `stream`",
     "HYBRIDCACHE_FAULT_EXIT_AFTER_ENTRIES": "tests only: a scatter worker exits after streaming this many entries",
-    "HYBRIDCACHE_FOLD": "CUDA fold of matrix-T pieces: `blocks` (in place, default) or `stack`",
     "HYBRIDCACHE_HOME": "where a tiny random default model is created when none is shipped (~/.cache/hybridcache)",
-    "HYBRIDCACHE_KERNELS": "`reference` forces the pure-PyTorch reference ops on any device",
-    "HYBRIDCACHE_LIVE_ATTENTION": "attention of live tokens between cached spans: `triton` (default) or `sdpa`",
     "HYBRIDCACHE_MODEL": "the embedded default model's directory (else models/default)",
     "HYBRIDCACHE_OPERATOR_METRICS_PORT": "operator: port of its Prometheus metrics (0 = off)",
     "HYBRIDCACHE_RETRY_DELAY": "operator: seconds before a failed reconcile is retried (default 10)",
-    "HYBRIDCACHE_SDPA_BACKENDS": "SDPA backends on CUDA: a comma list of flash, efficient, cudnn, math, or `torch`",
     "HYBRIDCACHE_SHM_DIR": "directory of the shared-memory transport (default /dev/shm)",
-    "HYBRIDCACHE_STAGE_WINDOW": "host-tier staging: layers queued ahead (a number, or `all`: the default)",
     "HYBRIDCACHE_TIMER_INTERVAL": "operator: seconds between autoscaling timer runs (default 15)",
     "HYBRIDCACHE_INSTANCE": "set by the operator in every pod: the HybridCache's name",
     "HYBRIDCACHE_MODEL_ARCH": "set by the operator: spec.model.arch",

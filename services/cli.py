@@ -171,15 +171,6 @@ def main(argv: list[str] | None = None) -> int:
     from hybridcache.services.runtime.sampling import RequestError
 
     try:
-        if args.command in ("generate", "serve", "up", "eval", "demo"):
-            from hybridcache.services.runtime import backends
-            from hybridcache.services.runtime.cache.host_tier import stage_window
-
-            try:
-                backends.sdpa_backends()  # the attention backend choice, checked before any model loads
-                stage_window()  # and the host tier's staging window
-            except ValueError as e:
-                raise UsageError(str(e)) from None
         if args.command == "up":
             from hybridcache.services.launcher import up
 

@@ -22,6 +22,8 @@ ENTRY_STATE_DTYPES = ("float32", "bfloat16")
 POLICIES = ("checkpoint", "suffix_replay", "exact_replay")
 ANCHOR_DTYPES = ("float8_e4m3fn",)  # besides "model" (the model's dtype)
 DEVICES = ("cpu", "cuda")
+KERNELS = ("auto", "reference")
+SDPA_BACKEND_NAMES = ("flash", "efficient", "cudnn", "math")
 DTYPES = ("float32", "bfloat16")
 # `hybridcache serve` roles that build an engine: scatter and combine workers run the model; the
 # router plans requests (tokens, segment keys, limits) without one.
@@ -145,6 +147,18 @@ class RuntimeConfig:
     cuda_graphs: bool = setting(
         True, "on CUDA, run the live pass of assembled prompts from CUDA graphs of their shapes "
         "(off: every forward eagerly)")
+    cuda_graph_shapes: int = setting(
+        4, "layout shapes whose CUDA graphs are kept, least recently used dropped (each holds buffers the size "
+        "of its request's entries)")
+    # The two below choose the op implementations (services/runtime/backends.py) for the process.
+    kernels: str = setting(
+        "auto", "auto: the fast kernels (fla, Triton) for CUDA tensors and the PyTorch references elsewhere; "
+        "reference: the references everywhere (to compare against)", choices=KERNELS)
+    # cuDNN's attention is left out by default: it builds an execution graph for every new shape,
+    # and every request has its own context length and live-token count, as does every decode step.
+    sdpa_backends: str = setting(
+        "flash,efficient,math", "SDPA backends allowed on CUDA: a comma list of flash, efficient, cudnn, math; "
+        "or torch (torch's own choice)")
 
     def __post_init__(self):
         if self.anchor_dtype is None:  # the Python spelling of "model"
@@ -166,6 +180,9 @@ class RuntimeConfig:
             raise ValueError("entry_batch_tokens must be positive")
         if self.host_cache_bytes < 0:
             raise ValueError("host_cache_bytes must be >= 0 (0 = no host tier)")
+        if self.cuda_graph_shapes < 1:
+            raise ValueError("cuda_graph_shapes must be >= 1")
+        sdpa_backend_names(self.sdpa_backends)  # validates
         _ = self.page_policy  # validates the policy's parameters
 
     @property
@@ -199,6 +216,16 @@ class RuntimeConfig:
     @property
     def uses_entries(self) -> bool:
         return self.mode in ("pic", "naive")
+
+
+def sdpa_backend_names(spec: str) -> tuple[str, ...] | None:
+    """The backend names of an --sdpa-backends spec, in order; None for "torch" (no restriction)."""
+    if spec.strip() == "torch":
+        return None
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    if not names or any(n not in SDPA_BACKEND_NAMES for n in names):
+        raise ValueError(f"sdpa_backends {spec!r}: expected torch or a comma list of {', '.join(SDPA_BACKEND_NAMES)}")
+    return names
 
 
 def flag_name(f) -> str:

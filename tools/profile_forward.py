@@ -14,8 +14,8 @@ overlap the GPU's work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -159,7 +159,8 @@ def main(argv=None):
     ap.add_argument("--sync-check", action="store_true", help="report host-device syncs and their call sites")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
-    from gpu_bench import SEAM, SEG, build_entries, build_models, env_var, pic_layout
+    from gpu_bench import SEAM, SEG, build_entries, build_models, pic_layout
+    from hybridcache.services.runtime.graphs import eager, set_cuda_graphs
     from hybridcache.services.runtime.sequence import LiveRun
 
     cfg, model, _, _ = build_models("qwen3.5-9b", False)
@@ -184,7 +185,7 @@ def main(argv=None):
         shape's second sighting, so after the warm-up runs below every run is a replay)."""
 
         def fn():
-            with env_var("HYBRIDCACHE_CUDA_GRAPHS", "on" if on else "off"), record_function("forward"):
+            with contextlib.nullcontext() if on else eager(model), record_function("forward"):
                 pic()
 
         return fn
@@ -196,12 +197,12 @@ def main(argv=None):
 
     hosted = [to_host(SegmentEntry(f"profile-{i}", SEG, e, 0.0)) for i, e in enumerate(entries)]
 
-    def pic_host(graphs_on: str = "on", window: str = "all"):
-        """Stage the host entries (every layer queued at once, or a window of layers) and run the
-        assembly from its graphs or eagerly."""
+    def pic_host(graphs_on: bool = True):
+        """Stage the host entries (every layer queued at once) and run the assembly from its graphs
+        or eagerly."""
 
         def fn():
-            with env_var("HYBRIDCACHE_CUDA_GRAPHS", graphs_on), env_var("HYBRIDCACHE_STAGE_WINDOW", window):
+            with contextlib.nullcontext() if graphs_on else eager(model):
                 with record_function("stage"):
                     staged = stage(hosted, "cuda")
                 with record_function("forward"):
@@ -214,8 +215,7 @@ def main(argv=None):
         ("pic", graphs(False)),
         ("pic_graphs", graphs(True)),
         ("pic_host_graphs", pic_host()),
-        ("pic_host_graphs_window2", pic_host(window="2")),
-        ("pic_host_eager", pic_host("off")),
+        ("pic_host_eager", pic_host(False)),
     )
     for name, fn in cases:
         for _ in range(3):
@@ -249,7 +249,7 @@ def main(argv=None):
         state = model.empty_state()
         return model.forward_layout(state, pic_layout(segs, entries, question), "last"), state
 
-    os.environ["HYBRIDCACHE_CUDA_GRAPHS"] = "off"  # the eager pass, as before graphs
+    set_cuda_graphs(model, False)  # the eager pass, as before graphs
     for keep in (False, True):
         prev, times = pic_kept(), []
         torch.cuda.synchronize()

@@ -5,7 +5,9 @@ rule (with initial state) when importable, our fused entry construction for runs
 cache entry, Triton causal conv, our live-token attention kernel (kernels/ops/attention) where live
 tokens sit between cached spans, and SDPA for the other attention (flash for a plain causal
 prefill, a live tail and decode).
-`HYBRIDCACHE_KERNELS=reference` forces the references on any device (for A/B comparisons).
+Which of these a process takes is one OpDispatch, chosen from the runtime config when an engine
+is built (`configure`): `--kernels reference` forces the references on any device, and
+`--sdpa-backends` names the SDPA backends allowed. Nothing here reads the environment.
 Kernel modules are imported lazily, so importing the runtime never imports Triton.
 """
 
@@ -14,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,14 +28,57 @@ from hybridcache.kernels.ops.kda import naive_recurrent_kda
 from hybridcache.kernels.ops.mamba2 import naive_ssd
 from hybridcache.kernels.ops.simple_gla import naive_lightning_attention
 from hybridcache.kernels.ops.transition import apply_segment
+from hybridcache.services.config import KERNELS, RuntimeConfig, sdpa_backend_names
 
 # Below this many tokens the step loop beats chunking on CPU, and fla's fused recurrent kernel
 # beats its chunked one on GPU (decode, seam windows).
 SHORT_RUN = 16
 
 
+@dataclass(frozen=True)
+class OpDispatch:
+    """The process's choice of op implementations (RuntimeConfig.kernels and .sdpa_backends):
+    fast kernels for CUDA tensors unless kernels is "reference"; the SDPA backends allowed."""
+
+    kernels: str = RuntimeConfig.kernels
+    sdpa_backends: str = RuntimeConfig.sdpa_backends
+
+    def __post_init__(self):
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        sdpa_backend_names(self.sdpa_backends)
+
+    @classmethod
+    def of(cls, config: RuntimeConfig) -> OpDispatch:
+        return cls(config.kernels, config.sdpa_backends)
+
+
+_DISPATCH = OpDispatch()
+
+
+def configure(dispatch: OpDispatch) -> None:
+    """Make `dispatch` the process's op choice (Engine does, from its config, when it is built)."""
+    global _DISPATCH
+    _DISPATCH = dispatch
+
+
+def current_dispatch() -> OpDispatch:
+    return _DISPATCH
+
+
+@contextlib.contextmanager
+def dispatching(dispatch: OpDispatch):
+    """`dispatch` inside the block, the previous choice after it (benchmarks' comparisons, tests)."""
+    prev = _DISPATCH
+    configure(dispatch)
+    try:
+        yield dispatch
+    finally:
+        configure(prev)
+
+
 def use_fast_kernels(t: torch.Tensor) -> bool:
-    return t.is_cuda and os.environ.get("HYBRIDCACHE_KERNELS", "auto") != "reference"
+    return t.is_cuda and _DISPATCH.kernels != "reference"
 
 
 @functools.cache
@@ -198,19 +243,6 @@ def _block(b):
     return b[0][b[1] : b[1] + 1] if isinstance(b, tuple) else b
 
 
-FOLD_PATHS = ("blocks", "stack")
-
-
-def fold_path() -> str:
-    """How the CUDA fold reads matrix-T pieces: "blocks" (in place, through an address table, the
-    default) or "stack" (a torch.cat of them first, kept for A/B runs); from
-    HYBRIDCACHE_FOLD."""
-    name = os.environ.get("HYBRIDCACHE_FOLD", "blocks")
-    if name not in FOLD_PATHS:
-        raise ValueError(f"HYBRIDCACHE_FOLD={name!r}: expected one of {', '.join(FOLD_PATHS)}")
-    return name
-
-
 def fold_states(Ts, Ss, initial_state, use_transition):
     """States after each of n (T, S) pairs folded in order from initial_state [1, H, K, V]:
     S_i = T_i S_{i-1} + S_i (S_{i-1} + S_i where use_transition[i] is False, the naive ablation).
@@ -219,7 +251,7 @@ def fold_states(Ts, Ss, initial_state, use_transition):
     On CUDA, matrix T: one Triton launch that reads the blocks where they lie through a table of
     their addresses (compose_states_blocks), every intermediate state out, no stacked copy; the
     blocks of one kind must share a dtype and be contiguous there (else they are stacked, as
-    torch.cat promotes; HYBRIDCACHE_FOLD=stack always stacks)."""
+    torch.cat promotes)."""
     if use_fast_kernels(initial_state) and all(use_transition):
         t0 = _block(Ts[0])
         if t0.dim() == 4 and t0.shape[-1] == t0.shape[-2]:
@@ -228,7 +260,7 @@ def fold_states(Ts, Ss, initial_state, use_transition):
             bases_T = [b[0] if isinstance(b, tuple) else b for b in Ts]
             bases_S = [b[0] if isinstance(b, tuple) else b for b in Ss]
             uniform = len({b.dtype for b in bases_T}) == 1 and len({b.dtype for b in bases_S}) == 1
-            if uniform and fold_path() == "blocks" and all(b.is_contiguous() for b in bases_T + bases_S):
+            if uniform and all(b.is_contiguous() for b in bases_T + bases_S):
                 dev = initial_state.device
                 _, states = compose_states_blocks(
                     Ts, Ss, initial_state[0], output_all=True, to_device=lambda t: to_device_async(t, dev)
@@ -451,30 +483,22 @@ def causal_conv1d(x, weight, bias, initial_state, activation):
     return naive_causal_conv1d(x, weight, bias, initial_state, activation)
 
 
-# SDPA backends allowed on CUDA. cuDNN's attention is left out by default: it builds an execution
-# graph for every new shape, and every request here has its own context length and live-token
-# count, as does every decode step. Flash and memory-efficient attention have no per-shape setup
-# (gpu_bench's shape_churn section times both choices). HYBRIDCACHE_SDPA_BACKENDS overrides:
-# a comma list of flash, efficient, cudnn, math; or "torch" for torch's own choice.
-_SDPA_NAMES = ("flash", "efficient", "cudnn", "math")
-DEFAULT_SDPA_BACKENDS = "flash,efficient,math"
+DEFAULT_SDPA_BACKENDS = RuntimeConfig.sdpa_backends
+
+
+def sdpa_backends(spec: str | None = None):
+    """The torch SDPBackend list for a spec (default: the process's OpDispatch); None for "torch"
+    (no restriction)."""
+    return _sdpa_backends(spec if spec is not None else _DISPATCH.sdpa_backends)
 
 
 @functools.cache
-def sdpa_backends(spec: str | None = None):
-    """The torch SDPBackend list for a spec (default: HYBRIDCACHE_SDPA_BACKENDS, else
-    DEFAULT_SDPA_BACKENDS); None for "torch" (no restriction)."""
+def _sdpa_backends(spec: str):
     from torch.nn.attention import SDPBackend
 
-    spec = spec if spec is not None else os.environ.get("HYBRIDCACHE_SDPA_BACKENDS", DEFAULT_SDPA_BACKENDS)
-    if spec.strip() == "torch":
+    names = sdpa_backend_names(spec)
+    if names is None:
         return None
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    bad = [n for n in names if n not in _SDPA_NAMES]
-    if bad or not names:
-        raise ValueError(
-            f"HYBRIDCACHE_SDPA_BACKENDS={spec!r}: expected 'torch' or a comma list of {', '.join(_SDPA_NAMES)}"
-        )
     table = {
         "flash": SDPBackend.FLASH_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -515,19 +539,6 @@ def gqa_unfold(o, hq: int):
     return o.reshape(b, hq, rows * hkv // hq, dv)
 
 
-LIVE_ATTENTION_KERNELS = ("triton", "sdpa")
-
-
-def live_attention_kernel() -> str:
-    """Which attention serves live tokens between cached spans on CUDA: "triton"
-    (kernels/ops/attention, the default) or "sdpa" (masked SDPA, for A/B runs); from
-    HYBRIDCACHE_LIVE_ATTENTION."""
-    name = os.environ.get("HYBRIDCACHE_LIVE_ATTENTION", "triton")
-    if name not in LIVE_ATTENTION_KERNELS:
-        raise ValueError(f"HYBRIDCACHE_LIVE_ATTENTION={name!r}: expected one of {', '.join(LIVE_ATTENTION_KERNELS)}")
-    return name
-
-
 def attention(q, k, v, live_pos: torch.Tensor, scale: float, first_pos: int | None = None):
     """Live queries q [1, Hq, n, d] (absolute positions live_pos [n], ascending) over all keys
     k, v [1, Hkv, N, d] at positions 0..N-1. GQA when Hq != Hkv. Returns [1, Hq, n, d].
@@ -542,7 +553,7 @@ def attention(q, k, v, live_pos: torch.Tensor, scale: float, first_pos: int | No
         return sdpa(q, k, v, scale=scale, enable_gqa=gqa)
     masked = not tail or n < N
     narrow = max(q.shape[-1], v.shape[-1]) <= 256
-    if not tail and narrow and use_fast_kernels(q) and live_attention_kernel() == "triton":
+    if not tail and narrow and use_fast_kernels(q):
         # Live tokens interleaved with cached spans (seams): kernels/ops/attention, each query's
         # keys bounded by its position inside the kernel, GQA folded: no mask, no repeated K/V
         # (its tiles are tuned and GPU-tested up to head dim 256; wider heads stay on SDPA)

@@ -196,15 +196,11 @@ class Engine:
             if tid is not None and t != "<|im_start|>":
                 eos.add(tid)
         self.eos_ids = frozenset(eos)
-        if getattr(model, "device", torch.device("cpu")).type == "cuda":
-            backends.sdpa_backends()  # a bad HYBRIDCACHE_SDPA_BACKENDS fails here, not in a request
-        if self.config.host_cache_bytes:
-            from hybridcache.services.runtime.cache.host_tier import stage_window
-
-            stage_window()  # likewise a bad HYBRIDCACHE_STAGE_WINDOW
+        # the op implementations and CUDA graphs this engine's config chooses
+        backends.configure(backends.OpDispatch.of(self.config))
         from hybridcache.services.runtime.graphs import set_cuda_graphs
 
-        set_cuda_graphs(model, self.config.cuda_graphs)
+        set_cuda_graphs(model, self.config.cuda_graphs, self.config.cuda_graph_shapes)
 
     def _new_entry_store(self) -> EntryStore:
         cfg = self.config

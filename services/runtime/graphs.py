@@ -32,17 +32,16 @@ answer. Host-to-device copies of layout-derived index tensors inside the forward
 (backends.to_device_async) become device tensors filled once after the capture
 (backends.HostConstants), so no graph holds a memcpy node.
 
-Off with EngineConfig(cuda_graphs=False) (`--cuda-graphs off`) for a model, HYBRIDCACHE_CUDA_GRAPHS=off for
-the process; HYBRIDCACHE_CUDA_GRAPH_SHAPES (default 4) bounds the shapes
-kept. Only models that declare `cuda_graphs = True` (their live pass has no host synchronization) and
-only layouts with a cached span (an assembly; decode and
-plain prefills change shape every call) are captured.
+Off with RuntimeConfig.cuda_graphs (`--cuda-graphs off`) for a model; RuntimeConfig.cuda_graph_shapes
+(`--cuda-graph-shapes`, default 4) bounds the shapes kept. Only models that declare
+`cuda_graphs = True` (their live pass has no host synchronization) and only layouts with a cached
+span (an assembly; decode and plain prefills change shape every call) are captured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -63,18 +62,9 @@ from hybridcache.services.runtime.sequence import (
 
 log = logging.getLogger(__name__)
 
-GRAPH_ENV = "HYBRIDCACHE_CUDA_GRAPHS"
-# How many layout shapes keep their graphs (each holds buffers the size of its request's entries,
-# 4.1 GB at the 32 x 1k shape of Qwen3.5-9B with fp32 entries, and its graphs' intermediates).
-SHAPES_ENV = "HYBRIDCACHE_CUDA_GRAPH_SHAPES"
-# Environment switches that change which kernels the live pass launches: part of a graph's key.
-PATH_ENVS = (
-    "HYBRIDCACHE_KERNELS",
-    "HYBRIDCACHE_LIVE_ATTENTION",
-    "HYBRIDCACHE_FOLD",
-    "HYBRIDCACHE_SDPA_BACKENDS",
-    "HYBRIDCACHE_ENTRY_T_RUN",
-)
+# How many layout shapes keep their graphs by default (each holds buffers the size of its request's
+# entries, 4.1 GB at the 32 x 1k shape of Qwen3.5-9B with fp32 entries, and its graphs' intermediates).
+DEFAULT_MAX_SHAPES = 4
 
 
 class GraphUnsupported(RuntimeError):
@@ -82,36 +72,41 @@ class GraphUnsupported(RuntimeError):
     graph's buffers); the caller runs the eager forward."""
 
 
-def graphs_enabled() -> bool:
-    value = os.environ.get(GRAPH_ENV, "on")
-    if value not in ("on", "off"):
-        raise ValueError(f"{GRAPH_ENV}={value!r}: expected on or off")
-    return value == "on"
-
-
-def set_cuda_graphs(model, enabled: bool) -> None:
-    """Turn CUDA graphs of `model`'s live pass on or off (EngineConfig.cuda_graphs); off also drops
-    the graphs it holds."""
+def set_cuda_graphs(model, enabled: bool, max_shapes: int = DEFAULT_MAX_SHAPES) -> None:
+    """Turn CUDA graphs of `model`'s live pass on or off (RuntimeConfig.cuda_graphs), keeping the
+    graphs of at most `max_shapes` layout shapes; off also drops the graphs it holds."""
+    if max_shapes < 1:
+        raise ValueError(f"max_shapes must be >= 1, got {max_shapes}")
     model._cuda_graphs_enabled = bool(enabled)
+    model._cuda_graph_shapes = max_shapes
     graphs = getattr(model, "_layout_graphs", None)
-    if not enabled and graphs is not None:
+    if graphs is not None and (not enabled or graphs.max_graphs != max_shapes):
         graphs.clear()
+        graphs.max_graphs = max_shapes
+
+
+@contextlib.contextmanager
+def eager(model):
+    """Inside the block `model`'s live pass runs eagerly; the graphs it holds are kept (a reference
+    run beside graphed ones, in tests and benchmarks)."""
+    prev = getattr(model, "_cuda_graphs_enabled", True)
+    model._cuda_graphs_enabled = False
+    try:
+        yield
+    finally:
+        model._cuda_graphs_enabled = prev
 
 
 def layout_graphs(model) -> LayoutGraphs | None:
     """The model's graph cache when its live pass may run from CUDA graphs here, else None."""
     if not getattr(model, "cuda_graphs", False) or not getattr(model, "_cuda_graphs_enabled", True):
         return None
-    if not graphs_enabled():
-        return None
     if model.device.type != "cuda" or not backends.use_fast_kernels(model.lm_head.weight):
         return None
     graphs = getattr(model, "_layout_graphs", None)
     if graphs is None:
-        raw = os.environ.get(SHAPES_ENV, "4")
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(f"{SHAPES_ENV}={raw!r}: expected a positive number of layout shapes")
-        graphs = model._layout_graphs = LayoutGraphs(model, max_graphs=int(raw))
+        shapes = getattr(model, "_cuda_graph_shapes", DEFAULT_MAX_SHAPES)
+        graphs = model._layout_graphs = LayoutGraphs(model, max_graphs=shapes)
     return graphs
 
 
@@ -153,14 +148,15 @@ def layout_key(state: SequenceState, layout, logits_for, snapshot_after, capture
     held = tuple(
         (i, s.ssm.dtype, tuple(s.ssm.shape), s.conv.dtype, tuple(s.conv.shape)) for i, s in state.linear.items()
     ) + tuple((i, a.k.dtype, tuple(a.k.shape), tuple(a.v.shape)) for i, a in state.attn.items())
-    envs = tuple(os.environ.get(e) for e in PATH_ENVS)
+    # the op choice fixes which kernels the pass launches
+    dispatch = backends.current_dispatch()
     return (
         state.length,
         held,
         logits_for,
         tuple(sorted(snapshot_after)),
         tuple(sorted(capture_hidden)),
-        envs,
+        dispatch,
         tuple(pieces),
     )
 

@@ -1,4 +1,4 @@
-"""backends.attention: SDPA backend selection (HYBRIDCACHE_SDPA_BACKENDS) and its three paths
+"""backends.attention: SDPA backend selection (--sdpa-backends, the OpDispatch) and its three paths
 (decode, bottom-right causal, seams interleaved with cached spans) against explicit softmax
 attention, GQA included."""
 
@@ -7,37 +7,28 @@ import torch
 from hybridcache.services.runtime import backends
 
 
-@pytest.fixture(autouse=True)
-def _fresh_backends(monkeypatch):
-    backends.sdpa_backends.cache_clear()
-    yield
-    backends.sdpa_backends.cache_clear()
-
-
-def test_default_backends_leave_out_cudnn(monkeypatch):
+def test_default_backends_leave_out_cudnn():
     from torch.nn.attention import SDPBackend
 
-    monkeypatch.delenv("HYBRIDCACHE_SDPA_BACKENDS", raising=False)
     allowed = backends.sdpa_backends()
     assert SDPBackend.CUDNN_ATTENTION not in allowed
     assert allowed == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def test_backends_from_the_environment(monkeypatch):
+def test_backends_from_the_dispatch():
     from torch.nn.attention import SDPBackend
 
-    monkeypatch.setenv("HYBRIDCACHE_SDPA_BACKENDS", "torch")
-    assert backends.sdpa_backends() is None
-    backends.sdpa_backends.cache_clear()
-    monkeypatch.setenv("HYBRIDCACHE_SDPA_BACKENDS", " cudnn, math ")
-    assert backends.sdpa_backends() == [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    with backends.dispatching(backends.OpDispatch(sdpa_backends="torch")):
+        assert backends.sdpa_backends() is None
+    with backends.dispatching(backends.OpDispatch(sdpa_backends=" cudnn, math ")):
+        assert backends.sdpa_backends() == [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    assert backends.sdpa_backends() == backends.sdpa_backends(backends.DEFAULT_SDPA_BACKENDS)  # restored
 
 
 @pytest.mark.parametrize("spec", ["fast", "flash,,nope", ","])
-def test_bad_backend_spec_is_a_clear_error(monkeypatch, spec):
-    monkeypatch.setenv("HYBRIDCACHE_SDPA_BACKENDS", spec)
-    with pytest.raises(ValueError, match="HYBRIDCACHE_SDPA_BACKENDS"):
-        backends.sdpa_backends()
+def test_bad_backend_spec_is_a_clear_error(spec):
+    with pytest.raises(ValueError, match="sdpa_backends"):
+        backends.OpDispatch(sdpa_backends=spec)
 
 
 def reference(q, k, v, live_pos, scale):
@@ -67,12 +58,12 @@ def test_attention_paths_match_explicit_softmax_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", [backends.DEFAULT_SDPA_BACKENDS, "torch"])
-def test_attention_paths_match_explicit_softmax_gpu(monkeypatch, spec):
-    monkeypatch.setenv("HYBRIDCACHE_SDPA_BACKENDS", spec)
-    for name, q, k, v, pos in cases("cuda", torch.bfloat16):
-        out = backends.attention(q, k, v, pos, 0.125)
-        ref = reference(q, k, v, pos, 0.125)
-        assert (out.float() - ref.float()).abs().max().item() < 2e-2, name
+def test_attention_paths_match_explicit_softmax_gpu(spec):
+    with backends.dispatching(backends.OpDispatch(sdpa_backends=spec)):
+        for name, q, k, v, pos in cases("cuda", torch.bfloat16):
+            out = backends.attention(q, k, v, pos, 0.125)
+            ref = reference(q, k, v, pos, 0.125)
+            assert (out.float() - ref.float()).abs().max().item() < 2e-2, name
 
 
 def test_models_call_attention_only_through_backends():
@@ -92,8 +83,7 @@ def test_models_call_attention_only_through_backends():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA path runs for real on a GPU")
 def test_seams_take_the_live_attention_kernel_on_the_fast_path(monkeypatch):
     """Seams (live queries between cached spans) go to kernels/ops/attention on the fast path, with
-    the same result as the masked SDPA path; a live tail, wide heads and
-    HYBRIDCACHE_LIVE_ATTENTION=sdpa do not; a bad value of that variable is an error."""
+    the same result as the masked SDPA path; a live tail and wide heads do not."""
     import kernel_testing  # noqa: F401  (Triton's interpreter on CPU, set before the kernel loads)
     from hybridcache.kernels.ops.attention import triton as attn
 
@@ -111,7 +101,6 @@ def test_seams_take_the_live_attention_kernel_on_the_fast_path(monkeypatch):
         return backends.attention(q, k, v, live, d**-0.5, first_pos=pos[0]), (q, k, v, live)
 
     seams = [3, 4, 20, 21, 39]
-    monkeypatch.delenv("HYBRIDCACHE_LIVE_ATTENTION", raising=False)
     got, (q, k, v, live) = run(16, seams)
     assert calls == [q.shape]
     monkeypatch.setattr(backends, "use_fast_kernels", lambda t: False)
@@ -119,9 +108,4 @@ def test_seams_take_the_live_attention_kernel_on_the_fast_path(monkeypatch):
     assert (got - ref).abs().max().item() < 1e-5
     run(16, list(range(N - 5, N)))  # a live tail: fused SDPA
     run(288, seams)  # heads wider than the kernel's tested tiles: SDPA
-    monkeypatch.setenv("HYBRIDCACHE_LIVE_ATTENTION", "sdpa")
-    run(16, seams)
     assert len(calls) == 1
-    monkeypatch.setenv("HYBRIDCACHE_LIVE_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="HYBRIDCACHE_LIVE_ATTENTION"):
-        run(16, seams)

@@ -1,12 +1,14 @@
 """CUDA graphs of the live pass (services/runtime/graphs.py) on a GPU: every replay against the eager
 forward on the same request, for requests of one shape with other tokens and entries."""
 
+import contextlib
+
 import pytest
 import torch
 from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.cache.host_tier import stage, to_host
 from hybridcache.services.runtime.config import ModelConfig
-from hybridcache.services.runtime.graphs import layout_graphs
+from hybridcache.services.runtime.graphs import eager, layout_graphs
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.modelzoo import hf_config, random_init_
 from hybridcache.services.runtime.sequence import CachedSpan, LiveRun
@@ -45,10 +47,10 @@ def pic_layout(segs, datas, question):
     return layout + [LiveRun(question, pos)]
 
 
-def run(model, layout, monkeypatch, graphs: bool, **kw):
-    monkeypatch.setenv("HYBRIDCACHE_CUDA_GRAPHS", "on" if graphs else "off")
+def run(model, layout, graphs: bool, **kw):
     state = model.empty_state()
-    logits, rec = model.forward_layout(state, layout, "last", **kw)
+    with contextlib.nullcontext() if graphs else eager(model):
+        logits, rec = model.forward_layout(state, layout, "last", **kw)
     torch.cuda.synchronize()
     return logits, state, rec
 
@@ -67,17 +69,16 @@ def assert_close_states(a, b, tol):
         assert gap(a.attn[i].v, b.attn[i].v) <= tol * (1 + b.attn[i].v.abs().max().item()), i
 
 
-def test_replays_of_a_shape_match_the_eager_forward(monkeypatch):
+def test_replays_of_a_shape_match_the_eager_forward():
     """bf16, the served dtype (fp32 adds minutes of fla compilation; the CPU tests cover the logic)."""
     model = cuda_model(torch.bfloat16)
-    monkeypatch.setenv("HYBRIDCACHE_CUDA_GRAPHS", "on")
     graphs = layout_graphs(model)
     assert graphs is not None
     kept = []
     for seed in (1, 2, 3, 4):  # eager, capture (answered eagerly), replay, replay
         segs, datas, q = request(model, seed)
-        ref_logits, ref_state, _ = run(model, pic_layout(segs, datas, q), monkeypatch, graphs=False)
-        logits, state, _ = run(model, pic_layout(segs, datas, q), monkeypatch, graphs=True)
+        ref_logits, ref_state, _ = run(model, pic_layout(segs, datas, q), graphs=False)
+        logits, state, _ = run(model, pic_layout(segs, datas, q), graphs=True)
         # the same kernels on the same inputs
         assert gap(logits, ref_logits) <= 1e-3 * (1 + ref_logits.abs().max().item())
         assert_close_states(state, ref_state, 1e-3)
@@ -91,19 +92,18 @@ def test_replays_of_a_shape_match_the_eager_forward(monkeypatch):
         assert torch.equal(copy, live) and torch.equal(ssm_copy, ssm_live)
 
 
-def test_replays_with_host_staged_entries_snapshots_and_hidden_states(monkeypatch):
+def test_replays_with_host_staged_entries_snapshots_and_hidden_states():
     model = cuda_model(torch.bfloat16)
-    monkeypatch.setenv("HYBRIDCACHE_CUDA_GRAPHS", "on")
     graphs = layout_graphs(model)
     snaps, hidden = {1, 5}, (0, 3)
     for seed in (1, 2, 3):
         segs, datas, q = request(model, seed)
         ref_logits, ref_state, ref_rec = run(
-            model, pic_layout(segs, datas, q), monkeypatch, graphs=False, snapshot_after=snaps, capture_hidden=hidden
+            model, pic_layout(segs, datas, q), graphs=False, snapshot_after=snaps, capture_hidden=hidden
         )
         hosted = stage([to_host(SegmentEntry(f"s{seed}-{i}", 1, d, 0.0)) for i, d in enumerate(datas)], "cuda")
         logits, state, rec = run(
-            model, pic_layout(segs, hosted, q), monkeypatch, graphs=True, snapshot_after=snaps, capture_hidden=hidden
+            model, pic_layout(segs, hosted, q), graphs=True, snapshot_after=snaps, capture_hidden=hidden
         )
         assert gap(logits, ref_logits) <= 1e-3 * (1 + ref_logits.abs().max().item())
         assert_close_states(state, ref_state, 1e-3)
@@ -116,7 +116,7 @@ def test_replays_with_host_staged_entries_snapshots_and_hidden_states(monkeypatc
     assert graphs.stats["replays"] == 1 and not graphs.failed, (graphs.stats, graphs.failed)
 
 
-def test_engine_answers_alike_with_and_without_graphs(tmp_path, monkeypatch):
+def test_engine_answers_alike_with_and_without_graphs(tmp_path):
     """Two engines on one model get the same RAG requests of one shape (new documents each time,
     then the same documents after another system prompt): the same tokens with graphs on or off,
     on the engine's whole path (entries built cold, part-chain snapshots, prefix pages, decode)."""
@@ -136,9 +136,8 @@ def test_engine_answers_alike_with_and_without_graphs(tmp_path, monkeypatch):
             "sampling_params": {"max_new_tokens": 6, "ignore_eos": True},
         }
         for req in (cold, dict(cold, system=[4, 5, 6], segments=docs[::-1])):
-            monkeypatch.setenv("HYBRIDCACHE_CUDA_GRAPHS", "off")
-            want = plain.generate(dict(req)).output_ids
-            monkeypatch.setenv("HYBRIDCACHE_CUDA_GRAPHS", "on")
+            with eager(graphed.model):
+                want = plain.generate(dict(req)).output_ids
             got = graphed.generate(dict(req)).output_ids
             assert got == want and len(want) == 6, n
     graphs = layout_graphs(graphed.model)

@@ -41,8 +41,9 @@ def _need_fla(module):
 
 
 @pytest.fixture(autouse=True)
-def _fast_kernels(monkeypatch):
-    monkeypatch.delenv("HYBRIDCACHE_KERNELS", raising=False)
+def _fast_kernels():
+    with backends.dispatching(backends.OpDispatch(kernels="auto")):
+        yield
 
 
 def _check(got, ref, with_transition):

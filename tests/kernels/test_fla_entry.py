@@ -24,13 +24,12 @@ def make_inputs(B, T, H, K, V, seed=42):
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,H,K,V", SHAPES, ids=[f"B{b}-T{t}-H{h}-K{k}-V{v}" for b, t, h, k, v in SHAPES])
 @pytest.mark.parametrize("with_init", [False, True])
-@pytest.mark.parametrize("t_run", ["stacked", "sequential", "stream"])
-def test_entry_matches_reference(B, T, H, K, V, with_init, t_run):
+def test_entry_matches_reference(B, T, H, K, V, with_init):
     from hybridcache.kernels.ops.gated_delta_rule.fla_entry import chunk_gated_delta_rule_entry
 
     q, k, v, g, beta = make_inputs(B, T, H, K, V)
     init = torch.randn(B, H, K, V, device="cuda") if with_init else None
-    o, S, (Tr, S0) = chunk_gated_delta_rule_entry(q, k, v, g, beta, initial_state=init, t_run=t_run)
+    o, S, (Tr, S0) = chunk_gated_delta_rule_entry(q, k, v, g, beta, initial_state=init)
     o_ref, S_ref, (Tr_ref, S0_ref) = naive_recurrent_gated_delta_rule(
         q.float(), k.float(), v.float(), g, beta.float(), initial_state=init, output_transition=True
     )
@@ -89,19 +88,3 @@ def test_local_cumsum_runs_fla_with_a_batch_of_one_cpu(B, T):
     expect = torch.stack([ref(g[b : b + 1])[0] for b in range(B)])
     assert calls[0] == 1 and out.shape == (B, T, 3) and out.is_contiguous()
     assert torch.allclose(out, expect, atol=1e-6)
-
-
-def test_t_run_choice_cpu(monkeypatch):
-    """Sequential by default; stacking only where K == V; an explicit choice or the environment
-    wins; a bad name is an error, not a silent default."""
-    from hybridcache.kernels.ops.gated_delta_rule import fla_entry
-
-    monkeypatch.delenv("HYBRIDCACHE_ENTRY_T_RUN", raising=False)
-    assert fla_entry.pick_t_run(128, 128) == "sequential"
-    assert fla_entry.pick_t_run(128, 128, "stacked") == "stacked"
-    assert fla_entry.pick_t_run(64, 128, "stacked") == "sequential"  # K != V cannot stack
-    assert fla_entry.pick_t_run(128, 128, "stream") == "stream"
-    monkeypatch.setenv("HYBRIDCACHE_ENTRY_T_RUN", "stream")
-    assert fla_entry.pick_t_run(128, 128) == "stream"
-    with pytest.raises(ValueError, match="t_run must be one of"):
-        fla_entry.pick_t_run(128, 128, "parallel")

@@ -84,8 +84,9 @@ def test_entering_states_gather(rows):
     assert torch.equal(GatedDeltaNet._entering_states(list(states), rows, state_in), want)
 
 
-def test_fold_path_switch(monkeypatch):
-    """HYBRIDCACHE_FOLD=stack takes the stacked kernel (same states); a bad value is a clear error."""
+def test_fold_reads_blocks_in_place_and_stacks_only_mixed_dtypes(monkeypatch):
+    """Pieces of one dtype, contiguous where they lie, are folded through the address table; a
+    piece of another dtype makes the fold stack them first (as torch.cat promotes): same states."""
     from hybridcache.kernels.ops.transition import compose_triton
 
     monkeypatch.setattr(backends, "use_fast_kernels", lambda t: True)
@@ -96,10 +97,7 @@ def test_fold_path_switch(monkeypatch):
         real = getattr(compose_triton, name)
         monkeypatch.setattr(compose_triton, name, lambda *a, _r=real, _n=name, **k: launched.append(_n) or _r(*a, **k))
     blocks = backends.fold_states(Ts, Ss, h0, [True] * 5)
-    monkeypatch.setenv("HYBRIDCACHE_FOLD", "stack")
-    stacked = backends.fold_states(Ts, Ss, h0, [True] * 5)
+    mixed_Ts = [*Ts[:-1], T[4:5].double()]
+    stacked = backends.fold_states(mixed_Ts, Ss, h0, [True] * 5)
     assert launched == ["compose_states_blocks", "compose_states_fwd"]
-    assert torch.allclose(blocks, stacked, atol=1e-6)
-    monkeypatch.setenv("HYBRIDCACHE_FOLD", "cat")
-    with pytest.raises(ValueError, match="HYBRIDCACHE_FOLD='cat'"):
-        backends.fold_states(Ts, Ss, h0, [True] * 5)
+    assert torch.allclose(blocks, stacked, atol=1e-5)

@@ -1,8 +1,9 @@
 """The Qwen3.5 norms on CUDA through the row-norm kernel (kernels/ops/norm) against their eager references (the
-same modules with HYBRIDCACHE_KERNELS=reference), fp32 and bf16, odd row counts."""
+same modules under the reference OpDispatch), fp32 and bf16, odd row counts."""
 
 import pytest
 import torch
+from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.models.qwen3_hybrid import GatedRMSNorm, ZeroCenteredRMSNorm
 
 pytestmark = pytest.mark.gpu
@@ -10,9 +11,8 @@ pytestmark = pytest.mark.gpu
 
 def _both(monkeypatch, fn):
     got = fn()
-    monkeypatch.setenv("HYBRIDCACHE_KERNELS", "reference")
-    ref = fn()
-    monkeypatch.delenv("HYBRIDCACHE_KERNELS")
+    with backends.dispatching(backends.OpDispatch(kernels="reference")):
+        ref = fn()
     return got, ref
 
 

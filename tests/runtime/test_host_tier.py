@@ -67,21 +67,6 @@ def test_stage_gives_the_same_tensors_layer_by_layer(engine):
             assert x.data_ptr() != y.data_ptr()  # copies, not the host buffer itself
 
 
-def test_stage_window_setting(monkeypatch):
-    from hybridcache.services.runtime.cache.host_tier import stage_window
-
-    monkeypatch.delenv("HYBRIDCACHE_STAGE_WINDOW", raising=False)
-    assert stage_window() is None  # every layer queued during staging
-    monkeypatch.setenv("HYBRIDCACHE_STAGE_WINDOW", "all")
-    assert stage_window() is None
-    monkeypatch.setenv("HYBRIDCACHE_STAGE_WINDOW", "3")
-    assert stage_window() == 3
-    for bad in ("0", "-2", "two"):
-        monkeypatch.setenv("HYBRIDCACHE_STAGE_WINDOW", bad)
-        with pytest.raises(ValueError, match="HYBRIDCACHE_STAGE_WINDOW"):
-            stage_window()
-
-
 def _request(segments, system):
     return {"system": system, "segments": segments, "suffix": [11, 12, 13, 14],
             "sampling_params": {"max_new_tokens": 4}}

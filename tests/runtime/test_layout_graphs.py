@@ -150,7 +150,9 @@ def test_a_shape_is_captured_on_its_nth_sighting_and_other_shapes_run_eagerly(mo
     assert layout_key(model.empty_state(), rec_layout, "none", (), ()) is None
 
 
-def test_shape_key_tells_apart_what_changes_the_kernels(model, monkeypatch):
+def test_shape_key_tells_apart_what_changes_the_kernels(model):
+    from hybridcache.services.runtime import backends
+
     segs, datas, q = request(model, 1)
     state = model.empty_state()
     base = layout_key(state, pic_layout(segs, datas, q), "last", (), ())
@@ -160,8 +162,10 @@ def test_shape_key_tells_apart_what_changes_the_kernels(model, monkeypatch):
     assert base != layout_key(state, pic_layout(segs, datas, q), "last", {1}, ())
     naive = [CachedSpan(p.data, p.start, False) if isinstance(p, CachedSpan) else p for p in pic_layout(segs, datas, q)]
     assert base != layout_key(state, naive, "last", (), ())
-    monkeypatch.setenv("HYBRIDCACHE_LIVE_ATTENTION", "sdpa")
-    assert base != layout_key(state, pic_layout(segs, datas, q), "last", (), ())
+    for other in (backends.OpDispatch(kernels="reference"), backends.OpDispatch(sdpa_backends="flash,math")):
+        with backends.dispatching(other):
+            assert base != layout_key(state, pic_layout(segs, datas, q), "last", (), ())
+    assert base == layout_key(state, pic_layout(segs, datas, q), "last", (), ())
 
 
 def test_a_request_whose_tensors_do_not_fit_runs_eagerly(model):
@@ -258,11 +262,8 @@ def test_host_constants_are_device_tensors_filled_once_after_the_capture():
             arena.to_device(a, "cpu")
 
 
-def test_graphs_are_off_on_cpu_and_by_switch(model, monkeypatch):
+def test_graphs_are_off_on_cpu(model):
     assert layout_graphs(model) is None  # a CPU model: the eager forward
-    monkeypatch.setenv("HYBRIDCACHE_CUDA_GRAPHS", "sometimes")
-    with pytest.raises(ValueError, match="HYBRIDCACHE_CUDA_GRAPHS"):
-        layout_graphs(model)
     moe = HybridLM(ModelConfig.from_dict(hf_config("qwen3_5_moe_text", "tiny")))
     assert not moe.cuda_graphs and model.cuda_graphs
 
@@ -336,8 +337,8 @@ def test_cuda_graphs_flag_reaches_the_model(monkeypatch, qwen35_dir):
     assert layout_graphs(eng.model) is not None
     Engine(eng.model, eng.tokenizer, off)
     assert layout_graphs(eng.model) is None
-    monkeypatch.setenv("HYBRIDCACHE_CUDA_GRAPH_SHAPES", "0")
-    graphs_mod.set_cuda_graphs(eng.model, True)
-    eng.model._layout_graphs = None
-    with pytest.raises(ValueError, match="HYBRIDCACHE_CUDA_GRAPH_SHAPES"):
-        layout_graphs(eng.model)
+    # --cuda-graph-shapes bounds the shapes kept
+    Engine(eng.model, eng.tokenizer, config_from_args(ap.parse_args(["--cuda-graph-shapes", "2"])))
+    assert layout_graphs(eng.model).max_graphs == 2
+    with pytest.raises(ValueError, match="cuda_graph_shapes"):
+        config_from_args(ap.parse_args(["--cuda-graph-shapes", "0"]))

@@ -24,8 +24,8 @@ from hybridcache.services.contract import ROLES
 from hybridcache.services.runtime.evaluation import RUN_FIELDS
 
 ENGINE_COMMANDS = ("generate", "demo", "eval", "serve", "up")
-# Alternatives the generic rule below cannot find (a value valid only with another field's).
-ALTERNATIVES = {"anchor_dtype": "float8_e4m3fn", "prefix_policy": "suffix_replay"}
+# Alternatives the generic rule below cannot find (free-form strings, values valid only with another field's).
+ALTERNATIVES = {"anchor_dtype": "float8_e4m3fn", "prefix_policy": "suffix_replay", "sdpa_backends": "flash,math"}
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -193,3 +193,34 @@ def test_flag_table_lists_every_flag_with_its_default():
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[0] == f"`{flag_name(f)}`"
         assert cells[1] == f"`{format_value(f.default)}`"
+
+
+def test_runtime_reads_no_environment_switch():
+    """Op dispatch, CUDA graphs and host staging come from the config: under kernels/ and
+    services/runtime/ only the default model's location is read from the environment."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    reads = {}
+    for p in [*(root / "kernels").rglob("*.py"), *(root / "services" / "runtime").rglob("*.py")]:
+        found = re.findall(r"(?:os\.environ(?:\.get)?[\[(]|os\.getenv\()\s*\"([A-Z_0-9]+)\"", p.read_text())
+        if found:
+            reads[str(p.relative_to(root))] = sorted(set(found))
+    assert reads == {"services/runtime/modelzoo.py": ["HYBRIDCACHE_HOME", "HYBRIDCACHE_MODEL"]}
+
+
+def test_engine_takes_its_op_dispatch_and_graph_bound_from_the_config(qwen35_dir):
+    from hybridcache.services.runtime import backends
+    from hybridcache.services.runtime.engine import Engine
+
+    prev = backends.current_dispatch()
+    try:
+        eng = Engine.from_dir(qwen35_dir, config=RuntimeConfig(kernels="reference", sdpa_backends="math",
+                                                               cuda_graph_shapes=3))
+        assert backends.current_dispatch() == backends.OpDispatch("reference", "math")
+        assert eng.model._cuda_graph_shapes == 3
+        Engine(eng.model, eng.tokenizer, RuntimeConfig())
+        assert backends.current_dispatch() == backends.OpDispatch()
+    finally:
+        backends.configure(prev)

@@ -3,18 +3,11 @@
 fla's chunked forward is three stages: the intra-chunk WY representation (w, u from a C x C
 triangular solve), the inter-chunk state recurrence (h per chunk, v_new = u - w h), and the
 output. The transition T of the run is the same recurrence started from I with u = 0
-(README.md here), so it needs only the middle stage again, sharing w and the decay cumsum.
-How the T run goes (`t_run`, or HYBRIDCACHE_ENTRY_T_RUN; default "sequential"):
-- "sequential": the T run as its own launch after the value run, no copies;
-- "stacked" (K == V): value run and T run stacked on the batch axis, one launch of the state
-  kernel: fills SMs a single run leaves idle (B x HV (batch, head) pairs, one program per pair
-  and column block), at the price of copying k, w and u into the doubled batch;
-- "stream": the T run's launch on a side CUDA stream, overlapping the value run without the
-  copies.
-gpu_bench times all three (`construction_overhead_pct_*_t_run_*`). At the Qwen3.5-9B shape
-(32 (batch, head) pairs on an H200's 132 SMs) the copies of "stacked" cost more than the idle SMs
-it fills, and "stream" gains nothing over "sequential", so sequential is the default.
-The WY stage and the output stage run once.
+(README.md here), so it needs only the middle stage again, sharing w and the decay cumsum: the T
+run is its own launch after the value run, with no copies. (Stacking the two runs on the batch
+axis, or the T run on a side stream, were measured at the Qwen3.5-9B shape: the stack's copies
+cost more than the idle SMs it fills, and the side stream gains nothing.) The WY stage and the
+output stage run once.
 
 S(run|0) comes out as S_final - T S_init (exact in exact arithmetic; both terms are fp32 states
 of the same kernel). Imports fla lazily: this module is importable without it.
@@ -22,27 +15,7 @@ of the same kernel). Imports fla lazily: this module is importable without it.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
-
-T_RUNS = ("stacked", "sequential", "stream")
-
-
-@functools.cache
-def _side_stream(device):
-    return torch.cuda.Stream(device)
-
-
-def pick_t_run(K: int, V: int, t_run: str | None = None) -> str:
-    """The T run's layout: `t_run`, else HYBRIDCACHE_ENTRY_T_RUN, else "sequential"."""
-    mode = t_run or os.environ.get("HYBRIDCACHE_ENTRY_T_RUN") or "sequential"
-    if mode not in T_RUNS:
-        raise ValueError(f"t_run must be one of {', '.join(T_RUNS)}, got {mode!r}")
-    if mode == "stacked" and K != V:
-        mode = "sequential"  # stacking needs the T run's value width K to equal V
-    return mode
 
 
 def chunk_gated_delta_rule_entry(
@@ -55,12 +28,10 @@ def chunk_gated_delta_rule_entry(
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
     output_query_transition: bool = False,
-    t_run: str | None = None,
 ):
     """Chunked gated delta rule that also returns the run's (T, S(run|0)); with
     output_query_transition also u [B, T, HV, K] (v's dtype), u_t = scale T_t^T q_t: the outputs of
-    the T run itself, from the state kernel's per-chunk T and its corrected values (the output
-    stage run on the stacked batch when K == V: one launch for both).
+    the T run itself, from the state kernel's per-chunk T and its corrected values.
 
     Args: q, k [B, T, H, K]; v [B, T, HV, V]; g (log decay), beta [B, T, HV]; initial_state
     [B, HV, K, V] fp32 or None. Same contract as naive_recurrent_gated_delta_rule(...,
@@ -76,7 +47,7 @@ def chunk_gated_delta_rule_entry(
     from fla.ops.utils.constant import RCP_LN2
 
     B, _, _, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
+    HV = v.shape[2]
     if scale is None:
         scale = K**-0.5
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
@@ -84,65 +55,27 @@ def chunk_gated_delta_rule_entry(
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=chunk_size)
     eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(B, HV, K, K)
     h0 = initial_state.float() if initial_state is not None else None
-    mode = pick_t_run(K, V, t_run)
-    if mode == "stacked" and h0 is None:
-        h0 = torch.zeros(B, HV, K, V, device=k.device)
-    if mode == "stacked":
-        h, v_new, final = chunk_gated_delta_rule_fwd_h(
-            k=k.repeat(2, 1, 1, 1),
-            w=w.repeat(2, 1, 1, 1),
-            u=torch.cat([u, torch.zeros_like(u)]),
-            g=g_cum.repeat(2, 1, 1),
-            initial_state=torch.cat([h0, eye]).contiguous(),
-            output_final_state=True,
-            chunk_size=chunk_size,
-        )
-        S_final, Tr = final[:B], final[B:]
-        if output_query_transition:
-            both = chunk_fwd_o(q=q.repeat(2, 1, 1, 1), k=k.repeat(2, 1, 1, 1), v=v_new, h=h, g=g_cum.repeat(2, 1, 1),
-                               scale=scale, chunk_size=chunk_size)
-            S0 = S_final if initial_state is None else S_final - Tr @ h0
-            return both[:B], S_final, (Tr, S0), both[B:]
-        h, v_new = h[:B], v_new[:B]
-    else:
-
-        def t_recurrence():
-            return chunk_gated_delta_rule_fwd_h(
-                k=k,
-                w=w,
-                u=u.new_zeros(*u.shape[:-1], K),
-                g=g_cum,
-                initial_state=eye.contiguous(),
-                output_final_state=True,
-                chunk_size=chunk_size,
-                save_new_value=output_query_transition,
-            )
-
-        if mode == "stream":
-            # k, w, g_cum come from the main stream, which waits for the side one before it goes
-            # on, so their blocks are not reused early; what the side stream allocates and the
-            # main one reads is marked as used there.
-            main, side = torch.cuda.current_stream(k.device), _side_stream(k.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                h_t, v_new_t, Tr = t_recurrence()
-        # a zero start goes to fla as None (no [B, H, K, V] of zeros written and read a call)
-        h, v_new, S_final = chunk_gated_delta_rule_fwd_h(
-            k=k,
-            w=w,
-            u=u,
-            g=g_cum,
-            initial_state=h0.contiguous() if h0 is not None else None,
-            output_final_state=True,
-            chunk_size=chunk_size,
-        )
-        if mode == "stream":
-            main.wait_stream(side)
-            for t in (h_t, v_new_t, Tr):
-                if t is not None:
-                    t.record_stream(main)
-        else:
-            h_t, v_new_t, Tr = t_recurrence()
+    # a zero start goes to fla as None (no [B, H, K, V] of zeros written and read a call)
+    h, v_new, S_final = chunk_gated_delta_rule_fwd_h(
+        k=k,
+        w=w,
+        u=u,
+        g=g_cum,
+        initial_state=h0.contiguous() if h0 is not None else None,
+        output_final_state=True,
+        chunk_size=chunk_size,
+    )
+    # the T run: the same recurrence from I with zero values
+    h_t, v_new_t, Tr = chunk_gated_delta_rule_fwd_h(
+        k=k,
+        w=w,
+        u=u.new_zeros(*u.shape[:-1], K),
+        g=g_cum,
+        initial_state=eye.contiguous(),
+        output_final_state=True,
+        chunk_size=chunk_size,
+        save_new_value=output_query_transition,
+    )
     o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=chunk_size)
     S0 = S_final if h0 is None else S_final - Tr @ h0
     if output_query_transition:

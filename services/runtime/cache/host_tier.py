@@ -17,7 +17,6 @@ all entries of a request.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 
@@ -94,14 +93,12 @@ def is_host(entry: SegmentEntry) -> bool:
 
 
 class _Stager:
-    """The copies of staged layers, queued on the copy stream in layer order: `window` layers by
-    stage itself (every layer by default), each later one when the forward waits for the layer
-    `window` before it."""
+    """The copies of staged layers, queued on the copy stream in layer order as stage() allocates
+    each layer's buffer."""
 
-    def __init__(self, stream, layers: list[int], window: int):
+    def __init__(self, stream, layers: list[int]):
         self.stream = stream
         self.layers = layers
-        self.window = window
         self.copies: dict[int, list] = {lay: [] for lay in layers}  # layer -> [(dst, src)]
         self.buffers: dict[int, torch.Tensor] = {}
         self.events: dict[int, torch.cuda.Event] = {}
@@ -131,7 +128,7 @@ class _Stager:
 
 class _EventWait:
     """Makes the device's current stream wait for a staged layer's copies (no host synchronization),
-    queuing them and the next `window` layers' first if they are not queued yet."""
+    queuing them first if they are not queued yet."""
 
     def __init__(self, stager: _Stager, layer: int, device: torch.device):
         self._stager, self._layer, self._device = stager, layer, device
@@ -141,7 +138,7 @@ class _EventWait:
         if self._done:
             return
         st = self._stager
-        st.queue_through(st.layers.index(self._layer) + 1 + st.window)
+        st.queue_through(st.layers.index(self._layer) + 1)
         torch.cuda.current_stream(self._device).wait_event(st.events[self._layer])
         self._done = True
 
@@ -157,44 +154,22 @@ def _copy_stream(device: torch.device):
         return _copy_streams[device]
 
 
-STAGE_WINDOW = None  # every layer queued as staging allocates it
-
-
-def stage_window() -> int | None:
-    """HYBRIDCACHE_STAGE_WINDOW: layers queued ahead of the one the forward waits for (the rest as
-    the forward reaches them), or "all" (the default): every layer queued during staging."""
-    v = os.environ.get("HYBRIDCACHE_STAGE_WINDOW", "").strip().lower()
-    if not v or v == "all":
-        return STAGE_WINDOW
-    try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"HYBRIDCACHE_STAGE_WINDOW must be a positive number of layers or 'all', not {v!r}")
-    return n
-
-
 def stage(entries: list[SegmentEntry], device: torch.device | str) -> list[SpanData]:
     """Device-side SpanData of host entries (to_host copies), layer by layer: for each layer one
     device buffer with that layer of every entry, filled on a side stream (CUDA) and waited for on
-    first use of the layer. By default each layer's copies are queued as soon as
-    its buffer is allocated, so the copy engine runs while the rest of staging builds the views
-    (at 32 x 1k that host work had held the copies back for tens of milliseconds); with a window
-    of n layers (HYBRIDCACHE_STAGE_WINDOW), the first n are queued here and each later one when
-    the forward waits for the layer n before it (_Stager). On the CPU the copies run in place and
-    nothing waits."""
+    first use of the layer. Each layer's copies are queued as soon as its buffer is allocated, so
+    the copy engine runs while the rest of staging builds the views (at 32 x 1k that host work had
+    held the copies back for tens of milliseconds). On the CPU the copies run in place and nothing
+    waits."""
     device = torch.device(device)
-    window = stage_window()
     hosts = [e.meta["host"] for e in entries]
     if not hosts:
         return []
     layers = sorted(hosts[0].layers)
-    ahead = len(layers) if window is None else min(window, len(layers))
     cuda = device.type == "cuda"
     stager = None
     if cuda:
-        stager = _Stager(_copy_stream(device), layers, ahead)
+        stager = _Stager(_copy_stream(device), layers)
         # the buffers are allocated on the compute stream; the copy stream must not run ahead of that
         stager.stream.wait_stream(torch.cuda.current_stream(device))
     spans = [({}, {}) for _ in hosts]
@@ -213,8 +188,7 @@ def stage(entries: list[SegmentEntry], device: torch.device | str) -> list[SpanD
         if cuda:
             stager.buffers[lay] = buf
             waits[lay] = stager.waiter(lay, device)
-            if k < ahead:
-                stager.queue_through(k + 1)  # the copy engine starts while the views are made
+            stager.queue_through(k + 1)  # the copy engine starts while the views are made
         typed: dict[torch.dtype, torch.Tensor] = {}
         off = 0
         for j, h in enumerate(hosts):
