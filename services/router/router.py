@@ -12,20 +12,18 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import grpc
-import torch
 from hybridcache.services.cache_tier.client import GRPC_OPTIONS, CacheTierClient
-from hybridcache.services.config import RuntimeConfig
+from hybridcache.services.config import DTYPES, RuntimeConfig
 from hybridcache.services.directory import Directory
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import pb, rpc
 from hybridcache.services.router.assign import lpt_assign, round_robin_assign
 from hybridcache.services.router.cost import CostModel
-from hybridcache.services.runtime.cache import expected_entry_nbytes
 from hybridcache.services.runtime.config import ModelConfig
-from hybridcache.services.runtime.engine import Engine
+from hybridcache.services.runtime.models.registry import config_from_dir
+from hybridcache.services.runtime.plan import Planner
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.runtime.tokenizer import Tokenizer
 from hybridcache.services.transport import choose_transport
@@ -65,12 +63,11 @@ class Router:
         self.config = config or RouterConfig()
         self.runtime = runtime or RuntimeConfig()  # seam window and mode until a combine worker tells its own
         self.directory = directory
-        cfg = ModelConfig.from_dir(model_dir)
+        cfg = config_from_dir(model_dir)
         self.model_name = Path(model_dir).name
         self.max_model_len = served_max_model_len(cfg, self.runtime.max_model_len)
-        # Tokenizer, validation and entry keys need no weights: an Engine over a weightless shell.
-        shell = SimpleNamespace(cfg=cfg, fingerprint="")
-        self.shell = Engine(shell, Tokenizer.from_dir(model_dir), self.runtime)
+        # tokens, validation and entry keys need no weights: the engine's request plan
+        self.planner = Planner(cfg, Tokenizer.from_dir(model_dir), self.runtime, fingerprint="")
         self.cost = CostModel()
         self._queued: dict[str, float] = {}  # scatter worker -> outstanding estimated seconds
         self._depth: dict[str, int] = {}
@@ -106,8 +103,11 @@ class Router:
     def adopt(self, info: pb.InfoReply) -> pb.InfoReply:
         """Key entries as the served engine does (its fingerprint, seam window and mode)."""
         self.info = info
-        self.shell.fingerprint = info.fingerprint
-        self.shell.config = replace(self.runtime, seam_window=info.seam_window, mode=info.mode or "pic")
+        served = {"seam_window": info.seam_window, "mode": info.mode or "pic"}
+        if info.dtype in DTYPES:
+            served["dtype"] = info.dtype
+        p = self.planner
+        self.planner = Planner(p.cfg, p.tokenizer, replace(self.runtime, **served), info.fingerprint)
         if info.prefill_tokens_per_second > 0:
             self.cost.prefill_tokens_per_s = info.prefill_tokens_per_second
         return info
@@ -119,7 +119,7 @@ class Router:
 
     def parse(self, obj: dict):
         try:
-            req = self.shell.parse_request(obj)
+            req = self.planner.parse(obj)
         except RequestError as e:
             if "context limit" in str(e):
                 raise RequestTooLarge(str(e)) from None
@@ -134,12 +134,9 @@ class Router:
         """Per cacheable segment: fetch from the tier (if held and sooner) or build on a scatter worker."""
         if self.info is None:
             self.connect(timeout_s=5.0)
-        cacheable = []  # (segment index, token ids)
-        for idx, ids in enumerate(req.segment_ids):
-            last = not req.suffix_ids and idx == len(req.segment_ids) - 1
-            if self.shell.config.uses_entries and not last and self.shell.cacheable(ids):
-                cacheable.append((idx, ids))
-        keys = [self.shell.entry_key(ids) for _, ids in cacheable]
+        segments = self.planner.reused_segments(req)
+        cacheable = [(s.index, s.token_ids) for s in segments]
+        keys = [s.key for s in segments]
         tiers = self.directory.members("cache-tier")
         by_owner: dict[str, list[int]] = {}
         for n, key in enumerate(keys):
@@ -153,8 +150,7 @@ class Router:
                 hit = reply is not None and reply.present[m]
                 metrics.cache_lookup("tier", hit)
                 if hit:
-                    body = len(cacheable[n][1]) - self.shell.config.seam_window
-                    present[n] = (owner, reply.nbytes[m] or expected_entry_nbytes(self.shell.cfg, body, torch.float32))
+                    present[n] = (owner, reply.nbytes[m] or segments[n].nbytes)
         plan, cold = [], []
         for n, (idx, ids) in enumerate(cacheable):
             if n in present:

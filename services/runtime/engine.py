@@ -39,18 +39,17 @@ from hybridcache.services.runtime.cache import (
     PrefixStore,
     SegmentEntry,
     cast_entry_states,
-    chain_key,
     entry_nbytes,
     restore_state,
-    segment_key,
 )
 from hybridcache.services.runtime.cache.host_tier import TieredEntryStore, is_host, stage
 from hybridcache.services.runtime.cache.single_state import to_single_state
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
-from hybridcache.services.runtime.sampling import RequestError, SamplingParams, sample_token
+from hybridcache.services.runtime.plan import Planner, Request
+from hybridcache.services.runtime.sampling import SamplingParams, sample_token
 from hybridcache.services.runtime.sequence import CachedSpan, LiveRun, SequenceState
-from hybridcache.services.runtime.tokenizer import SPECIAL_TOKENS, Tokenizer
+from hybridcache.services.runtime.tokenizer import Tokenizer
 
 # The engine's settings: one frozen config whose fields are also the command-line flags.
 EngineConfig = RuntimeConfig
@@ -89,28 +88,6 @@ def entry_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
         else:
             lo = mid + 1
     return cut(lo)
-
-
-@dataclass(slots=True)
-class Request:
-    system_ids: list[int]
-    segment_ids: list[list[int]]
-    suffix_ids: list[int]
-    sampling: SamplingParams
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        out = list(self.system_ids)
-        for s in self.segment_ids:
-            out += s
-        return out + list(self.suffix_ids)
-
-    def parts(self) -> list[tuple[str, list[int]]]:
-        parts = [("system", self.system_ids)] if self.system_ids else []
-        parts += [("segment", s) for s in self.segment_ids]
-        if self.suffix_ids:
-            parts.append(("suffix", self.suffix_ids))
-        return parts
 
 
 @dataclass(slots=True)
@@ -190,12 +167,9 @@ class Engine:
         self.prefixes = prefix_store or PrefixStore(self.config.prefix_cache_bytes)
         self.page_policy = self.config.page_policy
         self.pages = page_tree or PageTree(self.config.prefix_cache_bytes, self.page_policy.page_size)
-        eos = set(self.cfg.eos_token_ids)
-        for t in SPECIAL_TOKENS:
-            tid = tokenizer.token_id(t)
-            if tid is not None and t != "<|im_start|>":
-                eos.add(tid)
-        self.eos_ids = frozenset(eos)
+        # what the request means (tokens, validation, keys): the same plan the router makes
+        self.planner = Planner(self.cfg, tokenizer, self.config, self.fingerprint)
+        self.eos_ids = self.planner.eos_ids
         # the op implementations and CUDA graphs this engine's config chooses
         backends.configure(backends.OpDispatch.of(self.config))
         from hybridcache.services.runtime.graphs import set_cuda_graphs
@@ -214,69 +188,13 @@ class Engine:
 
     def parse_request(self, obj) -> Request:
         """Validate a request object ({"system", "segments", "suffix", "sampling_params"})."""
-        if not isinstance(obj, dict):
-            raise RequestError("a request must be a JSON object")
-        unknown = sorted(set(obj) - {"system", "segments", "suffix", "sampling_params", "id", "mode"})
-        if unknown:
-            raise RequestError(f"unknown request field(s): {', '.join(unknown)}")
-        segments = obj.get("segments", [])
-        if segments is None:
-            segments = []
-        if not isinstance(segments, list):
-            raise RequestError("segments must be a list of strings or token-id lists")
-        if len(segments) > self.config.max_segments:
-            raise RequestError(f"too many segments: {len(segments)} (limit {self.config.max_segments})")
-        seg_ids = [self._ids(s, f"segment {i}") for i, s in enumerate(segments)]
-        for i, s in enumerate(seg_ids):
-            if not s:
-                raise RequestError(f"segment {i} is empty")
-        suffix = obj.get("suffix", "")
-        suffix_ids = self._ids(suffix, "suffix") if suffix not in (None, "") else []
-        system = obj.get("system")
-        system_ids = self._ids(system, "system") if system not in (None, "") else []
-        if not seg_ids and not suffix_ids:
-            raise RequestError("the request has no segments and no suffix: nothing to run")
-        sampling = SamplingParams.from_dict(obj.get("sampling_params"))
-        req = Request(system_ids, seg_ids, suffix_ids, sampling)
-        n = len(system_ids) + sum(map(len, seg_ids)) + len(suffix_ids)
-        limit = self.cfg.max_position_embeddings
-        if n + sampling.max_new_tokens > limit:
-            raise RequestError(
-                f"prompt of {n} tokens plus max_new_tokens {sampling.max_new_tokens} exceeds the model's "
-                f"context limit of {limit} tokens"
-            )
-        return req
-
-    def _ids(self, value, what: str) -> list[int]:
-        if isinstance(value, str):
-            return self.tokenizer.encode(value)
-        if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            bad = [t for t in value if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise RequestError(
-                    f"{what} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})"
-                )
-            return list(value)
-        raise RequestError(f"{what} must be a string or a list of token ids")
-
-    @property
-    def _entry_tag(self) -> str:
-        """Model fingerprint, plus the entry policy when entries are not exact (a single-state entry
-        must never answer an exact lookup, in this engine's store or in a shared cache tier) and the
-        state dtype when it is not fp32 (nor may a rounded one)."""
-        tag = self.fingerprint
-        if self.config.entry_policy != "exact":
-            tag += f"|{self.config.entry_policy}"
-        if self.config.entry_state_dtype != "float32":
-            tag += f"|states={self.config.entry_state_dtype}"
-        return tag
+        return self.planner.parse(obj)
 
     def entry_key(self, segment_ids: list[int]) -> str:
-        return segment_key(self._entry_tag, self.config.seam_window, segment_ids)
+        return self.planner.entry_key(segment_ids)
 
     def cacheable(self, segment_ids: list[int]) -> bool:
-        """A body needs at least conv_width - 1 tokens: its conv tail must come from the body itself."""
-        return len(segment_ids) - self.config.seam_window >= max(1, self.cfg.linear_conv_kernel_dim - 1)
+        return self.planner.cacheable(segment_ids)
 
     @torch.no_grad()
     def build_entry(self, segment_ids: list[int]) -> SegmentEntry:
@@ -338,11 +256,6 @@ class Engine:
         self.entries.put(entry)
         return entry, False
 
-    def _prefix_root(self) -> str:
-        mode = self.config.mode
-        tag = "exact" if mode == "prefix" else f"{mode}-w{self.config.seam_window}"
-        return chain_key(self._entry_tag if mode != "prefix" else self.fingerprint, tag, [])
-
     def _lookup_prefix(self, req: Request, keys: list[str], stats: RequestStats, locked: list):
         """The state after the longest cached prefix (page tree, or in pic/naive a part chain),
         and whether that state is exact. The last prompt token always runs (it yields the logits)."""
@@ -387,10 +300,7 @@ class Engine:
         stats = RequestStats(mode=cfg.mode, seam_window=cfg.seam_window)
         parts = req.parts()
         stats.prompt_tokens = sum(len(p) for _, p in parts)
-        keys, k = [], self._prefix_root()
-        for kind, ids in parts:
-            k = chain_key(k, kind, ids)
-            keys.append(k)
+        keys = self.planner.chain_keys(req)
 
         locked: list = []
         if cfg.uses_prefix_cache:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestError(ValueError):
@@ -73,6 +75,8 @@ class SamplingParams:
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick the next token from logits [vocab] (fp32): greedy at temperature 0."""
+    import torch  # here: the request plan (plan.py) parses sampling parameters without torch
+
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
     logits = logits.float() / params.temperature

@@ -234,7 +234,7 @@ def test_router_plan_fetches_or_recomputes_held_entries(engine, model_dir):
         held, cold = [5 + i % 200 for i in range(60)], [9 + i % 180 for i in range(50)]
         store.put(engine.build_entry(held))
         req = router.parse({"segments": [held, cold], "suffix": "q"})
-        assert router.shell.entry_key(held) == engine.entry_key(held)
+        assert router.planner.entry_key(held) == engine.entry_key(held)
         # Recomputing 60 tokens at 2k tokens/s takes 30 ms; the ~50 KB entry moves in ~1 ms: fetch.
         plan, assigned, _ = router.plan(req)
         assert [(p.index, p.source) for p in sorted(plan, key=lambda p: p.index)] == [(0, "tier"), (1, "scatter")]

@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import struct
 from dataclasses import dataclass, field
 
 import torch
 from hybridcache.services.config import ENTRY_STATE_DTYPES as ENTRY_STATE_DTYPE_NAMES
 from hybridcache.services.runtime.config import ModelConfig
+from hybridcache.services.runtime.plan import CACHE_FORMAT, segment_key  # noqa: F401 (re-exported)
+from hybridcache.services.runtime.plan import expected_entry_nbytes as plan_entry_nbytes
 from hybridcache.services.runtime.sequence import SpanData
-
-CACHE_FORMAT = "hc-entry-v1"
-
-
-def segment_key(fingerprint: str, seam_window: int, token_ids) -> str:
-    """hash(model fingerprint, cache format, w, token ids) (DESIGN §4)."""
-    h = hashlib.sha256()
-    h.update(f"{fingerprint}|{CACHE_FORMAT}|w={seam_window}|".encode())
-    h.update(struct.pack(f"<{len(token_ids)}q", *[int(t) for t in token_ids]))
-    return h.hexdigest()
 
 
 def _tensors(data: SpanData):
@@ -41,17 +32,9 @@ def entry_nbytes(data: SpanData) -> int:
 def expected_entry_nbytes(
     cfg: ModelConfig, body_tokens: int, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32
 ) -> int:
-    """Bytes of an entry before it is built: T and S in `state_dtype` (fp32 unless the engine keeps
-    them in bf16: EngineConfig.entry_state_dtype), conv tail and K/V in the model dtype."""
-    if hasattr(cfg, "entry_nbytes"):  # non-Qwen architectures know their own layout (models/registry.py)
-        return cfg.entry_nbytes(body_tokens, dtype, state_dtype)
-    esz = torch.tensor([], dtype=dtype).element_size()
-    ssz = torch.tensor([], dtype=state_dtype).element_size()
-    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
-    per_linear = ssz * (hv * dk * dk + hv * dk * dv) + esz * conv_dim * (cfg.linear_conv_kernel_dim - 1)
-    per_attn = 2 * esz * cfg.num_key_value_heads * cfg.head_dim * body_tokens
-    return len(cfg.linear_layers) * per_linear + len(cfg.attention_layers) * per_attn
+    """plan.expected_entry_nbytes for torch dtypes."""
+    return plan_entry_nbytes(cfg, body_tokens, str(dtype).removeprefix("torch."),
+                             str(state_dtype).removeprefix("torch."))
 
 
 ENTRY_STATE_DTYPES = {name: getattr(torch, name) for name in ENTRY_STATE_DTYPE_NAMES}

@@ -9,19 +9,12 @@ by mode and seam window.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from hybridcache.services.runtime.plan import chain_key  # noqa: F401 (re-exported)
 from hybridcache.services.runtime.sequence import AttnState, LinearState, SequenceState
-
-
-def chain_key(parent: str, kind: str, token_ids) -> str:
-    h = hashlib.sha256(f"{parent}|{kind}|".encode())
-    h.update(struct.pack(f"<{len(token_ids)}q", *[int(t) for t in token_ids]))
-    return h.hexdigest()
 
 
 @dataclass(slots=True)

@@ -1,0 +1,200 @@
+"""The request plan, importable without torch: what a request is (parsed and validated), its
+tokens, the keys of its segment entries and of its part chain, and the bytes each entry will take.
+The engine plans with it before it runs anything; the router plans with it and runs nothing.
+
+    planner = Planner(model_cfg, tokenizer, runtime_config, fingerprint)
+    req = planner.parse({"segments": [...], "suffix": "..."})   # RequestError on bad input
+    [(seg.index, seg.key, seg.nbytes) for seg in planner.reused_segments(req)]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+from hybridcache.services.config import RuntimeConfig
+from hybridcache.services.runtime.sampling import RequestError, SamplingParams
+from hybridcache.services.runtime.tokenizer import SPECIAL_TOKENS
+
+CACHE_FORMAT = "hc-entry-v1"
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def segment_key(fingerprint: str, seam_window: int, token_ids) -> str:
+    """hash(model fingerprint, cache format, w, token ids) (DESIGN §4)."""
+    h = hashlib.sha256()
+    h.update(f"{fingerprint}|{CACHE_FORMAT}|w={seam_window}|".encode())
+    h.update(struct.pack(f"<{len(token_ids)}q", *[int(t) for t in token_ids]))
+    return h.hexdigest()
+
+
+def chain_key(parent: str, kind: str, token_ids) -> str:
+    """The key of a part after the chain `parent` (the part-chain snapshots, cache/prefix.py)."""
+    h = hashlib.sha256(f"{parent}|{kind}|".encode())
+    h.update(struct.pack(f"<{len(token_ids)}q", *[int(t) for t in token_ids]))
+    return h.hexdigest()
+
+
+def expected_entry_nbytes(cfg, body_tokens: int, dtype: str = "float32", state_dtype: str = "float32") -> int:
+    """Bytes of an entry before it is built: T and S in `state_dtype` (fp32 unless the engine keeps
+    them in bf16: RuntimeConfig.entry_state_dtype), conv tail and K/V in the model dtype (names)."""
+    if hasattr(cfg, "entry_nbytes"):
+        # the other families' configs live beside their models (models/registry.py), with torch
+        import torch
+
+        return cfg.entry_nbytes(body_tokens, getattr(torch, dtype), getattr(torch, state_dtype))
+    esz, ssz = ITEMSIZE[dtype], ITEMSIZE[state_dtype]
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
+    per_linear = ssz * (hv * dk * dk + hv * dk * dv) + esz * conv_dim * (cfg.linear_conv_kernel_dim - 1)
+    per_attn = 2 * esz * cfg.num_key_value_heads * cfg.head_dim * body_tokens
+    return len(cfg.linear_layers) * per_linear + len(cfg.attention_layers) * per_attn
+
+
+@dataclass(slots=True)
+class Request:
+    system_ids: list[int]
+    segment_ids: list[list[int]]
+    suffix_ids: list[int]
+    sampling: SamplingParams
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        out = list(self.system_ids)
+        for s in self.segment_ids:
+            out += s
+        return out + list(self.suffix_ids)
+
+    def parts(self) -> list[tuple[str, list[int]]]:
+        parts = [("system", self.system_ids)] if self.system_ids else []
+        parts += [("segment", s) for s in self.segment_ids]
+        if self.suffix_ids:
+            parts.append(("suffix", self.suffix_ids))
+        return parts
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedSegment:
+    """A segment the request folds in from its entry."""
+
+    index: int  # in request.segment_ids
+    token_ids: list[int]
+    key: str
+    nbytes: int  # the entry's expected size
+
+
+class Planner:
+    """Plans requests for one served model and runtime config. Reads nothing but the model's
+    config (vocabulary, context limit, layer shapes), the tokenizer and the runtime config."""
+
+    def __init__(self, cfg, tokenizer, config: RuntimeConfig | None = None, fingerprint: str = "unfingerprinted"):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.config = config or RuntimeConfig()
+        self.fingerprint = fingerprint
+        eos = set(cfg.eos_token_ids)
+        for t in SPECIAL_TOKENS:
+            tid = tokenizer.token_id(t)
+            if tid is not None and t != "<|im_start|>":
+                eos.add(tid)
+        self.eos_ids = frozenset(eos)
+
+    def parse(self, obj) -> Request:
+        """Validate a request object ({"system", "segments", "suffix", "sampling_params"})."""
+        if not isinstance(obj, dict):
+            raise RequestError("a request must be a JSON object")
+        unknown = sorted(set(obj) - {"system", "segments", "suffix", "sampling_params", "id", "mode"})
+        if unknown:
+            raise RequestError(f"unknown request field(s): {', '.join(unknown)}")
+        segments = obj.get("segments", [])
+        if segments is None:
+            segments = []
+        if not isinstance(segments, list):
+            raise RequestError("segments must be a list of strings or token-id lists")
+        if len(segments) > self.config.max_segments:
+            raise RequestError(f"too many segments: {len(segments)} (limit {self.config.max_segments})")
+        seg_ids = [self._ids(s, f"segment {i}") for i, s in enumerate(segments)]
+        for i, s in enumerate(seg_ids):
+            if not s:
+                raise RequestError(f"segment {i} is empty")
+        suffix = obj.get("suffix", "")
+        suffix_ids = self._ids(suffix, "suffix") if suffix not in (None, "") else []
+        system = obj.get("system")
+        system_ids = self._ids(system, "system") if system not in (None, "") else []
+        if not seg_ids and not suffix_ids:
+            raise RequestError("the request has no segments and no suffix: nothing to run")
+        sampling = SamplingParams.from_dict(obj.get("sampling_params"))
+        req = Request(system_ids, seg_ids, suffix_ids, sampling)
+        n = len(system_ids) + sum(map(len, seg_ids)) + len(suffix_ids)
+        limit = self.cfg.max_position_embeddings
+        if n + sampling.max_new_tokens > limit:
+            raise RequestError(
+                f"prompt of {n} tokens plus max_new_tokens {sampling.max_new_tokens} exceeds the model's "
+                f"context limit of {limit} tokens"
+            )
+        return req
+
+    def _ids(self, value, what: str) -> list[int]:
+        if isinstance(value, str):
+            return self.tokenizer.encode(value)
+        if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            bad = [t for t in value if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"{what} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})"
+                )
+            return list(value)
+        raise RequestError(f"{what} must be a string or a list of token ids")
+
+    @property
+    def entry_tag(self) -> str:
+        """Model fingerprint, plus the entry policy when entries are not exact (a single-state entry
+        must never answer an exact lookup, in this engine's store or in a shared cache tier) and the
+        state dtype when it is not fp32 (nor may a rounded one)."""
+        tag = self.fingerprint
+        if self.config.entry_policy != "exact":
+            tag += f"|{self.config.entry_policy}"
+        if self.config.entry_state_dtype != "float32":
+            tag += f"|states={self.config.entry_state_dtype}"
+        return tag
+
+    def entry_key(self, segment_ids: list[int]) -> str:
+        return segment_key(self.entry_tag, self.config.seam_window, segment_ids)
+
+    def cacheable(self, segment_ids: list[int]) -> bool:
+        """A body needs at least conv_width - 1 tokens: its conv tail must come from the body itself."""
+        return len(segment_ids) - self.config.seam_window >= max(1, self.cfg.linear_conv_kernel_dim - 1)
+
+    def entry_nbytes(self, segment_tokens: int) -> int:
+        """Expected bytes of the entry of a segment of this many tokens (its body: all but the seam)."""
+        body = segment_tokens - self.config.seam_window
+        return expected_entry_nbytes(self.cfg, body, self.config.dtype, self.config.entry_state_dtype)
+
+    def prefix_root(self) -> str:
+        """The chain key before the first part: exact prefixes share one root per model; pic and
+        naive chains are approximate and belong to their mode, seam window and entry kind."""
+        mode = self.config.mode
+        tag = "exact" if mode == "prefix" else f"{mode}-w{self.config.seam_window}"
+        return chain_key(self.entry_tag if mode != "prefix" else self.fingerprint, tag, [])
+
+    def chain_keys(self, req: Request) -> list[str]:
+        """The part-chain key after each part of the request."""
+        keys, k = [], self.prefix_root()
+        for kind, ids in req.parts():
+            k = chain_key(k, kind, ids)
+            keys.append(k)
+        return keys
+
+    def reused_segments(self, req: Request) -> list[PlannedSegment]:
+        """The segments a request folds in from entries when no prefix of it is cached (the
+        engine may reuse more of it from the prefix cache): in pic and naive every segment but a
+        last part, when its body is long enough."""
+        if not self.config.uses_entries:
+            return []
+        out = []
+        for i, ids in enumerate(req.segment_ids):
+            last = not req.suffix_ids and i == len(req.segment_ids) - 1
+            if not last and self.cacheable(ids):
+                out.append(PlannedSegment(i, ids, self.entry_key(ids), self.entry_nbytes(len(ids))))
+        return out

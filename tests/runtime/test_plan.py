@@ -1,0 +1,92 @@
+"""The request plan (services/runtime/plan.py): importable and usable without torch, and the same
+keys, sizes and validation as the engine that runs the request."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hybridcache.services.config import RuntimeConfig
+from hybridcache.services.runtime.plan import Planner
+from hybridcache.services.runtime.sampling import RequestError
+
+REQUEST = {"system": "You answer from the documents.", "segments": ["the first document " * 6, list(range(5, 45)),
+                                                                    "a last one, not reused"],
+           "suffix": "Question: which?", "sampling_params": {"max_new_tokens": 3}}
+
+PLAN_WITHOUT_TORCH = """
+import json, sys
+sys.modules["torch"] = None  # any import of torch fails
+from hybridcache.services.config import RuntimeConfig
+from hybridcache.services.runtime.models.registry import config_from_dir
+from hybridcache.services.runtime.plan import Planner
+from hybridcache.services.runtime.tokenizer import Tokenizer
+
+model_dir, fingerprint, request = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+planner = Planner(config_from_dir(model_dir), Tokenizer.from_dir(model_dir),
+                  RuntimeConfig(seam_window=4, entry_state_dtype="bfloat16"), fingerprint)
+req = planner.parse(request)
+print(json.dumps({"prompt": req.prompt_ids, "chain": planner.chain_keys(req),
+                  "segments": [[s.index, s.key, s.nbytes] for s in planner.reused_segments(req)]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def engine(qwen35_dir):
+    from hybridcache.services.runtime.engine import Engine
+
+    return Engine.from_dir(qwen35_dir, config=RuntimeConfig(seam_window=4, entry_state_dtype="bfloat16"))
+
+
+def test_a_request_is_planned_without_torch_as_the_engine_plans_it(engine, qwen35_dir):
+    out = subprocess.run([sys.executable, "-c", PLAN_WITHOUT_TORCH, str(qwen35_dir), engine.fingerprint,
+                          json.dumps(REQUEST)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    req = engine.parse_request(REQUEST)
+    assert plan["prompt"] == req.prompt_ids
+    assert plan["chain"] == engine.planner.chain_keys(req)
+    # the last segment (followed by the suffix) is reused too; the engine keys and builds the same
+    assert [i for i, _, _ in plan["segments"]] == [0, 1, 2]
+    for i, key, nbytes in plan["segments"]:
+        ids = req.segment_ids[i]
+        entry = engine.build_entry(ids)
+        assert key == engine.entry_key(ids) == entry.key
+        assert nbytes == entry.nbytes  # bf16 T and S, fp32 model: what the engine stores
+
+
+@pytest.mark.parametrize("settings", [dict(mode="naive"), dict(entry_policy="single_state"), dict(mode="prefix"),
+                                      dict(seam_window=0)])
+def test_keys_follow_the_settings_that_change_an_entry(engine, settings):
+    base = Planner(engine.cfg, engine.tokenizer, RuntimeConfig(), engine.fingerprint)
+    other = Planner(engine.cfg, engine.tokenizer, RuntimeConfig(**settings), engine.fingerprint)
+    req = base.parse(REQUEST)
+    changes_entries = settings.get("mode") != "prefix" and settings.get("mode") != "naive"
+    assert (base.entry_key(req.segment_ids[0]) != other.entry_key(req.segment_ids[0])) == changes_entries
+    assert base.chain_keys(req) != other.chain_keys(req)
+    if settings.get("mode") == "prefix":
+        assert other.reused_segments(req) == []
+
+
+def test_the_last_part_and_short_segments_are_not_reused(engine):
+    planner = Planner(engine.cfg, engine.tokenizer, RuntimeConfig(seam_window=8), engine.fingerprint)
+    req = planner.parse({"segments": [list(range(5, 50)), list(range(60, 70)), list(range(80, 120))]})
+    # the 10-token segment leaves a 2-token body (< conv width - 1); the last segment is the last part
+    assert [s.index for s in planner.reused_segments(req)] == [0]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"segments": "x"}, "segments must be a list"),
+    ({"segments": [[]], "suffix": "q"}, "segment 0 is empty"),
+    ({"suffix": [1, 10**9]}, "outside the vocabulary"),
+    ({"suffix": "q", "colour": 1}, "unknown request field"),
+    ({}, "nothing to run"),
+    ({"segments": ["a"] * 65}, "too many segments"),
+    ({"suffix": "q", "sampling_params": {"max_new_tokens": 10**9}}, "max_new_tokens"),
+])
+def test_bad_requests_are_refused_alike(engine, bad, message):
+    planner = Planner(engine.cfg, engine.tokenizer, RuntimeConfig(), engine.fingerprint)
+    with pytest.raises(RequestError, match=message):
+        planner.parse(bad)
+    with pytest.raises(RequestError, match=message):
+        engine.parse_request(bad)
