@@ -7,15 +7,15 @@ setup:
 	bash scripts/bootstrap.sh
 
 demo: setup
-	$(PY) -m hybridcache.services.cli demo --serve
+	$(PY) -P -m hybridcache.services.cli demo --serve
 
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -P -m pytest -q
 
 lint: setup
 	$(PY) -m ruff check .
 
 # Run on a machine with a CUDA GPU (the device machine); CI never runs these.
 gpu-test:
-	$(PY) -m pytest -q -m gpu
+	$(PY) -P -m pytest -q -m gpu

@@ -1,8 +1,14 @@
 """Shared fixtures: tiny random-weight models in Hugging Face format, built once per session."""
 
+import os
 import sys
 
 import pytest
+
+# The repository's top-level kernels/ (installed as hybridcache.kernels) would shadow the `kernels`
+# distribution transformers imports, whenever the working directory is on sys.path. `make test`
+# runs pytest with -P; this keeps the Python processes the tests start off the working directory too.
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 # transformers must use its pure-PyTorch paths on CPU: fla, when importable, routes its hybrid
 # models to GPU-only kernels.
