@@ -85,7 +85,7 @@ for stage in "$@"; do
         gpu_files=$(grep -rl --include='test_*.py' -e 'mark\.gpu' tests | sort | grep -v test_families_gpu.py)
         gpu_files="$gpu_files tests/kernels/test_families_gpu.py"
         gpu_files=${GPU_TESTS:-$gpu_files}  # GPU_TESTS='file ...' runs those files only
-        TRITON_F32_DEFAULT=ieee python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --timeout 240 $gpu_files \
+        TRITON_F32_DEFAULT=ieee python3 -P -m pytest -v -m gpu -p no:cacheprovider -rfE --timeout 240 $gpu_files \
             --deselect "$families" > "$OUT/gpu_tests.log" 2>&1
         echo "gpu-tests rc=$?"; grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -3 ;;
     families)
@@ -96,7 +96,7 @@ for stage in "$@"; do
         per=$(( ${FAMILIES_TIMEOUT:-500} / $(echo $fams | wc -w) ))
         : > "$OUT/families.log"
         for fam in $fams; do
-            TRITON_F32_DEFAULT=ieee timeout -s INT "$per" python3 -m pytest -v -s -m gpu -p no:cacheprovider -rfE \
+            TRITON_F32_DEFAULT=ieee timeout -s INT "$per" python3 -P -m pytest -v -s -m gpu -p no:cacheprovider -rfE \
                 --tb=short "$families[$fam]" >> "$OUT/families.log" 2>&1
             echo "families $fam rc=$? (limit $per s)"
         done
