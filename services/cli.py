@@ -86,8 +86,22 @@ def cmd_generate(args) -> int:
     engine = _engine(args)
     # Validate every request before running any, so a bad one fails fast and alone.
     parsed = [engine.parse_request(r) for r in reqs]
-    for req in parsed:
-        print(json.dumps(engine.generate(req).to_dict()), flush=True)
+    if len(parsed) == 1:
+        print(json.dumps(engine.generate(parsed[0]).to_dict()), flush=True)
+        return 0
+    # Several requests run at once through the scheduler (continuous batching), as a server runs
+    # them; results are printed in the file's order, each as soon as it and those before it are done.
+    from dataclasses import replace
+
+    from hybridcache.services.runtime.scheduler import Scheduler, scheduler_config
+
+    sched = Scheduler(engine, replace(scheduler_config(engine.config, engine.model.device), max_waiting=len(parsed)))
+    try:
+        handles = [sched.add_request(req) for req in parsed]
+        for h in handles:
+            print(json.dumps(h.result().to_dict()), flush=True)
+    finally:
+        sched.stop()
     return 0
 
 

@@ -160,6 +160,21 @@ class RuntimeConfig:
         "flash,efficient,math", "SDPA backends allowed on CUDA: a comma list of flash, efficient, cudnn, math; "
         "or torch (torch's own choice)")
 
+    # Continuous batching (services/runtime/scheduler.py): the combine worker and `hybridcache generate`
+    # run their requests through one Scheduler; the scatter worker batches cold segments by the token budget.
+    max_num_seqs: int = setting(16, "most requests decoding at once (one batched decode step over them all)",
+                                roles=("combine",))
+    max_waiting: int = setting(
+        64, "requests queued for admission; one more is refused (HTTP 429 with Retry-After, gRPC "
+        "RESOURCE_EXHAUSTED)", roles=("combine",))
+    max_num_batched_tokens: int = setting(
+        2048, "prefill tokens (cold segment builds, assemblies) a scheduler step spends besides its decode "
+        "step; on a scatter worker, the cold tokens of different requests built in one batched call")
+    kv_cache_bytes: int | None = setting(
+        None, "attention K/V the running requests may reserve (prompt + max_new_tokens each); a request "
+        "waits until its share fits (default: 4 GiB on the CPU; on CUDA a share of the device memory free "
+        "after the model loads)", roles=("combine",), type=int)
+
     def __post_init__(self):
         if self.anchor_dtype is None:  # the Python spelling of "model"
             object.__setattr__(self, "anchor_dtype", "model")
@@ -180,6 +195,13 @@ class RuntimeConfig:
             raise ValueError("entry_batch_tokens must be positive")
         if self.host_cache_bytes < 0:
             raise ValueError("host_cache_bytes must be >= 0 (0 = no host tier)")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.cuda_graph_shapes < 1:
             raise ValueError("cuda_graph_shapes must be >= 1")
         sdpa_backend_names(self.sdpa_backends)  # validates

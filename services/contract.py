@@ -42,6 +42,11 @@ METRIC_ENTRY_BUILD_SECONDS = "hybridcache_entry_build_seconds"  # histogram
 METRIC_REQUESTS = "hybridcache_requests_total"  # counter, label status
 METRIC_CACHE_BYTES = "hybridcache_cache_bytes"  # gauge, label tier
 METRIC_SCATTER_REPLICAS = "hybridcache_scatter_replicas"  # gauge (exported by the operator)
+# A combine worker's scheduler: requests by state=waiting|prefilling|running (gauge); requests ended,
+# by reason=stop|length|abort|error, and the tokens they generated (counters)
+METRIC_SCHEDULER_REQUESTS = "hybridcache_scheduler_requests"
+METRIC_SCHEDULER_FINISHED = "hybridcache_scheduler_finished_total"
+METRIC_GENERATION_TOKENS = "hybridcache_generation_tokens_total"
 
 ALL_METRICS = (
     METRIC_TTFT_SECONDS,
@@ -54,4 +59,7 @@ ALL_METRICS = (
     METRIC_REQUESTS,
     METRIC_CACHE_BYTES,
     METRIC_SCATTER_REPLICAS,
+    METRIC_SCHEDULER_REQUESTS,
+    METRIC_SCHEDULER_FINISHED,
+    METRIC_GENERATION_TOKENS,
 )

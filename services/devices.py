@@ -21,6 +21,10 @@ CPU_CACHE_BYTES = 1 << 30  # entry and prefix budgets on the CPU (and the cache 
 # activations of batched cold builds and for other workers placed on the same GPU.
 CACHE_MEMORY_FRACTION = 0.5
 ENTRY_SHARE = 0.75  # of that, the segment entries' part; the prefix page tree gets the rest
+# The running requests' attention K/V (the scheduler's admission budget): another share of that
+# free memory on CUDA, a fixed budget on the CPU.
+KV_MEMORY_FRACTION = 0.25
+CPU_KV_BYTES = 4 << 30
 
 
 def parse_gpus(text: str | None) -> tuple[int, ...]:
@@ -104,6 +108,20 @@ def with_cache_budgets(config, device):
     log.info("cache budgets on %s: entries %.2f GiB, prefix pages %.2f GiB (%s)", device, entry / 2**30,
              prefix / 2**30, why)
     return replace(config, entry_cache_bytes=entry, prefix_cache_bytes=prefix)
+
+
+def kv_cache_budget(device, given: int | None = None, fraction: float = KV_MEMORY_FRACTION) -> int:
+    """The attention K/V budget of a scheduler's running requests: `given`, else CPU_KV_BYTES on the
+    CPU and `fraction` of the device memory free now on CUDA (call it once the model is loaded)."""
+    if given is not None:
+        return given
+    free = free_device_memory(device)
+    if free is None:
+        return CPU_KV_BYTES
+    budget = int(free * fraction)
+    log.info("K/V budget of running requests on %s: %.2f GiB (%g of %.1f GiB free)", device, budget / 2**30,
+             fraction, free / 2**30)
+    return budget
 
 
 def free_device_memory(device) -> int | None:

@@ -52,7 +52,7 @@ def add_serve_flags(p) -> None:
     add_config_flags(p)
 
 
-def _engine(config, model_dir: str, pinning_store: bool = False):
+def _engine(config, model_dir: str):
     """The role's engine. Cache budgets not given are sized once the model is loaded, from the
     device memory it left free (devices.with_cache_budgets), and stated in the log."""
     import torch
@@ -65,12 +65,7 @@ def _engine(config, model_dir: str, pinning_store: bool = False):
         raise ValueError("--device cuda given but no CUDA device is visible")
     model = load_model(model_dir, config.device, config.torch_dtype)
     config = with_cache_budgets(config, model.device)
-    store = None
-    if pinning_store:
-        from hybridcache.services.combine.store import PinningEntryStore
-
-        store = PinningEntryStore(config.entry_cache_bytes, config.host_cache_bytes)
-    return Engine(model, Tokenizer.from_dir(model_dir), config, entry_store=store)
+    return Engine(model, Tokenizer.from_dir(model_dir), config)
 
 
 def serve(args) -> int:
@@ -106,7 +101,7 @@ def _serve(args) -> int:
     )
     if args.role != "router":
         serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend))
-    engine = None
+    engine = combine = None
 
     if args.role == "cache-tier":
         from hybridcache.services.cache_tier.server import CacheTierServicer
@@ -121,9 +116,11 @@ def _serve(args) -> int:
         rpc.add_ScatterServicer_to_server(ScatterServicer(engine), server)
     elif args.role == "combine":
         from hybridcache.services.combine.worker import CombineServicer
+        from hybridcache.services.runtime.scheduler import scheduler_config
 
-        engine = _engine(config, args.model, pinning_store=True)
-        rpc.add_CombineServicer_to_server(CombineServicer(engine, dtype=config.dtype), server)
+        engine = _engine(config, args.model)
+        combine = CombineServicer(engine, dtype=config.dtype, scheduling=scheduler_config(config, engine.model.device))
+        rpc.add_CombineServicer_to_server(combine, server)
     else:
         from hybridcache.services.api.grpc_inference import InferenceServicer
         from hybridcache.services.router.router import Router, RouterConfig
@@ -164,6 +161,8 @@ def _serve(args) -> int:
     directory.deregister(args.role, address)
     directory.close()
     server.stop(grace=1.0).wait()
+    if combine is not None:
+        combine.close()
     if http_runner is not None:
         http_runner()
     return 0
@@ -179,7 +178,8 @@ def _start_api(router, args, http_port: int):
 
     loop = asyncio.new_event_loop()
     api = Api(router, served_model=Path(args.model).name)
-    runner = web.AppRunner(api.app(), access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, and so its request
+    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, args.host, http_port).start())
     threading.Thread(target=loop.run_forever, name="http", daemon=True).start()

@@ -1,11 +1,14 @@
-"""Combine worker: assembles a request from entries (own cache -> cache tier -> scatter workers
--> local rebuild), runs the live tokens, decodes and streams tokens back."""
+"""Combine worker: gathers a request's entries (own cache -> cache tier -> scatter workers -> local
+rebuild), hands it to the engine's Scheduler (continuous batching: its assembly interleaves with the
+decode steps of the requests already running, all decoded as one batch) and streams its tokens
+back. A full waiting queue answers RESOURCE_EXHAUSTED; an RPC that ends early (the client went
+away) cancels its request, which the scheduler drops within one step."""
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +19,7 @@ from hybridcache.services.protocol import pb, rpc
 from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sampling import RequestError
+from hybridcache.services.runtime.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig
 from hybridcache.services.transport import choose_transport
 from hybridcache.services.transport.codec import EntryAssembler, entry_to
 
@@ -47,16 +51,24 @@ def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]],
 
 
 class CombineServicer(rpc.CombineServicer):
-    def __init__(self, engine: Engine, cache_tier: str = "", dtype: str = "float32"):
+    def __init__(self, engine: Engine, cache_tier: str = "", dtype: str = "float32",
+                 scheduling: SchedulerConfig | None = None):
         self.engine = engine
         # the worker's own entry cache: GPU memory on a CUDA worker, its process memory otherwise
         self.own_tier = "gpu" if engine.model.device.type == "cuda" else "worker"
         self.cache_tier = cache_tier
         self.dtype = dtype
-        self._lock = threading.Lock()  # one request on the model at a time
+        # Every request runs through this scheduler; its thread alone runs the model.
+        self.scheduler = Scheduler(engine, scheduling, on_finish=_count_finished)
+        for state in ("waiting", "prefilling", "running"):
+            metrics.SCHEDULER_REQUESTS.labels(state=state).set_function(
+                lambda state=state: self.scheduler.load()[state])
         self._tiers: dict[str, CacheTierClient] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="combine-fetch")
         self.prefill_tps = 0.0
+
+    def close(self) -> None:
+        self.scheduler.stop()
 
     def Info(self, request, context):
         e = self.engine
@@ -80,7 +92,7 @@ class CombineServicer(rpc.CombineServicer):
         keys = {p.index: p.key for p in request.plan}
         owners = {p.index: p.cache_tier for p in request.plan}
         for p in request.plan:
-            entry = store.peek(p.key)
+            entry = store.get(p.key)
             metrics.cache_lookup(self.own_tier, entry is not None)
             if entry is not None:
                 pinned[p.key] = entry
@@ -140,9 +152,13 @@ class CombineServicer(rpc.CombineServicer):
 
     def Generate(self, request, context):
         with tracing.tracer().start_as_current_span("combine.generate", context=tracing.incoming_context(context)):
-            yield from self._generate(request)
+            try:
+                yield from self._generate(request, context)
+            except QueueFull as e:
+                context.set_trailing_metadata((("retry-after", str(math.ceil(e.retry_after_s))),))
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
-    def _generate(self, request):
+    def _generate(self, request, context):
         t0 = time.perf_counter()
         try:
             sampling = json.loads(request.sampling_json) if request.sampling_json else {}
@@ -152,18 +168,29 @@ class CombineServicer(rpc.CombineServicer):
         except (RequestError, ValueError) as e:
             yield pb.TokenChunk(done=True, error=str(e), status=400)
             return
+        sched = self.scheduler
+        # Refused before its entries are gathered, when the queue is already full.
+        if not sched.has_room():
+            raise QueueFull(f"{sched.config.max_waiting} requests are waiting (limit {sched.config.max_waiting}); "
+                            "retry later", sched.retry_after_s())
         pinned, source, moved = self._gather(request, segments)
         device = next(self.engine.model.parameters()).device
         pinned = {k: entry_to(e, device) for k, e in pinned.items()}
-        with self._lock:
-            self.engine.entries.pin(pinned)
-            try:
-                gen = self.engine.start(req)
-                for tok, delta in gen:
-                    yield pb.TokenChunk(token_id=tok, text=delta)
-            finally:
-                self.engine.entries.unpin()
-        stats = gen.prefill.stats.to_dict()
+        for entry in pinned.values():
+            self.engine.entries.put(entry)
+        handle: RequestHandle = sched.add_request(req, pinned)
+        # The RPC ends early when the client cancels or goes away: the request ends too, within a step.
+        context.add_callback(handle.cancel)
+        try:
+            for tok, delta in handle:
+                yield pb.TokenChunk(token_id=tok, text=delta)
+        except Exception as e:  # noqa: BLE001 - the engine failed on this request: the client gets the error
+            log.exception("request failed")
+            yield pb.TokenChunk(done=True, error=f"{type(e).__name__}: {e}", status=500)
+            return
+        if handle.finish_reason == "abort":
+            return
+        stats = handle.prefill.stats.to_dict()
         built = 0
         for i, seg in enumerate(stats["segments"]):
             src = source.get(i)
@@ -178,4 +205,9 @@ class CombineServicer(rpc.CombineServicer):
         stats["combine_ms"] = (time.perf_counter() - t0) * 1000
         stats["trace_id"] = tracing.current_trace_id()
         metrics.CACHE_BYTES.labels(tier=self.own_tier).set(self.engine.entries.used_bytes)
-        yield pb.TokenChunk(done=True, finish_reason=gen.finish_reason, stats_json=json.dumps(stats))
+        yield pb.TokenChunk(done=True, finish_reason=handle.finish_reason, stats_json=json.dumps(stats))
+
+
+def _count_finished(handle: RequestHandle) -> None:
+    metrics.SCHEDULER_FINISHED.labels(reason=handle.finish_reason or "abort").inc()
+    metrics.GENERATION_TOKENS.inc(len(handle.output_ids))

@@ -68,6 +68,15 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
 
 
+def scheduler_config(config, device) -> SchedulerConfig:
+    """The SchedulerConfig of a RuntimeConfig (services/config.py), its K/V budget sized for
+    `device` when unset (devices.kv_cache_budget)."""
+    from hybridcache.services.devices import kv_cache_budget
+
+    return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens,
+                           kv_cache_budget(device, config.kv_cache_bytes))
+
+
 class RequestHandle:
     """One request in a Scheduler: iterate for (token_id, text_delta) as they come (token_id -1:
     text only); cancel() (or leaving the iteration early) ends it within one step."""
@@ -119,6 +128,8 @@ class RequestHandle:
         self.finished_step = self._scheduler.steps
         self.done.set()
         self._events.put(_DONE)
+        if self._scheduler.on_finish is not None:
+            self._scheduler.on_finish(self)
 
 
 @dataclass(slots=True)
@@ -187,9 +198,11 @@ class LinearStatePool:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None):
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None, on_finish=None):
+        """on_finish(handle): called in the scheduler's thread as each request ends (for metrics)."""
         self.engine = engine
         self.config = config or SchedulerConfig()
+        self.on_finish = on_finish
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._admitted: list[_Seq] = []  # prefill in progress
@@ -352,9 +365,15 @@ class Scheduler:
                 break
         if todo:
             entries = dict(zip(todo, self.engine.build_entries(list(todo.values()))))
+            # An entry is built for the first request that needed it; to the others it is a hit.
+            claimed = set()
             for seq in self._admitted:
                 for key in [k for k in seq.cold if k in entries]:
-                    seq.built[key] = entries[key]
+                    if key in claimed:
+                        seq.pinned[key] = entries[key]
+                    else:
+                        seq.built[key] = entries[key]
+                        claimed.add(key)
                     del seq.cold[key]
         # assemblies of the requests whose entries are all there, while the budget lasts (at least
         # one a step when no cold build ran: an assembly longer than the budget still gets its turn)

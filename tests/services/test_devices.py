@@ -60,7 +60,9 @@ def _up_args(*flags):
 
 def test_engine_flags_reach_the_roles_that_take_them():
     args = _up_args("--device", "cuda", "--gpus", "0,1", "--dtype", "bfloat16", "--mode", "prefix",
-                    "--max-model-len", "2048", "--entry-cache-bytes", "123", "--prefix-cache-bytes", "45")
+                    "--max-model-len", "2048", "--entry-cache-bytes", "123", "--prefix-cache-bytes", "45",
+                    "--max-num-seqs", "7", "--max-waiting", "3", "--max-num-batched-tokens", "512",
+                    "--kv-cache-bytes", "999")
     config = config_from_args(args)
 
     def flags(role):
@@ -71,7 +73,13 @@ def test_engine_flags_reach_the_roles_that_take_them():
                                                  "--prefix-cache-bytes", "--max-model-len")} == {
         "--device": "cuda", "--dtype": "bfloat16", "--mode": "prefix", "--entry-cache-bytes": "123",
         "--prefix-cache-bytes": "45", "--max-model-len": None}
-    assert flags("scatter") == flags("combine")
+    # the scheduler's limits go to the combine worker, which runs it; its token budget also to the
+    # scatter workers, which batch cold segments by it; the rest to both alike
+    scheduling = {"--max-num-seqs": "7", "--max-waiting": "3", "--kv-cache-bytes": "999"}
+    assert {k: flags("combine").get(k) for k in scheduling} == scheduling
+    assert flags("combine")["--max-num-batched-tokens"] == flags("scatter")["--max-num-batched-tokens"] == "512"
+    assert flags("scatter") == {k: v for k, v in flags("combine").items() if k not in scheduling}
+    assert not set(scheduling) & (set(flags("router")) | set(flags("cache-tier")))
     assert flags("router")["--max-model-len"] == "2048" and "--device" not in flags("router")
     assert "--device" not in flags("cache-tier") and "--entry-cache-bytes" not in flags("cache-tier")
     # unset budgets and limits are not forwarded: each process sizes its own
