@@ -16,9 +16,12 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+from hybridcache.services import security
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.launcher import free_port
 from hybridcache.services.runtime.cache import SegmentEntry
@@ -54,8 +57,13 @@ def main() -> int:
     p.add_argument("--out")
     args = p.parse_args()
     port = free_port()
+    # the tier answers members of its deployment only: this process is one (same secret installed)
+    secret = security.DeploymentSecret.generate()
+    secret_file = secret.write(Path(tempfile.mkdtemp()) / "secret")
+    security.install(secret)
     tier = subprocess.Popen([sys.executable, "-m", "hybridcache.services.cli", "serve", "cache-tier", "--grpc-port",
-                             str(port), "--http-port", str(free_port()), "--cache-bytes", str(8 << 30)],
+                             str(port), "--http-port", str(free_port()), "--cache-bytes", str(8 << 30),
+                             "--secret-file", str(secret_file)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:

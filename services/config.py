@@ -29,6 +29,7 @@ DTYPES = ("float32", "bfloat16")
 # router plans requests (tokens, segment keys, limits) without one.
 WORKERS = ("combine", "scatter")
 ENGINE_ROLES = ("router", *WORKERS)
+SERVICE_ROLES = (*ENGINE_ROLES, "cache-tier")
 
 
 def setting(default: Any, help: str, *, roles: tuple[str, ...] = WORKERS, choices: tuple | None = None,
@@ -143,6 +144,10 @@ class RuntimeConfig:
     entry_state_dtype: str = setting(
         "float32", "storage of the segment entries' linear-layer T and S; bfloat16 halves a delta-rule entry "
         "(composition keeps its running state in fp32)", choices=ENTRY_STATE_DTYPES)
+    secret_file: str | None = setting(
+        None, "file holding the deployment secret (services/security.py): internal gRPC calls carry a token "
+        "derived from it and cache entries are sealed with it; `hybridcache serve` needs one, `hybridcache up` "
+        "makes one per run unless given", roles=SERVICE_ROLES, type=str, metavar="PATH")
     # A setting of the model: engines sharing one model share it.
     cuda_graphs: bool = setting(
         True, "on CUDA, run the live pass of assembled prompts from CUDA graphs of their shapes "

@@ -47,6 +47,11 @@ METRIC_SCATTER_REPLICAS = "hybridcache_scatter_replicas"  # gauge (exported by t
 METRIC_SCHEDULER_REQUESTS = "hybridcache_scheduler_requests"
 METRIC_SCHEDULER_FINISHED = "hybridcache_scheduler_finished_total"
 METRIC_GENERATION_TOKENS = "hybridcache_generation_tokens_total"
+# counter, label reason=checksum|seal|layout: entries a reader refused (a tensor's CRC failed; the
+# HMAC seal did not verify: forged, or written by another deployment; the shapes or dtypes are not
+# the model's entry layout). Every refused entry is a miss.
+METRIC_ENTRIES_REJECTED = "hybridcache_entries_rejected_total"
+METRIC_UNAUTHENTICATED = "hybridcache_unauthenticated_requests_total"  # counter, label door=grpc|http
 
 ALL_METRICS = (
     METRIC_TTFT_SECONDS,
@@ -62,4 +67,6 @@ ALL_METRICS = (
     METRIC_SCHEDULER_REQUESTS,
     METRIC_SCHEDULER_FINISHED,
     METRIC_GENERATION_TOKENS,
+    METRIC_ENTRIES_REJECTED,
+    METRIC_UNAUTHENTICATED,
 )

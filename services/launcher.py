@@ -10,12 +10,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hybridcache.services.config import RuntimeConfig, add_config_flags, config_args, config_from_args
+from hybridcache.services.security import DeploymentSecret
 
 _HANDED_OUT: set[int] = set()
 
@@ -65,10 +67,21 @@ class LocalCluster:
             raise ValueError("cache_tiers must be >= 1")
         self.n_tiers = cache_tiers
         self.model_dir = str(model_dir)
+        self.run_dir = Path(tempfile.mkdtemp(prefix="hybridcache-up-"))
         self.port = port
         self.n_scatter = scatter_workers
         self.etcd = etcd
         self.config = replace(config or RuntimeConfig(), **settings)
+        # One deployment secret per run (unless given), in a file only this user can read: the
+        # children read it from there, so it shows in no argument list and no environment.
+        if self.config.secret_file is None:
+            self.secret = DeploymentSecret.generate()
+            self.config = replace(self.config, secret_file=str(self.secret.write(self.run_dir / "secret")))
+            self._own_secret = True
+        else:
+            self.secret = DeploymentSecret.load(self.config.secret_file) if Path(
+                self.config.secret_file).is_file() else None
+            self._own_secret = False
         # Several torch processes share the cores: one intra-op thread each avoids oversubscription.
         self.env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
         self.extra = extra or {}
@@ -153,6 +166,8 @@ class LocalCluster:
                 s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 s.kill()
+        if self._own_secret:
+            (self.run_dir / "secret").unlink(missing_ok=True)
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -17,7 +17,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from hybridcache.services.cache_tier.client import GRPC_OPTIONS
+from hybridcache.services import security
 from hybridcache.services.config import add_config_flags, config_from_args
 from hybridcache.services.contract import ROLES
 from hybridcache.services.directory import make_directory
@@ -89,9 +89,18 @@ def _serve(args) -> int:
     http_port = args.http_port if args.http_port is not None else ports.http
     address = f"{args.host}:{grpc_port}"
     tracing.setup_tracing(args.role, args.otlp_endpoint)
+    if config.secret_file is None:
+        raise security.SecretError("no deployment secret: --secret-file names the file that holds it "
+                                   "(`hybridcache up` and the operator make one)")
+    secret = security.DeploymentSecret.load(config.secret_file)
+    security.install(secret)
     directory = make_directory(args.etcd, {"combine": args.combine, "cache-tier": args.cache_tier,
                                            "scatter": args.scatter})
-    server = grpc.server(ThreadPoolExecutor(max_workers=32), options=GRPC_OPTIONS)
+    # Workers and the cache tier answer members of the deployment only; the router's gRPC door is
+    # the public Inference service.
+    interceptors = [] if args.role == "router" else [security.TokenInterceptor(secret.token)]
+    server = grpc.server(ThreadPoolExecutor(max_workers=32), options=security.INTERNAL_GRPC_OPTIONS,
+                         interceptors=interceptors)
     # /health (the router's own HTTP API aside) is up from the start and says 503 ("starting",
     # "warming up") until the role serves
     health = {"status": "starting", "role": args.role, "address": address}

@@ -8,11 +8,11 @@ import grpc
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import pb, rpc
 from hybridcache.services.runtime.cache import SegmentEntry
+from hybridcache.services.security import internal_channel
 from hybridcache.services.transport import get_transport
 from hybridcache.services.transport.codec import EntryAssembler, entry_chunks
 
 log = logging.getLogger("hybridcache.cache_tier")
-GRPC_OPTIONS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
 
 
 class CacheTierClient:
@@ -21,7 +21,7 @@ class CacheTierClient:
     def __init__(self, address: str, timeout_s: float = 10.0):
         self.address = address
         self.timeout = timeout_s
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = internal_channel(address)
         self._stub = rpc.CacheTierStub(self._channel)
 
     def stat(self, keys: list[str]) -> pb.StatReply | None:
@@ -33,7 +33,7 @@ class CacheTierClient:
             return None
 
     def get(self, keys: list[str], transport: str = "grpc") -> dict[str, SegmentEntry]:
-        """The entries found (checksums verified); misses, corrupt entries and errors are absent."""
+        """The entries found (seals verified); misses, corrupt or forged entries and errors are absent."""
         found: dict[str, SegmentEntry] = {}
         if not keys:
             return found

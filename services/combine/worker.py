@@ -2,7 +2,12 @@
 rebuild), hands it to the engine's Scheduler (continuous batching: its assembly interleaves with the
 decode steps of the requests already running, all decoded as one batch) and streams its tokens
 back. A full waiting queue answers RESOURCE_EXHAUSTED; an RPC that ends early (the client went
-away) cancels its request, which the scheduler drops within one step."""
+away) cancels its request, which the scheduler drops within one step.
+
+What comes from elsewhere is checked before the engine sees it: a plan's entry keys are recomputed
+from the segments' tokens (a key that differs is ignored), and an entry from the tier or a scatter
+worker, whose seal the codec verified, must also have the model's entry layout (EntryLayout: the
+shapes and dtypes this engine builds) for its segment's length; anything else is a miss, rebuilt."""
 
 from __future__ import annotations
 
@@ -13,13 +18,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from hybridcache.services.cache_tier.client import GRPC_OPTIONS, CacheTierClient
+from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import pb, rpc
-from hybridcache.services.runtime.cache import SegmentEntry
+from hybridcache.services.runtime.cache import EntryLayout, SegmentEntry
 from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.runtime.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig
+from hybridcache.services.security import internal_channel
 from hybridcache.services.transport import choose_transport
 from hybridcache.services.transport.codec import EntryAssembler, entry_to
 
@@ -30,7 +36,7 @@ def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]],
                        metadata=(), timeout_s: float = 120.0) -> tuple[dict[int, SegmentEntry], int]:
     """Ask one scatter worker for entries; returns those received whole (a dead worker yields
     what arrived before it died) and the bytes received."""
-    channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    channel = internal_channel(address)
     got: dict[int, SegmentEntry] = {}
     asm = EntryAssembler()
     transport = choose_transport(address)
@@ -58,6 +64,10 @@ class CombineServicer(rpc.CombineServicer):
         self.own_tier = "gpu" if engine.model.device.type == "cuda" else "worker"
         self.cache_tier = cache_tier
         self.dtype = dtype
+        # What received entries must look like: the layout of one this engine builds of a short
+        # probe segment (here, before the scheduler's thread owns the model).
+        probe = [0] * (engine.config.seam_window + max(1, engine.cfg.linear_conv_kernel_dim - 1) + 1)
+        self.layout = EntryLayout.of(engine.build_entry(probe))
         # Every request runs through this scheduler; its thread alone runs the model.
         self.scheduler = Scheduler(engine, scheduling, on_finish=_count_finished)
         for state in ("waiting", "prefilling", "running"):
@@ -66,6 +76,14 @@ class CombineServicer(rpc.CombineServicer):
         self._tiers: dict[str, CacheTierClient] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="combine-fetch")
         self.prefill_tps = 0.0
+
+    def _accept(self, entry: SegmentEntry, segment: list[int]) -> bool:
+        """Is a received entry (seal verified) the model's layout for this segment?"""
+        problem = self.layout.check(entry, len(segment))
+        if problem is not None:
+            metrics.ENTRIES_REJECTED.labels(reason="layout").inc()
+            log.warning("entry %s refused: %s", entry.key[:12], problem)
+        return problem is None
 
     def close(self) -> None:
         self.scheduler.stop()
@@ -89,9 +107,13 @@ class CombineServicer(rpc.CombineServicer):
         cold: dict[str, list[int]] = {}
         moved = {"tier_bytes": 0, "tier_seconds": 0.0, "tier_path": "", "scatter_bytes": 0,
                  "build_seconds": 0.0, "redispatched": 0}
-        keys = {p.index: p.key for p in request.plan}
-        owners = {p.index: p.cache_tier for p in request.plan}
-        for p in request.plan:
+        # Only the keys of this engine's own planner count: a plan naming another key for a segment
+        # (or no segment) is ignored, and the engine builds that segment itself.
+        plan = [p for p in request.plan
+                if 0 <= p.index < len(segments) and p.key == self.engine.entry_key(segments[p.index])]
+        keys = {p.index: p.key for p in plan}
+        owners = {p.index: p.cache_tier for p in plan}
+        for p in plan:
             entry = store.get(p.key)
             metrics.cache_lookup(self.own_tier, entry is not None)
             if entry is not None:
@@ -107,7 +129,7 @@ class CombineServicer(rpc.CombineServicer):
             found = self._tier(address).get([p.key for p in plans], moved["tier_path"])
             moved["tier_seconds"] += time.perf_counter() - t0
             for p in plans:
-                if p.key in found:
+                if p.key in found and self._accept(found[p.key], segments[p.index]):
                     pinned[p.key] = found[p.key]
                     source[p.index] = "tier"
                     moved["tier_bytes"] += found[p.key].nbytes
@@ -131,7 +153,7 @@ class CombineServicer(rpc.CombineServicer):
                 got, nbytes = jobs[address].result() if address in jobs else ({}, 0)
                 moved["scatter_bytes"] += nbytes
                 for i in idx:
-                    if i in got and got[i].key == keys.get(i):
+                    if i in got and got[i].key == keys.get(i) and self._accept(got[i], segments[i]):
                         pinned[got[i].key] = got[i]
                         source[i] = "scatter"
                         moved["build_seconds"] += got[i].build_seconds

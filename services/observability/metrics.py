@@ -25,6 +25,10 @@ ENTRY_BUILD_SECONDS = Histogram(c.METRIC_ENTRY_BUILD_SECONDS, "Seconds to prefil
                                 buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
 REQUESTS = Counter(_name(c.METRIC_REQUESTS), "Requests by outcome", ["status"])
 CACHE_BYTES = Gauge(c.METRIC_CACHE_BYTES, "Bytes held in entry caches, by tier", ["tier"])
+ENTRIES_REJECTED = Counter(_name(c.METRIC_ENTRIES_REJECTED), "Entries refused by a reader (each one a miss), by reason",
+                           ["reason"])
+UNAUTHENTICATED = Counter(_name(c.METRIC_UNAUTHENTICATED), "Calls refused for a missing or wrong token or API key",
+                          ["door"])
 
 SCHEDULER_REQUESTS = Gauge(c.METRIC_SCHEDULER_REQUESTS, "Requests in the combine worker's scheduler, by state",
                            ["state"])

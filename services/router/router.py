@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
-from hybridcache.services.cache_tier.client import GRPC_OPTIONS, CacheTierClient
+from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.config import DTYPES, RuntimeConfig
 from hybridcache.services.directory import Directory
 from hybridcache.services.observability import metrics, tracing
@@ -26,6 +26,7 @@ from hybridcache.services.runtime.models.registry import config_from_dir
 from hybridcache.services.runtime.plan import Planner
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.runtime.tokenizer import Tokenizer
+from hybridcache.services.security import internal_channel
 from hybridcache.services.transport import choose_transport
 
 log = logging.getLogger("hybridcache.router")
@@ -79,7 +80,7 @@ class Router:
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = internal_channel(address)
         return self._channels[address]
 
     def _tier(self, address: str) -> CacheTierClient:

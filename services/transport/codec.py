@@ -1,7 +1,8 @@
 """SegmentEntry <-> stream of EntryChunk messages: a header, then the tensors layer by layer.
 
 Each tensor carries dtype, shape, layer and a CRC32 of its bytes; the header carries the entry's
-sha256 checksum. A reader rebuilds the entry and checks both: a mismatch is an error, never an entry.
+seal (an HMAC keyed by the deployment secret, cache/entry.py). A reader rebuilds the entry and checks
+both: a mismatch is an error, never an entry, and is counted in hybridcache_entries_rejected_total.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 
 import torch
+from hybridcache.services.observability import metrics
 from hybridcache.services.protocol import pb
 from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
@@ -96,7 +98,7 @@ class EntryAssembler:
             self._open.pop(i, None)
             return i, None, chunk.error
         if kind == "header":
-            self._open[i] = (chunk.header, [])
+            self._open[i] = (chunk.header, [], [True])
             if chunk.header.num_tensors == 0:
                 return self._finish(i)
             return None
@@ -108,19 +110,21 @@ class EntryAssembler:
                 except TransportError:
                     pass
             return i, None, "tensor chunk before its entry header"
-        header, parts = self._open[i]
+        header, parts, collective = self._open[i]
         try:
             parts.append((chunk.tensor.layer, chunk.tensor.name, _tensor(chunk.tensor, self.device)))
         except TransportError as e:
             self._open.pop(i)
+            metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
             return i, None, str(e)
+        collective[0] &= chunk.tensor.collective_src != 0
         self.bytes_received += chunk.tensor.nbytes
         if len(parts) == header.num_tensors:
             return self._finish(i)
         return None
 
     def _finish(self, i: int):
-        header, parts = self._open.pop(i)
+        header, parts, collective = self._open.pop(i)
         linear, attn, by_layer = {}, {}, {}
         for layer, name, t in parts:
             by_layer.setdefault(layer, {})[name] = t
@@ -130,13 +134,17 @@ class EntryAssembler:
             elif set(d) == set(ATTN_FIELDS):
                 attn[layer] = AttnSpan(d["k"], d["v"])
             else:
+                metrics.ENTRIES_REJECTED.labels(reason="layout").inc()
                 return i, None, f"layer {layer} has tensors {sorted(d)}"
         data = SpanData(header.num_tokens, header.local_start, linear, attn)
         entry = SegmentEntry(key=header.key, segment_tokens=header.segment_tokens, data=data,
                              build_seconds=header.build_seconds, checksum=header.checksum)
-        # The collective transport verified every tensor on the device; the others carry the sha256.
-        if header.transport != "collective" and (not header.checksum or not entry.verify()):
-            return i, None, f"entry {header.key[:12]}: checksum mismatch"
+        # Tensors that came over the collective transport were checked on the device and came from a
+        # member of the torch.distributed group; every other entry must carry a seal that verifies
+        # (what the header says about its transport is not trusted).
+        if not (collective[0] and parts) and (not header.checksum or not entry.verify()):
+            metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
+            return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
         return i, entry, ""
 
 

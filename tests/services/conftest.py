@@ -27,9 +27,16 @@ def engine(model_dir):
 def cluster(model_dir):
     # Two cache-tier members of ~5 tiny-model entries each, so that the load test makes them evict.
     # The router's length limit below the tiny model's 4096 positions: test_http_api checks both.
+    from hybridcache.services import security
+
     with LocalCluster(model_dir, port=free_port(), scatter_workers=2, cache_tiers=2, entry_cache_bytes=64 << 20,
                       tier_cache_bytes=TIER_BYTES, max_model_len=MAX_MODEL_LEN) as c:
-        yield c
+        # the tests call the services' internal gRPC as a member of the deployment would
+        security.install(c.secret)
+        try:
+            yield c
+        finally:
+            security.install(None)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from hybridcache.services.contract import (
 )
 from hybridcache.services.directory import HashRing
 from hybridcache.services.protocol import pb, rpc
+from hybridcache.services.security import internal_channel
 from serving_helpers import MAX_MODEL_LEN, TIER_BYTES, http
 
 DOCS = [
@@ -62,7 +63,7 @@ def test_entries_live_on_their_consistent_hash_owner(cluster, engine):
     assert len(set(owners.values())) == 2  # the six keys land on both members
     deadline = time.monotonic() + 10
     while True:
-        present = {t: list(rpc.CacheTierStub(grpc.insecure_channel(t)).Stat(pb.StatRequest(keys=keys), timeout=10)
+        present = {t: list(rpc.CacheTierStub(internal_channel(t)).Stat(pb.StatRequest(keys=keys), timeout=10)
                            .present) for t in tiers}
         if all(present[owners[k]][n] for n, k in enumerate(keys)) or time.monotonic() > deadline:
             break
@@ -224,7 +225,7 @@ def test_load_mixed_hits_no_errors_and_cache_within_budget(cluster):
     hits = sum(seg["hit"] for _, r in results for seg in r["hybridcache"]["segments"])
     assert 0 < hits < 150
     for tier in cluster.role("cache-tier"):
-        stat = rpc.CacheTierStub(grpc.insecure_channel(tier.grpc)).Stat(pb.StatRequest(), timeout=10)
+        stat = rpc.CacheTierStub(internal_channel(tier.grpc)).Stat(pb.StatRequest(), timeout=10)
         assert stat.capacity_bytes == TIER_BYTES
         assert 0 < stat.used_bytes <= stat.capacity_bytes
         assert stat.entries > 0 and stat.evictions > 0

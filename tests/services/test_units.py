@@ -107,13 +107,13 @@ def test_corrupted_bytes_are_detected(entries):
     t.tensor.data = bytes(data)
     out = list(read_entries(chunks))
     assert out[0][1] is None and "checksum" in out[0][2]
-    # A consistent forgery (tensor checksum fixed up) still fails the entry checksum.
+    # A consistent forgery (tensor checksum fixed up) still fails the entry's seal.
     import zlib
 
     t.tensor.checksum = f"crc32:{zlib.crc32(t.tensor.data):08x}"
     asm = EntryAssembler()
     res = [r for c in chunks if (r := asm.feed(c)) is not None]
-    assert res[0][1] is None and "checksum" in res[0][2]
+    assert res[0][1] is None and "seal" in res[0][2]
 
 
 def test_stale_shm_blocks_are_swept(tmp_path, monkeypatch):

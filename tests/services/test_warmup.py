@@ -69,10 +69,13 @@ def test_health_is_503_until_ready_and_livez_always_answers():
         server.shutdown()
 
 
-def test_scatter_worker_warms_up_before_it_is_ready(model_dir):
+def test_scatter_worker_warms_up_before_it_is_ready(model_dir, tmp_path):
+    from hybridcache.services.security import DeploymentSecret
+
     grpc_port, http_port = free_port(), free_port()
+    secret = DeploymentSecret.generate().write(tmp_path / "secret")
     cmd = [sys.executable, "-m", "hybridcache.services.cli", "serve", "scatter", "--model", str(model_dir),
-           "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--warmup", "on"]
+           "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--warmup", "on", "--secret-file", str(secret)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     ready = threading.Event()

@@ -4,6 +4,7 @@ from hybridcache.services.runtime.cache.base import EntryStore
 from hybridcache.services.runtime.cache.entry import (
     CACHE_FORMAT,
     ENTRY_STATE_DTYPES,
+    EntryLayout,
     SegmentEntry,
     cast_entry_states,
     entry_checksum,
@@ -25,6 +26,7 @@ from hybridcache.services.runtime.cache.radix import PageNode, PagePayload, Page
 __all__ = [
     "CACHE_FORMAT",
     "ENTRY_STATE_DTYPES",
+    "EntryLayout",
     "EntryStore",
     "MemoryEntryStore",
     "POLICIES",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass, field
 
 import torch
@@ -52,15 +53,70 @@ def cast_entry_states(data: SpanData, dtype: torch.dtype) -> SpanData:
     return data
 
 
-def entry_checksum(data: SpanData) -> str:
-    """sha256 over every tensor's shape, dtype and bytes, in a canonical order."""
-    h = hashlib.sha256()
-    h.update(f"{data.num_tokens}|{data.local_start}".encode())
+SEAL_PREFIX = "hmac-sha256:"
+
+
+def entry_checksum(key: str, segment_tokens: int, data: SpanData) -> str:
+    """The entry's seal: an HMAC-SHA256, keyed by the deployment's sealing key (services/security.py),
+    over its key, segment length, body length, seam and every tensor's shape, dtype and bytes in a
+    canonical order. Only a holder of the deployment secret can make one that verifies, and it binds
+    the tensors to their key: a real entry copied under another key does not verify either."""
+    from hybridcache.services.security import seal_key
+
+    h = hmac.new(seal_key(), digestmod=hashlib.sha256)
+    h.update(f"{key}|{segment_tokens}|{data.num_tokens}|{data.local_start}".encode())
     for t in _tensors(data):
         c = t.detach().contiguous().cpu()
         h.update(f"{tuple(c.shape)}{c.dtype}".encode())
         h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
-    return h.hexdigest()
+    return SEAL_PREFIX + h.hexdigest()
+
+
+@dataclass(frozen=True)
+class EntryLayout:
+    """The tensors an entry of one engine holds, per layer: (name, dtype, shape) in codec order,
+    the token dimension of attention K/V ([1, Hkv, n, d]) left as -1. Learnt from an entry the
+    engine built (`of`), it checks entries that came from elsewhere (`check`)."""
+
+    seam_window: int
+    linear: dict[int, tuple[tuple[str, str, tuple[int, ...]], ...]]
+    attn: dict[int, tuple[tuple[str, str, tuple[int, ...]], ...]]
+
+    @staticmethod
+    def _spec(t: torch.Tensor, token_dim: int | None = None) -> tuple[str, tuple[int, ...]]:
+        shape = tuple(t.shape)
+        if token_dim is not None:
+            shape = shape[:token_dim] + (-1,) + shape[token_dim + 1:]
+        return str(t.dtype).removeprefix("torch."), shape
+
+    @classmethod
+    def of(cls, entry: SegmentEntry) -> EntryLayout:
+        d = entry.data
+        linear = {i: tuple((n, *cls._spec(getattr(s, n))) for n in ("T", "S", "conv_tail"))
+                  for i, s in d.linear.items()}
+        attn = {i: tuple((n, *cls._spec(getattr(a, n), 2)) for n in ("k", "v")) for i, a in d.attn.items()}
+        return cls(d.local_start, linear, attn)
+
+    def check(self, entry: SegmentEntry, segment_tokens: int) -> str | None:
+        """None when `entry` is what this engine would build for a segment of `segment_tokens`
+        tokens; otherwise what differs."""
+        d = entry.data
+        body = segment_tokens - self.seam_window
+        if (entry.segment_tokens, d.num_tokens, d.local_start) != (segment_tokens, body, self.seam_window):
+            return (f"entry of {entry.segment_tokens} tokens (body {d.num_tokens} from {d.local_start}) for a "
+                    f"segment of {segment_tokens} tokens (body {body} from {self.seam_window})")
+        if set(d.linear) != set(self.linear) or set(d.attn) != set(self.attn):
+            return "entry layers differ from the model's"
+        for i, s in d.linear.items():
+            for name, dtype, shape in self.linear[i]:
+                if self._spec(getattr(s, name)) != (dtype, shape):
+                    return f"layer {i} {name}: {self._spec(getattr(s, name))}, expected {(dtype, shape)}"
+        for i, a in d.attn.items():
+            for name, dtype, shape in self.attn[i]:
+                t = getattr(a, name)
+                if self._spec(t, 2) != (dtype, shape) or t.shape[2] != body:
+                    return f"layer {i} {name}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype} with n={body}"
+        return None
 
 
 @dataclass(slots=True)
@@ -78,9 +134,11 @@ class SegmentEntry:
             self.nbytes = entry_nbytes(self.data)
 
     def seal(self) -> SegmentEntry:
-        """Compute the checksum (done once, when the entry leaves the process that built it)."""
-        self.checksum = entry_checksum(self.data)
+        """Compute the seal (done once, when the entry leaves the process that built it)."""
+        self.checksum = entry_checksum(self.key, self.segment_tokens, self.data)
         return self
 
     def verify(self) -> bool:
-        return not self.checksum or self.checksum == entry_checksum(self.data)
+        """True when the entry is unsealed (it never left its process) or its seal verifies."""
+        return not self.checksum or hmac.compare_digest(
+            self.checksum, entry_checksum(self.key, self.segment_tokens, self.data))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from hybridcache.services.runtime.cache.base import EntryStore
-from hybridcache.services.runtime.cache.entry import SegmentEntry, entry_checksum, entry_nbytes
+from hybridcache.services.runtime.cache.entry import SegmentEntry, entry_nbytes
 from hybridcache.services.runtime.sequence import LinearSpan, SpanData
 
 
@@ -28,7 +28,7 @@ def to_single_state(entry: SegmentEntry) -> SegmentEntry:
     single_state_view(entry.data)
     entry.nbytes = entry_nbytes(entry.data)
     if entry.checksum:
-        entry.checksum = entry_checksum(entry.data)
+        entry.seal()
     entry.meta["linear_state_policy"] = "single"
     return entry
 

@@ -1,0 +1,174 @@
+"""The deployment secret and what derives from it: the token every internal gRPC call carries and
+the key every cache entry is sealed with.
+
+One secret per deployment, shared by its members and nobody else: `hybridcache up` makes one per
+run and hands it to its children in a file (`--secret-file`); the operator keeps it in a Secret
+mounted into every pod. The gRPC token and the sealing key are HMACs of the secret under distinct
+labels, so a token seen on the wire does not give away the key that seals entries.
+
+    secret = DeploymentSecret.load(path)      # or DeploymentSecret.generate()
+    install(secret)                           # this process seals and checks entries with it
+    channel = internal_channel(address)       # every call carries the token
+    server = grpc.server(..., interceptors=[TokenInterceptor(secret.token)])
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+TOKEN_METADATA = "x-hybridcache-token"
+# Internal messages carry whole tensors (one K/V layer of a long segment is tens of MiB).
+INTERNAL_GRPC_OPTIONS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
+SECRET_BYTES = 32
+
+
+class SecretError(ValueError):
+    """The deployment secret is missing or unreadable (a usage error: exit 2)."""
+
+
+@dataclass(frozen=True)
+class DeploymentSecret:
+    secret: bytes
+
+    def __post_init__(self):
+        if len(self.secret) < 16:
+            raise SecretError("the deployment secret must hold at least 16 bytes")
+
+    @classmethod
+    def generate(cls) -> DeploymentSecret:
+        return cls(secrets.token_hex(SECRET_BYTES).encode())
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeploymentSecret:
+        try:
+            raw = Path(path).read_bytes().strip()
+        except OSError as e:
+            raise SecretError(f"cannot read the deployment secret {path}: {e.strerror}") from None
+        return cls(raw)
+
+    def write(self, path: str | Path) -> Path:
+        """Write the secret to `path`, readable by its owner only."""
+        path = Path(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.secret)
+        return path
+
+    def _derive(self, label: bytes) -> bytes:
+        return hmac.new(self.secret, b"hybridcache|" + label, hashlib.sha256).digest()
+
+    @property
+    def token(self) -> str:
+        """What internal gRPC calls carry in their TOKEN_METADATA."""
+        return self._derive(b"grpc-token").hex()
+
+    @property
+    def seal_key(self) -> bytes:
+        """The HMAC key of cache entries (cache/entry.py)."""
+        return self._derive(b"entry-seal")
+
+
+_installed: DeploymentSecret | None = None
+
+
+def install(secret: DeploymentSecret | None) -> None:
+    """Make `secret` this process's: entries are sealed and checked with its key, internal channels
+    carry its token. None uninstalls (entries are then sealed with an empty key: an integrity check
+    only, which is what a single process with no peers needs)."""
+    global _installed
+    _installed = secret
+
+
+def installed() -> DeploymentSecret | None:
+    return _installed
+
+
+def seal_key() -> bytes:
+    return _installed.seal_key if _installed is not None else b""
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                           "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                             grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the token to the metadata of every call of a channel."""
+
+    def __init__(self, token: str):
+        self._pair = (TOKEN_METADATA, token)
+
+    def _details(self, d):
+        metadata = [*(d.metadata or ()), self._pair]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def internal_channel(address: str) -> grpc.Channel:
+    """A channel to another member of the deployment; its calls carry the installed secret's token."""
+    channel = grpc.insecure_channel(address, options=INTERNAL_GRPC_OPTIONS)
+    if _installed is None:
+        return channel
+    return grpc.intercept_channel(channel, TokenClientInterceptor(_installed.token))
+
+
+def _abort_handler(handler, code: grpc.StatusCode, message: str):
+    """A handler of the same streaming kind as `handler` that ends the call with `code`."""
+
+    def abort(_request, context):
+        context.abort(code, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class MetadataCheckInterceptor(grpc.ServerInterceptor):
+    """Ends with UNAUTHENTICATED every call whose `header` metadata is not `expected` (compared in
+    constant time) before the service sees its request."""
+
+    def __init__(self, header: str, expected: str, message: str):
+        self._header, self._expected, self._message = header, expected.encode(), message
+
+    def intercept_service(self, continuation, handler_call_details):
+        got = ""
+        for k, v in handler_call_details.invocation_metadata or ():
+            if k == self._header:
+                got = v
+        handler = continuation(handler_call_details)
+        if handler is None or hmac.compare_digest(got.encode(), self._expected):
+            return handler
+        from hybridcache.services.observability import metrics
+
+        metrics.UNAUTHENTICATED.labels(door="grpc").inc()
+        return _abort_handler(handler, grpc.StatusCode.UNAUTHENTICATED, self._message)
+
+
+def TokenInterceptor(token: str) -> MetadataCheckInterceptor:  # noqa: N802 - reads as a class
+    """The server side of internal calls: only members of the deployment get through."""
+    return MetadataCheckInterceptor(TOKEN_METADATA, token, "internal call without this deployment's token")
