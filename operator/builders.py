@@ -17,6 +17,9 @@ MANAGER = "hybridcache-operator"
 CONFIG_HASH_ANNOTATION = f"{contract.API_GROUP}/config-hash"
 UID = 10001
 CACHE_DIR = "/var/cache/hybridcache"
+# The deployment secret (services/security.py): one Secret per HybridCache, mounted into every pod.
+SECRET_DIR = "/var/run/hybridcache/secret"
+SECRET_KEY = "secret"
 
 Manifest = dict[str, Any]
 
@@ -66,6 +69,7 @@ def serve_args(spec: HybridCacheSpec, name: str, role: RoleSpec) -> list[str]:
         "--host", "$(POD_IP)",
         "--grpc-port", str(role.grpc_port),
         "--http-port", str(role.http_port),
+        "--secret-file", f"{SECRET_DIR}/{SECRET_KEY}",
     ]
     if spec.etcd_endpoints:
         # serve takes one endpoint; the etcd client finds the rest of the cluster from it.
@@ -115,6 +119,19 @@ def config_map(spec: HybridCacheSpec, name: str) -> Manifest:
     }
 
 
+def deployment_secret(name: str, secret: str) -> Manifest:
+    """The Secret holding the deployment secret. `secret` is made by the handler when the Secret is
+    first created and never replaced afterwards (kube.Kube.create_if_absent): rotating it would
+    split running pods into two deployments that refuse each other's calls and entries."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": child_name(name, "secret"), "labels": labels(name)},
+        "type": "Opaque",
+        "stringData": {SECRET_KEY: secret},
+    }
+
+
 def config_hash(spec: HybridCacheSpec, name: str) -> str:
     data = json.dumps(config_map(spec, name)["data"], sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()[:16]
@@ -134,7 +151,7 @@ def _resources(spec: HybridCacheSpec, role: RoleSpec) -> dict[str, Any]:
 
 def _container(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
     health = {"httpGet": {"path": "/health", "port": "http"}}
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "secret", "mountPath": SECRET_DIR, "readOnly": True}]
     if spec.model.path is None:
         mounts.append({"name": "model", "mountPath": spec.model.MOUNT, "readOnly": True})
     if role.gpus_per_pod:
@@ -173,8 +190,12 @@ def _container(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
     }
 
 
-def _volumes(spec: HybridCacheSpec, role: RoleSpec) -> list[Manifest]:
-    volumes: list[Manifest] = [{"name": "tmp", "emptyDir": {}}]
+def _volumes(spec: HybridCacheSpec, name: str, role: RoleSpec) -> list[Manifest]:
+    volumes: list[Manifest] = [
+        {"name": "tmp", "emptyDir": {}},
+        # readable by the pod's group (fsGroup) only
+        {"name": "secret", "secret": {"secretName": child_name(name, "secret"), "defaultMode": 0o440}},
+    ]
     if spec.model.pvc_claim is not None:
         volumes.append({
             "name": "model",
@@ -202,7 +223,7 @@ def pod_template(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [_container(spec, name, role)],
-        "volumes": _volumes(spec, role),
+        "volumes": _volumes(spec, name, role),
     }
     if role.gpus_per_pod:
         if spec.node_selector:

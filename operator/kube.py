@@ -18,6 +18,7 @@ from hybridcache.services import contract
 JSON = "application/json"
 PLURALS = {
     "ConfigMap": "configmaps",
+    "Secret": "secrets",
     "Service": "services",
     "Deployment": "deployments",
     "StatefulSet": "statefulsets",
@@ -98,6 +99,20 @@ class Kube:
         meta = obj["metadata"]
         path = object_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         return self.request("PUT", path, body)
+
+    def create_if_absent(self, obj: dict[str, Any]) -> str:
+        """Create `obj` unless an object of its name exists (left as it is); returns 'created' or
+        'unchanged'. For objects whose content is made once (a generated secret)."""
+        meta = obj["metadata"]
+        if self.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]) is not None:
+            return "unchanged"
+        try:
+            self.create(obj)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            return "unchanged"
+        return "created"
 
     def apply(self, obj: dict[str, Any]) -> str:
         """Make the live object contain `obj`; returns 'created', 'replaced' or 'unchanged'.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import secrets
 import time
 from typing import Any
 
@@ -68,12 +69,12 @@ def parse(spec: dict[str, Any]) -> HybridCacheSpec:
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
 
 
-def apply_all(objects: list[dict[str, Any]], owner: dict[str, Any]) -> dict[str, int]:
+def apply_all(objects: list[dict[str, Any]], owner: dict[str, Any], create_only: bool = False) -> dict[str, int]:
     kopf.adopt(objects, owner=owner)
     outcomes: dict[str, int] = {}
     for obj in objects:
         try:
-            outcome = api().apply(obj)
+            outcome = api().create_if_absent(obj) if create_only else api().apply(obj)
         except kube.ApiError as exc:
             what = f"{obj['kind']} {obj['metadata']['name']}: {exc}"
             if exc.status in (409, 429) or exc.status >= 500:
@@ -101,6 +102,8 @@ def reconcile(
     try:
         hc = parse(spec)
         replicas = autoscaler.scatter_replicas(hc, status.get("scatter", {}).get("desiredReplicas"))
+        # the deployment secret first (the pods mount it), made once and then left alone
+        apply_all([builders.deployment_secret(name, secrets.token_hex(32))], owner=body, create_only=True)
         outcomes = apply_all(builders.children(hc, name, replicas), owner=body)
     except kopf.PermanentError as exc:
         # Recorded now; the timer carries Degraded over until a later spec reconciles.

@@ -480,6 +480,7 @@ def standard_types(admit_hybridcache: Callable[[dict[str, Any]], dict[str, Any]]
     workload_scale = (".spec.replicas", ".status.replicas", ".status.selector")
     return {
         "/v1/configmaps": ResourceType("ConfigMap"),
+        "/v1/secrets": ResourceType("Secret"),
         "/v1/services": ResourceType("Service", status=True),
         "/v1/events": ResourceType("Event"),
         "/v1/namespaces": ResourceType("Namespace", namespaced=False, status=True),

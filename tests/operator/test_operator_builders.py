@@ -67,6 +67,23 @@ def test_children_cover_every_role_and_kind():
     assert "ServiceMonitor" not in [o["kind"] for o in builders.children(CPU, NAME, 1)]
 
 
+def test_every_pod_mounts_the_deployment_secret_and_reads_it_from_the_file():
+    secret = builders.deployment_secret(NAME, "s" * 64)
+    validate_strict(secret)
+    assert secret["metadata"]["name"] == "demo-secret" and secret["stringData"] == {"secret": "s" * 64}
+    workloads = [o for o in builders.children(GPU, NAME, 2) if o["kind"] in ("Deployment", "StatefulSet")]
+    assert len(workloads) == 4
+    for obj in workloads:
+        c, pod = container(obj), obj["spec"]["template"]["spec"]
+        path = arg(c["args"], "--secret-file")
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "secret")
+        assert mount["readOnly"] and path == f"{mount['mountPath']}/{builders.SECRET_KEY}"
+        volume = next(v for v in pod["volumes"] if v["name"] == "secret")
+        assert volume["secret"] == {"secretName": "demo-secret", "defaultMode": 0o440}
+        # the secret itself is in no argument and no environment variable
+        assert "s" * 64 not in repr(c)
+
+
 def test_router_deployment():
     obj = builders.router_deployment(GPU, NAME)
     assert obj["metadata"]["name"] == "demo-router" and obj["spec"]["replicas"] == 2

@@ -78,6 +78,9 @@ def test_create_builds_every_child_owned_and_reports_ready(emulator, client, ope
     assert condition(ready, "Progressing")["status"] == "False"
     assert ready["status"]["roles"]["cacheTier"] == {"replicas": 1, "readyReplicas": 1}
     assert ready["status"]["scatter"]["selector"].startswith("app.kubernetes.io/component=scatter")
+    (secret,) = emulator.objects("/v1/secrets")
+    assert secret["metadata"]["name"] == "demo-secret" and len(secret["stringData"]["secret"]) == 64
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
 
 
 def test_per_role_update_changes_only_that_role(emulator, client, operator):
@@ -85,12 +88,15 @@ def test_per_role_update_changes_only_that_role(emulator, client, operator):
     wait_for(lambda: len(children(emulator)) == 14, what="children")
     settled(client)
     before = {k: o["metadata"]["resourceVersion"] for k, o in children(emulator).items()}
+    (secret,) = emulator.objects("/v1/secrets")
     client.request("PATCH", f"{HC}/demo", {"spec": {"router": {"replicas": 3}}}, MERGE)
     wait_for(lambda: deployment(client, "router")["spec"]["replicas"] == 3, what="router scaled")
     settled(client, generation=2)
     after = {k: o["metadata"]["resourceVersion"] for k, o in children(emulator).items()}
     changed = {k for k in before if before[k] != after[k]}
     assert changed == {("Deployment", "demo-router")}
+    # a reconcile never rotates the deployment secret (pods would stop trusting each other)
+    assert emulator.objects("/v1/secrets") == [secret]
 
 
 def test_pause_leaves_children_alone_until_resumed(emulator, client, operator):
