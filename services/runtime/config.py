@@ -103,9 +103,12 @@ class ModelConfig:
         if "text_config" in cfg and isinstance(cfg["text_config"], dict):
             text = dict(cfg["text_config"])
             # token ids sometimes live only at the top level of multimodal configs
-            for key in ("eos_token_id", "pad_token_id", "bos_token_id", "tie_word_embeddings"):
+            for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
                 if text.get(key) is None and cfg.get(key) is not None:
                     text[key] = cfg[key]
+            # the wrapper model (ForConditionalGeneration) ties by its own config, whatever text_config says
+            if cfg.get("tie_word_embeddings") is not None:
+                text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         family = SUPPORTED_MODEL_TYPES[model_type]
 
         def need(key):
@@ -168,11 +171,25 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        p = Path(path) / "config.json"
-        if not p.is_file():
-            raise ModelConfigError(f"no config.json in {path}")
-        try:
-            cfg = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"{p} is not valid JSON: {e}") from None
-        return cls.from_dict(cfg)
+        return cls.from_dict(read_config_json(path))
+
+
+_SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _special_float(obj: dict):
+    # transformers writes inf/nan as {"__float__": "Infinity"} (plain JSON has no such numbers)
+    if len(obj) == 1 and obj.get("__float__") in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[obj["__float__"]]
+    return obj
+
+
+def read_config_json(path: str | Path) -> dict:
+    """The config.json of a model directory as a dict (ModelConfigError if absent or not JSON)."""
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        raise ModelConfigError(f"no config.json in {path}")
+    try:
+        return json.loads(p.read_text(), object_hook=_special_float)
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{p} is not valid JSON: {e}") from None

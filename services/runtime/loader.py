@@ -1,19 +1,20 @@
 """Load a model directory in Hugging Face format: config.json, *.safetensors (sharded or not), tokenizer.json.
 
-Tensor names are the checkpoint's own. Multimodal checkpoints (`model.language_model.*`) load
-their text model; vision towers and multi-token-prediction heads are skipped; per-expert MoE
-tensors (`experts.E.gate_proj.weight`, ...) are fused into the 3-D expert tensors.
+Tensor names are those of the Hugging Face hub's checkpoints (as transformers' save_pretrained
+writes them), mapped onto the runtime's modules by hub_names: multimodal checkpoints
+(`model.language_model.*`) load their text model, vision towers and multi-token-prediction heads
+are skipped, per-expert MoE tensors are fused into the 3-D expert tensors.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 
 import torch
 from hybridcache.services.runtime.config import ModelConfig, ModelConfigError
+from hybridcache.services.runtime.hub_names import Assembler
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.models.registry import build_model, config_from_dir
 from safetensors import safe_open
@@ -21,10 +22,6 @@ from safetensors import safe_open
 
 class ModelLoadError(ValueError):
     """A model directory that cannot be loaded: the message names the file or tensor."""
-
-
-_SKIP = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.vision_tower\.|.*rotary_emb\.inv_freq$)")
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -42,20 +39,10 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _canonical_name(name: str) -> str:
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model.") :]
-    if name.startswith("language_model.model."):
-        return "model." + name[len("language_model.model.") :]
-    if name.startswith("language_model.lm_head."):
-        return name[len("language_model.") :]
-    return name
-
-
-def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint under the runtime's names (experts fused)."""
-    tensors: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+def read_checkpoint(path: Path, model_type: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors of the checkpoint the text model uses, under the runtime's names (hub_names),
+    and for each the checkpoint name it came from."""
+    assembler = Assembler(model_type)
     for f in _checkpoint_files(path):
         try:
             handle = safe_open(str(f), framework="pt")
@@ -63,25 +50,28 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
             raise ModelLoadError(f"cannot read {f.name}: {e}") from None
         with handle:
             for raw in handle.keys():
-                name = _canonical_name(raw)
-                if _SKIP.match(name):
-                    continue
-                m = _EXPERT.match(name)
-                if m:
-                    per_expert = experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})
-                    per_expert[m.group(3)] = handle.get_tensor(raw)
-                    continue
-                tensors[name] = handle.get_tensor(raw)
-    for prefix, per_expert in experts.items():
-        n = max(per_expert) + 1
-        missing = [e for e in range(n) if set(per_expert.get(e, {})) != {"gate_proj", "up_proj", "down_proj"}]
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing tensors of expert(s) {missing[:5]} under {prefix}")
-        tensors[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([per_expert[e]["gate_proj"], per_expert[e]["up_proj"]], 0) for e in range(n)]
-        )
-        tensors[f"{prefix}.down_proj"] = torch.stack([per_expert[e]["down_proj"] for e in range(n)])
-    return tensors
+                assembler.add(raw, lambda raw=raw, handle=handle: handle.get_tensor(raw))
+    try:
+        return assembler.finish(), assembler.source
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+
+
+def _check_names(path: Path, model_type: str, expected: dict, tensors: dict, source: dict[str, str]) -> None:
+    """One error for a checkpoint whose names do not map onto the model: the first tensor it
+    cannot map (under its checkpoint name) and the first missing one, with counts."""
+    missing = sorted(set(expected) - set(tensors))
+    unknown = sorted(set(tensors) - set(expected))
+    if not missing and not unknown:
+        return
+    parts = []
+    if unknown:
+        parts.append(f"{len(unknown)} tensor(s) it cannot map, the first {source.get(unknown[0], unknown[0])!r}")
+    if missing:
+        parts.append(f"{len(missing)} missing tensor(s), the first {missing[0]!r}")
+    raise ModelLoadError(
+        f"checkpoint in {path} does not match a {model_type} model of its config.json: " + "; ".join(parts)
+    )
 
 
 def model_fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> str:
@@ -104,20 +94,16 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
         cfg = config_from_dir(path)
     except ModelConfigError as e:
         raise ModelLoadError(str(e)) from None
-    tensors = read_checkpoint(path)
-    if "lm_head.weight" not in tensors and cfg.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors, source = read_checkpoint(path, cfg.model_type)
     with torch.device("meta"):
         model = build_model(cfg)
     expected = dict(model.state_dict())
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise ModelLoadError(f"checkpoint in {path} is missing tensor(s) {', '.join(missing[:3])}{more}")
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
-        raise ModelLoadError(f"checkpoint in {path} has unexpected tensor(s) {', '.join(unexpected[:3])}{more}")
+    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
+        # save_pretrained leaves out a tied LM head: it is the token embedding
+        embed = next(f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding))
+        if embed in tensors:
+            tensors["lm_head.weight"] = tensors[embed]
+    _check_names(path, cfg.model_type, expected, tensors, source)
     for name, ref in expected.items():
         got = tensors[name]
         if tuple(got.shape) != tuple(ref.shape):

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import torch
+from hybridcache.services.runtime.hub_names import hub_tensors
 from hybridcache.services.runtime.models.families import FAMILY_PRESETS
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.models.registry import build_model, config_from_dict, supported_model_types
@@ -142,27 +143,9 @@ def random_init_(model: HybridLM, seed: int, std: float = 0.02) -> None:
         p.copy_(vals.to(p.dtype))
 
 
-def checkpoint_tensors(model: HybridLM) -> dict[str, torch.Tensor]:
-    """State dict under the checkpoint names Hugging Face writes (per-expert MoE tensors)."""
-    out = {}
-    # some architectures' transformers classes read only the fused 3-D expert tensors
-    split = not getattr(model, "fused_expert_checkpoint", False)
-    for name, t in model.state_dict().items():
-        if split and name.endswith("experts.gate_up_proj"):
-            prefix = name[: -len(".gate_up_proj")]
-            inter = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter].contiguous()
-                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:].contiguous()
-        elif split and name.endswith("experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
-        elif name.endswith("mlp.gate.weight"):
-            out[name] = t.contiguous()
-        else:
-            out[name] = t.contiguous()
-    return out
+def checkpoint_tensors(model: HybridLM, multimodal: bool = False) -> dict[str, torch.Tensor]:
+    """The model's weights under the names the hub's checkpoints use (hub_names.hub_tensors)."""
+    return hub_tensors(model.cfg, model.state_dict(), multimodal=multimodal)
 
 
 def init_model_dir(
@@ -185,7 +168,11 @@ def init_model_dir(
     model = build_model(cfg)
     random_init_(model, seed, std)
     model = model.to(dtype)
-    save_file(checkpoint_tensors(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        checkpoint_tensors(model, multimodal="text_config" in cfg_dict),
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
     (out / "generation_config.json").write_text(

@@ -86,7 +86,7 @@ def test_bad_model_dirs_exit_2(qwen35_dir, tmp_path, capsys):
     del tensors["model.layers.2.self_attn.k_proj.weight"]
     save_file(tensors, str(missing / "model.safetensors"))
     code, _, err = run_cli(capsys, "generate", "--model", str(missing), "--request", str(req))
-    assert code == 2 and "missing tensor(s) model.layers.2.self_attn.k_proj.weight" in err
+    assert code == 2 and "1 missing tensor(s), the first 'model.layers.2.self_attn.k_proj.weight'" in err
 
     code, _, err = run_cli(capsys, "generate", "--model", str(qwen35_dir), "--request", str(tmp_path / "nope.json"))
     assert code == 2 and "cannot read request file" in err

@@ -401,9 +401,6 @@ class KimiDecoderLayer(nn.Module):
 
 
 class KimiLinearLM(LayoutLM):
-    # transformers' kimi_linear reads experts.gate_up_proj / experts.down_proj, not per-expert tensors
-    fused_expert_checkpoint = True
-
     def __init__(self, cfg):
         super().__init__(
             cfg,

@@ -18,8 +18,8 @@ with RoPE over the whole head, so cached K is re-rotated on reuse; transformers'
 partial_rotary_factor / rotary_dim, so configs asking for partial RoPE are refused.
 
 Checkpoints carry transformers' per-layer decay buffers (slope_rate, query/key/diagonal_decay), as
-save_pretrained writes them; remote-code checkpoints with Mixtral-style expert names
-(block_sparse_moe.experts.E.w1 / w2 / w3) are not read.
+save_pretrained writes them; the experts' hub names (block_sparse_moe.experts.E.w1 / w2 / w3) are
+mapped by runtime/hub_names.py.
 """
 
 from __future__ import annotations
@@ -264,9 +264,6 @@ class MiniMaxDecoderLayer(nn.Module):
 
 
 class MiniMaxLM(LayoutLM):
-    # written as the fused 3-D expert tensors transformers' MiniMaxExperts holds
-    fused_expert_checkpoint = True
-
     def __init__(self, cfg):
         super().__init__(
             cfg,

@@ -50,7 +50,8 @@ class NemotronHConfig(LayerTypes):
     use_bias: bool = False
     mlp_bias: bool = False
     attention_bias: bool = False
-    time_step_min: float = 0.001
+    # the lower clamp of dt: time_step_limit[0] (config.json's time_step_min is only an init range)
+    time_step_min: float = 0.0
     layer_norm_epsilon: float = 1e-5
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -101,6 +102,9 @@ class NemotronHConfig(LayerTypes):
         if cfg.get("mlp_hidden_act", "relu2") != "relu2" or cfg.get("mamba_hidden_act", "silu") != "silu":
             raise ModelConfigError("only mlp_hidden_act relu2 and mamba_hidden_act silu are supported")
         hidden, heads = int(need(cfg, "hidden_size")), int(need(cfg, "num_attention_heads"))
+        lo, hi = cfg.get("time_step_limit") or cfg.get("mamba_dt_limit") or (0.0, float("inf"))
+        if hi != float("inf"):
+            raise ModelConfigError(f"a finite upper time_step_limit ({hi}) is not supported")
         return cls(
             model_type="nemotron_h",
             vocab_size=int(need(cfg, "vocab_size")),
@@ -119,7 +123,7 @@ class NemotronHConfig(LayerTypes):
             use_bias=bool(cfg.get("use_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
-            time_step_min=float(cfg.get("time_step_min", cfg.get("mamba_dt_min", 0.001))),
+            time_step_min=float(lo),
             layer_norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -9,10 +9,9 @@ qwen3_hybrid.HybridLM (cfg, device, dtype, empty_state(), forward_layout(...)).
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 
-from hybridcache.services.runtime.config import SUPPORTED_MODEL_TYPES, ModelConfigError
+from hybridcache.services.runtime.config import SUPPORTED_MODEL_TYPES, ModelConfigError, read_config_json
 
 _PKG = "hybridcache.services.runtime"
 _QWEN = (f"{_PKG}.config:ModelConfig", f"{_PKG}.models.qwen3_hybrid:HybridLM")
@@ -47,14 +46,7 @@ def config_from_dict(cfg: dict):
 
 
 def config_from_dir(path: str | Path):
-    p = Path(path) / "config.json"
-    if not p.is_file():
-        raise ModelConfigError(f"no config.json in {path}")
-    try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelConfigError(f"{p} is not valid JSON: {e}") from None
-    return config_from_dict(cfg)
+    return config_from_dict(read_config_json(path))
 
 
 def model_class(cfg):
