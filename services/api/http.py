@@ -1,13 +1,17 @@
 """HTTP front door on the router: OpenAI-compatible and SGLang-native endpoints, /health, /metrics.
 
 Every completion response (non-streaming; the last chunk when streaming) carries `usage` and a
-`hybridcache` object with the request's cache statistics (the CLI's `stats`).
+`hybridcache` object with the request's cache statistics (the CLI's `stats`). When the combine
+worker's waiting queue is full the answer is 429 with a Retry-After header (a streaming request
+too: its headers wait for its first token). A client that disconnects cancels its request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import math
 import threading
 import time
 import uuid
@@ -15,38 +19,55 @@ import uuid
 from aiohttp import web
 from hybridcache.services.api.openai_compat import chat_to_native, completion_to_native, sglang_to_native
 from hybridcache.services.observability import metrics
-from hybridcache.services.router.router import Router, ServiceUnavailable
+from hybridcache.services.router.router import Overloaded, Router, ServiceUnavailable, StreamControl
 from hybridcache.services.runtime.sampling import RequestError
 
 MAX_BODY_BYTES = 4 << 20
 _END = object()
 
 
-def _error(status: int, message: str) -> web.Response:
+def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
     kind = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
-            503: "service_unavailable"}.get(status, "error")
+            429: "rate_limit_exceeded", 503: "service_unavailable"}.get(status, "error")
     metrics.REQUESTS.labels(status=str(status)).inc()
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status,
+                             headers=headers)
+
+
+def _overloaded(e: Overloaded) -> web.Response:
+    return _error(429, str(e), {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
 
 
 async def _chunks(router: Router, req):
-    """The router's blocking token stream as an async iterator (a thread feeds a queue)."""
+    """The router's blocking token stream as an async iterator (a thread feeds a queue). Closing
+    it early (the client went away: a failed write, or the handler cancelled) cancels the request."""
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
+    control = StreamControl()
+
+    def put(item):
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(q.put_nowait, item)
 
     def pump():
         try:
-            for chunk in router.stream(req):
-                loop.call_soon_threadsafe(q.put_nowait, chunk)
+            for chunk in router.stream(req, control):
+                put(chunk)
         except Exception as e:  # handed to the event loop, raised there
-            loop.call_soon_threadsafe(q.put_nowait, e)
-        loop.call_soon_threadsafe(q.put_nowait, _END)
+            put(e)
+        put(_END)
 
     threading.Thread(target=pump, daemon=True).start()
-    while (item := await q.get()) is not _END:
-        if isinstance(item, Exception):
-            raise item
-        yield item
+    done = False
+    try:
+        while (item := await q.get()) is not _END:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+        done = True
+    finally:
+        if not done:
+            control.cancel()
 
 
 class Api:
@@ -104,43 +125,57 @@ class Api:
             return _error(400, str(e))
         try:
             return await respond(request, req, stream, body)
+        except _Reject as e:
+            return _error(e.status, e.message)
+        except Overloaded as e:
+            return _overloaded(e)
         except ServiceUnavailable as e:
             return _error(503, str(e))
 
     async def _collect(self, req) -> tuple[str, list[int], str, dict]:
         text, ids, finish, stats = [], [], "length", {}
-        async for c in _chunks(self.router, req):
-            if c.error:
-                raise _Reject(c.status or 500, c.error)
-            if c.done:
-                finish, stats = c.finish_reason, json.loads(c.stats_json or "{}")
-            else:
-                text.append(c.text)
-                if c.token_id >= 0:
-                    ids.append(c.token_id)
+        async with contextlib.aclosing(_chunks(self.router, req)) as chunks:
+            async for c in chunks:
+                if c.error:
+                    raise _Reject(c.status or 500, c.error)
+                if c.done:
+                    finish, stats = c.finish_reason, json.loads(c.stats_json or "{}")
+                else:
+                    text.append(c.text)
+                    if c.token_id >= 0:
+                        ids.append(c.token_id)
         metrics.REQUESTS.labels(status="200").inc()
         return "".join(text), ids, finish, stats
 
     async def _sse(self, request: web.Request, req, event) -> web.StreamResponse:
-        """Stream `event(chunk, n_tokens)` dicts as server-sent events, then [DONE]."""
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        n = 0
-        try:
-            async for c in _chunks(self.router, req):
-                if c.error:
-                    payload = {"error": {"message": c.error, "code": c.status or 500}}
-                else:
-                    n += c.token_id >= 0 and not c.done
-                    payload = event(c, n)
-                if payload is not None:
-                    await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
-            metrics.REQUESTS.labels(status="200").inc()
-        except ServiceUnavailable as e:
-            metrics.REQUESTS.labels(status="503").inc()
-            await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'code': 503}})}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        """Stream `event(chunk, n_tokens)` dicts as server-sent events, then [DONE]. The headers
+        go with the first chunk, so that a refusal (429, 503) or an error before any token is the
+        response's status."""
+        async with contextlib.aclosing(_chunks(self.router, req)) as chunks:
+            first = await anext(chunks, None)  # Overloaded, ServiceUnavailable: _handle answers
+            if first is not None and first.done and first.error:
+                return _error(first.status or 500, first.error)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            n = 0
+            try:
+                c = first
+                while c is not None:
+                    if c.error:
+                        payload = {"error": {"message": c.error, "code": c.status or 500}}
+                    else:
+                        n += c.token_id >= 0 and not c.done
+                        payload = event(c, n)
+                    if payload is not None:
+                        await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
+                    c = await anext(chunks, None)
+                metrics.REQUESTS.labels(status="200").inc()
+            except (ServiceUnavailable, Overloaded) as e:
+                code = 429 if isinstance(e, Overloaded) else 503
+                metrics.REQUESTS.labels(status=str(code)).inc()
+                await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'code': code}})}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
         return resp
 
     def _usage(self, req, completion_tokens: int, stats: dict) -> dict:

@@ -40,6 +40,36 @@ class ServiceUnavailable(RuntimeError):
     """No combine worker answered (HTTP 503)."""
 
 
+class Overloaded(RuntimeError):
+    """The combine worker's waiting queue is full (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class StreamControl:
+    """Ends a request's stream from another thread (its client went away): cancels the combine
+    worker's RPC, whose scheduler then drops the request within one step."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._call = None
+        self.cancelled = False
+
+    def attach(self, call) -> None:
+        with self._lock:
+            self._call = call
+            if self.cancelled:
+                call.cancel()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            if self._call is not None:
+                self._call.cancel()
+
+
 @dataclass
 class RouterConfig:
     assignment: str = "lpt"  # lpt | round_robin
@@ -192,8 +222,9 @@ class Router:
                     self._depth[p.address] = max(0, self._depth.get(p.address, 0) - 1)
                     metrics.COLD_QUEUE_DEPTH.labels(worker=p.address).set(self._depth[p.address])
 
-    def stream(self, req) -> Iterator[pb.TokenChunk]:
-        """Token chunks from a combine worker; the last one has done=True and the stats."""
+    def stream(self, req, control: StreamControl | None = None) -> Iterator[pb.TokenChunk]:
+        """Token chunks from a combine worker; the last one has done=True and the stats. After
+        control.cancel() the stream ends (without a done chunk)."""
         t0 = time.perf_counter()
         with tracing.tracer().start_as_current_span("router.request") as span:
             span.set_attribute("hybridcache.prompt_tokens", len(req.prompt_ids))
@@ -211,9 +242,12 @@ class Router:
                 cache_tier=self.directory.owner(plan[0].key) or "" if plan else (tiers[0] if tiers else ""))
             first = True
             last_t = None
+            call = rpc.CombineStub(self._channel(combine)).Generate(
+                creq, timeout=self.config.timeout_s, metadata=tracing.outgoing_metadata())
+            if control is not None:
+                control.attach(call)
             try:
-                for chunk in rpc.CombineStub(self._channel(combine)).Generate(
-                        creq, timeout=self.config.timeout_s, metadata=tracing.outgoing_metadata()):
+                for chunk in call:
                     now = time.perf_counter()
                     if first:
                         self._release(plan, assigned)
@@ -231,6 +265,11 @@ class Router:
                         chunk.stats_json = json.dumps(stats)
                     yield chunk
             except grpc.RpcError as e:
+                if control is not None and control.cancelled:
+                    return
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    trailers = dict(e.trailing_metadata() or ())
+                    raise Overloaded(e.details(), float(trailers.get("retry-after", 1))) from None
                 raise ServiceUnavailable(f"combine worker {combine} failed: {e.code().name}") from None
             finally:
                 if first:
