@@ -193,8 +193,7 @@ class CombineServicer(rpc.CombineServicer):
         sched = self.scheduler
         # Refused before its entries are gathered, when the queue is already full.
         if not sched.has_room():
-            raise QueueFull(f"{sched.config.max_waiting} requests are waiting (limit {sched.config.max_waiting}); "
-                            "retry later", sched.retry_after_s())
+            raise QueueFull(sched.queue_full_message(), sched.retry_after_s())
         pinned, source, moved = self._gather(request, segments)
         device = next(self.engine.model.parameters()).device
         pinned = {k: entry_to(e, device) for k, e in pinned.items()}

@@ -26,9 +26,11 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
+from hybridcache.services.config import RuntimeConfig
+from hybridcache.services.devices import CPU_KV_BYTES, kv_cache_budget
 from hybridcache.services.runtime.engine import (
     Engine,
     GenerateResult,
@@ -53,12 +55,20 @@ class QueueFull(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+def _default(name: str):
+    """The setting's one default, the RuntimeConfig field's (services/config.py says what it means)."""
+    return next(f.default for f in fields(RuntimeConfig) if f.name == name)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 16  # requests decoding at once (vLLM's name)
-    max_waiting: int = 64  # requests queued for admission; one more is refused (QueueFull)
-    max_num_batched_tokens: int = 2048  # prefill tokens (cold builds, assemblies) per step
-    kv_cache_bytes: int = 1 << 32  # attention K/V reserved by running requests (prompt + max_new_tokens)
+    max_num_seqs: int = _default("max_num_seqs")  # requests decoding at once (vLLM's name)
+    # requests queued beyond the free seats; one more is refused (QueueFull)
+    max_waiting: int = _default("max_waiting")
+    max_num_batched_tokens: int = _default("max_num_batched_tokens")  # prefill tokens (cold builds, assemblies) a step
+    # attention K/V reserved by running requests (prompt + max_new_tokens); unset in RuntimeConfig
+    # means sized for the device (scheduler_config)
+    kv_cache_bytes: int = CPU_KV_BYTES
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
@@ -71,8 +81,6 @@ class SchedulerConfig:
 def scheduler_config(config, device) -> SchedulerConfig:
     """The SchedulerConfig of a RuntimeConfig (services/config.py), its K/V budget sized for
     `device` when unset (devices.kv_cache_budget)."""
-    from hybridcache.services.devices import kv_cache_budget
-
     return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens,
                            kv_cache_budget(device, config.kv_cache_bytes))
 
@@ -232,9 +240,8 @@ class Scheduler:
         with self._cv:
             if self._stop:
                 raise RuntimeError("the scheduler is stopped")
-            if len(self._waiting) >= self.config.max_waiting:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (limit {self.config.max_waiting}); "
-                                "retry later", self.retry_after_s())
+            if not self._room():
+                raise QueueFull(self.queue_full_message(), self.retry_after_s())
             self._waiting.append(seq)
             self._cv.notify()
         return handle
@@ -242,7 +249,19 @@ class Scheduler:
     def has_room(self) -> bool:
         """Whether add_request would queue a request now (it may still refuse one later)."""
         with self._cv:
-            return len(self._waiting) < self.config.max_waiting
+            return self._room()
+
+    def _room(self) -> bool:
+        # Requests that arrived during a step wait for the next one even when seats are free:
+        # only those beyond the free seats count against max_waiting.
+        free = max(0, self.config.max_num_seqs - len(self._admitted) - len(self._running))
+        return len(self._waiting) < self.config.max_waiting + free
+
+    def queue_full_message(self) -> str:
+        with self._cv:
+            busy = len(self._admitted) + len(self._running)
+            return (f"{busy} requests running and {len(self._waiting)} waiting (limits {self.config.max_num_seqs} "
+                    f"and {self.config.max_waiting}); retry later")
 
     def retry_after_s(self) -> float:
         """A client's back-off when the queue is full (HTTP's Retry-After is whole seconds)."""
