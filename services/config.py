@@ -173,7 +173,7 @@ class RuntimeConfig:
         64, "requests queued for admission; one more is refused (HTTP 429 with Retry-After, gRPC "
         "RESOURCE_EXHAUSTED)", roles=("combine",))
     max_num_batched_tokens: int = setting(
-        2048, "prefill tokens (cold segment builds, assemblies) a scheduler step spends besides its decode "
+        8192, "prefill tokens (cold segment builds, assemblies) a scheduler step spends besides its decode "
         "step; on a scatter worker, the cold tokens of different requests built in one batched call")
     kv_cache_bytes: int | None = setting(
         None, "attention K/V the running requests may reserve (prompt + max_new_tokens each); a request "

@@ -122,7 +122,7 @@ def _serve(args) -> int:
         from hybridcache.services.scatter.worker import ScatterServicer
 
         engine = _engine(config, args.model)
-        rpc.add_ScatterServicer_to_server(ScatterServicer(engine), server)
+        rpc.add_ScatterServicer_to_server(ScatterServicer(engine, config.max_num_batched_tokens), server)
     elif args.role == "combine":
         from hybridcache.services.combine.worker import CombineServicer
         from hybridcache.services.runtime.scheduler import scheduler_config

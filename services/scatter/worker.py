@@ -1,12 +1,20 @@
 """Scatter worker: prefills cold segments standalone into entries and streams each one back,
-layer by layer, while the next is being computed; writes every entry to the cache tier."""
+layer by layer, while the next is being computed; writes every entry to the cache tier.
+
+One builder thread runs the model. Segments of every Prefill call wait in one queue; each build
+takes the oldest ones, across calls, up to `max_batch_tokens` of them (at least one segment), and
+prefills them in one batched call (Engine.build_entries), the same segment asked by several
+calls built once. Requests arriving together are thus built together, and a call whose segments
+span several builds streams the first entries while the rest are computed."""
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
@@ -19,50 +27,105 @@ from hybridcache.services.transport.codec import entry_chunks
 FAULT_EXIT_AFTER = int(os.environ.get("HYBRIDCACHE_FAULT_EXIT_AFTER_ENTRIES", "0"))
 
 
+@dataclass(slots=True)
+class _Job:
+    """One segment of one Prefill call; its result goes to the call's queue."""
+
+    segment: pb.Segment
+    out: queue.Queue  # (segment index, sealed entry or None, error)
+    ctx: object  # the call's trace context
+    call: dict  # {"cancelled": bool}, shared by the call's jobs
+
+
 class ScatterServicer(rpc.ScatterServicer):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, max_batch_tokens: int):
         self.engine = engine
-        self._lock = threading.Lock()  # one prefill at a time on the device
+        self.max_batch_tokens = max_batch_tokens
+        self._pending: collections.deque[_Job] = collections.deque()
+        self._cv = threading.Condition()
         self._tiers: dict[str, CacheTierClient] = {}
         self.streamed = 0
+        self.builds: list[int] = []  # segments per batched build, in order
+        threading.Thread(target=self._loop, name="scatter-build", daemon=True).start()
 
     def _tier(self, address: str) -> CacheTierClient:
         if address not in self._tiers:
             self._tiers[address] = CacheTierClient(address)
         return self._tiers[address]
 
-    def _build(self, segments, out: queue.Queue, ctx) -> None:
-        # All segments of the call in one batched standalone prefill (Engine.build_entries); if
-        # the batch fails, one by one, so a bad segment costs only its own entry.
+    def _take(self) -> list[_Job]:
+        """The oldest pending jobs of calls still open, up to the token budget (at least one)."""
+        with self._cv:
+            while True:
+                while self._pending and self._pending[0].call["cancelled"]:
+                    self._pending.popleft()
+                if self._pending:
+                    break
+                self._cv.wait()
+            jobs, tokens, seen = [], 0, set()
+            while self._pending:
+                job = self._pending[0]
+                ids = tuple(job.segment.token_ids)
+                # a segment already in the batch (asked by another call) costs nothing more
+                n = 0 if ids in seen else len(ids)
+                if job.call["cancelled"]:
+                    self._pending.popleft()
+                    continue
+                if jobs and tokens + n > self.max_batch_tokens:
+                    break
+                jobs.append(self._pending.popleft())
+                seen.add(ids)
+                tokens += n
+            return jobs
+
+    def _loop(self) -> None:
+        while True:
+            self._build(self._take())
+
+    def _build(self, jobs: list[_Job]) -> None:
+        # One batched standalone prefill; if it fails, segment by segment, so that a bad segment
+        # costs only its own entry.
+        by_ids: dict[tuple[int, ...], list[_Job]] = {}
+        for job in jobs:
+            by_ids.setdefault(tuple(job.segment.token_ids), []).append(job)
         try:
-            with tracing.tracer().start_as_current_span("scatter.build_entries", context=ctx), self._lock:
-                entries = self.engine.build_entries([list(seg.token_ids) for seg in segments])
-            for seg, entry in zip(segments, entries):
+            with tracing.tracer().start_as_current_span("scatter.build_entries", context=jobs[0].ctx) as span:
+                span.set_attribute("hybridcache.segments", len(by_ids))
+                entries = self.engine.build_entries([list(ids) for ids in by_ids])
+            self.builds.append(len(by_ids))
+            for js, entry in zip(by_ids.values(), entries):
                 metrics.ENTRY_BUILD_SECONDS.observe(entry.build_seconds)
-                out.put((seg.index, entry.seal(), ""))
-            out.put(None)
+                entry.seal()
+                for job in js:
+                    job.out.put((job.segment.index, entry, ""))
             return
         except Exception:  # noqa: BLE001 - retried per segment below, which reports the error
             pass
-        for seg in segments:
+        for ids, js in by_ids.items():
             try:
-                with tracing.tracer().start_as_current_span("scatter.build_entry", context=ctx), self._lock:
-                    entry = self.engine.build_entry(list(seg.token_ids)).seal()
+                with tracing.tracer().start_as_current_span("scatter.build_entry", context=js[0].ctx):
+                    entry = self.engine.build_entry(list(ids)).seal()
                 metrics.ENTRY_BUILD_SECONDS.observe(entry.build_seconds)
-                out.put((seg.index, entry, ""))
+                result = (entry, "")
             except Exception as e:  # a bad segment must not take the stream down
-                out.put((seg.index, None, f"{type(e).__name__}: {e}"))
-        out.put(None)
+                result = (None, f"{type(e).__name__}: {e}")
+            for job in js:
+                job.out.put((job.segment.index, *result))
 
     def Prefill(self, request, context):
         ctx = tracing.incoming_context(context)
-        built: queue.Queue = queue.Queue(maxsize=2)
-        threading.Thread(target=self._build, args=(request.segments, built, ctx), daemon=True).start()
+        built: queue.Queue = queue.Queue()
+        call = {"cancelled": False}
+        # A call that ends early (the combine worker went away) leaves its unbuilt segments unbuilt.
+        context.add_callback(lambda: call.update(cancelled=True))
+        with self._cv:
+            self._pending.extend(_Job(seg, built, ctx, call) for seg in request.segments)
+            self._cv.notify()
         transport = get_transport(request.transport if request.transport in ("grpc", "shm") else "grpc")
         entries: dict[str, list] = {}  # cache-tier member -> entries it owns
         owner = {seg.index: seg.cache_tier or request.cache_tier for seg in request.segments}
-        while (item := built.get()) is not None:
-            index, entry, err = item
+        for _ in range(len(request.segments)):
+            index, entry, err = built.get()
             if entry is None:
                 yield pb.EntryChunk(segment_index=index, error=err)
                 continue
