@@ -154,7 +154,7 @@ def _container(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "secret", "mountPath": SECRET_DIR, "readOnly": True}]
     if spec.model.path is None:
         mounts.append({"name": "model", "mountPath": spec.model.MOUNT, "readOnly": True})
-    if role.gpus_per_pod:
+    if role.gpus_per_pod and not node_local(spec, role):
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if role.name == "cache-tier":
         mounts.append({"name": "cache", "mountPath": CACHE_DIR})
@@ -204,11 +204,37 @@ def _volumes(spec: HybridCacheSpec, name: str, role: RoleSpec) -> list[Manifest]
     elif spec.model.uri is not None:
         reference = spec.model.uri.removeprefix("oci://")
         volumes.append({"name": "model", "image": {"reference": reference, "pullPolicy": "IfNotPresent"}})
-    if role.gpus_per_pod:
+    if role.gpus_per_pod and not node_local(spec, role):
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     if role.name == "cache-tier" and not role.storage_size:
         volumes.append({"name": "cache", "emptyDir": {}})
     return volumes
+
+
+def node_local(spec: HybridCacheSpec, role: RoleSpec) -> bool:
+    """Whether the role's pods take part in the node-local entry path (spec.transport.nodeLocal):
+    scatter and combine pods, which move entries between them."""
+    return spec.transport.node_local and role.name in ("combine", "scatter")
+
+
+def _node_local_settings(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
+    """The pod settings the node-local entry path needs (services/transport/__init__.py picks the
+    path from what each end can see):
+    - hostIPC: one IPC namespace and the host's /dev/shm on both ends. CUDA IPC handles open only
+      there, torch's CUDA IPC reference counters are files in /dev/shm, and the shm transport
+      writes its blocks there (a pod's own /dev/shm emptyDir would hide it, so none is mounted);
+    - hostPID: one PID namespace, through which the driver resolves the process that exported a
+      CUDA allocation;
+    - scatter pods prefer the nodes of this instance's combine pods (same kubernetes.io/hostname),
+      so that there is a node-local pair to use it."""
+    out: Manifest = {"hostIPC": True, "hostPID": True}
+    if role.name == "scatter":
+        out["affinity"] = {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100,
+            "podAffinityTerm": {"labelSelector": {"matchLabels": selector_labels(name, "combine")},
+                                "topologyKey": "kubernetes.io/hostname"},
+        }]}}
+    return out
 
 
 def pod_template(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
@@ -225,6 +251,8 @@ def pod_template(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
         "containers": [_container(spec, name, role)],
         "volumes": _volumes(spec, name, role),
     }
+    if node_local(spec, role):
+        pod_spec.update(_node_local_settings(spec, name, role))
     if role.gpus_per_pod:
         if spec.node_selector:
             pod_spec["nodeSelector"] = dict(spec.node_selector)

@@ -219,6 +219,21 @@ class Toleration:
 
 
 @dataclass(frozen=True)
+class TransportSpec:
+    # scatter and combine pods share the node's IPC and PID namespaces (hostIPC, hostPID) and
+    # scatter pods prefer a combine pod's node: entries then move by CUDA IPC or /dev/shm
+    node_local: bool = False
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> TransportSpec:
+        raw = raw or {}
+        node_local = raw.get("nodeLocal", cls.node_local)
+        if not isinstance(node_local, bool):
+            raise SpecError(f"transport.nodeLocal must be true or false, got {node_local!r}")
+        return cls(node_local=node_local)
+
+
+@dataclass(frozen=True)
 class HybridCacheSpec:
     model: ModelSpec
     router: RoleSpec
@@ -231,6 +246,7 @@ class HybridCacheSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Toleration, ...] = ()
     engine: EngineSpec = field(default_factory=EngineSpec)
+    transport: TransportSpec = field(default_factory=TransportSpec)
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
     etcd_endpoints: tuple[str, ...] = ()
     observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
@@ -270,6 +286,7 @@ class HybridCacheSpec:
                 for t in raw.get("tolerations") or ()
             ),
             engine=EngineSpec.parse(raw.get("engine")),
+            transport=TransportSpec.parse(raw.get("transport")),
             autoscaling=AutoscalingSpec.parse(scatter_raw.get("autoscaling")),
             etcd_endpoints=tuple((raw.get("etcd") or {}).get("endpoints") or ()),
             observability=ObservabilitySpec.parse(raw.get("observability")),

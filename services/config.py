@@ -124,6 +124,10 @@ class RuntimeConfig:
         "share)", type=int)
     tier_cache_bytes: int = setting(CPU_CACHE_BYTES, "cache tier: its store's byte budget", roles=("cache-tier",),
                                     flag="--cache-bytes")
+    transport_bandwidth: str | None = setting(
+        None, "router: starting bandwidths of the entry paths in GB/s, PATH=GB/s[,...] with PATH grpc, shm or "
+        "cuda_ipc (default: the cost model's); measured transfers update them", roles=("router",), type=str,
+        metavar="PATH=GBPS,...")
     entry_batch_tokens: int = setting(16384, "padded tokens per batched standalone prefill of cold segments")
     verify_checksums: bool = setting(False, "re-hash every segment entry on every read of the entry cache")
     prefix_policy: str = setting("exact_replay", "how prefix pages keep the linear layers' state", choices=POLICIES)
@@ -210,6 +214,9 @@ class RuntimeConfig:
         if self.cuda_graph_shapes < 1:
             raise ValueError("cuda_graph_shapes must be >= 1")
         sdpa_backend_names(self.sdpa_backends)  # validates
+        from hybridcache.services.router.cost import parse_bandwidths
+
+        parse_bandwidths(self.transport_bandwidth)  # validates
         _ = self.page_policy  # validates the policy's parameters
 
     @property

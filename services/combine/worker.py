@@ -26,22 +26,26 @@ from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.runtime.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig
 from hybridcache.services.security import internal_channel
-from hybridcache.services.transport import choose_transport
+from hybridcache.services.transport import Endpoint, local_endpoint, transport_for_address
 from hybridcache.services.transport.codec import EntryAssembler, entry_to
 
 log = logging.getLogger("hybridcache.combine")
 
 
 def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]], cache_tier: str,
-                       metadata=(), timeout_s: float = 120.0) -> tuple[dict[int, SegmentEntry], int]:
+                       metadata=(), timeout_s: float = 120.0, receiver: Endpoint | None = None,
+                       device="cpu") -> tuple[dict[int, SegmentEntry], EntryAssembler]:
     """Ask one scatter worker for entries; returns those received whole (a dead worker yields
-    what arrived before it died) and the bytes received."""
+    what arrived before it died) and the assembler (bytes, transfer seconds and path). With
+    `receiver` (this worker's Endpoint) the scatter worker picks the transport; entries of the
+    device transports land on `device`."""
     channel = internal_channel(address)
     got: dict[int, SegmentEntry] = {}
-    asm = EntryAssembler()
-    transport = choose_transport(address)
+    asm = EntryAssembler(device)
     req = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=ids, cache_tier=t) for i, ids, t in segments],
-                            cache_tier=cache_tier, transport=transport)
+                            cache_tier=cache_tier, transport=transport_for_address(address))
+    if receiver is not None:
+        receiver.to_pb(req.receiver)
     try:
         for chunk in rpc.ScatterStub(channel).Prefill(req, timeout=timeout_s, metadata=metadata):
             out = asm.feed(chunk)
@@ -52,8 +56,8 @@ def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]],
                     address, e.code(), len(got), len(segments))
     finally:
         channel.close()
-    metrics.BYTES_MOVED.labels(path=transport).inc(asm.bytes_received)
-    return got, asm.bytes_received
+    metrics.BYTES_MOVED.labels(path=asm.transport or req.transport).inc(asm.bytes_received)
+    return got, asm
 
 
 class CombineServicer(rpc.CombineServicer):
@@ -76,6 +80,8 @@ class CombineServicer(rpc.CombineServicer):
         self._tiers: dict[str, CacheTierClient] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="combine-fetch")
         self.prefill_tps = 0.0
+        self.device = engine.model.device
+        self.endpoint = local_endpoint(self.device)
 
     def _accept(self, entry: SegmentEntry, segment: list[int]) -> bool:
         """Is a received entry (seal verified) the model's layout for this segment?"""
@@ -106,7 +112,7 @@ class CombineServicer(rpc.CombineServicer):
         need_tier: dict[str, list[pb.SegmentPlan]] = {}
         cold: dict[str, list[int]] = {}
         moved = {"tier_bytes": 0, "tier_seconds": 0.0, "tier_path": "", "scatter_bytes": 0,
-                 "build_seconds": 0.0, "redispatched": 0}
+                 "scatter_seconds": 0.0, "scatter_path": "", "build_seconds": 0.0, "redispatched": 0}
         # Only the keys of this engine's own planner count: a plan naming another key for a segment
         # (or no segment) is ignored, and the engine builds that segment itself.
         plan = [p for p in request.plan
@@ -125,7 +131,7 @@ class CombineServicer(rpc.CombineServicer):
                 cold.setdefault(p.address, []).append(p.index)
         for address, plans in need_tier.items():
             t0 = time.perf_counter()
-            moved["tier_path"] = choose_transport(address)
+            moved["tier_path"] = transport_for_address(address)
             found = self._tier(address).get([p.key for p in plans], moved["tier_path"])
             moved["tier_seconds"] += time.perf_counter() - t0
             for p in plans:
@@ -147,11 +153,15 @@ class CombineServicer(rpc.CombineServicer):
                 if address and address not in failed:
                     jobs[address] = self._pool.submit(prefill_on_scatter, address,
                                                       [(i, segments[i], owners.get(i, "")) for i in idx],
-                                                      request.cache_tier, trace_md)
+                                                      request.cache_tier, trace_md, receiver=self.endpoint,
+                                                      device=self.device)
             retry: list[int] = []
             for address, idx in pending.items():
-                got, nbytes = jobs[address].result() if address in jobs else ({}, 0)
-                moved["scatter_bytes"] += nbytes
+                got, asm = jobs[address].result() if address in jobs else ({}, None)
+                if asm is not None:
+                    moved["scatter_bytes"] += asm.bytes_received
+                    moved["scatter_seconds"] += asm.seconds
+                    moved["scatter_path"] = asm.transport or moved["scatter_path"]
                 for i in idx:
                     if i in got and got[i].key == keys.get(i) and self._accept(got[i], segments[i]):
                         pinned[got[i].key] = got[i]

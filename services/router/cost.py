@@ -1,10 +1,13 @@
 """Fetch or recompute: the router's cost model (DESIGN §5).
 
-Python gRPC on loopback moves an entry slower than a GPU recomputes its segment
-(benchmarks/transport_loopback.py), so per warm
-segment the router compares the time to move its entry over the path it would take with the time
-to prefill it again, and picks the sooner. Bandwidths and prefill speed are running averages of
-what the services measure; the defaults are starting values until the first measurements.
+Per warm segment the router compares the time to move its entry from the cache tier over the
+path it would take with the time to build it again where it would be built: prefill on a scatter
+worker, then the entry's move to the combine worker over the scatter path (CUDA IPC when the two
+share a host and GPU visibility, else shared memory or gRPC, services/transport/), and picks the
+sooner. Python gRPC on loopback moves an entry slower than a GPU recomputes its segment
+(benchmarks/transport_loopback.py); CUDA IPC moves it far faster. Bandwidths and the prefill
+speed start from the defaults below, or from `--transport-bandwidth`, and follow running
+averages of what the combine workers measure on every request.
 """
 
 from __future__ import annotations
@@ -13,9 +16,31 @@ import threading
 from dataclasses import dataclass, field
 
 # Starting points until the services report measurements: entry Get over loopback as recorded in
-# benchmarks/results/transport_loopback_cpu_*.json (2-core CPU machine, checksums included).
-DEFAULT_BANDWIDTH = {"grpc": 0.08e9, "shm": 0.17e9, "local": 50e9}
-DEFAULT_LATENCY_S = {"grpc": 2e-3, "shm": 1e-3, "local": 0.0}
+# benchmarks/results/transport_loopback_cpu_*.json (2-core CPU machine, checksums included);
+# cuda_ipc: device-to-device on one H200 (4.2 TB/s read+write) less the per-entry handle opening
+# and checksums, set low so a first measurement can only raise it.
+DEFAULT_BANDWIDTH = {"grpc": 0.08e9, "shm": 0.17e9, "cuda_ipc": 20e9, "local": 50e9}
+DEFAULT_LATENCY_S = {"grpc": 2e-3, "shm": 1e-3, "cuda_ipc": 5e-4, "local": 0.0}
+PATHS = ("grpc", "shm", "cuda_ipc")
+
+
+def parse_bandwidths(text: str | None) -> dict[str, float]:
+    """"cuda_ipc=80,grpc=0.5" (GB/s) -> {"cuda_ipc": 80e9, "grpc": 0.5e9}; ValueError on bad text."""
+    out: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        path, sep, value = part.partition("=")
+        path = path.strip()
+        try:
+            gbps = float(value) if sep else float("nan")
+        except ValueError:
+            gbps = float("nan")
+        if path not in PATHS or not gbps > 0:
+            raise ValueError(f"--transport-bandwidth: expected PATH=GB/s with PATH one of {', '.join(PATHS)} "
+                             f"and a positive number, got {part.strip()!r}")
+        out[path] = gbps * 1e9
+    return out
 
 
 @dataclass
@@ -24,24 +49,38 @@ class CostModel:
     bandwidth: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_BANDWIDTH))
     latency_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_LATENCY_S))
     smoothing: float = 0.3  # weight of a new measurement in the running average
+    # how a built entry reaches the combine worker: "local" when the combine builds it itself; the
+    # router sets it to the scatter path the combine workers last reported
+    scatter_path: str = "grpc"
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def fetch_seconds(self, nbytes: int, path: str) -> float:
         return self.latency_s.get(path, 0.0) + nbytes / self.bandwidth[path]
 
-    def recompute_seconds(self, tokens: int) -> float:
-        return tokens / self.prefill_tokens_per_s
+    def recompute_seconds(self, tokens: int, nbytes: int = 0, path: str | None = None) -> float:
+        """Prefill time of `tokens`, plus moving the `nbytes` entry over `path` when given (built on
+        a scatter worker)."""
+        t = tokens / self.prefill_tokens_per_s
+        return t + self.fetch_seconds(nbytes, path) if path and path != "local" else t
 
-    def choose(self, nbytes: int, tokens: int, path: str) -> str:
-        """"fetch" or "recompute", whichever is sooner (fetch on a tie: it saves compute)."""
-        return "fetch" if self.fetch_seconds(nbytes, path) <= self.recompute_seconds(tokens) else "recompute"
+    def choose(self, nbytes: int, tokens: int, path: str, rebuild_path: str | None = None) -> str:
+        """"fetch" (over `path`) or "recompute" (then moved over `rebuild_path`), whichever is
+        sooner; fetch on a tie: it saves compute."""
+        fetch = self.fetch_seconds(nbytes, path)
+        return "fetch" if fetch <= self.recompute_seconds(tokens, nbytes, rebuild_path) else "recompute"
 
     def observe_transfer(self, path: str, nbytes: int, seconds: float) -> None:
-        if nbytes <= 0 or seconds <= 0:
+        if nbytes <= 0 or seconds <= 0 or not path:
             return
         with self._lock:
             old = self.bandwidth.get(path, nbytes / seconds)
             self.bandwidth[path] = (1 - self.smoothing) * old + self.smoothing * nbytes / seconds
+
+    def observe_scatter(self, path: str, nbytes: int, seconds: float) -> None:
+        """A combine worker's measured move of scatter-built entries: the path the next plans assume."""
+        if path in PATHS:
+            self.scatter_path = path
+            self.observe_transfer(path, nbytes, seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:

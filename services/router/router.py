@@ -20,14 +20,14 @@ from hybridcache.services.directory import Directory
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import pb, rpc
 from hybridcache.services.router.assign import lpt_assign, round_robin_assign
-from hybridcache.services.router.cost import CostModel
+from hybridcache.services.router.cost import CostModel, parse_bandwidths
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.models.registry import config_from_dir
 from hybridcache.services.runtime.plan import Planner
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.runtime.tokenizer import Tokenizer
 from hybridcache.services.security import internal_channel
-from hybridcache.services.transport import choose_transport
+from hybridcache.services.transport import transport_for_address
 
 log = logging.getLogger("hybridcache.router")
 
@@ -100,6 +100,7 @@ class Router:
         # tokens, validation and entry keys need no weights: the engine's request plan
         self.planner = Planner(cfg, Tokenizer.from_dir(model_dir), self.runtime, fingerprint="")
         self.cost = CostModel()
+        self.cost.bandwidth.update(parse_bandwidths(self.runtime.transport_bandwidth))
         self._queued: dict[str, float] = {}  # scatter worker -> outstanding estimated seconds
         self._depth: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -183,15 +184,18 @@ class Router:
                 if hit:
                     present[n] = (owner, reply.nbytes[m] or segments[n].nbytes)
         plan, cold = [], []
+        workers = self.directory.members("scatter")
+        # where a recomputed entry would be built: on a scatter worker (then moved to the combine
+        # worker over the scatter path), or by the combine worker itself
+        rebuild_path = self.cost.scatter_path if workers else "local"
         for n, (idx, ids) in enumerate(cacheable):
             if n in present:
                 owner, nbytes = present[n]
-                path = choose_transport(owner)
-                if self.cost.choose(nbytes, len(ids), path) == "fetch":
+                path = transport_for_address(owner)
+                if self.cost.choose(nbytes, len(ids), path, rebuild_path) == "fetch":
                     plan.append(pb.SegmentPlan(index=idx, key=keys[n], source="tier", address=owner))
                     continue
             cold.append((idx, keys[n], len(ids)))
-        workers = self.directory.members("scatter")
         assigned: dict[str, float] = {}
         if cold and workers:
             costs = [self.cost.recompute_seconds(t) for _, _, t in cold]
@@ -280,6 +284,8 @@ class Router:
         self.cost.observe_prefill(stats.get("built_tokens", 0), stats.get("build_seconds", 0.0))
         self.cost.observe_transfer(stats.get("tier_path", "grpc"), stats.get("tier_bytes", 0),
                                    stats.get("tier_seconds", 0.0))
+        self.cost.observe_scatter(stats.get("scatter_path", ""), stats.get("scatter_bytes", 0),
+                                  stats.get("scatter_seconds", 0.0))
 
 
 def _sampling_dict(s) -> dict:

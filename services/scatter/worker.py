@@ -1,11 +1,14 @@
-"""Scatter worker: prefills cold segments standalone into entries and streams each one back,
-layer by layer, while the next is being computed; writes every entry to the cache tier.
+"""Scatter worker: prefills cold segments standalone into entries and streams each one back as
+soon as its build completes, over the transport its Endpoint and the receiver's pick (CUDA IPC,
+shared memory or inline gRPC, services/transport/); writes every entry to the cache tier.
 
 One builder thread runs the model. Segments of every Prefill call wait in one queue; each build
 takes the oldest ones, across calls, up to `max_batch_tokens` of them (at least one segment), and
 prefills them in one batched call (Engine.build_entries), the same segment asked by several
 calls built once. Requests arriving together are thus built together, and a call whose segments
-span several builds streams the first entries while the rest are computed."""
+span several builds streams the first entries while the rest are computed. Entries leave the
+builder unsealed: a host transport seals an entry as it encodes it, cuda_ipc seals its device
+block's checksum instead, so an entry that stays on the GPU is never copied to the host for it."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import pb, rpc
 from hybridcache.services.runtime.engine import Engine
-from hybridcache.services.transport import get_transport
+from hybridcache.services.transport import Endpoint, choose_transport, get_transport, local_endpoint
 from hybridcache.services.transport.codec import entry_chunks
 
 # Fault injection for the tests only: exit the process after streaming this many entries.
@@ -32,7 +35,7 @@ class _Job:
     """One segment of one Prefill call; its result goes to the call's queue."""
 
     segment: pb.Segment
-    out: queue.Queue  # (segment index, sealed entry or None, error)
+    out: queue.Queue  # (segment index, entry or None, error)
     ctx: object  # the call's trace context
     call: dict  # {"cancelled": bool}, shared by the call's jobs
 
@@ -46,7 +49,15 @@ class ScatterServicer(rpc.ScatterServicer):
         self._tiers: dict[str, CacheTierClient] = {}
         self.streamed = 0
         self.builds: list[int] = []  # segments per batched build, in order
+        self.endpoint = local_endpoint(engine.model.device)
         threading.Thread(target=self._loop, name="scatter-build", daemon=True).start()
+
+    def transport_for(self, request) -> str:
+        """The receiver's Endpoint decides with this worker's (choose_transport); without one, the
+        receiver's choice by address, shm or grpc."""
+        if request.HasField("receiver"):
+            return choose_transport(self.endpoint, Endpoint.from_pb(request.receiver))
+        return request.transport if request.transport in ("grpc", "shm") else "grpc"
 
     def _tier(self, address: str) -> CacheTierClient:
         if address not in self._tiers:
@@ -95,7 +106,6 @@ class ScatterServicer(rpc.ScatterServicer):
             self.builds.append(len(by_ids))
             for js, entry in zip(by_ids.values(), entries):
                 metrics.ENTRY_BUILD_SECONDS.observe(entry.build_seconds)
-                entry.seal()
                 for job in js:
                     job.out.put((job.segment.index, entry, ""))
             return
@@ -104,7 +114,7 @@ class ScatterServicer(rpc.ScatterServicer):
         for ids, js in by_ids.items():
             try:
                 with tracing.tracer().start_as_current_span("scatter.build_entry", context=js[0].ctx):
-                    entry = self.engine.build_entry(list(ids)).seal()
+                    entry = self.engine.build_entry(list(ids))
                 metrics.ENTRY_BUILD_SECONDS.observe(entry.build_seconds)
                 result = (entry, "")
             except Exception as e:  # a bad segment must not take the stream down
@@ -121,7 +131,7 @@ class ScatterServicer(rpc.ScatterServicer):
         with self._cv:
             self._pending.extend(_Job(seg, built, ctx, call) for seg in request.segments)
             self._cv.notify()
-        transport = get_transport(request.transport if request.transport in ("grpc", "shm") else "grpc")
+        transport = get_transport(self.transport_for(request))
         entries: dict[str, list] = {}  # cache-tier member -> entries it owns
         owner = {seg.index: seg.cache_tier or request.cache_tier for seg in request.segments}
         for _ in range(len(request.segments)):
@@ -136,6 +146,7 @@ class ScatterServicer(rpc.ScatterServicer):
             if FAULT_EXIT_AFTER and self.streamed >= FAULT_EXIT_AFTER:
                 time.sleep(0.05)
                 os._exit(3)
+        transport.close()
         metrics.BYTES_MOVED.labels(path=transport.name).inc(transport.bytes_moved())
         # Written after the stream, off the critical path of the request.
         for tier, owned in entries.items():

@@ -1,14 +1,28 @@
-"""Bulk-tensor transports, picked by where the two ends are (DESIGN §5), imported lazily."""
+"""Bulk-tensor transports, picked by where the two ends are (DESIGN §5), imported lazily.
+
+| the two ends | transport |
+|---|---|
+| one host, one IPC and PID namespace, entries on a GPU the receiver can see | `cuda_ipc` (device to device) |
+| one host, one IPC namespace (a shared /dev/shm) | `shm` |
+| anything else, and the fallback | `grpc` (bytes inline in the stream) |
+
+Each process describes itself as an Endpoint (local_endpoint); the receiver sends its own with
+the request and the sender, which knows where its tensors are, picks (choose_transport).
+"""
 
 from __future__ import annotations
 
+import functools
 import importlib
+import os
+from dataclasses import dataclass
 
 from hybridcache.services.transport.base import TensorTransport, TransportError
 
 _REGISTRY = {
     "grpc": ("hybridcache.services.transport.grpc_stream", "GrpcStreamTransport"),
     "shm": ("hybridcache.services.transport.shm", "ShmTransport"),
+    "cuda_ipc": ("hybridcache.services.transport.cuda_ipc", "CudaIpcTransport"),
     # point-to-point in a torch.distributed group (NCCL between GPUs); takes dst=<rank>
     "collective": ("hybridcache.services.transport.collective", "CollectiveTransport"),
 }
@@ -29,10 +43,78 @@ def host_of(address: str) -> str:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def choose_transport(peer_address: str) -> str:
-    """Shared memory when the peer is on this host (loopback), the gRPC stream otherwise (another
-    host, or another pod: pods do not share /dev/shm)."""
+def transport_for_address(peer_address: str) -> str:
+    """The guess when only the peer's address is known (the cache tier, whose Endpoint nobody
+    asks): shared memory when the peer is on loopback, the gRPC stream otherwise (another host,
+    or another pod: pods share /dev/shm only with hostIPC)."""
     return "shm" if host_of(peer_address) in LOOPBACK else "grpc"
 
 
-__all__ = ["TRANSPORTS", "TensorTransport", "TransportError", "choose_transport", "get_transport", "host_of"]
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a process runs, as far as moving tensors to or from it is concerned."""
+
+    host: str = ""  # the kernel's boot id: the same in every process and container of one host
+    ipc_ns: str = ""  # its IPC namespace: shared between pods only with hostIPC
+    pid_ns: str = ""  # its PID namespace: shared between pods only with hostPID
+    device: str = ""  # UUID of the GPU holding its tensors; "" on the CPU
+    gpus: tuple[str, ...] = ()  # UUIDs of the GPUs it can open memory on
+
+    def to_pb(self, msg) -> None:
+        msg.host, msg.ipc_ns, msg.pid_ns, msg.device = self.host, self.ipc_ns, self.pid_ns, self.device
+        msg.gpus[:] = list(self.gpus)
+
+    @classmethod
+    def from_pb(cls, msg) -> Endpoint:
+        return cls(msg.host, msg.ipc_ns, msg.pid_ns, msg.device, tuple(msg.gpus))
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+@functools.cache
+def _host_identity() -> tuple[str, str, str]:
+    return (_read("/proc/sys/kernel/random/boot_id"), _link("/proc/self/ns/ipc"), _link("/proc/self/ns/pid"))
+
+
+def local_endpoint(device=None) -> Endpoint:
+    """This process's Endpoint, its tensors on `device` (a torch device; None or cpu: the host,
+    and then it opens no GPU memory either: entries it receives land in host memory)."""
+    host, ipc, pid = _host_identity()
+    dev, gpus = "", ()
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+        from hybridcache.services.transport.cuda_ipc import device_uuid, visible_gpus
+
+        d = torch.device(device)
+        dev = device_uuid(d.index if d.index is not None else torch.cuda.current_device())
+        gpus = visible_gpus()
+    return Endpoint(host, ipc, pid, dev, gpus)
+
+
+def choose_transport(sender: Endpoint, receiver: Endpoint) -> str:
+    """The transport from `sender` to `receiver`: cuda_ipc when they share a host, an IPC and a PID
+    namespace and the sender's tensors are on a GPU the receiver can see; shm on one host and IPC
+    namespace; grpc otherwise. An unknown identity ("") never counts as shared."""
+    same_host = bool(sender.host) and sender.host == receiver.host
+    same_ipc = same_host and bool(sender.ipc_ns) and sender.ipc_ns == receiver.ipc_ns
+    same_pid = same_ipc and bool(sender.pid_ns) and sender.pid_ns == receiver.pid_ns
+    if same_pid and sender.device and sender.device in receiver.gpus:
+        return "cuda_ipc"
+    return "shm" if same_ipc else "grpc"
+
+
+__all__ = ["TRANSPORTS", "Endpoint", "TensorTransport", "TransportError", "choose_transport", "get_transport",
+           "host_of", "local_endpoint", "transport_for_address"]

@@ -3,10 +3,16 @@
 Each tensor carries dtype, shape, layer and a CRC32 of its bytes; the header carries the entry's
 seal (an HMAC keyed by the deployment secret, cache/entry.py). A reader rebuilds the entry and checks
 both: a mismatch is an error, never an entry, and is counted in hybridcache_entries_rejected_total.
+On the device transports the bytes never reach the host: the collective one checks each tensor
+on the device; cuda_ipc packs the entry into one device block, the header carries the block's
+device checksum and a seal over it (services/transport/cuda_ipc.py), and the receiver checks both
+on its copy.
 """
 
 from __future__ import annotations
 
+import math
+import time
 import zlib
 from collections.abc import Iterable, Iterator
 
@@ -14,9 +20,11 @@ import torch
 from hybridcache.services.observability import metrics
 from hybridcache.services.protocol import pb
 from hybridcache.services.runtime.cache import SegmentEntry
+from hybridcache.services.runtime.packing import pack, padded
 from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
 from hybridcache.services.transport.base import TensorTransport, TransportError
 from hybridcache.services.transport.collective import device_checksum, receive_tensor
+from hybridcache.services.transport.cuda_ipc import device_seal, receive_block, verify_device_seal
 from hybridcache.services.transport.shm import read_shm
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
@@ -40,15 +48,46 @@ def _digest(raw) -> str:
     return f"crc32:{zlib.crc32(raw):08x}"
 
 
+def _header(entry: SegmentEntry, n_tensors: int, transport: TensorTransport, checksum: str) -> pb.EntryHeader:
+    return pb.EntryHeader(
+        key=entry.key, segment_tokens=entry.segment_tokens, num_tokens=entry.data.num_tokens,
+        local_start=entry.data.local_start, build_seconds=entry.build_seconds, nbytes=entry.nbytes,
+        checksum=checksum, num_tensors=n_tensors, transport=transport.name)
+
+
+def _block_chunks(entry: SegmentEntry, index: int, transport) -> Iterator[pb.EntryChunk]:
+    """The entry as one device block in its header, sealed over its layout and the block's device
+    checksum (cuda_ipc.device_seal), then one metadata-only TensorChunk per tensor (its offset in
+    the block)."""
+    tensors = [(layer, name, t.detach().contiguous()) for layer, name, t in layer_tensors(entry.data)]
+    header = _header(entry, len(tensors), transport, "")
+    chunks, off = [], 0
+    for layer, name, t in tensors:
+        n = t.numel() * t.element_size()
+        chunks.append(pb.TensorChunk(layer=layer, name=name, dtype=str(t.dtype).removeprefix("torch."),
+                                     shape=list(t.shape), nbytes=n, block_offset=off))
+        off += padded(n)
+    transport.write_block(header.block, pack(t for _, _, t in tensors))
+    header.checksum = device_seal(header, [_spec(c) for c in chunks], header.block)
+    yield pb.EntryChunk(segment_index=index, header=header)
+    for c in chunks:
+        yield pb.EntryChunk(segment_index=index, tensor=c)
+
+
+def _spec(chunk) -> tuple:
+    return chunk.layer, chunk.name, chunk.dtype, tuple(chunk.shape), chunk.block_offset
+
+
 def entry_chunks(entry: SegmentEntry, index: int, transport: TensorTransport) -> Iterator[pb.EntryChunk]:
+    if getattr(transport, "packs_entries", False):
+        yield from _block_chunks(entry, index, transport)
+        return
     native = getattr(transport, "device_native", False)
     if not entry.checksum and not native:
         entry.seal()
     tensors = list(layer_tensors(entry.data))
-    yield pb.EntryChunk(segment_index=index, header=pb.EntryHeader(
-        key=entry.key, segment_tokens=entry.segment_tokens, num_tokens=entry.data.num_tokens,
-        local_start=entry.data.local_start, build_seconds=entry.build_seconds, nbytes=entry.nbytes,
-        checksum="" if native else entry.checksum, num_tensors=len(tensors), transport=transport.name))
+    yield pb.EntryChunk(segment_index=index, header=_header(entry, len(tensors), transport,
+                                                            "" if native else entry.checksum))
     for layer, name, t in tensors:
         if native:
             # Bytes stay on the device; the checksum is computed there and again by the receiver.
@@ -81,13 +120,34 @@ def _tensor(chunk, device="cpu") -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(_DTYPES[chunk.dtype]).reshape(tuple(chunk.shape))
 
 
+def _block_tensor(chunk, block: torch.Tensor) -> torch.Tensor:
+    """The tensor a TensorChunk of a device block announces: a view of the received block."""
+    if chunk.dtype not in _DTYPES:
+        raise TransportError(f"unsupported dtype {chunk.dtype!r}")
+    dtype = _DTYPES[chunk.dtype]
+    n = chunk.nbytes
+    shape = tuple(chunk.shape)
+    if n != math.prod(shape) * dtype.itemsize or chunk.block_offset < 0 or chunk.block_offset + n > block.numel():
+        raise TransportError(f"layer {chunk.layer} {chunk.name}: outside its device block")
+    return block[chunk.block_offset: chunk.block_offset + n].view(dtype).view(shape)
+
+
 class EntryAssembler:
     """Feed EntryChunks (possibly of several entries interleaved); completed entries come out."""
 
     def __init__(self, device="cpu"):
         self._open: dict[int, tuple[pb.EntryHeader, list]] = {}
+        self._blocks: dict[int, torch.Tensor] = {}  # segment index -> its received device block
+        self._started: dict[int, float] = {}  # segment index -> when its header arrived
+        self._specs: dict[int, list] = {}  # segment index -> its block tensors' (layer, name, dtype, shape, offset)
+        self._failed: set[int] = set()  # entries already reported failed: their later tensors are dropped
         self.bytes_received = 0
-        self.device = device  # where tensors of the collective transport are received
+        # seconds from each entry's header to its last tensor, summed: the time its bytes took to
+        # arrive and be checked once built (the sender builds a batch before streaming it)
+        self.seconds = 0.0
+        self.transport = ""  # the transport of the last header
+        # where device-transport tensors land (the collective's receives, cuda_ipc's block copies)
+        self.device = device
 
     def feed(self, chunk) -> tuple[int, SegmentEntry | None, str] | None:
         """Returns (segment_index, entry, "") when an entry completes, (index, None, error) on a
@@ -96,9 +156,23 @@ class EntryAssembler:
         kind = chunk.WhichOneof("body")
         if kind == "error":
             self._open.pop(i, None)
+            self._blocks.pop(i, None)
             return i, None, chunk.error
         if kind == "header":
+            self._failed.discard(i)
             self._open[i] = (chunk.header, [], [True])
+            self._specs.pop(i, None)
+            self._started[i] = time.perf_counter()
+            self.transport = chunk.header.transport
+            self._blocks.pop(i, None)
+            if chunk.header.HasField("block"):
+                try:
+                    self._blocks[i] = receive_block(chunk.header.block, self.device)
+                except TransportError as e:
+                    self._open.pop(i)
+                    self._failed.add(i)
+                    metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
+                    return i, None, str(e)
             if chunk.header.num_tensors == 0:
                 return self._finish(i)
             return None
@@ -109,13 +183,24 @@ class EntryAssembler:
                     _tensor(chunk.tensor, self.device)
                 except TransportError:
                     pass
+            if i in self._failed:
+                return None
             return i, None, "tensor chunk before its entry header"
         header, parts, collective = self._open[i]
         try:
-            parts.append((chunk.tensor.layer, chunk.tensor.name, _tensor(chunk.tensor, self.device)))
+            if i in self._blocks:
+                t = _block_tensor(chunk.tensor, self._blocks[i])
+                self._specs.setdefault(i, []).append(_spec(chunk.tensor))
+            elif header.transport == "cuda_ipc":
+                raise TransportError("cuda_ipc entry without its device block")
+            else:
+                t = _tensor(chunk.tensor, self.device)
+            parts.append((chunk.tensor.layer, chunk.tensor.name, t))
         except TransportError as e:
             self._open.pop(i)
             metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
+            self._blocks.pop(i, None)
+            self._failed.add(i)
             return i, None, str(e)
         collective[0] &= chunk.tensor.collective_src != 0
         self.bytes_received += chunk.tensor.nbytes
@@ -125,6 +210,8 @@ class EntryAssembler:
 
     def _finish(self, i: int):
         header, parts, collective = self._open.pop(i)
+        block = self._blocks.pop(i, None)
+        self.seconds += time.perf_counter() - self._started.pop(i, time.perf_counter())
         linear, attn, by_layer = {}, {}, {}
         for layer, name, t in parts:
             by_layer.setdefault(layer, {})[name] = t
@@ -140,9 +227,17 @@ class EntryAssembler:
         entry = SegmentEntry(key=header.key, segment_tokens=header.segment_tokens, data=data,
                              build_seconds=header.build_seconds, checksum=header.checksum)
         # Tensors that came over the collective transport were checked on the device and came from a
-        # member of the torch.distributed group; every other entry must carry a seal that verifies
-        # (what the header says about its transport is not trusted).
-        if not (collective[0] and parts) and (not header.checksum or not entry.verify()):
+        # member of the torch.distributed group; an entry of a device block (cuda_ipc) carries a seal
+        # over its layout and the block's checksum, which receive_block checked on the bytes
+        # received; every other entry must carry a seal over its bytes that verifies (what the
+        # header says about its transport is not trusted).
+        if block is not None:
+            if not verify_device_seal(header.checksum, header, self._specs.pop(i, []), header.block):
+                metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
+                return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
+            # verified; unsealed from here on, so that passing it on (to a cache tier) seals its bytes
+            entry.checksum = ""
+        elif not (collective[0] and parts) and (not header.checksum or not entry.verify()):
             metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
             return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
         return i, entry, ""

@@ -229,3 +229,41 @@ def test_args_parse_with_the_real_serve_command(spec):
         parsed = parser.parse_args(args[1:])
         assert parsed.role == role.name and parsed.http_port == role.http_port
         assert parsed.host == "10.0.0.7"
+
+
+NODE_LOCAL = HybridCacheSpec.parse({
+    "model": {"arch": "qwen3_next", "pvc": {"claimName": "weights"}},
+    "transport": {"nodeLocal": True},
+})
+
+
+def test_node_local_transport_pod_settings():
+    combine, scatter = builders.combine_deployment(NODE_LOCAL, NAME), builders.scatter_deployment(NODE_LOCAL, NAME, 2)
+    for obj in (combine, scatter):
+        validate_strict(obj)
+        pod = obj["spec"]["template"]["spec"]
+        # one IPC namespace and /dev/shm (CUDA IPC handles, torch's reference counters, shm blocks)
+        # and one PID namespace (the driver resolves the exporting process)
+        assert pod["hostIPC"] is True and pod["hostPID"] is True
+        # the pod's own /dev/shm would hide the host's
+        assert all(m["mountPath"] != "/dev/shm" for m in container(obj)["volumeMounts"])
+        assert all(v["name"] != "dshm" for v in pod["volumes"])
+        # the hardening stays: no privilege, no capability
+        assert container(obj)["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert "privileged" not in container(obj)["securityContext"]
+    (term,) = scatter["spec"]["template"]["spec"]["affinity"]["podAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"] == {"labelSelector": {"matchLabels": builders.selector_labels(NAME, "combine")},
+                                       "topologyKey": "kubernetes.io/hostname"}
+    combine_labels = combine["spec"]["template"]["metadata"]["labels"]
+    assert builders.selector_labels(NAME, "combine").items() <= combine_labels.items()
+    assert "affinity" not in combine["spec"]["template"]["spec"]
+    # the router and the cache tier stay in their own namespaces; without the setting nobody shares
+    for obj in (builders.router_deployment(NODE_LOCAL, NAME), builders.cache_tier_statefulset(NODE_LOCAL, NAME),
+                builders.combine_deployment(GPU, NAME), builders.scatter_deployment(GPU, NAME, 1)):
+        pod = obj["spec"]["template"]["spec"]
+        assert "hostIPC" not in pod and "hostPID" not in pod and "affinity" not in pod
+    mounts = container(builders.scatter_deployment(GPU, NAME, 1))["volumeMounts"]
+    assert any(m["mountPath"] == "/dev/shm" for m in mounts)
+    with pytest.raises(ValueError, match="nodeLocal"):
+        HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}, "transport": {"nodeLocal": "yes"}})

@@ -99,6 +99,25 @@ def test_per_role_update_changes_only_that_role(emulator, client, operator):
     assert emulator.objects("/v1/secrets") == [secret]
 
 
+def test_node_local_transport_reaches_the_worker_pods_and_back(emulator, client, operator):
+    """spec.transport.nodeLocal through the CRD's admission and the operator into the pods that
+    move entries (scatter, combine), and out of them again when turned off."""
+    create(client, transport={"nodeLocal": True})
+    wait_for(lambda: len(children(emulator)) == 14, what="children")
+    settled(client)
+    for role in ("combine", "scatter"):
+        pod = deployment(client, role)["spec"]["template"]["spec"]
+        assert pod["hostIPC"] is True and pod["hostPID"] is True, role
+    assert deployment(client, "scatter")["spec"]["template"]["spec"]["affinity"]["podAffinity"]
+    assert "hostIPC" not in deployment(client, "router")["spec"]["template"]["spec"]
+    with pytest.raises(Exception, match="422|nodeLocal"):
+        client.request("PATCH", f"{HC}/demo", {"spec": {"transport": {"nodeLocal": "yes"}}}, MERGE)
+    client.request("PATCH", f"{HC}/demo", {"spec": {"transport": {"nodeLocal": False}}}, MERGE)
+    wait_for(lambda: "hostIPC" not in deployment(client, "scatter")["spec"]["template"]["spec"],
+             what="scatter pods back in their own namespaces")
+    assert "hostPID" not in deployment(client, "combine")["spec"]["template"]["spec"]
+
+
 def test_pause_leaves_children_alone_until_resumed(emulator, client, operator):
     create(client)
     settled(client)

@@ -18,7 +18,7 @@ from hybridcache.services.protocol import build, rpc
 from hybridcache.services.router.assign import lpt_assign, makespan, round_robin_assign
 from hybridcache.services.router.cost import CostModel
 from hybridcache.services.runtime.sampling import RequestError
-from hybridcache.services.transport import choose_transport, get_transport
+from hybridcache.services.transport import get_transport, transport_for_address
 from hybridcache.services.transport.codec import EntryAssembler, entry_chunks, entry_to, read_entries
 
 
@@ -132,9 +132,9 @@ def test_stale_shm_blocks_are_swept(tmp_path, monkeypatch):
 
 
 def test_transport_choice():
-    assert choose_transport("127.0.0.1:5000") == "shm"
-    assert choose_transport("10.0.0.7:5000") == "grpc"
-    assert choose_transport("localhost:5000") == "shm"
+    assert transport_for_address("127.0.0.1:5000") == "shm"
+    assert transport_for_address("10.0.0.7:5000") == "grpc"
+    assert transport_for_address("localhost:5000") == "shm"
     with pytest.raises(ValueError):
         get_transport("carrier-pigeon")
 
@@ -241,8 +241,14 @@ def test_router_plan_fetches_or_recomputes_held_entries(engine, model_dir):
         assert plan[-1].cache_tier == tier and router.cold_queue_depth == 1
         router._release(plan, assigned)
         assert router.cold_queue_depth == 0
-        # A device that prefills 1e9 tokens/s: recomputing beats any fetch, the held entry is rebuilt.
+        # A device that prefills 1e9 tokens/s: still a fetch while a rebuilt entry would come back
+        # over gRPC (slower than the tier's shared memory)...
         router.cost.prefill_tokens_per_s = 1e9
+        plan, assigned, _ = router.plan(req)
+        assert sorted(p.source for p in plan) == ["scatter", "tier"]
+        router._release(plan, assigned)
+        # ...and a rebuild once the combine workers report the scatter path as CUDA IPC
+        router.cost.observe_scatter("cuda_ipc", 10**9, 0.02)
         plan, assigned, _ = router.plan(req)
         assert sorted(p.source for p in plan) == ["scatter", "scatter"]
         assert set(assigned) == {"127.0.0.1:1", "127.0.0.1:2"}  # LPT spreads the two over both workers

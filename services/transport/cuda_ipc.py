@@ -1,0 +1,158 @@
+"""Entry bytes that stay on the GPU: CUDA IPC between processes of one host (torch's CUDA tensor
+sharing, torch.multiprocessing.reductions).
+
+The sender packs every tensor of an entry into one device buffer (services/runtime/packing.py),
+computes its checksum on the device, and exports the buffer's CUDA allocation with
+storage._share_cuda_(): a cudaIpcMemHandle, an IPC event recorded after the bytes were written,
+and a reference counter in a shared-memory file. Only those few hundred bytes travel in the
+entry header. The receiver opens the handle on the GPU that holds the memory (matched by UUID,
+since the two processes may number their GPUs differently), copies the buffer into its own
+device memory (device-to-device, over NVLink when the GPUs differ), releases the mapping (which
+lets the sender's allocator reuse the block: torch keeps it in its IPC limbo until then),
+checks the checksum on its copy, and takes the tensors as views of it.
+
+What it takes: both processes on one host with the same IPC namespace (the reference counters
+live in /dev/shm and CUDA IPC handles are opened through it) and the same PID namespace (the
+driver resolves the exporting process), and the receiver able to see the sender's GPU. The
+transport choice (services/transport/__init__.py) checks exactly that from the two Endpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from hybridcache.services.transport.base import TensorTransport, TransportError
+from hybridcache.services.transport.checksum import checksum_text, device_checksum, device_checksum_sums
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of CUDA device `index` of this process (the same GPU has the same UUID everywhere)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+@functools.cache
+def visible_gpus() -> tuple[str, ...]:
+    """UUIDs of this process's CUDA devices, in its own index order; () without CUDA."""
+    if not torch.cuda.is_available():
+        return ()
+    return tuple(device_uuid(i) for i in range(torch.cuda.device_count()))
+
+
+def local_index(uuid: str, gpus: tuple[str, ...] | None = None) -> int:
+    """This process's index of the GPU with `uuid`; TransportError when it cannot see that GPU."""
+    gpus = visible_gpus() if gpus is None else gpus
+    if uuid not in gpus:
+        raise TransportError(f"the GPU {uuid or '?'} holding the entry is not visible to this process")
+    return gpus.index(uuid)
+
+
+def share(buf: torch.Tensor, block) -> None:
+    """Fill `block` (a DeviceBlock) with the CUDA IPC export of the uint8 CUDA buffer `buf`."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    fn, args = reduce_tensor(buf)
+    if fn is not rebuild_cuda_tensor:
+        raise TransportError("cuda_ipc needs a CUDA tensor")
+    (_, _, _, tensor_offset, _, _, device, handle, storage_bytes, storage_offset, _, ref_handle, ref_offset,
+     event_handle, event_sync) = args
+    block.device_uuid = device_uuid(device)
+    block.handle = handle
+    block.storage_bytes = storage_bytes
+    block.storage_offset = storage_offset
+    block.tensor_offset = tensor_offset
+    block.ref_counter_handle = ref_handle
+    block.ref_counter_offset = ref_offset
+    block.event_handle = event_handle or b""
+    block.event_sync_required = bool(event_sync)
+
+
+def open_shared(block, index: int) -> torch.Tensor:
+    """The sender's buffer, mapped into this process on its CUDA device `index` (no copy)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    try:
+        return rebuild_cuda_tensor(torch.Tensor, (block.nbytes,), (1,), block.tensor_offset, torch.storage.TypedStorage,
+                                   torch.uint8, index, block.handle, block.storage_bytes, block.storage_offset,
+                                   False, block.ref_counter_handle, block.ref_counter_offset,
+                                   block.event_handle or None, block.event_sync_required)
+    except (RuntimeError, OSError) as e:
+        raise TransportError(f"cannot open the CUDA IPC handle: {e}") from None
+
+
+class CudaIpcTransport(TensorTransport):
+    """Exports whole entries as device blocks (write_block); one instance per stream. `share` is
+    how a buffer is exported (the module's share: torch's CUDA IPC)."""
+
+    name = "cuda_ipc"
+    device_native = True  # the codec keeps tensors on their device
+    packs_entries = True  # the codec packs an entry into one buffer and calls write_block
+
+    def __init__(self, share=None):
+        self._share = share
+        self._moved = 0
+
+    def write(self, chunk, tensor: torch.Tensor) -> None:
+        raise TransportError("cuda_ipc moves whole entries: the codec calls write_block")
+
+    def write_block(self, block, buf: torch.Tensor) -> None:
+        """Export `buf` (uint8, on the GPU) into `block` with its device checksum. The sender may
+        drop `buf` afterwards: torch holds the allocation until the receiver has released it."""
+        block.nbytes = buf.numel()
+        block.checksum = device_checksum(buf)
+        (self._share or globals()["share"])(buf, block)
+        self._moved += buf.numel()
+
+    def close(self) -> None:
+        # blocks the receivers released wait in torch's IPC limbo until collected
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+
+    def bytes_moved(self) -> int:
+        return self._moved
+
+
+def receive_block(block, device) -> torch.Tensor:
+    """A copy of the block's bytes in this process's memory on `device`, checked against the
+    block's checksum; the mapping of the sender's memory is released before returning."""
+    if block.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    src = open_shared(block, local_index(block.device_uuid))
+    if src.numel() != block.nbytes:
+        raise TransportError(f"device block holds {src.numel()} bytes, the header says {block.nbytes}")
+    own = torch.empty(block.nbytes, dtype=torch.uint8, device=device)
+    own.copy_(src)
+    sums = device_checksum_sums(own)
+    del src  # unmaps (the sender's reference counter drops once the copy has run: torch syncs)
+    if checksum_text(sums) != block.checksum:
+        raise TransportError("device block: checksum mismatch")
+    return own
+
+
+DEVICE_SEAL_PREFIX = "hmac-sha256-dev:"
+
+
+def device_seal(header, specs, block) -> str:
+    """The seal of an entry sent as a device block: an HMAC-SHA256 keyed by the deployment's
+    sealing key (services/security.py, as cache/entry.py seals entries on the host) over the
+    entry's key and lengths, every tensor's (layer, name, dtype, shape, offset in the block), and
+    the block's size and device checksum. The bytes never reach the host, so the HMAC covers
+    their device checksum, which the receiver recomputes on its copy: only a holder of the
+    secret can make a header whose entry verifies."""
+    import hashlib
+    import hmac
+
+    from hybridcache.services.security import seal_key
+
+    h = hmac.new(seal_key(), digestmod=hashlib.sha256)
+    h.update(f"{header.key}|{header.segment_tokens}|{header.num_tokens}|{header.local_start}".encode())
+    for layer, name, dtype, shape, offset in specs:
+        h.update(f"|{layer}:{name}:{dtype}:{tuple(shape)}@{offset}".encode())
+    h.update(f"|{block.nbytes}:{block.checksum}".encode())
+    return DEVICE_SEAL_PREFIX + h.hexdigest()
+
+
+def verify_device_seal(seal: str, header, specs, block) -> bool:
+    import hmac
+
+    return bool(seal) and hmac.compare_digest(seal, device_seal(header, specs, block))

@@ -1,0 +1,218 @@
+"""The transport choice from the two ends' Endpoints, the CUDA IPC path's host-side logic (export
+fields, device matching by UUID, packing, checksums, refusals) with the CUDA calls replaced by an
+in-process stand-in, and the cost model with the scatter path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hybridcache.services.protocol import pb
+from hybridcache.services.router.cost import CostModel, parse_bandwidths
+from hybridcache.services.transport import (
+    Endpoint,
+    TransportError,
+    choose_transport,
+    cuda_ipc,
+    get_transport,
+    local_endpoint,
+)
+from hybridcache.services.transport.checksum import device_checksum
+from hybridcache.services.transport.codec import EntryAssembler, entry_chunks, layer_tensors, read_entries
+
+GPU_A, GPU_B = "GPU-aaaa", "GPU-bbbb"
+NODE = Endpoint(host="boot-1", ipc_ns="ipc:[1]", pid_ns="pid:[1]")
+
+
+def ep(base=NODE, **kw):
+    return Endpoint(**{**base.__dict__, **kw})
+
+
+@pytest.mark.parametrize("sender, receiver, want", [
+    # one host, shared IPC and PID namespaces, the receiver sees the sender's GPU
+    (ep(device=GPU_A, gpus=(GPU_A,)), ep(device=GPU_A, gpus=(GPU_A,)), "cuda_ipc"),
+    (ep(device=GPU_B, gpus=(GPU_B, GPU_A)), ep(device=GPU_A, gpus=(GPU_A, GPU_B)), "cuda_ipc"),
+    # the receiver cannot see the sender's GPU (a pod given only its own): host memory
+    (ep(device=GPU_B, gpus=(GPU_B,)), ep(device=GPU_A, gpus=(GPU_A,)), "shm"),
+    # the sender's entries are on the CPU
+    (ep(), ep(device=GPU_A, gpus=(GPU_A,)), "shm"),
+    # separate PID namespaces (pods without hostPID): no CUDA IPC, /dev/shm still shared
+    (ep(device=GPU_A, gpus=(GPU_A,)), ep(pid_ns="pid:[2]", device=GPU_A, gpus=(GPU_A,)), "shm"),
+    # separate IPC namespaces (pods without hostIPC): neither
+    (ep(device=GPU_A, gpus=(GPU_A,)), ep(ipc_ns="ipc:[2]", device=GPU_A, gpus=(GPU_A,)), "grpc"),
+    # another host
+    (ep(device=GPU_A, gpus=(GPU_A,)), ep(host="boot-2", device=GPU_A, gpus=(GPU_A,)), "grpc"),
+    # an identity nobody could read never counts as shared
+    (Endpoint(device=GPU_A, gpus=(GPU_A,)), Endpoint(device=GPU_A, gpus=(GPU_A,)), "grpc"),
+    (ep(ipc_ns="", device=GPU_A), ep(ipc_ns="", gpus=(GPU_A,)), "grpc"),
+])
+def test_transport_choice_from_endpoints(sender, receiver, want):
+    assert choose_transport(sender, receiver) == want
+
+
+def test_local_endpoint_on_this_host_and_its_wire_form():
+    me = local_endpoint("cpu")
+    assert me.host and me.ipc_ns.startswith("ipc:") and me.pid_ns.startswith("pid:")
+    assert me.device == "" and me.gpus == ()
+    # two processes of this machine share host and namespaces: shm, and no CUDA IPC from the CPU
+    assert choose_transport(me, local_endpoint()) == "shm"
+    msg = pb.Endpoint()
+    ep(device=GPU_A, gpus=(GPU_A, GPU_B)).to_pb(msg)
+    assert Endpoint.from_pb(pb.Endpoint.FromString(msg.SerializeToString())) == ep(device=GPU_A, gpus=(GPU_A, GPU_B))
+
+
+@pytest.fixture
+def fake_ipc(monkeypatch):
+    """CUDA IPC replaced by an in-process registry of CPU buffers: export puts the buffer under a
+    handle, open returns it (as a peer process maps the sender's allocation: the same bytes)."""
+    shared: dict[bytes, torch.Tensor] = {}
+    opened: list[int] = []
+
+    def share(buf, block):
+        handle = f"h{len(shared)}".encode()
+        shared[handle] = buf
+        block.device_uuid, block.handle, block.storage_bytes = GPU_A, handle, buf.numel()
+
+    def open_shared(block, index):
+        opened.append(index)
+        return shared[block.handle]
+
+    monkeypatch.setattr(cuda_ipc, "share", share)
+    monkeypatch.setattr(cuda_ipc, "open_shared", open_shared)
+    monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: (GPU_B, GPU_A))
+    return shared, opened
+
+
+@pytest.fixture(scope="module")
+def entries(engine):
+    rng = random.Random(3)
+    return [engine.build_entry([rng.randrange(256) for _ in range(n)]) for n in (24, 57)]
+
+
+def test_cuda_ipc_entries_round_trip(entries, fake_ipc):
+    shared, opened = fake_ipc
+    transport = get_transport("cuda_ipc")
+    chunks = [c for i, e in enumerate(entries) for c in entry_chunks(e, i, transport)]
+    headers = [c.header for c in chunks if c.WhichOneof("body") == "header"]
+    # one device block per entry, its checksum in the header, no bytes in any message
+    assert len(shared) == 2 and all(h.HasField("block") and h.block.checksum.startswith("blk64:") for h in headers)
+    # sealed over the layout and the block's device checksum (the bytes never reach the host)
+    assert all(h.transport == "cuda_ipc" and h.checksum.startswith("hmac-sha256-dev:") for h in headers)
+    assert all(not c.tensor.data and not c.tensor.shm_name for c in chunks if c.WhichOneof("body") == "tensor")
+    assert transport.bytes_moved() == sum(h.block.nbytes for h in headers)
+    # no entry was sealed on the host on the way (the sender's sha256 is what cuda_ipc avoids)
+    assert all(not e.checksum for e in entries)
+    out = list(read_entries(pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks))
+    assert [(i, err) for i, _, err in out] == [(0, ""), (1, "")]
+    assert opened == [1, 1]  # the sender's GPU by UUID: index 1 in this process's numbering
+    for (_, got, _), want in zip(out, entries):
+        assert got.key == want.key and got.segment_tokens == want.segment_tokens
+        for (la, na, a), (lb, nb, b) in zip(layer_tensors(got.data), layer_tensors(want.data), strict=True):
+            assert (la, na) == (lb, nb) and a.dtype == b.dtype and torch.equal(a, b)
+    # the receiver holds its own copy: the sender reusing its buffer changes nothing received
+    got0 = out[0][1]
+    before = got0.data.linear[0].S.clone()
+    for buf in shared.values():
+        buf.zero_()
+    assert torch.equal(got0.data.linear[0].S, before)
+
+
+def test_cuda_ipc_corruption_and_refusals(entries, fake_ipc, monkeypatch):
+    shared, _ = fake_ipc
+    chunks = list(entry_chunks(entries[0], 0, get_transport("cuda_ipc")))
+    (buf,) = shared.values()
+    buf[5] ^= 1  # the bytes changed after the sender's checksum
+    (res,) = list(read_entries(chunks))
+    assert res[1] is None and "checksum mismatch" in res[2]
+    buf[5] ^= 1
+    assert list(read_entries(chunks))[0][2] == ""
+    # a tensor pointing outside its block
+    bad = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
+    next(c for c in bad if c.WhichOneof("body") == "tensor").tensor.block_offset = buf.numel()
+    assert "outside its device block" in list(read_entries(bad))[0][2]
+    # a cuda_ipc header without its block (it would skip the host checksum otherwise)
+    bad = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
+    bad[0].header.ClearField("block")
+    assert "without its device block" in list(read_entries(bad))[0][2]
+    # offsets moved inside the block (tensors read from elsewhere): the seal covers them
+    bad = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
+    tensors = [c.tensor for c in bad if c.WhichOneof("body") == "tensor"]
+    same = next(t for t in tensors[1:] if (t.dtype, list(t.shape)) == (tensors[0].dtype, list(tensors[0].shape)))
+    tensors[0].block_offset, same.block_offset = same.block_offset, tensors[0].block_offset
+    assert "seal does not verify" in list(read_entries(bad))[0][2]
+    # a forged header: another block checksum without the secret's seal
+    bad = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
+    bad[0].header.checksum = "hmac-sha256-dev:" + "0" * 64
+    assert "seal does not verify" in list(read_entries(bad))[0][2]
+    # the sender's GPU is not visible here
+    monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: (GPU_B,))
+    res = list(read_entries(chunks))[0]
+    assert res[1] is None and "not visible" in res[2]
+    # a failed entry leaves the assembler usable for the next one
+    monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: (GPU_A,))
+    asm = EntryAssembler()
+    results = [r for c in chunks + chunks for r in [asm.feed(c)] if r is not None]
+    assert [err for _, _, err in results] == ["", ""] and asm.transport == "cuda_ipc" and asm.seconds > 0
+
+
+def test_cuda_ipc_seal_is_bound_to_the_deployment_secret(entries, fake_ipc):
+    from hybridcache.services import security
+
+    security.install(security.DeploymentSecret.generate())
+    try:
+        chunks = list(entry_chunks(entries[1], 0, get_transport("cuda_ipc")))
+        assert list(read_entries(chunks))[0][2] == ""
+        security.install(security.DeploymentSecret.generate())  # a receiver of another deployment
+        assert "seal does not verify" in list(read_entries(chunks))[0][2]
+    finally:
+        security.install(None)
+
+
+def test_cuda_ipc_refuses_host_tensors():
+    with pytest.raises(TransportError, match="CUDA tensor"):
+        cuda_ipc.share(torch.zeros(16, dtype=torch.uint8), pb.DeviceBlock())
+    with pytest.raises(TransportError, match="whole entries"):
+        get_transport("cuda_ipc").write(pb.TensorChunk(), torch.zeros(4))
+
+
+def test_device_checksum_sees_changes_and_swaps():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 256, (3 * 4 * 4096 + 13,), dtype=torch.uint8, generator=g)
+    base = device_checksum(a)
+    assert device_checksum(a.clone()) == base
+    flipped = a.clone()
+    flipped[-1] ^= 0x80  # in the tail past the last full row
+    words = a[: 4 * 4096 * 2].view(torch.int32)
+    in_row, across = words.clone(), words.clone()
+    in_row[[0, 1]] = in_row[[1, 0]]
+    across[[0, 4096]] = across[[4096, 0]]
+    rest = a[4 * 4096 * 2:]
+    swapped = [device_checksum(torch.cat([w.view(torch.uint8), rest])) for w in (in_row, across)]
+    assert len({base, device_checksum(flipped), *swapped}) == 4
+
+
+def test_cost_model_charges_the_scatter_path():
+    cm = CostModel(prefill_tokens_per_s=10_000.0)
+    nbytes, tokens = 20_000_000, 1000  # 0.1 s of prefill
+    # fetching 20 MB over gRPC (0.08 GB/s: 0.25 s) loses to recomputing on the combine worker...
+    assert cm.choose(nbytes, tokens, "grpc", "local") == "recompute"
+    # ...and wins when the rebuilt entry would come back over gRPC too
+    assert cm.choose(nbytes, tokens, "grpc", "grpc") == "fetch"
+    # over CUDA IPC the move costs ~1 ms: recompute on a scatter worker again
+    assert cm.recompute_seconds(tokens, nbytes, "cuda_ipc") < 0.102
+    assert cm.choose(nbytes, tokens, "grpc", "cuda_ipc") == "recompute"
+    # what the combine workers measure sets the path and moves its bandwidth
+    assert cm.scatter_path == "grpc"
+    cm.observe_scatter("cuda_ipc", 10**9, 0.01)
+    assert cm.scatter_path == "cuda_ipc" and cm.bandwidth["cuda_ipc"] > 20e9
+    cm.observe_scatter("", 0, 0.0)  # a request with no scatter work changes nothing
+    assert cm.scatter_path == "cuda_ipc"
+
+
+def test_transport_bandwidth_setting():
+    assert parse_bandwidths("cuda_ipc=80, grpc=0.5") == {"cuda_ipc": 80e9, "grpc": 0.5e9}
+    assert parse_bandwidths(None) == {}
+    for bad in ("nvlink=5", "grpc", "grpc=fast", "shm=0", "shm=-1"):
+        with pytest.raises(ValueError, match="transport-bandwidth"):
+            parse_bandwidths(bad)
