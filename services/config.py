@@ -152,6 +152,9 @@ class RuntimeConfig:
         None, "file holding the deployment secret (services/security.py): internal gRPC calls carry a token "
         "derived from it and cache entries are sealed with it; `hybridcache serve` needs one, `hybridcache up` "
         "makes one per run unless given", roles=SERVICE_ROLES, type=str, metavar="PATH")
+    tensor_parallel_size: int = setting(
+        1, "ranks one worker splits its model over by head (one GPU each, vLLM's name): the worker starts the "
+        "other ranks itself; part of the entry key, so entries of another split are misses", roles=ENGINE_ROLES)
     # A setting of the model: engines sharing one model share it.
     cuda_graphs: bool = setting(
         True, "on CUDA, run the live pass of assembled prompts from CUDA graphs of their shapes "
@@ -211,6 +214,8 @@ class RuntimeConfig:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.cuda_graph_shapes < 1:
             raise ValueError("cuda_graph_shapes must be >= 1")
         sdpa_backend_names(self.sdpa_backends)  # validates

@@ -163,6 +163,13 @@ class Engine:
         self.config = with_cache_budgets(config or EngineConfig(), getattr(model, "device", "cpu"))
         self.cfg = model.cfg
         self.fingerprint = getattr(model, "fingerprint", "unfingerprinted")
+        # "rank/size" of a tensor-parallel shard (its entries hold that rank's heads), else None
+        size = getattr(model, "tp_size", 1)
+        if size != self.config.tensor_parallel_size:
+            raise ValueError(
+                f"the model is split over {size} ranks, the config says {self.config.tensor_parallel_size}"
+            )
+        self.tp_layout = f"{model.tp_rank}/{size}" if size > 1 else None
         self.entries = entry_store or self._new_entry_store()
         self.prefixes = prefix_store or PrefixStore(self.config.prefix_cache_bytes)
         self.page_policy = self.config.page_policy
@@ -220,6 +227,8 @@ class Engine:
         """Entries are built exact in fp32; the single-state policy drops their T and a bf16 state
         dtype rounds T and S as they are made, so every store (this engine's, a combine worker's, a
         cache tier) holds what the engine uses."""
+        if self.tp_layout is not None:
+            entry.meta["tensor_parallel"] = self.tp_layout
         if self.config.entry_state_dtype != "float32":
             cast_entry_states(entry.data, self.config.state_dtype)
             entry.nbytes = entry_nbytes(entry.data)

@@ -86,7 +86,11 @@ def model_fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> str
     return h.hexdigest()[:16]
 
 
-def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> HybridLM:
+def load_model(
+    path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, tp_rank: int = 0, tp_size: int = 1
+) -> HybridLM:
+    """The model in `path` on `device`; with tp_size > 1 rank tp_rank's shard of it
+    (tensor_parallel/shard.py: split on the host, then moved to the device)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
@@ -111,9 +115,17 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
                 f"tensor {name} has shape {tuple(got.shape)} in the checkpoint, config expects {tuple(ref.shape)}"
             )
     fingerprint = model_fingerprint(cfg, tensors)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to_empty(device="cpu" if tp_size > 1 else device).to(dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
     model.eval()
+    if tp_size > 1:
+        from hybridcache.services.runtime.tensor_parallel.shard import shard_model
+
+        del tensors
+        try:
+            model = shard_model(model, tp_rank, tp_size).to(device)
+        except ModelConfigError as e:
+            raise ModelLoadError(str(e)) from None
     if hasattr(model, "merge_projections"):
         model.merge_projections()  # one GEMM per group of projections that read the same input
     model.fingerprint = fingerprint

@@ -151,8 +151,11 @@ class Planner:
     def entry_tag(self) -> str:
         """Model fingerprint, plus the entry policy when entries are not exact (a single-state entry
         must never answer an exact lookup, in this engine's store or in a shared cache tier) and the
-        state dtype when it is not fp32 (nor may a rounded one)."""
+        state dtype when it is not fp32 (nor may a rounded one), and the tensor-parallel size above 1
+        (each rank's entries hold its heads only: another split must miss)."""
         tag = self.fingerprint
+        if self.config.tensor_parallel_size > 1:
+            tag += f"|tp={self.config.tensor_parallel_size}"
         if self.config.entry_policy != "exact":
             tag += f"|{self.config.entry_policy}"
         if self.config.entry_state_dtype != "float32":

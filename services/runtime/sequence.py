@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class LinearSpan:
     """One linear layer's summary of a cached body: S_end = T S_start + S(body|0)."""
 
@@ -22,7 +22,7 @@ class LinearSpan:
     conv_tail: torch.Tensor  # [1, D, W - 1], the body's last W - 1 conv inputs
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class AttnSpan:
     """One attention layer's body K/V, K rotated at segment-local positions."""
 
@@ -30,7 +30,7 @@ class AttnSpan:
     v: torch.Tensor  # [1, Hkv, n, d]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class SpanData:
     """The per-layer data of a cached body (a segment entry's payload)."""
 
@@ -63,7 +63,7 @@ class ArrivingLayers(Mapping):
         return len(self._spans)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class LiveRun:
     token_ids: torch.Tensor  # [n] int64
     start: int  # absolute position of the first token
@@ -75,7 +75,7 @@ class LiveRun:
         return self.start + int(self.token_ids.numel())
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class CachedSpan:
     data: SpanData
     start: int  # absolute position of the body's first token
@@ -91,19 +91,19 @@ class CachedSpan:
         return self.start - self.data.local_start
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class LinearState:
     ssm: torch.Tensor  # [1, H, K, V] fp32
     conv: torch.Tensor  # [1, D, W - 1]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class AttnState:
     k: torch.Tensor  # [1, Hkv, N, d], rotated at absolute positions
     v: torch.Tensor  # [1, Hkv, N, d]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class SequenceState:
     """Everything a forward leaves for the next one: per linear layer (S, conv), per attention layer KV."""
 

@@ -119,7 +119,7 @@ class EntryLayout:
         return None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class SegmentEntry:
     key: str
     segment_tokens: int  # whole segment, seam included

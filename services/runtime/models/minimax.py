@@ -179,6 +179,7 @@ class LightningAttention(nn.Module):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
         self.nh, self.d = cfg.num_attention_heads, cfg.head_dim
+        self.head_start = 0  # the first of this module's heads (tensor parallelism keeps a block of them)
         inner = self.nh * self.d
         self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * inner, bias=False)
         self.output_gate = nn.Linear(cfg.hidden_size, inner, bias=False)
@@ -204,7 +205,7 @@ class LightningAttention(nn.Module):
     def scan(self, inputs, state: LinearState, output_transition: bool):
         (qkv,) = inputs
         q, k, v = qkv.reshape(*qkv.shape[:2], self.nh, 3 * self.d).split(self.d, dim=-1)  # [1, n, H, d] each
-        slopes = self.cfg.slopes(self.layer_idx, qkv.device)
+        slopes = self.cfg.slopes(self.layer_idx, qkv.device)[self.head_start : self.head_start + self.nh]
         res = backends.lightning_attention(q, k, v, slopes, 1.0, state.ssm, output_transition)
         return res[0], res[1], (res[2] if output_transition else None), state.conv
 

@@ -1,0 +1,7 @@
+"""Tensor parallelism: one model over N ranks, each holding its share of every layer's heads.
+
+layers.py holds the parallel modules (row-parallel linear, vocabulary-parallel embedding and LM
+head, a norm over heads spread across ranks), shard.py how each family's weights are split by
+head at load time, ranks.py the processes: rank 0 runs the engine and broadcasts every call it
+makes to the followers, which run the same call on their shards.
+"""

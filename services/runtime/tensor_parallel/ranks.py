@@ -1,0 +1,408 @@
+"""The processes of a tensor-parallel worker: rank 0 and the N - 1 followers it starts.
+
+Rank 0 runs everything a worker runs (engine, scheduler, servers); the followers only mirror its
+engine. `start(size, build, device)` spawns the followers (torch.multiprocessing, spawn), joins
+them in one torch.distributed group (NCCL on CUDA, one GPU a rank; gloo on the CPU) and calls
+`build(rank, size)` on every rank: each builds its own target (an Engine over its shard of the
+model, build_engine). Rank 0 gets a Remote of its target.
+
+A Remote forwards the calls that touch the model or the caches (Remote.broadcast names them) to
+every rank: rank 0 pickles the call, broadcasts it on a gloo group, and then runs it itself;
+each follower runs the same call on its own target. Every model forward thus runs on all ranks
+in the same order, and its all-reduces meet. What rank 0 passes in and gets back holds that
+rank's tensors (states, entries, K/V), so objects are named across ranks by handle: every
+object a broadcast call returns (walked through the runtime's dataclasses, lists and dicts) gets
+the next handle on every rank in the same order, a handle in a later call's arguments stands for
+the follower's own object, and a handle whose object rank 0 has dropped is dropped on the
+followers with the next call. A floating-point tensor without a handle is refused (TPError): it
+would carry rank 0's slice to the other ranks, a wrong answer instead of an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import io
+import logging
+import os
+import pickle
+import socket
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger("hybridcache.tensor_parallel")
+
+# classes whose fields the handle walk enters (the runtime's per-request data); anything else
+# weak-referenceable is named as a whole, without looking inside (a page node, a recorder)
+_WALK = {
+    "SequenceState", "LinearState", "AttnState", "SpanData", "LinearSpan", "AttnSpan", "SegmentEntry",
+    "Prefill", "Recording",
+}
+# results rank 0 gets back as Remotes (their methods change per-rank state, so they broadcast)
+_REMOTE = {"LinearStatePool"}
+_CPU_GROUP = None  # the gloo group of the control messages (the process group itself on the CPU)
+_PLAIN = (int, float, str, bool, bytes, complex, slice, type(None), torch.dtype, torch.device, type)
+
+
+class TPError(RuntimeError):
+    """A call that cannot be mirrored on every rank (the message says why)."""
+
+
+class _Handles:
+    """Handles of the objects the ranks name alike. Rank 0 holds weak references (an object's
+    handle dies with it and is queued for the followers); a follower holds its objects until rank 0
+    drops them."""
+
+    def __init__(self, strong: bool):
+        self.strong = strong
+        self.next = 1
+        self.of: dict[int, int] = {}  # id(obj) -> handle
+        self.objs: dict[int, object] = {}  # handle -> obj (followers) or weakref (rank 0)
+        self.dead: list[int] = []
+        self._lock = threading.Lock()
+
+    def name(self, obj, handle: int | None = None) -> int | None:
+        """The handle of obj, a new one if it has none (`handle` for the root). Objects that cannot
+        be weakly referenced get none, on every rank alike."""
+        h = self.of.get(id(obj))
+        if h is not None:
+            return h
+        if handle is not None or self.strong:
+            ref = obj
+        else:
+            try:
+                ref = weakref.ref(obj)
+            except TypeError:
+                return None
+            weakref.finalize(obj, self._gone, id(obj))
+        if handle is None and self.strong:
+            try:
+                weakref.ref(obj)
+            except TypeError:
+                return None
+        h = self.next if handle is None else handle
+        self.next = max(self.next, h + 1)
+        self.of[id(obj)] = h
+        self.objs[h] = ref
+        return h
+
+    def _gone(self, key: int) -> None:
+        with self._lock:
+            h = self.of.pop(key, None)
+            if h is not None:
+                self.objs.pop(h, None)
+                self.dead.append(h)
+
+    def take_dead(self) -> list[int]:
+        with self._lock:
+            dead, self.dead = self.dead, []
+        return dead
+
+    def get(self, h: int):
+        obj = self.objs.get(h)
+        if obj is None:
+            raise TPError(f"handle {h} is unknown on this rank")
+        return obj if self.strong or h == 0 else obj()
+
+    def drop(self, handles: list[int]) -> None:
+        for h in handles:
+            obj = self.objs.pop(h, None)
+            if obj is not None:
+                self.of.pop(id(obj), None)
+
+    def walk(self, obj, seen=None) -> None:
+        """Name every object reachable from `obj` through lists, tuples, dict values and the fields
+        of the runtime's data classes (_WALK), in a fixed order, so that every rank names its own
+        counterparts with the same handles."""
+        seen = set() if seen is None else seen
+        if isinstance(obj, _PLAIN) or id(obj) in seen or isinstance(obj, nn.Module):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            for x in obj:
+                self.walk(x, seen)
+            return
+        if isinstance(obj, dict):
+            for x in obj.values():
+                self.walk(x, seen)
+            return
+        self.name(obj)
+        if type(obj).__name__ not in _WALK:
+            return
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                self.walk(getattr(obj, f.name), seen)
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, f, handles: _Handles):
+        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.handles = handles
+
+    def persistent_id(self, obj):
+        if isinstance(obj, _PLAIN) or isinstance(obj, (list, tuple, dict)):
+            return None
+        h = self.handles.of.get(id(obj))
+        if h is not None:
+            return h
+        if isinstance(obj, Remote):
+            return obj._handle
+        if isinstance(obj, torch.Tensor) and (obj.is_floating_point() or obj.is_complex()):
+            raise TPError(
+                f"a {tuple(obj.shape)} {obj.dtype} tensor made outside the broadcast calls was passed to one: "
+                "it holds rank 0's slice only (make it inside a broadcast call)"
+            )
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, f, handles: _Handles):
+        super().__init__(f)
+        self.handles = handles
+
+    def persistent_load(self, pid):
+        return self.handles.get(pid)
+
+
+class Channel:
+    """Pickled messages from rank 0 to every rank over a gloo group (CPU tensors)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def send(self, payload: bytes) -> None:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0, group=self.group)
+        if data.numel():
+            dist.broadcast(data, 0, group=self.group)
+
+    def recv(self) -> bytes:
+        n = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(n, 0, group=self.group)
+        data = torch.empty(int(n), dtype=torch.uint8)
+        if data.numel():
+            dist.broadcast(data, 0, group=self.group)
+        return data.numpy().tobytes()
+
+
+@dataclasses.dataclass(frozen=True)
+class Surface:
+    """What of an object a Remote forwards: `broadcast` methods run on every rank (None: every
+    method), `drive` methods run on rank 0 with the Remote as self (so the calls they make
+    broadcast), `children` are members reached as Remotes of their own Surface."""
+
+    broadcast: frozenset | None = None
+    drive: frozenset = frozenset()
+    children: tuple[tuple[str, Surface], ...] = ()
+
+
+class Remote:
+    """Rank 0's view of an object every rank holds: reading a plain attribute reads rank 0's, a
+    method runs as its Surface says. A module or a member that the Surface does not name is
+    refused: a forward on rank 0 alone would wait for the other ranks forever."""
+
+    def __init__(self, group: TPGroup, handle: int, obj, surface: Surface = Surface(), path=()):
+        self._group, self._handle, self._obj, self._surface, self._path = group, handle, obj, surface, tuple(path)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        surface = self._surface
+        for child, sub in surface.children:
+            if child == name:
+                return Remote(self._group, self._handle, getattr(self._obj, name), sub, (*self._path, name))
+        value = getattr(self._obj, name)
+        if name in surface.drive:
+            fn = getattr(type(self._obj), name)
+            return lambda *a, **k: fn(self, *a, **k)
+        if callable(value) and (surface.broadcast is None or name in surface.broadcast):
+            return lambda *a, **k: self._group.call(self._handle, (*self._path, name), a, k)
+        if isinstance(value, nn.Module):
+            raise TPError(f"{name!r} is a module of rank 0 only: reach it through a Remote")
+        return value
+
+    def __setattr__(self, name, value):
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            raise TPError(f"setting {name!r} on rank 0 alone would leave the other ranks behind")
+
+    @property
+    def group(self) -> TPGroup:
+        return self._group
+
+    @property
+    def local(self):
+        """Rank 0's own object (read it; never change it)."""
+        return self._obj
+
+
+# An Engine's surface: what runs the model or changes a cache broadcasts, the single-request
+# decoding loops run on rank 0 over the Remote, the model and the entry store are Remotes
+MODEL_SURFACE = Surface(frozenset({"empty_state", "forward_layout", "decode_batch", "build_span_data",
+                                   "replay_linear_group"}))
+STORE_SURFACE = Surface(frozenset({"put", "get", "pop", "evict", "clear", "demote_all", "remove", "discard"}))
+ENGINE_SURFACE = Surface(
+    frozenset({"build_entry", "build_entries", "get_or_build_entry", "prefill", "finish_prefix",
+               "decode_one_token", "warmup", "decode_batch", "new_state_pool"}),
+    frozenset({"start", "generate"}),
+    (("model", MODEL_SURFACE), ("entries", STORE_SURFACE)),
+)
+
+
+class TPGroup:
+    """Rank 0's side of a started group: `target` is the Remote of rank 0's built object."""
+
+    def __init__(self, size: int, procs: list, channel: Channel, target_obj, surface: Surface):
+        self.size, self.procs, self.channel = size, procs, channel
+        self.handles = _Handles(strong=False)
+        self._lock = threading.RLock()
+        self._closed = False
+        self.handles.name(target_obj, 0)
+        self.target = Remote(self, 0, target_obj, surface)
+
+    def call(self, handle: int, path: tuple, args: tuple, kwargs: dict):
+        """Run target[handle].path(*args, **kwargs) on every rank; rank 0's result."""
+        with self._lock:
+            if self._closed:
+                raise TPError("the tensor-parallel group is shut down")
+            buf = io.BytesIO()
+            _Pickler(buf, self.handles).dump((self.handles.next, handle, path, args, kwargs))
+            self.channel.send(pickle.dumps((self.handles.take_dead(), buf.getvalue())))
+            fn = self.handles.get(handle)
+            for name in path:
+                fn = getattr(fn, name)
+            out = fn(*args, **kwargs)
+            self.handles.walk(out)
+            if type(out).__name__ in _REMOTE:
+                return Remote(self, self.handles.of[id(out)], out)
+            return out
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self.channel.send(b"")
+            finally:
+                for p in self.procs:
+                    p.join(timeout)
+                    if p.is_alive():
+                        p.kill()
+                dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, size: int, init_method: str, device: str, timeout_s: float) -> Channel:
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    global _CPU_GROUP
+    _CPU_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    return Channel(_CPU_GROUP)
+
+
+def _follow(rank: int, size: int, init_method: str, device: str, timeout_s: float, build: Callable) -> None:
+    """A follower's life: join the group, build its target, then run every call rank 0 sends."""
+    os.environ.setdefault("PYTHONSAFEPATH", "1")
+    channel = _init(rank, size, init_method, device, timeout_s)
+    handles = _Handles(strong=True)
+    handles.name(build(rank, size), 0)
+    while True:
+        payload = channel.recv()
+        if not payload:
+            break
+        dead, call = pickle.loads(payload)
+        handles.drop(dead)
+        counter, handle, path, args, kwargs = _Unpickler(io.BytesIO(call), handles).load()
+        if counter != handles.next:
+            log.error("rank %d: handle counter %d, rank 0 has %d: the ranks diverged", rank, handles.next, counter)
+            handles.next = counter
+        fn = handles.get(handle)
+        try:
+            for name in path:
+                fn = getattr(fn, name)
+            out = fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - rank 0 raises the same error to its caller
+            log.warning("rank %d: %s failed", rank, ".".join(path), exc_info=True)
+            continue
+        handles.walk(out)
+    dist.destroy_process_group()
+
+
+def start(size: int, build: Callable, surface: Surface = ENGINE_SURFACE, device: str = "cpu",
+          timeout_s: float = 600.0) -> TPGroup:
+    """Start a group of `size` ranks (this process is rank 0): spawn the followers, build every
+    rank's target with build(rank, size) (a picklable callable) and return the group, whose
+    `target` is the Remote of rank 0's, forwarding as `surface` says."""
+    if size < 2:
+        raise ValueError("a tensor-parallel group needs at least 2 ranks")
+    if device == "cuda" and torch.cuda.device_count() < size:
+        raise TPError(f"tensor-parallel size {size} needs {size} GPUs, {torch.cuda.device_count()} are visible")
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_follow, args=(r, size, init_method, device, timeout_s, build), daemon=True,
+                         name=f"tp-rank-{r}") for r in range(1, size)]
+    for p in procs:
+        p.start()
+    try:
+        channel = _init(0, size, init_method, device, timeout_s)
+        target = build(0, size)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return TPGroup(size, procs, channel, target, surface)
+
+
+def build_engine(path: str, config, rank: int, size: int):
+    """An Engine over rank `rank`'s shard of the model in `path` (config: a RuntimeConfig). The
+    cache budgets are the smallest any rank would pick, so every rank evicts alike."""
+    from hybridcache.services.devices import with_cache_budgets
+    from hybridcache.services.runtime.engine import Engine
+    from hybridcache.services.runtime.loader import load_model
+    from hybridcache.services.runtime.tokenizer import Tokenizer
+
+    # CUDA graphs stay off: a captured forward would replay its all-reduces outside the order
+    # in which the ranks' broadcast calls meet
+    config = dataclasses.replace(config, tensor_parallel_size=size, cuda_graphs=config.cuda_graphs and size == 1)
+    model = load_model(path, config.device, config.torch_dtype, tp_rank=rank, tp_size=size)
+    config = with_cache_budgets(config, model.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        budgets = torch.tensor([config.entry_cache_bytes, config.prefix_cache_bytes], dtype=torch.int64)
+        dist.all_reduce(budgets, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
+        config = dataclasses.replace(config, entry_cache_bytes=int(budgets[0]), prefix_cache_bytes=int(budgets[1]))
+    return Engine(model, Tokenizer.from_dir(path), config)
+
+
+def build_engines(named: dict, rank: int, size: int):
+    """A namespace of engines, one per name: named = {name: (path, config)} (tests start one group
+    for several models)."""
+    import types
+
+    return types.SimpleNamespace(**{n: build_engine(p, c, rank, size) for n, (p, c) in named.items()})
+
+
+
+def open_engine(path: str, config):
+    """The engine a worker serves with: an Engine for tensor_parallel_size 1, else the Remote of
+    rank 0's Engine in a started group (its `.group` shuts the followers down)."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return build_engine(path, config, 0, 1)
+    group = start(size, functools.partial(build_engine, str(path), config), ENGINE_SURFACE, config.device)
+    return group.target
