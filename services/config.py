@@ -116,6 +116,19 @@ class RuntimeConfig:
     max_model_len: int | None = setting(
         None, "router: longest prompt plus max_new_tokens accepted (default and ceiling: the model's "
         "max_position_embeddings)", roles=("router",), type=int)
+    max_request_bytes: int = setting(
+        4 << 20, "router: largest HTTP request body and gRPC Inference message read; a larger one is refused "
+        "before it is read or parsed (HTTP 413, gRPC RESOURCE_EXHAUSTED)", roles=("router",))
+    max_prompt_chars: int | None = setting(
+        None, "router: most characters of text (system, segments, suffix together) tokenized for one request; "
+        "more is refused before tokenizing (default: the served max length times the longest token of the "
+        "vocabulary, in characters: no request over it could fit)", roles=("router",), type=int)
+    http_header_timeout_s: int = setting(
+        10, "router: seconds a client has to send a request's line and headers (and an idle keep-alive "
+        "connection is kept) before the connection is closed", roles=("router",))
+    http_body_timeout_s: int = setting(
+        30, "router: seconds a client has to send a request's body once its headers are in (HTTP 408 after)",
+        roles=("router",))
     entry_cache_bytes: int | None = setting(
         None, "segment-entry cache budget (default: 1 GiB on the CPU; on CUDA a share of the device memory "
         "free after the model loads, stated at start-up)", type=int)
@@ -198,6 +211,11 @@ class RuntimeConfig:
             raise ValueError("seam_window must be >= 0")
         if self.max_segments < 1:
             raise ValueError("max_segments must be >= 1")
+        for name in ("max_request_bytes", "http_header_timeout_s", "http_body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars <= 0:
+            raise ValueError(f"max_prompt_chars must be positive, got {self.max_prompt_chars}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         for name in ("entry_cache_bytes", "prefix_cache_bytes", "tier_cache_bytes"):

@@ -1,16 +1,39 @@
 """gRPC `hybridcache.v1.Inference/Generate` on the router: a native request in, a token stream out.
-A full queue ends the call with RESOURCE_EXHAUSTED (trailing metadata `retry-after`, seconds); a
-client that cancels the call cancels its request on the combine worker."""
+
+Errors end the call with a status and its message, never inside an OK stream: a bad request is
+INVALID_ARGUMENT, a full queue on the combine worker RESOURCE_EXHAUSTED (trailing metadata
+`retry-after`, seconds), no combine worker UNAVAILABLE (the server itself refuses a message over
+--max-request-bytes with RESOURCE_EXHAUSTED before it is parsed). Tokens already streamed stay
+streamed; the status comes after them. A client that cancels the call cancels its request on the
+combine worker.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import grpc
-from hybridcache.services.protocol import pb, rpc
+from hybridcache.services.protocol import rpc
 from hybridcache.services.router.router import Overloaded, Router, ServiceUnavailable, StreamControl
 from hybridcache.services.runtime.sampling import RequestError
+
+log = logging.getLogger("hybridcache.grpc")
+
+# The HTTP-like status a combine worker puts on an error chunk, as a gRPC status.
+STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+                413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                503: grpc.StatusCode.UNAVAILABLE}
+
+
+def _parse_json(text: str):
+    try:
+        return json.loads(text or "null")
+    except json.JSONDecodeError as e:
+        raise RequestError(f"request_json is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError("request_json is nested too deeply") from None
 
 
 class InferenceServicer(rpc.InferenceServicer):
@@ -18,18 +41,36 @@ class InferenceServicer(rpc.InferenceServicer):
         self.router = router
 
     def Generate(self, request, context):
-        try:
-            obj = json.loads(request.request_json or "null")
-            req = self.router.parse(obj)
-        except (json.JSONDecodeError, RequestError) as e:
-            yield pb.TokenChunk(done=True, error=str(e), status=400)
-            return
+        # context.abort raises a bare Exception: the status is decided first, aborted with once
         control = StreamControl()
         context.add_callback(control.cancel)
         try:
-            yield from self.router.stream(req, control)
+            yield from self._generate(request, control)
+            return
+        except _Status as e:
+            code, message = e.code, e.message
         except Overloaded as e:
             context.set_trailing_metadata((("retry-after", str(math.ceil(e.retry_after_s))),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+        except Exception as e:  # noqa: BLE001 - a fault of this server: logged, answered INTERNAL
+            log.exception("Generate failed")
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}"
+        context.abort(code, message)
+
+    def _generate(self, request, control: StreamControl):
+        try:
+            req = self.router.parse(_parse_json(request.request_json))
+            for chunk in self.router.stream(req, control):
+                if chunk.error:
+                    raise _Status(STATUS_CODES.get(chunk.status, grpc.StatusCode.INTERNAL), chunk.error)
+                yield chunk
+        except RequestError as e:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except ServiceUnavailable as e:
-            yield pb.TokenChunk(done=True, error=str(e), status=503)
+            raise _Status(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+
+
+class _Status(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message

@@ -4,6 +4,11 @@ Every completion response (non-streaming; the last chunk when streaming) carries
 `hybridcache` object with the request's cache statistics (the CLI's `stats`). When the combine
 worker's waiting queue is full the answer is 429 with a Retry-After header (a streaming request
 too: its headers wait for its first token). A client that disconnects cancels its request.
+
+What a client sends is bounded before it costs much: the body's size (Content-Length, then what is
+read) by --max-request-bytes, the time to send the headers and the body by the HTTP timeouts; JSON
+is parsed and text tokenized off the event loop. Every error is a JSON object
+`{"error": {"message", "type", "code"}}`, with a 4xx status for what the client got wrong.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import threading
 import time
@@ -18,16 +24,18 @@ import uuid
 
 from aiohttp import web
 from hybridcache.services.api.openai_compat import chat_to_native, completion_to_native, sglang_to_native
+from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.observability import metrics
 from hybridcache.services.router.router import Overloaded, Router, ServiceUnavailable, StreamControl
 from hybridcache.services.runtime.sampling import RequestError
 
-MAX_BODY_BYTES = 4 << 20
+log = logging.getLogger("hybridcache.http")
 _END = object()
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            405: "invalid_request_error", 408: "request_timeout", 413: "request_too_large",
             429: "rate_limit_exceeded", 503: "service_unavailable"}.get(status, "error")
     metrics.REQUESTS.labels(status=str(status)).inc()
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status,
@@ -36,6 +44,43 @@ def _error(status: int, message: str, headers: dict | None = None) -> web.Respon
 
 def _overloaded(e: Overloaded) -> web.Response:
     return _error(429, str(e), {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """Every error answer as JSON: aiohttp's own (404 no such route, 405, 413) and, for a fault of
+    this server, a 500 whose traceback goes to the log."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(e.status, e.reason if e.text is None or e.text.startswith(f"{e.status}:") else e.text)
+    except Exception as e:  # noqa: BLE001 - answered, logged with its traceback
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, f"internal error: {type(e).__name__}")
+
+
+def _parse_json(raw: bytes):
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _Reject(400, f"malformed JSON: {e}") from None
+    except RecursionError:
+        raise _Reject(400, "malformed JSON: nested too deeply") from None
+
+
+async def start_server(app: web.Application, host: str, port: int, config: RuntimeConfig,
+                       ssl_context=None) -> web.AppRunner:
+    """Serve `app` on host:port (TLS with `ssl_context`); returns the AppRunner (cleanup() stops it)."""
+    # handler_cancellation: a client that disconnects cancels its handler, and so its request.
+    # aiohttp's keep-alive timer runs while a connection has no whole request head, from its opening
+    # as between requests, and data that trickles in does not reset it: it is the header timeout.
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                           keepalive_timeout=config.http_header_timeout_s)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+    return runner
 
 
 async def _chunks(router: Router, req):
@@ -71,12 +116,13 @@ async def _chunks(router: Router, req):
 
 
 class Api:
-    def __init__(self, router: Router, served_model: str):
+    def __init__(self, router: Router, served_model: str, config: RuntimeConfig | None = None):
         self.router = router
         self.served_model = served_model
+        self.config = config or router.runtime
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=[json_errors])
         app.add_routes([
             web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
             web.get("/v1/models", self.models), web.post("/generate", self.generate),
@@ -84,21 +130,22 @@ class Api:
             web.get("/livez", self.livez), web.get("/metrics", self.metrics),
             web.get("/get_model_info", self.model_info), web.get("/model_info", self.model_info),
             web.get("/get_server_info", self.server_info), web.get("/server_info", self.server_info),
-            web.post("/flush_cache", self.flush_cache), web.get("/flush_cache", self.flush_cache),
         ])
         return app
 
     async def _body(self, request: web.Request) -> dict:
+        limit = self.config.max_request_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise _Reject(413, f"request body of {request.content_length} bytes exceeds {limit} bytes")
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.config.http_body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
-            raise _Reject(413, f"request body exceeds {MAX_BODY_BYTES} bytes") from None
+            raise _Reject(413, f"request body exceeds {limit} bytes") from None
+        except TimeoutError:
+            raise _Reject(408, f"request body not received within {self.config.http_body_timeout_s} s") from None
         if not raw:
             raise _Reject(400, "empty request body")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _Reject(400, f"malformed JSON: {e}") from None
+        body = await asyncio.to_thread(_parse_json, raw)
         if not isinstance(body, dict):
             raise _Reject(400, "the request body must be a JSON object")
         return body
@@ -276,9 +323,6 @@ class Api:
                                   "seam_window": info.seam_window if info else None,
                                   "mode": info.mode if info else None,
                                   "cold_segment_queue_depth": self.router.cold_queue_depth})
-
-    async def flush_cache(self, request):
-        return web.json_response({"flushed": False, "message": "entries age out by eviction; nothing flushed"})
 
     async def livez(self, request):
         """Liveness: the process serves HTTP. Readiness (/health) also needs a combine worker."""

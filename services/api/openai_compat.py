@@ -86,7 +86,7 @@ def _text_parts(content, where: str) -> list[str]:
 
 def chat_to_native(body: dict) -> dict:
     _check_fields(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-                         "seed", "stop", "n", "stream", "separator", "segments"} | _OPENAI_IGNORED, "the request")
+                         "seed", "stop", "n", "stream", "separator"} | _OPENAI_IGNORED, "the request")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
@@ -144,7 +144,10 @@ def sglang_sampling(sp) -> dict:
     out = {}
     for k, v in sp.items():
         if k in _SGLANG_NEUTRAL:
-            if v not in (_SGLANG_NEUTRAL[k], None, "", []):
+            # the value that means "off", of its own type (True is not n = 1)
+            off = _SGLANG_NEUTRAL[k]
+            same_kind = type(v) is type(off) or (type(off) is float and type(v) is int)
+            if not (v is None or v in ("", []) or (same_kind and v == off)):
                 raise RequestError(f"sampling_params.{k}={v!r} is not supported by this server")
         elif k in ("stop", "stop_token_ids") and not v:
             continue

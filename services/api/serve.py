@@ -99,8 +99,12 @@ def _serve(args) -> int:
     # Workers and the cache tier answer members of the deployment only; the router's gRPC door is
     # the public Inference service.
     interceptors = [] if args.role == "router" else [security.TokenInterceptor(secret.token)]
-    server = grpc.server(ThreadPoolExecutor(max_workers=32), options=security.INTERNAL_GRPC_OPTIONS,
-                         interceptors=interceptors)
+    options = security.INTERNAL_GRPC_OPTIONS
+    if args.role == "router":
+        # the public door reads no message over the request limit (gRPC answers RESOURCE_EXHAUSTED)
+        options = [("grpc.max_receive_message_length", config.max_request_bytes),
+                   ("grpc.max_send_message_length", 1 << 30)]
+    server = grpc.server(ThreadPoolExecutor(max_workers=32), options=options, interceptors=interceptors)
     # /health (the router's own HTTP API aside) is up from the start and says 503 ("starting",
     # "warming up") until the role serves
     health = {"status": "starting", "role": args.role, "address": address}
@@ -149,7 +153,7 @@ def _serve(args) -> int:
     if args.role == "router":
         # Serve at once; /health says 503 until a combine worker has answered (pods start in any order).
         threading.Thread(target=router.connect, kwargs={"timeout_s": float("inf")}, daemon=True).start()
-        http_runner = _start_api(router, args, http_port)
+        http_runner = _start_api(router, args, http_port, config)
     directory.register(args.role, address)
     stop = threading.Event()
     if args.role in ("cache-tier", "scatter"):
@@ -177,20 +181,16 @@ def _serve(args) -> int:
     return 0
 
 
-def _start_api(router, args, http_port: int):
+def _start_api(router, args, http_port: int, config):
     """Run the aiohttp app in its own thread; returns a function that stops it."""
     import asyncio
     from pathlib import Path
 
-    from aiohttp import web
-    from hybridcache.services.api.http import Api
+    from hybridcache.services.api.http import Api, start_server
 
     loop = asyncio.new_event_loop()
-    api = Api(router, served_model=Path(args.model).name)
-    # handler_cancellation: a client that disconnects cancels its handler, and so its request
-    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, args.host, http_port).start())
+    api = Api(router, served_model=Path(args.model).name, config=config)
+    runner = loop.run_until_complete(start_server(api.app(), args.host, http_port, config))
     threading.Thread(target=loop.run_forever, name="http", daemon=True).start()
 
     def stop():

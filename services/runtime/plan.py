@@ -114,6 +114,11 @@ class Planner:
             raise RequestError("segments must be a list of strings or token-id lists")
         if len(segments) > self.config.max_segments:
             raise RequestError(f"too many segments: {len(segments)} (limit {self.config.max_segments})")
+        # Refused before anything is tokenized: text longer than any request that could fit.
+        chars = sum(len(v) for v in (obj.get("system"), *segments, obj.get("suffix")) if isinstance(v, str))
+        if chars > self.max_chars:
+            raise RequestError(f"the request's text has {chars} characters, more than the {self.max_chars} "
+                               f"that could fit in the served length")
         seg_ids = [self._ids(s, f"segment {i}") for i, s in enumerate(segments)]
         for i, s in enumerate(seg_ids):
             if not s:
@@ -135,8 +140,20 @@ class Planner:
             )
         return req
 
+    @property
+    def max_chars(self) -> int:
+        """The character bound of a request's text (RuntimeConfig.max_prompt_chars)."""
+        if self.config.max_prompt_chars is not None:
+            return self.config.max_prompt_chars
+        limit = self.config.max_model_len or self.cfg.max_position_embeddings
+        return limit * self.tokenizer.max_token_chars
+
     def _ids(self, value, what: str) -> list[int]:
         if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"{what} is not valid Unicode text (a lone surrogate at {e.start})") from None
             return self.tokenizer.encode(value)
         if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             bad = [t for t in value if not 0 <= t < self.cfg.vocab_size]

@@ -26,9 +26,9 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict | None, max_new_tokens_limit: int = 1 << 16) -> SamplingParams:
-        d = dict(d or {})
-        if not isinstance(d, dict):
+        if d is not None and not isinstance(d, dict):
             raise RequestError("sampling_params must be an object")
+        d = dict(d or {})
         known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed",
                  "sampling_seed", "ignore_eos"}
         unknown = sorted(set(d) - known)
@@ -61,12 +61,13 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("sampling_params.stop must be a non-empty string or a list of them")
         stop_ids = d.get("stop_token_ids") or ()
-        ints = all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)
-        if not isinstance(stop_ids, (list, tuple)) or not ints:
-            raise RequestError("sampling_params.stop_token_ids must be a list of integers")
+        if not isinstance(stop_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63 for t in stop_ids):
+            raise RequestError("sampling_params.stop_token_ids must be a list of non-negative integers")
         seed = d.get("seed", d.get("sampling_seed"))
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise RequestError("sampling_params.seed must be an integer")
+        # a torch.Generator seed: 64 bits
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64):
+            raise RequestError("sampling_params.seed must be an integer in [0, 2^64)")
         ignore_eos = d.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise RequestError("sampling_params.ignore_eos must be a boolean")

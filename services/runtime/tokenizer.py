@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -51,6 +52,14 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token string of the vocabulary (added tokens included). A
+        byte-level token string has one character per byte it stands for, so no token covers more
+        characters of text than this: a text of more than n * max_token_chars characters has more
+        than n tokens."""
+        return max(map(len, self.tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
