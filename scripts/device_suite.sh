@@ -10,8 +10,7 @@
 #   families    the families' engine tests alone, one pytest each (fla's KDA autotuning alone has
 #               taken > 200 s); FAMILIES='kimi_linear olmo_hybrid' picks, FAMILIES_TIMEOUT (500 s) bounds
 #   bench       benchmarks/gpu_bench.py (one GPU)
-#   qps         benchmarks/segment_parallel.py --qps-only --trace-requests 24 (one GPU)
-#   sp2         benchmarks/segment_parallel.py --gpus 2 --no-qps --repeats 3 (two GPUs)
+#   qps         benchmarks/qps.py --trace-requests 24 (one GPU)
 #   profile     tools/profile_forward.py --segments 32 --sync-check (one GPU)
 #   fold        tools/fold_bench.py: one linear layer's fold of a 32 x 1k pic request (one GPU)
 #   train       benchmarks/train_qa_model.py --fla (the QA model of issue 7) for TRAIN_SECONDS (default
@@ -37,9 +36,9 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | qps | sp2 | profile | fold | train) ;;
+    gpu-tests | families | bench | qps | profile | fold | train) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, sp2, profile, fold, train)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, profile, fold, train)" >&2
         exit 2 ;;
     esac
 done
@@ -105,11 +104,8 @@ for stage in "$@"; do
         python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" > "$OUT/gpu_bench.log" 2>&1
         echo "bench rc=$?" ;;
     qps)
-        python3 benchmarks/segment_parallel.py --qps-only --trace-requests 24 --out "$OUT/qps.json" > "$OUT/qps.log" 2>&1
+        python3 benchmarks/qps.py --trace-requests 24 --out "$OUT/qps.json" > "$OUT/qps.log" 2>&1
         echo "qps rc=$?" ;;
-    sp2)
-        python3 benchmarks/segment_parallel.py --gpus 2 --no-qps --repeats 3 --out "$OUT/sp2.json" > "$OUT/sp2.log" 2>&1
-        echo "sp2 rc=$?" ;;
     profile)
         python3 tools/profile_forward.py --segments 32 --top 25 --sync-check > "$OUT/profile.json" 2> "$OUT/profile.log"
         echo "profile rc=$?" ;;

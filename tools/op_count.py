@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     from hybridcache.services.runtime.sequence import LiveRun
-    from segment_parallel import build_engine
+    from qps import build_engine
 
     eng = build_engine(args.preset, "pic")
     gen = torch.Generator().manual_seed(0)

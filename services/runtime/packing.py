@@ -1,6 +1,7 @@
 """Several tensors in one uint8 buffer, each starting at a 16-byte boundary: one transfer (an
-NCCL send, a host-to-device copy) instead of one per tensor, and views to read them back. Used by
-the segment-parallel stream (services/parallel) and the host entry tier (cache/host_tier.py)."""
+CUDA IPC export, a host-to-device copy) instead of one per tensor, and views to read them back.
+Used by the cuda_ipc transport (services/transport/cuda_ipc.py) and the host entry tier
+(cache/host_tier.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def padded(n: int) -> int:
 
 
 def pack(tensors) -> torch.Tensor:
-    """The tensors' bytes back to back in one uint8 buffer, each padded to ALIGN bytes: one send
-    instead of one per tensor (per-tensor sends cost a launch and a wait each)."""
+    """The tensors' bytes back to back in one uint8 buffer, each padded to ALIGN bytes: one transfer
+    instead of one per tensor (per-tensor transfers cost a launch, a handle or a wait each)."""
     parts = []
     for t in tensors:
         b = t.contiguous().reshape(-1).view(torch.uint8)

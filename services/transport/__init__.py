@@ -23,8 +23,6 @@ _REGISTRY = {
     "grpc": ("hybridcache.services.transport.grpc_stream", "GrpcStreamTransport"),
     "shm": ("hybridcache.services.transport.shm", "ShmTransport"),
     "cuda_ipc": ("hybridcache.services.transport.cuda_ipc", "CudaIpcTransport"),
-    # point-to-point in a torch.distributed group (NCCL between GPUs); takes dst=<rank>
-    "collective": ("hybridcache.services.transport.collective", "CollectiveTransport"),
 }
 TRANSPORTS = tuple(_REGISTRY)
 

@@ -3,10 +3,9 @@
 Each tensor carries dtype, shape, layer and a CRC32 of its bytes; the header carries the entry's
 seal (an HMAC keyed by the deployment secret, cache/entry.py). A reader rebuilds the entry and checks
 both: a mismatch is an error, never an entry, and is counted in hybridcache_entries_rejected_total.
-On the device transports the bytes never reach the host: the collective one checks each tensor
-on the device; cuda_ipc packs the entry into one device block, the header carries the block's
-device checksum and a seal over it (services/transport/cuda_ipc.py), and the receiver checks both
-on its copy.
+On cuda_ipc the bytes never reach the host: the entry is packed into one device block, the
+header carries the block's device checksum and a seal over it and the entry's layout
+(services/transport/cuda_ipc.py), and the receiver checks both on its copy.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.packing import pack, padded
 from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
 from hybridcache.services.transport.base import TensorTransport, TransportError
-from hybridcache.services.transport.collective import device_checksum, receive_tensor
 from hybridcache.services.transport.cuda_ipc import device_seal, receive_block, verify_device_seal
 from hybridcache.services.transport.shm import read_shm
 
@@ -82,22 +80,11 @@ def entry_chunks(entry: SegmentEntry, index: int, transport: TensorTransport) ->
     if getattr(transport, "packs_entries", False):
         yield from _block_chunks(entry, index, transport)
         return
-    native = getattr(transport, "device_native", False)
-    if not entry.checksum and not native:
+    if not entry.checksum:
         entry.seal()
     tensors = list(layer_tensors(entry.data))
-    yield pb.EntryChunk(segment_index=index, header=_header(entry, len(tensors), transport,
-                                                            "" if native else entry.checksum))
+    yield pb.EntryChunk(segment_index=index, header=_header(entry, len(tensors), transport, entry.checksum))
     for layer, name, t in tensors:
-        if native:
-            # Bytes stay on the device; the checksum is computed there and again by the receiver.
-            c = t.detach().contiguous()
-            chunk = pb.TensorChunk(layer=layer, name=name, dtype=str(c.dtype).removeprefix("torch."),
-                                   shape=list(c.shape), checksum=device_checksum(c),
-                                   nbytes=c.numel() * c.element_size())
-            transport.write(chunk, c)
-            yield pb.EntryChunk(segment_index=index, tensor=chunk)
-            continue
         c = t.detach().contiguous().cpu()
         raw = memoryview(c.view(torch.uint8).reshape(-1).numpy()) if c.numel() else b""
         chunk = pb.TensorChunk(layer=layer, name=name, dtype=str(c.dtype).removeprefix("torch."),
@@ -106,11 +93,9 @@ def entry_chunks(entry: SegmentEntry, index: int, transport: TensorTransport) ->
         yield pb.EntryChunk(segment_index=index, tensor=chunk)
 
 
-def _tensor(chunk, device="cpu") -> torch.Tensor:
+def _tensor(chunk) -> torch.Tensor:
     if chunk.dtype not in _DTYPES:
         raise TransportError(f"unsupported dtype {chunk.dtype!r}")
-    if chunk.collective_src:
-        return receive_tensor(chunk, _DTYPES[chunk.dtype], device)
     raw = read_shm(chunk.shm_name, chunk.shm_offset, chunk.nbytes) if chunk.shm_name else chunk.data
     if len(raw) != chunk.nbytes or _digest(raw) != chunk.checksum:
         raise TransportError(f"layer {chunk.layer} {chunk.name}: checksum mismatch")
@@ -146,7 +131,7 @@ class EntryAssembler:
         # arrive and be checked once built (the sender builds a batch before streaming it)
         self.seconds = 0.0
         self.transport = ""  # the transport of the last header
-        # where device-transport tensors land (the collective's receives, cuda_ipc's block copies)
+        # where cuda_ipc's block copies land (host transports' tensors arrive in host memory)
         self.device = device
 
     def feed(self, chunk) -> tuple[int, SegmentEntry | None, str] | None:
@@ -160,7 +145,7 @@ class EntryAssembler:
             return i, None, chunk.error
         if kind == "header":
             self._failed.discard(i)
-            self._open[i] = (chunk.header, [], [True])
+            self._open[i] = (chunk.header, [])
             self._specs.pop(i, None)
             self._started[i] = time.perf_counter()
             self.transport = chunk.header.transport
@@ -177,16 +162,10 @@ class EntryAssembler:
                 return self._finish(i)
             return None
         if i not in self._open:
-            if chunk.tensor.collective_src:
-                # its bytes are on the way regardless: take them so the point-to-point order holds
-                try:
-                    _tensor(chunk.tensor, self.device)
-                except TransportError:
-                    pass
             if i in self._failed:
                 return None
             return i, None, "tensor chunk before its entry header"
-        header, parts, collective = self._open[i]
+        header, parts = self._open[i]
         try:
             if i in self._blocks:
                 t = _block_tensor(chunk.tensor, self._blocks[i])
@@ -194,7 +173,7 @@ class EntryAssembler:
             elif header.transport == "cuda_ipc":
                 raise TransportError("cuda_ipc entry without its device block")
             else:
-                t = _tensor(chunk.tensor, self.device)
+                t = _tensor(chunk.tensor)
             parts.append((chunk.tensor.layer, chunk.tensor.name, t))
         except TransportError as e:
             self._open.pop(i)
@@ -202,14 +181,13 @@ class EntryAssembler:
             self._blocks.pop(i, None)
             self._failed.add(i)
             return i, None, str(e)
-        collective[0] &= chunk.tensor.collective_src != 0
         self.bytes_received += chunk.tensor.nbytes
         if len(parts) == header.num_tensors:
             return self._finish(i)
         return None
 
     def _finish(self, i: int):
-        header, parts, collective = self._open.pop(i)
+        header, parts = self._open.pop(i)
         block = self._blocks.pop(i, None)
         self.seconds += time.perf_counter() - self._started.pop(i, time.perf_counter())
         linear, attn, by_layer = {}, {}, {}
@@ -226,18 +204,17 @@ class EntryAssembler:
         data = SpanData(header.num_tokens, header.local_start, linear, attn)
         entry = SegmentEntry(key=header.key, segment_tokens=header.segment_tokens, data=data,
                              build_seconds=header.build_seconds, checksum=header.checksum)
-        # Tensors that came over the collective transport were checked on the device and came from a
-        # member of the torch.distributed group; an entry of a device block (cuda_ipc) carries a seal
-        # over its layout and the block's checksum, which receive_block checked on the bytes
-        # received; every other entry must carry a seal over its bytes that verifies (what the
-        # header says about its transport is not trusted).
+        # An entry of a device block (cuda_ipc) carries a seal over its layout and the block's
+        # checksum, which receive_block checked on the bytes received; every other entry must carry
+        # a seal over its bytes that verifies (what the header says about its transport is not
+        # trusted).
         if block is not None:
             if not verify_device_seal(header.checksum, header, self._specs.pop(i, []), header.block):
                 metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
                 return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
             # verified; unsealed from here on, so that passing it on (to a cache tier) seals its bytes
             entry.checksum = ""
-        elif not (collective[0] and parts) and (not header.checksum or not entry.verify()):
+        elif not header.checksum or not entry.verify():
             metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
             return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
         return i, entry, ""

@@ -85,7 +85,6 @@ class CudaIpcTransport(TensorTransport):
     how a buffer is exported (the module's share: torch's CUDA IPC)."""
 
     name = "cuda_ipc"
-    device_native = True  # the codec keeps tensors on their device
     packs_entries = True  # the codec packs an entry into one buffer and calls write_block
 
     def __init__(self, share=None):

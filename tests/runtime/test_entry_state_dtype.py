@@ -62,18 +62,6 @@ def test_bf16_entries_halve_the_states_and_answer_like_fp32(qwen35_dir):
         assert e16.meta["entry_state_dtype"] == "bfloat16"
 
 
-def test_segment_parallel_wire_specs_follow_the_state_dtype(qwen35_dir):
-    from hybridcache.services.parallel.segment_parallel import entry_tensor_specs
-
-    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        eng = Engine.from_dir(qwen35_dir, config=EngineConfig(entry_state_dtype=name))
-        specs = entry_tensor_specs(eng, 40)
-        assert {d for _, n, _, d in specs if n in ("T", "S")} == {dt}
-        assert {d for _, n, _, d in specs if n not in ("T", "S")} == {eng.model.dtype}
-        total = sum(torch.Size(shape).numel() * torch.tensor([], dtype=d).element_size() for _, _, shape, d in specs)
-        assert total == expected_entry_nbytes(eng.cfg, 40, eng.model.dtype, dt)
-
-
 def test_flag_reaches_the_engine_config():
     import argparse
 

@@ -87,8 +87,8 @@ def test_seal_binds_key_and_bytes_to_the_deployment(engine, installed):
     moved[0].header.key = "f" * 64
     (_, got, err), = read_entries(moved)
     assert got is None and "seal" in err
-    # Nor does an entry sealed by another deployment, nor one whose header claims the collective
-    # transport (whose tensors skip the seal only when they truly came through it), nor an unsealed one.
+    # Nor does an entry sealed by another deployment, nor one whose header claims another transport
+    # (what a header says is not trusted), nor an unsealed one.
     security.install(security.DeploymentSecret.generate())
     foreign = list(entry_chunks(SegmentEntry(entry.key, entry.segment_tokens, entry.data, 0.0), 0,
                                 get_transport("grpc")))

@@ -1,1 +1,0 @@
-"""Segment parallelism: cold segments prefilled on several workers, entries streamed to the combine rank."""
