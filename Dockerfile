@@ -9,17 +9,13 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/hybridcache
 ENV PATH=/opt/hybridcache/bin:$PATH
 WORKDIR /src
-# torch first: the default index's Linux wheel carries the CUDA runtime the GPU roles need.
-ARG TORCH_VERSION=2.13.0
-RUN pip install "torch==${TORCH_VERSION}"
-RUN pip install "torch==${TORCH_VERSION}" numpy safetensors tokenizers tqdm "transformers>=5.0" \
-        grpcio protobuf prometheus-client opentelemetry-sdk etcd-sdk-python aiohttp \
-        kopf kubernetes pyyaml
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY kernels/ kernels/
 COPY services/ services/
 COPY operator/ operator/
-RUN pip install --no-deps . \
+# the project with its gpu extra (fla-core, Triton) and the operator's, at the pinned versions;
+# torch from the default index is the Linux build that carries the CUDA runtime the GPU roles need
+RUN pip install -c constraints.txt ".[gpu,operator]" \
     && hybridcache model init --arch qwen3_5_text --preset tiny --out /app/models/tiny
 # the project's trained QA model (README, "Quality"): what the CPU demo resource serves
 COPY models/default/ /app/models/default/

@@ -15,11 +15,13 @@ fi
 
 echo "[bootstrap] creating $VENV and installing dependencies (first run takes a few minutes)" >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q -U pip
+# pip through the venv's python: a copied or moved venv's bin/pip still names the old interpreter
+PIP=("$VENV/bin/python" -m pip)
+"${PIP[@]}" install -q -U pip
 # torch first: the CPU build on local disk. Every later call is constrained to it, or pip pulls CUDA.
-"$VENV/bin/pip" install -q torch==2.13.0
-"$VENV/bin/pip" install -q -c constraints.txt -r requirements/test.txt
-"$VENV/bin/pip" install -q -c constraints.txt --no-deps -e .
+"${PIP[@]}" install -q torch==2.13.0
+# the project (editable) with its test and operator extras, at the versions constraints.txt pins
+"${PIP[@]}" install -q -c constraints.txt -r requirements/test.txt
 
 # Debian packages (etcd, prometheus, ...) when missing.
 apt_pkgs=$(grep -v '^#' requirements/apt.txt | tr '\n' ' ' | xargs || true)

