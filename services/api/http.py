@@ -83,9 +83,10 @@ async def start_server(app: web.Application, host: str, port: int, config: Runti
     return runner
 
 
-async def _chunks(router: Router, req):
+async def _chunks(router: Router, req, received: float | None = None):
     """The router's blocking token stream as an async iterator (a thread feeds a queue). Closing
-    it early (the client went away: a failed write, or the handler cancelled) cancels the request."""
+    it early (the client went away: a failed write, or the handler cancelled) cancels the request.
+    `received`: when the request reached the API (its stats' ttft_ms counts from then)."""
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
     control = StreamControl()
@@ -96,7 +97,7 @@ async def _chunks(router: Router, req):
 
     def pump():
         try:
-            for chunk in router.stream(req, control):
+            for chunk in router.stream(req, control, received):
                 put(chunk)
         except Exception as e:  # handed to the event loop, raised there
             put(e)
@@ -158,6 +159,8 @@ class Api:
             raise _Reject(404, f"model {model!r} is not served here (serving {self.served_model!r}, alias 'default')")
 
     async def _handle(self, request: web.Request, convert, respond):
+        # the response's ttft_ms counts from here: body, parsing and planning are part of the wait
+        request["received"] = time.perf_counter()
         try:
             body = await self._body(request)
             self._check_model(body)
@@ -179,9 +182,9 @@ class Api:
         except ServiceUnavailable as e:
             return _error(503, str(e))
 
-    async def _collect(self, req) -> tuple[str, list[int], str, dict]:
+    async def _collect(self, request: web.Request, req) -> tuple[str, list[int], str, dict]:
         text, ids, finish, stats = [], [], "length", {}
-        async with contextlib.aclosing(_chunks(self.router, req)) as chunks:
+        async with contextlib.aclosing(_chunks(self.router, req, request.get("received"))) as chunks:
             async for c in chunks:
                 if c.error:
                     raise _Reject(c.status or 500, c.error)
@@ -198,7 +201,7 @@ class Api:
         """Stream `event(chunk, n_tokens)` dicts as server-sent events, then [DONE]. The headers
         go with the first chunk, so that a refusal (429, 503) or an error before any token is the
         response's status."""
-        async with contextlib.aclosing(_chunks(self.router, req)) as chunks:
+        async with contextlib.aclosing(_chunks(self.router, req, request.get("received"))) as chunks:
             first = await anext(chunks, None)  # Overloaded, ServiceUnavailable: _handle answers
             if first is not None and first.done and first.error:
                 return _error(first.status or 500, first.error)
@@ -238,7 +241,7 @@ class Api:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.served_model}
         if not stream:
-            text, ids, finish, stats = await self._collect(req)
+            text, ids, finish, stats = await self._collect(request, req)
             return web.json_response(dict(base, object="chat.completion", choices=[
                 {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
                 usage=self._usage(req, len(ids), stats), hybridcache=stats))
@@ -262,7 +265,7 @@ class Api:
     async def _completion_respond(self, request, req, stream, body):
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.served_model}
         if not stream:
-            text, ids, finish, stats = await self._collect(req)
+            text, ids, finish, stats = await self._collect(request, req)
             return web.json_response(dict(base, object="text_completion", choices=[
                 {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
                 usage=self._usage(req, len(ids), stats), hybridcache=stats))
@@ -295,7 +298,7 @@ class Api:
     async def _generate_respond(self, request, req, stream, body):
         t0 = time.perf_counter()
         if not stream:
-            text, ids, finish, stats = await self._collect(req)
+            text, ids, finish, stats = await self._collect(request, req)
             return web.json_response({"text": text, "output_ids": ids, "meta_info": self._meta(req, len(ids), finish,
                                       stats, t0), "usage": self._usage(req, len(ids), stats), "hybridcache": stats})
         text, ids = [], []

@@ -226,10 +226,16 @@ class Router:
                     self._depth[p.address] = max(0, self._depth.get(p.address, 0) - 1)
                     metrics.COLD_QUEUE_DEPTH.labels(worker=p.address).set(self._depth[p.address])
 
-    def stream(self, req, control: StreamControl | None = None) -> Iterator[pb.TokenChunk]:
+    def stream(self, req, control: StreamControl | None = None, received: float | None = None
+               ) -> Iterator[pb.TokenChunk]:
         """Token chunks from a combine worker; the last one has done=True and the stats. After
-        control.cancel() the stream ends (without a done chunk)."""
-        t0 = time.perf_counter()
+        control.cancel() the stream ends (without a done chunk).
+
+        `received`: when the request reached the router (time.perf_counter(); default: now). The
+        stats' ttft_ms is the wait from then to the first token leaving the router, what a
+        client sees of it; engine_ttft_ms is the combine worker's share (its scheduler's arrival
+        to that token), router_ms the router's own (parse and plan) before it asked the combine."""
+        t0 = time.perf_counter() if received is None else received
         with tracing.tracer().start_as_current_span("router.request") as span:
             span.set_attribute("hybridcache.prompt_tokens", len(req.prompt_ids))
             plan, assigned, tiers = self.plan(req)
@@ -246,6 +252,8 @@ class Router:
                 cache_tier=self.directory.owner(plan[0].key) or "" if plan else (tiers[0] if tiers else ""))
             first = True
             last_t = None
+            t_asked = time.perf_counter()
+            t_first_token = None
             call = rpc.CombineStub(self._channel(combine)).Generate(
                 creq, timeout=self.config.timeout_s, metadata=tracing.outgoing_metadata())
             if control is not None:
@@ -261,9 +269,14 @@ class Router:
                     elif last_t is not None and not chunk.done:
                         metrics.INTER_TOKEN.observe(now - last_t)
                     last_t = now
+                    if t_first_token is None and not chunk.done and chunk.token_id >= 0:
+                        t_first_token = now
                     if chunk.done and chunk.stats_json:
                         stats = json.loads(chunk.stats_json)
                         self._learn(stats)
+                        stats["engine_ttft_ms"] = stats.get("ttft_ms", 0.0)
+                        stats["ttft_ms"] = ((t_first_token or now) - t0) * 1000
+                        stats["router_ms"] = (t_asked - t0) * 1000
                         # The combine worker's span must sit in this request's trace (context in metadata).
                         stats["trace_propagated"] = stats.get("trace_id") == tracing.current_trace_id() != ""
                         chunk.stats_json = json.dumps(stats)

@@ -147,6 +147,33 @@ def test_sglang_native_generate_and_stream(cluster, engine):
     assert all(s["hit"] for s in res2["hybridcache"]["segments"])
 
 
+def test_ttft_is_the_wait_from_the_routers_receipt_with_the_engines_share_beside_it(cluster):
+    """The response's ttft_ms counts from the router's receipt of the request to its first token
+    (HTTP, tokenizing, planning, gRPC included), engine_ttft_ms is the combine worker's part of it,
+    and the client, who also waits for the connection and the body's transfer, waits at least as long."""
+    import http.client
+    from urllib.parse import urlparse
+
+    u = urlparse(cluster.url)
+    body = {"segments": [d + " (timed)" for d in DOCS], "text": QUESTION, "stream": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    t0 = time.perf_counter()
+    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    client_ttft, last = None, None
+    for line in resp:
+        if line.startswith(b"data: {"):
+            ev = json.loads(line[6:])
+            if client_ttft is None and ev.get("output_ids"):
+                client_ttft = (time.perf_counter() - t0) * 1000
+            last = ev
+    conn.close()
+    st = last["hybridcache"]
+    assert 0 < st["engine_ttft_ms"] < st["ttft_ms"] <= client_ttft
+    assert 0 <= st["router_ms"] < st["ttft_ms"]
+
+
 def test_sglang_frontend_program(cluster):
     sgl = pytest.importorskip("sglang", reason="sglang frontend not installed (pip install --no-deps sglang)")
 
