@@ -106,6 +106,8 @@ FIGURES = (
            "figures.get_grpc_gb_s", "GB/s", 2),
     Figure("entry Get through shared memory (CPU, 56 MiB entry)", "transport_loopback_cpu_*.json",
            "figures.get_shm_gb_s", "GB/s", 2),
+    Figure("served requests/s, 16 concurrent streams vs one at a time (CPU, shipped model)",
+           "served_load_cpu_*.json", "figures.requests_per_s_16_streams_vs_1", "x", 2, goal=">= 4x"),
 )
 
 
