@@ -164,6 +164,10 @@ def _container(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "OTEL_SERVICE_NAME", "value": f"hybridcache-{role.name}"},
     ]
+    if role.name == "router" and spec.auth.api_key_secret:
+        # the router's --api-key, from the user's Secret straight into its environment
+        env.append({"name": "HYBRIDCACHE_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": spec.auth.api_key_secret, "key": spec.auth.api_key_key}}})
     return {
         "name": role.name,
         "image": spec.image,

@@ -201,6 +201,23 @@ class ObservabilitySpec:
 
 
 @dataclass(frozen=True)
+class AuthSpec:
+    """The router's API key, by Secret reference (the operator never reads its value)."""
+
+    api_key_secret: str | None = None
+    api_key_key: str = "apiKey"
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> AuthSpec:
+        ref = (raw or {}).get("apiKeySecret") or None
+        if ref is None:
+            return cls()
+        if not ref.get("name"):
+            raise SpecError("spec.auth.apiKeySecret needs a name")
+        return cls(api_key_secret=ref["name"], api_key_key=ref.get("key", cls.api_key_key))
+
+
+@dataclass(frozen=True)
 class Toleration:
     key: str = ""
     operator: str = "Equal"
@@ -250,6 +267,7 @@ class HybridCacheSpec:
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
     etcd_endpoints: tuple[str, ...] = ()
     observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
+    auth: AuthSpec = field(default_factory=AuthSpec)
     paused: bool = False
 
     @property
@@ -290,6 +308,7 @@ class HybridCacheSpec:
             autoscaling=AutoscalingSpec.parse(scatter_raw.get("autoscaling")),
             etcd_endpoints=tuple((raw.get("etcd") or {}).get("endpoints") or ()),
             observability=ObservabilitySpec.parse(raw.get("observability")),
+            auth=AuthSpec.parse(raw.get("auth")),
             paused=bool(raw.get("paused", False)),
         )
         if spec.cache_tier.replicas > 1 and not spec.etcd_endpoints:

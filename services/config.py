@@ -11,6 +11,7 @@ torch (the router and the command-line parser need no tensors).
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -33,12 +34,14 @@ SERVICE_ROLES = (*ENGINE_ROLES, "cache-tier")
 
 
 def setting(default: Any, help: str, *, roles: tuple[str, ...] = WORKERS, choices: tuple | None = None,
-            flag: str | None = None, metavar: str | None = None, type: type | None = None):
+            flag: str | None = None, metavar: str | None = None, type: type | None = None, env: str | None = None):
     """A config field that is also a command-line flag (`--field-name` unless `flag` is given).
     `type` parses the flag's value (default: the default's type; needed when the default is None,
-    which means "unset": such a field is not forwarded, each process decides)."""
+    which means "unset": such a field is not forwarded, each process decides). `env` names an
+    environment variable read when the flag is not given: a secret's way in, which `hybridcache up`
+    uses to hand it to a service instead of an argument (argument lists are public to `ps`)."""
     return field(default=default, metadata={"help": help, "roles": roles, "choices": choices, "flag": flag,
-                                            "metavar": metavar, "type": type})
+                                            "metavar": metavar, "type": type, "env": env})
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,15 @@ class RuntimeConfig:
     http_header_timeout_s: int = setting(
         10, "router: seconds a client has to send a request's line and headers (and an idle keep-alive "
         "connection is kept) before the connection is closed", roles=("router",))
+    api_key: str | None = setting(
+        None, "router: the API key clients send as `Authorization: Bearer KEY` (HTTP and gRPC Inference; others "
+        "get 401 / UNAUTHENTICATED); /health, /livez and /metrics stay open", roles=("router",), type=str,
+        metavar="KEY", env="HYBRIDCACHE_API_KEY")
+    tls_certfile: str | None = setting(
+        None, "router: PEM certificate (chain) to serve HTTPS and gRPC over TLS with (with --tls-keyfile)",
+        roles=("router",), type=str, metavar="PATH")
+    tls_keyfile: str | None = setting(None, "router: PEM private key of --tls-certfile", roles=("router",), type=str,
+                                      metavar="PATH")
     http_body_timeout_s: int = setting(
         30, "router: seconds a client has to send a request's body once its headers are in (HTTP 408 after)",
         roles=("router",))
@@ -214,6 +226,10 @@ class RuntimeConfig:
         for name in ("max_request_bytes", "http_header_timeout_s", "http_body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("--tls-certfile and --tls-keyfile go together")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
         if self.max_prompt_chars is not None and self.max_prompt_chars <= 0:
             raise ValueError(f"max_prompt_chars must be positive, got {self.max_prompt_chars}")
         if self.max_model_len is not None and self.max_model_len <= 0:
@@ -329,9 +345,12 @@ def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] =
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> RuntimeConfig:
-    """The RuntimeConfig of parsed flags (fields without a flag keep their defaults); a bad value
-    raises ValueError with a one-line message."""
+    """The RuntimeConfig of parsed flags (fields without a flag keep their defaults; an unset one
+    with an `env` variable takes its value); a bad value raises ValueError with a one-line message."""
     values = {f.name: getattr(args, f.name) for f in fields(RuntimeConfig) if hasattr(args, f.name)}
+    for f in fields(RuntimeConfig):
+        if f.metadata.get("env") and values.get(f.name) is None and os.environ.get(f.metadata["env"]):
+            values[f.name] = os.environ[f.metadata["env"]]
     return RuntimeConfig(**{**values, **overrides})
 
 
@@ -344,13 +363,21 @@ def format_value(value) -> str:
     return str(value)
 
 
+def config_env(config: RuntimeConfig, role: str) -> dict[str, str]:
+    """The environment variables that hand a role the set fields it takes that have one."""
+    return {f.metadata["env"]: str(getattr(config, f.name)) for f in fields(config)
+            if f.metadata.get("env") and getattr(config, f.name) is not None and role in f.metadata["roles"]}
+
+
 def config_args(config: RuntimeConfig, role: str | None = None) -> list[str]:
     """The command-line form of a config: every field's flag and value (only the fields `role`
     takes, when given; unset ones left out): how `hybridcache up` passes its settings to the
-    services it starts."""
+    services it starts. For a role, fields with an `env` variable are left out too (config_env)."""
     out: list[str] = []
     for f in fields(config):
         value = getattr(config, f.name)
+        if role is not None and f.metadata.get("env"):
+            continue
         if value is not None and (role is None or role in f.metadata["roles"]):
             out += [flag_name(f), format_value(value)]
     return out

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hybridcache.services.config import RuntimeConfig, add_config_flags, config_args, config_from_args
+from hybridcache.services.config import RuntimeConfig, add_config_flags, config_args, config_env, config_from_args
 from hybridcache.services.security import DeploymentSecret
 
 _HANDED_OUT: set[int] = set()
@@ -109,7 +109,8 @@ class LocalCluster:
             cmd += ["--etcd", self.etcd]
         cmd += flags + self.extra.get(role, [])
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(self.env, **(env or {})), start_new_session=True)
+                                env=dict(self.env, **config_env(self.config, role), **(env or {})),
+                                start_new_session=True)
         svc = Service(role, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}", proc)
         self.services.append(svc)
         return svc

@@ -172,3 +172,9 @@ class MetadataCheckInterceptor(grpc.ServerInterceptor):
 def TokenInterceptor(token: str) -> MetadataCheckInterceptor:  # noqa: N802 - reads as a class
     """The server side of internal calls: only members of the deployment get through."""
     return MetadataCheckInterceptor(TOKEN_METADATA, token, "internal call without this deployment's token")
+
+
+def ApiKeyInterceptor(api_key: str) -> MetadataCheckInterceptor:  # noqa: N802 - reads as a class
+    """The router's public gRPC door with --api-key: calls must carry `authorization: Bearer KEY`."""
+    return MetadataCheckInterceptor("authorization", f"Bearer {api_key}", "missing or wrong API key "
+                                    "(metadata authorization: Bearer KEY)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import math
@@ -116,14 +117,39 @@ async def _chunks(router: Router, req, received: float | None = None):
             control.cancel()
 
 
+# What a load balancer or Prometheus reads: open even with an API key.
+OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
+
+
+def api_key_check(api_key: str):
+    """A middleware: 401 unless `Authorization: Bearer KEY` (compared in constant time), but on
+    OPEN_PATHS."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path not in OPEN_PATHS:
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                metrics.UNAUTHENTICATED.labels(door="http").inc()
+                return _error(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                              {"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check
+
+
 class Api:
-    def __init__(self, router: Router, served_model: str, config: RuntimeConfig | None = None):
+    def __init__(self, router: Router, served_model: str, config: RuntimeConfig | None = None,
+                 api_key: str | None = None):
         self.router = router
         self.served_model = served_model
         self.config = config or router.runtime
+        self.api_key = api_key
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=[json_errors])
+        middlewares = [json_errors] + ([api_key_check(self.api_key)] if self.api_key else [])
+        app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=middlewares)
         app.add_routes([
             web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
             web.get("/v1/models", self.models), web.post("/generate", self.generate),

@@ -98,7 +98,9 @@ def _serve(args) -> int:
                                            "scatter": args.scatter})
     # Workers and the cache tier answer members of the deployment only; the router's gRPC door is
     # the public Inference service.
-    interceptors = [] if args.role == "router" else [security.TokenInterceptor(secret.token)]
+    interceptors = [security.TokenInterceptor(secret.token)]
+    if args.role == "router":
+        interceptors = [security.ApiKeyInterceptor(config.api_key)] if config.api_key else []
     options = security.INTERNAL_GRPC_OPTIONS
     if args.role == "router":
         # the public door reads no message over the request limit (gRPC answers RESOURCE_EXHAUSTED)
@@ -141,7 +143,11 @@ def _serve(args) -> int:
         router = Router(args.model, directory, RouterConfig(assignment=args.assignment), config)
         rpc.add_InferenceServicer_to_server(InferenceServicer(router), server)
 
-    if server.add_insecure_port(address) == 0:
+    if args.role == "router" and config.tls_certfile:
+        bound = server.add_secure_port(address, grpc.ssl_server_credentials([_key_and_cert(config)]))
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
         raise OSError(f"cannot listen on {address}")
     if engine is not None and warm:
         # before the server starts and registers: no request comes here until the kernels are built
@@ -181,6 +187,22 @@ def _serve(args) -> int:
     return 0
 
 
+def _key_and_cert(config) -> tuple[bytes, bytes]:
+    with open(config.tls_keyfile, "rb") as k, open(config.tls_certfile, "rb") as c:
+        return k.read(), c.read()
+
+
+def _tls_context(config):
+    """The HTTPS context of --tls-certfile/--tls-keyfile, None without them (a bad file: OSError)."""
+    if not config.tls_certfile:
+        return None
+    import ssl
+
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(config.tls_certfile, config.tls_keyfile)
+    return ctx
+
+
 def _start_api(router, args, http_port: int, config):
     """Run the aiohttp app in its own thread; returns a function that stops it."""
     import asyncio
@@ -189,8 +211,8 @@ def _start_api(router, args, http_port: int, config):
     from hybridcache.services.api.http import Api, start_server
 
     loop = asyncio.new_event_loop()
-    api = Api(router, served_model=Path(args.model).name, config=config)
-    runner = loop.run_until_complete(start_server(api.app(), args.host, http_port, config))
+    api = Api(router, served_model=Path(args.model).name, config=config, api_key=config.api_key)
+    runner = loop.run_until_complete(start_server(api.app(), args.host, http_port, config, _tls_context(config)))
     threading.Thread(target=loop.run_forever, name="http", daemon=True).start()
 
     def stop():

@@ -84,6 +84,20 @@ def test_every_pod_mounts_the_deployment_secret_and_reads_it_from_the_file():
         assert "s" * 64 not in repr(c)
 
 
+def test_api_key_comes_from_the_referenced_secret_into_the_router_only():
+    keyed = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"},
+                                   "auth": {"apiKeySecret": {"name": "clients", "key": "token"}}})
+    env = {e["name"]: e for e in container(builders.router_deployment(keyed, NAME))["env"]}
+    assert env["HYBRIDCACHE_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "clients", "key": "token"}}
+    assert "--api-key" not in container(builders.router_deployment(keyed, NAME))["args"]
+    for obj in (builders.combine_deployment(keyed, NAME), builders.router_deployment(CPU, NAME)):
+        assert "HYBRIDCACHE_API_KEY" not in {e["name"] for e in container(obj)["env"]}
+    validate_strict(builders.router_deployment(keyed, NAME))
+    default_key = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"},
+                                         "auth": {"apiKeySecret": {"name": "clients"}}})
+    assert default_key.auth.api_key_key == "apiKey"
+
+
 def test_router_deployment():
     obj = builders.router_deployment(GPU, NAME)
     assert obj["metadata"]["name"] == "demo-router" and obj["spec"]["replicas"] == 2

@@ -26,7 +26,7 @@ from hybridcache.services.runtime.evaluation import RUN_FIELDS
 ENGINE_COMMANDS = ("generate", "demo", "eval", "serve", "up")
 # Alternatives the generic rule below cannot find (free-form strings, values valid only with another field's).
 ALTERNATIVES = {"anchor_dtype": "float8_e4m3fn", "prefix_policy": "suffix_replay", "sdpa_backends": "flash,math",
-                "transport_bandwidth": "cuda_ipc=80"}
+                "transport_bandwidth": "cuda_ipc=80", "api_key": "k3y-of-the-test"}
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -107,8 +107,8 @@ def test_each_flag_parses_into_its_field():
 class _FakeProc:
     """Stands in for a `hybridcache serve` child: prints its ready line, stops on a signal."""
 
-    def __init__(self, cmd, **_):
-        self.cmd = cmd
+    def __init__(self, cmd, env=None, **_):
+        self.cmd, self.env = cmd, env or {}
         self.pid = 0
         self.returncode = None
         self.stdout = io.StringIO('{"ready": "x"}\n')
@@ -145,7 +145,13 @@ def test_up_forwards_every_field_to_the_roles_that_take_it(monkeypatch, tmp_path
         assert proc.cmd[1:4] == ["-m", "hybridcache.services.cli", "serve"]
         args = build_parser().parse_args(proc.cmd[3:])
         roles.add(args.role)
-        got = config_from_args(args)
+        # a field with an environment variable goes in the child's environment, never its arguments
+        with monkeypatch.context() as m:
+            for f in config_fields():
+                if f.metadata["env"]:
+                    assert str(getattr(changed, f.name)) not in proc.cmd, f.name
+                    m.setenv(f.metadata["env"], proc.env.get(f.metadata["env"], ""))
+            got = config_from_args(args)
         for f in config_fields():
             want = getattr(changed if args.role in f.metadata["roles"] else RuntimeConfig(), f.name)
             assert getattr(got, f.name) == want, (args.role, f.name)
