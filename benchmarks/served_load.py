@@ -20,6 +20,9 @@ model of a preset is written first with --init-model ARCH:PRESET --model DIR (on
     python benchmarks/served_load.py --scenario streams --streams 1,16 --requests-per-stream 4 --max-tokens 32
     python benchmarks/served_load.py --device cuda --dtype bfloat16 --init-model qwen3_5_text:qwen3.5-9b \\
         --model /tmp/q9b --scenario streams,rag --streams 1,32 --max-tokens 256 ...
+    python benchmarks/served_load.py --combine streams.json rag_pic.json rag_prefix.json --out FILE
+
+On the device machine `bash scripts/device_suite.sh COMMIT served` runs it (stage `served`).
 """
 
 from __future__ import annotations
@@ -263,37 +266,87 @@ class Stack:
 
 
 def init_model(spec: str, out: Path, device: str, dtype: str) -> None:
-    """A random-weight model directory of ARCH:PRESET (built on the GPU with --device cuda)."""
+    """A random-weight model directory of ARCH:PRESET, as `hybridcache model init` writes it, but
+    built and initialised on `device` (a 9B model's weights made on the GPU in seconds)."""
     import torch
-    from hybridcache.services.runtime.modelzoo import init_model_dir
-
-    arch, preset = spec.split(":")
-    if (out / "config.json").is_file():
-        return
-    if device != "cuda":
-        init_model_dir(arch, preset, out, seed=0, dtype=getattr(torch, dtype))
-        return
-    from hybridcache.services.runtime.modelzoo import build_model, checkpoint_tensors, config_from_dict, hf_config
+    from hybridcache.services.runtime.modelzoo import (
+        build_model,
+        checkpoint_tensors,
+        config_from_dict,
+        hf_config,
+        random_init_,
+    )
     from hybridcache.services.runtime.tokenizer import build_byte_tokenizer
     from safetensors.torch import save_file
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_bench import random_init_cuda_
-
+    if (out / "config.json").is_file():
+        return
+    arch, preset = spec.split(":")
     cfg_dict = hf_config(arch, preset)
     torch.set_default_dtype(getattr(torch, dtype))
-    with torch.device("cuda"):
-        model = build_model(config_from_dict(cfg_dict)).eval()
-    torch.set_default_dtype(torch.float32)
-    random_init_cuda_(model)
+    try:
+        with torch.device(device):
+            model = build_model(config_from_dict(cfg_dict)).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    if device == "cuda":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from gpu_bench import random_init_cuda_
+
+        random_init_cuda_(model)
+    else:
+        random_init_(model, 0, 0.02)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous().cpu() for k, v in checkpoint_tensors(model).items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
     build_byte_tokenizer().save(str(out / "tokenizer.json"))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg_dict.get("eos_token_id")}) + "\n")
-    del model
-    torch.cuda.empty_cache()
+
+
+def figures_of(results: dict) -> dict:
+    """The named figures of a run's results: the largest stream count against 1, pic's QPS at the
+    SLO against the other modes'."""
+    figures: dict = {}
+    streams = results.get("streams", {})
+    n = max((int(k) for k in streams), default=1)
+    if "1" in streams and n > 1:
+        one, many = streams["1"], streams[str(n)]
+        figures[f"decode_tokens_per_s_{n}_streams_vs_1"] = round(many["output_tokens_per_s"]
+                                                                / one["output_tokens_per_s"], 3)
+        figures[f"requests_per_s_{n}_streams_vs_1"] = round(many["requests_per_s"] / one["requests_per_s"], 3)
+        if one["itl_ms"] and many["itl_ms"]:
+            figures[f"itl_p50_{n}_streams_vs_1"] = round(many["itl_ms"]["p50"] / one["itl_ms"]["p50"], 3)
+    q = {mode: r["qps_at_slo"] for mode, r in results.get("rag", {}).items()}
+    for mode, v in q.items():
+        figures[f"served_qps_at_slo_{mode}"] = v
+    for other in ("prefix", "full"):
+        if "pic" in q and other in q:
+            # None: the other mode met the SLO at no rate swept (sweep lower rates)
+            figures[f"served_qps_at_slo_pic_vs_{other}"] = round(q["pic"] / q[other], 3) if q[other] else None
+    return figures
+
+
+def combine(paths: list[Path], out_path: Path | None) -> int:
+    """One result of several runs' files (a device call each: the streams, then one RAG mode a
+    call), its figures computed again over the merged results."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    merged = dict(runs[-1], results={}, commands=[r["command"] for r in runs], sources=[p.name for p in paths])
+    for r in runs:
+        for scenario, res in r["results"].items():
+            if scenario == "rag":
+                merged["results"].setdefault("rag", {}).update(res)
+            else:
+                merged["results"][scenario] = res
+    commits = sorted({r["commit"] for r in runs})
+    merged.update(commit=commits[0] if len(commits) == 1 else ",".join(commits),
+                  date=max(r["date"] for r in runs), figures=figures_of(merged["results"]),
+                  command=" && ".join(merged["commands"]))
+    text = json.dumps(merged, indent=2)
+    print(text)
+    if out_path:
+        out_path.write_text(text + "\n")
+    return 0
 
 
 def ints(text: str) -> list[int]:
@@ -331,10 +384,14 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--machine", default="", help="the result's machine field (default: cpu, or the GPU's name)")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
+    ap.add_argument("--combine", type=Path, nargs="+", metavar="FILE",
+                    help="run nothing: merge these result files (e.g. one RAG mode each) into one")
     args = ap.parse_args(argv)
     scenarios = set(args.scenario.split(","))
     if not scenarios <= {"streams", "rag"}:
         ap.error(f"--scenario: expected streams and/or rag, got {args.scenario!r}")
+    if args.combine:
+        return combine(args.combine, args.out)
     if args.model is None:
         from hybridcache.services.runtime.modelzoo import default_model_dir
 
@@ -353,22 +410,13 @@ def main(argv=None) -> int:
         return stack, host, int(port)
 
     out: dict = {"benchmark": "served_load", "figures": {}, "results": {}}
-    figures = out["figures"]
     if "streams" in scenarios:
         stack, host, port = target(None)
         try:
-            out["results"]["streams"] = res = run_streams(host, port, args)
+            out["results"]["streams"] = run_streams(host, port, args)
         finally:
             if stack is not None:
                 stack.stop()
-        one, n = res.get("1"), max(args.streams)
-        if one and n > 1:
-            many = res[str(n)]
-            figures[f"decode_tokens_per_s_{n}_streams_vs_1"] = round(many["output_tokens_per_s"]
-                                                                    / one["output_tokens_per_s"], 3)
-            figures[f"requests_per_s_{n}_streams_vs_1"] = round(many["requests_per_s"] / one["requests_per_s"], 3)
-            if one["itl_ms"] and many["itl_ms"]:
-                figures[f"itl_p50_{n}_streams_vs_1"] = round(many["itl_ms"]["p50"] / one["itl_ms"]["p50"], 3)
     if "rag" in scenarios:
         modes = args.modes.split(",") if not args.url else ["as served"]
         out["results"]["rag"] = {}
@@ -379,17 +427,15 @@ def main(argv=None) -> int:
             finally:
                 if stack is not None:
                     stack.stop()
-            figures[f"served_qps_at_slo_{mode}"] = out["results"]["rag"][mode]["qps_at_slo"]
-        q = {m: r["qps_at_slo"] for m, r in out["results"]["rag"].items()}
-        for other in ("prefix", "full"):
-            if "pic" in q and other in q:
-                figures[f"served_qps_at_slo_pic_vs_{other}"] = round(q["pic"] / q[other], 3) if q[other] else None
+    out["figures"] = figures_of(out["results"])
     machine = args.machine or "cpu"
     if args.device == "cuda" and not args.machine:
         import torch
 
         machine = torch.cuda.get_device_name(0)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    # the device machine's copy of the tree has no git: scripts/device_suite.sh names the commit
+    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     out.update(machine=machine, gpu=machine if args.device == "cuda" else "none (CPU)", commit=commit.strip(),
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                host=platform.node(), cpus=os.cpu_count(),

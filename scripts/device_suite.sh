@@ -17,6 +17,12 @@
 #               500), continuing from .qa-ckpt/ when it holds a model (carry it); TRAIN_ARGS adds
 #               flags. The model comes back sharded in $OUT/model; to chain calls, here:
 #               python benchmarks/train_qa_model.py --install-from <that folder> --out .qa-ckpt
+#   served      benchmarks/served_load.py through `hybridcache up --device cuda` on the Qwen3.5-9B
+#               shape (random bf16 weights, written once to $SERVED_MODEL, default /tmp/served-q9b):
+#               SERVED_SCENARIO=streams (default: 32 streams of 256 tokens vs 1) or rag (the RAG
+#               sweep, Poisson arrivals, of SERVED_MODES, default pic: one mode a call keeps a call
+#               inside 10 minutes); SERVED_ARGS adds flags. Merge the calls' JSONs with
+#               python benchmarks/served_load.py --combine A.json B.json ... --out FILE
 # Timing stages should run alone on the machine: CPU-heavy neighbours slow launch-bound work.
 #
 # Triton's cache (compiled kernels and, with fla's cache_results, its autotuning results) is
@@ -36,9 +42,9 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | qps | profile | fold | train) ;;
+    gpu-tests | families | bench | qps | profile | fold | train | served) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, profile, fold, train)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, profile, fold, train, served)" >&2
         exit 2 ;;
     esac
 done
@@ -121,5 +127,24 @@ for stage in "$@"; do
         python3 benchmarks/train_qa_model.py --fla --out /tmp/qa --export "$OUT/model" --time-budget "${TRAIN_SECONDS:-500}" \
             --workers 12 --save-every 120 "${init[@]}" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
         echo "train rc=$? (init: ${init[*]:-none})"; grep -E '"val_acc_1hop"' "$OUT/train.log" | tail -3 ;;
+    served)
+        scenario=${SERVED_SCENARIO:-streams}
+        modes=${SERVED_MODES:-pic}
+        up="--scatter-workers 0 --max-num-seqs 32 --ready-timeout-s 600"
+        if [ "$scenario" = streams ]; then
+            args=(--scenario streams --streams 1,32 --requests-per-stream 2 --max-tokens 256 --prompt-tokens 64
+                  --repeats 2)
+            name=streams
+        else
+            args=(--scenario rag --modes "$modes" --rates 0.5,1,2,4,8 --rag-requests 16 --warmup-requests 4
+                  --docs 64 --doc-tokens 1024 --docs-per-request 4,32 --question-tokens 64 --rag-max-tokens 16
+                  --slo-ttft-s 1.0)
+            name=rag_${modes//,/_}
+        fi
+        # shellcheck disable=SC2086  # SERVED_ARGS is a list of flags
+        python3 benchmarks/served_load.py --device cuda --dtype bfloat16 --init-model qwen3_5_text:qwen3.5-9b \
+            --model "${SERVED_MODEL:-/tmp/served-q9b}" --up-args "$up" "${args[@]}" ${SERVED_ARGS:-} \
+            --out "$OUT/served_$name.json" > "$OUT/served_$name.log" 2>&1
+        echo "served $name rc=$?"; grep -E "served_load:" "$OUT/served_$name.log" | cut -c1-240 | tail -8 ;;
     esac
 done

@@ -200,8 +200,11 @@ def up(args) -> int:
                 raise ValueError("--device cuda given but no CUDA device is visible")
             if max(gpus) >= torch.cuda.device_count():
                 raise ValueError(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
+        if args.ready_timeout_s <= 0:
+            raise ValueError(f"--ready-timeout-s must be positive, got {args.ready_timeout_s}")
         cluster = LocalCluster(model, port=args.port, scatter_workers=args.scatter_workers, etcd=args.etcd,
-                               config=config, cache_tiers=args.cache_tiers, gpus=gpus)
+                               config=config, cache_tiers=args.cache_tiers, gpus=gpus,
+                               ready_timeout_s=args.ready_timeout_s)
     except ValueError as e:
         print(f"hybridcache: error: {e}", file=sys.stderr)
         return 2
@@ -245,6 +248,8 @@ def add_up_flags(p) -> None:
     p.add_argument("--cache-tiers", type=int, default=1,
                    help="cache-tier processes (entries spread over them by consistent hashing)")
     p.add_argument("--etcd", help="etcd endpoint HOST:PORT (default: in-process directory)")
+    p.add_argument("--ready-timeout-s", type=float, default=120.0,
+                   help="how long each service may take to load its model (and warm up) and say ready")
     add_config_flags(p)  # each forwarded to the services that take it
 
 

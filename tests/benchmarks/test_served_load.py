@@ -40,3 +40,25 @@ def test_streams_and_rag_sweep_through_a_stack_it_starts(qwen35_dir, tmp_path, c
         assert res["results"]["rag"][mode]["qps_at_slo"] == 50.0 == f[f"served_qps_at_slo_{mode}"]
     assert f["served_qps_at_slo_pic_vs_prefix"] == 1.0
     assert res["machine"] == "cpu" and res["commit"] and res["command"].startswith("python benchmarks/served_load.py")
+    # runs of one scenario or mode each merge into one result, the figures computed over them all
+    other = dict(res, results={"rag": {"full": dict(res["results"]["rag"]["pic"], qps_at_slo=25.0)}},
+                 command="python benchmarks/served_load.py --modes full")
+    (tmp_path / "full.json").write_text(json.dumps(other))
+    assert sl.main(["--combine", str(out), str(tmp_path / "full.json"), "--out", str(tmp_path / "all.json")]) == 0
+    merged = json.loads((tmp_path / "all.json").read_text())
+    assert set(merged["results"]["rag"]) == {"pic", "prefix", "full"} and merged["results"]["streams"] == streams
+    assert merged["figures"]["served_qps_at_slo_pic_vs_full"] == 2.0
+    assert merged["figures"]["served_qps_at_slo_pic_vs_prefix"] == 1.0
+    assert merged["commands"] == [res["command"], other["command"]]
+
+
+def test_init_model_writes_a_directory_the_loader_reads(tmp_path):
+    import torch
+    from hybridcache.services.runtime.loader import load_model
+
+    sl = _served_load()
+    sl.init_model("qwen3_5_text:tiny", tmp_path / "m", "cpu", "bfloat16")
+    model = load_model(tmp_path / "m", "cpu", torch.bfloat16)
+    assert model.cfg.model_type == "qwen3_5_text"
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert {p.name for p in (tmp_path / "m").iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}

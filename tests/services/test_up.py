@@ -56,9 +56,11 @@ def test_up_serves_and_stops_everything_on_sigterm(model_dir):
         _stop(proc)
 
 
-def test_up_and_serve_reject_bad_flags_in_one_line(tmp_path):
+def test_up_and_serve_reject_bad_flags_in_one_line(tmp_path, model_dir):
     for args in (["up", "--model", str(tmp_path)], ["serve", "scatter", "--model", str(tmp_path / "missing"),
-                                                     "--grpc-port", str(free_port()), "--http-port", str(free_port())]):
+                                                     "--grpc-port", str(free_port()), "--http-port", str(free_port())],
+                 ["up", "--model", str(model_dir), "--ready-timeout-s", "0"],
+                 ["up", "--model", str(model_dir), "--max-num-seqs", "0"]):
         r = subprocess.run([sys.executable, "-m", "hybridcache.services.cli", *args], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 2
