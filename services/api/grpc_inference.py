@@ -43,7 +43,8 @@ class InferenceServicer(rpc.InferenceServicer):
     def Generate(self, request, context):
         # context.abort raises a bare Exception: the status is decided first, aborted with once
         control = StreamControl()
-        context.add_callback(control.cancel)
+        if not context.add_callback(control.cancel):  # the call has ended already
+            control.cancel()
         try:
             yield from self._generate(request, control)
             return

@@ -210,8 +210,10 @@ class CombineServicer(rpc.CombineServicer):
         for entry in pinned.values():
             self.engine.entries.put(entry)
         handle: RequestHandle = sched.add_request(req, pinned)
-        # The RPC ends early when the client cancels or goes away: the request ends too, within a step.
-        context.add_callback(handle.cancel)
+        # The RPC ends early when the client cancels or goes away: the request ends too, within a
+        # step (at once when the RPC ended while its entries were gathered: no callback then).
+        if not context.add_callback(handle.cancel):
+            handle.cancel()
         try:
             for tok, delta in handle:
                 yield pb.TokenChunk(token_id=tok, text=delta)

@@ -127,7 +127,8 @@ class ScatterServicer(rpc.ScatterServicer):
         built: queue.Queue = queue.Queue()
         call = {"cancelled": False}
         # A call that ends early (the combine worker went away) leaves its unbuilt segments unbuilt.
-        context.add_callback(lambda: call.update(cancelled=True))
+        if not context.add_callback(lambda: call.update(cancelled=True)):
+            call["cancelled"] = True
         with self._cv:
             self._pending.extend(_Job(seg, built, ctx, call) for seg in request.segments)
             self._cv.notify()
