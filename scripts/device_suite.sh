@@ -10,6 +10,10 @@
 #   families    the families' engine tests alone, one pytest each (fla's KDA autotuning alone has
 #               taken > 200 s); FAMILIES='kimi_linear olmo_hybrid' picks, FAMILIES_TIMEOUT (500 s) bounds
 #   bench       benchmarks/gpu_bench.py (one GPU)
+#   served-gpu  benchmarks/served_gpu.py: router, cache tier, combine and scatter started by
+#               `hybridcache up --device cuda`, driven over HTTP against an in-process engine (one
+#               GPU); SERVED_GPU_PHASES picks the phases (default all: inproc,pic,scatter,prefix),
+#               SERVED_GPU_MERGE names an earlier result whose other phases count in the figures
 #   qps         benchmarks/qps.py --trace-requests 24 (one GPU)
 #   profile     tools/profile_forward.py --segments 32 --sync-check (one GPU)
 #   fold        tools/fold_bench.py: one linear layer's fold of a 32 x 1k pic request (one GPU)
@@ -42,9 +46,9 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | qps | profile | fold | train | served) ;;
+    gpu-tests | families | bench | served-gpu | qps | profile | fold | train | served) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, qps, profile, fold, train, served)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, served-gpu, qps, profile, fold, train, served)" >&2
         exit 2 ;;
     esac
 done
@@ -109,6 +113,12 @@ for stage in "$@"; do
     bench)
         python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" > "$OUT/gpu_bench.log" 2>&1
         echo "bench rc=$?" ;;
+    served-gpu)
+        merge=()
+        [ -n "${SERVED_GPU_MERGE:-}" ] && merge=(--merge "$SERVED_GPU_MERGE")
+        python3 benchmarks/served_gpu.py --phases "${SERVED_GPU_PHASES:-inproc,pic,scatter,prefix}" "${merge[@]}" \
+            --out "$OUT/served_gpu.json" > "$OUT/served_gpu.log" 2>&1
+        echo "served-gpu rc=$?"; grep -E "served_gpu: .* done" "$OUT/served_gpu.log" ;;
     qps)
         python3 benchmarks/qps.py --trace-requests 24 --out "$OUT/qps.json" > "$OUT/qps.log" 2>&1
         echo "qps rc=$?" ;;

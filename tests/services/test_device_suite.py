@@ -86,3 +86,18 @@ def test_large_triton_cache_comes_back_in_parts_and_is_restored_from_them(tmp_pa
     assert "restored from 2 parts" in r.stdout, r.stdout + r.stderr
     assert (tmp_path / "tc2" / "kda" / "autotune.bin").read_bytes() == blob
     assert not list((tmp_path / "out2").glob("triton_cache*"))  # TRITON_CACHE_SAVE=0
+
+
+def test_served_gpu_stage_runs_the_benchmark_with_its_phases(tmp_path):
+    """The served-gpu stage passes SERVED_GPU_PHASES and SERVED_GPU_MERGE to benchmarks/served_gpu.py."""
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "served_gpu.py").write_text(
+        "import sys\nprint('served_gpu: args', sys.argv[1:])\nprint('served_gpu: inproc done in 1.0 s')\n")
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "device_suite.sh"), "abc123", "served-gpu"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "SERVED_GPU_PHASES": "inproc,pic",
+             "SERVED_GPU_MERGE": "prev.json", "TRITON_CACHE_SAVE": "0"})
+    assert "served-gpu rc=0" in r.stdout and "inproc done" in r.stdout, r.stdout + r.stderr
+    log = (tmp_path / "out" / "served_gpu.log").read_text()
+    assert "'--phases', 'inproc,pic', '--merge', 'prev.json', '--out'" in log

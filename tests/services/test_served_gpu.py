@@ -78,3 +78,26 @@ def test_cuda_ipc_round_trip_between_two_processes():
     print(f"cuda_ipc: {asm.bytes_received / 2**20:.0f} MiB in {seconds * 1e3:.1f} ms = {gbps:.1f} GB/s")
     # far above any host path (shm and gRPC move 0.1-2 GB/s): a fallback to one would fail here
     assert gbps > 10
+
+
+@pytest.mark.gpu
+def test_served_stack_on_one_gpu_moves_entries_by_cuda_ipc(model_dir):
+    """router, cache tier, combine and scatter worker on the GPU (`hybridcache up --device cuda`),
+    over HTTP: the scatter worker's entries reach the combine worker by CUDA IPC, and the answer
+    is the one the combine worker gives from its own cached entries afterwards."""
+    from hybridcache.services.launcher import LocalCluster, free_port
+    from serving_helpers import http
+
+    docs = [list(range(10 + 7 * i, 10 + 7 * i + 60)) for i in range(4)]
+    body = {"segments": docs, "input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    with LocalCluster(model_dir, port=free_port(), scatter_workers=1, device="cuda", ready_timeout_s=600) as c:
+        status, cold = http("POST", f"{c.url}/generate", body, timeout=300)
+        assert status == 200, cold
+        st = cold["hybridcache"]
+        assert st["scatter_path"] == "cuda_ipc" and st["scatter_bytes"] > 0 and st["scatter_seconds"] > 0
+        assert st["built_tokens"] == sum(map(len, docs))
+        status, warm = http("POST", f"{c.url}/generate", body, timeout=300)
+        assert status == 200 and warm["text"] == cold["text"]
+        assert warm["hybridcache"]["built_tokens"] == 0
+        print(f"served cuda_ipc: {st['scatter_bytes'] / st['scatter_seconds'] / 1e9:.2f} GB/s, "
+              f"ttft {st['ttft_ms']:.1f} ms (engine {st['engine_ttft_ms']:.1f} ms)")

@@ -1,0 +1,373 @@
+"""The served stack on one GPU, driven over HTTP by a streaming client; prints one JSON object.
+
+Qwen3.5-9B shape cut to --layers layers (8: 6 Gated DeltaNet + 2 attention), random bf16 weights
+made on the GPU and written once to --model. A request is --segments documents of
+--segment-tokens random tokens, a 16-token system prompt and a --question-tokens question
+(32 x 1k + 64 by default). Phases (--phases, each optional):
+
+- inproc: an Engine in this process, warmed up as a served worker is: the first cold pic request
+  R (its TTFT), warm pic requests W_k (the same documents in another order after another system
+  prompt), and `full` on R. The engine is then freed.
+- pic: `hybridcache up --device cuda --scatter-workers 0`: R as the first request after start-up
+  (all cold, built by the combine worker), then the W_k.
+- scatter: the same with one scatter worker on the same GPU: R first, then a second cold request
+  (new documents); entries move scatter -> combine over the transport the two pick (CUDA IPC).
+- prefix: the stack in mode prefix: R, then the W_k.
+
+Every served TTFT is the client's: from sending the request to the first streamed token. Figures:
+served_warm_ttft_vs_in_process (median W_k served / in-process), served_pic_ttft_speedup_vs_prefix_32x1k
+(W_k, prefix stack / pic stack), cold_pic_ttft_vs_full_32x1k (R on the pic stack / full on R
+in-process), cold_pic_ttft_vs_full_32x1k_with_scatter, cold_pic_ttft_with_scatter_vs_without,
+scatter_to_combine_gb_per_s (the scatter stack's cold requests: bytes / seconds the combine
+worker spent receiving them, as its stats report), and the transport it took.
+
+    python benchmarks/served_gpu.py --out served_gpu.json
+    python benchmarks/served_gpu.py --phases prefix --merge served_gpu.json --out served_gpu_2.json
+    python benchmarks/served_gpu.py --device cpu --preset tiny --dtype float32 --layers 0 \\
+        --segments 3 --segment-tokens 40 --question-tokens 8 --repeats 2   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import http.client as httplib
+import json
+import os
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("inproc", "pic", "scatter", "prefix")
+SYSTEM_TOKENS = 16
+
+
+def rand_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(5, 250) for _ in range(n)]
+
+
+class Workload:
+    """R (the cold request), W_k (warm: R's documents reordered after another system prompt), and
+    R2 (another cold request), as native request bodies of token ids."""
+
+    def __init__(self, args):
+        rng = random.Random(0)
+        self.docs = [rand_ids(rng, args.segment_tokens) for _ in range(args.segments)]
+        self.docs2 = [rand_ids(rng, args.segment_tokens) for _ in range(args.segments)]
+        self.question = rand_ids(rng, args.question_tokens)
+        sp = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+        self.cold = {"system": rand_ids(rng, SYSTEM_TOKENS), "segments": self.docs, "suffix": self.question,
+                     "sampling_params": sp}
+        self.cold2 = dict(self.cold, segments=self.docs2)
+        self.warm = []
+        for _ in range(args.repeats):
+            order = list(range(args.segments))
+            rng.shuffle(order)
+            self.warm.append({"system": rand_ids(rng, SYSTEM_TOKENS), "segments": [self.docs[i] for i in order],
+                              "suffix": self.question, "sampling_params": sp})
+
+
+def http_body(native: dict) -> dict:
+    """The native request as SGLang's streamed /generate takes it (token ids)."""
+    return {"system": native["system"], "segments": native["segments"], "input_ids": native["suffix"],
+            "sampling_params": native["sampling_params"], "stream": True}
+
+
+def send(url: str, native: dict, timeout_s: float) -> dict:
+    """POST a streamed /generate; {"ttft_ms" (client: send to first token), "stats" (the response's)}."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = httplib.HTTPConnection(host, int(port), timeout=timeout_s)
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    try:
+        conn.request("POST", "/generate", json.dumps(http_body(native)), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"/generate answered {resp.status}: {resp.read().decode()[:300]}")
+        for line in resp:
+            if not line.startswith(b"data: {"):
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise RuntimeError(f"/generate streamed an error: {ev['error']}")
+            if ttft is None and ev.get("output_ids"):
+                ttft = (time.perf_counter() - t0) * 1000
+            last = ev
+    finally:
+        conn.close()
+    if ttft is None or last is None:
+        raise RuntimeError("/generate streamed no token")
+    return {"ttft_ms": round(ttft, 2), "stats": _stats(last.get("hybridcache") or {})}
+
+
+def _stats(st: dict) -> dict:
+    keep = ("ttft_ms", "engine_ttft_ms", "router_ms", "combine_ms", "built_tokens", "reused_segments",
+            "scatter_bytes", "scatter_seconds", "scatter_path", "tier_bytes", "prompt_tokens")
+    return {k: st[k] for k in keep if k in st}
+
+
+def model_dir(args) -> Path:
+    return args.model or Path(f"/tmp/hybridcache-served-{args.arch}-{args.preset}-{args.layers or 'all'}l-{args.dtype}")
+
+
+def write_model(args, out: Path) -> None:
+    """A random-weight model directory (on the GPU with --device cuda), once."""
+    import torch
+    from hybridcache.services.runtime.modelzoo import init_model_dir
+
+    if (out / "config.json").is_file():
+        return
+    overrides = {"num_hidden_layers": args.layers} if args.layers else None
+    if args.device != "cuda":
+        init_model_dir(args.arch, args.preset, out, seed=0, dtype=getattr(torch, args.dtype), std=0.08,
+                       overrides=overrides)
+        return
+    from hybridcache.services.runtime.modelzoo import build_model, checkpoint_tensors, config_from_dict, hf_config
+    from hybridcache.services.runtime.tokenizer import build_byte_tokenizer
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_bench import random_init_cuda_
+
+    cfg_dict = hf_config(args.arch, args.preset, overrides)
+    torch.set_default_dtype(getattr(torch, args.dtype))
+    with torch.device("cuda"):
+        model = build_model(config_from_dict(cfg_dict)).eval()
+    torch.set_default_dtype(torch.float32)
+    random_init_cuda_(model)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous().cpu() for k, v in checkpoint_tensors(model).items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
+    build_byte_tokenizer().save(str(out / "tokenizer.json"))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg_dict.get("eos_token_id")}) + "\n")
+    del model
+    torch.cuda.empty_cache()
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def inproc_phase(args, work: Workload, model: Path) -> dict:
+    """The engine in this process, warmed up as a served worker is (serve --warmup): TTFT of the
+    first cold pic request, the warm ones, and full on the cold request's prompt."""
+    from dataclasses import replace
+
+    import torch
+    from hybridcache.services.config import RuntimeConfig
+    from hybridcache.services.runtime.engine import Engine
+
+    config = RuntimeConfig(device=args.device, dtype=args.dtype)
+    engine = Engine.from_dir(model, args.device, getattr(torch, args.dtype), config)
+    out = {"warmup": engine.warmup()}
+
+    def ttft(eng, native) -> float:
+        req = eng.parse_request(native)
+        _sync(args.device)
+        t0 = time.perf_counter()
+        first = None
+        for _ in eng.start(req):  # to the end, so that the request releases what it holds
+            if first is None:
+                _sync(args.device)
+                first = time.perf_counter()
+        return round((first - t0) * 1000, 2)
+
+    out["cold_pic_ms"] = ttft(engine, work.cold)
+    out["warm_pic_ms"] = [ttft(engine, w) for w in work.warm]
+    full = Engine(engine.model, engine.tokenizer, replace(engine.config, mode="full"))
+    ttft(full, work.cold2)  # the plain prefill of that length once, as a warmed-up server has
+    out["full_ms"] = [ttft(full, work.cold) for _ in range(max(1, args.repeats))]
+    del engine, full
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+class Stack:
+    """`hybridcache up` as a child process until stop() (SIGTERM)."""
+
+    def __init__(self, args, model: Path, scatter: int, mode: str):
+        cmd = [sys.executable, "-m", "hybridcache.services.cli", "up", "--model", str(model),
+               "--port", str(_free_port()), "--device", args.device, "--dtype", args.dtype,
+               "--scatter-workers", str(scatter), "--mode", mode, "--ready-timeout-s", str(args.ready_timeout_s),
+               *shlex.split(args.up_args)]
+        self.cmd = cmd
+        env = dict(os.environ, PYTHONSAFEPATH="1")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        line = self.proc.stdout.readline()
+        if not line.startswith('{"ready"'):
+            self.stop()
+            raise RuntimeError(f"`{shlex.join(cmd)}` did not become ready (exit {self.proc.returncode})")
+        self.start_s = round(time.perf_counter() - t0, 1)
+        self.url = json.loads(line)["http"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stack_phase(args, work: Workload, model: Path, scatter: int, mode: str) -> dict:
+    stack = Stack(args, model, scatter, mode)
+    try:
+        out = {"start_s": stack.start_s, "cold": send(stack.url, work.cold, args.timeout_s)}
+        if scatter:
+            out["cold2"] = send(stack.url, work.cold2, args.timeout_s)
+        else:
+            out["warm"] = [send(stack.url, w, args.timeout_s) for w in work.warm]
+        return out
+    finally:
+        stack.stop()
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def figures(res: dict) -> dict:
+    inproc, pic, sc, prefix = (res.get(p) for p in PHASES)
+    warm_served = _median([r["ttft_ms"] for r in pic["warm"]]) if pic else None
+    warm_inproc = _median(inproc["warm_pic_ms"]) if inproc else None
+    full = _median(inproc["full_ms"]) if inproc else None
+    cold_pic = pic["cold"]["ttft_ms"] if pic else None
+    cold_scatter = sc["cold"]["ttft_ms"] if sc else None
+    out = {
+        "served_warm_ttft_vs_in_process": _ratio(warm_served, warm_inproc),
+        "served_pic_ttft_speedup_vs_prefix_32x1k":
+            _ratio(_median([r["ttft_ms"] for r in prefix["warm"]]) if prefix else None, warm_served),
+        "cold_pic_ttft_vs_full_32x1k": _ratio(cold_pic, full),
+        "cold_pic_ttft_vs_full_32x1k_with_scatter": _ratio(cold_scatter, full),
+        "cold_pic_ttft_with_scatter_vs_without": _ratio(cold_scatter, cold_pic),
+        "inproc_cold_pic_ttft_vs_full_32x1k": _ratio(inproc["cold_pic_ms"], full) if inproc else None,
+        "served_warm_pic_ttft_ms": warm_served,
+        "inproc_warm_pic_ttft_ms": warm_inproc,
+        "served_cold_pic_ttft_ms": cold_pic,
+        "served_cold_pic_ttft_ms_with_scatter": cold_scatter,
+        "inproc_full_ttft_ms": full,
+    }
+    if sc:
+        moves = [r["stats"] for r in (sc["cold"], sc["cold2"]) if r["stats"].get("scatter_seconds")]
+        rates = [m["scatter_bytes"] / m["scatter_seconds"] / 1e9 for m in moves]
+        out["scatter_to_combine_gb_per_s"] = round(_median(rates), 2) if rates else None
+        out["scatter_to_combine_transport"] = moves[0].get("scatter_path", "") if moves else ""
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--arch", default="qwen3_5_text")
+    ap.add_argument("--preset", default="qwen3.5-9b")
+    ap.add_argument("--layers", type=int, default=8, help="layers kept of the preset (0: all)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--model", type=Path, help="model directory (written first when it holds no model)")
+    ap.add_argument("--segments", type=int, default=32)
+    ap.add_argument("--segment-tokens", type=int, default=1024)
+    ap.add_argument("--question-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="warm requests (each its own order and system prompt)")
+    ap.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
+    ap.add_argument("--up-args", default="", help="more `hybridcache up` flags, one string")
+    ap.add_argument("--ready-timeout-s", type=float, default=600.0)
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--merge", type=Path, help="a result file of this script: its phases not run now count too")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    bad = [p for p in phases if p not in PHASES]
+    problems = []
+    if bad or not phases:
+        problems.append(f"--phases: unknown {bad or 'empty list'}; choose from {', '.join(PHASES)}")
+    for name in ("segments", "segment_tokens", "question_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if args.layers < 0:
+        problems.append("--layers must be >= 0")
+    merged = {}
+    if args.merge is not None:
+        try:
+            merged = json.loads(args.merge.read_text())["detail"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problems.append(f"--merge {args.merge}: not a result of this script ({type(e).__name__})")
+    if problems:
+        print(f"served_gpu: error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("served_gpu: error: --device cuda needs a CUDA GPU", file=sys.stderr)
+        return 2
+    model = model_dir(args)
+    write_model(args, model)
+    work = Workload(args)
+    res = {p: v for p, v in merged.items() if p in PHASES and p not in phases}
+    errors = {}
+    runs = {"inproc": lambda: inproc_phase(args, work, model),
+            "pic": lambda: stack_phase(args, work, model, 0, "pic"),
+            "scatter": lambda: stack_phase(args, work, model, 1, "pic"),
+            "prefix": lambda: stack_phase(args, work, model, 0, "prefix")}
+
+    def result():
+        return {
+            "benchmark": "served_gpu",
+            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "none (CPU)",
+            "commit": os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python benchmarks/served_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "shape": {"arch": args.arch, "preset": args.preset, "layers": args.layers, "dtype": args.dtype,
+                      "segments": args.segments, "segment_tokens": args.segment_tokens,
+                      "question_tokens": args.question_tokens, "system_tokens": SYSTEM_TOKENS},
+            "figures": figures(res), "detail": res, "errors": errors,
+            "merged_phases": sorted(p for p in res if p not in phases),
+        }
+
+    for phase in PHASES:
+        if phase not in phases:
+            continue
+        t0 = time.perf_counter()
+        try:
+            res[phase] = runs[phase]()
+        except Exception as e:  # noqa: BLE001 - one failed phase must not cost the others' figures
+            errors[phase] = f"{type(e).__name__}: {e}"[:500]
+        print(f"served_gpu: {phase} done in {time.perf_counter() - t0:.1f} s"
+              + (f" ({errors[phase]})" if phase in errors else ""), file=sys.stderr, flush=True)
+        if args.out:
+            args.out.write_text(json.dumps({**result(), "partial": True}, indent=2) + "\n")
+    text = json.dumps(result(), indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""benchmarks/served_gpu.py's CPU-runnable parts: argument handling, and a tiny run on the CPU
+through the in-process engine and a served stack with a scatter worker (real processes)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "served_gpu.py"
+
+
+def _mod():
+    spec = importlib.util.spec_from_file_location("served_gpu", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--phases", "inproc,warp"], "unknown ['warp']"),
+    (["--phases", ","], "empty list"),
+    (["--segments", "0"], "--segments must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--layers", "-1"], "--layers must be >= 0"),
+])
+def test_bad_arguments_exit_2_with_the_reason(bad, message):
+    r = subprocess.run([sys.executable, "-P", str(SCRIPT), "--device", "cpu", *bad], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_figures_are_ratios_of_what_the_phases_measured():
+    m = _mod()
+    res = {"inproc": {"cold_pic_ms": 30.0, "warm_pic_ms": [10.0, 12.0, 11.0], "full_ms": [20.0]},
+           "pic": {"cold": {"ttft_ms": 24.0, "stats": {}}, "warm": [{"ttft_ms": 11.0}, {"ttft_ms": 13.0}]},
+           "scatter": {"cold": {"ttft_ms": 26.0, "stats": {"scatter_bytes": 4e9, "scatter_seconds": 0.05,
+                                                            "scatter_path": "cuda_ipc"}},
+                       "cold2": {"ttft_ms": 25.0, "stats": {"scatter_bytes": 2e9, "scatter_seconds": 0.05}}}}
+    f = m.figures(res)
+    assert f["served_warm_ttft_vs_in_process"] == round(12.0 / 11.0, 3)
+    assert f["cold_pic_ttft_vs_full_32x1k"] == 1.2 and f["cold_pic_ttft_vs_full_32x1k_with_scatter"] == 1.3
+    assert f["cold_pic_ttft_with_scatter_vs_without"] == round(26 / 24, 3)
+    assert f["scatter_to_combine_gb_per_s"] == 60.0 and f["scatter_to_combine_transport"] == "cuda_ipc"
+    assert "served_pic_ttft_speedup_vs_prefix_32x1k" not in f  # no prefix phase: no figure, not a made-up one
+
+
+def test_tiny_cpu_run(tmp_path):
+    out = tmp_path / "served.json"
+    r = subprocess.run([sys.executable, "-P", str(SCRIPT), "--device", "cpu", "--preset", "tiny", "--dtype", "float32",
+                        "--layers", "0", "--segments", "3", "--segment-tokens", "40", "--question-tokens", "8",
+                        "--repeats", "1", "--phases", "inproc,scatter", "--model", str(tmp_path / "model"),
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["errors"] == {} and res["shape"]["segments"] == 3
+    f = res["figures"]
+    # processes of one CPU host: the scatter worker sends entries through /dev/shm
+    assert f["scatter_to_combine_transport"] == "shm" and f["scatter_to_combine_gb_per_s"] > 0
+    assert f["cold_pic_ttft_vs_full_32x1k_with_scatter"] > 0 and f["inproc_full_ttft_ms"] > 0
+    cold = res["detail"]["scatter"]["cold"]
+    # the response's ttft_ms is the router's view of the client's wait; the engine's share is inside it
+    assert 0 < cold["stats"]["engine_ttft_ms"] < cold["stats"]["ttft_ms"] <= cold["ttft_ms"]
+    assert cold["stats"]["built_tokens"] == 3 * 40 and cold["stats"]["scatter_bytes"] > 0
