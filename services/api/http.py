@@ -255,10 +255,13 @@ class Api:
         return resp
 
     def _usage(self, req, completion_tokens: int, stats: dict) -> dict:
+        # what the model generated (the token that stopped it included), and of the prompt what
+        # came from caches filled before this request
         prompt = len(req.prompt_ids)
+        completion_tokens = stats.get("generated_tokens", completion_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                 "total_tokens": prompt + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": stats.get("reused_tokens", 0)}}
+                "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)}}
 
     async def chat(self, request):
         return await self._handle(request, chat_to_native, self._chat_respond)
@@ -316,8 +319,8 @@ class Api:
         return await self._handle(request, sglang_to_native, self._generate_respond)
 
     def _meta(self, req, n: int, finish: str | None, stats: dict, t0: float) -> dict:
-        meta = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
-                "cached_tokens": stats.get("reused_tokens", 0), "e2e_latency": time.perf_counter() - t0}
+        meta = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": stats.get("generated_tokens", n),
+                "cached_tokens": stats.get("cached_tokens", 0), "e2e_latency": time.perf_counter() - t0}
         meta["finish_reason"] = None if finish is None else {"type": finish}
         return meta
 

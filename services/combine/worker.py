@@ -227,6 +227,9 @@ class CombineServicer(rpc.CombineServicer):
         built = 0
         for i, seg in enumerate(stats["segments"]):
             src = source.get(i)
+            if seg["source"] == "entry" and src == "scatter":
+                # a scatter worker built it for this request: reused, not cached
+                stats["cached_tokens"] -= max(0, seg["tokens"] - stats["seam_window"])
             if seg["source"] == "built" or (seg["source"] == "entry" and src == "scatter"):
                 seg["source"], seg["hit"] = ("scatter" if src == "scatter" else "built"), False
                 built += seg["tokens"]

@@ -24,7 +24,7 @@ from hybridcache.services.router.cost import CostModel, parse_bandwidths
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.models.registry import config_from_dir
 from hybridcache.services.runtime.plan import Planner
-from hybridcache.services.runtime.sampling import RequestError
+from hybridcache.services.runtime.sampling import GenerationDefaults, RequestError
 from hybridcache.services.runtime.tokenizer import Tokenizer
 from hybridcache.services.security import internal_channel
 from hybridcache.services.transport import transport_for_address
@@ -98,7 +98,8 @@ class Router:
         self.model_name = Path(model_dir).name
         self.max_model_len = served_max_model_len(cfg, self.runtime.max_model_len)
         # tokens, validation and entry keys need no weights: the engine's request plan
-        self.planner = Planner(cfg, Tokenizer.from_dir(model_dir), self.runtime, fingerprint="")
+        self.planner = Planner(cfg, Tokenizer.from_dir(model_dir), self.runtime, fingerprint="",
+                               generation=GenerationDefaults.from_dir(model_dir))
         self.cost = CostModel()
         self.cost.bandwidth.update(parse_bandwidths(self.runtime.transport_bandwidth))
         self._queued: dict[str, float] = {}  # scatter worker -> outstanding estimated seconds
@@ -139,7 +140,7 @@ class Router:
         if info.dtype in DTYPES:
             served["dtype"] = info.dtype
         p = self.planner
-        self.planner = Planner(p.cfg, p.tokenizer, replace(self.runtime, **served), info.fingerprint)
+        self.planner = Planner(p.cfg, p.tokenizer, replace(self.runtime, **served), info.fingerprint, p.generation)
         if info.prefill_tokens_per_second > 0:
             self.cost.prefill_tokens_per_s = info.prefill_tokens_per_second
         return info

@@ -47,7 +47,7 @@ from hybridcache.services.runtime.cache.single_state import to_single_state
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.plan import Planner, Request
-from hybridcache.services.runtime.sampling import SamplingParams, sample_token
+from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams, sample_token
 from hybridcache.services.runtime.sequence import CachedSpan, LiveRun, SequenceState
 from hybridcache.services.runtime.tokenizer import Tokenizer
 
@@ -106,6 +106,10 @@ class RequestStats:
     live_tokens: int = 0
     built_tokens: int = 0  # tokens of cold segments prefilled into entries for this request
     prefix_reused_tokens: int = 0
+    # of reused_tokens, those from caches filled before this request (prefix hits, entry hits);
+    # entries built for it are reused but not cached
+    cached_tokens: int = 0
+    generated_tokens: int = 0  # tokens sampled, the one that stopped generation included
     prefix_policy: str = ""
     linear_state_bytes: int = 0  # linear-state bytes the page tree holds for this prompt's cached pages
     prefix_restore_ms: float = 0.0  # time to rebuild the state of a page-tree hit
@@ -175,7 +179,10 @@ class Engine:
         self.page_policy = self.config.page_policy
         self.pages = page_tree or PageTree(self.config.prefix_cache_bytes, self.page_policy.page_size)
         # what the request means (tokens, validation, keys): the same plan the router makes
-        self.planner = Planner(self.cfg, tokenizer, self.config, self.fingerprint)
+        # the model directory's generation_config.json: stop ids and sampling defaults
+        path = getattr(model, "path", None)
+        generation = GenerationDefaults.from_dir(path) if path else GenerationDefaults()
+        self.planner = Planner(self.cfg, tokenizer, self.config, self.fingerprint, generation)
         self.eos_ids = self.planner.eos_ids
         # the op implementations and CUDA graphs this engine's config chooses
         backends.configure(backends.OpDispatch.of(self.config))
@@ -319,6 +326,7 @@ class Engine:
             state, exact = self.model.empty_state(), False
         stats.prefix_reused_tokens = state.length
         stats.reused_tokens = state.length
+        stats.cached_tokens = state.length
 
         # Parts wholly inside the hit are reused; the part the hit ends in runs live from there.
         seg_stats, first, skip, part_start = [], len(parts), 0, 0
@@ -369,6 +377,8 @@ class Engine:
                     staged.append((len(layout), entry))
                 layout.append(CachedSpan(entry.data, pos + w, use_transition=cfg.mode == "pic"))
                 stats.reused_tokens += entry.data.num_tokens
+                if hit:
+                    stats.cached_tokens += entry.data.num_tokens
                 stats.live_tokens += w
                 source = ("host" if is_host(entry) else "entry") if hit else "built"
                 seg_stats.append(SegmentStat(len(ids), hit, source))
@@ -545,8 +555,8 @@ class TextStream:
     (token_id, text_delta) to emit, token_id -1 for text only. Text that could be the start of a
     stop string is held back until it cannot be."""
 
-    def __init__(self, engine: Engine, params: SamplingParams):
-        self.engine, self.params = engine, params
+    def __init__(self, engine: Engine, params: SamplingParams, stats: RequestStats | None = None):
+        self.engine, self.params, self.stats = engine, params, stats
         self.output_ids: list[int] = []
         self.finish_reason = "length"
         self.emitted = ""
@@ -554,6 +564,8 @@ class TextStream:
 
     def push(self, tok: int) -> tuple[list[tuple[int, str]], bool]:
         params = self.params
+        if self.stats is not None:
+            self.stats.generated_tokens += 1
         if (tok in self.engine.eos_ids and not params.ignore_eos) or tok in params.stop_token_ids:
             self.finish_reason = "stop"
             return self.flush(), True
@@ -608,7 +620,7 @@ class Generation:
     def _decode(self) -> Iterator[tuple[int, str]]:
         eng, params, pre = self.engine, self.req.sampling, self.prefill
         gen = request_generator(params)
-        stream = TextStream(eng, params)
+        stream = TextStream(eng, params, pre.stats)
         self.output_ids = stream.output_ids
         logits = pre.logits
         if params.max_new_tokens == 0:

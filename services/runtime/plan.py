@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridcache.services.config import RuntimeConfig
-from hybridcache.services.runtime.sampling import RequestError, SamplingParams
+from hybridcache.services.runtime.sampling import GenerationDefaults, RequestError, SamplingParams
 from hybridcache.services.runtime.tokenizer import SPECIAL_TOKENS
 
 CACHE_FORMAT = "hc-entry-v1"
@@ -88,12 +88,21 @@ class Planner:
     """Plans requests for one served model and runtime config. Reads nothing but the model's
     config (vocabulary, context limit, layer shapes), the tokenizer and the runtime config."""
 
-    def __init__(self, cfg, tokenizer, config: RuntimeConfig | None = None, fingerprint: str = "unfingerprinted"):
+    def __init__(
+        self,
+        cfg,
+        tokenizer,
+        config: RuntimeConfig | None = None,
+        fingerprint: str = "unfingerprinted",
+        generation: GenerationDefaults | None = None,
+    ):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.config = config or RuntimeConfig()
         self.fingerprint = fingerprint
-        eos = set(cfg.eos_token_ids)
+        # the model's generation_config.json: more stop ids, and the sampling defaults
+        self.generation = generation or GenerationDefaults()
+        eos = set(cfg.eos_token_ids) | set(self.generation.eos_token_ids)
         for t in SPECIAL_TOKENS:
             tid = tokenizer.token_id(t)
             if tid is not None and t != "<|im_start|>":
@@ -129,16 +138,28 @@ class Planner:
         system_ids = self._ids(system, "system") if system not in (None, "") else []
         if not seg_ids and not suffix_ids:
             raise RequestError("the request has no segments and no suffix: nothing to run")
-        sampling = SamplingParams.from_dict(obj.get("sampling_params"))
-        req = Request(system_ids, seg_ids, suffix_ids, sampling)
+        sampling = SamplingParams.from_dict(obj.get("sampling_params"), defaults=self.generation.sampling_defaults())
         n = len(system_ids) + sum(map(len, seg_ids)) + len(suffix_ids)
-        limit = self.cfg.max_position_embeddings
+        limit = self.context_limit
+        if sampling.max_new_tokens is None:
+            # no max_new_tokens from the request nor the model: what is left of the context (vLLM's default)
+            if n >= limit:
+                raise RequestError(f"prompt of {n} tokens leaves no room to generate within {self._limit_name()}")
+            sampling = replace(sampling, max_new_tokens=limit - n)
+        req = Request(system_ids, seg_ids, suffix_ids, sampling)
         if n + sampling.max_new_tokens > limit:
             raise RequestError(
-                f"prompt of {n} tokens plus max_new_tokens {sampling.max_new_tokens} exceeds the model's "
-                f"context limit of {limit} tokens"
+                f"prompt of {n} tokens plus max_new_tokens {sampling.max_new_tokens} exceeds "
+                + self._limit_name(n + sampling.max_new_tokens)
             )
         return req
+
+    def _limit_name(self, tokens: int = 0) -> str:
+        """The limit a request of this many tokens is over: the model's own, else --max-model-len."""
+        model = self.cfg.max_position_embeddings
+        if tokens <= model and self.context_limit < model:
+            return f"this server's max model length of {self.context_limit} tokens"
+        return f"the model's context limit of {model} tokens"
 
     @property
     def max_chars(self) -> int:
@@ -147,6 +168,12 @@ class Planner:
             return self.config.max_prompt_chars
         limit = self.config.max_model_len or self.cfg.max_position_embeddings
         return limit * self.tokenizer.max_token_chars
+
+    @property
+    def context_limit(self) -> int:
+        """Prompt plus generated tokens: the model's max_position_embeddings, or less by --max-model-len."""
+        limit = self.cfg.max_position_embeddings
+        return min(limit, self.config.max_model_len) if self.config.max_model_len else limit
 
     def _ids(self, value, what: str) -> list[int]:
         if isinstance(value, str):

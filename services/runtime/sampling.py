@@ -14,8 +14,64 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    """A model's generation_config.json: the stop ids and sampling values a request starts from.
+
+    As transformers reads it: every eos_token_id (an int or a list) ends generation; do_sample
+    false means greedy; temperature, top_p, top_k and max_new_tokens are defaults only where the
+    file sets them (what vLLM does with it), and a request's own values override them."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GenerationDefaults:
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(int(t) for t in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        greedy = d.get("do_sample") is False
+        return cls(
+            eos_token_ids=eos_ids,
+            temperature=0.0 if greedy else _opt(d, "temperature", float),
+            top_p=None if greedy else _opt(d, "top_p", float),
+            top_k=None if greedy else _opt(d, "top_k", int),
+            max_new_tokens=_opt(d, "max_new_tokens", int),
+        )
+
+    @classmethod
+    def from_dir(cls, path) -> GenerationDefaults:
+        """generation_config.json of a model directory; none there means no defaults."""
+        import json
+        from pathlib import Path
+
+        f = Path(path) / "generation_config.json"
+        if not f.is_file():
+            return cls()
+        try:
+            d = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f} is not valid JSON: {e}") from None
+        return cls.from_dict(d if isinstance(d, dict) else {})
+
+    def sampling_defaults(self) -> dict:
+        """The sampling_params keys a request without them gets."""
+        names = ("temperature", "top_p", "top_k", "max_new_tokens")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+
+def _opt(d: dict, key: str, kind):
+    v = d.get(key)
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return kind(v)
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_new_tokens: int = 64
+    # None: until the context is full (the request plan fills in what is left of it)
+    max_new_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
@@ -25,10 +81,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     @classmethod
-    def from_dict(cls, d: dict | None, max_new_tokens_limit: int = 1 << 16) -> SamplingParams:
+    def from_dict(
+        cls, d: dict | None, max_new_tokens_limit: int = 1 << 16, defaults: dict | None = None
+    ) -> SamplingParams:
+        """Validate SGLang-style sampling parameters; keys the request leaves out (or sets to
+        null) take `defaults` (the model's generation_config.json), then the built-in ones."""
         if d is not None and not isinstance(d, dict):
             raise RequestError("sampling_params must be an object")
-        d = dict(d or {})
+        d = {**(defaults or {}), **{k: v for k, v in (d or {}).items() if v is not None}}
         known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed",
                  "sampling_seed", "ignore_eos"}
         unknown = sorted(set(d) - known)
@@ -43,8 +103,8 @@ class SamplingParams:
                 raise RequestError(f"sampling_params.{name} must be {'an integer' if kind is int else 'a number'}")
             return kind(v)
 
-        max_new = num("max_new_tokens", int, 64)
-        if not 0 <= max_new <= max_new_tokens_limit:
+        max_new = num("max_new_tokens", int, None)
+        if max_new is not None and not 0 <= max_new <= max_new_tokens_limit:
             raise RequestError(f"sampling_params.max_new_tokens must be between 0 and {max_new_tokens_limit}")
         temperature = num("temperature", float, 0.0)
         if not 0.0 <= temperature <= 100.0:

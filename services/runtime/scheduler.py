@@ -417,7 +417,7 @@ class Scheduler:
         seq.pinned, seq.built = {}, {}
         seq.prefill = seq.handle.prefill = pre
         pre.started = seq.arrived  # TTFT counts the time in the queue
-        seq.stream = TextStream(eng, params)
+        seq.stream = TextStream(eng, params, pre.stats)
         seq.handle.output_ids = seq.stream.output_ids
         seq.generator = request_generator(params)
         if params.max_new_tokens == 0:
