@@ -33,6 +33,20 @@ ENGINE_ROLES = ("router", *WORKERS)
 SERVICE_ROLES = (*ENGINE_ROLES, "cache-tier")
 
 
+def parse_warmup_shape(text: str | None) -> tuple[int, int, int, int] | None:
+    """"16+32x1024+64" -> (16, 32, 1024, 64): a system prompt of 16 tokens, 32 segments of 1024 and
+    a 64-token question; "32x1024+64" has no system prompt; "none" or "" -> None. ValueError
+    (one line) on anything else."""
+    import re
+
+    if text is None or text.strip().lower() in ("", "none"):
+        return None
+    m = re.fullmatch(r"(?:(\d+)\+)?(\d+)x(\d+)\+(\d+)", text.strip())
+    if m is None or int(m.group(2)) < 1 or int(m.group(3)) < 1:
+        raise ValueError(f"--warmup-shape must be [SYSTEM+]NxL+Q (e.g. 16+32x1024+64) or none, got {text!r}")
+    return int(m.group(1) or 0), int(m.group(2)), int(m.group(3)), int(m.group(4))
+
+
 def setting(default: Any, help: str, *, roles: tuple[str, ...] = WORKERS, choices: tuple | None = None,
             flag: str | None = None, metavar: str | None = None, type: type | None = None, env: str | None = None):
     """A config field that is also a command-line flag (`--field-name` unless `flag` is given).
@@ -149,6 +163,11 @@ class RuntimeConfig:
         "share)", type=int)
     tier_cache_bytes: int = setting(CPU_CACHE_BYTES, "cache tier: its store's byte budget", roles=("cache-tier",),
                                     flag="--cache-bytes")
+    warmup_shape: str = setting(
+        "16+32x1024+64", "scatter/combine warm-up: besides the small requests that take every path, requests of "
+        "this shape ([SYSTEM+]NxL+Q: N segments of L tokens, a Q-token question) cold and then warm, through the "
+        "worker's own request path, so that the first such request compiles, autotunes and captures nothing "
+        "(N is cut to what the served length allows); none = only the small ones", metavar="[SYS+]NxL+Q")
     transport_bandwidth: str | None = setting(
         None, "router: starting bandwidths of the entry paths in GB/s, PATH=GB/s[,...] with PATH grpc, shm or "
         "cuda_ipc (default: the cost model's); measured transfers update them", roles=("router",), type=str,
@@ -256,6 +275,7 @@ class RuntimeConfig:
         from hybridcache.services.router.cost import parse_bandwidths
 
         parse_bandwidths(self.transport_bandwidth)  # validates
+        parse_warmup_shape(self.warmup_shape)  # validates
         _ = self.page_policy  # validates the policy's parameters
 
     @property

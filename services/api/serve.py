@@ -116,7 +116,7 @@ def _serve(args) -> int:
     )
     if args.role != "router":
         serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend))
-    engine = combine = None
+    engine = combine = scatter = None
 
     if args.role == "cache-tier":
         from hybridcache.services.cache_tier.server import CacheTierServicer
@@ -128,7 +128,8 @@ def _serve(args) -> int:
         from hybridcache.services.scatter.worker import ScatterServicer
 
         engine = _engine(config, args.model)
-        rpc.add_ScatterServicer_to_server(ScatterServicer(engine, config.max_num_batched_tokens), server)
+        scatter = ScatterServicer(engine, config.max_num_batched_tokens)
+        rpc.add_ScatterServicer_to_server(scatter, server)
     elif args.role == "combine":
         from hybridcache.services.combine.worker import CombineServicer
         from hybridcache.services.runtime.scheduler import scheduler_config
@@ -152,7 +153,7 @@ def _serve(args) -> int:
     if engine is not None and warm:
         # before the server starts and registers: no request comes here until the kernels are built
         health["status"] = "warming up"
-        health["warmup"] = engine.warmup()
+        health["warmup"] = (combine or scatter).warmup()
         log.info("warm-up done: %s", health["warmup"])
     server.start()
     health["status"] = "ok"

@@ -91,6 +91,11 @@ class CombineServicer(rpc.CombineServicer):
             log.warning("entry %s refused: %s", entry.key[:12], problem)
         return problem is None
 
+    def warmup(self) -> dict:
+        """The engine's warm-up (Engine.warmup) with every request served by this worker's
+        scheduler, the path its requests take (its per-step batches of cold builds, batched decode)."""
+        return self.engine.warmup(run=self.scheduler.generate)
+
     def close(self) -> None:
         self.scheduler.stop()
 

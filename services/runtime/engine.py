@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from hybridcache.services.config import RuntimeConfig
+from hybridcache.services.config import RuntimeConfig, parse_warmup_shape
 from hybridcache.services.devices import with_cache_budgets
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.cache import (
@@ -479,16 +479,36 @@ class Engine:
             text.append(delta)
         return GenerateResult("".join(text), ids, req.prompt_ids, gen.finish_reason, gen.prefill.stats)
 
-    def warmup(self) -> dict:
-        """Send a few synthetic requests down every path a request can take before real traffic
-        comes: a batch of cold entry builds (runs shorter and longer than one chunk, odd and
-        multiple-of-16 lengths), an assembly with several seams, the same segments reused in
-        another order after another prefix, a prefix-cache hit with one new segment, and decode
-        steps. On CUDA the first call of each Triton kernel configuration compiles and autotunes
-        (seconds to minutes: fla's KDA kernels are the slowest), which a server must
-        not charge to its first requests. The engine's caches are swapped for throwaway ones
-        meanwhile, so nothing of the warm-up stays cached or counts against a budget.
-        Returns {"requests": n, "seconds": wall time}."""
+    def warmup_shape(self) -> tuple[int, int, int, int] | None:
+        """(system, segments, segment tokens, question tokens) of the shaped warm-up requests
+        (RuntimeConfig.warmup_shape), the segments cut to what max_segments and the served length
+        allow (with the warm-up's 3 new tokens); None when no such request fits or none is asked."""
+        shape = parse_warmup_shape(self.config.warmup_shape)
+        if shape is None:
+            return None
+        system, n, length, question = shape
+        limit = self.config.max_model_len or self.cfg.max_position_embeddings
+        n = min(n, self.config.max_segments, (limit - system - question - 3) // length)
+        return (system, n, length, question) if n >= 1 else None
+
+    def warmup(self, run=None) -> dict:
+        """Send synthetic requests down every path a request can take before real traffic comes.
+        First small ones: a batch of cold entry builds (runs shorter and longer than one chunk,
+        odd and multiple-of-16 lengths), an assembly with several seams, the same segments reused
+        in another order after another prefix, a prefix-cache hit with one new segment, and
+        decode steps. Then, for the configured shape (warmup_shape), one request all cold and two
+        with its segments reordered after other system prompts: the cold builds of that many
+        segments of that length in the batches the request path makes, and the assembly of that
+        shape seen three times, so that its CUDA graphs are captured here (the second time,
+        graphs.LayoutGraphs) and replayed by the third, and the allocator holds the memory such a
+        request takes. On CUDA the first call of each Triton kernel configuration compiles and
+        autotunes (seconds to minutes: fla's KDA kernels are the slowest) and a new layout shape
+        runs eagerly before it is captured, none of which a server must charge to its first
+        requests. `run(request)` serves one request to its end (default: this engine's own path;
+        a combine worker passes its scheduler's, the path its requests take). The engine's caches
+        are swapped for throwaway ones meanwhile, so nothing of the warm-up stays cached or counts
+        against a budget. Returns {"requests": n, "shape": the shaped requests' shape or None,
+        "seconds": wall time}."""
         t0 = time.perf_counter()
         w = self.config.seam_window
         gen = torch.Generator().manual_seed(0)
@@ -504,6 +524,18 @@ class Engine:
             Request(sys2, [c, a, b], q2, greedy),  # warm: reused after another prefix
             Request(sys1, [a, b, d], q1, greedy),  # prefix hit, one cold build
         ]
+        shape = self.warmup_shape()
+        if shape is not None:
+            system, n, length, question = shape
+            docs, q = [ids(length) for _ in range(n)], ids(question)
+            requests += [Request(ids(system), docs, q, greedy),  # all cold, then the assembly
+                         Request(ids(system), docs[::-1], q, greedy),  # warm, another order: captured
+                         Request(ids(system), docs[1:] + docs[:1], q, greedy)]  # and replayed
+        if run is None:
+            def run(req):
+                for _ in self.start(req):
+                    pass
+
         saved = (self.entries, self.prefixes, self.pages)
         budget = self.config.prefix_cache_bytes
         self.entries = self._new_entry_store()
@@ -513,13 +545,12 @@ class Engine:
             for n, req in enumerate(requests):
                 if n == 1 and isinstance(self.entries, TieredEntryStore):
                     self.entries.demote_all()  # the reuse after another prefix stages them from the host
-                for _ in self.start(req):
-                    pass
+                run(req)
         finally:
             self.entries, self.prefixes, self.pages = saved
         if getattr(self.model, "device", torch.device("cpu")).type == "cuda":
             torch.cuda.synchronize()
-        return {"requests": len(requests), "seconds": round(time.perf_counter() - t0, 3)}
+        return {"requests": len(requests), "shape": shape, "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def coalesce_live_runs(layout: list, keep: set[int], boundary: dict[int, int]):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -51,6 +52,29 @@ class ScatterServicer(rpc.ScatterServicer):
         self.builds: list[int] = []  # segments per batched build, in order
         self.endpoint = local_endpoint(engine.model.device)
         threading.Thread(target=self._loop, name="scatter-build", daemon=True).start()
+
+    def warmup(self) -> dict:
+        """The engine's warm-up (Engine.warmup), then the cold builds of its shaped requests'
+        segments through this worker's builder, in the batches it makes of them (max_batch_tokens),
+        so that a first request of that shape finds every build shape done before."""
+        out = self.engine.warmup()
+        shape = self.engine.warmup_shape()
+        if shape is not None:
+            _, n, length, _ = shape
+            gen = random.Random(0)
+            vocab = self.engine.cfg.vocab_size
+            done: queue.Queue = queue.Queue()
+            call = {"cancelled": False}
+            with self._cv:
+                self._pending.extend(
+                    _Job(pb.Segment(index=i, token_ids=[gen.randrange(vocab) for _ in range(length)]), done, None, call)
+                    for i in range(n))
+                self._cv.notify()
+            for _ in range(n):
+                done.get()
+            out["builds"] = list(self.builds)
+            self.builds.clear()  # what requests build is counted from here
+        return out
 
     def transport_for(self, request) -> str:
         """The receiver's Endpoint decides with this worker's (choose_transport); without one, the

@@ -26,7 +26,8 @@ from hybridcache.services.runtime.evaluation import RUN_FIELDS
 ENGINE_COMMANDS = ("generate", "demo", "eval", "serve", "up")
 # Alternatives the generic rule below cannot find (free-form strings, values valid only with another field's).
 ALTERNATIVES = {"anchor_dtype": "float8_e4m3fn", "prefix_policy": "suffix_replay", "sdpa_backends": "flash,math",
-                "transport_bandwidth": "cuda_ipc=80", "api_key": "k3y-of-the-test"}
+                "transport_bandwidth": "cuda_ipc=80", "api_key": "k3y-of-the-test",
+                "warmup_shape": "4x256+16"}
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -46,7 +46,9 @@ def test_warmup_takes_every_path_and_leaves_caches_as_they_were(model_dir, monke
     monkeypatch.setattr(Engine, "decode_one_token", decode)
     report = engine.warmup()
 
-    assert report["requests"] == 3 and report["seconds"] > 0
+    # the three small requests, and three of the default shape cut to the tiny model's 4096 positions
+    assert report["shape"] == (16, 3, 1024, 64)
+    assert report["requests"] == 6 and report["seconds"] > 0
     assert calls["batched_scan"] > 0, "no assembly with several seams"
     assert calls["build"] >= 3, "the cold segments were not built in a batch"
     assert calls["decode"] >= 3 * 2, "decode steps missing"
@@ -100,7 +102,9 @@ def test_scatter_worker_warms_up_before_it_is_ready(model_dir, tmp_path):
         assert ready.is_set(), "".join(lines[-20:])
         code, body = http("GET", f"http://127.0.0.1:{http_port}/health")
         assert code == 200 and body["status"] == "ok"
-        assert body["warmup"]["requests"] == 3
+        assert body["warmup"]["requests"] == 6 and body["warmup"]["shape"] == [16, 3, 1024, 64]
+        # the shape's 3 segments through the worker's builder, in its batches of --max-num-batched-tokens
+        assert body["warmup"]["builds"] == [3]
         assert all(c == 503 for c, s in seen if s != "ok"), seen
         assert not any(c == 200 and s != "ok" for c, s in seen)
         assert any("warm-up done" in line for line in lines), "".join(lines[-20:])
@@ -108,3 +112,81 @@ def test_scatter_worker_warms_up_before_it_is_ready(model_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def _shape_recorder(engine, monkeypatch):
+    """Counts of the assembly shapes (graphs.layout_key) and build batches ((segments, longest))
+    the engine's model runs: what a CUDA worker compiles, autotunes or captures per shape."""
+    from collections import Counter
+
+    from hybridcache.services.runtime.graphs import layout_key
+
+    seen = {"layout": Counter(), "build": Counter()}
+    model = engine.model
+    forward, build = model.forward_layout, model.build_span_data
+
+    def forward_layout(state, layout, logits_for="last", snapshot_after=(), capture_hidden=()):
+        key = layout_key(state, layout, logits_for, snapshot_after, capture_hidden)
+        if key is not None:
+            seen["layout"][key] += 1
+        return forward(state, layout, logits_for, snapshot_after, capture_hidden)
+
+    def build_span_data(segments, seam, on_layer=None):
+        seen["build"][(len(segments), max(map(len, segments)))] += 1
+        return build(segments, seam, on_layer)
+
+    monkeypatch.setattr(model, "forward_layout", forward_layout)
+    monkeypatch.setattr(model, "build_span_data", build_span_data)
+    return seen
+
+
+def test_shaped_warmup_leaves_nothing_new_for_the_first_request_of_its_shape(model_dir, monkeypatch):
+    """Through a combine worker's path (its scheduler): after the warm-up, the first request of the
+    warm-up shape (new documents, all cold) and a warm one build only batch shapes the warm-up
+    built and assemble only layout shapes it assembled at least twice (so that a CUDA worker
+    captured their graphs there). Without the shaped requests the same requests meet new shapes."""
+    import random
+
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from hybridcache.services.runtime.scheduler import Scheduler
+
+    rng = random.Random(5)
+    sp = {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+    docs = [[rng.randrange(5, 250) for _ in range(40)] for _ in range(3)]
+    system, question = [rng.randrange(5, 250) for _ in range(5)], [rng.randrange(5, 250) for _ in range(8)]
+    first = {"system": system, "segments": docs, "suffix": question, "sampling_params": sp}
+    warm = dict(first, system=system[::-1], segments=docs[::-1])
+    news = {}
+    for shape in ("5+3x40+8", "none"):
+        engine = Engine.from_dir(model_dir, config=EngineConfig(warmup_shape=shape, max_num_batched_tokens=80))
+        seen = _shape_recorder(engine, monkeypatch)
+        sched = Scheduler(engine)
+        try:
+            report = engine.warmup(run=sched.generate)
+            assert report["shape"] == ((5, 3, 40, 8) if shape != "none" else None)
+            before = {k: dict(v) for k, v in seen.items()}
+            for body in (first, warm):
+                sched.generate(body)
+        finally:
+            sched.stop()
+        after = seen
+        assert set(after["build"]) and set(after["layout"])
+        new_builds = [k for k in after["build"] if k not in before["build"]]
+        new_layouts = [k for k, n in after["layout"].items()
+                       if n > before["layout"].get(k, 0) and before["layout"].get(k, 0) < 2]
+        news[shape] = (new_builds, new_layouts)
+    assert news["5+3x40+8"] == ([], [])
+    builds, layouts = news["none"]
+    assert builds and layouts
+
+
+def test_warmup_shape_is_cut_to_the_served_length(model_dir):
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+
+    def shape(text, **kw):
+        return Engine.from_dir(model_dir, config=EngineConfig(warmup_shape=text, **kw)).warmup_shape()
+
+    assert shape("16+32x1024+64", max_model_len=3000) == (16, 2, 1024, 64)  # (3000 - 16 - 64 - 3) // 1024
+    assert shape("16+32x1024+64", max_model_len=3000, max_segments=1) == (16, 1, 1024, 64)
+    assert shape("8x2000+64", max_model_len=1000) is None
+    assert shape("none") is None
