@@ -143,6 +143,9 @@ class RuntimeConfig:
     http_header_timeout_s: int = setting(
         10, "router: seconds a client has to send a request's line and headers (and an idle keep-alive "
         "connection is kept) before the connection is closed", roles=("router",))
+    drain_grace_s: int = setting(
+        20, "router: on SIGTERM it stops taking requests (both doors stop listening) and gives those in flight "
+        "this many seconds to finish; `hybridcache up` stops the workers after the router", roles=("router",))
     api_key: str | None = setting(
         None, "router: the API key clients send as `Authorization: Bearer KEY` (HTTP and gRPC Inference; others "
         "get 401 / UNAUTHENTICATED); /health, /livez and /metrics stay open", roles=("router",), type=str,
@@ -242,7 +245,7 @@ class RuntimeConfig:
             raise ValueError("seam_window must be >= 0")
         if self.max_segments < 1:
             raise ValueError("max_segments must be >= 1")
-        for name in ("max_request_bytes", "http_header_timeout_s", "http_body_timeout_s"):
+        for name in ("max_request_bytes", "http_header_timeout_s", "http_body_timeout_s", "drain_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):

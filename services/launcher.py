@@ -37,25 +37,54 @@ def free_port() -> int:
 
 @dataclass
 class Service:
+    """One child: its role, addresses and log file; `proc` is replaced when it is restarted."""
+
     role: str
     grpc: str
     http: str
     proc: subprocess.Popen
-    log: list[str] = field(default_factory=list)
+    cmd: list[str] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    log_path: Path | None = None
+    log_offset: int = 0  # where the current process's output starts in the log file
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff_s: float = 0.0
+    restart_at: float | None = None  # when a dead child is started again
+    ready: bool = False
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
 
+    def output(self) -> str:
+        """What the current process has written to its log so far."""
+        if self.log_path is None:
+            return ""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def tail(self, n: int = 15) -> str:
+        return "\n".join(self.output().splitlines()[-n:])
+
 
 class LocalCluster:
-    """Start, watch and stop the local services. Every child is stopped on stop() or on error."""
+    """Start, watch and stop the local services. Every child is stopped on stop() or on error; each
+    one writes its output to its own file in `log_dir` (default: `logs/` in the run's temporary
+    directory); supervise() restarts those that died."""
+
+    RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before a restart (doubling)
+    STABLE_S = 60.0  # a child that ran this long starts its backoff again from the first wait
 
     def __init__(self, model_dir: str | Path, port: int = 8000, scatter_workers: int = 2, etcd: str | None = None,
                  config: RuntimeConfig | None = None, env: dict | None = None,
                  extra: dict[str, list[str]] | None = None, ready_timeout_s: float = 120.0, cache_tiers: int = 1,
-                 gpus: tuple[int, ...] = (0,), **settings):
+                 gpus: tuple[int, ...] = (0,), log_dir: str | Path | None = None, **settings):
         """`config` (with `settings`: RuntimeConfig fields set over it) goes to every service, each
         role getting the fields it takes; `extra` adds flags per role. With device cuda the workers
         take the `gpus` round robin (services/devices.py)."""
@@ -68,6 +97,8 @@ class LocalCluster:
         self.n_tiers = cache_tiers
         self.model_dir = str(model_dir)
         self.run_dir = Path(tempfile.mkdtemp(prefix="hybridcache-up-"))
+        self.log_dir = Path(log_dir) if log_dir else self.run_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.port = port
         self.n_scatter = scatter_workers
         self.etcd = etcd
@@ -95,42 +126,50 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.config.tls_certfile else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     def _spawn(self, role: str, grpc_port: int, http_port: int, flags: list[str], env: dict | None = None,
                placement=None) -> Service:
         placement = placement or self.placement[role]
         env = dict(placement.env, **(env or {}))
         cmd = [sys.executable, "-m", "hybridcache.services.cli", "serve", role, "--grpc-port", str(grpc_port),
-               "--http-port", str(http_port), *config_args(self.config, role)]
+               "--http-port", str(http_port), "--die-with-parent", str(os.getpid()), *config_args(self.config, role)]
         if role != "cache-tier":
             cmd += ["--model", self.model_dir]
         if self.etcd:
             cmd += ["--etcd", self.etcd]
         cmd += flags + self.extra.get(role, [])
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(self.env, **config_env(self.config, role), **(env or {})),
-                                start_new_session=True)
-        svc = Service(role, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}", proc)
+        n = sum(s.role == role for s in self.services)
+        svc = Service(role, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}", None, cmd=cmd,
+                      env=dict(self.env, **config_env(self.config, role), **env),
+                      log_path=self.log_dir / f"{role}-{n}.log")
+        self._launch(svc)
         self.services.append(svc)
         return svc
 
+    def _launch(self, svc: Service) -> None:
+        """Start (or start again) the child's process, its output appended to its log file."""
+        with open(svc.log_path, "ab") as log:
+            svc.log_offset = log.tell()
+            # The child's parent-death signal follows this thread: children are started from the
+            # thread that runs start() and supervise() (up's main thread).
+            svc.proc = subprocess.Popen(svc.cmd, stdout=log, stderr=subprocess.STDOUT, env=svc.env,
+                                        start_new_session=True)
+        svc.started_at, svc.ready, svc.restart_at = time.monotonic(), False, None
+
+    def _is_ready(self, svc: Service) -> bool:
+        if not svc.ready:
+            svc.ready = any(line.startswith('{"ready"') for line in svc.output().splitlines())
+        return svc.ready
+
     def _wait_ready(self, svc: Service) -> None:
         deadline = time.monotonic() + self.timeout
-        ready = threading.Event()
-
-        def drain():
-            for line in svc.proc.stdout:
-                svc.log.append(line.rstrip())
-                del svc.log[:-200]
-                if line.startswith('{"ready"'):
-                    ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        while not ready.wait(0.05):
+        while not self._is_ready(svc):
             if svc.proc.poll() is not None or time.monotonic() > deadline:
-                tail = "\n".join(svc.log[-15:])
-                raise RuntimeError(f"{svc.role} did not become ready (exit {svc.proc.poll()}):\n{tail}")
+                raise RuntimeError(f"{svc.role} did not become ready (exit {svc.proc.poll()}; log {svc.log_path}):\n"
+                                   f"{svc.tail()}")
+            time.sleep(0.05)
 
     def start(self, scatter_env: list[dict] | None = None) -> LocalCluster:
         try:
@@ -154,19 +193,54 @@ class LocalCluster:
             raise
         return self
 
+    def supervise(self, say=print) -> list[Service]:
+        """One round of supervision (call it every fraction of a second): a child that exited is
+        started again on its own ports after a backoff (1 s, doubling to 30 s; back to 1 s once it
+        has run a minute), with `say` telling what happened and where its log is. Returns the
+        children that became ready again in this round. Meanwhile the others serve: a dead scatter
+        worker's segments are built by the combine worker, a dead tier is a miss, and without a
+        combine worker the router answers 503."""
+        back = []
+        now = time.monotonic()
+        for svc in self.services:
+            code = svc.proc.poll()
+            if code is None:
+                if not svc.ready and self._is_ready(svc):
+                    say(f"hybridcache up: {svc.role} is back (pid {svc.proc.pid}, restart {svc.restarts})")
+                    back.append(svc)
+                continue
+            if svc.restart_at is None:
+                first, longest = self.RESTART_BACKOFF_S
+                ran = now - svc.started_at
+                svc.backoff_s = first if ran >= self.STABLE_S or not svc.backoff_s else min(longest, 2 * svc.backoff_s)
+                svc.restart_at = now + svc.backoff_s
+                say(f"hybridcache up: {svc.role} (pid {svc.proc.pid}) exited with {code} after {ran:.0f} s; "
+                    f"restarting in {svc.backoff_s:.0f} s; its log: {svc.log_path}\n{svc.tail(5)}")
+            elif now >= svc.restart_at:
+                svc.restarts += 1
+                self._launch(svc)
+        return back
+
     def role(self, role: str) -> list[Service]:
         return [s for s in self.services if s.role == role]
 
     def stop(self) -> None:
-        for s in reversed(self.services):
-            if s.proc.poll() is None:
-                s.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for s in self.services:
-            try:
-                s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                s.kill()
+        """The router first, given the drain grace to finish the requests it has (the workers
+        serve them meanwhile), then every other child."""
+        routers = [s for s in self.services if s.role == "router"]
+        others = [s for s in reversed(self.services) if s.role != "router"]
+        for group, grace in ((routers, self.config.drain_grace_s + 5), (others, 10)):
+            for s in group:
+                if s.proc is not None and s.proc.poll() is None:
+                    s.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for s in group:
+                if s.proc is None:
+                    continue
+                try:
+                    s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    s.kill()
         if self._own_secret:
             (self.run_dir / "secret").unlink(missing_ok=True)
 
@@ -204,7 +278,7 @@ def up(args) -> int:
             raise ValueError(f"--ready-timeout-s must be positive, got {args.ready_timeout_s}")
         cluster = LocalCluster(model, port=args.port, scatter_workers=args.scatter_workers, etcd=args.etcd,
                                config=config, cache_tiers=args.cache_tiers, gpus=gpus,
-                               ready_timeout_s=args.ready_timeout_s)
+                               ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir)
     except ValueError as e:
         print(f"hybridcache: error: {e}", file=sys.stderr)
         return 2
@@ -217,7 +291,7 @@ def up(args) -> int:
         gpus_of += [f"scatter {i}: GPU {p.gpu}" for i, p in enumerate(cluster.scatter_placement)]
         where = f"on CUDA ({', '.join(gpus_of)}; router and cache tier on the CPU)"
     print(f"hybridcache up: starting {args.cache_tiers} cache tier(s), {args.scatter_workers} scatter worker(s), "
-          f"a combine worker and router for {model} {where}", file=sys.stderr, flush=True)
+          f"a combine worker and router for {model} {where}; logs in {cluster.log_dir}", file=sys.stderr, flush=True)
     try:
         cluster.start()
     except RuntimeError as e:
@@ -227,16 +301,19 @@ def up(args) -> int:
         {"role": s.role, "grpc": s.grpc, "http": s.http, "pid": s.proc.pid} for s in cluster.services]}), flush=True)
     print(f"hybridcache up: ready at {cluster.url} (OpenAI /v1, SGLang /generate, /metrics); Ctrl-C stops",
           file=sys.stderr, flush=True)
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
     try:
-        while not stop.wait(0.5):
-            dead = [s for s in cluster.services if s.proc.poll() is not None]
-            if dead:
-                print(f"hybridcache up: {dead[0].role} exited with {dead[0].proc.returncode}; stopping",
-                      file=sys.stderr, flush=True)
-                return 1
+        while not stop.wait(0.25):
+            for svc in cluster.supervise(say):
+                # one line per restarted child on stdout, like the ready line
+                print(json.dumps({"restarted": svc.role, "grpc": svc.grpc, "pid": svc.proc.pid,
+                                  "restarts": svc.restarts}), flush=True)
     finally:
+        say(f"hybridcache up: stopping (the router drains for up to {cluster.config.drain_grace_s} s)")
         cluster.stop()
-        print("hybridcache up: stopped", file=sys.stderr, flush=True)
+        say("hybridcache up: stopped")
     return 0
 
 
@@ -250,6 +327,8 @@ def add_up_flags(p) -> None:
     p.add_argument("--etcd", help="etcd endpoint HOST:PORT (default: in-process directory)")
     p.add_argument("--ready-timeout-s", type=float, default=120.0,
                    help="how long each service may take to load its model (and warm up) and say ready")
+    p.add_argument("--log-dir", help="directory of the services' log files, one per service (default: logs/ in "
+                   "the run's temporary directory, named at start-up)")
     add_config_flags(p)  # each forwarded to the services that take it
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import json
 import os
 import secrets
 from dataclasses import dataclass
@@ -25,8 +26,11 @@ from pathlib import Path
 import grpc
 
 TOKEN_METADATA = "x-hybridcache-token"
-# Internal messages carry whole tensors (one K/V layer of a long segment is tens of MiB).
-INTERNAL_GRPC_OPTIONS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
+# Internal messages carry whole tensors (one K/V layer of a long segment is tens of MiB). A peer
+# that restarts is dialled again within two seconds (gRPC's default backoff grows to two minutes).
+INTERNAL_GRPC_OPTIONS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30),
+                         ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                         ("grpc.max_reconnect_backoff_ms", 2000)]
 SECRET_BYTES = 32
 
 
@@ -125,9 +129,18 @@ class TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamC
         return continuation(self._details(client_call_details), request_iterator)
 
 
-def internal_channel(address: str) -> grpc.Channel:
+def retry_unavailable(service: str, attempts: int = 5) -> tuple[str, str]:
+    """The channel option that has gRPC retry calls of `service` that fail UNAVAILABLE before any
+    answer (a peer restarting: the channel reconnects within its backoff), for about 3 s."""
+    policy = {"maxAttempts": attempts, "initialBackoff": "0.25s", "maxBackoff": "1s", "backoffMultiplier": 2,
+              "retryableStatusCodes": ["UNAVAILABLE"]}
+    return "grpc.service_config", json.dumps({"methodConfig": [{"name": [{"service": service}],
+                                                                "retryPolicy": policy}]})
+
+
+def internal_channel(address: str, options: list | tuple = ()) -> grpc.Channel:
     """A channel to another member of the deployment; its calls carry the installed secret's token."""
-    channel = grpc.insecure_channel(address, options=INTERNAL_GRPC_OPTIONS)
+    channel = grpc.insecure_channel(address, options=[*INTERNAL_GRPC_OPTIONS, *options])
     if _installed is None:
         return channel
     return grpc.intercept_channel(channel, TokenClientInterceptor(_installed.token))

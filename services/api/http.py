@@ -78,7 +78,7 @@ async def start_server(app: web.Application, host: str, port: int, config: Runti
     # aiohttp's keep-alive timer runs while a connection has no whole request head, from its opening
     # as between requests, and data that trickles in does not reset it: it is the header timeout.
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                           keepalive_timeout=config.http_header_timeout_s)
+                           keepalive_timeout=config.http_header_timeout_s, shutdown_timeout=config.drain_grace_s)
     await runner.setup()
     await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     return runner

@@ -49,7 +49,24 @@ def add_serve_flags(p) -> None:
         help="scatter/combine: run synthetic requests through every kernel path before registering "
         "(/health answers 503 meanwhile); auto = on with --device cuda, where kernels compile on first use",
     )
+    p.add_argument("--die-with-parent", type=int, metavar="PID",
+                   help="exit (SIGTERM) when the process PID that started this one dies (`hybridcache up` "
+                   "gives its own pid)")
     add_config_flags(p)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel for SIGTERM when the parent dies (Linux PR_SET_PDEATHSIG; set after exec, so it
+    holds for this process), then exit now if it is already gone. The signal follows the parent
+    *thread* that started this process: `hybridcache up` starts every child from its main thread."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        raise SystemExit(0)
 
 
 def _engine(config, model_dir: str):
@@ -70,6 +87,8 @@ def _engine(config, model_dir: str):
 
 def serve(args) -> int:
     """Run the role until SIGINT/SIGTERM; a bad flag, model or port is one error line and status 2."""
+    if args.die_with_parent:
+        die_with_parent(args.die_with_parent)
     try:
         return _serve(args)
     except (ValueError, OSError) as e:
@@ -180,11 +199,16 @@ def _serve(args) -> int:
     stop.wait()
     directory.deregister(args.role, address)
     directory.close()
-    server.stop(grace=1.0).wait()
-    if combine is not None:
-        combine.close()
+    # The router drains: both doors stop listening at once, requests in flight get the grace period.
+    grace = config.drain_grace_s if args.role == "router" else 1.0
+    if args.role == "router":
+        log.info("draining: in-flight requests have %s s", grace)
+    stopped = server.stop(grace=grace)
     if http_runner is not None:
         http_runner()
+    stopped.wait()
+    if combine is not None:
+        combine.close()
     return 0
 
 
@@ -217,7 +241,8 @@ def _start_api(router, args, http_port: int, config):
     threading.Thread(target=loop.run_forever, name="http", daemon=True).start()
 
     def stop():
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=5)
+        # cleanup: stop listening, close idle connections, wait up to the drain grace for handlers
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=config.drain_grace_s + 5)
         loop.call_soon_threadsafe(loop.stop)
 
     return stop

@@ -26,7 +26,7 @@ from hybridcache.services.runtime.models.registry import config_from_dir
 from hybridcache.services.runtime.plan import Planner
 from hybridcache.services.runtime.sampling import GenerationDefaults, RequestError
 from hybridcache.services.runtime.tokenizer import Tokenizer
-from hybridcache.services.security import internal_channel
+from hybridcache.services.security import internal_channel, retry_unavailable
 from hybridcache.services.transport import transport_for_address
 
 log = logging.getLogger("hybridcache.router")
@@ -112,7 +112,8 @@ class Router:
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
-            self._channels[address] = internal_channel(address)
+            # a combine worker that restarts is waited for a few seconds before the answer is 503
+            self._channels[address] = internal_channel(address, [retry_unavailable("hybridcache.v1.Combine")])
         return self._channels[address]
 
     def _tier(self, address: str) -> CacheTierClient:

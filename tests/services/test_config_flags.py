@@ -4,7 +4,6 @@ forwards every field to the services that take it."""
 
 import argparse
 import dataclasses
-import io
 import subprocess
 import sys
 
@@ -108,11 +107,11 @@ def test_each_flag_parses_into_its_field():
 class _FakeProc:
     """Stands in for a `hybridcache serve` child: prints its ready line, stops on a signal."""
 
-    def __init__(self, cmd, env=None, **_):
+    def __init__(self, cmd, env=None, stdout=None, **_):
         self.cmd, self.env = cmd, env or {}
         self.pid = 0
         self.returncode = None
-        self.stdout = io.StringIO('{"ready": "x"}\n')
+        stdout.write(b'{"ready": "x"}\n')  # the child's log file
 
     def poll(self):
         return self.returncode

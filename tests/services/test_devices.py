@@ -3,7 +3,6 @@ forwards to each role, and the cache budgets sized from free device memory."""
 
 from __future__ import annotations
 
-import io
 import itertools
 
 import pytest
@@ -95,7 +94,7 @@ class _FakeProc:
     def __init__(self, cmd, stdout=None, stderr=None, text=None, env=None, start_new_session=None):
         self.cmd, self.env = cmd, env
         self.pid = next(self._pids)
-        self.stdout = io.StringIO('{"ready": "x"}\n')
+        stdout.write(b'{"ready": "x"}\n')  # the child's log file
         self.returncode = None
 
     def poll(self):
