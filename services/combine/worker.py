@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 from hybridcache.services.cache_tier.client import CacheTierClient
@@ -82,6 +83,7 @@ class CombineServicer(rpc.CombineServicer):
         self.prefill_tps = 0.0
         self.device = engine.model.device
         self.endpoint = local_endpoint(self.device)
+        self._no_device_path: set[str] = set()  # scatter workers whose CUDA IPC blocks could not be opened here
 
     def _accept(self, entry: SegmentEntry, segment: list[int]) -> bool:
         """Is a received entry (seal verified) the model's layout for this segment?"""
@@ -95,6 +97,14 @@ class CombineServicer(rpc.CombineServicer):
         """The engine's warm-up (Engine.warmup) with every request served by this worker's
         scheduler, the path its requests take (its per-step batches of cold builds, batched decode)."""
         return self.engine.warmup(run=self.scheduler.generate)
+
+    def receiver_for(self, address: str) -> Endpoint:
+        """This worker's Endpoint as sent to the scatter worker at `address`: without the GPUs it
+        can open once a device block from there failed to open (a container that cannot use CUDA
+        IPC after all), so that worker sends through host memory from then on."""
+        if address in self._no_device_path:
+            return replace(self.endpoint, gpus=())
+        return self.endpoint
 
     def close(self) -> None:
         self.scheduler.stop()
@@ -158,8 +168,8 @@ class CombineServicer(rpc.CombineServicer):
                 if address and address not in failed:
                     jobs[address] = self._pool.submit(prefill_on_scatter, address,
                                                       [(i, segments[i], owners.get(i, "")) for i in idx],
-                                                      request.cache_tier, trace_md, receiver=self.endpoint,
-                                                      device=self.device)
+                                                      request.cache_tier, trace_md,
+                                                      receiver=self.receiver_for(address), device=self.device)
             retry: list[int] = []
             for address, idx in pending.items():
                 got, asm = jobs[address].result() if address in jobs else ({}, None)
@@ -167,6 +177,10 @@ class CombineServicer(rpc.CombineServicer):
                     moved["scatter_bytes"] += asm.bytes_received
                     moved["scatter_seconds"] += asm.seconds
                     moved["scatter_path"] = asm.transport or moved["scatter_path"]
+                    if asm.device_errors and address not in self._no_device_path:
+                        self._no_device_path.add(address)
+                        log.warning("CUDA IPC from scatter worker %s failed (%s); it sends through host memory "
+                                    "from now on", address, asm.last_device_error)
                 for i in idx:
                     if i in got and got[i].key == keys.get(i) and self._accept(got[i], segments[i]):
                         pinned[got[i].key] = got[i]

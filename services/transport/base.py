@@ -14,7 +14,13 @@ import torch
 
 
 class TransportError(RuntimeError):
-    """Bytes could not be moved or read back (missing block, short read, checksum mismatch)."""
+    """Bytes could not be moved or read back (missing block, short read, checksum mismatch).
+    `unreachable`: the bytes could not be reached at all from here (a GPU this process cannot see,
+    a CUDA IPC handle it cannot open), as opposed to bytes that arrived wrong."""
+
+    def __init__(self, message: str, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class TensorTransport(ABC):

@@ -131,6 +131,10 @@ class EntryAssembler:
         # arrive and be checked once built (the sender builds a batch before streaming it)
         self.seconds = 0.0
         self.transport = ""  # the transport of the last header
+        # device blocks that could not be opened or copied here (not checksum mismatches): the
+        # receiver then asks that sender for host transports
+        self.device_errors = 0
+        self.last_device_error = ""
         # where cuda_ipc's block copies land (host transports' tensors arrive in host memory)
         self.device = device
 
@@ -156,7 +160,11 @@ class EntryAssembler:
                 except TransportError as e:
                     self._open.pop(i)
                     self._failed.add(i)
-                    metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
+                    if e.unreachable:
+                        self.device_errors += 1
+                        self.last_device_error = str(e)
+                    else:
+                        metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
                     return i, None, str(e)
             if chunk.header.num_tensors == 0:
                 return self._finish(i)

@@ -43,7 +43,8 @@ def local_index(uuid: str, gpus: tuple[str, ...] | None = None) -> int:
     """This process's index of the GPU with `uuid`; TransportError when it cannot see that GPU."""
     gpus = visible_gpus() if gpus is None else gpus
     if uuid not in gpus:
-        raise TransportError(f"the GPU {uuid or '?'} holding the entry is not visible to this process")
+        raise TransportError(f"the GPU {uuid or '?'} holding the entry is not visible to this process",
+                             unreachable=True)
     return gpus.index(uuid)
 
 
@@ -77,7 +78,7 @@ def open_shared(block, index: int) -> torch.Tensor:
                                    False, block.ref_counter_handle, block.ref_counter_offset,
                                    block.event_handle or None, block.event_sync_required)
     except (RuntimeError, OSError) as e:
-        raise TransportError(f"cannot open the CUDA IPC handle: {e}") from None
+        raise TransportError(f"cannot open the CUDA IPC handle: {e}", unreachable=True) from None
 
 
 class CudaIpcTransport(TensorTransport):

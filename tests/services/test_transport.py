@@ -145,10 +145,12 @@ def test_cuda_ipc_corruption_and_refusals(entries, fake_ipc, monkeypatch):
     bad = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
     bad[0].header.checksum = "hmac-sha256-dev:" + "0" * 64
     assert "seal does not verify" in list(read_entries(bad))[0][2]
-    # the sender's GPU is not visible here
+    # the sender's GPU is not visible here: unreachable, which the receiver counts apart
     monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: (GPU_B,))
-    res = list(read_entries(chunks))[0]
-    assert res[1] is None and "not visible" in res[2]
+    asm = EntryAssembler()
+    res = [r for c in chunks if (r := asm.feed(c)) is not None]
+    assert len(res) == 1 and res[0][1] is None and "not visible" in res[0][2]
+    assert asm.device_errors == 1 and "not visible" in asm.last_device_error
     # a failed entry leaves the assembler usable for the next one
     monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: (GPU_A,))
     asm = EntryAssembler()
@@ -167,6 +169,48 @@ def test_cuda_ipc_seal_is_bound_to_the_deployment_secret(entries, fake_ipc):
         assert "seal does not verify" in list(read_entries(chunks))[0][2]
     finally:
         security.install(None)
+
+
+def test_combine_worker_stops_offering_cuda_ipc_to_a_sender_it_failed_with(engine, fake_ipc, monkeypatch):
+    """A scatter worker (in-process gRPC) sends device blocks of a GPU the combine worker cannot
+    see: the entries are missing (rebuilt elsewhere), and the next Prefill to that worker carries
+    an Endpoint without GPUs, so that it picks a host transport."""
+    from concurrent import futures
+
+    import grpc
+    from hybridcache.services.combine.worker import CombineServicer
+    from hybridcache.services.launcher import free_port
+    from hybridcache.services.protocol import rpc
+
+    monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: (GPU_B,))  # GPU_A's blocks cannot be opened
+    asked = []
+
+    class Scatter(rpc.ScatterServicer):
+        def Prefill(self, request, context):
+            asked.append(Endpoint.from_pb(request.receiver))
+            transport = get_transport("cuda_ipc")
+            for seg in request.segments:
+                yield from entry_chunks(engine.build_entry(list(seg.token_ids)), seg.index, transport)
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    rpc.add_ScatterServicer_to_server(Scatter(), server)
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    combine = CombineServicer(engine)
+    try:
+        combine.endpoint = ep(device=GPU_B, gpus=(GPU_B, GPU_A))  # claims it can see both
+        segments = [list(range(20, 70))]
+        request = pb.CombineRequest(plan=[pb.SegmentPlan(index=0, key=engine.entry_key(segments[0]), source="scatter",
+                                                         address=address)])
+        pinned, source, moved = combine._gather(request, segments)
+        assert pinned == {} and source == {} and moved["scatter_path"] == "cuda_ipc"
+        assert asked[0].gpus == (GPU_B, GPU_A) and address in combine._no_device_path
+        combine._gather(request, segments)
+        assert asked[1].gpus == () and choose_transport(ep(device=GPU_A), asked[1]) != "cuda_ipc"
+    finally:
+        combine.close()
+        server.stop(0)
 
 
 def test_cuda_ipc_refuses_host_tensors():
