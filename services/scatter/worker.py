@@ -31,6 +31,19 @@ from hybridcache.services.transport.codec import entry_chunks
 FAULT_EXIT_AFTER = int(os.environ.get("HYBRIDCACHE_FAULT_EXIT_AFTER_ENTRIES", "0"))
 
 
+def _ready_event(engine: Engine):
+    """A CUDA event recorded after the work queued so far (the batch just built) on a CUDA
+    engine, None otherwise: a device transport packs the batch's entries once it has passed,
+    without waiting for the next batch queued behind it."""
+    import torch
+
+    if engine.model.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 @dataclass(slots=True)
 class _Job:
     """One segment of one Prefill call; its result goes to the call's queue."""
@@ -127,9 +140,12 @@ class ScatterServicer(rpc.ScatterServicer):
             with tracing.tracer().start_as_current_span("scatter.build_entries", context=jobs[0].ctx) as span:
                 span.set_attribute("hybridcache.segments", len(by_ids))
                 entries = self.engine.build_entries([list(ids) for ids in by_ids])
+            ready = _ready_event(self.engine)
             self.builds.append(len(by_ids))
             for js, entry in zip(by_ids.values(), entries):
                 metrics.ENTRY_BUILD_SECONDS.observe(entry.build_seconds)
+                if ready is not None:
+                    entry.meta["cuda_ready"] = ready
                 for job in js:
                     job.out.put((job.segment.index, entry, ""))
             return

@@ -19,7 +19,7 @@ import torch
 from hybridcache.services.observability import metrics
 from hybridcache.services.protocol import pb
 from hybridcache.services.runtime.cache import SegmentEntry
-from hybridcache.services.runtime.packing import pack, padded
+from hybridcache.services.runtime.packing import padded
 from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
 from hybridcache.services.transport.base import TensorTransport, TransportError
 from hybridcache.services.transport.cuda_ipc import device_seal, receive_block, verify_device_seal
@@ -57,7 +57,8 @@ def _block_chunks(entry: SegmentEntry, index: int, transport) -> Iterator[pb.Ent
     """The entry as one device block in its header, sealed over its layout and the block's device
     checksum (cuda_ipc.device_seal), then one metadata-only TensorChunk per tensor (its offset in
     the block)."""
-    tensors = [(layer, name, t.detach().contiguous()) for layer, name, t in layer_tensors(entry.data)]
+    # not made contiguous here: the transport packs them on its own stream, after `cuda_ready`
+    tensors = [(layer, name, t.detach()) for layer, name, t in layer_tensors(entry.data)]
     header = _header(entry, len(tensors), transport, "")
     chunks, off = [], 0
     for layer, name, t in tensors:
@@ -65,7 +66,7 @@ def _block_chunks(entry: SegmentEntry, index: int, transport) -> Iterator[pb.Ent
         chunks.append(pb.TensorChunk(layer=layer, name=name, dtype=str(t.dtype).removeprefix("torch."),
                                      shape=list(t.shape), nbytes=n, block_offset=off))
         off += padded(n)
-    transport.write_block(header.block, pack(t for _, _, t in tensors))
+    transport.write_entry(header.block, [t for _, _, t in tensors], ready=entry.meta.get("cuda_ready"))
     header.checksum = device_seal(header, [_spec(c) for c in chunks], header.block)
     yield pb.EntryChunk(segment_index=index, header=header)
     for c in chunks:

@@ -19,11 +19,13 @@ transport choice (services/transport/__init__.py) checks exactly that from the t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
+from hybridcache.services.runtime.packing import pack
 from hybridcache.services.transport.base import TensorTransport, TransportError
-from hybridcache.services.transport.checksum import checksum_text, device_checksum, device_checksum_sums
+from hybridcache.services.transport.checksum import checksum_text, device_checksum_sums
 
 
 def device_uuid(index: int) -> str:
@@ -82,26 +84,33 @@ def open_shared(block, index: int) -> torch.Tensor:
 
 
 class CudaIpcTransport(TensorTransport):
-    """Exports whole entries as device blocks (write_block); one instance per stream. `share` is
+    """Exports whole entries as device blocks (write_entry); one instance per stream. `share` is
     how a buffer is exported (the module's share: torch's CUDA IPC)."""
 
     name = "cuda_ipc"
-    packs_entries = True  # the codec packs an entry into one buffer and calls write_block
+    packs_entries = True  # the codec hands it whole entries (write_entry)
 
     def __init__(self, share=None):
         self._share = share
         self._moved = 0
 
     def write(self, chunk, tensor: torch.Tensor) -> None:
-        raise TransportError("cuda_ipc moves whole entries: the codec calls write_block")
+        raise TransportError("cuda_ipc moves whole entries: the codec calls write_entry")
 
-    def write_block(self, block, buf: torch.Tensor) -> None:
-        """Export `buf` (uint8, on the GPU) into `block` with its device checksum. The sender may
-        drop `buf` afterwards: torch holds the allocation until the receiver has released it."""
-        block.nbytes = buf.numel()
-        block.checksum = device_checksum(buf)
-        (self._share or globals()["share"])(buf, block)
-        self._moved += buf.numel()
+    def write_entry(self, block, tensors: list[torch.Tensor], ready=None) -> None:
+        """Pack `tensors` into one buffer, export it into `block` with its device checksum. On CUDA
+        this runs on a side stream that waits only for `ready` (a CUDA event recorded once the
+        tensors were computed): the builder's next batch, queued on the default stream meanwhile,
+        neither delays this entry's export nor is waited for by its checksum. The sender may drop
+        everything afterwards: torch holds the buffer's allocation until the receiver released it."""
+        with _side_stream(tensors[0].device if tensors else None, ready):
+            buf = pack(tensors)
+            block.nbytes = buf.numel()
+            sums = device_checksum_sums(buf)
+            # torch records the IPC event on the current (side) stream: after the pack
+            (self._share or globals()["share"])(buf, block)
+            block.checksum = checksum_text(sums)
+        self._moved += block.nbytes
 
     def close(self) -> None:
         # blocks the receivers released wait in torch's IPC limbo until collected
@@ -114,19 +123,49 @@ class CudaIpcTransport(TensorTransport):
 
 def receive_block(block, device) -> torch.Tensor:
     """A copy of the block's bytes in this process's memory on `device`, checked against the
-    block's checksum; the mapping of the sender's memory is released before returning."""
+    block's checksum; the mapping of the sender's memory is released before returning. On CUDA
+    the copy and the checksum run on a side stream, so that they wait neither for nor behind the
+    model's work on the default stream; the copy is marked in use by the default stream, where
+    the engine reads it."""
     if block.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8, device=device)
     src = open_shared(block, local_index(block.device_uuid))
     if src.numel() != block.nbytes:
         raise TransportError(f"device block holds {src.numel()} bytes, the header says {block.nbytes}")
-    own = torch.empty(block.nbytes, dtype=torch.uint8, device=device)
-    own.copy_(src)
-    sums = device_checksum_sums(own)
-    del src  # unmaps (the sender's reference counter drops once the copy has run: torch syncs)
-    if checksum_text(sums) != block.checksum:
+    dev = torch.device(device)
+    with _side_stream(dev if dev.type == "cuda" else None):
+        own = torch.empty(block.nbytes, dtype=torch.uint8, device=dev)
+        own.copy_(src)
+        sums = device_checksum_sums(own)
+        del src  # unmaps (torch syncs this stream first, then drops the sender's reference counter)
+        ok = checksum_text(sums) == block.checksum
+        if dev.type == "cuda":
+            own.record_stream(torch.cuda.default_stream(dev))
+    if not ok:
         raise TransportError("device block: checksum mismatch")
     return own
+
+
+_SIDE: dict = {}
+
+
+@contextlib.contextmanager
+def _side_stream(device, ready=None):
+    """A per-device side stream made current (after waiting for the event `ready`), or nothing
+    off CUDA."""
+    if device is None or torch.device(device).type != "cuda":
+        yield
+        return
+    device = torch.device(device)
+    stream = _SIDE.get(device)
+    if stream is None:
+        stream = _SIDE.setdefault(device, torch.cuda.Stream(device))
+    if ready is not None:
+        stream.wait_event(ready)
+    else:
+        stream.wait_stream(torch.cuda.default_stream(device))
+    with torch.cuda.stream(stream):
+        yield
 
 
 DEVICE_SEAL_PREFIX = "hmac-sha256-dev:"
