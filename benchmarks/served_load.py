@@ -11,7 +11,7 @@ Two scenarios, either or both (`--scenario streams,rag`):
   stack is restarted for each when this script starts it), after warm-up requests that show every
   document once. The rates run ascending; a rate meets the SLO when every request completed and
   the p50 TTFT is within --slo-ttft-s, and the QPS at the SLO is the highest rate met before the
-  first one missed (the sweep stops there). Figures: `served_qps_at_slo_pic_vs_prefix`,
+  first one missed (the sweep stops there; 0 when the lowest misses). Figures: `served_qps_at_slo_pic_vs_prefix`,
   `served_qps_at_slo_pic_vs_full` (and `served_qps_at_slo_<mode>`).
 
 The stack is `hybridcache up --model M --port P` with --up-args added (the script waits for its
@@ -239,8 +239,8 @@ def warmup_requests(args) -> list[dict]:
 
 
 def run_rag(host, port, args, mode: str) -> dict:
-    """The sweep, rates ascending, until a rate misses the SLO after one met it (the rates above
-    would miss it too); the QPS at the SLO is the highest rate met before that."""
+    """The sweep, rates ascending, until a rate misses the SLO (the rates above would miss it
+    too); the QPS at the SLO is the highest rate met before that, 0 when the lowest misses."""
     for body in warmup_requests(args):  # one at a time
         send(host, port, body, args.timeout_s)
     sweep, qps = {}, 0.0
@@ -251,10 +251,9 @@ def run_rag(host, port, args, mode: str) -> dict:
         s["meets_slo"] = met
         print(f"served_load: rag {mode} at {rate}/s: p50 TTFT {s['ttft_ms'].get('p50')} ms, "
               f"{s['requests_per_s']} req/s, {s['rejected_429']} refused", file=sys.stderr, flush=True)
-        if met:
-            qps = rate
-        elif qps > 0:
+        if not met:
             break
+        qps = rate
     return {"sweep": sweep, "qps_at_slo": qps}
 
 
