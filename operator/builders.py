@@ -12,6 +12,7 @@ from typing import Any
 
 from hybridcache.operator.spec import HybridCacheSpec, RoleSpec
 from hybridcache.services import contract
+from hybridcache.services.config import config_fields, flag_name
 
 MANAGER = "hybridcache-operator"
 CONFIG_HASH_ANNOTATION = f"{contract.API_GROUP}/config-hash"
@@ -94,6 +95,12 @@ def serve_args(spec: HybridCacheSpec, name: str, role: RoleSpec) -> list[str]:
         ]
     if spec.observability.otlp_endpoint:
         args += ["--otlp-endpoint", spec.observability.otlp_endpoint]
+    # each cache budget to the roles whose processes hold that cache (the config field's roles)
+    budget_fields = {f.name: f for f in config_fields()}
+    for name, value in sorted(spec.cache.budgets.items()):
+        f = budget_fields[name]
+        if role.name in f.metadata["roles"]:
+            args += [flag_name(f), str(value)]
     return args
 
 

@@ -200,6 +200,31 @@ class ObservabilitySpec:
         )
 
 
+# spec.cache fields -> the RuntimeConfig fields (services/config.py) they set
+CACHE_BUDGETS = {"entryBytes": "entry_cache_bytes", "prefixBytes": "prefix_cache_bytes",
+                 "hostBytes": "host_cache_bytes", "kvBytes": "kv_cache_bytes", "tierBytes": "tier_cache_bytes"}
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Cache budgets in bytes, by RuntimeConfig field name; absent ones are left to each process."""
+
+    budgets: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> CacheSpec:
+        raw = raw or {}
+        unknown = sorted(set(raw) - set(CACHE_BUDGETS))
+        if unknown:
+            raise SpecError(f"unknown spec.cache field(s): {', '.join(unknown)}")
+        budgets = {}
+        for name, value in raw.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "hostBytes" else 1):
+                raise SpecError(f"spec.cache.{name} must be a positive number of bytes, got {value!r}")
+            budgets[CACHE_BUDGETS[name]] = value
+        return cls(budgets)
+
+
 @dataclass(frozen=True)
 class AuthSpec:
     """The router's API key, by Secret reference (the operator never reads its value)."""
@@ -268,6 +293,7 @@ class HybridCacheSpec:
     etcd_endpoints: tuple[str, ...] = ()
     observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
     auth: AuthSpec = field(default_factory=AuthSpec)
+    cache: CacheSpec = field(default_factory=CacheSpec)
     paused: bool = False
 
     @property
@@ -309,6 +335,7 @@ class HybridCacheSpec:
             etcd_endpoints=tuple((raw.get("etcd") or {}).get("endpoints") or ()),
             observability=ObservabilitySpec.parse(raw.get("observability")),
             auth=AuthSpec.parse(raw.get("auth")),
+            cache=CacheSpec.parse(raw.get("cache")),
             paused=bool(raw.get("paused", False)),
         )
         if spec.cache_tier.replicas > 1 and not spec.etcd_endpoints:

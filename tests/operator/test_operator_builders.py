@@ -98,6 +98,34 @@ def test_api_key_comes_from_the_referenced_secret_into_the_router_only():
     assert default_key.auth.api_key_key == "apiKey"
 
 
+def test_cache_budgets_go_to_the_roles_that_hold_each_cache():
+    budgets = {"entryBytes": 1 << 30, "prefixBytes": 1 << 29, "hostBytes": 0, "kvBytes": 1 << 31, "tierBytes": 1 << 34}
+    spec = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}, "cache": budgets})
+
+    def flags(obj):
+        args = container(obj)["args"]
+        return {a: args[i + 1] for i, a in enumerate(args) if a.endswith("-bytes")}
+
+    assert flags(builders.combine_deployment(spec, NAME)) == {
+        "--entry-cache-bytes": str(1 << 30), "--prefix-cache-bytes": str(1 << 29), "--host-cache-bytes": "0",
+        "--kv-cache-bytes": str(1 << 31)}
+    assert flags(builders.scatter_deployment(spec, NAME, 1)) == {
+        "--entry-cache-bytes": str(1 << 30), "--prefix-cache-bytes": str(1 << 29), "--host-cache-bytes": "0"}
+    assert flags(builders.cache_tier_statefulset(spec, NAME)) == {"--cache-bytes": str(1 << 34)}
+    assert flags(builders.router_deployment(spec, NAME)) == {}
+    # what the builders pass, serve parses into those fields
+    from hybridcache.services.cli import build_parser
+    from hybridcache.services.config import config_from_args
+
+    args = container(builders.combine_deployment(spec, NAME))["args"]
+    parsed = config_from_args(build_parser().parse_args([a.replace("$(POD_IP)", "10.0.0.1") for a in args]))
+    assert (parsed.entry_cache_bytes, parsed.kv_cache_bytes) == (1 << 30, 1 << 31)
+    assert not flags(builders.combine_deployment(CPU, NAME))
+    for bad in ({"entryBytes": 0}, {"tierBytes": "1Gi"}, {"bogus": 1}):
+        with pytest.raises(Exception, match="spec.cache"):
+            HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}, "cache": bad})
+
+
 def test_router_deployment():
     obj = builders.router_deployment(GPU, NAME)
     assert obj["metadata"]["name"] == "demo-router" and obj["spec"]["replicas"] == 2
