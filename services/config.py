@@ -133,6 +133,10 @@ class RuntimeConfig:
     max_model_len: int | None = setting(
         None, "router: longest prompt plus max_new_tokens accepted (default and ceiling: the model's "
         "max_position_embeddings)", roles=("router",), type=int)
+    chat_template: str | None = setting(
+        None, "router: a Jinja chat template file for /v1/chat/completions (default: the model directory's "
+        "tokenizer_config.json chat_template, else its chat_template.jinja)", roles=("router",), type=str,
+        metavar="FILE")
     max_request_bytes: int = setting(
         4 << 20, "router: largest HTTP request body and gRPC Inference message read; a larger one is refused "
         "before it is read or parsed (HTTP 413, gRPC RESOURCE_EXHAUSTED)", roles=("router",))

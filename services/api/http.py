@@ -24,7 +24,8 @@ import time
 import uuid
 
 from aiohttp import web
-from hybridcache.services.api.openai_compat import chat_to_native, completion_to_native, sglang_to_native
+from hybridcache.services.api.chat_template import ChatTemplate
+from hybridcache.services.api.openai_compat import NO_TEMPLATE, chat_to_native, completion_to_native, sglang_to_native
 from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.observability import metrics
 from hybridcache.services.router.router import Overloaded, Router, ServiceUnavailable, StreamControl
@@ -141,11 +142,14 @@ def api_key_check(api_key: str):
 
 class Api:
     def __init__(self, router: Router, served_model: str, config: RuntimeConfig | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, chat_template: ChatTemplate | None = None):
         self.router = router
         self.served_model = served_model
         self.config = config or router.runtime
         self.api_key = api_key
+        # the model's chat template (None: chats are concatenated texts, as the stats say)
+        self.chat_template = chat_template
+        self.chat_template_source = chat_template.source if chat_template else NO_TEMPLATE
 
     def app(self) -> web.Application:
         middlewares = [json_errors] + ([api_key_check(self.api_key)] if self.api_key else [])
@@ -264,13 +268,17 @@ class Api:
                 "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)}}
 
     async def chat(self, request):
-        return await self._handle(request, chat_to_native, self._chat_respond)
+        def convert(body):
+            return chat_to_native(body, self.chat_template, self.router.planner.tokenizer)
+
+        return await self._handle(request, convert, self._chat_respond)
 
     async def _chat_respond(self, request, req, stream, body):
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.served_model}
         if not stream:
             text, ids, finish, stats = await self._collect(request, req)
+            stats["chat_template"] = self.chat_template_source
             return web.json_response(dict(base, object="chat.completion", choices=[
                 {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
                 usage=self._usage(req, len(ids), stats), hybridcache=stats))
@@ -279,6 +287,7 @@ class Api:
             chunk = dict(base, object="chat.completion.chunk")
             if c.done:
                 stats = json.loads(c.stats_json or "{}")
+                stats["chat_template"] = self.chat_template_source
                 chunk.update(choices=[{"index": 0, "delta": {}, "finish_reason": c.finish_reason}],
                              usage=self._usage(req, n, stats), hybridcache=stats)
             else:

@@ -3,11 +3,16 @@ mapped onto the engine's native request ({"system", "segments", "suffix", "sampl
 
 Segmentation: each text part of a message's content list is one segment; a message whose content
 is a string is one segment; the last part of the last message is the suffix (the question). An
-optional `separator` string splits parts further. `segments` may also be given directly.
+optional `separator` string splits parts further. `segments` may also be given directly. A chat
+with the model's chat template keeps those segments and puts the template's markup around them
+(api/chat_template.py).
 """
 
 from __future__ import annotations
 
+import json
+
+from hybridcache.services.api.chat_template import ChatTemplate, mark
 from hybridcache.services.runtime.sampling import RequestError
 
 # Fields clients send that change nothing here (accepted and ignored).
@@ -84,17 +89,47 @@ def _text_parts(content, where: str) -> list[str]:
     raise RequestError(f"{where}.content must be a string or a list of text parts")
 
 
-def chat_to_native(body: dict) -> dict:
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+NO_TEMPLATE = "none: message texts concatenated without roles (the model has no chat template)"
+
+
+def chat_to_native(body: dict, template: ChatTemplate | None = None, tokenizer=None) -> dict:
+    """A chat request as the engine's native request. With a chat template (and the tokenizer)
+    the prompt is the rendered template in token ids (chat_template.ChatTemplate.prompt); without
+    one, system texts are the prefix, every other text part a segment, the last one the suffix."""
     _check_fields(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-                         "seed", "stop", "n", "stream", "separator"} | _OPENAI_IGNORED, "the request")
+                         "seed", "stop", "n", "stream", "separator", "tools", "tool_choice"} | _OPENAI_IGNORED,
+                  "the request")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
     sep = _separator(body)
-    system, parts = [], []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a role")
+        if template is not None and m["role"] not in _ROLES:
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(_ROLES)}")
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise RequestError("tools must be a list of objects")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError("tool_choice must be 'auto' or 'none' (a required or named tool is not supported)")
+    if choice == "none":
+        tools = None
+    if template is None:
+        if tools:
+            raise RequestError("tools need a chat template, and the served model has none (--chat-template FILE)")
+        return _chat_without_template(messages, sep, body)
+    marked, texts = _marked_messages(messages, sep)
+    native = template.prompt(marked, texts, tokenizer, tools=tools).native()
+    native["sampling_params"] = openai_sampling(body)
+    return native
+
+
+def _chat_without_template(messages: list, sep: str | None, body: dict) -> dict:
+    system, parts = [], []
+    for i, m in enumerate(messages):
         texts = _text_parts(m.get("content"), f"messages[{i}]")
         if m["role"] in ("system", "developer"):
             system += texts
@@ -106,6 +141,53 @@ def chat_to_native(body: dict) -> dict:
         raise RequestError("the messages hold no text")
     return {"system": "".join(system), "segments": parts[:-1], "suffix": parts[-1],
             "sampling_params": openai_sampling(body)}
+
+
+def _marked_messages(messages: list, sep: str | None) -> tuple[list[dict], list[str]]:
+    """The messages for the template with chat_template.mark(k) in place of each text that may be
+    a segment (text parts of user, assistant and tool messages; a separator splits them further),
+    and those texts. Assistant tool calls carry their arguments as objects, as templates expect."""
+    texts: list[str] = []
+
+    def marked_text(text: str) -> str:
+        pieces = text.split(sep) if sep else [text]
+        out = []
+        for p in pieces:
+            if p:
+                texts.append(p)
+                out.append(mark(len(texts) - 1))
+            else:
+                out.append("")
+        return (sep or "").join(out)
+
+    out = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        content = m.get("content")
+        segmentable = m["role"] not in ("system", "developer")
+        if content is None and m["role"] == "assistant":
+            pass
+        elif isinstance(content, str):
+            m["content"] = marked_text(content) if segmentable else content
+        else:
+            texts_here = _text_parts(content, f"messages[{i}]")
+            m["content"] = [{"type": "text", "text": marked_text(t) if segmentable else t} for t in texts_here]
+        if isinstance(m.get("tool_calls"), list):
+            m["tool_calls"] = [_tool_call_for_template(c) for c in m["tool_calls"]]
+        out.append(m)
+    return out, texts
+
+
+def _tool_call_for_template(call):
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise RequestError("tool_calls must be objects with a function")
+    fn = dict(call["function"])
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            raise RequestError("tool_calls[].function.arguments must be a JSON object") from None
+    return dict(call, function=fn)
 
 
 def completion_to_native(body: dict) -> dict:

@@ -236,7 +236,11 @@ def _start_api(router, args, http_port: int, config):
     from hybridcache.services.api.http import Api, start_server
 
     loop = asyncio.new_event_loop()
-    api = Api(router, served_model=Path(args.model).name, config=config, api_key=config.api_key)
+    from hybridcache.services.api.chat_template import ChatTemplate
+
+    template = ChatTemplate.load(args.model, config.chat_template)
+    api = Api(router, served_model=Path(args.model).name, config=config, api_key=config.api_key,
+              chat_template=template)
     runner = loop.run_until_complete(start_server(api.app(), args.host, http_port, config, _tls_context(config)))
     threading.Thread(target=loop.run_forever, name="http", daemon=True).start()
 

@@ -215,7 +215,8 @@ class CombineServicer(rpc.CombineServicer):
             sampling = json.loads(request.sampling_json) if request.sampling_json else {}
             segments = [list(s.token_ids) for s in sorted(request.segments, key=lambda s: s.index)]
             req = self.engine.parse_request({"system": list(request.system_ids), "segments": segments,
-                                             "suffix": list(request.suffix_ids), "sampling_params": sampling})
+                                             "suffix": list(request.suffix_ids), "sampling_params": sampling,
+                                             "live_segments": [s.index for s in request.segments if s.live]})
         except (RequestError, ValueError) as e:
             yield pb.TokenChunk(done=True, error=str(e), status=400)
             return

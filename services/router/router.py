@@ -248,7 +248,7 @@ class Router:
             combine = combines[next(self._rr) % len(combines)]
             creq = pb.CombineRequest(
                 request_id=uuid.uuid4().hex, system_ids=req.system_ids,
-                segments=[pb.Segment(index=i, token_ids=s) for i, s in enumerate(req.segment_ids)],
+                segments=[pb.Segment(index=i, token_ids=s, live=i in req.live) for i, s in enumerate(req.segment_ids)],
                 suffix_ids=req.suffix_ids, sampling_json=json.dumps(_sampling_dict(req.sampling)), plan=plan,
                 scatter_workers=self.directory.members("scatter"),
                 cache_tier=self.directory.owner(plan[0].key) or "" if plan else (tiers[0] if tiers else ""))

@@ -334,7 +334,7 @@ class Engine:
             if part_start + len(ids) > state.length:
                 first, skip = j, state.length - part_start
                 break
-            if kind == "segment":
+            if kind in ("segment", "live"):
                 seg_stats.append(SegmentStat(len(ids), True, "prefix"))
             part_start += len(ids)
 
@@ -385,7 +385,7 @@ class Engine:
             else:
                 layout += self._live_runs(t, pos)
                 stats.live_tokens += len(t)
-                if kind == "segment":
+                if kind in ("segment", "live"):
                     seg_stats.append(SegmentStat(len(ids), False, "live"))
             pos += len(t)
             boundary[len(layout) - 1] = j

@@ -58,6 +58,9 @@ class Request:
     segment_ids: list[list[int]]
     suffix_ids: list[int]
     sampling: SamplingParams
+    # indices of segments that always run live, never cached (a chat template's markup between
+    # content parts): their part kind is "live"
+    live: frozenset[int] = frozenset()
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -68,7 +71,7 @@ class Request:
 
     def parts(self) -> list[tuple[str, list[int]]]:
         parts = [("system", self.system_ids)] if self.system_ids else []
-        parts += [("segment", s) for s in self.segment_ids]
+        parts += [("live" if i in self.live else "segment", s) for i, s in enumerate(self.segment_ids)]
         if self.suffix_ids:
             parts.append(("suffix", self.suffix_ids))
         return parts
@@ -113,7 +116,7 @@ class Planner:
         """Validate a request object ({"system", "segments", "suffix", "sampling_params"})."""
         if not isinstance(obj, dict):
             raise RequestError("a request must be a JSON object")
-        unknown = sorted(set(obj) - {"system", "segments", "suffix", "sampling_params", "id", "mode"})
+        unknown = sorted(set(obj) - {"system", "segments", "suffix", "sampling_params", "id", "mode", "live_segments"})
         if unknown:
             raise RequestError(f"unknown request field(s): {', '.join(unknown)}")
         segments = obj.get("segments", [])
@@ -146,7 +149,12 @@ class Planner:
             if n >= limit:
                 raise RequestError(f"prompt of {n} tokens leaves no room to generate within {self._limit_name()}")
             sampling = replace(sampling, max_new_tokens=limit - n)
-        req = Request(system_ids, seg_ids, suffix_ids, sampling)
+        live = obj.get("live_segments") or []
+        if not isinstance(live, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(seg_ids) for i in live
+        ):
+            raise RequestError("live_segments must be a list of segment indices")
+        req = Request(system_ids, seg_ids, suffix_ids, sampling, frozenset(live))
         if n + sampling.max_new_tokens > limit:
             raise RequestError(
                 f"prompt of {n} tokens plus max_new_tokens {sampling.max_new_tokens} exceeds "
@@ -242,6 +250,6 @@ class Planner:
         out = []
         for i, ids in enumerate(req.segment_ids):
             last = not req.suffix_ids and i == len(req.segment_ids) - 1
-            if not last and self.cacheable(ids):
+            if not last and i not in req.live and self.cacheable(ids):
                 out.append(PlannedSegment(i, ids, self.entry_key(ids), self.entry_nbytes(len(ids))))
         return out

@@ -318,12 +318,8 @@ class Scheduler:
         """Tokens the assembly runs live: every prompt token but the reusable segments' bodies."""
         cfg, eng = self.engine.config, self.engine
         n = len(req.prompt_ids)
-        if not cfg.uses_entries:
-            return n
-        last = len(req.segment_ids) - 1 if not req.suffix_ids else -1
-        for j, ids in enumerate(req.segment_ids):
-            if j != last and eng.cacheable(ids):
-                n -= len(ids) - cfg.seam_window
+        for seg in eng.planner.reused_segments(req):
+            n -= len(seg.token_ids) - cfg.seam_window
         return max(n, 1)
 
     def _reap_cancelled(self) -> None:
@@ -358,14 +354,10 @@ class Scheduler:
         eng = self.engine
         if not eng.config.uses_entries:
             return {}
-        req, out = seq.req, {}
-        last = len(req.segment_ids) - 1 if not req.suffix_ids else -1
-        for j, ids in enumerate(req.segment_ids):
-            if j == last or not eng.cacheable(ids):
-                continue
-            key = eng.entry_key(ids)
-            if key not in seq.pinned and not eng.entries.contains(key):
-                out[key] = ids
+        out = {}
+        for seg in eng.planner.reused_segments(seq.req):
+            if seg.key not in seq.pinned and not eng.entries.contains(seg.key):
+                out[seg.key] = seg.token_ids
         return out
 
     def _prefill_step(self) -> None:

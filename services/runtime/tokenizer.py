@@ -64,6 +64,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str):
+        """The `tokenizers` Encoding of text: .ids and .offsets (character spans of each token)."""
+        return self.tok.encode(text, add_special_tokens=False)
+
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
