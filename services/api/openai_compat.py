@@ -15,20 +15,40 @@ import json
 from hybridcache.services.api.chat_template import ChatTemplate, mark
 from hybridcache.services.runtime.sampling import RequestError
 
-# Fields clients send that change nothing here (accepted and ignored).
-_OPENAI_IGNORED = {"user", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
-                   "stream_options", "response_format", "service_tier", "store", "metadata", "parallel_tool_calls",
-                   "echo", "best_of", "suffix_text", "reasoning_effort", "modalities"}
+# Fields clients send that this server does not implement. Each is accepted only when absent, null
+# or at a value listed here (of that type: `true` is not 1), the one that asks for nothing; any
+# other value is refused, never silently ignored. Fields listed with no value must be null.
+_OFF = {
+    "frequency_penalty": (0.0, 0), "presence_penalty": (0.0, 0), "logit_bias": ({},), "logprobs": (False,),
+    "top_logprobs": (0,), "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,),
+    "suffix_text": ("",), "reasoning_effort": (), "modalities": (["text"],),
+    "return_logprob": (False,), "logprob_start_len": (-1,), "top_logprobs_num": (0,), "token_ids_logprob": (),
+    "return_text_in_logprobs": (False, True), "image_data": (), "video_data": (), "audio_data": (), "lora_path": (),
+    "custom_logit_processor": (), "return_hidden_states": (False,), "bootstrap_host": (), "bootstrap_port": (),
+    "bootstrap_room": (), "session_params": (), "data_parallel_rank": (),
+}
+# Fields that change nothing in the answer (identifiers, storage and routing hints): accepted.
+_OPENAI_IGNORED = {"user", "stream_options", "service_tier", "store", "metadata", "parallel_tool_calls",
+                   "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
+                   "response_format", "echo", "best_of", "suffix_text", "reasoning_effort", "modalities"}
 _SGLANG_IGNORED = {"rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
                    "return_text_in_logprobs", "image_data", "video_data", "audio_data", "lora_path", "modalities",
                    "custom_logit_processor", "return_hidden_states", "bootstrap_host", "bootstrap_port",
                    "bootstrap_room", "session_params", "log_metrics", "data_parallel_rank"}
 
 
+def _is_off(value, offs: tuple) -> bool:
+    return value is None or any(type(value) is type(o) and value == o for o in offs)
+
+
 def _check_fields(body: dict, known: set[str], what: str) -> None:
     unknown = sorted(set(body) - known)
     if unknown:
         raise RequestError(f"unknown field(s) in {what}: {', '.join(unknown)}")
+    for name in sorted(set(body) & set(_OFF)):
+        if not _is_off(body[name], _OFF[name]):
+            off = f" (only {', '.join(json.dumps(o) for o in _OFF[name])} or null)" if _OFF[name] else " (only null)"
+            raise RequestError(f"{name}={json.dumps(body[name])[:60]} is not supported by this server{off}")
 
 
 def _split(text: str, separator: str | None) -> list[str]:

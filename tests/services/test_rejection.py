@@ -44,6 +44,11 @@ HTTP_CASES = {
                       400, "segments"),
     "generate-n-true": ("/generate", {"text": "q", "sampling_params": {"n": True}}, 400, "n=True"),
     "chat-n-true": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "n": True}, 400, "n"),
+    "frequency-penalty": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
+                                                   "frequency_penalty": 0.5}, 400, "frequency_penalty=0.5"),
+    "logit-bias": ("/v1/completions", {"prompt": "q", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    "best-of-true": ("/v1/completions", {"prompt": "q", "best_of": True}, 400, "best_of"),
+    "image-data": ("/generate", {"text": "q", "image_data": "aGk="}, 400, "image_data"),
     "not-an-object": ("/generate", b"[1, 2]", 400, "object"),
     "sampling-not-an-object": ("/generate", {"text": "q", "sampling_params": [1]}, 400, "sampling_params"),
     "text-over-the-char-bound": ("/generate", {"text": "x" * 60_000}, 400, "characters"),
@@ -61,6 +66,16 @@ def test_bad_http_input_is_a_4xx_json_error(strict, case):
     assert status == want, res
     assert isinstance(res, dict) and words in res["error"]["message"], res
     assert time.monotonic() - t0 < 10
+
+
+def test_fields_at_their_off_value_are_accepted(strict):
+    body = {"prompt": "Hi", "max_tokens": 2, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
+            "best_of": 1, "echo": False, "logprobs": None, "user": "u-1"}
+    status, res = http("POST", f"{strict.url}/v1/completions", body, timeout=60)
+    assert status == 200, res
+    status, res = http("POST", f"{strict.url}/generate", dict(GOOD, return_logprob=False, rid="r1", image_data=None),
+                       timeout=60)
+    assert status == 200, res
 
 
 def test_unserved_routes_and_methods_are_json(strict):
