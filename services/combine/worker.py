@@ -175,7 +175,7 @@ class CombineServicer(rpc.CombineServicer):
                 got, asm = jobs[address].result() if address in jobs else ({}, None)
                 if asm is not None:
                     moved["scatter_bytes"] += asm.bytes_received
-                    moved["scatter_seconds"] += asm.seconds
+                    moved["scatter_seconds"] += asm.transfer_seconds
                     moved["scatter_path"] = asm.transport or moved["scatter_path"]
                     if asm.device_errors and address not in self._no_device_path:
                         self._no_device_path.add(address)

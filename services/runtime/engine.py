@@ -48,7 +48,7 @@ from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.plan import Planner, Request
 from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams, sample_token
-from hybridcache.services.runtime.sequence import CachedSpan, LiveRun, SequenceState
+from hybridcache.services.runtime.sequence import CachedSpan, LinearSpan, LiveRun, SequenceState
 from hybridcache.services.runtime.tokenizer import Tokenizer
 
 # The engine's settings: one frozen config whose fields are also the command-line flags.
@@ -242,18 +242,46 @@ class Engine:
             entry.meta["entry_state_dtype"] = self.config.entry_state_dtype
         return to_single_state(entry) if self.config.entry_policy == "single_state" else entry
 
-    def build_entries(self, segments: list[list[int]]) -> list[SegmentEntry]:
+    @property
+    def streams_layers(self) -> bool:
+        """Whether build_entries can hand out each layer of a batch as soon as it is computed
+        (on_layer): models with a batched standalone prefill (HybridLM.build_span_data), exact
+        entries (the single-state policy reshapes an entry once it is whole)."""
+        return getattr(self.model, "build_span_data", None) is not None and self.config.entry_policy == "exact"
+
+    def _layer_span(self, data, layer: int):
+        """Layer `layer` of a span being built, as the finished entry will hold it (states in the
+        entry state dtype)."""
+        if layer in data.linear:
+            s = data.linear[layer]
+            if self.config.entry_state_dtype == "float32":
+                return s
+            dt = self.config.state_dtype
+            return LinearSpan(s.T.to(dt), s.S.to(dt), s.conv_tail)
+        return data.attn[layer]
+
+    def build_entries(self, segments: list[list[int]], on_layer=None) -> list[SegmentEntry]:
         """Entries of several segments, equal to build_entry of each. Models that can prefill a
         batch of segments (HybridLM.build_span_data) get them in batches of similar lengths of
-        at most `entry_batch_tokens` padded tokens; build time is shared out by length."""
+        at most `entry_batch_tokens` padded tokens; build time is shared out by length.
+        `on_layer(indices, layer, spans)`, where streams_layers, is called as each layer of a batch
+        is computed: the batch's segment indices and their spans of that layer (a LinearSpan or an
+        AttnSpan each, as the entries will hold them)."""
         build = getattr(self.model, "build_span_data", None)
-        if build is None or len(segments) < 2:
+        stream = on_layer is not None and self.streams_layers
+        if build is None or (len(segments) < 2 and not stream):
             return [self.build_entry(s) for s in segments]
         w = self.config.seam_window
         out: dict[int, SegmentEntry] = {}
         for batch in entry_batches([len(s) for s in segments], self.config.entry_batch_tokens):
             t0 = time.perf_counter()
-            datas = build([segments[i] for i in batch], w)
+            if stream:
+                def layer_done(layer, datas, batch=batch):
+                    on_layer(batch, layer, [self._layer_span(d, layer) for d in datas])
+
+                datas = build([segments[i] for i in batch], w, on_layer=layer_done)
+            else:
+                datas = build([segments[i] for i in batch], w)
             seconds = time.perf_counter() - t0
             total = sum(len(segments[i]) for i in batch)
             for i, data in zip(batch, datas):

@@ -24,8 +24,9 @@ from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import pb, rpc
 from hybridcache.services.runtime.engine import Engine
+from hybridcache.services.runtime.sequence import LinearSpan
 from hybridcache.services.transport import Endpoint, choose_transport, get_transport, local_endpoint
-from hybridcache.services.transport.codec import entry_chunks
+from hybridcache.services.transport.codec import ATTN_FIELDS, LINEAR_FIELDS, LayeredEntry, entry_chunks
 
 # Fault injection for the tests only: exit the process after streaming this many entries.
 FAULT_EXIT_AFTER = int(os.environ.get("HYBRIDCACHE_FAULT_EXIT_AFTER_ENTRIES", "0"))
@@ -49,7 +50,7 @@ class _Job:
     """One segment of one Prefill call; its result goes to the call's queue."""
 
     segment: pb.Segment
-    out: queue.Queue  # (segment index, entry or None, error)
+    out: queue.Queue  # ("entry", segment index, entry or None, error), ("layer", ...), ("reset", index)
     ctx: object  # the call's trace context
     call: dict  # {"cancelled": bool}, shared by the call's jobs
 
@@ -132,25 +133,39 @@ class ScatterServicer(rpc.ScatterServicer):
 
     def _build(self, jobs: list[_Job]) -> None:
         # One batched standalone prefill; if it fails, segment by segment, so that a bad segment
-        # costs only its own entry.
+        # costs only its own entry. Jobs of calls that take layers (cuda_ipc) get each layer of
+        # the batch as soon as it is computed, ("layer", index, layer, span, ready event).
         by_ids: dict[tuple[int, ...], list[_Job]] = {}
         for job in jobs:
             by_ids.setdefault(tuple(job.segment.token_ids), []).append(job)
+        groups = list(by_ids.values())
+        on_layer = None
+        if any(job.call.get("layers") for job in jobs):
+            def on_layer(indices, layer, spans):
+                ready = _ready_event(self.engine)
+                for k, span in zip(indices, spans):
+                    for job in groups[k]:
+                        if job.call.get("layers"):
+                            job.out.put(("layer", job.segment.index, layer, span, ready))
         try:
             with tracing.tracer().start_as_current_span("scatter.build_entries", context=jobs[0].ctx) as span:
                 span.set_attribute("hybridcache.segments", len(by_ids))
-                entries = self.engine.build_entries([list(ids) for ids in by_ids])
+                segments = [list(ids) for ids in by_ids]
+                entries = (self.engine.build_entries(segments, on_layer=on_layer) if on_layer is not None
+                           else self.engine.build_entries(segments))
             ready = _ready_event(self.engine)
             self.builds.append(len(by_ids))
-            for js, entry in zip(by_ids.values(), entries):
+            for js, entry in zip(groups, entries):
                 metrics.ENTRY_BUILD_SECONDS.observe(entry.build_seconds)
                 if ready is not None:
                     entry.meta["cuda_ready"] = ready
                 for job in js:
-                    job.out.put((job.segment.index, entry, ""))
+                    job.out.put(("entry", job.segment.index, entry, ""))
             return
         except Exception:  # noqa: BLE001 - retried per segment below, which reports the error
-            pass
+            for job in jobs:
+                if job.call.get("layers"):
+                    job.out.put(("reset", job.segment.index))  # its layers sent so far do not count
         for ids, js in by_ids.items():
             try:
                 with tracing.tracer().start_as_current_span("scatter.build_entry", context=js[0].ctx):
@@ -160,27 +175,56 @@ class ScatterServicer(rpc.ScatterServicer):
             except Exception as e:  # a bad segment must not take the stream down
                 result = (None, f"{type(e).__name__}: {e}")
             for job in js:
-                job.out.put((job.segment.index, *result))
+                job.out.put(("entry", job.segment.index, *result))
 
     def Prefill(self, request, context):
+        """Stream the entries of the request's segments: over cuda_ipc each layer of a batch as
+        soon as it is computed (codec.LayeredEntry: header, a device block per layer, then the
+        seal once the entry is whole), over the host transports each entry once built."""
         ctx = tracing.incoming_context(context)
         built: queue.Queue = queue.Queue()
-        call = {"cancelled": False}
+        name = self.transport_for(request)
+        call = {"cancelled": False, "layers": name == "cuda_ipc" and self.engine.streams_layers}
         # A call that ends early (the combine worker went away) leaves its unbuilt segments unbuilt.
         if not context.add_callback(lambda: call.update(cancelled=True)):
             call["cancelled"] = True
         with self._cv:
             self._pending.extend(_Job(seg, built, ctx, call) for seg in request.segments)
             self._cv.notify()
-        transport = get_transport(self.transport_for(request))
+        transport = get_transport(name)
         entries: dict[str, list] = {}  # cache-tier member -> entries it owns
         owner = {seg.index: seg.cache_tier or request.cache_tier for seg in request.segments}
-        for _ in range(len(request.segments)):
-            index, entry, err = built.get()
+        tokens = {seg.index: list(seg.token_ids) for seg in request.segments}
+        kinds = self.engine.cfg.layer_types
+        n_tensors = sum(len(LINEAR_FIELDS) if k == "linear_attention" else len(ATTN_FIELDS) for k in kinds)
+        layered: dict[int, LayeredEntry] = {}
+        done = 0
+        while done < len(request.segments):
+            item = built.get()
+            if item[0] == "layer":
+                _, index, layer, span, ready = item
+                le = layered.get(index)
+                if le is None:
+                    ids = tokens[index]
+                    le = layered[index] = LayeredEntry(index, self.engine.entry_key(ids), len(ids),
+                                                       self.engine.config.seam_window, n_tensors, transport)
+                    yield le.header()
+                fields = LINEAR_FIELDS if isinstance(span, LinearSpan) else ATTN_FIELDS
+                yield from le.layer(layer, [(f, getattr(span, f)) for f in fields], ready)
+                continue
+            if item[0] == "reset":
+                layered.pop(item[1], None)
+                continue
+            _, index, entry, err = item
+            done += 1
+            le = layered.pop(index, None)
             if entry is None:
                 yield pb.EntryChunk(segment_index=index, error=err)
                 continue
-            yield from entry_chunks(entry, index, transport)
+            if le is not None and len(le.parts) == len(kinds):
+                yield le.seal(entry.build_seconds)
+            else:  # not streamed, or not all of it: the whole entry (its header starts it over)
+                yield from entry_chunks(entry, index, transport)
             if owner.get(index):
                 entries.setdefault(owner[index], []).append(entry)
             self.streamed += 1

@@ -67,7 +67,7 @@ def _block_chunks(entry: SegmentEntry, index: int, transport) -> Iterator[pb.Ent
                                      shape=list(t.shape), nbytes=n, block_offset=off))
         off += padded(n)
     transport.write_entry(header.block, [t for _, _, t in tensors], ready=entry.meta.get("cuda_ready"))
-    header.checksum = device_seal(header, [_spec(c) for c in chunks], header.block)
+    header.checksum = device_seal(header, [([_spec(c) for c in chunks], header.block)])
     yield pb.EntryChunk(segment_index=index, header=header)
     for c in chunks:
         yield pb.EntryChunk(segment_index=index, tensor=c)
@@ -75,6 +75,39 @@ def _block_chunks(entry: SegmentEntry, index: int, transport) -> Iterator[pb.Ent
 
 def _spec(chunk) -> tuple:
     return chunk.layer, chunk.name, chunk.dtype, tuple(chunk.shape), chunk.block_offset
+
+
+class LayeredEntry:
+    """An entry sent layer by layer over cuda_ipc while its build is still running: `header()`
+    first, then `layer(i, tensors)` for each layer as it is computed (its tensors packed into one
+    device block), then `seal(build_seconds)` with the seal over every layer block."""
+
+    def __init__(self, index: int, key: str, segment_tokens: int, seam: int, num_tensors: int, transport):
+        self.index, self.transport = index, transport
+        self.head = pb.EntryHeader(key=key, segment_tokens=segment_tokens, num_tokens=segment_tokens - seam,
+                                   local_start=seam, num_tensors=num_tensors, transport=transport.name, layered=True)
+        self.parts: list[tuple[list, pb.DeviceBlock]] = []
+
+    def header(self) -> pb.EntryChunk:
+        return pb.EntryChunk(segment_index=self.index, header=self.head)
+
+    def layer(self, layer: int, named: list[tuple[str, torch.Tensor]], ready=None) -> Iterator[pb.EntryChunk]:
+        msg = pb.LayerBlock(layer=layer)
+        chunks, off = [], 0
+        for name, t in named:
+            n = t.numel() * t.element_size()
+            chunks.append(pb.TensorChunk(layer=layer, name=name, dtype=str(t.dtype).removeprefix("torch."),
+                                         shape=list(t.shape), nbytes=n, block_offset=off))
+            off += padded(n)
+        self.transport.write_entry(msg.block, [t.detach() for _, t in named], ready=ready)
+        self.parts.append(([_spec(c) for c in chunks], msg.block))
+        yield pb.EntryChunk(segment_index=self.index, layer_block=msg)
+        for c in chunks:
+            yield pb.EntryChunk(segment_index=self.index, tensor=c)
+
+    def seal(self, build_seconds: float) -> pb.EntryChunk:
+        return pb.EntryChunk(segment_index=self.index, seal=pb.EntrySeal(
+            checksum=device_seal(self.head, self.parts), build_seconds=build_seconds))
 
 
 def entry_chunks(entry: SegmentEntry, index: int, transport: TensorTransport) -> Iterator[pb.EntryChunk]:
@@ -125,12 +158,16 @@ class EntryAssembler:
         self._open: dict[int, tuple[pb.EntryHeader, list]] = {}
         self._blocks: dict[int, torch.Tensor] = {}  # segment index -> its received device block
         self._started: dict[int, float] = {}  # segment index -> when its header arrived
-        self._specs: dict[int, list] = {}  # segment index -> its block tensors' (layer, name, dtype, shape, offset)
+        # segment index -> its device blocks so far, each with its tensors' (layer, name, dtype, shape, offset)
+        self._parts: dict[int, list[tuple[pb.DeviceBlock, list]]] = {}
         self._failed: set[int] = set()  # entries already reported failed: their later tensors are dropped
         self.bytes_received = 0
-        # seconds from each entry's header to its last tensor, summed: the time its bytes took to
-        # arrive and be checked once built (the sender builds a batch before streaming it)
+        # the time entries took to arrive and be checked once built, summed: for host transports
+        # from each entry's header to its last tensor (the sender streams an entry once built), for
+        # device blocks the time spent opening, copying and checking them (a layered entry's
+        # header comes before its build is done)
         self.seconds = 0.0
+        self.device_seconds = 0.0
         self.transport = ""  # the transport of the last header
         # device blocks that could not be opened or copied here (not checksum mismatches): the
         # receiver then asks that sender for host transports
@@ -139,66 +176,96 @@ class EntryAssembler:
         # where cuda_ipc's block copies land (host transports' tensors arrive in host memory)
         self.device = device
 
+    @property
+    def transfer_seconds(self) -> float:
+        """Seconds the received entries took to arrive and be checked (seconds + device_seconds)."""
+        return self.seconds + self.device_seconds
+
     def feed(self, chunk) -> tuple[int, SegmentEntry | None, str] | None:
         """Returns (segment_index, entry, "") when an entry completes, (index, None, error) on a
         failed one, None otherwise. Never returns an entry whose checksums do not verify."""
         i = chunk.segment_index
         kind = chunk.WhichOneof("body")
         if kind == "error":
-            self._open.pop(i, None)
-            self._blocks.pop(i, None)
+            self._drop(i)
             return i, None, chunk.error
         if kind == "header":
+            self._drop(i)
             self._failed.discard(i)
             self._open[i] = (chunk.header, [])
-            self._specs.pop(i, None)
+            self._parts[i] = []
             self._started[i] = time.perf_counter()
             self.transport = chunk.header.transport
-            self._blocks.pop(i, None)
             if chunk.header.HasField("block"):
-                try:
-                    self._blocks[i] = receive_block(chunk.header.block, self.device)
-                except TransportError as e:
-                    self._open.pop(i)
-                    self._failed.add(i)
-                    if e.unreachable:
-                        self.device_errors += 1
-                        self.last_device_error = str(e)
-                    else:
-                        metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
-                    return i, None, str(e)
-            if chunk.header.num_tensors == 0:
+                failed = self._receive(i, chunk.header.block)
+                if failed is not None:
+                    return failed
+            if chunk.header.num_tensors == 0 and not chunk.header.layered:
                 return self._finish(i)
             return None
         if i not in self._open:
             if i in self._failed:
                 return None
-            return i, None, "tensor chunk before its entry header"
+            return i, None, f"{kind} chunk before its entry header"
         header, parts = self._open[i]
+        if kind == "layer_block":
+            if not header.layered:
+                return self._fail(i, "layer block in an entry that is not layered")
+            return self._receive(i, chunk.layer_block.block)
+        if kind == "seal":
+            if not header.layered or len(parts) != header.num_tensors:
+                return self._fail(i, f"entry {header.key[:12]}: sealed with {len(parts)} of "
+                                     f"{header.num_tensors} tensors")
+            return self._finish(i, chunk.seal)
         try:
             if i in self._blocks:
                 t = _block_tensor(chunk.tensor, self._blocks[i])
-                self._specs.setdefault(i, []).append(_spec(chunk.tensor))
+                self._parts[i][-1][1].append(_spec(chunk.tensor))
             elif header.transport == "cuda_ipc":
                 raise TransportError("cuda_ipc entry without its device block")
             else:
                 t = _tensor(chunk.tensor)
             parts.append((chunk.tensor.layer, chunk.tensor.name, t))
         except TransportError as e:
-            self._open.pop(i)
             metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
-            self._blocks.pop(i, None)
-            self._failed.add(i)
-            return i, None, str(e)
+            return self._fail(i, str(e))
         self.bytes_received += chunk.tensor.nbytes
-        if len(parts) == header.num_tensors:
+        if len(parts) == header.num_tensors and not header.layered:
             return self._finish(i)
         return None
 
-    def _finish(self, i: int):
+    def _drop(self, i: int) -> None:
+        for d in (self._open, self._blocks, self._parts, self._started):
+            d.pop(i, None)
+
+    def _fail(self, i: int, message: str):
+        self._drop(i)
+        self._failed.add(i)
+        return i, None, message
+
+    def _receive(self, i: int, block):
+        """Copy device block `block` of entry i here (its tensors follow); an error result or None."""
+        t0 = time.perf_counter()
+        try:
+            self._blocks[i] = receive_block(block, self.device)
+        except TransportError as e:
+            if e.unreachable:
+                self.device_errors += 1
+                self.last_device_error = str(e)
+            else:
+                metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
+            return self._fail(i, str(e))
+        self.device_seconds += time.perf_counter() - t0
+        self._parts[i].append((block, []))
+        return None
+
+    def _finish(self, i: int, seal=None):
         header, parts = self._open.pop(i)
-        block = self._blocks.pop(i, None)
-        self.seconds += time.perf_counter() - self._started.pop(i, time.perf_counter())
+        self._blocks.pop(i, None)
+        blocks = self._parts.pop(i, [])
+        started = self._started.pop(i, time.perf_counter())
+        if not blocks:
+            self.seconds += time.perf_counter() - started
         linear, attn, by_layer = {}, {}, {}
         for layer, name, t in parts:
             by_layer.setdefault(layer, {})[name] = t
@@ -211,19 +278,21 @@ class EntryAssembler:
                 metrics.ENTRIES_REJECTED.labels(reason="layout").inc()
                 return i, None, f"layer {layer} has tensors {sorted(d)}"
         data = SpanData(header.num_tokens, header.local_start, linear, attn)
+        build_seconds = seal.build_seconds if seal is not None else header.build_seconds
         entry = SegmentEntry(key=header.key, segment_tokens=header.segment_tokens, data=data,
-                             build_seconds=header.build_seconds, checksum=header.checksum)
-        # An entry of a device block (cuda_ipc) carries a seal over its layout and the block's
-        # checksum, which receive_block checked on the bytes received; every other entry must carry
-        # a seal over its bytes that verifies (what the header says about its transport is not
-        # trusted).
-        if block is not None:
-            if not verify_device_seal(header.checksum, header, self._specs.pop(i, []), header.block):
+                             build_seconds=build_seconds, checksum=header.checksum)
+        # An entry of device blocks (cuda_ipc) carries a seal over its layout and the blocks'
+        # checksums, which receive_block checked on the bytes received; every other entry must
+        # carry a seal over its bytes that verifies (what the header says about its transport is
+        # not trusted).
+        if blocks:
+            checksum = seal.checksum if seal is not None else header.checksum
+            if not verify_device_seal(checksum, header, [(specs, block) for block, specs in blocks]):
                 metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
                 return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
             # verified; unsealed from here on, so that passing it on (to a cache tier) seals its bytes
             entry.checksum = ""
-        elif not header.checksum or not entry.verify():
+        elif header.layered or not header.checksum or not entry.verify():
             metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
             return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
         return i, entry, ""

@@ -1,11 +1,12 @@
 """Entry bytes that stay on the GPU: CUDA IPC between processes of one host (torch's CUDA tensor
 sharing, torch.multiprocessing.reductions).
 
-The sender packs every tensor of an entry into one device buffer (services/runtime/packing.py),
+The sender packs the tensors of an entry (a whole entry, or one layer of it while the rest is
+being computed: codec.LayeredEntry) into one device buffer (services/runtime/packing.py),
 computes its checksum on the device, and exports the buffer's CUDA allocation with
 storage._share_cuda_(): a cudaIpcMemHandle, an IPC event recorded after the bytes were written,
 and a reference counter in a shared-memory file. Only those few hundred bytes travel in the
-entry header. The receiver opens the handle on the GPU that holds the memory (matched by UUID,
+stream's messages. The receiver opens the handle on the GPU that holds the memory (matched by UUID,
 since the two processes may number their GPUs differently), copies the buffer into its own
 device memory (device-to-device, over NVLink when the GPUs differ), releases the mapping (which
 lets the sender's allocator reuse the block: torch keeps it in its IPC limbo until then),
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 from hybridcache.services.runtime.packing import pack
@@ -137,8 +139,15 @@ def receive_block(block, device) -> torch.Tensor:
         own = torch.empty(block.nbytes, dtype=torch.uint8, device=dev)
         own.copy_(src)
         sums = device_checksum_sums(own)
-        del src  # unmaps (torch syncs this stream first, then drops the sender's reference counter)
         ok = checksum_text(sums) == block.checksum
+        # The mapping stays open until the next block from that GPU replaces it here: torch maps a
+        # sender's allocation once while any of its storages lives, and the sender's next blocks
+        # mostly come from the same allocation, so they open without another cudaIpcOpenMemHandle.
+        # Dropping the previous one unmaps it (torch syncs this stream first, then releases the
+        # sender's reference counter).
+        with _LAST_LOCK:
+            _LAST_OPENED[block.device_uuid] = src
+        del src
         if dev.type == "cuda":
             own.record_stream(torch.cuda.default_stream(dev))
     if not ok:
@@ -147,6 +156,8 @@ def receive_block(block, device) -> torch.Tensor:
 
 
 _SIDE: dict = {}
+_LAST_OPENED: dict[str, torch.Tensor] = {}  # sender GPU UUID -> the last block opened from it
+_LAST_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -171,13 +182,14 @@ def _side_stream(device, ready=None):
 DEVICE_SEAL_PREFIX = "hmac-sha256-dev:"
 
 
-def device_seal(header, specs, block) -> str:
-    """The seal of an entry sent as a device block: an HMAC-SHA256 keyed by the deployment's
+def device_seal(header, parts) -> str:
+    """The seal of an entry sent in device blocks: an HMAC-SHA256 keyed by the deployment's
     sealing key (services/security.py, as cache/entry.py seals entries on the host) over the
-    entry's key and lengths, every tensor's (layer, name, dtype, shape, offset in the block), and
-    the block's size and device checksum. The bytes never reach the host, so the HMAC covers
-    their device checksum, which the receiver recomputes on its copy: only a holder of the
-    secret can make a header whose entry verifies."""
+    entry's key and lengths and, per block in order (one for the whole entry, or one per layer of
+    a layered entry), every tensor's (layer, name, dtype, shape, offset in the block) and the
+    block's size and device checksum. `parts`: [(specs, block)]. The bytes never reach the host,
+    so the HMAC covers their device checksums, which the receiver recomputes on its copies: only a
+    holder of the secret can make a seal the entry verifies against."""
     import hashlib
     import hmac
 
@@ -185,13 +197,14 @@ def device_seal(header, specs, block) -> str:
 
     h = hmac.new(seal_key(), digestmod=hashlib.sha256)
     h.update(f"{header.key}|{header.segment_tokens}|{header.num_tokens}|{header.local_start}".encode())
-    for layer, name, dtype, shape, offset in specs:
-        h.update(f"|{layer}:{name}:{dtype}:{tuple(shape)}@{offset}".encode())
-    h.update(f"|{block.nbytes}:{block.checksum}".encode())
+    for specs, block in parts:
+        for layer, name, dtype, shape, offset in specs:
+            h.update(f"|{layer}:{name}:{dtype}:{tuple(shape)}@{offset}".encode())
+        h.update(f"|{block.nbytes}:{block.checksum}".encode())
     return DEVICE_SEAL_PREFIX + h.hexdigest()
 
 
-def verify_device_seal(seal: str, header, specs, block) -> bool:
+def verify_device_seal(seal: str, header, parts) -> bool:
     import hmac
 
-    return bool(seal) and hmac.compare_digest(seal, device_seal(header, specs, block))
+    return bool(seal) and hmac.compare_digest(seal, device_seal(header, parts))

@@ -155,7 +155,7 @@ def test_cuda_ipc_corruption_and_refusals(entries, fake_ipc, monkeypatch):
     monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: (GPU_A,))
     asm = EntryAssembler()
     results = [r for c in chunks + chunks for r in [asm.feed(c)] if r is not None]
-    assert [err for _, _, err in results] == ["", ""] and asm.transport == "cuda_ipc" and asm.seconds > 0
+    assert [err for _, _, err in results] == ["", ""] and asm.transport == "cuda_ipc" and asm.transfer_seconds > 0
 
 
 def test_cuda_ipc_seal_is_bound_to_the_deployment_secret(entries, fake_ipc):
@@ -260,3 +260,51 @@ def test_transport_bandwidth_setting():
     for bad in ("nvlink=5", "grpc", "grpc=fast", "shm=0", "shm=-1"):
         with pytest.raises(ValueError, match="transport-bandwidth"):
             parse_bandwidths(bad)
+
+
+class _Context:
+    """What ScatterServicer.Prefill asks of a gRPC context."""
+
+    def invocation_metadata(self):
+        return ()
+
+    def add_callback(self, fn):
+        return True
+
+
+def test_scatter_worker_streams_cuda_ipc_entries_layer_by_layer(engine, fake_ipc, monkeypatch):
+    """Over cuda_ipc the scatter worker sends each layer of a batch as it is computed: the header,
+    then per layer one device block per segment (every segment's layer 0 before any layer 1),
+    then the seal; the entries that arrive equal the ones built, and a seal that does not cover
+    every layer fails."""
+    from hybridcache.services.scatter.worker import ScatterServicer
+
+    shared, _ = fake_ipc
+    servicer = ScatterServicer(engine, max_batch_tokens=10_000)
+    monkeypatch.setattr(servicer, "transport_for", lambda request: "cuda_ipc")
+    rng = random.Random(11)
+    segs = [[rng.randrange(5, 250) for _ in range(n)] for n in (30, 47, 52)]
+    request = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=s) for i, s in enumerate(segs)])
+    chunks = [pb.EntryChunk.FromString(c.SerializeToString()) for c in servicer.Prefill(request, _Context())]
+    kinds = [(c.WhichOneof("body"), c.segment_index) for c in chunks]
+    n_layers = engine.cfg.num_hidden_layers
+    assert [k for k, _ in kinds].count("layer_block") == 3 * n_layers == len(shared)
+    assert [k for k, _ in kinds].count("seal") == 3 and all(c.header.layered for c in chunks if c.HasField("header"))
+    layers = [c.layer_block.layer for c in chunks if c.WhichOneof("body") == "layer_block"]
+    assert layers == sorted(layers)  # the whole batch's layer i before its layer i + 1
+    seals = [n for n, (k, _) in enumerate(kinds) if k == "seal"]
+    assert max(n for n, (k, _) in enumerate(kinds) if k == "layer_block") < min(seals)
+    out = list(read_entries(chunks))
+    assert [(i, err) for i, _, err in out] == [(0, ""), (1, ""), (2, "")]
+    want = engine.build_entries(segs)
+    for (_, got, _), ref in zip(out, want):
+        assert got.key == ref.key and got.build_seconds > 0
+        for (la, na, a), (lb, nb, b) in zip(layer_tensors(got.data), layer_tensors(ref.data), strict=True):
+            assert (la, na) == (lb, nb) and torch.allclose(a, b, atol=1e-6)
+    # a seal over fewer layers than the entry has, or one not made with the secret
+    short = [c for c in chunks if not (c.segment_index == 0 and c.WhichOneof("body") in ("layer_block", "tensor")
+                                      and (c.layer_block.layer if c.HasField("layer_block") else c.tensor.layer) == 0)]
+    assert "sealed with" in next(err for i, _, err in read_entries(short) if i == 0)
+    forged = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
+    next(c for c in forged if c.WhichOneof("body") == "seal").seal.checksum = "hmac-sha256-dev:" + "1" * 64
+    assert "seal does not verify" in list(read_entries(forged))[0][2]
