@@ -131,11 +131,14 @@ def receive_block(block, device) -> torch.Tensor:
     the engine reads it."""
     if block.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8, device=device)
-    src = open_shared(block, local_index(block.device_uuid))
-    if src.numel() != block.nbytes:
-        raise TransportError(f"device block holds {src.numel()} bytes, the header says {block.nbytes}")
+    index = local_index(block.device_uuid)
     dev = torch.device(device)
-    with _side_stream(dev if dev.type == "cuda" else None):
+    # opened on the side stream, so that the wait for the sender's IPC event lands there too; it
+    # waits for nothing of this process (the copy goes to fresh memory)
+    with _side_stream(dev if dev.type == "cuda" else None, after_default=False):
+        src = open_shared(block, index)
+        if src.numel() != block.nbytes:
+            raise TransportError(f"device block holds {src.numel()} bytes, the header says {block.nbytes}")
         own = torch.empty(block.nbytes, dtype=torch.uint8, device=dev)
         own.copy_(src)
         sums = device_checksum_sums(own)
@@ -161,9 +164,9 @@ _LAST_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _side_stream(device, ready=None):
-    """A per-device side stream made current (after waiting for the event `ready`), or nothing
-    off CUDA."""
+def _side_stream(device, ready=None, after_default: bool = True):
+    """A per-device side stream made current, after waiting for the event `ready` (or, without one
+    and with `after_default`, for the work queued on the default stream so far); nothing off CUDA."""
     if device is None or torch.device(device).type != "cuda":
         yield
         return
@@ -173,7 +176,7 @@ def _side_stream(device, ready=None):
         stream = _SIDE.setdefault(device, torch.cuda.Stream(device))
     if ready is not None:
         stream.wait_event(ready)
-    else:
+    elif after_default:
         stream.wait_stream(torch.cuda.default_stream(device))
     with torch.cuda.stream(stream):
         yield
