@@ -8,9 +8,11 @@ storage._share_cuda_(): a cudaIpcMemHandle, an IPC event recorded after the byte
 and a reference counter in a shared-memory file. Only those few hundred bytes travel in the
 stream's messages. The receiver opens the handle on the GPU that holds the memory (matched by UUID,
 since the two processes may number their GPUs differently), copies the buffer into its own
-device memory (device-to-device, over NVLink when the GPUs differ), releases the mapping (which
-lets the sender's allocator reuse the block: torch keeps it in its IPC limbo until then),
-checks the checksum on its copy, and takes the tensors as views of it.
+device memory (device-to-device, over NVLink when the GPUs differ), checks the checksum on its
+copy and takes the tensors as views of it; it releases the mapping when the next block from that
+GPU arrives, which lets the sender's allocator reuse the block (torch keeps it in its IPC limbo
+until then). A block its receiver never opens (a combine worker that died mid-stream) stays
+allocated in the sender until the sender exits.
 
 What it takes: both processes on one host with the same IPC namespace (the reference counters
 live in /dev/shm and CUDA IPC handles are opened through it) and the same PID namespace (the
