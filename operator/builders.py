@@ -92,6 +92,8 @@ def serve_args(spec: HybridCacheSpec, name: str, role: RoleSpec) -> list[str]:
             "--prefix-policy", spec.engine.prefix_policy,
             "--cuda-graphs", "on" if spec.engine.cuda_graphs else "off",
             "--device", "cuda" if role.gpus_per_pod else "cpu",
+            # the workers start their other ranks themselves; the router keys entries by the split
+            "--tensor-parallel-size", str(spec.engine.tensor_parallel_size),
         ]
     if spec.observability.otlp_endpoint:
         args += ["--otlp-endpoint", spec.observability.otlp_endpoint]

@@ -115,6 +115,8 @@ class EngineSpec:
     seam_window: int = 8
     prefix_policy: str = "exact_replay"
     cuda_graphs: bool = True
+    # ranks each worker splits its model over (one GPU each): a worker pod holds that many GPUs
+    tensor_parallel_size: int = 1
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None) -> EngineSpec:
@@ -124,7 +126,10 @@ class EngineSpec:
             seam_window=int(raw.get("seamWindow", cls.seam_window)),
             prefix_policy=raw.get("prefixPolicy", cls.prefix_policy),
             cuda_graphs=raw.get("cudaGraphs", cls.cuda_graphs),
+            tensor_parallel_size=int(raw.get("tensorParallelSize", cls.tensor_parallel_size)),
         )
+        if engine.tensor_parallel_size < 1:
+            raise SpecError(f"engine.tensorParallelSize must be >= 1, got {engine.tensor_parallel_size}")
         if engine.dtype not in DTYPES or engine.prefix_policy not in PREFIX_POLICIES:
             raise SpecError(f"unknown engine.dtype or engine.prefixPolicy: {engine}")
         if not isinstance(engine.cuda_graphs, bool):
@@ -338,6 +343,12 @@ class HybridCacheSpec:
             cache=CacheSpec.parse(raw.get("cache")),
             paused=bool(raw.get("paused", False)),
         )
+        tp = spec.engine.tensor_parallel_size
+        for role in (spec.combine, spec.scatter):
+            # one process a GPU: a GPU worker pod holds exactly its ranks' GPUs (0: ranks on the CPU)
+            if tp > 1 and role.gpus_per_pod not in (0, tp):
+                raise SpecError(f"{role.name}.gpusPerPod is {role.gpus_per_pod}, engine.tensorParallelSize {tp}: "
+                                f"a GPU worker runs one rank a GPU, so gpusPerPod must be {tp} (or 0 on the CPU)")
         if spec.cache_tier.replicas > 1 and not spec.etcd_endpoints:
             raise SpecError("more than one cache-tier replica needs etcd.endpoints for the directory")
         return spec

@@ -274,6 +274,10 @@ def up(args) -> int:
                 raise ValueError("--device cuda given but no CUDA device is visible")
             if max(gpus) >= torch.cuda.device_count():
                 raise ValueError(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
+            if config.tensor_parallel_size > len(gpus):
+                # a worker's ranks take its own GPU and the next ones of its visible list, one each
+                raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} needs that many GPUs "
+                                 f"in --gpus (given: {args.gpus or '0'})")
         if args.ready_timeout_s <= 0:
             raise ValueError(f"--ready-timeout-s must be positive, got {args.ready_timeout_s}")
         cluster = LocalCluster(model, port=args.port, scatter_workers=args.scatter_workers, etcd=args.etcd,

@@ -80,6 +80,11 @@ def _engine(config, model_dir: str):
 
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda given but no CUDA device is visible")
+    if config.tensor_parallel_size > 1:
+        from hybridcache.services.runtime.tensor_parallel.ranks import open_engine
+
+        # rank 0 of a group this process starts (tensor_parallel/ranks.py): the Remote of its Engine
+        return open_engine(model_dir, config)
     model = load_model(model_dir, config.device, config.torch_dtype)
     config = with_cache_budgets(config, model.device)
     return Engine(model, Tokenizer.from_dir(model_dir), config)
@@ -209,6 +214,8 @@ def _serve(args) -> int:
     stopped.wait()
     if combine is not None:
         combine.close()
+    if getattr(engine, "group", None) is not None:
+        engine.group.shutdown()  # the tensor-parallel followers this process started
     return 0
 
 

@@ -144,6 +144,10 @@ class CombineServicer(rpc.CombineServicer):
                 need_tier.setdefault(p.address, []).append(p)
             elif p.source == "scatter":
                 cold.setdefault(p.address, []).append(p.index)
+        if self.engine.config.tensor_parallel_size > 1:
+            # A received entry holds one rank's heads and arrives at rank 0 only: a worker split
+            # over ranks builds what its own cache lacks (every rank its own heads)
+            return pinned, source, moved
         for address, plans in need_tier.items():
             t0 = time.perf_counter()
             moved["tier_path"] = transport_for_address(address)

@@ -339,6 +339,8 @@ class Engine:
         found for this request elsewhere (hits); built: key -> entry already built for it (the
         scheduler builds cold segments ahead, batched across requests)."""
         pinned, ahead = pinned or {}, built or {}
+        # an entry of another tensor-parallel rank or split holds other heads: a miss, rebuilt here
+        pinned = {k: e for k, e in pinned.items() if e.meta.get("tensor_parallel") == self.tp_layout}
         started = time.perf_counter()
         cfg = self.config
         stats = RequestStats(mode=cfg.mode, seam_window=cfg.seam_window)
@@ -491,6 +493,31 @@ class Engine:
             recorder.token_ids.append(token_id)
             recorder.add_hidden(rec.hidden, 1)
             recorder.add_checkpoint(state.length, state.linear, copy=True)
+        return logits
+
+    def new_state_pool(self, slots: int):
+        """A scheduler's LinearStatePool of `slots` requests' linear states (per rank under tensor
+        parallelism: its methods change per-rank tensors)."""
+        from hybridcache.services.runtime.scheduler import LinearStatePool
+
+        return LinearStatePool(self.model.empty_state(), slots)
+
+    @torch.no_grad()
+    def decode_batch(self, prefills: list[Prefill], tokens: list[int], pool, slots: list[int]) -> torch.Tensor:
+        """One decode step of B running requests (the scheduler's): request b, prefilled as
+        prefills[b], takes tokens[b]; its linear state sits in slot slots[b] of `pool` and is updated
+        there, its attention K/V grow, its page recorder advances. Returns logits [B, vocab] fp32."""
+        states = [p.state for p in prefills]
+        recorders = [p.recorder for p in prefills]
+        capture = sorted({i for r in recorders if r is not None for i in r.capture_layers})
+        linear, idx = pool.gather(slots)
+        logits, hidden = self.model.decode_batch(states, tokens, linear, capture)
+        pool.scatter(idx, linear)
+        for b, (pre, rec) in enumerate(zip(prefills, recorders)):
+            if rec is not None:
+                rec.token_ids.append(tokens[b])
+                rec.add_hidden({i: hidden[i][b : b + 1] for i in rec.capture_layers}, 1)
+                rec.add_checkpoint(pre.state.length, pre.state.linear, copy=True)
         return logits
 
     def start(self, req: Request) -> Generation:

@@ -115,17 +115,22 @@ def load_model(
                 f"tensor {name} has shape {tuple(got.shape)} in the checkpoint, config expects {tuple(ref.shape)}"
             )
     fingerprint = model_fingerprint(cfg, tensors)
-    model = model.to_empty(device="cpu" if tp_size > 1 else device).to(dtype)
-    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
-    model.eval()
     if tp_size > 1:
         from hybridcache.services.runtime.tensor_parallel.shard import shard_model
 
+        # The checkpoint's tensors become the model's own (no second copy on the host); the rank's
+        # slices are cut from them, the rest is freed, and only the slices go to the device.
+        model = model.to(dtype)
+        model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True, assign=True)
         del tensors
         try:
-            model = shard_model(model, tp_rank, tp_size).to(device)
+            model = shard_model(model.eval(), tp_rank, tp_size).to(device)
         except ModelConfigError as e:
             raise ModelLoadError(str(e)) from None
+    else:
+        model = model.to_empty(device=device).to(dtype)
+        model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+    model.eval()
     if hasattr(model, "merge_projections"):
         model.merge_projections()  # one GEMM per group of projections that read the same input
     model.fingerprint = fingerprint

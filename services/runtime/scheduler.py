@@ -223,7 +223,7 @@ class Scheduler:
             (a.k.shape[1] * a.k.shape[3] + a.v.shape[1] * a.v.shape[3]) * a.k.element_size()
             for a in empty.attn.values()
         )
-        self.pool = LinearStatePool(empty, self.config.max_num_seqs)
+        self.pool = engine.new_state_pool(self.config.max_num_seqs)
         self.steps = 0
         self.batch_sizes: collections.Counter = collections.Counter()  # decode batch size -> steps
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
@@ -438,19 +438,9 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         batch = self._running
-        states = [s.prefill.state for s in batch]
-        recorders = [s.prefill.recorder for s in batch]
-        capture = sorted({i for r in recorders if r is not None for i in r.capture_layers})
-        linear, idx = self.pool.gather([s.slot for s in batch])
         toks = [s.last_token for s in batch]
-        logits, hidden = self.engine.model.decode_batch(states, toks, linear, capture)
-        self.pool.scatter(idx, linear)
+        logits = self.engine.decode_batch([s.prefill for s in batch], toks, self.pool, [s.slot for s in batch])
         self.batch_sizes[len(batch)] += 1
-        for b, (seq, rec) in enumerate(zip(batch, recorders)):
-            if rec is not None:
-                rec.token_ids.append(toks[b])
-                rec.add_hidden({i: hidden[i][b : b + 1] for i in rec.capture_layers}, 1)
-                rec.add_checkpoint(seq.prefill.state.length, seq.prefill.state.linear, copy=True)
         greedy = [b for b, s in enumerate(batch) if s.req.sampling.temperature == 0.0]
         picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
         done = []

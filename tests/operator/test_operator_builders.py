@@ -170,6 +170,24 @@ def test_combine_deployment_engine_flags():
     assert arg(container(builders.combine_deployment(eager, NAME))["args"], "--cuda-graphs") == "off"
 
 
+def test_tensor_parallel_workers_hold_their_gpus_and_pass_the_size():
+    """engine.tensorParallelSize N: every worker pod asks for its N GPUs and starts N ranks; the
+    router keys entries by the split, so it gets the size too."""
+    tp = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}, "engine": {"tensorParallelSize": 2},
+                                "combine": {"gpusPerPod": 2}, "scatter": {"gpusPerPod": 2}})
+    for build in (builders.combine_deployment, lambda s, n: builders.scatter_deployment(s, n, 1)):
+        obj = build(tp, NAME)
+        validate_strict(obj)
+        c = container(obj)
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        assert arg(c["args"], "--tensor-parallel-size") == "2" and arg(c["args"], "--device") == "cuda"
+    assert arg(container(builders.router_deployment(tp, NAME))["args"], "--tensor-parallel-size") == "2"
+    assert arg(container(builders.combine_deployment(GPU, NAME))["args"], "--tensor-parallel-size") == "1"
+    with pytest.raises(ValueError, match="gpusPerPod must be 2"):
+        HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}, "engine": {"tensorParallelSize": 2},
+                               "combine": {"gpusPerPod": 1}, "scatter": {"gpusPerPod": 2}})
+
+
 def test_cache_tier_statefulset():
     obj = builders.cache_tier_statefulset(GPU, NAME)
     assert obj["kind"] == "StatefulSet" and obj["spec"]["serviceName"] == "demo-cache-tier"

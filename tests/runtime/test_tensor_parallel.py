@@ -1,7 +1,9 @@
 """Tensor parallelism on the CPU: two ranks as two processes (gloo), one group for the module.
 
-TP = 2 `full` logits equal TP = 1 for every family (tiny random models), and the handles that name
-per-rank objects across the ranks refuse what would carry rank 0's slice to the others.
+TP = 2 `full` logits equal TP = 1 for every family (tiny random models); in pic, TP = 2 entries
+are built per rank, reused after another prefix, and warm equals cold equals TP = 1; the
+scheduler's batched decode runs over the ranks; the handles that name per-rank objects across the
+ranks refuse what would carry rank 0's slice to the others.
 """
 
 import functools
@@ -10,6 +12,7 @@ import pytest
 import torch
 from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.runtime.config import ModelConfigError
+from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.modelzoo import init_model_dir
 from hybridcache.services.runtime.sequence import LiveRun
@@ -20,6 +23,7 @@ from hybridcache.services.runtime.tensor_parallel.shard import shard_model
 # q/k norms, Mamba2 (Nemotron-H, Bamba), KDA with MLA and a DeepSeek MoE, lightning with a softmax MoE
 ARCHS = ["qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "olmo_hybrid", "nemotron_h", "kimi_linear", "bamba",
          "minimax"]
+PIC_ARCHS = ["qwen3_5_text", "nemotron_h", "minimax"]
 SIZE = 2
 
 
@@ -36,8 +40,9 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def group(dirs):
-    """One group of two ranks holding a `full` engine per family."""
+    """One group of two ranks holding a `full` engine per family and a `pic` engine of some."""
     named = {a: (p, RuntimeConfig(mode="full")) for a, p in dirs.items()}
+    named.update({f"pic_{a}": (dirs[a], RuntimeConfig(mode="pic")) for a in PIC_ARCHS})
     surface = ranks.Surface(frozenset(), children=tuple((a, ranks.ENGINE_SURFACE) for a in named))
     g = ranks.start(SIZE, functools.partial(ranks.build_engines, named), surface)
     yield g
@@ -73,8 +78,6 @@ def test_full_logits_equal_tp1(arch, dirs, group):
 def test_engine_generate_equals_tp1(dirs, group):
     req = {"segments": ["the first part of a prompt", " and a second one"], "suffix": " then",
            "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}}
-    from hybridcache.services.runtime.engine import Engine
-
     ref = Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(mode="full")).generate(req)
     out = group.target.qwen3_5_text.generate(req)
     assert out.output_ids == ref.output_ids and len(out.output_ids) == 6
@@ -108,3 +111,86 @@ def test_split_shapes(dirs):
     assert torch.equal(b.in_proj_qkv.weight, want)
     assert (b.hk, b.hv, b.conv_dim) == (a.hk // 2, a.hv // 2, a.conv_dim // 2)
     assert torch.equal(b.out_proj.weight, a.out_proj.weight[:, vd // 2 :])
+
+
+def _requests():
+    g = torch.Generator().manual_seed(5)
+
+    def ids(n):
+        return torch.randint(0, 256, (n,), generator=g).tolist()
+
+    a, b, c, q = ids(40), ids(33), ids(52), ids(9)
+    # cold, the same again (warm), then the segments reordered after another system prompt
+    return [(ids(6), [a, b, c], q), (None, None, None), (ids(11), [c, a, b], ids(7))]
+
+
+@pytest.mark.parametrize("arch", PIC_ARCHS)
+def test_pic_warm_equals_cold_and_tp1(arch, dirs, group):
+    tp1 = Engine.from_dir(dirs[arch], config=RuntimeConfig(mode="pic"))
+    tp2 = getattr(group.target, f"pic_{arch}")
+    r1, _, r3 = _requests()
+    sampling = {"max_new_tokens": 0}
+    reqs = [r1, r1, r3]
+    logits = {1: [], 2: []}
+    for system, segments, suffix in reqs:
+        obj = {"system": system, "segments": segments, "suffix": suffix, "sampling_params": sampling}
+        for n, eng in ((1, tp1), (2, tp2)):
+            pre = eng.prefill(eng.parse_request(obj))
+            logits[n].append((pre.logits, pre.stats))
+            eng.finish_prefix(pre)
+    (cold, s_cold), (warm, s_warm), (other, s_other) = logits[2]
+    assert s_cold.built_tokens > 0 and all(not s.hit for s in s_cold.segments)
+    assert s_warm.built_tokens == 0 and s_warm.segments[0].source == "prefix"  # the whole prompt's chain
+    # after another prefix: every segment is folded in from the entries the TP = 2 ranks built
+    assert [s.source for s in s_other.segments] == ["entry"] * 3 and s_other.built_tokens == 0
+    assert _close(warm, cold) <= 1e-5
+    # warm equals cold: the reordered request on a fresh engine builds all its entries
+    fresh = Engine.from_dir(dirs[arch], config=RuntimeConfig(mode="pic"))
+    r3_cold = fresh.prefill(fresh.parse_request({"system": r3[0], "segments": r3[1], "suffix": r3[2]}))
+    assert r3_cold.stats.built_tokens > 0
+    assert _close(other, r3_cold.logits) <= 1e-5
+    for (x, _), (ref, _) in zip(logits[2], logits[1]):
+        assert _close(x, ref) <= 1e-5
+    # the entry key carries the split, the entry its rank: rank 0's holds half the heads
+    seg = r1[1][0]
+    assert tp2.entry_key(seg) != tp1.entry_key(seg)
+    e2, e1 = tp2.entries.get(tp2.entry_key(seg)), tp1.entries.get(tp1.entry_key(seg))
+    assert e2.meta["tensor_parallel"] == "0/2" and "tensor_parallel" not in e1.meta
+    layer = next(iter(e1.data.linear))
+    assert e2.data.linear[layer].S.shape[1] * SIZE == e1.data.linear[layer].S.shape[1]
+
+
+def test_entry_of_another_split_is_a_miss(dirs):
+    """A pinned entry whose tensor-parallel layout is not the engine's is rebuilt, never folded in."""
+    eng = Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(mode="pic"))
+    r1 = _requests()[0]
+    req = eng.parse_request({"system": r1[0], "segments": r1[1], "suffix": r1[2]})
+    entry = eng.build_entry(r1[1][0])
+    entry.meta["tensor_parallel"] = "1/2"
+    for span in entry.data.linear.values():
+        span.S.add_(1.0)  # would change the answer if it were used
+    ref = Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(mode="pic")).prefill(req)
+    pre = eng.prefill(req, pinned={entry.key: entry})
+    assert pre.stats.segments[0].source == "built"
+    assert torch.allclose(pre.logits, ref.logits, atol=1e-6)
+
+
+def test_scheduler_batched_decode_over_ranks(dirs, group):
+    """Concurrent requests through a Scheduler over the TP = 2 engine: batched decode steps over
+    both ranks, the outputs those of TP = 1 one by one."""
+    from hybridcache.services.runtime.scheduler import Scheduler
+
+    tp1 = Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(mode="pic"))
+    r1, _, r3 = _requests()
+    reqs = [{"system": r[0], "segments": r[1], "suffix": r[2],
+             "sampling_params": {"max_new_tokens": 5 + i, "temperature": 0.0, "ignore_eos": True}}
+            for i, r in enumerate([r1, r3, r1])]
+    want = [tp1.generate(r).output_ids for r in reqs]
+    sched = Scheduler(group.target.pic_qwen3_5_text)
+    try:
+        handles = [sched.add_request(sched.engine.parse_request(r)) for r in reqs]
+        got = [h.result().output_ids for h in handles]
+    finally:
+        sched.stop()
+    assert got == want
+    assert max(sched.batch_sizes) >= 2  # decode steps ran over several requests at once

@@ -278,7 +278,9 @@ class TPGroup:
             fn = self.handles.get(handle)
             for name in path:
                 fn = getattr(fn, name)
-            out = fn(*args, **kwargs)
+            # rank 0 runs the call on its own objects: a Remote among the arguments is its local
+            # object here (a call through it would broadcast again, inside this call)
+            out = fn(*_local(args), **_local(kwargs))
             self.handles.walk(out)
             if type(out).__name__ in _REMOTE:
                 return Remote(self, self.handles.of[id(out)], out)
@@ -297,6 +299,17 @@ class TPGroup:
                     if p.is_alive():
                         p.kill()
                 dist.destroy_process_group()
+
+
+def _local(x):
+    """x with every Remote in it (through lists, tuples and dict values) replaced by its object."""
+    if isinstance(x, Remote):
+        return x._obj
+    if isinstance(x, (list, tuple)):
+        return type(x)(_local(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _local(v) for k, v in x.items()}
+    return x
 
 
 def _free_port() -> int:
@@ -380,9 +393,17 @@ def build_engine(path: str, config, rank: int, size: int):
     # CUDA graphs stay off: a captured forward would replay its all-reduces outside the order
     # in which the ranks' broadcast calls meet
     config = dataclasses.replace(config, tensor_parallel_size=size, cuda_graphs=config.cuda_graphs and size == 1)
-    model = load_model(path, config.device, config.torch_dtype, tp_rank=rank, tp_size=size)
+    grouped = dist.is_initialized() and dist.get_world_size() > 1
+    # Ranks load one after another: each reads the whole checkpoint on the host before it keeps its
+    # slices, so the host holds one checkpoint at a time, not one per rank.
+    model = None
+    for turn in range(size if grouped else 1):
+        if turn == rank or not grouped:
+            model = load_model(path, config.device, config.torch_dtype, tp_rank=rank, tp_size=size)
+        if grouped:
+            dist.barrier(group=_CPU_GROUP)
     config = with_cache_budgets(config, model.device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if grouped:
         budgets = torch.tensor([config.entry_cache_bytes, config.prefix_cache_bytes], dtype=torch.int64)
         dist.all_reduce(budgets, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
         config = dataclasses.replace(config, entry_cache_bytes=int(budgets[0]), prefix_cache_bytes=int(budgets[1]))
