@@ -184,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     from hybridcache.services.runtime.loader import ModelLoadError
     from hybridcache.services.runtime.sampling import RequestError
 
+    if getattr(args, "trust_remote_code", False):
+        print("hybridcache: error: --trust-remote-code is not supported: HybridCache runs only its own "
+              "implementations of the supported model types, never Python code shipped with a model", file=sys.stderr)
+        return EXIT_USAGE
     try:
         if args.command == "up":
             from hybridcache.services.launcher import up

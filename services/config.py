@@ -133,6 +133,13 @@ class RuntimeConfig:
     max_model_len: int | None = setting(
         None, "router: longest prompt plus max_new_tokens accepted (default and ceiling: the model's "
         "max_position_embeddings)", roles=("router",), type=int)
+    served_model_name: str | None = setting(
+        None, "router: the model name the API serves, lists in /v1/models and answers to (default: the model "
+        "directory's name; 'default' is always an alias)", roles=("router",), type=str, metavar="NAME")
+    # every command refuses it (cli.main): a field so that vLLM command lines get that clear error
+    trust_remote_code: bool = setting(
+        False, "refused when set: the server runs only its own implementations of the supported model types, "
+        "never Python code from a model directory", roles=ENGINE_ROLES)
     chat_template: str | None = setting(
         None, "router: a Jinja chat template file for /v1/chat/completions (default: the model directory's "
         "tokenizer_config.json chat_template, else its chat_template.jinja)", roles=("router",), type=str,
@@ -254,6 +261,8 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("--tls-certfile and --tls-keyfile go together")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         if self.max_prompt_chars is not None and self.max_prompt_chars <= 0:
@@ -347,7 +356,8 @@ def flag_kwargs(f) -> dict:
                 "help": f.metadata["help"] if f.default is None else
                 f"{f.metadata['help']} (default: {format_value(f.default)})"}
     if kind is bool:
-        kw.update(type=_on_off, metavar="{on,off}")
+        # `--flag` alone is on, as vLLM's switches (`--trust-remote-code`)
+        kw.update(type=_on_off, metavar="{on,off}", nargs="?", const=True)
     else:
         kw["type"] = kind
         if f.metadata.get("choices"):

@@ -25,7 +25,14 @@ import uuid
 
 from aiohttp import web
 from hybridcache.services.api.chat_template import ChatTemplate
-from hybridcache.services.api.openai_compat import NO_TEMPLATE, chat_to_native, completion_to_native, sglang_to_native
+from hybridcache.services.api.openai_compat import (
+    NO_TEMPLATE,
+    chat_to_native,
+    completion_to_native,
+    parse_tool_calls,
+    sglang_to_native,
+    streamable_prefix,
+)
 from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.observability import metrics
 from hybridcache.services.router.router import Overloaded, Router, ServiceUnavailable, StreamControl
@@ -157,6 +164,7 @@ class Api:
         app.add_routes([
             web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
             web.get("/v1/models", self.models), web.post("/generate", self.generate),
+            web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
             web.get("/health", self.health), web.get("/health_generate", self.health),
             web.get("/livez", self.livez), web.get("/metrics", self.metrics),
             web.get("/get_model_info", self.model_info), web.get("/model_info", self.model_info),
@@ -276,23 +284,57 @@ class Api:
     async def _chat_respond(self, request, req, stream, body):
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.served_model}
+        # tool calls in the output (Qwen/Hermes <tool_call> blocks) come back as tool_calls
+        tools = bool(body.get("tools")) and body.get("tool_choice") != "none" and self.chat_template is not None
         if not stream:
             text, ids, finish, stats = await self._collect(request, req)
             stats["chat_template"] = self.chat_template_source
+            message = {"role": "assistant", "content": text}
+            if tools:
+                content, calls = parse_tool_calls(text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish = "tool_calls"
             return web.json_response(dict(base, object="chat.completion", choices=[
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+                {"index": 0, "message": message, "finish_reason": finish}],
                 usage=self._usage(req, len(ids), stats), hybridcache=stats))
+
+        sent = {"text": "", "out": 0, "role": False}
+
+        def delta_of(content: str) -> dict:
+            d = {"content": content}
+            if not sent["role"]:
+                sent["role"] = True
+                d = {"role": "assistant", **d}
+            return d
 
         def event(c, n):
             chunk = dict(base, object="chat.completion.chunk")
             if c.done:
                 stats = json.loads(c.stats_json or "{}")
                 stats["chat_template"] = self.chat_template_source
-                chunk.update(choices=[{"index": 0, "delta": {}, "finish_reason": c.finish_reason}],
+                finish, extra = c.finish_reason, []
+                if tools:
+                    content, calls = parse_tool_calls(sent["text"])
+                    if calls:
+                        finish = "tool_calls"
+                        calls = [dict(call, index=i) for i, call in enumerate(calls)]
+                        extra.append({"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None})
+                    elif len(sent["text"]) > sent["out"]:  # held back, and no tool call after all
+                        extra.append({"index": 0, "delta": delta_of(sent["text"][sent["out"]:]),
+                                      "finish_reason": None})
+                chunk.update(choices=[*extra, {"index": 0, "delta": {}, "finish_reason": finish}],
                              usage=self._usage(req, n, stats), hybridcache=stats)
+                return chunk
+            sent["text"] += c.text
+            if tools:
+                upto = max(streamable_prefix(sent["text"]), sent["out"])
+                piece, sent["out"] = sent["text"][sent["out"]:upto], upto
+                if not piece:
+                    return None
             else:
-                delta = {"content": c.text} if n > 1 or c.token_id < 0 else {"role": "assistant", "content": c.text}
-                chunk.update(choices=[{"index": 0, "delta": delta, "finish_reason": None}])
+                piece = c.text
+            chunk.update(choices=[{"index": 0, "delta": delta_of(piece), "finish_reason": None}])
             return chunk
 
         return await self._sse(request, req, event)
@@ -322,7 +364,52 @@ class Api:
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [
-            {"id": self.served_model, "object": "model", "created": 0, "owned_by": "hybridcache"}]})
+            {"id": self.served_model, "object": "model", "created": 0, "owned_by": "hybridcache",
+             "root": self.router.model_name, "parent": None, "max_model_len": self.router.max_model_len}]})
+
+    async def tokenize(self, request):
+        """vLLM's /tokenize: {"prompt"} or {"messages"} (rendered as /v1/chat/completions renders them)."""
+        try:
+            body = await self._body(request)
+            self._check_model(body)
+            tok = self.router.planner.tokenizer
+            if "messages" in body:
+                _check_keys(body, {"model", "messages", "add_generation_prompt", "add_special_tokens", "tools"})
+                if body.get("add_generation_prompt", True) is not True:
+                    raise RequestError("add_generation_prompt must be true (the prompts served end with it)")
+                native = chat_to_native({k: body[k] for k in ("messages", "tools") if k in body},
+                                        self.chat_template, tok)
+                tokens = [t for part in (native["system"], *native["segments"], native["suffix"])
+                          for t in (tok.encode(part) if isinstance(part, str) else part)]
+            else:
+                _check_keys(body, {"model", "prompt", "add_special_tokens"})
+                prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
+                if not isinstance(prompt, str) or not isinstance(special, bool):
+                    raise RequestError("prompt must be a string and add_special_tokens a boolean")
+                tokens = tok.tok.encode(prompt, add_special_tokens=special).ids
+        except _Reject as e:
+            return _error(e.status, e.message)
+        except RequestError as e:
+            return _error(400, str(e))
+        return web.json_response({"count": len(tokens), "max_model_len": self.router.max_model_len,
+                                  "tokens": tokens, "token_strs": None})
+
+    async def detokenize(self, request):
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}, special tokens kept."""
+        try:
+            body = await self._body(request)
+            self._check_model(body)
+            _check_keys(body, {"model", "tokens"})
+            tokens, vocab = body.get("tokens"), self.router.planner.cfg.vocab_size
+            if not isinstance(tokens, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+                raise RequestError(f"tokens must be a list of token ids in [0, {vocab})")
+        except _Reject as e:
+            return _error(e.status, e.message)
+        except RequestError as e:
+            return _error(400, str(e))
+        return web.json_response({"prompt": self.router.planner.tokenizer.tok.decode(tokens,
+                                                                                     skip_special_tokens=False)})
 
     async def generate(self, request):
         return await self._handle(request, sglang_to_native, self._generate_respond)
@@ -378,6 +465,12 @@ class Api:
 
     async def metrics(self, request):
         return web.Response(body=metrics.scrape(), content_type="text/plain", charset="utf-8")
+
+
+def _check_keys(body: dict, known: set[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise RequestError(f"unknown field(s) in the request: {', '.join(unknown)}")
 
 
 class _Reject(Exception):

@@ -11,6 +11,8 @@ with the model's chat template keeps those segments and puts the template's mark
 from __future__ import annotations
 
 import json
+import re
+import uuid
 
 from hybridcache.services.api.chat_template import ChatTemplate, mark
 from hybridcache.services.runtime.sampling import RequestError
@@ -118,8 +120,8 @@ def chat_to_native(body: dict, template: ChatTemplate | None = None, tokenizer=N
     the prompt is the rendered template in token ids (chat_template.ChatTemplate.prompt); without
     one, system texts are the prefix, every other text part a segment, the last one the suffix."""
     _check_fields(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-                         "seed", "stop", "n", "stream", "separator", "tools", "tool_choice"} | _OPENAI_IGNORED,
-                  "the request")
+                         "seed", "stop", "n", "stream", "separator", "tools", "tool_choice"} | _OPENAI_IGNORED
+                 , "the request")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
@@ -212,7 +214,8 @@ def _tool_call_for_template(call):
 
 def completion_to_native(body: dict) -> dict:
     _check_fields(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-                         "stream", "separator", "segments", "system"} | _OPENAI_IGNORED, "the request")
+                         "stream", "separator", "segments", "system"} | _OPENAI_IGNORED,
+                  "the request")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -275,3 +278,42 @@ def sglang_to_native(body: dict) -> dict:
         text = pieces[-1] if pieces else ""
     native["suffix"] = text if text is not None else ""
     return native
+
+
+TOOL_CALL_OPEN = "<tool_call>"
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """Qwen-style (Hermes) tool calls in a model's output, `<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>`, as OpenAI tool_calls (arguments a JSON string), and the text around them
+    (None when nothing else was said). A block that is not such JSON stays in the text."""
+    calls, kept, pos = [], [], 0
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            continue
+        args = call.get("arguments", call.get("parameters", {}))
+        kept.append(text[pos : m.start()])
+        pos = m.end()
+        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": call["name"], "arguments": arguments}})
+    kept.append(text[pos:])
+    content = "".join(kept).strip()
+    return (content or None), calls
+
+
+def streamable_prefix(text: str) -> int:
+    """How much of a streamed answer may go out as content while tool calls may follow: up to the
+    first `<tool_call>`, less any tail that could start one."""
+    at = text.find(TOOL_CALL_OPEN)
+    if at >= 0:
+        return at
+    for n in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-n:]):
+            return len(text) - n
+    return len(text)

@@ -246,7 +246,8 @@ def _start_api(router, args, http_port: int, config):
     from hybridcache.services.api.chat_template import ChatTemplate
 
     template = ChatTemplate.load(args.model, config.chat_template)
-    api = Api(router, served_model=Path(args.model).name, config=config, api_key=config.api_key,
+    api = Api(router, served_model=config.served_model_name or Path(args.model).name, config=config,
+              api_key=config.api_key,
               chat_template=template)
     runner = loop.run_until_complete(start_server(api.app(), args.host, http_port, config, _tls_context(config)))
     threading.Thread(target=loop.run_forever, name="http", daemon=True).start()

@@ -155,7 +155,7 @@ def chat_cluster(tmp_path_factory):
 
     path = init_model_dir("qwen3_5_text", "tiny", tmp_path_factory.mktemp("chat") / "m", seed=0, std=0.08)
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
-    with LocalCluster(path, port=free_port(), scatter_workers=0) as c:
+    with LocalCluster(path, port=free_port(), scatter_workers=0, served_model_name="tiny-chat") as c:
         security.install(c.secret)
         try:
             yield c, path
@@ -173,7 +173,7 @@ def test_served_chat_renders_the_template_multi_turn_and_streaming(chat_cluster)
                 {"role": "user", "content": [{"type": "text", "text": "Alice lives in Paris. " * 4},
                                              {"type": "text", "text": "Bob lives in Rome. " * 4},
                                              {"type": "text", "text": "Who lives in Rome?"}]}]
-    first = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+    first = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=6, temperature=0)
     stats = first.model_extra["hybridcache"]
     assert stats["chat_template"] == "tokenizer_config.json"
     template, tok = ChatTemplate.load(path), Tokenizer.from_dir(path)
@@ -190,7 +190,7 @@ def test_served_chat_renders_the_template_multi_turn_and_streaming(chat_cluster)
     turn2 = messages + [{"role": "assistant", "content": first.choices[0].message.content},
                         {"role": "user", "content": "And Alice?"}]
     pieces, final = [], None
-    for chunk in client.chat.completions.create(model="m", messages=turn2, max_tokens=6, temperature=0,
+    for chunk in client.chat.completions.create(model="tiny-chat", messages=turn2, max_tokens=6, temperature=0,
                                                 stream=True):
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
@@ -198,5 +198,71 @@ def test_served_chat_renders_the_template_multi_turn_and_streaming(chat_cluster)
             final = chunk
     assert final is not None and final.model_extra["hybridcache"]["chat_template"] == "tokenizer_config.json"
     assert final.usage.prompt_tokens_details.cached_tokens > 0
-    again = client.chat.completions.create(model="m", messages=turn2, max_tokens=6, temperature=0)
+    again = client.chat.completions.create(model="tiny-chat", messages=turn2, max_tokens=6, temperature=0)
     assert "".join(pieces) == again.choices[0].message.content
+
+
+def test_served_name_tokenize_detokenize_and_models(chat_cluster):
+    from serving_helpers import http
+
+    cluster, path = chat_cluster
+    status, models = http("GET", f"{cluster.url}/v1/models")
+    (entry,) = models["data"]
+    assert status == 200 and entry["id"] == "tiny-chat" and entry["max_model_len"] == 4096
+    status, res = http("POST", f"{cluster.url}/v1/chat/completions",
+                       {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert status == 404 and "tiny-chat" in res["error"]["message"]
+    messages = CONVERSATIONS["system-multi-turn"]
+    reference = AutoTokenizer.from_pretrained(path).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    status, res = http("POST", f"{cluster.url}/tokenize", {"model": "tiny-chat", "messages": messages})
+    assert status == 200 and res["tokens"] == list(reference) and res["count"] == len(reference)
+    assert res["max_model_len"] == 4096
+    status, res = http("POST", f"{cluster.url}/tokenize", {"prompt": "hello <|im_end|>"})
+    assert status == 200 and res["tokens"] == Tokenizer.from_dir(path).encode("hello <|im_end|>")
+    status, back = http("POST", f"{cluster.url}/detokenize", {"tokens": res["tokens"]})
+    assert status == 200 and back["prompt"] == "hello <|im_end|>"
+    assert http("POST", f"{cluster.url}/detokenize", {"tokens": [10**9]})[0] == 400
+    assert http("POST", f"{cluster.url}/tokenize", {"prompt": 3})[0] == 400
+    # tools go through the template (the tiny model answers whatever it answers)
+    status, res = http("POST", f"{cluster.url}/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": "Where is the Louvre?"}], "tools": TOOLS,
+                        "max_tokens": 2})
+    assert status == 200 and res["usage"]["prompt_tokens"] > 100, res
+
+
+def test_tool_calls_in_the_output_become_tool_calls():
+    from hybridcache.services.api.openai_compat import parse_tool_calls, streamable_prefix
+
+    text = 'Let me check.\n<tool_call>\n{"name": "lookup", "arguments": {"q": "Louvre"}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check." and len(calls) == 1
+    assert calls[0]["type"] == "function" and calls[0]["function"]["name"] == "lookup"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"q": "Louvre"}
+    assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert parse_tool_calls("plain") == ("plain", [])
+    # while streaming, content stops where a tool call starts or may start
+    assert streamable_prefix("abc <tool") == 4 and streamable_prefix("abc <tool_call>{") == 4
+    assert streamable_prefix("a < b") == 5
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logprobs", True), ("top_logprobs", 3), ("echo", True), ("frequency_penalty", 0.5), ("presence_penalty", 1),
+    ("logit_bias", {"5": 1}), ("response_format", {"type": "json_object"}), ("best_of", 2),
+])
+def test_unimplemented_fields_are_refused_by_name(field, value):
+    body = {"messages": [{"role": "user", "content": "x"}], field: value}
+    with pytest.raises(RequestError, match=f"^{field}="):
+        chat_to_native(body)
+    # their neutral values are accepted
+    neutral = {"logprobs": False, "top_logprobs": 0, "echo": False, "frequency_penalty": 0, "presence_penalty": 0,
+               "logit_bias": {}, "response_format": {"type": "text"}, "best_of": 1}
+    chat_to_native(dict(body, **{field: neutral[field]}))
+
+
+def test_trust_remote_code_is_refused(capsys):
+    from hybridcache.services import cli
+
+    for argv in (["serve", "router", "--trust-remote-code"], ["up", "--trust-remote-code"]):
+        assert cli.main(argv) == 2
+        assert "--trust-remote-code is not supported" in capsys.readouterr().err
