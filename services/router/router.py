@@ -48,6 +48,10 @@ class Overloaded(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class _Cancelled(Exception):
+    """The request was cancelled while a combine worker was being asked."""
+
+
 class StreamControl:
     """Ends a request's stream from another thread (its client went away): cancels the combine
     worker's RPC, whose scheduler then drops the request within one step."""
@@ -245,7 +249,7 @@ class Router:
             if not combines:
                 self._release(plan, assigned)
                 raise ServiceUnavailable("no combine worker is registered")
-            combine = combines[next(self._rr) % len(combines)]
+            start = next(self._rr)
             creq = pb.CombineRequest(
                 request_id=uuid.uuid4().hex, system_ids=req.system_ids,
                 segments=[pb.Segment(index=i, token_ids=s, live=i in req.live) for i, s in enumerate(req.segment_ids)],
@@ -256,12 +260,10 @@ class Router:
             last_t = None
             t_asked = time.perf_counter()
             t_first_token = None
-            call = rpc.CombineStub(self._channel(combine)).Generate(
-                creq, timeout=self.config.timeout_s, metadata=tracing.outgoing_metadata())
-            if control is not None:
-                control.attach(call)
             try:
-                for chunk in call:
+                order = [combines[(start + k) % len(combines)] for k in range(len(combines))]
+                combine, chunks = self._open(creq, order, control)
+                for chunk in chunks:
                     now = time.perf_counter()
                     if first:
                         self._release(plan, assigned)
@@ -283,16 +285,41 @@ class Router:
                         stats["trace_propagated"] = stats.get("trace_id") == tracing.current_trace_id() != ""
                         chunk.stats_json = json.dumps(stats)
                     yield chunk
+            except _Cancelled:
+                return
             except grpc.RpcError as e:
                 if control is not None and control.cancelled:
                     return
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    trailers = dict(e.trailing_metadata() or ())
-                    raise Overloaded(e.details(), float(trailers.get("retry-after", 1))) from None
                 raise ServiceUnavailable(f"combine worker {combine} failed: {e.code().name}") from None
             finally:
                 if first:
                     self._release(plan, assigned)
+
+    def _open(self, creq, order: list[str], control: StreamControl | None):
+        """(combine worker, its chunks) from the first of `order` that takes the request: one whose
+        waiting queue is full refuses at once (RESOURCE_EXHAUSTED) and the next is asked; when all
+        refuse, Overloaded with the shortest back-off they gave."""
+        refusals = []
+        for combine in order:
+            call = rpc.CombineStub(self._channel(combine)).Generate(
+                creq, timeout=self.config.timeout_s, metadata=tracing.outgoing_metadata())
+            if control is not None:
+                control.attach(call)
+            try:
+                head = next(call)
+            except StopIteration:
+                return combine, iter(())
+            except grpc.RpcError as e:
+                if control is not None and control.cancelled:
+                    raise _Cancelled from None
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise ServiceUnavailable(f"combine worker {combine} failed: {e.code().name}") from None
+                trailers = dict(e.trailing_metadata() or ())
+                refusals.append((float(trailers.get("retry-after", 1)), e.details()))
+                continue
+            return combine, itertools.chain([head], call)
+        retry_after, message = min(refusals)
+        raise Overloaded(message, retry_after)
 
     def _learn(self, stats: dict) -> None:
         """Update the cost model with what the combine worker measured."""

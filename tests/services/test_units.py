@@ -255,3 +255,51 @@ def test_router_plan_fetches_or_recomputes_held_entries(engine, model_dir):
         router._release(plan, assigned)
     finally:
         server.stop(0)
+
+
+class _FakeCombine(rpc.CombineServicer):
+    """A combine worker that refuses every request (queue full) or answers two tokens."""
+
+    def __init__(self, full: bool):
+        self.full, self.calls = full, 0
+
+    def Generate(self, request, context):
+        from hybridcache.services.protocol import pb
+
+        self.calls += 1
+        if self.full:
+            context.set_trailing_metadata((("retry-after", "3"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "4 requests running and 2 waiting")
+        yield pb.TokenChunk(token_id=7, text="a")
+        yield pb.TokenChunk(done=True, finish_reason="length", stats_json="{}")
+
+
+def test_router_asks_the_next_combine_worker_when_one_is_full(engine, model_dir):
+    from hybridcache.services.protocol import pb
+    from hybridcache.services.router.router import Overloaded, Router
+
+    workers, servers = [_FakeCombine(full=True), _FakeCombine(full=False)], []
+    addresses = []
+    for w in workers:
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        rpc.add_CombineServicer_to_server(w, server)
+        addresses.append(f"127.0.0.1:{free_port()}")
+        server.add_insecure_port(addresses[-1])
+        server.start()
+        servers.append(server)
+    try:
+        router = Router(model_dir, InProcessDirectory({"combine": addresses}))
+        router.adopt(pb.InfoReply(fingerprint=engine.fingerprint, seam_window=engine.config.seam_window, mode="pic"))
+        req = router.parse({"suffix": "q"})
+        # round robin starts at either worker: every request is served, by the one with room
+        for _ in range(4):
+            chunks = list(router.stream(req))
+            assert [c.token_id for c in chunks if not c.done] == [7] and chunks[-1].finish_reason == "length"
+        assert workers[1].calls == 4 and workers[0].calls >= 2
+        workers[1].full = True
+        with pytest.raises(Overloaded) as e:
+            list(router.stream(req))
+        assert e.value.retry_after_s == 3.0 and "waiting" in str(e.value)
+    finally:
+        for server in servers:
+            server.stop(0)
