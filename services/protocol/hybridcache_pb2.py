@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11hybridcache.proto\x12\x0ehybridcache.v1\"\xba\x01\n\x0bTensorChunk\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x10\n\x08shm_name\x18\x08 \x01(\t\x12\x12\n\nshm_offset\x18\t \x01(\x03\x12\x14\n\x0c\x62lock_offset\x18\x0b \x01(\x03J\x04\x08\n\x10\x0b\"\x85\x02\n\x0b\x44\x65viceBlock\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x03\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x03\x12\x15\n\rtensor_offset\x18\x05 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\x0e\n\x06nbytes\x18\n \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x0b \x01(\t\"\xf9\x01\n\x0b\x45ntryHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x16\n\x0esegment_tokens\x18\x02 \x01(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x13\n\x0blocal_start\x18\x04 \x01(\x05\x12\x15\n\rbuild_seconds\x18\x05 \x01(\x01\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\t\x12\x13\n\x0bnum_tensors\x18\x08 \x01(\x05\x12\x11\n\ttransport\x18\t \x01(\t\x12*\n\x05\x62lock\x18\n \x01(\x0b\x32\x1b.hybridcache.v1.DeviceBlock\x12\x0f\n\x07layered\x18\x0b \x01(\x08\"G\n\nLayerBlock\x12\r\n\x05layer\x18\x01 \x01(\x05\x12*\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x1b.hybridcache.v1.DeviceBlock\"4\n\tEntrySeal\x12\x10\n\x08\x63hecksum\x18\x01 \x01(\t\x12\x15\n\rbuild_seconds\x18\x02 \x01(\x01\"\xf8\x01\n\nEntryChunk\x12\x15\n\rsegment_index\x18\x01 \x01(\x05\x12-\n\x06header\x18\x02 \x01(\x0b\x32\x1b.hybridcache.v1.EntryHeaderH\x00\x12-\n\x06tensor\x18\x03 \x01(\x0b\x32\x1b.hybridcache.v1.TensorChunkH\x00\x12\x0f\n\x05\x65rror\x18\x04 \x01(\tH\x00\x12\x31\n\x0blayer_block\x18\x05 \x01(\x0b\x32\x1a.hybridcache.v1.LayerBlockH\x00\x12)\n\x04seal\x18\x06 \x01(\x0b\x32\x19.hybridcache.v1.EntrySealH\x00\x42\x06\n\x04\x62ody\"-\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\",\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\x05\x12\x10\n\x08rejected\x18\x02 \x01(\x05\"\x1b\n\x0bStatRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\xcf\x01\n\tStatReply\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\x0e\n\x06nbytes\x18\x02 \x03(\x03\x12\x12\n\nused_bytes\x18\x03 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07\x65ntries\x18\x05 \x01(\x03\x12\x0c\n\x04hits\x18\x06 \x01(\x03\x12\x0e\n\x06misses\x18\x07 \x01(\x03\x12\x0f\n\x07\x63orrupt\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\x14\n\x0c\x64isk_entries\x18\n \x01(\x03\x12\x0c\n\x04host\x18\x0b \x01(\t\"M\n\x07Segment\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\ncache_tier\x18\x03 \x01(\t\x12\x0c\n\x04live\x18\x04 \x01(\x08\"V\n\x08\x45ndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0e\n\x06ipc_ns\x18\x02 \x01(\t\x12\x0e\n\x06pid_ns\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0c\n\x04gpus\x18\x05 \x03(\t\"\xa2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08segments\x18\x02 \x03(\x0b\x32\x17.hybridcache.v1.Segment\x12\x12\n\ncache_tier\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12*\n\x08receiver\x18\x05 \x01(\x0b\x32\x18.hybridcache.v1.Endpoint\"^\n\x0bSegmentPlan\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x12\n\ncache_tier\x18\x05 \x01(\t\"\xe6\x01\n\x0e\x43ombineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsystem_ids\x18\x02 \x03(\x05\x12)\n\x08segments\x18\x03 \x03(\x0b\x32\x17.hybridcache.v1.Segment\x12\x12\n\nsuffix_ids\x18\x04 \x03(\x05\x12\x15\n\rsampling_json\x18\x05 \x01(\t\x12)\n\x04plan\x18\x06 \x03(\x0b\x32\x1b.hybridcache.v1.SegmentPlan\x12\x17\n\x0fscatter_workers\x18\x07 \x03(\t\x12\x12\n\ncache_tier\x18\x08 \x01(\t\"\x84\x01\n\nTokenChunk\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x12\n\nstats_json\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x07 \x01(\x05\"\r\n\x0bInfoRequest\"\x89\x01\n\tInfoReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x13\n\x0bseam_window\x18\x02 \x01(\x05\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12!\n\x19prefill_tokens_per_second\x18\x06 \x01(\x01\"\'\n\x0fGenerateRequest\x12\x14\n\x0crequest_json\x18\x01 \x01(\t2\xcb\x01\n\tCacheTier\x12=\n\x03Put\x12\x1a.hybridcache.v1.EntryChunk\x1a\x18.hybridcache.v1.PutReply(\x01\x12?\n\x03Get\x12\x1a.hybridcache.v1.GetRequest\x1a\x1a.hybridcache.v1.EntryChunk0\x01\x12>\n\x04Stat\x12\x1b.hybridcache.v1.StatRequest\x1a\x19.hybridcache.v1.StatReply2R\n\x07Scatter\x12G\n\x07Prefill\x12\x1e.hybridcache.v1.PrefillRequest\x1a\x1a.hybridcache.v1.EntryChunk0\x01\x32\x93\x01\n\x07\x43ombine\x12H\n\x08Generate\x12\x1e.hybridcache.v1.CombineRequest\x1a\x1a.hybridcache.v1.TokenChunk0\x01\x12>\n\x04Info\x12\x1b.hybridcache.v1.InfoRequest\x1a\x19.hybridcache.v1.InfoReply2V\n\tInference\x12I\n\x08Generate\x12\x1f.hybridcache.v1.GenerateRequest\x1a\x1a.hybridcache.v1.TokenChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11hybridcache.proto\x12\x0ehybridcache.v1\"\xba\x01\n\x0bTensorChunk\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x10\n\x08shm_name\x18\x08 \x01(\t\x12\x12\n\nshm_offset\x18\t \x01(\x03\x12\x14\n\x0c\x62lock_offset\x18\x0b \x01(\x03J\x04\x08\n\x10\x0b\"\x85\x02\n\x0b\x44\x65viceBlock\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x03\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x03\x12\x15\n\rtensor_offset\x18\x05 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\x0e\n\x06nbytes\x18\n \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x0b \x01(\t\"\xf9\x01\n\x0b\x45ntryHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x16\n\x0esegment_tokens\x18\x02 \x01(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x13\n\x0blocal_start\x18\x04 \x01(\x05\x12\x15\n\rbuild_seconds\x18\x05 \x01(\x01\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\t\x12\x13\n\x0bnum_tensors\x18\x08 \x01(\x05\x12\x11\n\ttransport\x18\t \x01(\t\x12*\n\x05\x62lock\x18\n \x01(\x0b\x32\x1b.hybridcache.v1.DeviceBlock\x12\x0f\n\x07layered\x18\x0b \x01(\x08\"u\n\nLayerBlock\x12\r\n\x05layer\x18\x01 \x01(\x05\x12*\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x1b.hybridcache.v1.DeviceBlock\x12,\n\x07tensors\x18\x03 \x03(\x0b\x32\x1b.hybridcache.v1.TensorChunk\"4\n\tEntrySeal\x12\x10\n\x08\x63hecksum\x18\x01 \x01(\t\x12\x15\n\rbuild_seconds\x18\x02 \x01(\x01\"\xf8\x01\n\nEntryChunk\x12\x15\n\rsegment_index\x18\x01 \x01(\x05\x12-\n\x06header\x18\x02 \x01(\x0b\x32\x1b.hybridcache.v1.EntryHeaderH\x00\x12-\n\x06tensor\x18\x03 \x01(\x0b\x32\x1b.hybridcache.v1.TensorChunkH\x00\x12\x0f\n\x05\x65rror\x18\x04 \x01(\tH\x00\x12\x31\n\x0blayer_block\x18\x05 \x01(\x0b\x32\x1a.hybridcache.v1.LayerBlockH\x00\x12)\n\x04seal\x18\x06 \x01(\x0b\x32\x19.hybridcache.v1.EntrySealH\x00\x42\x06\n\x04\x62ody\"-\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\",\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\x05\x12\x10\n\x08rejected\x18\x02 \x01(\x05\"\x1b\n\x0bStatRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\xcf\x01\n\tStatReply\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\x0e\n\x06nbytes\x18\x02 \x03(\x03\x12\x12\n\nused_bytes\x18\x03 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07\x65ntries\x18\x05 \x01(\x03\x12\x0c\n\x04hits\x18\x06 \x01(\x03\x12\x0e\n\x06misses\x18\x07 \x01(\x03\x12\x0f\n\x07\x63orrupt\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\x14\n\x0c\x64isk_entries\x18\n \x01(\x03\x12\x0c\n\x04host\x18\x0b \x01(\t\"M\n\x07Segment\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\ncache_tier\x18\x03 \x01(\t\x12\x0c\n\x04live\x18\x04 \x01(\x08\"V\n\x08\x45ndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0e\n\x06ipc_ns\x18\x02 \x01(\t\x12\x0e\n\x06pid_ns\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0c\n\x04gpus\x18\x05 \x03(\t\"\xa2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08segments\x18\x02 \x03(\x0b\x32\x17.hybridcache.v1.Segment\x12\x12\n\ncache_tier\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12*\n\x08receiver\x18\x05 \x01(\x0b\x32\x18.hybridcache.v1.Endpoint\"^\n\x0bSegmentPlan\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x12\n\ncache_tier\x18\x05 \x01(\t\"\xe6\x01\n\x0e\x43ombineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsystem_ids\x18\x02 \x03(\x05\x12)\n\x08segments\x18\x03 \x03(\x0b\x32\x17.hybridcache.v1.Segment\x12\x12\n\nsuffix_ids\x18\x04 \x03(\x05\x12\x15\n\rsampling_json\x18\x05 \x01(\t\x12)\n\x04plan\x18\x06 \x03(\x0b\x32\x1b.hybridcache.v1.SegmentPlan\x12\x17\n\x0fscatter_workers\x18\x07 \x03(\t\x12\x12\n\ncache_tier\x18\x08 \x01(\t\"\x84\x01\n\nTokenChunk\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x12\n\nstats_json\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x07 \x01(\x05\"\r\n\x0bInfoRequest\"\x89\x01\n\tInfoReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x13\n\x0bseam_window\x18\x02 \x01(\x05\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12!\n\x19prefill_tokens_per_second\x18\x06 \x01(\x01\"\'\n\x0fGenerateRequest\x12\x14\n\x0crequest_json\x18\x01 \x01(\t2\xcb\x01\n\tCacheTier\x12=\n\x03Put\x12\x1a.hybridcache.v1.EntryChunk\x1a\x18.hybridcache.v1.PutReply(\x01\x12?\n\x03Get\x12\x1a.hybridcache.v1.GetRequest\x1a\x1a.hybridcache.v1.EntryChunk0\x01\x12>\n\x04Stat\x12\x1b.hybridcache.v1.StatRequest\x1a\x19.hybridcache.v1.StatReply2R\n\x07Scatter\x12G\n\x07Prefill\x12\x1e.hybridcache.v1.PrefillRequest\x1a\x1a.hybridcache.v1.EntryChunk0\x01\x32\x93\x01\n\x07\x43ombine\x12H\n\x08Generate\x12\x1e.hybridcache.v1.CombineRequest\x1a\x1a.hybridcache.v1.TokenChunk0\x01\x12>\n\x04Info\x12\x1b.hybridcache.v1.InfoRequest\x1a\x19.hybridcache.v1.InfoReply2V\n\tInference\x12I\n\x08Generate\x12\x1f.hybridcache.v1.GenerateRequest\x1a\x1a.hybridcache.v1.TokenChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,43 +38,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENTRYHEADER']._serialized_start=491
   _globals['_ENTRYHEADER']._serialized_end=740
   _globals['_LAYERBLOCK']._serialized_start=742
-  _globals['_LAYERBLOCK']._serialized_end=813
-  _globals['_ENTRYSEAL']._serialized_start=815
-  _globals['_ENTRYSEAL']._serialized_end=867
-  _globals['_ENTRYCHUNK']._serialized_start=870
-  _globals['_ENTRYCHUNK']._serialized_end=1118
-  _globals['_GETREQUEST']._serialized_start=1120
-  _globals['_GETREQUEST']._serialized_end=1165
-  _globals['_PUTREPLY']._serialized_start=1167
-  _globals['_PUTREPLY']._serialized_end=1211
-  _globals['_STATREQUEST']._serialized_start=1213
-  _globals['_STATREQUEST']._serialized_end=1240
-  _globals['_STATREPLY']._serialized_start=1243
-  _globals['_STATREPLY']._serialized_end=1450
-  _globals['_SEGMENT']._serialized_start=1452
-  _globals['_SEGMENT']._serialized_end=1529
-  _globals['_ENDPOINT']._serialized_start=1531
-  _globals['_ENDPOINT']._serialized_end=1617
-  _globals['_PREFILLREQUEST']._serialized_start=1620
-  _globals['_PREFILLREQUEST']._serialized_end=1782
-  _globals['_SEGMENTPLAN']._serialized_start=1784
-  _globals['_SEGMENTPLAN']._serialized_end=1878
-  _globals['_COMBINEREQUEST']._serialized_start=1881
-  _globals['_COMBINEREQUEST']._serialized_end=2111
-  _globals['_TOKENCHUNK']._serialized_start=2114
-  _globals['_TOKENCHUNK']._serialized_end=2246
-  _globals['_INFOREQUEST']._serialized_start=2248
-  _globals['_INFOREQUEST']._serialized_end=2261
-  _globals['_INFOREPLY']._serialized_start=2264
-  _globals['_INFOREPLY']._serialized_end=2401
-  _globals['_GENERATEREQUEST']._serialized_start=2403
-  _globals['_GENERATEREQUEST']._serialized_end=2442
-  _globals['_CACHETIER']._serialized_start=2445
-  _globals['_CACHETIER']._serialized_end=2648
-  _globals['_SCATTER']._serialized_start=2650
-  _globals['_SCATTER']._serialized_end=2732
-  _globals['_COMBINE']._serialized_start=2735
-  _globals['_COMBINE']._serialized_end=2882
-  _globals['_INFERENCE']._serialized_start=2884
-  _globals['_INFERENCE']._serialized_end=2970
+  _globals['_LAYERBLOCK']._serialized_end=859
+  _globals['_ENTRYSEAL']._serialized_start=861
+  _globals['_ENTRYSEAL']._serialized_end=913
+  _globals['_ENTRYCHUNK']._serialized_start=916
+  _globals['_ENTRYCHUNK']._serialized_end=1164
+  _globals['_GETREQUEST']._serialized_start=1166
+  _globals['_GETREQUEST']._serialized_end=1211
+  _globals['_PUTREPLY']._serialized_start=1213
+  _globals['_PUTREPLY']._serialized_end=1257
+  _globals['_STATREQUEST']._serialized_start=1259
+  _globals['_STATREQUEST']._serialized_end=1286
+  _globals['_STATREPLY']._serialized_start=1289
+  _globals['_STATREPLY']._serialized_end=1496
+  _globals['_SEGMENT']._serialized_start=1498
+  _globals['_SEGMENT']._serialized_end=1575
+  _globals['_ENDPOINT']._serialized_start=1577
+  _globals['_ENDPOINT']._serialized_end=1663
+  _globals['_PREFILLREQUEST']._serialized_start=1666
+  _globals['_PREFILLREQUEST']._serialized_end=1828
+  _globals['_SEGMENTPLAN']._serialized_start=1830
+  _globals['_SEGMENTPLAN']._serialized_end=1924
+  _globals['_COMBINEREQUEST']._serialized_start=1927
+  _globals['_COMBINEREQUEST']._serialized_end=2157
+  _globals['_TOKENCHUNK']._serialized_start=2160
+  _globals['_TOKENCHUNK']._serialized_end=2292
+  _globals['_INFOREQUEST']._serialized_start=2294
+  _globals['_INFOREQUEST']._serialized_end=2307
+  _globals['_INFOREPLY']._serialized_start=2310
+  _globals['_INFOREPLY']._serialized_end=2447
+  _globals['_GENERATEREQUEST']._serialized_start=2449
+  _globals['_GENERATEREQUEST']._serialized_end=2488
+  _globals['_CACHETIER']._serialized_start=2491
+  _globals['_CACHETIER']._serialized_end=2694
+  _globals['_SCATTER']._serialized_start=2696
+  _globals['_SCATTER']._serialized_end=2778
+  _globals['_COMBINE']._serialized_start=2781
+  _globals['_COMBINE']._serialized_end=2928
+  _globals['_INFERENCE']._serialized_start=2930
+  _globals['_INFERENCE']._serialized_end=3016
 # @@protoc_insertion_point(module_scope)

@@ -80,7 +80,8 @@ def _spec(chunk) -> tuple:
 class LayeredEntry:
     """An entry sent layer by layer over cuda_ipc while its build is still running: `header()`
     first, then `layer(i, tensors)` for each layer as it is computed (its tensors packed into one
-    device block), then `seal(build_seconds)` with the seal over every layer block."""
+    device block, one message with their layout), then `seal(build_seconds)` with the seal over
+    every layer block."""
 
     def __init__(self, index: int, key: str, segment_tokens: int, seam: int, num_tensors: int, transport):
         self.index, self.transport = index, transport
@@ -100,10 +101,9 @@ class LayeredEntry:
                                          shape=list(t.shape), nbytes=n, block_offset=off))
             off += padded(n)
         self.transport.write_entry(msg.block, [t.detach() for _, t in named], ready=ready)
+        msg.tensors.extend(chunks)
         self.parts.append(([_spec(c) for c in chunks], msg.block))
         yield pb.EntryChunk(segment_index=self.index, layer_block=msg)
-        for c in chunks:
-            yield pb.EntryChunk(segment_index=self.index, tensor=c)
 
     def seal(self, build_seconds: float) -> pb.EntryChunk:
         return pb.EntryChunk(segment_index=self.index, seal=pb.EntrySeal(
@@ -211,27 +211,41 @@ class EntryAssembler:
         if kind == "layer_block":
             if not header.layered:
                 return self._fail(i, "layer block in an entry that is not layered")
-            return self._receive(i, chunk.layer_block.block)
+            failed = self._receive(i, chunk.layer_block.block)
+            if failed is not None:
+                return failed
+            for tensor in chunk.layer_block.tensors:
+                failed = self._tensor_chunk(i, header, parts, tensor)
+                if failed is not None:
+                    return failed
+            return None
         if kind == "seal":
             if not header.layered or len(parts) != header.num_tensors:
                 return self._fail(i, f"entry {header.key[:12]}: sealed with {len(parts)} of "
                                      f"{header.num_tensors} tensors")
             return self._finish(i, chunk.seal)
+        failed = self._tensor_chunk(i, header, parts, chunk.tensor)
+        if failed is not None:
+            return failed
+        if len(parts) == header.num_tensors and not header.layered:
+            return self._finish(i)
+        return None
+
+    def _tensor_chunk(self, i: int, header, parts: list, tensor):
+        """Take one tensor of entry i (from its device block, or its own bytes); an error result or None."""
         try:
             if i in self._blocks:
-                t = _block_tensor(chunk.tensor, self._blocks[i])
-                self._parts[i][-1][1].append(_spec(chunk.tensor))
+                t = _block_tensor(tensor, self._blocks[i])
+                self._parts[i][-1][1].append(_spec(tensor))
             elif header.transport == "cuda_ipc":
                 raise TransportError("cuda_ipc entry without its device block")
             else:
-                t = _tensor(chunk.tensor)
-            parts.append((chunk.tensor.layer, chunk.tensor.name, t))
+                t = _tensor(tensor)
+            parts.append((tensor.layer, tensor.name, t))
         except TransportError as e:
             metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
             return self._fail(i, str(e))
-        self.bytes_received += chunk.tensor.nbytes
-        if len(parts) == header.num_tensors and not header.layered:
-            return self._finish(i)
+        self.bytes_received += tensor.nbytes
         return None
 
     def _drop(self, i: int) -> None:

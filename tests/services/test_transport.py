@@ -302,8 +302,10 @@ def test_scatter_worker_streams_cuda_ipc_entries_layer_by_layer(engine, fake_ipc
         for (la, na, a), (lb, nb, b) in zip(layer_tensors(got.data), layer_tensors(ref.data), strict=True):
             assert (la, na) == (lb, nb) and torch.allclose(a, b, atol=1e-6)
     # a seal over fewer layers than the entry has, or one not made with the secret
-    short = [c for c in chunks if not (c.segment_index == 0 and c.WhichOneof("body") in ("layer_block", "tensor")
-                                      and (c.layer_block.layer if c.HasField("layer_block") else c.tensor.layer) == 0)]
+    # one message per layer block, its tensors' layout inside
+    assert [k for k, _ in kinds].count("tensor") == 0
+    assert all(len(c.layer_block.tensors) in (2, 3) for c in chunks if c.HasField("layer_block"))
+    short = [c for c in chunks if not (c.segment_index == 0 and c.HasField("layer_block") and c.layer_block.layer == 0)]
     assert "sealed with" in next(err for i, _, err in read_entries(short) if i == 0)
     forged = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
     next(c for c in forged if c.WhichOneof("body") == "seal").seal.checksum = "hmac-sha256-dev:" + "1" * 64
