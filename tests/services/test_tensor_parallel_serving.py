@@ -1,0 +1,44 @@
+"""`hybridcache up --tensor-parallel-size 2` on the CPU: combine and scatter workers each start a
+follower rank (gloo); served requests, cold and then warm, complete through the scheduler's
+batched decode over both ranks and equal TP = 1 in-process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from hybridcache.services.config import RuntimeConfig
+from hybridcache.services.launcher import free_port
+from hybridcache.services.runtime.engine import Engine
+from serving_helpers import http
+from test_up import _stop
+
+
+def test_served_tp2_equals_tp1(model_dir):
+    segments = ["first a retrieved passage about caches", " then a second passage on states"]
+    body = {"segments": segments, "suffix": " so the answer is",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}}
+    want = Engine.from_dir(model_dir, config=RuntimeConfig(mode="pic")).generate(body).output_ids
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "hybridcache.services.cli", "up", "--model", str(model_dir),
+                             "--port", str(port), "--scatter-workers", "1", "--tensor-parallel-size", "2"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["ready"]
+        # each worker runs as rank 0 with its follower rank as a child process
+        for svc in ready["services"]:
+            if svc["role"] in ("combine", "scatter"):
+                with open(f"/proc/{svc['pid']}/task/{svc['pid']}/children") as f:
+                    assert f.read().split(), f"{svc['role']} started no follower rank"
+        got = []
+        for _ in range(2):  # cold (the combine worker's ranks build the entries), then warm
+            status, res = http("POST", f"{ready['http']}/generate", body, timeout=120)
+            assert status == 200, res
+            got.append(res)
+        assert [r["output_ids"] for r in got] == [want, want]
+        cold, warm = (r["hybridcache"] for r in got)
+        assert cold["built_tokens"] > 0 and warm["reused_segments"] >= 1
+    finally:
+        _stop(proc)
