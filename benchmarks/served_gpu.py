@@ -277,7 +277,7 @@ def figures(res: dict) -> dict:
     if sc:
         moves = [r["stats"] for r in (sc["cold"], sc["cold2"]) if r["stats"].get("scatter_seconds")]
         rates = [m["scatter_bytes"] / m["scatter_seconds"] / 1e9 for m in moves]
-        out["scatter_to_combine_gb_per_s"] = round(_median(rates), 2) if rates else None
+        out["scatter_to_combine_gb_per_s"] = float(f"{_median(rates):.4g}") if rates else None
         out["scatter_to_combine_transport"] = moves[0].get("scatter_path", "") if moves else ""
     return {k: v for k, v in out.items() if v is not None}
 
