@@ -101,11 +101,9 @@ class Kube:
         return self.request("PUT", path, body)
 
     def create_if_absent(self, obj: dict[str, Any]) -> str:
-        """Create `obj` unless an object of its name exists (left as it is); returns 'created' or
-        'unchanged'. For objects whose content is made once (a generated secret)."""
-        meta = obj["metadata"]
-        if self.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]) is not None:
-            return "unchanged"
+        """Create `obj` unless an object of its name exists (left as it is: the API server's 409);
+        returns 'created' or 'unchanged'. For objects whose content is made once (a generated
+        secret); it never reads the live object, so the operator needs only `create` on them."""
         try:
             self.create(obj)
         except ApiError as exc:
