@@ -172,3 +172,32 @@ def test_bad_grpc_input_ends_with_its_status(strict, case):
     good = list(stub.Generate(pb.GenerateRequest(request_json=json.dumps({"suffix": "Hi", "sampling_params": {
         "max_new_tokens": 2}})), timeout=60))
     assert good[-1].done and not good[-1].error
+
+
+def test_large_bodies_do_not_slow_a_good_request_on_the_default_limits(cluster):
+    """The issue's case on the default 4 MiB limit: bodies of 3.9 MiB of text, parsed off the event
+    loop and refused before tokenizing (over the character bound), while a good request is timed."""
+    good = {"text": "Hello there", "sampling_params": {"max_new_tokens": 2}}
+    http("POST", f"{cluster.url}/generate", good, timeout=60)
+    t0 = time.monotonic()
+    assert http("POST", f"{cluster.url}/generate", good, timeout=60)[0] == 200
+    alone = time.monotonic() - t0
+    big = json.dumps({"text": "w" * int(3.9 * (1 << 20))}).encode()
+    stop = time.monotonic() + 8
+    statuses = []
+
+    def flood():
+        while time.monotonic() < stop:
+            statuses.append(http("POST", f"{cluster.url}/generate", None, big, 60)[0])
+
+    with ThreadPoolExecutor(4) as pool:
+        floods = [pool.submit(flood) for _ in range(4)]
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        status, res = http("POST", f"{cluster.url}/generate", good, timeout=60)
+        loaded = time.monotonic() - t0
+        for f in floods:
+            f.result()
+    assert status == 200, res
+    assert statuses and set(statuses) == {400}
+    assert loaded < max(3.0, 5 * alone), (alone, loaded)
