@@ -27,7 +27,7 @@ from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.runtime.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig
 from hybridcache.services.security import internal_channel
-from hybridcache.services.transport import Endpoint, local_endpoint, transport_for_address
+from hybridcache.services.transport import Endpoint, local_endpoint, measure_bandwidths, transport_for_address
 from hybridcache.services.transport.codec import EntryAssembler, entry_to
 
 log = logging.getLogger("hybridcache.combine")
@@ -84,6 +84,7 @@ class CombineServicer(rpc.CombineServicer):
         self.device = engine.model.device
         self.endpoint = local_endpoint(self.device)
         self._no_device_path: set[str] = set()  # scatter workers whose CUDA IPC blocks could not be opened here
+        self.transport_bandwidth = measure_bandwidths(self.device)
 
     def _accept(self, entry: SegmentEntry, segment: list[int]) -> bool:
         """Is a received entry (seal verified) the model's layout for this segment?"""
@@ -112,7 +113,8 @@ class CombineServicer(rpc.CombineServicer):
     def Info(self, request, context):
         e = self.engine
         return pb.InfoReply(fingerprint=e.fingerprint, seam_window=e.config.seam_window, model_type=e.cfg.model_type,
-                            mode=e.config.mode, dtype=self.dtype, prefill_tokens_per_second=self.prefill_tps)
+                            mode=e.config.mode, dtype=self.dtype, prefill_tokens_per_second=self.prefill_tps,
+                            transport_bandwidth=self.transport_bandwidth)
 
     def _tier(self, address: str) -> CacheTierClient:
         if address not in self._tiers:

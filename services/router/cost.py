@@ -5,9 +5,10 @@ path it would take with the time to build it again where it would be built: pref
 worker, then the entry's move to the combine worker over the scatter path (CUDA IPC when the two
 share a host and GPU visibility, else shared memory or gRPC, services/transport/), and picks the
 sooner. Python gRPC on loopback moves an entry slower than a GPU recomputes its segment
-(benchmarks/transport_loopback.py); CUDA IPC moves it far faster. Bandwidths and the prefill
-speed start from the defaults below, or from `--transport-bandwidth`, and follow running
-averages of what the combine workers measure on every request.
+(benchmarks/transport_loopback.py); CUDA IPC moves it far faster. Bandwidths start from
+`--transport-bandwidth`, else from what the combine worker measured of its end of each path at
+start-up (Router.adopt), else from the defaults below; they and the prefill speed then follow
+running averages of what the combine workers measure on every request.
 """
 
 from __future__ import annotations

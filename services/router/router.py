@@ -148,6 +148,11 @@ class Router:
         self.planner = Planner(p.cfg, p.tokenizer, replace(self.runtime, **served), info.fingerprint, p.generation)
         if info.prefill_tokens_per_second > 0:
             self.cost.prefill_tokens_per_s = info.prefill_tokens_per_second
+        # what the combine worker measured at start-up, unless --transport-bandwidth says otherwise
+        configured = parse_bandwidths(self.runtime.transport_bandwidth)
+        for path, bps in info.transport_bandwidth.items():
+            if path in self.cost.bandwidth and path not in configured and bps > 0:
+                self.cost.bandwidth[path] = bps
         return info
 
     @property

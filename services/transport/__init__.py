@@ -114,5 +114,19 @@ def choose_transport(sender: Endpoint, receiver: Endpoint) -> str:
     return "shm" if same_ipc else "grpc"
 
 
+def measure_bandwidths(device=None) -> dict[str, float]:
+    """Bytes/s of the receiving end's part of each entry path it can take, measured now (a
+    combine worker does at start-up and reports them to the router): shm always, cuda_ipc on a
+    CUDA device. Paths that could not be measured are left out."""
+    from hybridcache.services.transport import shm
+
+    out = {"shm": shm.measure_bandwidth()}
+    if device is not None and str(device).startswith("cuda"):
+        from hybridcache.services.transport import cuda_ipc
+
+        out["cuda_ipc"] = cuda_ipc.measure_bandwidth(device)
+    return {k: v for k, v in out.items() if v > 0}
+
+
 __all__ = ["TRANSPORTS", "Endpoint", "TensorTransport", "TransportError", "choose_transport", "get_transport",
-           "host_of", "local_endpoint", "transport_for_address"]
+           "host_of", "local_endpoint", "measure_bandwidths", "transport_for_address"]

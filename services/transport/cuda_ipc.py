@@ -184,6 +184,27 @@ def _side_stream(device, ready=None, after_default: bool = True):
         yield
 
 
+def measure_bandwidth(device, nbytes: int = 256 << 20) -> float:
+    """Bytes/s of the device work of one cuda_ipc move on `device`, both ends in this process:
+    the sender's pack and checksum, the receiver's copy and checksum (the handle's export and
+    opening, which need two processes, are not in it: the combine workers' measurements on
+    requests are). A starting value for the router's cost model."""
+    import time
+
+    t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    for _ in range(2):  # the first round allocates and warms the kernels
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with _side_stream(device):
+            buf = pack([t])
+            checksum_text(device_checksum_sums(buf))
+            own = torch.empty_like(buf)
+            own.copy_(buf)
+            checksum_text(device_checksum_sums(own))
+        seconds = time.perf_counter() - t0
+    return nbytes / seconds
+
+
 DEVICE_SEAL_PREFIX = "hmac-sha256-dev:"
 
 

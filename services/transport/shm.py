@@ -76,3 +76,20 @@ def sweep_stale(max_age_s: float = 300.0) -> int:
         except FileNotFoundError:
             pass
     return removed
+
+
+def measure_bandwidth(nbytes: int = 8 << 20) -> float:
+    """Bytes/s of one block through /dev/shm as the two ends move it (written, read back and
+    unlinked), measured here; 0.0 when /dev/shm cannot be written."""
+    import time
+
+    t = torch.ones(nbytes, dtype=torch.uint8)
+    chunk = type("Chunk", (), {})()
+    transport = ShmTransport()
+    try:
+        t0 = time.perf_counter()
+        transport.write(chunk, t)
+        read_shm(chunk.shm_name, chunk.shm_offset, nbytes)
+        return nbytes / (time.perf_counter() - t0)
+    except (OSError, TransportError):
+        return 0.0

@@ -101,3 +101,12 @@ def test_served_stack_on_one_gpu_moves_entries_by_cuda_ipc(model_dir):
         assert warm["hybridcache"]["built_tokens"] == 0
         print(f"served cuda_ipc: {st['scatter_bytes'] / st['scatter_seconds'] / 1e9:.2f} GB/s, "
               f"ttft {st['ttft_ms']:.1f} ms (engine {st['engine_ttft_ms']:.1f} ms)")
+
+
+@pytest.mark.gpu
+def test_start_up_measurement_of_the_cuda_ipc_device_work():
+    from hybridcache.services.transport import measure_bandwidths
+
+    bw = measure_bandwidths("cuda")
+    print(f"start-up: cuda_ipc device work {bw['cuda_ipc'] / 1e9:.0f} GB/s, shm {bw['shm'] / 1e9:.2f} GB/s")
+    assert bw["cuda_ipc"] > 10e9 and bw["shm"] > 0

@@ -310,3 +310,28 @@ def test_scatter_worker_streams_cuda_ipc_entries_layer_by_layer(engine, fake_ipc
     forged = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
     next(c for c in forged if c.WhichOneof("body") == "seal").seal.checksum = "hmac-sha256-dev:" + "1" * 64
     assert "seal does not verify" in list(read_entries(forged))[0][2]
+
+
+def test_bandwidths_measured_at_start_up_reach_the_cost_model(engine, model_dir):
+    """The combine worker measures its end of the entry paths when it starts and reports them in
+    Info; the router's cost model starts from them, except where --transport-bandwidth is given."""
+    from hybridcache.services.combine.worker import CombineServicer
+    from hybridcache.services.config import RuntimeConfig
+    from hybridcache.services.directory import InProcessDirectory
+    from hybridcache.services.router.router import Router
+
+    combine = CombineServicer(engine)
+    try:
+        info = combine.Info(pb.InfoRequest(), None)
+    finally:
+        combine.close()
+    assert set(info.transport_bandwidth) == {"shm"} and info.transport_bandwidth["shm"] > 0  # no GPU here
+    measured = pb.InfoReply(fingerprint=engine.fingerprint, seam_window=8, mode="pic",
+                            transport_bandwidth={"shm": 3e9, "cuda_ipc": 90e9, "carrier": 1.0})
+    router = Router(model_dir, InProcessDirectory({}))
+    router.adopt(measured)
+    assert router.cost.bandwidth["shm"] == 3e9 and router.cost.bandwidth["cuda_ipc"] == 90e9
+    assert "carrier" not in router.cost.bandwidth
+    configured = Router(model_dir, InProcessDirectory({}), runtime=RuntimeConfig(transport_bandwidth="cuda_ipc=40"))
+    configured.adopt(measured)
+    assert configured.cost.bandwidth["cuda_ipc"] == 40e9 and configured.cost.bandwidth["shm"] == 3e9
