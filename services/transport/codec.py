@@ -54,9 +54,9 @@ def _header(entry: SegmentEntry, n_tensors: int, transport: TensorTransport, che
 
 
 def _block_chunks(entry: SegmentEntry, index: int, transport) -> Iterator[pb.EntryChunk]:
-    """The entry as one device block in its header, sealed over its layout and the block's device
-    checksum (cuda_ipc.device_seal), then one metadata-only TensorChunk per tensor (its offset in
-    the block)."""
+    """The entry as one message: its header with the device block, sealed over the entry's layout
+    and the block's device checksum (cuda_ipc.device_seal), and a metadata-only TensorChunk per
+    tensor (its offset in the block)."""
     # not made contiguous here: the transport packs them on its own stream, after `cuda_ready`
     tensors = [(layer, name, t.detach()) for layer, name, t in layer_tensors(entry.data)]
     header = _header(entry, len(tensors), transport, "")
@@ -68,9 +68,8 @@ def _block_chunks(entry: SegmentEntry, index: int, transport) -> Iterator[pb.Ent
         off += padded(n)
     transport.write_entry(header.block, [t for _, _, t in tensors], ready=entry.meta.get("cuda_ready"))
     header.checksum = device_seal(header, [([_spec(c) for c in chunks], header.block)])
+    header.tensors.extend(chunks)
     yield pb.EntryChunk(segment_index=index, header=header)
-    for c in chunks:
-        yield pb.EntryChunk(segment_index=index, tensor=c)
 
 
 def _spec(chunk) -> tuple:
@@ -200,7 +199,12 @@ class EntryAssembler:
                 failed = self._receive(i, chunk.header.block)
                 if failed is not None:
                     return failed
-            if chunk.header.num_tensors == 0 and not chunk.header.layered:
+            parts = self._open[i][1]
+            for tensor in chunk.header.tensors:
+                failed = self._tensor_chunk(i, chunk.header, parts, tensor)
+                if failed is not None:
+                    return failed
+            if len(parts) == chunk.header.num_tensors and not chunk.header.layered:
                 return self._finish(i)
             return None
         if i not in self._open:

@@ -95,11 +95,13 @@ def test_cuda_ipc_entries_round_trip(entries, fake_ipc):
     transport = get_transport("cuda_ipc")
     chunks = [c for i, e in enumerate(entries) for c in entry_chunks(e, i, transport)]
     headers = [c.header for c in chunks if c.WhichOneof("body") == "header"]
-    # one device block per entry, its checksum in the header, no bytes in any message
-    assert len(shared) == 2 and all(h.HasField("block") and h.block.checksum.startswith("blk64:") for h in headers)
+    # one device block per entry, its checksum in the header, no bytes in any message: each entry
+    # is one message (its header holds the tensors' layout)
+    assert len(chunks) == 2 and len(shared) == 2
+    assert all(h.HasField("block") and h.block.checksum.startswith("blk64:") for h in headers)
     # sealed over the layout and the block's device checksum (the bytes never reach the host)
     assert all(h.transport == "cuda_ipc" and h.checksum.startswith("hmac-sha256-dev:") for h in headers)
-    assert all(not c.tensor.data and not c.tensor.shm_name for c in chunks if c.WhichOneof("body") == "tensor")
+    assert all(not t.data and not t.shm_name for h in headers for t in h.tensors)
     assert transport.bytes_moved() == sum(h.block.nbytes for h in headers)
     # no entry was sealed on the host on the way (the sender's sha256 is what cuda_ipc avoids)
     assert all(not e.checksum for e in entries)
@@ -129,7 +131,7 @@ def test_cuda_ipc_corruption_and_refusals(entries, fake_ipc, monkeypatch):
     assert list(read_entries(chunks))[0][2] == ""
     # a tensor pointing outside its block
     bad = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
-    next(c for c in bad if c.WhichOneof("body") == "tensor").tensor.block_offset = buf.numel()
+    bad[0].header.tensors[0].block_offset = buf.numel()
     assert "outside its device block" in list(read_entries(bad))[0][2]
     # a cuda_ipc header without its block (it would skip the host checksum otherwise)
     bad = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
@@ -137,7 +139,7 @@ def test_cuda_ipc_corruption_and_refusals(entries, fake_ipc, monkeypatch):
     assert "without its device block" in list(read_entries(bad))[0][2]
     # offsets moved inside the block (tensors read from elsewhere): the seal covers them
     bad = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
-    tensors = [c.tensor for c in bad if c.WhichOneof("body") == "tensor"]
+    tensors = list(bad[0].header.tensors)
     same = next(t for t in tensors[1:] if (t.dtype, list(t.shape)) == (tensors[0].dtype, list(tensors[0].shape)))
     tensors[0].block_offset, same.block_offset = same.block_offset, tensors[0].block_offset
     assert "seal does not verify" in list(read_entries(bad))[0][2]
