@@ -152,8 +152,9 @@ class RuntimeConfig:
         "more is refused before tokenizing (default: the served max length times the longest token of the "
         "vocabulary, in characters: no request over it could fit)", roles=("router",), type=int)
     http_header_timeout_s: int = setting(
-        10, "router: seconds a client has to send a request's line and headers (and an idle keep-alive "
-        "connection is kept) before the connection is closed", roles=("router",))
+        10, "seconds a client has to send a request's line and headers to the router (and an idle keep-alive "
+        "connection is kept) before the connection is closed; on the other roles' /health and /metrics, how "
+        "long a connection may send nothing", roles=SERVICE_ROLES)
     drain_grace_s: int = setting(
         20, "router: on SIGTERM it stops taking requests (both doors stop listening) and gives those in flight "
         "this many seconds to finish; `hybridcache up` stops the workers after the router", roles=("router",))

@@ -139,7 +139,8 @@ def _serve(args) -> int:
         args.warmup == "on" or (args.warmup == "auto" and config.device == "cuda")
     )
     if args.role != "router":
-        serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend))
+        serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend),
+                                 idle_timeout_s=config.http_header_timeout_s)
     engine = combine = scatter = None
 
     if args.role == "cache-tier":

@@ -10,8 +10,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from hybridcache.services.observability.metrics import scrape
 
 
-def serve_health_and_metrics(host: str, port: int, health: Callable[[], dict]) -> ThreadingHTTPServer:
+def serve_health_and_metrics(host: str, port: int, health: Callable[[], dict],
+                             idle_timeout_s: float = 10.0) -> ThreadingHTTPServer:
+    """Serve in a thread; a connection that sends nothing for `idle_timeout_s` is closed (each
+    connection holds a thread of its own)."""
+
     class Handler(BaseHTTPRequestHandler):
+        timeout = idle_timeout_s  # the socket's timeout: a read that waits longer ends the connection
+
         def do_GET(self):  # noqa: N802 - http.server's name
             if self.path == "/metrics":
                 body, ctype, code = scrape(), "text/plain; version=0.0.4", 200

@@ -126,6 +126,15 @@ def test_slowloris_connections_are_closed_and_good_requests_served(strict):
     assert status == 200, res
 
 
+def test_idle_connections_to_the_workers_http_ports_are_closed(strict):
+    for svc in (strict.role("combine")[0], strict.role("cache-tier")[0]):
+        host, port = svc.http.split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\n")
+            t0 = time.monotonic()
+            assert s.recv(1024) == b"" and time.monotonic() - t0 < TIMEOUT_S + 3
+
+
 def test_a_stalled_body_is_408(strict):
     with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as s:
         s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
