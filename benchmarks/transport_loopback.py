@@ -97,8 +97,8 @@ def main() -> int:
               "cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2), "commit": commit(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "command": "python " + " ".join(sys.argv), "figures": figures,
-              "note": "best of --repeats after one warm-up; every Get verifies the entry sha256 twice (tier on read, "
-                      "client on arrival) plus a CRC32 per tensor, all inside the measured time; "
+              "note": "best of --repeats after one warm-up; every Get verifies the entry's HMAC-SHA256 seal twice "
+                      "(tier on read, client on arrival) plus a CRC32 per tensor, all inside the measured time; "
                       "sha256_verify_gb_s is one such pass in this process"}
     text = json.dumps(result, indent=2)
     print(text)
