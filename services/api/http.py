@@ -220,8 +220,9 @@ class Api:
         except ServiceUnavailable as e:
             return _error(503, str(e))
 
-    async def _collect(self, request: web.Request, req) -> tuple[str, list[int], str, dict]:
-        text, ids, finish, stats = [], [], "length", {}
+    async def _collect(self, request: web.Request, req) -> tuple[str, list[int], str, dict, list]:
+        """The whole answer: text, token ids, finish reason, stats and per token (id, log p, top) when asked."""
+        text, ids, finish, stats, lps = [], [], "length", {}, []
         async with contextlib.aclosing(_chunks(self.router, req, request.get("received"))) as chunks:
             async for c in chunks:
                 if c.error:
@@ -232,8 +233,33 @@ class Api:
                     text.append(c.text)
                     if c.token_id >= 0:
                         ids.append(c.token_id)
+                        if c.has_logprob:
+                            lps.append(_logprob_of(c))
         metrics.REQUESTS.labels(status="200").inc()
-        return "".join(text), ids, finish, stats
+        return "".join(text), ids, finish, stats, lps
+
+    def _token_text(self, token_id: int) -> str:
+        return self.router.planner.tokenizer.tok.decode([token_id], skip_special_tokens=False)
+
+    def _chat_logprobs(self, lps: list) -> dict:
+        """OpenAI chat's logprobs object: per token its text, log p, UTF-8 bytes and the top alternatives."""
+        def entry(tid, lp):
+            t = self._token_text(tid)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+        return {"content": [dict(entry(tid, lp), top_logprobs=[entry(i, v) for i, v in top]) for tid, lp, top in lps]}
+
+    def _completion_logprobs(self, lps: list, offset: int = 0) -> dict:
+        """The legacy completions API's logprobs object (tokens, token_logprobs, top_logprobs, text_offset)."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, lp, top in lps:
+            t = self._token_text(tid)
+            out["tokens"].append(t)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({self._token_text(i): v for i, v in top})
+            out["text_offset"].append(offset)
+            offset += len(t)
+        return out
 
     async def _sse(self, request: web.Request, req, event) -> web.StreamResponse:
         """Stream `event(chunk, n_tokens)` dicts as server-sent events, then [DONE]. The headers
@@ -287,7 +313,7 @@ class Api:
         # tool calls in the output (Qwen/Hermes <tool_call> blocks) come back as tool_calls
         tools = bool(body.get("tools")) and body.get("tool_choice") != "none" and self.chat_template is not None
         if not stream:
-            text, ids, finish, stats = await self._collect(request, req)
+            text, ids, finish, stats, lps = await self._collect(request, req)
             stats["chat_template"] = self.chat_template_source
             message = {"role": "assistant", "content": text}
             if tools:
@@ -296,7 +322,8 @@ class Api:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish = "tool_calls"
             return web.json_response(dict(base, object="chat.completion", choices=[
-                {"index": 0, "message": message, "finish_reason": finish}],
+                {"index": 0, "message": message, "finish_reason": finish,
+                 "logprobs": self._chat_logprobs(lps) if req.sampling.logprobs is not None else None}],
                 usage=self._usage(req, len(ids), stats), hybridcache=stats))
 
         sent = {"text": "", "out": 0, "role": False}
@@ -334,7 +361,10 @@ class Api:
                     return None
             else:
                 piece = c.text
-            chunk.update(choices=[{"index": 0, "delta": delta_of(piece), "finish_reason": None}])
+            choice = {"index": 0, "delta": delta_of(piece), "finish_reason": None}
+            if c.has_logprob:
+                choice["logprobs"] = self._chat_logprobs([_logprob_of(c)])
+            chunk.update(choices=[choice])
             return chunk
 
         return await self._sse(request, req, event)
@@ -345,9 +375,10 @@ class Api:
     async def _completion_respond(self, request, req, stream, body):
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.served_model}
         if not stream:
-            text, ids, finish, stats = await self._collect(request, req)
+            text, ids, finish, stats, lps = await self._collect(request, req)
+            logprobs = self._completion_logprobs(lps) if req.sampling.logprobs is not None else None
             return web.json_response(dict(base, object="text_completion", choices=[
-                {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
                 usage=self._usage(req, len(ids), stats), hybridcache=stats))
 
         def event(c, n):
@@ -357,7 +388,8 @@ class Api:
                 chunk.update(choices=[{"index": 0, "text": "", "finish_reason": c.finish_reason, "logprobs": None}],
                              usage=self._usage(req, n, stats), hybridcache=stats)
             else:
-                chunk.update(choices=[{"index": 0, "text": c.text, "finish_reason": None, "logprobs": None}])
+                logprobs = self._completion_logprobs([_logprob_of(c)]) if c.has_logprob else None
+                chunk.update(choices=[{"index": 0, "text": c.text, "finish_reason": None, "logprobs": logprobs}])
             return chunk
 
         return await self._sse(request, req, event)
@@ -423,21 +455,32 @@ class Api:
     async def _generate_respond(self, request, req, stream, body):
         t0 = time.perf_counter()
         if not stream:
-            text, ids, finish, stats = await self._collect(request, req)
-            return web.json_response({"text": text, "output_ids": ids, "meta_info": self._meta(req, len(ids), finish,
-                                      stats, t0), "usage": self._usage(req, len(ids), stats), "hybridcache": stats})
-        text, ids = [], []
+            text, ids, finish, stats, lps = await self._collect(request, req)
+            meta = self._meta(req, len(ids), finish, stats, t0)
+            if req.sampling.logprobs is not None:
+                meta.update(_sglang_logprobs(lps))
+            return web.json_response({"text": text, "output_ids": ids, "meta_info": meta,
+                                      "usage": self._usage(req, len(ids), stats), "hybridcache": stats})
+        text, ids, lps = [], [], []
 
         def event(c, n):
             # SGLang streams the text so far in every chunk.
             if c.done:
                 stats = json.loads(c.stats_json or "{}")
+                meta = self._meta(req, n, c.finish_reason, stats, t0)
+                if req.sampling.logprobs is not None:
+                    meta.update(_sglang_logprobs(lps))
                 return {"text": "".join(text), "output_ids": ids, "usage": self._usage(req, n, stats),
-                        "meta_info": self._meta(req, n, c.finish_reason, stats, t0), "hybridcache": stats}
+                        "meta_info": meta, "hybridcache": stats}
             text.append(c.text)
             if c.token_id >= 0:
                 ids.append(c.token_id)
-            return {"text": "".join(text), "output_ids": list(ids), "meta_info": self._meta(req, n, None, {}, t0)}
+                if c.has_logprob:
+                    lps.append(_logprob_of(c))
+            meta = self._meta(req, n, None, {}, t0)
+            if req.sampling.logprobs is not None:
+                meta.update(_sglang_logprobs(lps))
+            return {"text": "".join(text), "output_ids": list(ids), "meta_info": meta}
 
         return await self._sse(request, req, event)
 
@@ -465,6 +508,16 @@ class Api:
 
     async def metrics(self, request):
         return web.Response(body=metrics.scrape(), content_type="text/plain", charset="utf-8")
+
+
+def _logprob_of(c) -> tuple[int, float, list[tuple[int, float]]]:
+    return c.token_id, c.logprob, list(zip(c.top_ids, c.top_logprobs))
+
+
+def _sglang_logprobs(lps: list) -> dict:
+    """SGLang's meta_info fields: (log p, token id, text) per output token, and the top alternatives."""
+    return {"output_token_logprobs": [[lp, tid, None] for tid, lp, _ in lps],
+            "output_top_logprobs": [[[v, i, None] for i, v in top] for _, _, top in lps]}
 
 
 def _check_keys(body: dict, known: set[str]) -> None:

@@ -15,16 +15,16 @@ import re
 import uuid
 
 from hybridcache.services.api.chat_template import ChatTemplate, mark
-from hybridcache.services.runtime.sampling import RequestError
+from hybridcache.services.runtime.sampling import MAX_TOP_LOGPROBS, RequestError
 
 # Fields clients send that this server does not implement. Each is accepted only when absent, null
 # or at a value listed here (of that type: `true` is not 1), the one that asks for nothing; any
 # other value is refused, never silently ignored. Fields listed with no value must be null.
 _OFF = {
-    "frequency_penalty": (0.0, 0), "presence_penalty": (0.0, 0), "logit_bias": ({},), "logprobs": (False,),
-    "top_logprobs": (0,), "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,),
+    "frequency_penalty": (0.0, 0), "presence_penalty": (0.0, 0), "logit_bias": ({},),
+    "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,),
     "suffix_text": ("",), "reasoning_effort": (), "modalities": (["text"],),
-    "return_logprob": (False,), "logprob_start_len": (-1,), "top_logprobs_num": (0,), "token_ids_logprob": (),
+    "logprob_start_len": (-1,), "token_ids_logprob": (),
     "return_text_in_logprobs": (False, True), "image_data": (), "video_data": (), "audio_data": (), "lora_path": (),
     "custom_logit_processor": (), "return_hidden_states": (False,), "bootstrap_host": (), "bootstrap_port": (),
     "bootstrap_room": (), "session_params": (), "data_parallel_rank": (),
@@ -75,6 +75,23 @@ def _opt_number(body: dict, name: str, kind) -> float | int | None:
     return kind(v)
 
 
+def _top_count(n: int, name: str) -> int:
+    if not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}")
+    return n
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """Chat's logprobs (a boolean) and top_logprobs (alternatives per token): the count asked for, or None."""
+    want = body.get("logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise RequestError("logprobs must be a boolean")
+    top = _opt_number(body, "top_logprobs", int)
+    if top and not want:
+        raise RequestError("top_logprobs needs logprobs: true")
+    return _top_count(top or 0, "top_logprobs") if want else None
+
+
 def openai_sampling(body: dict) -> dict:
     n = _opt_number(body, "n", int)
     if n not in (None, 1):
@@ -120,8 +137,16 @@ def chat_to_native(body: dict, template: ChatTemplate | None = None, tokenizer=N
     the prompt is the rendered template in token ids (chat_template.ChatTemplate.prompt); without
     one, system texts are the prefix, every other text part a segment, the last one the suffix."""
     _check_fields(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-                         "seed", "stop", "n", "stream", "separator", "tools", "tool_choice"} | _OPENAI_IGNORED
-                 , "the request")
+                         "seed", "stop", "n", "stream", "separator", "tools", "tool_choice"} | _OPENAI_IGNORED,
+                  "the request")
+    native = _chat_native(body, template, tokenizer)
+    top = chat_logprobs(body)
+    if top is not None:
+        native["sampling_params"]["logprobs"] = top
+    return native
+
+
+def _chat_native(body: dict, template: ChatTemplate | None, tokenizer) -> dict:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
@@ -214,7 +239,7 @@ def _tool_call_for_template(call):
 
 def completion_to_native(body: dict) -> dict:
     _check_fields(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-                         "stream", "separator", "segments", "system"} | _OPENAI_IGNORED,
+                         "stream", "separator", "segments", "system", "logprobs"} | _OPENAI_IGNORED,
                   "the request")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -222,6 +247,10 @@ def completion_to_native(body: dict) -> dict:
     if not isinstance(prompt, (str, list)):
         raise RequestError("prompt must be a string or a list of token ids")
     native = {"segments": body.get("segments") or [], "sampling_params": openai_sampling(body)}
+    # the legacy completions API: logprobs is the number of alternatives (0: the chosen token's only)
+    top = _opt_number(body, "logprobs", int)
+    if top is not None:
+        native["sampling_params"]["logprobs"] = _top_count(top, "logprobs")
     if body.get("system") is not None:
         native["system"] = body["system"]
     sep = _separator(body)
@@ -263,9 +292,15 @@ def sglang_sampling(sp) -> dict:
 
 def sglang_to_native(body: dict) -> dict:
     _check_fields(body, {"text", "input_ids", "sampling_params", "stream", "system", "segments", "suffix",
-                         "separator", "model"} | _SGLANG_IGNORED, "the request")
+                         "separator", "model", "return_logprob", "top_logprobs_num"} | _SGLANG_IGNORED,
+                  "the request")
     native = {k: body[k] for k in ("system", "segments") if body.get(k) is not None}
     native["sampling_params"] = sglang_sampling(body.get("sampling_params"))
+    if body.get("return_logprob") is not None and not isinstance(body["return_logprob"], bool):
+        raise RequestError("return_logprob must be a boolean")
+    if body.get("return_logprob"):
+        native["sampling_params"]["logprobs"] = _top_count(_opt_number(body, "top_logprobs_num", int) or 0,
+                                                           "top_logprobs_num")
     text = body.get("text", body.get("input_ids", body.get("suffix")))
     if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
         if len(text) != 1:

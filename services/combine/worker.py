@@ -241,8 +241,17 @@ class CombineServicer(rpc.CombineServicer):
         if not context.add_callback(handle.cancel):
             handle.cancel()
         try:
+            n = 0
             for tok, delta in handle:
-                yield pb.TokenChunk(token_id=tok, text=delta)
+                chunk = pb.TokenChunk(token_id=tok, text=delta)
+                if tok >= 0:
+                    if n < len(handle.logprobs):
+                        lp, top = handle.logprobs[n]
+                        chunk.has_logprob, chunk.logprob = True, lp
+                        chunk.top_ids.extend(i for i, _ in top)
+                        chunk.top_logprobs.extend(v for _, v in top)
+                    n += 1
+                yield chunk
         except Exception as e:  # noqa: BLE001 - the engine failed on this request: the client gets the error
             log.exception("request failed")
             yield pb.TokenChunk(done=True, error=f"{type(e).__name__}: {e}", status=500)

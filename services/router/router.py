@@ -337,4 +337,5 @@ class Router:
 
 def _sampling_dict(s) -> dict:
     return {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-            "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids), "seed": s.seed, "ignore_eos": s.ignore_eos}
+            "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids), "seed": s.seed, "ignore_eos": s.ignore_eos,
+            "logprobs": s.logprobs}

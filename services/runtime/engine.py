@@ -47,7 +47,7 @@ from hybridcache.services.runtime.cache.single_state import to_single_state
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.plan import Planner, Request
-from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams, sample_token
+from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams, sample_token, token_logprobs
 from hybridcache.services.runtime.sequence import CachedSpan, LinearSpan, LiveRun, SequenceState
 from hybridcache.services.runtime.tokenizer import Tokenizer
 
@@ -129,6 +129,7 @@ class GenerateResult:
     prompt_ids: list[int]
     finish_reason: str
     stats: RequestStats
+    logprobs: list | None = None  # per output token (log p, top alternatives) when asked for
 
     def to_dict(self) -> dict:
         return {
@@ -532,7 +533,8 @@ class Engine:
             if tok >= 0:
                 ids.append(tok)
             text.append(delta)
-        return GenerateResult("".join(text), ids, req.prompt_ids, gen.finish_reason, gen.prefill.stats)
+        logprobs = gen.logprobs if req.sampling.logprobs is not None else None
+        return GenerateResult("".join(text), ids, req.prompt_ids, gen.finish_reason, gen.prefill.stats, logprobs)
 
     def warmup_shape(self) -> tuple[int, int, int, int] | None:
         """(system, segments, segment tokens, question tokens) of the shaped warm-up requests
@@ -644,11 +646,13 @@ class TextStream:
     def __init__(self, engine: Engine, params: SamplingParams, stats: RequestStats | None = None):
         self.engine, self.params, self.stats = engine, params, stats
         self.output_ids: list[int] = []
+        # per output token, when the request asks for them: (log p, [(id, log p) of the top alternatives])
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.finish_reason = "length"
         self.emitted = ""
         self.hold = max((len(s) for s in params.stop), default=0)
 
-    def push(self, tok: int) -> tuple[list[tuple[int, str]], bool]:
+    def push(self, tok: int, logprobs=None) -> tuple[list[tuple[int, str]], bool]:
         params = self.params
         if self.stats is not None:
             self.stats.generated_tokens += 1
@@ -656,6 +660,8 @@ class TextStream:
             self.finish_reason = "stop"
             return self.flush(), True
         self.output_ids.append(tok)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
         text = self.engine.tokenizer.decode(self.output_ids)
         cut = min((text.find(s) for s in params.stop if s in text), default=-1)
         if cut >= 0:
@@ -695,6 +701,7 @@ class Generation:
         self.prefill = prefill
         self.finish_reason = "length"
         self.output_ids: list[int] = []
+        self.logprobs: list = []
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         try:
@@ -707,7 +714,7 @@ class Generation:
         eng, params, pre = self.engine, self.req.sampling, self.prefill
         gen = request_generator(params)
         stream = TextStream(eng, params, pre.stats)
-        self.output_ids = stream.output_ids
+        self.output_ids, self.logprobs = stream.output_ids, stream.logprobs
         logits = pre.logits
         if params.max_new_tokens == 0:
             pre.stats.ttft_ms = (time.perf_counter() - pre.started) * 1000
@@ -715,7 +722,8 @@ class Generation:
             tok = sample_token(logits, params, gen)
             if step == 0:
                 pre.stats.ttft_ms = (time.perf_counter() - pre.started) * 1000
-            events, done = stream.push(tok)
+            lp = None if params.logprobs is None else token_logprobs(logits, tok, params.logprobs)
+            events, done = stream.push(tok, lp)
             yield from events
             if done:
                 self.finish_reason = stream.finish_reason

@@ -79,6 +79,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    # return each generated token's log-probability and this many most likely alternatives (None: off)
+    logprobs: int | None = None
 
     @classmethod
     def from_dict(
@@ -90,7 +92,7 @@ class SamplingParams:
             raise RequestError("sampling_params must be an object")
         d = {**(defaults or {}), **{k: v for k, v in (d or {}).items() if v is not None}}
         known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed",
-                 "sampling_seed", "ignore_eos"}
+                 "sampling_seed", "ignore_eos", "logprobs"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
@@ -131,7 +133,26 @@ class SamplingParams:
         ignore_eos = d.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise RequestError("sampling_params.ignore_eos must be a boolean")
-        return cls(max_new, temperature, top_p, top_k, tuple(stop), tuple(stop_ids), seed, ignore_eos)
+        logprobs = num("logprobs", int, None)
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"sampling_params.logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        return cls(max_new, temperature, top_p, top_k, tuple(stop), tuple(stop_ids), seed, ignore_eos, logprobs)
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """log p(token) under the model's distribution (log-softmax of the logits [vocab], before
+    temperature and truncation, as vLLM reports them) and the `top` most likely (id, log p)."""
+    import torch
+
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    alternatives = []
+    if top:
+        values, ids = torch.topk(lp, min(top, lp.numel()))
+        alternatives = list(zip(ids.tolist(), values.tolist()))
+    return float(lp[token]), alternatives
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

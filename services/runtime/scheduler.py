@@ -39,7 +39,7 @@ from hybridcache.services.runtime.engine import (
     TextStream,
     request_generator,
 )
-from hybridcache.services.runtime.sampling import sample_token
+from hybridcache.services.runtime.sampling import sample_token, token_logprobs
 from hybridcache.services.runtime.sequence import LinearState, SequenceState
 
 log = logging.getLogger("hybridcache.scheduler")
@@ -97,6 +97,7 @@ class RequestHandle:
         self.done = threading.Event()
         self.finish_reason: str | None = None
         self.output_ids: list[int] = []
+        self.logprobs: list = []  # per output token, when the request asks for them (TextStream.logprobs)
         self.prefill: Prefill | None = None
         self.error: BaseException | None = None
         self.finished_step = -1  # the scheduler step that ended it
@@ -124,7 +125,8 @@ class RequestHandle:
         """Wait for the end; the same result Engine.generate gives."""
         text = "".join(delta for _, delta in self)
         stats = self.prefill.stats if self.prefill is not None else None
-        return GenerateResult(text, list(self.output_ids), self.req.prompt_ids, self.finish_reason, stats)
+        logprobs = list(self.logprobs) if self.req.sampling.logprobs is not None else None
+        return GenerateResult(text, list(self.output_ids), self.req.prompt_ids, self.finish_reason, stats, logprobs)
 
     # called by the scheduler's thread
     def _emit(self, events) -> None:
@@ -410,7 +412,7 @@ class Scheduler:
         seq.prefill = seq.handle.prefill = pre
         pre.started = seq.arrived  # TTFT counts the time in the queue
         seq.stream = TextStream(eng, params, pre.stats)
-        seq.handle.output_ids = seq.stream.output_ids
+        seq.handle.output_ids, seq.handle.logprobs = seq.stream.output_ids, seq.stream.logprobs
         seq.generator = request_generator(params)
         if params.max_new_tokens == 0:
             pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
@@ -418,15 +420,16 @@ class Scheduler:
             return
         tok = sample_token(pre.logits, params, seq.generator)
         pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
-        if self._push(seq, tok):
+        if self._push(seq, tok, pre.logits):
             return
         seq.slot = self.pool.assign(pre.state)
         self._running.append(seq)
         self._running.sort(key=lambda s: s.slot)
 
-    def _push(self, seq: _Seq, tok: int) -> bool:
-        """Emit what token `tok` gives; True when the request ended with it."""
-        events, done = seq.stream.push(tok)
+    def _push(self, seq: _Seq, tok: int, logits) -> bool:
+        """Emit what token `tok` (sampled from `logits`) gives; True when the request ended with it."""
+        top = seq.req.sampling.logprobs
+        events, done = seq.stream.push(tok, None if top is None else token_logprobs(logits, tok, top))
         seq.handle._emit(events)
         if done:
             if seq.stream.finish_reason == "length":
@@ -446,13 +449,16 @@ class Scheduler:
         done = []
         for b, seq in enumerate(batch):
             tok = picks[b] if b in picks else sample_token(logits[b], seq.req.sampling, seq.generator)
-            if self._push(seq, tok):
+            if self._push(seq, tok, logits[b]):
                 done.append(seq)
         if done:
             self._running = [s for s in self._running if s not in done]
 
     def _end(self, seq: _Seq, reason: str) -> None:
         self._release(seq)
+        # out of the running list before its handle says done, so that load() never counts a
+        # finished request (a new list: the decode step iterates the old one)
+        self._running = [s for s in self._running if s is not seq]
         seq.handle._finish(reason)
 
     def _release(self, seq: _Seq) -> None:

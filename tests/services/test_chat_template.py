@@ -247,7 +247,7 @@ def test_tool_calls_in_the_output_become_tool_calls():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("logprobs", True), ("top_logprobs", 3), ("echo", True), ("frequency_penalty", 0.5), ("presence_penalty", 1),
+    ("echo", True), ("frequency_penalty", 0.5), ("presence_penalty", 1),
     ("logit_bias", {"5": 1}), ("response_format", {"type": "json_object"}), ("best_of", 2),
 ])
 def test_unimplemented_fields_are_refused_by_name(field, value):
@@ -255,7 +255,7 @@ def test_unimplemented_fields_are_refused_by_name(field, value):
     with pytest.raises(RequestError, match=f"^{field}="):
         chat_to_native(body)
     # their neutral values are accepted
-    neutral = {"logprobs": False, "top_logprobs": 0, "echo": False, "frequency_penalty": 0, "presence_penalty": 0,
+    neutral = {"echo": False, "frequency_penalty": 0, "presence_penalty": 0,
                "logit_bias": {}, "response_format": {"type": "text"}, "best_of": 1}
     chat_to_native(dict(body, **{field: neutral[field]}))
 
@@ -266,3 +266,43 @@ def test_trust_remote_code_is_refused(capsys):
     for argv in (["serve", "router", "--trust-remote-code"], ["up", "--trust-remote-code"]):
         assert cli.main(argv) == 2
         assert "--trust-remote-code is not supported" in capsys.readouterr().err
+
+
+def test_served_logprobs_chat_completions_and_generate(chat_cluster):
+    import openai
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from serving_helpers import http
+
+    cluster, path = chat_cluster
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused")
+    engine = Engine.from_dir(path, config=EngineConfig(mode="full"))
+    template, tok = ChatTemplate.load(path), Tokenizer.from_dir(path)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    res = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=4, temperature=0,
+                                         logprobs=True, top_logprobs=2)
+    native = chat_to_native({"messages": messages, "max_tokens": 4, "temperature": 0, "logprobs": True,
+                             "top_logprobs": 2}, template, tok)
+    want = engine.generate(native)
+    content = res.choices[0].logprobs.content
+    assert len(content) == len(want.output_ids) == 4
+    for entry, tid, (lp, top) in zip(content, want.output_ids, want.logprobs):
+        assert abs(entry.logprob - lp) <= 1e-4 and entry.token == tok.tok.decode([tid], skip_special_tokens=False)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert len(entry.top_logprobs) == 2 and abs(entry.top_logprobs[0].logprob - top[0][1]) <= 1e-4
+    # streamed: one logprobs entry per token chunk
+    streamed = [c.choices[0].logprobs.content[0].logprob
+                for c in client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=4,
+                                                        temperature=0, logprobs=True, stream=True)
+                if c.choices and c.choices[0].logprobs]
+    assert len(streamed) == 4 and all(abs(a - e.logprob) <= 1e-4 for a, e in zip(streamed, content))
+
+    comp = client.completions.create(model="tiny-chat", prompt="Name a colour.", max_tokens=3, temperature=0,
+                                     logprobs=1)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3 and lp.text_offset[0] == 0
+    status, gen = http("POST", f"{cluster.url}/generate", {"text": "Name a colour.", "return_logprob": True,
+                                                           "top_logprobs_num": 2,
+                                                           "sampling_params": {"max_new_tokens": 3}})
+    assert status == 200 and len(gen["meta_info"]["output_token_logprobs"]) == 3
+    assert [row[1] for row in gen["meta_info"]["output_token_logprobs"]] == gen["output_ids"]
+    assert abs(gen["meta_info"]["output_token_logprobs"][0][0] - lp.token_logprobs[0]) <= 1e-4
