@@ -336,10 +336,13 @@ def add_up_flags(p) -> None:
     add_config_flags(p)  # each forwarded to the services that take it
 
 
-def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
+def _post(url: str, body: dict, timeout: float = 120.0, api_key: str | None = None) -> dict:
     import urllib.request
 
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -351,10 +354,13 @@ def demo_serve(args, sample: dict, question: str, expected: str) -> int:
 
     model = Path(args.model) if args.model else default_model_dir()
     port = free_port()
+    config = config_from_args(args)
+    # `up` takes fields with an environment variable (the API key) from there, not its arguments
     cmd = [sys.executable, "-m", "hybridcache.services.cli", "up", "--model", str(model), "--port", str(port),
-           *config_args(config_from_args(args))]
+           *config_args(replace(config, api_key=None))]
     print("$ hybridcache up --port", port, flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **config_env(config, "router")))
     try:
         line = proc.stdout.readline()
         if not line.startswith('{"ready"'):
@@ -364,7 +370,7 @@ def demo_serve(args, sample: dict, question: str, expected: str) -> int:
         print(f"{len(sample['segments'])} documents; question: {question!r} (expected answer {expected!r})")
         for attempt, segments in (("first", sample["segments"]),
                                   ("second, documents reordered", sample["segments"][::-1])):
-            res = _post(f"{url}/generate", dict(sample, segments=segments))
+            res = _post(f"{url}/generate", dict(sample, segments=segments), api_key=config.api_key)
             st = res["hybridcache"]
             hits = sum(s["hit"] for s in st["segments"])
             where = ", ".join(s["source"] for s in st["segments"])

@@ -102,3 +102,13 @@ def test_bad_tls_flags_are_one_error_line(model_dir, tmp_path):
                             "--port", str(free_port()), "--scatter-workers", "0", *extra],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode in (1, 2) and "hybridcache: error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_demo_serve_with_an_api_key(model_dir):
+    """`hybridcache demo --serve --api-key KEY` hands the key to `up` in its environment and sends it."""
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "hybridcache.services.cli", "demo", "--serve", "--model", str(model_dir),
+                        "--api-key", KEY], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("POST http://") == 2 and "--api-key" not in r.stdout
