@@ -94,6 +94,14 @@ def test_unnamed_float_tensor_is_refused(group):
         group.target.qwen3_5_text.model.model  # noqa: B018 - reading it is what fails
 
 
+def test_an_error_on_every_rank_reaches_the_caller_and_the_group_goes_on(group):
+    model = group.target.qwen3_5_text.model
+    with pytest.raises(ValueError, match="starts at 5"):
+        model.forward_layout(model.empty_state(), [LiveRun(torch.arange(4), 5)])
+    logits, _ = model.forward_layout(model.empty_state(), [LiveRun(torch.arange(4), 0)])
+    assert logits.shape == (320,)
+
+
 def test_split_must_divide_heads(dirs):
     model = load_model(dirs["qwen3_5_text"])
     with pytest.raises(ModelConfigError, match="tensor-parallel size 3 must divide"):

@@ -46,7 +46,7 @@ _WALK = {
 }
 # results rank 0 gets back as Remotes (their methods change per-rank state, so they broadcast)
 _REMOTE = {"LinearStatePool"}
-_CPU_GROUP = None  # the gloo group of the control messages (the process group itself on the CPU)
+_CPU_GROUP = None  # the gloo group of the control messages and the calls' outcomes
 _PLAIN = (int, float, str, bool, bytes, complex, slice, type(None), torch.dtype, torch.device, type)
 
 
@@ -263,7 +263,7 @@ class TPGroup:
         self.size, self.procs, self.channel = size, procs, channel
         self.handles = _Handles(strong=False)
         self._lock = threading.RLock()
-        self._closed = False
+        self._closed = self._shut = self._diverged = False
         self.handles.name(target_obj, 0)
         self.target = Remote(self, 0, target_obj, surface)
 
@@ -280,19 +280,39 @@ class TPGroup:
                 fn = getattr(fn, name)
             # rank 0 runs the call on its own objects: a Remote among the arguments is its local
             # object here (a call through it would broadcast again, inside this call)
-            out = fn(*_local(args), **_local(kwargs))
+            try:
+                out = fn(*_local(args), **_local(kwargs))
+            except Exception:
+                if self._outcome(True) != self.size:
+                    self._broken("rank 0 failed where the other ranks did not")
+                raise  # every rank failed alike: the caller's error, the group goes on
+            if self._outcome(False):
+                self._broken(f"{'.'.join(path)} failed on another rank (its log says why)")
             self.handles.walk(out)
             if type(out).__name__ in _REMOTE:
                 return Remote(self, self.handles.of[id(out)], out)
             return out
 
+    def _outcome(self, failed: bool) -> int:
+        try:
+            return _outcome(failed, self.size)
+        except RuntimeError:
+            # a follower left (it failed a call rank 0 was still in, and exited to end it)
+            self._broken("a follower rank exited")
+
+    def _broken(self, why: str):
+        """The ranks no longer hold the same objects: nothing more can be mirrored."""
+        self._closed = self._diverged = True
+        raise TPError(f"the tensor-parallel ranks diverged: {why}; the worker must restart")
+
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._lock:
-            if self._closed:
+            if self._shut:
                 return
-            self._closed = True
+            self._closed = self._shut = True
             try:
-                self.channel.send(b"")
+                if not self._diverged:  # diverged followers have left already
+                    self.channel.send(b"")
             finally:
                 for p in self.procs:
                     p.join(timeout)
@@ -325,8 +345,23 @@ def _init(rank: int, size: int, init_method: str, device: str, timeout_s: float)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     global _CPU_GROUP
-    _CPU_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    # a group of its own even on the CPU: a rank that skipped a forward's all-reduce must not meet
+    # another rank's control message in its place
+    _CPU_GROUP = dist.new_group(backend="gloo")
     return Channel(_CPU_GROUP)
+
+
+def _outcome(failed: bool, size: int, timeout_s: float | None = None) -> int:
+    """How many ranks' calls failed (every rank says after every call). A follower whose call
+    failed waits `timeout_s` at most: rank 0 may be held in a collective the follower never
+    reached, which ends only when the follower's process does."""
+    flag = torch.tensor([int(failed)], dtype=torch.int64)
+    work = dist.all_reduce(flag, group=_CPU_GROUP, async_op=True)
+    if timeout_s is None:
+        work.wait()
+    elif not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
+        raise TimeoutError("rank 0 did not finish the call")
+    return int(flag)
 
 
 def _follow(rank: int, size: int, init_method: str, device: str, timeout_s: float, build: Callable) -> None:
@@ -341,18 +376,27 @@ def _follow(rank: int, size: int, init_method: str, device: str, timeout_s: floa
             break
         dead, call = pickle.loads(payload)
         handles.drop(dead)
-        counter, handle, path, args, kwargs = _Unpickler(io.BytesIO(call), handles).load()
-        if counter != handles.next:
-            log.error("rank %d: handle counter %d, rank 0 has %d: the ranks diverged", rank, handles.next, counter)
-            handles.next = counter
-        fn = handles.get(handle)
+        path = ("?",)
         try:
+            counter, handle, path, args, kwargs = _Unpickler(io.BytesIO(call), handles).load()
+            if counter != handles.next:
+                raise TPError(f"handle counter {handles.next}, rank 0's {counter}")
+            fn = handles.get(handle)
             for name in path:
                 fn = getattr(fn, name)
             out = fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - rank 0 raises the same error to its caller
+        except Exception:  # noqa: BLE001 - rank 0 hears of it through _outcome
             log.warning("rank %d: %s failed", rank, ".".join(path), exc_info=True)
+            try:
+                failed = _outcome(True, size, timeout_s=60.0)
+            except Exception:  # noqa: BLE001 - rank 0 is held in a collective: end this rank to free it
+                log.error("rank %d: rank 0 is held in a call this rank failed; exiting", rank)
+                os._exit(1)
+            if failed != size:
+                break  # rank 0 succeeded: the ranks diverged, and rank 0 stops mirroring
             continue
+        if _outcome(False, size):
+            break
         handles.walk(out)
     dist.destroy_process_group()
 
