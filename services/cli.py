@@ -52,6 +52,10 @@ def _engine(args):
         if not torch.cuda.is_available():
             raise UsageError("--device cuda given but no CUDA device is available")
     model_dir = Path(args.model) if args.model else default_model_dir()
+    if config.tensor_parallel_size > 1:
+        from hybridcache.services.runtime.tensor_parallel.ranks import open_engine
+
+        return open_engine(model_dir, config)  # rank 0 of a group of its own (tensor_parallel/ranks.py)
     return Engine.from_dir(model_dir, device=config.device, dtype=config.torch_dtype, config=config)
 
 

@@ -42,3 +42,14 @@ def test_served_tp2_equals_tp1(model_dir):
         assert cold["built_tokens"] > 0 and warm["reused_segments"] >= 1
     finally:
         _stop(proc)
+
+
+def test_a_size_that_does_not_divide_the_heads_is_one_error_line(model_dir, tmp_path):
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({"segments": ["a"], "sampling_params": {"max_new_tokens": 1}}))
+    for cmd in (["generate", "--model", str(model_dir), "--request", str(req), "--tensor-parallel-size", "3"],
+                ["eval", "--model", str(model_dir), "--limit", "1", "--tensor-parallel-size", "2"]):
+        out = subprocess.run([sys.executable, "-m", "hybridcache.services.cli", *cmd], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "tensor-parallel" in out.stderr

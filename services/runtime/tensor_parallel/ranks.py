@@ -20,6 +20,7 @@ would carry rank 0's slice to the other ranks, a wrong answer instead of an erro
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import functools
@@ -470,4 +471,5 @@ def open_engine(path: str, config):
     if size == 1:
         return build_engine(path, config, 0, 1)
     group = start(size, functools.partial(build_engine, str(path), config), ENGINE_SURFACE, config.device)
+    atexit.register(group.shutdown)  # a command that returns without shutting it down
     return group.target
