@@ -76,6 +76,36 @@ _QWEN35_35B_A3B = dict(
 )
 _QWEN35_35B_A3B.pop("intermediate_size")
 
+# Qwen3-Next-80B-A3B's released shape (~80 B parameters, ~160 GB in bf16: tensor parallelism >= 2 on H200s)
+_QWEN3_NEXT_80B_A3B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=5120,
+    num_hidden_layers=48,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+    num_experts=512,
+    num_experts_per_tok=10,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False,
+    eos_token_id=151645,
+    pad_token_id=151643,
+)
+
 # (arch, preset) -> text config (model_type added on write)
 PRESETS: dict[tuple[str, str], dict] = {
     ("qwen3_next", "tiny"): dict(_TINY_COMMON, **_TINY_MOE, decoder_sparse_step=1, mlp_only_layers=[1]),
@@ -83,6 +113,7 @@ PRESETS: dict[tuple[str, str], dict] = {
     ("qwen3_5", "tiny"): dict(_TINY_COMMON),
     ("qwen3_5_moe_text", "tiny"): dict(_TINY_COMMON, **_TINY_MOE),
     ("qwen3_5_moe", "tiny"): dict(_TINY_COMMON, **_TINY_MOE),
+    ("qwen3_next", "qwen3-next-80b-a3b"): _QWEN3_NEXT_80B_A3B,
     ("qwen3_5_text", "qwen3.5-9b"): _QWEN35_9B,
     ("qwen3_5", "qwen3.5-9b"): _QWEN35_9B,
     ("qwen3_5_moe_text", "qwen3.5-35b-a3b"): _QWEN35_35B_A3B,
