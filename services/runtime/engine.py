@@ -247,8 +247,10 @@ class Engine:
     def streams_layers(self) -> bool:
         """Whether build_entries can hand out each layer of a batch as soon as it is computed
         (on_layer): models with a batched standalone prefill (HybridLM.build_span_data), exact
-        entries (the single-state policy reshapes an entry once it is whole)."""
-        return getattr(self.model, "build_span_data", None) is not None and self.config.entry_policy == "exact"
+        entries (the single-state policy reshapes an entry once it is whole), one rank (a callback
+        cannot be mirrored on the followers of a tensor-parallel engine)."""
+        return (getattr(self.model, "build_span_data", None) is not None and self.config.entry_policy == "exact"
+                and self.tp_layout is None)
 
     def _layer_span(self, data, layer: int):
         """Layer `layer` of a span being built, as the finished entry will hold it (states in the
