@@ -4,7 +4,8 @@ Every mixer is split by head, as vLLM splits it: the projections that make a hea
 v, gates, decays, the short conv's channels) keep the rank's heads' rows (column-parallel), the
 output projection keeps the matching input columns and sums the ranks' parts (row-parallel, one
 all-reduce). MLPs split their intermediate channels the same way; MoE blocks split every expert's
-intermediate channels (the router stays whole, so every rank routes alike) and sum once; the
+intermediate channels and their shared expert's (the router stays whole, so every rank routes
+alike) and sum once, at the block's output; the
 embedding and the LM head split the vocabulary. Key/value heads fewer than the ranks are
 replicated (rank r holds key head r // (ranks / heads)), as vLLM does for GQA.
 
@@ -249,14 +250,36 @@ def shard_relu2_mlp(m, rank, size):
     m.down_proj = row(m.down_proj, [(si.total, si)])
 
 
-def shard_experts(m, rank, size):
+def shard_experts(m, rank, size, reduce: bool = True):
     """Fused experts gate_up_proj [E, 2 I, h], down_proj [E, h, I]: every expert keeps the rank's
-    intermediate channels; the routed sum is this rank's part, all-reduced (reduce_output)."""
+    intermediate channels; the routed sum is this rank's part, all-reduced (reduce_output) unless
+    the MoE block around it reduces."""
     inter = m.down_proj.shape[2]
     si = Split(inter, rank, size, "expert intermediate channels")
     rows(m, "gate_up_proj", [(inter, si), (inter, si)], dim=1)
     rows(m, "down_proj", [(inter, si)], dim=2)
+    if reduce:
+        reduce_output(m)
+
+
+def shard_moe(m, rank, size) -> list[nn.Module]:
+    """An MoE block: routed experts and the shared expert(s) by intermediate channel, each left with
+    this rank's partial sum, and ONE all-reduce of the block's output (the block adds them, the
+    shared expert under a replicated gate: a sum of partial sums). Returns the modules it split."""
+    shard_experts(m.experts, rank, size, reduce=False)
+    done = [m.experts]
+    shared = getattr(m, "shared_expert", None) or getattr(m, "shared_experts", None)
+    if shared is not None:
+        si = Split(shared.gate_proj.out_features, rank, size, "shared expert intermediate channels")
+        column(shared.gate_proj, [(si.total, si)])
+        column(shared.up_proj, [(si.total, si)])
+        if shared.down_proj.bias is not None:
+            raise ModelConfigError("a shared expert with a down_proj bias cannot leave partial sums")
+        rows(shared.down_proj, "weight", [(si.total, si)], dim=1)
+        shared.down_proj.in_features = si.count
+        done.append(shared)
     reduce_output(m)
+    return done
 
 
 def shard_vocab(model, rank, size):
@@ -294,17 +317,26 @@ def _rules() -> dict[type, callable]:
     }
 
 
+def _moe_blocks() -> set[type]:
+    """MoE block classes (routed experts, a shared expert or not), split by shard_moe."""
+    from hybridcache.services.runtime.models import kimi_linear, minimax, qwen3_hybrid
+
+    return {qwen3_hybrid.SparseMoE, kimi_linear.MoE, minimax.MiniMaxMoE}
+
+
 def shard_model(model: nn.Module, rank: int, size: int) -> nn.Module:
     """Split `model` (a loaded LayoutLM, weights whole) in place to rank `rank` of `size`; a
     ModelConfigError names a head count `size` does not divide. Returns the model."""
     if size == 1:
         return model
-    rules = _rules()
-    todo = [m for m in model.modules() if type(m) in rules]
+    rules, moes = _rules(), _moe_blocks()
     unknown = [type(m).__name__ for m in model.modules() if _is_mixer(m) and type(m) not in rules]
     if unknown:
         raise ModelConfigError(f"tensor parallelism has no split for {unknown[0]}")
-    for m in todo:
+    done = set()
+    for m in [m for m in model.modules() if type(m) in moes]:
+        done.update(id(x) for x in shard_moe(m, rank, size))
+    for m in [m for m in model.modules() if type(m) in rules and id(m) not in done]:
         rules[type(m)](m, rank, size)
     shard_vocab(model, rank, size)
     model.tp_rank, model.tp_size = rank, size
