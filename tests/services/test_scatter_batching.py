@@ -65,13 +65,17 @@ def test_segments_of_calls_arriving_together_are_built_in_one_batch(engine):
         threads = [threading.Thread(target=_call, args=(servicer, _segments([blocker]), results, "blocker"))]
         threads[0].start()
         assert first.wait(30)  # the builder is busy: the next calls queue behind it
+        queued = 0
         for name, segs in (("a", a), ("b", b + [shared]), ("c", c)):
             threads.append(threading.Thread(target=_call, args=(servicer, _segments(segs), results, name)))
             threads[-1].start()
-        deadline = 100
-        while len(servicer._pending) < 5 and deadline:
-            threading.Event().wait(0.02)
-            deadline -= 1
+            # each call's segments are pending before the next call starts, so the queue's order is a, b, c
+            queued += len(segs)
+            deadline = 500
+            while len(servicer._pending) < queued and deadline:
+                threading.Event().wait(0.02)
+                deadline -= 1
+            assert len(servicer._pending) == queued
         gate.set()
         for t in threads:
             t.join(60)
