@@ -108,6 +108,22 @@ FIGURES = (
            "figures.get_shm_gb_s", "GB/s", 2),
     Figure("served requests/s, 16 concurrent streams vs one at a time (CPU, shipped model)",
            "served_load_cpu_*.json", "figures.requests_per_s_16_streams_vs_1", "x", 2, goal=">= 4x"),
+    Figure("served output tokens/s, 32 streams of 256 tokens vs 1 (Qwen3.5-9B shape, bf16)",
+           "served_load_h200*.json", "figures.decode_tokens_per_s_32_streams_vs_1", "x", 1, goal=">= 15x"),
+    Figure("served p50 inter-token latency, 32 streams vs 1", "served_load_h200*.json",
+           "figures.itl_p50_32_streams_vs_1", "x", 2, goal="<= 2x"),
+    Figure("served warm pic TTFT / in-process, 32 x 1k + 64 (9B shape, 8 layers)", "served_gpu_h200*.json",
+           "figures.served_warm_ttft_vs_in_process", "x", 2, goal="<= 1.15"),
+    Figure("served warm pic TTFT, 32 x 1k + 64 (client-measured)", "served_gpu_h200*.json",
+           "figures.served_warm_pic_ttft_ms", "ms", 1),
+    Figure("served warm pic TTFT speed-up vs a served prefix cache", "served_gpu_h200*.json",
+           "figures.served_pic_ttft_speedup_vs_prefix_32x1k", "x", 1, goal=">= 15x"),
+    Figure("served first cold pic TTFT / in-process full, same prompt", "served_gpu_h200*.json",
+           "figures.cold_pic_ttft_vs_full_32x1k", "x", 2, goal="<= 1.2"),
+    Figure("served cold pic TTFT with a scatter worker on the same GPU / without", "served_gpu_h200*.json",
+           "figures.cold_pic_ttft_with_scatter_vs_without", "x", 2, goal="<= 1"),
+    Figure("scatter -> combine entry bandwidth, two processes on one GPU (CUDA IPC)", "served_gpu_h200*.json",
+           "figures.scatter_to_combine_gb_per_s", "GB/s", 2, goal=">= 50"),
 )
 
 
