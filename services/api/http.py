@@ -295,7 +295,7 @@ class Api:
     def _usage(self, req, completion_tokens: int, stats: dict) -> dict:
         # what the model generated (the token that stopped it included), and of the prompt what
         # came from caches filled before this request
-        prompt = len(req.prompt_ids)
+        prompt = req.prompt_len
         completion_tokens = stats.get("generated_tokens", completion_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                 "total_tokens": prompt + completion_tokens,
@@ -447,7 +447,7 @@ class Api:
         return await self._handle(request, sglang_to_native, self._generate_respond)
 
     def _meta(self, req, n: int, finish: str | None, stats: dict, t0: float) -> dict:
-        meta = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": stats.get("generated_tokens", n),
+        meta = {"prompt_tokens": req.prompt_len, "completion_tokens": stats.get("generated_tokens", n),
                 "cached_tokens": stats.get("cached_tokens", 0), "e2e_latency": time.perf_counter() - t0}
         meta["finish_reason"] = None if finish is None else {"type": finish}
         return meta

@@ -8,6 +8,7 @@ scatter and combine worker agrees on the owner without a per-entry record.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 from abc import ABC, abstractmethod
 
@@ -27,7 +28,13 @@ class Directory(ABC):
 
     def owner(self, key: str, role: str = "cache-tier") -> str | None:
         """The member of `role` that holds `key` (consistent hashing), or None when there is none."""
-        return HashRing(self.members(role)).owner(key)
+        return self.ring(role).owner(key)
+
+    def ring(self, role: str = "cache-tier") -> HashRing:
+        """The consistent-hash ring over the live members of `role`, read once: a caller placing
+        many keys asks the directory (an etcd round trip) once. Rings are kept per member set, so
+        their points are hashed only when the members change."""
+        return _ring(tuple(self.members(role)))
 
     @property
     def backend(self) -> str:
@@ -45,6 +52,7 @@ class HashRing:
     """Consistent hashing with virtual nodes: adding or removing one of m members moves ~1/m of the keys."""
 
     def __init__(self, members, vnodes: int = 64):
+        self.members = sorted(set(members))
         self._points = sorted((_point(f"{m}#{v}"), m) for m in set(members) for v in range(vnodes))
         self._keys = [p for p, _ in self._points]
 
@@ -53,3 +61,8 @@ class HashRing:
             return None
         i = bisect.bisect(self._keys, _point(key)) % len(self._points)
         return self._points[i][1]
+
+
+@functools.lru_cache(maxsize=32)
+def _ring(members: tuple[str, ...]) -> HashRing:
+    return HashRing(members)

@@ -167,7 +167,7 @@ class Router:
             if "context limit" in str(e):
                 raise RequestTooLarge(str(e)) from None
             raise
-        n, new = len(req.prompt_ids), req.sampling.max_new_tokens
+        n, new = req.prompt_len, req.sampling.max_new_tokens
         if n + new > self.max_model_len:
             raise RequestTooLarge(f"prompt of {n} tokens plus max_new_tokens {new} exceeds this server's "
                                   f"max model length of {self.max_model_len} tokens")
@@ -180,10 +180,11 @@ class Router:
         segments = self.planner.reused_segments(req)
         cacheable = [(s.index, s.token_ids) for s in segments]
         keys = [s.key for s in segments]
-        tiers = self.directory.members("cache-tier")
+        ring = self.directory.ring("cache-tier")  # the tier members, read once for every key
+        tiers = ring.members
+        owners = [ring.owner(key) for key in keys]
         by_owner: dict[str, list[int]] = {}
-        for n, key in enumerate(keys):
-            owner = self.directory.owner(key)
+        for n, owner in enumerate(owners):
             if owner:
                 by_owner.setdefault(owner, []).append(n)
         present: dict[int, tuple[str, int]] = {}
@@ -206,26 +207,26 @@ class Router:
                 if self.cost.choose(nbytes, len(ids), path, rebuild_path) == "fetch":
                     plan.append(pb.SegmentPlan(index=idx, key=keys[n], source="tier", address=owner))
                     continue
-            cold.append((idx, keys[n], len(ids)))
+            cold.append((idx, keys[n], len(ids), owners[n] or ""))
         assigned: dict[str, float] = {}
         if cold and workers:
-            costs = [self.cost.recompute_seconds(t) for _, _, t in cold]
+            costs = [self.cost.recompute_seconds(t) for _, _, t, _ in cold]
             with self._lock:
                 queued = [self._queued.get(w, 0.0) for w in workers]
                 if self.config.assignment == "lpt":
                     choice = lpt_assign(costs, queued)
                 else:
                     choice = round_robin_assign(costs, queued, next(self._rr))
-                for (idx, key, _), c, w in zip(cold, costs, choice):
+                for (idx, key, _, owner), c, w in zip(cold, costs, choice):
                     plan.append(pb.SegmentPlan(index=idx, key=key, source="scatter", address=workers[w],
-                                               cache_tier=self.directory.owner(key) or ""))
+                                               cache_tier=owner))
                     assigned[workers[w]] = assigned.get(workers[w], 0.0) + c
                     self._queued[workers[w]] = self._queued.get(workers[w], 0.0) + c
                     self._depth[workers[w]] = self._depth.get(workers[w], 0) + 1
                     metrics.COLD_QUEUE_DEPTH.labels(worker=workers[w]).set(self._depth[workers[w]])
         else:
             # No scatter worker: the combine worker builds cold segments itself.
-            plan += [pb.SegmentPlan(index=idx, key=key, source="local") for idx, key, _ in cold]
+            plan += [pb.SegmentPlan(index=idx, key=key, source="local") for idx, key, _, _ in cold]
         return plan, assigned, tiers
 
     def _release(self, plan, assigned: dict[str, float]) -> None:
@@ -248,7 +249,7 @@ class Router:
         to that token), router_ms the router's own (parse and plan) before it asked the combine."""
         t0 = time.perf_counter() if received is None else received
         with tracing.tracer().start_as_current_span("router.request") as span:
-            span.set_attribute("hybridcache.prompt_tokens", len(req.prompt_ids))
+            span.set_attribute("hybridcache.prompt_tokens", req.prompt_len)
             plan, assigned, tiers = self.plan(req)
             combines = self.directory.members("combine")
             if not combines:
