@@ -109,7 +109,8 @@ def send(url: str, native: dict, timeout_s: float) -> dict:
 
 def _stats(st: dict) -> dict:
     keep = ("ttft_ms", "engine_ttft_ms", "router_ms", "combine_ms", "built_tokens", "reused_segments",
-            "scatter_bytes", "scatter_seconds", "scatter_path", "tier_bytes", "prompt_tokens")
+            "scatter_bytes", "scatter_seconds", "scatter_path", "scatter_blocks", "scatter_ipc_opens", "tier_bytes",
+            "prompt_tokens")
     return {k: st[k] for k in keep if k in st}
 
 

@@ -129,7 +129,8 @@ class CombineServicer(rpc.CombineServicer):
         need_tier: dict[str, list[pb.SegmentPlan]] = {}
         cold: dict[str, list[int]] = {}
         moved = {"tier_bytes": 0, "tier_seconds": 0.0, "tier_path": "", "scatter_bytes": 0,
-                 "scatter_seconds": 0.0, "scatter_path": "", "build_seconds": 0.0, "redispatched": 0}
+                 "scatter_seconds": 0.0, "scatter_path": "", "scatter_blocks": 0, "scatter_ipc_opens": 0,
+                 "build_seconds": 0.0, "redispatched": 0}
         # Only the keys of this engine's own planner count: a plan naming another key for a segment
         # (or no segment) is ignored, and the engine builds that segment itself.
         plan = [p for p in request.plan
@@ -183,6 +184,8 @@ class CombineServicer(rpc.CombineServicer):
                     moved["scatter_bytes"] += asm.bytes_received
                     moved["scatter_seconds"] += asm.transfer_seconds
                     moved["scatter_path"] = asm.transport or moved["scatter_path"]
+                    moved["scatter_blocks"] += asm.device_blocks
+                    moved["scatter_ipc_opens"] += asm.ipc_opens
                     if asm.device_errors and address not in self._no_device_path:
                         self._no_device_path.add(address)
                         log.warning("CUDA IPC from scatter worker %s failed (%s); it sends through host memory "

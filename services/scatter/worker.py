@@ -26,7 +26,7 @@ from hybridcache.services.protocol import pb, rpc
 from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sequence import LinearSpan
 from hybridcache.services.transport import Endpoint, choose_transport, get_transport, local_endpoint
-from hybridcache.services.transport.codec import ATTN_FIELDS, LINEAR_FIELDS, LayeredEntry, entry_chunks
+from hybridcache.services.transport.codec import ATTN_FIELDS, LINEAR_FIELDS, LayeredEntry, entry_chunks, layer_blocks
 
 # Fault injection for the tests only: exit the process after streaming this many entries.
 FAULT_EXIT_AFTER = int(os.environ.get("HYBRIDCACHE_FAULT_EXIT_AFTER_ENTRIES", "0"))
@@ -50,7 +50,7 @@ class _Job:
     """One segment of one Prefill call; its result goes to the call's queue."""
 
     segment: pb.Segment
-    out: queue.Queue  # ("entry", segment index, entry or None, error), ("layer", ...), ("reset", index)
+    out: queue.Queue  # ("entry", segment index, entry or None, error), ("layers", ...), ("reset", index)
     ctx: object  # the call's trace context
     call: dict  # {"cancelled": bool}, shared by the call's jobs
 
@@ -133,8 +133,8 @@ class ScatterServicer(rpc.ScatterServicer):
 
     def _build(self, jobs: list[_Job]) -> None:
         # One batched standalone prefill; if it fails, segment by segment, so that a bad segment
-        # costs only its own entry. Jobs of calls that take layers (cuda_ipc) get each layer of
-        # the batch as soon as it is computed, ("layer", index, layer, span, ready event).
+        # costs only its own entry. Calls that take layers (cuda_ipc) get each layer of the batch
+        # as soon as it is computed, ("layers", layer, [(segment index, span)], ready event).
         by_ids: dict[tuple[int, ...], list[_Job]] = {}
         for job in jobs:
             by_ids.setdefault(tuple(job.segment.token_ids), []).append(job)
@@ -142,11 +142,16 @@ class ScatterServicer(rpc.ScatterServicer):
         on_layer = None
         if any(job.call.get("layers") for job in jobs):
             def on_layer(indices, layer, spans):
+                # one item per call with all of its segments of this layer: sent as ranges of
+                # one device buffer (codec.layer_blocks)
                 ready = _ready_event(self.engine)
+                per_call: dict[int, tuple[queue.Queue, list]] = {}
                 for k, span in zip(indices, spans):
                     for job in groups[k]:
                         if job.call.get("layers"):
-                            job.out.put(("layer", job.segment.index, layer, span, ready))
+                            per_call.setdefault(id(job.out), (job.out, []))[1].append((job.segment.index, span))
+                for out, spans_of in per_call.values():
+                    out.put(("layers", layer, spans_of, ready))
         try:
             with tracing.tracer().start_as_current_span("scatter.build_entries", context=jobs[0].ctx) as span:
                 span.set_attribute("hybridcache.segments", len(by_ids))
@@ -180,7 +185,8 @@ class ScatterServicer(rpc.ScatterServicer):
     def Prefill(self, request, context):
         """Stream the entries of the request's segments: over cuda_ipc each layer of a batch as
         soon as it is computed (codec.LayeredEntry: header, a device block per layer, then the
-        seal once the entry is whole), over the host transports each entry once built."""
+        seal once the entry is whole; the batch's segments of one layer are ranges of one
+        exported buffer), over the host transports each entry once built."""
         ctx = tracing.incoming_context(context)
         built: queue.Queue = queue.Queue()
         name = self.transport_for(request)
@@ -201,16 +207,19 @@ class ScatterServicer(rpc.ScatterServicer):
         done = 0
         while done < len(request.segments):
             item = built.get()
-            if item[0] == "layer":
-                _, index, layer, span, ready = item
-                le = layered.get(index)
-                if le is None:
-                    ids = tokens[index]
-                    le = layered[index] = LayeredEntry(index, self.engine.entry_key(ids), len(ids),
-                                                       self.engine.config.seam_window, n_tensors, transport)
-                    yield le.header()
-                fields = LINEAR_FIELDS if isinstance(span, LinearSpan) else ATTN_FIELDS
-                yield from le.layer(layer, [(f, getattr(span, f)) for f in fields], ready)
+            if item[0] == "layers":
+                _, layer, spans_of, ready = item
+                pairs = []
+                for index, span in spans_of:
+                    le = layered.get(index)
+                    if le is None:
+                        ids = tokens[index]
+                        le = layered[index] = LayeredEntry(index, self.engine.entry_key(ids), len(ids),
+                                                           self.engine.config.seam_window, n_tensors, transport)
+                        yield le.header()
+                    fields = LINEAR_FIELDS if isinstance(span, LinearSpan) else ATTN_FIELDS
+                    pairs.append((le, [(f, getattr(span, f)) for f in fields]))
+                yield from layer_blocks(pairs, layer, transport, ready)
                 continue
             if item[0] == "reset":
                 layered.pop(item[1], None)

@@ -3,9 +3,11 @@
 Each tensor carries dtype, shape, layer and a CRC32 of its bytes; the header carries the entry's
 seal (an HMAC keyed by the deployment secret, cache/entry.py). A reader rebuilds the entry and checks
 both: a mismatch is an error, never an entry, and is counted in hybridcache_entries_rejected_total.
-On cuda_ipc the bytes never reach the host: the entry is packed into one device block, the
-header carries the block's device checksum and a seal over it and the entry's layout
-(services/transport/cuda_ipc.py), and the receiver checks both on its copy.
+On cuda_ipc the bytes never reach the host: the entry is packed into one device block (or one per
+layer, each a range of a buffer shared with the other segments of its build), the messages carry
+the blocks' device checksums and a seal over them and the entry's layout
+(services/transport/cuda_ipc.py), and the receiver checks both on its copies when the entry is
+complete.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.packing import padded
 from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
 from hybridcache.services.transport.base import TensorTransport, TransportError
-from hybridcache.services.transport.cuda_ipc import device_seal, receive_block, verify_device_seal
+from hybridcache.services.transport.cuda_ipc import check_blocks, device_seal, receive_block, verify_device_seal
 from hybridcache.services.transport.shm import read_shm
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
@@ -92,21 +94,33 @@ class LayeredEntry:
         return pb.EntryChunk(segment_index=self.index, header=self.head)
 
     def layer(self, layer: int, named: list[tuple[str, torch.Tensor]], ready=None) -> Iterator[pb.EntryChunk]:
+        yield from layer_blocks([(self, named)], layer, self.transport, ready)
+
+    def _layer_message(self, layer: int, named: list[tuple[str, torch.Tensor]]) -> pb.LayerBlock:
         msg = pb.LayerBlock(layer=layer)
-        chunks, off = [], 0
+        off = 0
         for name, t in named:
             n = t.numel() * t.element_size()
-            chunks.append(pb.TensorChunk(layer=layer, name=name, dtype=str(t.dtype).removeprefix("torch."),
-                                         shape=list(t.shape), nbytes=n, block_offset=off))
+            msg.tensors.append(pb.TensorChunk(layer=layer, name=name, dtype=str(t.dtype).removeprefix("torch."),
+                                              shape=list(t.shape), nbytes=n, block_offset=off))
             off += padded(n)
-        self.transport.write_entry(msg.block, [t.detach() for _, t in named], ready=ready)
-        msg.tensors.extend(chunks)
-        self.parts.append(([_spec(c) for c in chunks], msg.block))
-        yield pb.EntryChunk(segment_index=self.index, layer_block=msg)
+        return msg
 
     def seal(self, build_seconds: float) -> pb.EntryChunk:
         return pb.EntryChunk(segment_index=self.index, seal=pb.EntrySeal(
             checksum=device_seal(self.head, self.parts), build_seconds=build_seconds))
+
+
+def layer_blocks(pairs, layer: int, transport, ready=None) -> Iterator[pb.EntryChunk]:
+    """One layer of several entries being sent (`pairs`: [(LayeredEntry, [(name, tensor)])], the
+    segments of one batched build): their blocks are ranges of one exported buffer
+    (CudaIpcTransport.write_blocks), so the receiver maps it once; then a LayerBlock message per
+    entry with its range and its tensors' layout."""
+    msgs = [(le, le._layer_message(layer, named), named) for le, named in pairs]
+    transport.write_blocks([(msg.block, [t.detach() for _, t in named]) for _, msg, named in msgs], ready=ready)
+    for le, msg, _ in msgs:
+        le.parts.append(([_spec(c) for c in msg.tensors], msg.block))
+        yield pb.EntryChunk(segment_index=le.index, layer_block=msg)
 
 
 def entry_chunks(entry: SegmentEntry, index: int, transport: TensorTransport) -> Iterator[pb.EntryChunk]:
@@ -157,8 +171,9 @@ class EntryAssembler:
         self._open: dict[int, tuple[pb.EntryHeader, list]] = {}
         self._blocks: dict[int, torch.Tensor] = {}  # segment index -> its received device block
         self._started: dict[int, float] = {}  # segment index -> when its header arrived
-        # segment index -> its device blocks so far, each with its tensors' (layer, name, dtype, shape, offset)
-        self._parts: dict[int, list[tuple[pb.DeviceBlock, list]]] = {}
+        # segment index -> its device blocks so far, each with its tensors' (layer, name, dtype, shape,
+        # offset) and the device checksum sums of its copy (checked when the entry completes)
+        self._parts: dict[int, list[tuple[pb.DeviceBlock, list, torch.Tensor | None]]] = {}
         self._failed: set[int] = set()  # entries already reported failed: their later tensors are dropped
         self.bytes_received = 0
         # the time entries took to arrive and be checked once built, summed: for host transports
@@ -167,6 +182,10 @@ class EntryAssembler:
         # header comes before its build is done)
         self.seconds = 0.0
         self.device_seconds = 0.0
+        # device blocks received, and the sender buffers mapped for them (CUDA IPC handles opened;
+        # the blocks of a buffer mapped already open none)
+        self.device_blocks = 0
+        self.ipc_opens = 0
         self.transport = ""  # the transport of the last header
         # device blocks that could not be opened or copied here (not checksum mismatches): the
         # receiver then asks that sender for host transports
@@ -265,7 +284,7 @@ class EntryAssembler:
         """Copy device block `block` of entry i here (its tensors follow); an error result or None."""
         t0 = time.perf_counter()
         try:
-            self._blocks[i] = receive_block(block, self.device)
+            self._blocks[i], sums, opened = receive_block(block, self.device)
         except TransportError as e:
             if e.unreachable:
                 self.device_errors += 1
@@ -274,7 +293,9 @@ class EntryAssembler:
                 metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
             return self._fail(i, str(e))
         self.device_seconds += time.perf_counter() - t0
-        self._parts[i].append((block, []))
+        self.ipc_opens += opened
+        self.device_blocks += 1
+        self._parts[i].append((block, [], sums))
         return None
 
     def _finish(self, i: int, seal=None):
@@ -304,8 +325,15 @@ class EntryAssembler:
         # carry a seal over its bytes that verifies (what the header says about its transport is
         # not trusted).
         if blocks:
+            # the blocks' copies against their checksums, all read back at once
+            t0 = time.perf_counter()
+            intact = check_blocks([(block, sums) for block, _, sums in blocks], self.device)
+            self.device_seconds += time.perf_counter() - t0
+            if not intact:
+                metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
+                return i, None, f"entry {header.key[:12]}: device block checksum mismatch"
             checksum = seal.checksum if seal is not None else header.checksum
-            if not verify_device_seal(checksum, header, [(specs, block) for block, specs in blocks]):
+            if not verify_device_seal(checksum, header, [(specs, block) for block, specs, _ in blocks]):
                 metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
                 return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
             # verified; unsealed from here on, so that passing it on (to a cache tier) seals its bytes

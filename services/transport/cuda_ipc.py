@@ -1,18 +1,25 @@
 """Entry bytes that stay on the GPU: CUDA IPC between processes of one host (torch's CUDA tensor
 sharing, torch.multiprocessing.reductions).
 
-The sender packs the tensors of an entry (a whole entry, or one layer of it while the rest is
-being computed: codec.LayeredEntry) into one device buffer (services/runtime/packing.py),
-computes its checksum on the device, and exports the buffer's CUDA allocation with
-storage._share_cuda_(): a cudaIpcMemHandle, an IPC event recorded after the bytes were written,
-and a reference counter in a shared-memory file. Only those few hundred bytes travel in the
-stream's messages. The receiver opens the handle on the GPU that holds the memory (matched by UUID,
-since the two processes may number their GPUs differently), copies the buffer into its own
-device memory (device-to-device, over NVLink when the GPUs differ), checks the checksum on its
-copy and takes the tensors as views of it; it releases the mapping when the next block from that
-GPU arrives, which lets the sender's allocator reuse the block (torch keeps it in its IPC limbo
-until then). A block its receiver never opens (a combine worker that died mid-stream) stays
-allocated in the sender until the sender exits.
+The sender packs the tensors of several blocks (the whole entries, or one layer of every segment
+of a batched build that goes to one receiver: codec.LayeredEntry) into one device buffer
+(services/runtime/packing.py), each block an offset range of it, computes every range's checksum
+on the device and reads them all back with one synchronisation, and exports the buffer once per
+block with storage._share_cuda_(): a cudaIpcMemHandle of its allocation, the range's offset, an
+IPC event and a reference counter in a shared-memory file. Only those few hundred bytes travel in
+the stream's messages, and every block's bytes are written before its message leaves.
+
+The receiver (DeviceMappings) maps a sender's buffer once, on the GPU that holds it (matched by
+UUID, since the two processes may number their GPUs differently), and takes the later blocks of
+the same buffer as views of that mapping, releasing their reference counters instead of opening
+them again: a batched build of 32 segments and 8 layers costs 8 mappings, not 256. Each block is
+copied into the receiver's own device memory on a side stream (device-to-device, over NVLink when
+the GPUs differ) and its checksum queued there; the checksums of an entry's blocks are read back
+together when the entry completes (EntryAssembler), so receiving a block waits for nothing. A
+mapping is released when the next buffer from that GPU is mapped (torch synchronises the stream
+then, so the copies from it are done), which lets the sender's allocator reuse the buffer (torch
+keeps it in its IPC limbo until then). A block its receiver never opens (a combine worker that
+died mid-stream) stays allocated in the sender until the sender exits.
 
 What it takes: both processes on one host with the same IPC namespace (the reference counters
 live in /dev/shm and CUDA IPC handles are opened through it) and the same PID namespace (the
@@ -27,7 +34,7 @@ import functools
 import threading
 
 import torch
-from hybridcache.services.runtime.packing import pack
+from hybridcache.services.runtime.packing import pack, padded
 from hybridcache.services.transport.base import TensorTransport, TransportError
 from hybridcache.services.transport.checksum import checksum_text, device_checksum_sums
 
@@ -75,16 +82,27 @@ def share(buf: torch.Tensor, block) -> None:
 
 
 def open_shared(block, index: int) -> torch.Tensor:
-    """The sender's buffer, mapped into this process on its CUDA device `index` (no copy)."""
+    """The sender's whole exported buffer (storage_bytes bytes), mapped into this process on its
+    CUDA device `index` (no copy); its blocks are ranges of it."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     try:
-        return rebuild_cuda_tensor(torch.Tensor, (block.nbytes,), (1,), block.tensor_offset, torch.storage.TypedStorage,
+        return rebuild_cuda_tensor(torch.Tensor, (block.storage_bytes,), (1,), 0, torch.storage.TypedStorage,
                                    torch.uint8, index, block.handle, block.storage_bytes, block.storage_offset,
                                    False, block.ref_counter_handle, block.ref_counter_offset,
                                    block.event_handle or None, block.event_sync_required)
     except (RuntimeError, OSError) as e:
         raise TransportError(f"cannot open the CUDA IPC handle: {e}", unreachable=True) from None
+
+
+def release_counter(block, index: int) -> None:
+    """Release the reference counter of a block whose buffer is already mapped here (as torch
+    does for a storage it has open): the sender's allocator counts one reference per export."""
+    try:
+        torch.storage.TypedStorage._release_ipc_counter(block.ref_counter_handle, block.ref_counter_offset,
+                                                        device=index)
+    except (RuntimeError, OSError) as e:
+        raise TransportError(f"cannot release the CUDA IPC reference counter: {e}", unreachable=True) from None
 
 
 class CudaIpcTransport(TensorTransport):
@@ -97,24 +115,49 @@ class CudaIpcTransport(TensorTransport):
     def __init__(self, share=None):
         self._share = share
         self._moved = 0
+        self.exports = 0  # blocks exported so far (each a range of a buffer packed for several)
 
     def write(self, chunk, tensor: torch.Tensor) -> None:
         raise TransportError("cuda_ipc moves whole entries: the codec calls write_entry")
 
     def write_entry(self, block, tensors: list[torch.Tensor], ready=None) -> None:
-        """Pack `tensors` into one buffer, export it into `block` with its device checksum. On CUDA
-        this runs on a side stream that waits only for `ready` (a CUDA event recorded once the
-        tensors were computed): the builder's next batch, queued on the default stream meanwhile,
-        neither delays this entry's export nor is waited for by its checksum. The sender may drop
-        everything afterwards: torch holds the buffer's allocation until the receiver released it."""
-        with _side_stream(tensors[0].device if tensors else None, ready):
+        """Pack `tensors` into one buffer and export it into `block` with its device checksum."""
+        self.write_blocks([(block, tensors)], ready)
+
+    def write_blocks(self, items, ready=None) -> None:
+        """Export several blocks from one buffer: `items` is [(DeviceBlock, tensors)]; the
+        tensors of all of them are packed back to back, each block an offset range of the buffer
+        with its own device checksum, and all checksums are read back with one synchronisation.
+        On CUDA this runs on a side stream that waits only for `ready` (a CUDA event recorded once
+        the tensors were computed): the builder's next batch, queued on the default stream
+        meanwhile, neither delays the export nor is waited for by its checksums. The sender may
+        drop everything afterwards: torch holds the buffer's allocation until every receiver of
+        its blocks released it."""
+        items = list(items)
+        if not items:
+            return
+        tensors = [t for _, ts in items for t in ts]
+        device = tensors[0].device if tensors else None
+        share_fn = self._share or globals()["share"]
+        with _side_stream(device, ready):
+            if not tensors:
+                for block, _ in items:
+                    block.nbytes, block.checksum = 0, checksum_text((0, 0, 0))
+                return
             buf = pack(tensors)
-            block.nbytes = buf.numel()
-            sums = device_checksum_sums(buf)
-            # torch records the IPC event on the current (side) stream: after the pack
-            (self._share or globals()["share"])(buf, block)
-            block.checksum = checksum_text(sums)
-        self._moved += block.nbytes
+            ranges, off = [], 0
+            for _, ts in items:
+                n = sum(padded(t.numel() * t.element_size()) for t in ts)
+                ranges.append((off, n))
+                off += n
+            sums = torch.stack([device_checksum_sums(buf[o:o + n]) for o, n in ranges]).tolist()
+            for (block, _), (o, n), s in zip(items, ranges, sums):
+                # torch records the IPC event on the current (side) stream: after the pack
+                share_fn(buf[o:o + n], block)
+                block.nbytes = n
+                block.checksum = checksum_text(s)
+                self._moved += n
+        self.exports += len(items)
 
     def close(self) -> None:
         # blocks the receivers released wait in torch's IPC limbo until collected
@@ -125,44 +168,87 @@ class CudaIpcTransport(TensorTransport):
         return self._moved
 
 
-def receive_block(block, device) -> torch.Tensor:
-    """A copy of the block's bytes in this process's memory on `device`, checked against the
-    block's checksum; the mapping of the sender's memory is released before returning. On CUDA
-    the copy and the checksum run on a side stream, so that they wait neither for nor behind the
-    model's work on the default stream; the copy is marked in use by the default stream, where
-    the engine reads it."""
+class DeviceMappings:
+    """The sender buffers this process has mapped, one per sender GPU (its latest): a block of a
+    buffer already mapped is a view of that mapping, so a batched build's blocks, ranges of one
+    buffer per layer, open the buffer once. `opened` counts the buffers mapped (IPC handles
+    opened), `reused` the blocks served from a mapping already open."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._mapped: dict[str, tuple[tuple, torch.Tensor]] = {}  # sender GPU UUID -> (buffer key, mapping)
+        self.opened = 0
+        self.reused = 0
+
+    def view(self, block, index: int) -> tuple[torch.Tensor, bool]:
+        """The block's bytes in the sender's buffer (mapped here, no copy) and whether its buffer
+        was mapped for it (an IPC handle opened). Call on the stream the copies from it are
+        queued on: replacing a mapping synchronises that stream first."""
+        key = (block.handle, block.storage_offset, block.storage_bytes)
+        with self._lock:
+            current = self._mapped.get(block.device_uuid)
+            if current is not None and current[0] == key:
+                release_counter(block, index)
+                self.reused += 1
+                storage, opened = current[1], False
+            else:
+                storage, opened = open_shared(block, index), True
+                self.opened += 1
+                # the previous buffer from that GPU is unmapped here (torch syncs this stream
+                # first, then releases the sender's reference counter)
+                self._mapped[block.device_uuid] = (key, storage)
+        if block.tensor_offset < 0 or block.nbytes < 0 or block.tensor_offset + block.nbytes > storage.numel():
+            raise TransportError(f"device block of {block.nbytes} bytes at {block.tensor_offset} lies outside "
+                                 f"its buffer of {storage.numel()} bytes")
+        return storage[block.tensor_offset: block.tensor_offset + block.nbytes], opened
+
+    def clear(self) -> None:
+        with self._lock:
+            self._mapped.clear()
+
+
+MAPPINGS = DeviceMappings()
+
+
+def receive_block(block, device) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """A copy of the block's bytes in this process's memory on `device`, the device checksum
+    sums of the copy (checksum.device_checksum_sums, not yet read back: the caller compares them
+    with block.checksum, check_blocks, once it needs the bytes) and whether the sender's buffer
+    was mapped for it (DeviceMappings.view). On CUDA the copy and the
+    checksum run on a side stream, so that they wait neither for nor behind the model's work on
+    the default stream; the copy is marked in use by the default stream, where the engine reads
+    it."""
     if block.nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8, device=device)
+        return torch.empty(0, dtype=torch.uint8, device=device), None, False
     index = local_index(block.device_uuid)
     dev = torch.device(device)
-    # opened on the side stream, so that the wait for the sender's IPC event lands there too; it
+    # mapped on the side stream, so that the wait for the sender's IPC event lands there too; it
     # waits for nothing of this process (the copy goes to fresh memory)
     with _side_stream(dev if dev.type == "cuda" else None, after_default=False):
-        src = open_shared(block, index)
-        if src.numel() != block.nbytes:
-            raise TransportError(f"device block holds {src.numel()} bytes, the header says {block.nbytes}")
+        src, opened = MAPPINGS.view(block, index)
         own = torch.empty(block.nbytes, dtype=torch.uint8, device=dev)
         own.copy_(src)
         sums = device_checksum_sums(own)
-        ok = checksum_text(sums) == block.checksum
-        # The mapping stays open until the next block from that GPU replaces it here: torch maps a
-        # sender's allocation once while any of its storages lives, and the sender's next blocks
-        # mostly come from the same allocation, so they open without another cudaIpcOpenMemHandle.
-        # Dropping the previous one unmaps it (torch syncs this stream first, then releases the
-        # sender's reference counter).
-        with _LAST_LOCK:
-            _LAST_OPENED[block.device_uuid] = src
         del src
         if dev.type == "cuda":
             own.record_stream(torch.cuda.default_stream(dev))
-    if not ok:
-        raise TransportError("device block: checksum mismatch")
-    return own
+    return own, sums, opened
+
+
+def check_blocks(blocks, device) -> bool:
+    """Do received blocks match their checksums? `blocks`: [(DeviceBlock, sums or None)] as
+    receive_block returned them on `device`; one read-back for all of them, on the side stream
+    their checksums were queued on."""
+    pending = [(b, s) for b, s in blocks if s is not None]
+    if not pending:
+        return True
+    dev = torch.device(device)
+    with _side_stream(dev if dev.type == "cuda" else None, after_default=False):
+        got = torch.stack([s for _, s in pending]).tolist()
+    return all(checksum_text(g) == b.checksum for (b, _), g in zip(pending, got))
 
 
 _SIDE: dict = {}
-_LAST_OPENED: dict[str, torch.Tensor] = {}  # sender GPU UUID -> the last block opened from it
-_LAST_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -213,7 +299,7 @@ def device_seal(header, parts) -> str:
     sealing key (services/security.py, as cache/entry.py seals entries on the host) over the
     entry's key and lengths and, per block in order (one for the whole entry, or one per layer of
     a layered entry), every tensor's (layer, name, dtype, shape, offset in the block) and the
-    block's size and device checksum. `parts`: [(specs, block)]. The bytes never reach the host,
+    block's size, offset in its buffer and device checksum. `parts`: [(specs, block)]. The bytes never reach the host,
     so the HMAC covers their device checksums, which the receiver recomputes on its copies: only a
     holder of the secret can make a seal the entry verifies against."""
     import hashlib
@@ -226,7 +312,7 @@ def device_seal(header, parts) -> str:
     for specs, block in parts:
         for layer, name, dtype, shape, offset in specs:
             h.update(f"|{layer}:{name}:{dtype}:{tuple(shape)}@{offset}".encode())
-        h.update(f"|{block.nbytes}:{block.checksum}".encode())
+        h.update(f"|{block.nbytes}@{block.tensor_offset}:{block.checksum}".encode())
     return DEVICE_SEAL_PREFIX + h.hexdigest()
 
 

@@ -4,6 +4,7 @@ in-process stand-in, and the cost model with the scatter path."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -62,17 +63,28 @@ def test_local_endpoint_on_this_host_and_its_wire_form():
     assert Endpoint.from_pb(pb.Endpoint.FromString(msg.SerializeToString())) == ep(device=GPU_A, gpus=(GPU_A, GPU_B))
 
 
+_HANDLES = itertools.count()
+
+
 @pytest.fixture
 def fake_ipc(monkeypatch):
-    """CUDA IPC replaced by an in-process registry of CPU buffers: export puts the buffer under a
-    handle, open returns it (as a peer process maps the sender's allocation: the same bytes)."""
+    """CUDA IPC replaced by an in-process registry of CPU buffers: an export of a range of a
+    packed buffer puts the buffer under a handle (one per buffer, as a CUDA allocation has one)
+    with the range's offset; open returns the whole buffer (as a peer process maps the sender's
+    allocation: the same bytes); released reference counters are counted. The receiver's
+    mappings start empty."""
     shared: dict[bytes, torch.Tensor] = {}
     opened: list[int] = []
+    released: list[bytes] = []
 
     def share(buf, block):
-        handle = f"h{len(shared)}".encode()
-        shared[handle] = buf
-        block.device_uuid, block.handle, block.storage_bytes = GPU_A, handle, buf.numel()
+        base = buf if buf._base is None else buf._base
+        handle = next((h for h, t in shared.items() if t is base), None)
+        if handle is None:
+            handle = f"h{next(_HANDLES)}".encode()
+            shared[handle] = base
+        block.device_uuid, block.handle, block.storage_bytes = GPU_A, handle, base.numel()
+        block.tensor_offset = buf.storage_offset() - base.storage_offset()
 
     def open_shared(block, index):
         opened.append(index)
@@ -80,8 +92,10 @@ def fake_ipc(monkeypatch):
 
     monkeypatch.setattr(cuda_ipc, "share", share)
     monkeypatch.setattr(cuda_ipc, "open_shared", open_shared)
+    monkeypatch.setattr(cuda_ipc, "release_counter", lambda block, index: released.append(block.handle))
     monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: (GPU_B, GPU_A))
-    return shared, opened
+    monkeypatch.setattr(cuda_ipc, "MAPPINGS", cuda_ipc.DeviceMappings())
+    return shared, opened, released
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +105,7 @@ def entries(engine):
 
 
 def test_cuda_ipc_entries_round_trip(entries, fake_ipc):
-    shared, opened = fake_ipc
+    shared, opened, _ = fake_ipc
     transport = get_transport("cuda_ipc")
     chunks = [c for i, e in enumerate(entries) for c in entry_chunks(e, i, transport)]
     headers = [c.header for c in chunks if c.WhichOneof("body") == "header"]
@@ -121,7 +135,7 @@ def test_cuda_ipc_entries_round_trip(entries, fake_ipc):
 
 
 def test_cuda_ipc_corruption_and_refusals(entries, fake_ipc, monkeypatch):
-    shared, _ = fake_ipc
+    shared, _, _ = fake_ipc
     chunks = list(entry_chunks(entries[0], 0, get_transport("cuda_ipc")))
     (buf,) = shared.values()
     buf[5] ^= 1  # the bytes changed after the sender's checksum
@@ -276,12 +290,14 @@ class _Context:
 
 def test_scatter_worker_streams_cuda_ipc_entries_layer_by_layer(engine, fake_ipc, monkeypatch):
     """Over cuda_ipc the scatter worker sends each layer of a batch as it is computed: the header,
-    then per layer one device block per segment (every segment's layer 0 before any layer 1),
-    then the seal; the entries that arrive equal the ones built, and a seal that does not cover
-    every layer fails."""
+    then per layer one device block per segment (every segment's layer 0 before any layer 1), all
+    of a layer ranges of one exported buffer, then the seal; the receiver maps each buffer once
+    (one IPC open per layer of the build, not per segment and layer); the entries that arrive
+    equal the ones built, and a seal that does not cover every layer, or a block moved to
+    another range of its buffer, fails."""
     from hybridcache.services.scatter.worker import ScatterServicer
 
-    shared, _ = fake_ipc
+    shared, opened, released = fake_ipc
     servicer = ScatterServicer(engine, max_batch_tokens=10_000)
     monkeypatch.setattr(servicer, "transport_for", lambda request: "cuda_ipc")
     rng = random.Random(11)
@@ -290,14 +306,22 @@ def test_scatter_worker_streams_cuda_ipc_entries_layer_by_layer(engine, fake_ipc
     chunks = [pb.EntryChunk.FromString(c.SerializeToString()) for c in servicer.Prefill(request, _Context())]
     kinds = [(c.WhichOneof("body"), c.segment_index) for c in chunks]
     n_layers = engine.cfg.num_hidden_layers
-    assert [k for k, _ in kinds].count("layer_block") == 3 * n_layers == len(shared)
+    assert [k for k, _ in kinds].count("layer_block") == 3 * n_layers and len(shared) == n_layers
     assert [k for k, _ in kinds].count("seal") == 3 and all(c.header.layered for c in chunks if c.HasField("header"))
     layers = [c.layer_block.layer for c in chunks if c.WhichOneof("body") == "layer_block"]
     assert layers == sorted(layers)  # the whole batch's layer i before its layer i + 1
     seals = [n for n, (k, _) in enumerate(kinds) if k == "seal"]
     assert max(n for n, (k, _) in enumerate(kinds) if k == "layer_block") < min(seals)
+    blocks = [c.layer_block.block for c in chunks if c.HasField("layer_block")]
+    for layer in range(n_layers):
+        of_layer = blocks[3 * layer: 3 * layer + 3]
+        assert len({b.handle for b in of_layer}) == 1  # one buffer a layer
+        assert [b.tensor_offset for b in of_layer] == [0, of_layer[0].nbytes, of_layer[0].nbytes + of_layer[1].nbytes]
     out = list(read_entries(chunks))
     assert [(i, err) for i, _, err in out] == [(0, ""), (1, ""), (2, "")]
+    # IPC opens for the request: one per buffer; its other blocks' reference counters released
+    assert len(opened) == n_layers == cuda_ipc.MAPPINGS.opened
+    assert cuda_ipc.MAPPINGS.reused == 2 * n_layers and len(released) == 2 * n_layers
     want = engine.build_entries(segs)
     for (_, got, _), ref in zip(out, want):
         assert got.key == ref.key and got.build_seconds > 0
@@ -312,6 +336,43 @@ def test_scatter_worker_streams_cuda_ipc_entries_layer_by_layer(engine, fake_ipc
     forged = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
     next(c for c in forged if c.WhichOneof("body") == "seal").seal.checksum = "hmac-sha256-dev:" + "1" * 64
     assert "seal does not verify" in list(read_entries(forged))[0][2]
+    # segment 0's block of a linear layer pointed at segment 1's range of the same buffer (same
+    # size): its copy does not match its checksum; with segment 1's checksum too, the seal (over
+    # the checksums and the offsets) does not verify
+    linear = engine.cfg.linear_layers[0]
+    for take_checksum, error in ((False, "checksum mismatch"), (True, "seal does not verify")):
+        moved = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
+        of_layer = {c.segment_index: c.layer_block.block for c in moved
+                    if c.HasField("layer_block") and c.layer_block.layer == linear}
+        assert of_layer[0].nbytes == of_layer[1].nbytes
+        of_layer[0].tensor_offset = of_layer[1].tensor_offset
+        if take_checksum:
+            of_layer[0].checksum = of_layer[1].checksum
+        assert error in list(read_entries(moved))[0][2]
+    # the seal covers each block's offset in its buffer, not only its bytes' checksum
+    header = next(c.header for c in chunks if c.HasField("header") and c.segment_index == 0)
+    block = pb.DeviceBlock(nbytes=64, tensor_offset=128, checksum="blk64:1:2:3")
+    elsewhere = pb.DeviceBlock(nbytes=64, tensor_offset=192, checksum="blk64:1:2:3")
+    assert cuda_ipc.device_seal(header, [([], block)]) != cuda_ipc.device_seal(header, [([], elsewhere)])
+    # a range past the end of its buffer
+    past = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
+    next(c for c in past if c.HasField("layer_block")).layer_block.block.tensor_offset = 1 << 40
+    assert "outside its buffer" in list(read_entries(past))[0][2]
+
+
+def test_a_mapped_buffer_is_opened_once_across_requests(entries, fake_ipc):
+    """Blocks of a buffer this process has mapped already open nothing: the same entry received
+    by three requests maps its buffer once (the later ones release their reference counters);
+    a block of another buffer from the same GPU maps that one, and its own checksum still holds."""
+    shared, opened, released = fake_ipc
+    chunks = list(entry_chunks(entries[0], 0, get_transport("cuda_ipc")))
+    for _ in range(3):
+        assert [err for _, _, err in read_entries(chunks)] == [""]
+    assert len(opened) == 1 and cuda_ipc.MAPPINGS.opened == 1 and len(released) == 2
+    other = list(entry_chunks(entries[1], 1, get_transport("cuda_ipc")))
+    assert [err for _, _, err in read_entries(other)] == [""] and cuda_ipc.MAPPINGS.opened == 2
+    shared[other[0].header.block.handle][7] ^= 1
+    assert "checksum mismatch" in list(read_entries(other))[0][2]
 
 
 def test_bandwidths_measured_at_start_up_reach_the_cost_model(engine, model_dir):
