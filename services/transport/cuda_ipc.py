@@ -16,10 +16,11 @@ them again: a batched build of 32 segments and 8 layers costs 8 mappings, not 25
 copied into the receiver's own device memory on a side stream (device-to-device, over NVLink when
 the GPUs differ) and its checksum queued there; the checksums of an entry's blocks are read back
 together when the entry completes (EntryAssembler), so receiving a block waits for nothing. A
-mapping is released when the next buffer from that GPU is mapped (torch synchronises the stream
-then, so the copies from it are done), which lets the sender's allocator reuse the buffer (torch
-keeps it in its IPC limbo until then). A block its receiver never opens (a combine worker that
-died mid-stream) stays allocated in the sender until the sender exits.
+mapping is released once the next buffer from that GPU is mapped and the copies from it are
+done (an event on the side stream, polled, so that no one waits for it), which lets the sender's
+allocator reuse the buffer (torch keeps it in its IPC limbo until then). A block its receiver
+never opens (a combine worker that died mid-stream) stays allocated in the sender until the sender
+exits.
 
 What it takes: both processes on one host with the same IPC namespace (the reference counters
 live in /dev/shm and CUDA IPC handles are opened through it) and the same PID namespace (the
@@ -177,13 +178,29 @@ class DeviceMappings:
     def __init__(self):
         self._lock = threading.Lock()
         self._mapped: dict[str, tuple[tuple, torch.Tensor]] = {}  # sender GPU UUID -> (buffer key, mapping)
+        # replaced CUDA mappings, each with an event recorded after the copies queued from it:
+        # unmapped once the event has passed, so that replacing a mapping waits for nothing
+        self._retiring: list[tuple[torch.cuda.Event, torch.Tensor]] = []
         self.opened = 0
         self.reused = 0
+
+    def _retire(self, old: torch.Tensor | None) -> None:
+        if old is not None and old.is_cuda:
+            event = torch.cuda.Event()
+            event.record()  # on the current (side) stream, after the copies from `old`
+            self._retiring.append((event, old))
+        passed = [event.query() for event, _ in self._retiring]
+        done = [r for r, p in zip(self._retiring, passed) if p]
+        self._retiring = [r for r, p in zip(self._retiring, passed) if not p]
+        while done:
+            # torch synchronises the current stream when it unmaps a buffer: an idle one here
+            with torch.cuda.stream(_idle_stream(done[-1][1].device)):
+                done.pop()
 
     def view(self, block, index: int) -> tuple[torch.Tensor, bool]:
         """The block's bytes in the sender's buffer (mapped here, no copy) and whether its buffer
         was mapped for it (an IPC handle opened). Call on the stream the copies from it are
-        queued on: replacing a mapping synchronises that stream first."""
+        queued on."""
         key = (block.handle, block.storage_offset, block.storage_bytes)
         with self._lock:
             current = self._mapped.get(block.device_uuid)
@@ -194,9 +211,10 @@ class DeviceMappings:
             else:
                 storage, opened = open_shared(block, index), True
                 self.opened += 1
-                # the previous buffer from that GPU is unmapped here (torch syncs this stream
-                # first, then releases the sender's reference counter)
                 self._mapped[block.device_uuid] = (key, storage)
+                # the previous buffer from that GPU is unmapped once the copies from it are done,
+                # which releases the sender's reference counter
+                self._retire(current[1] if current is not None else None)
         if block.tensor_offset < 0 or block.nbytes < 0 or block.tensor_offset + block.nbytes > storage.numel():
             raise TransportError(f"device block of {block.nbytes} bytes at {block.tensor_offset} lies outside "
                                  f"its buffer of {storage.numel()} bytes")
@@ -205,6 +223,7 @@ class DeviceMappings:
     def clear(self) -> None:
         with self._lock:
             self._mapped.clear()
+            self._retiring.clear()
 
 
 MAPPINGS = DeviceMappings()
@@ -249,6 +268,16 @@ def check_blocks(blocks, device) -> bool:
 
 
 _SIDE: dict = {}
+_IDLE: dict = {}
+
+
+def _idle_stream(device) -> torch.cuda.Stream:
+    """A per-device stream nothing is queued on (made current where torch synchronises the
+    current stream and there is nothing to wait for)."""
+    stream = _IDLE.get(device)
+    if stream is None:
+        stream = _IDLE.setdefault(device, torch.cuda.Stream(device))
+    return stream
 
 
 @contextlib.contextmanager

@@ -1,5 +1,7 @@
 """The served stack's GPU paths (marked gpu: the device machine runs them): entries between two
-processes on one GPU by CUDA IPC, equal to what was sent, at a measured bandwidth."""
+processes on one GPU by CUDA IPC, whole and layer by layer as the scatter worker sends a batched
+build (one exported buffer a layer for all of its segments), equal to what was sent, at a
+measured bandwidth and with the IPC handles opened counted."""
 
 from __future__ import annotations
 
@@ -46,15 +48,42 @@ def _sender(q, done):
     transport.close()
 
 
-@pytest.mark.gpu
-def test_cuda_ipc_round_trip_between_two_processes():
+def _layered_sender(q, done):
+    """The scatter worker's layered path (codec.layer_blocks): every layer of all N_ENTRIES
+    segments of one build in one exported buffer, then a seal per entry."""
     from hybridcache.services.protocol import pb
-    from hybridcache.services.transport.codec import EntryAssembler, layer_tensors
+    from hybridcache.services.transport import get_transport
+    from hybridcache.services.transport.codec import LayeredEntry, layer_blocks, layer_tensors
+
+    torch.cuda.init()
+    entries = [_entry(i, "cuda") for i in range(N_ENTRIES)]
+    torch.cuda.synchronize()
+    transport = get_transport("cuda_ipc")
+    n_tensors = LINEAR * 3 + ATTN * 2
+    les = [LayeredEntry(i, e.key, e.segment_tokens, e.data.local_start, n_tensors, transport)
+           for i, e in enumerate(entries)]
+    out: list[pb.EntryChunk] = [le.header() for le in les]
+    for layer in range(LINEAR + ATTN):
+        pairs = [(le, [(n, t) for l, n, t in layer_tensors(e.data) if l == layer]) for le, e in zip(les, entries)]
+        out.extend(layer_blocks(pairs, layer, transport))
+    out.extend(le.seal(0.1) for le in les)
+    q.put([c.SerializeToString() for c in out])
+    del entries, pairs
+    q.put(None)
+    done.wait(120)
+    transport.close()
+
+
+def _receive(target):
+    """Run `target` in a spawned process, feed what it sends to an EntryAssembler on this
+    process's GPU; returns the results, the assembler and the seconds the feeding took."""
+    from hybridcache.services.protocol import pb
+    from hybridcache.services.transport.codec import EntryAssembler
 
     torch.cuda.init()
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_sender, args=(q, done))
+    proc = ctx.Process(target=target, args=(q, done))
     proc.start()
     try:
         batches = []
@@ -69,6 +98,33 @@ def test_cuda_ipc_round_trip_between_two_processes():
     finally:
         done.set()
         proc.join(60)
+    return got, asm, seconds
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_layered_build_maps_one_buffer_a_layer():
+    from hybridcache.services.transport.codec import layer_tensors
+
+    got, asm, seconds = _receive(_layered_sender)
+    assert [err for _, _, err in got] == [""] * N_ENTRIES
+    for i, entry, _ in got:
+        want = _entry(i, "cuda")
+        for (la, na, a), (lb, nb, b) in zip(layer_tensors(entry.data), layer_tensors(want.data), strict=True):
+            assert (la, na) == (lb, nb) and a.device.type == "cuda" and torch.equal(a, b)
+    # one IPC open per layer of the build, not one per segment and layer
+    assert asm.device_blocks == N_ENTRIES * (LINEAR + ATTN) and asm.ipc_opens == LINEAR + ATTN
+    gbps = asm.bytes_received / seconds / 1e9
+    print(f"cuda_ipc layered: {N_ENTRIES} segments x {LINEAR + ATTN} layers, {asm.device_blocks} blocks, "
+          f"{asm.ipc_opens} IPC opens, {asm.bytes_received / 2**20:.0f} MiB in {seconds * 1e3:.1f} ms "
+          f"= {gbps:.1f} GB/s")
+    assert gbps > 10
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_round_trip_between_two_processes():
+    from hybridcache.services.transport.codec import layer_tensors
+
+    got, asm, seconds = _receive(_sender)
     assert [err for _, _, err in got] == [""] * N_ENTRIES
     for i, entry, _ in got:
         want = _entry(i, "cuda")
@@ -95,11 +151,15 @@ def test_served_stack_on_one_gpu_moves_entries_by_cuda_ipc(model_dir):
         assert status == 200, cold
         st = cold["hybridcache"]
         assert st["scatter_path"] == "cuda_ipc" and st["scatter_bytes"] > 0 and st["scatter_seconds"] > 0
+        # a handful of IPC opens for the request: one per layer of the build, its 4 segments'
+        # blocks of a layer in one buffer
+        assert st["scatter_blocks"] >= len(docs) and 0 < st["scatter_ipc_opens"] <= st["scatter_blocks"] // len(docs)
         assert st["built_tokens"] == sum(map(len, docs))
         status, warm = http("POST", f"{c.url}/generate", body, timeout=300)
         assert status == 200 and warm["text"] == cold["text"]
         assert warm["hybridcache"]["built_tokens"] == 0
         print(f"served cuda_ipc: {st['scatter_bytes'] / st['scatter_seconds'] / 1e9:.2f} GB/s, "
+              f"{st['scatter_blocks']} blocks, {st['scatter_ipc_opens']} IPC opens, "
               f"ttft {st['ttft_ms']:.1f} ms (engine {st['engine_ttft_ms']:.1f} ms)")
 
 
