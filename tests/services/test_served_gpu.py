@@ -29,7 +29,8 @@ def _entry(i: int, device):
               for l in range(LINEAR)}
     attn = {LINEAR + a: AttnSpan(r(1, 4, TOKENS, 256, dtype=torch.bfloat16), r(1, 4, TOKENS, 256, dtype=torch.bfloat16))
             for a in range(ATTN)}
-    return SegmentEntry(key=f"k{i}", segment_tokens=TOKENS + 8, data=SpanData(TOKENS, 8, linear, attn))
+    return SegmentEntry(key=f"k{i}", segment_tokens=TOKENS + 8, data=SpanData(TOKENS, 8, linear, attn),
+                        build_seconds=0.0)
 
 
 def _sender(q, done):
