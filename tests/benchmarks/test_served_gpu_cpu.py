@@ -46,6 +46,18 @@ def test_figures_are_ratios_of_what_the_phases_measured():
     assert f["cold_pic_ttft_with_scatter_vs_without"] == round(26 / 24, 3)
     assert f["scatter_to_combine_gb_per_s"] == 60.0 and f["scatter_to_combine_transport"] == "cuda_ipc"
     assert "served_pic_ttft_speedup_vs_prefix_32x1k" not in f  # no prefix phase: no figure, not a made-up one
+    assert "served_warm_router_ms" not in f  # warm results without the stats that split them
+
+
+def test_overhead_figures_split_the_warm_requests_stats():
+    m = _mod()
+    warm = [{"ttft_ms": 40.0, "stats": {"router_ms": 9.0, "combine_ms": 30.0, "engine_ttft_ms": 25.0}},
+            {"ttft_ms": 50.0, "stats": {"router_ms": 11.0, "combine_ms": 34.0, "engine_ttft_ms": 27.0}},
+            {"ttft_ms": 45.0, "stats": {"router_ms": 10.0, "combine_ms": 33.0, "engine_ttft_ms": 30.0}}]
+    f = m.figures({"pic": {"cold": {"ttft_ms": 60.0, "stats": {}}, "warm": warm}})
+    assert f["served_warm_router_ms"] == 10.0
+    assert f["served_warm_combine_outside_engine_ms"] == 5.0
+    assert f["served_warm_client_minus_engine_ms"] == 15.0
 
 
 def test_tiny_cpu_run(tmp_path):
