@@ -398,3 +398,69 @@ def test_bandwidths_measured_at_start_up_reach_the_cost_model(engine, model_dir)
     configured = Router(model_dir, InProcessDirectory({}), runtime=RuntimeConfig(transport_bandwidth="cuda_ipc=40"))
     configured.adopt(measured)
     assert configured.cost.bandwidth["cuda_ipc"] == 40e9 and configured.cost.bandwidth["shm"] == 3e9
+
+
+def test_calls_built_in_one_batch_each_get_a_buffer_a_layer(engine, fake_ipc, monkeypatch):
+    """Two cuda_ipc Prefill calls whose segments the scatter worker builds in one batch: each call
+    gets its own exported buffer per layer holding its segments' blocks (a receiver maps only
+    what it asked for), and both receive the entries built alone."""
+    import threading
+
+    from hybridcache.services.scatter.worker import ScatterServicer
+
+    shared, _, _ = fake_ipc
+    servicer = ScatterServicer(engine, max_batch_tokens=10_000)
+    monkeypatch.setattr(servicer, "transport_for", lambda request: "cuda_ipc")
+    gate, first, builds = threading.Event(), threading.Event(), []
+    build = engine.build_entries
+
+    def gated(segments, **kw):
+        builds.append(len(segments))
+        if len(builds) == 1:
+            first.set()
+            assert gate.wait(30)
+        return build(segments, **kw)
+
+    monkeypatch.setattr(engine, "build_entries", gated)
+    rng = random.Random(5)
+    segs = {name: [[rng.randrange(5, 250) for _ in range(n)] for n in lens]
+            for name, lens in (("blocker", (20,)), ("x", (31, 44)), ("y", (38,)))}
+    streams: dict[str, list] = {}
+
+    def call(name):
+        request = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=s) for i, s in enumerate(segs[name])])
+        streams[name] = [pb.EntryChunk.FromString(c.SerializeToString()) for c in servicer.Prefill(request, _Context())]
+
+    threads = [threading.Thread(target=call, args=("blocker",))]
+    threads[0].start()
+    assert first.wait(30)
+    for name, queued in (("x", 2), ("y", 3)):
+        threads.append(threading.Thread(target=call, args=(name,)))
+        threads[-1].start()
+        for _ in range(500):
+            if len(servicer._pending) >= queued:
+                break
+            threading.Event().wait(0.02)
+        assert len(servicer._pending) == queued
+    gate.set()
+    for t in threads:
+        t.join(60)
+    assert builds == [1, 3]  # x's and y's segments in one build
+    n_layers = engine.cfg.num_hidden_layers
+    assert len(shared) == 3 * n_layers
+    handles = {}
+    for name in ("x", "y"):
+        blocks = [c for c in streams[name] if c.HasField("layer_block")]
+        assert len(blocks) == len(segs[name]) * n_layers
+        per_layer = {}
+        for c in blocks:
+            per_layer.setdefault(c.layer_block.layer, set()).add(c.layer_block.block.handle)
+        assert all(len(h) == 1 for h in per_layer.values())
+        handles[name] = set().union(*per_layer.values())
+        out = list(read_entries(streams[name]))
+        assert [err for _, _, err in out] == [""] * len(segs[name])
+        for (i, got, _) in out:
+            want = engine.build_entry(segs[name][i])
+            for (la, na, a), (lb, nb, b) in zip(layer_tensors(got.data), layer_tensors(want.data), strict=True):
+                assert (la, na) == (lb, nb) and torch.allclose(a, b, atol=1e-5)
+    assert not handles["x"] & handles["y"]
