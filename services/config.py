@@ -242,9 +242,10 @@ class RuntimeConfig:
         8192, "prefill tokens (cold segment builds, assemblies) a scheduler step spends besides its decode "
         "step; on a scatter worker, the cold tokens of different requests built in one batched call")
     kv_cache_bytes: int | None = setting(
-        None, "attention K/V the running requests may reserve (prompt + max_new_tokens each); a request "
-        "waits until its share fits (default: 4 GiB on the CPU; on CUDA a share of the device memory free "
-        "after the model loads)", roles=("combine",), type=int)
+        None, "attention K/V the running requests may reserve, each its prompt and 256-token chunks of "
+        "output as it grows; a request waits until its first chunk fits, running ones are preempted "
+        "(recomputed later) when growth does not (default: 4 GiB on the CPU; on CUDA a share of the "
+        "device memory free after the model loads)", roles=("combine",), type=int)
 
     def __post_init__(self):
         if self.anchor_dtype is None:  # the Python spelling of "model"

@@ -43,10 +43,12 @@ METRIC_REQUESTS = "hybridcache_requests_total"  # counter, label status
 METRIC_CACHE_BYTES = "hybridcache_cache_bytes"  # gauge, label tier
 METRIC_SCATTER_REPLICAS = "hybridcache_scatter_replicas"  # gauge (exported by the operator)
 # A combine worker's scheduler: requests by state=waiting|prefilling|running (gauge); requests ended,
-# by reason=stop|length|abort|error, and the tokens they generated (counters)
+# by reason=stop|length|abort|error, the tokens they generated, and running requests preempted
+# (recomputed later) for lack of attention K/V budget (counters)
 METRIC_SCHEDULER_REQUESTS = "hybridcache_scheduler_requests"
 METRIC_SCHEDULER_FINISHED = "hybridcache_scheduler_finished_total"
 METRIC_GENERATION_TOKENS = "hybridcache_generation_tokens_total"
+METRIC_SCHEDULER_PREEMPTIONS = "hybridcache_scheduler_preemptions_total"
 # counter, label reason=checksum|seal|layout: entries a reader refused (a tensor's CRC failed; the
 # HMAC seal did not verify: forged, or written by another deployment; the shapes or dtypes are not
 # the model's entry layout). Every refused entry is a miss.
@@ -67,6 +69,7 @@ ALL_METRICS = (
     METRIC_SCHEDULER_REQUESTS,
     METRIC_SCHEDULER_FINISHED,
     METRIC_GENERATION_TOKENS,
+    METRIC_SCHEDULER_PREEMPTIONS,
     METRIC_ENTRIES_REJECTED,
     METRIC_UNAUTHENTICATED,
 )

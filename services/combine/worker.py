@@ -74,7 +74,8 @@ class CombineServicer(rpc.CombineServicer):
         probe = [0] * (engine.config.seam_window + max(1, engine.cfg.linear_conv_kernel_dim - 1) + 1)
         self.layout = EntryLayout.of(engine.build_entry(probe))
         # Every request runs through this scheduler; its thread alone runs the model.
-        self.scheduler = Scheduler(engine, scheduling, on_finish=_count_finished)
+        self.scheduler = Scheduler(engine, scheduling, on_finish=_count_finished,
+                                   on_preempt=lambda _handle: metrics.SCHEDULER_PREEMPTIONS.inc())
         for state in ("waiting", "prefilling", "running"):
             metrics.SCHEDULER_REQUESTS.labels(state=state).set_function(
                 lambda state=state: self.scheduler.load()[state])
@@ -226,6 +227,7 @@ class CombineServicer(rpc.CombineServicer):
             req = self.engine.parse_request({"system": list(request.system_ids), "segments": segments,
                                              "suffix": list(request.suffix_ids), "sampling_params": sampling,
                                              "live_segments": [s.index for s in request.segments if s.live]})
+            self.scheduler.check_fits(req)
         except (RequestError, ValueError) as e:
             yield pb.TokenChunk(done=True, error=str(e), status=400)
             return

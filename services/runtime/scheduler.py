@@ -2,8 +2,9 @@
 
 A Scheduler owns an Engine and runs a loop in its own thread. Each step it
     1. drops the requests whose handles were cancelled (the client went away);
-    2. admits waiting requests while fewer than `max_num_seqs` run and their attention K/V
-       (prompt + max_new_tokens, reserved up front) fits `kv_cache_bytes`;
+    2. admits waiting requests while fewer than `max_num_seqs` run and their attention K/V fits
+       `kv_cache_bytes`: the prompt and a first chunk of `kv_chunk_tokens` new tokens (fewer when
+       max_new_tokens is smaller), reserved at admission;
     3. spends up to `max_num_batched_tokens` on admitted requests' prefill: first their cold
        segments, built as one batched standalone prefill across requests (Engine.build_entries),
        then their assemblies (Engine.prefill over warm entries), each request's first token
@@ -14,6 +15,17 @@ A Scheduler owns an Engine and runs a loop in its own thread. Each step it
 A request's prefill is cut between steps at segment granularity (cold builds) and the assembly
 runs as one unit, so running streams wait for at most one step's budget of prefill.
 
+K/V is reserved as a sequence grows, as vLLM allocates it: before a decode step, a running request
+whose K/V would pass its reservation grows it by another chunk. When the budget has no room for
+that, the most recently admitted requests are preempted by recompute (vLLM's policy): each gives
+back its slot, pages and reservation and goes back to the head of the waiting queue with the
+tokens it generated appended to its live suffix; re-admitted, it prefills them (its completed
+prefix pages went into the page tree as it was preempted, so mostly a prefix hit) and samples its
+next token from that prefill, the same TextStream and sampling generator going on, so its stream
+neither repeats nor loses a token. A request alone in the scheduler grows past the budget rather
+than preempt itself forever; one whose prompt and first chunk exceed the budget is refused
+(KVBudgetError) when it is queued.
+
 Sampling (per request: temperature, top_p, top_k, seed) and stop conditions are the single-request
 path's (sampling.sample_token, engine.TextStream). A finished request's prefix pages go into the
 page tree and are released (Engine.finish_prefix), its slot is freed.
@@ -22,6 +34,7 @@ page tree and are released (Engine.finish_prefix), its slot is freed.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -39,12 +52,21 @@ from hybridcache.services.runtime.engine import (
     TextStream,
     request_generator,
 )
-from hybridcache.services.runtime.sampling import sample_token, token_logprobs
+from hybridcache.services.runtime.sampling import RequestError, sample_token, token_logprobs
 from hybridcache.services.runtime.sequence import LinearState, SequenceState
 
 log = logging.getLogger("hybridcache.scheduler")
 
 _DONE = object()
+
+
+# tokens of attention K/V a request reserves at admission beyond its prompt, and again each time
+# its sequence reaches what it holds (fewer when it has fewer new tokens left to generate)
+KV_CHUNK_TOKENS = 256
+
+
+class KVBudgetError(RequestError):
+    """A request whose prompt and first chunk of new tokens never fit kv_cache_bytes (HTTP 400)."""
 
 
 class QueueFull(RuntimeError):
@@ -66,12 +88,13 @@ class SchedulerConfig:
     # requests queued beyond the free seats; one more is refused (QueueFull)
     max_waiting: int = _default("max_waiting")
     max_num_batched_tokens: int = _default("max_num_batched_tokens")  # prefill tokens (cold builds, assemblies) a step
-    # attention K/V reserved by running requests (prompt + max_new_tokens); unset in RuntimeConfig
-    # means sized for the device (scheduler_config)
+    # attention K/V reserved by running requests (prompt + generated tokens, grown by chunks of
+    # kv_chunk_tokens); unset in RuntimeConfig means sized for the device (scheduler_config)
     kv_cache_bytes: int = CPU_KV_BYTES
+    kv_chunk_tokens: int = KV_CHUNK_TOKENS  # K/V tokens reserved at admission beyond the prompt, and at each growth
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "kv_chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_waiting < 0:
@@ -147,7 +170,6 @@ class _Seq:
     handle: RequestHandle
     req: Request
     arrived: float
-    kv_bytes: int  # attention K/V it needs at most
     pinned: dict
     cost: int  # prefill tokens the assembly runs (estimate)
     cold: dict = field(default_factory=dict)  # key -> token ids still to build
@@ -158,6 +180,8 @@ class _Seq:
     slot: int = -1
     last_token: int = -1
     reserved: int = 0  # bytes of kv_cache_bytes held since admission
+    kv_tokens: int = 0  # tokens of K/V that reservation covers
+    admitted: int = -1  # admission order (the latest admitted is preempted first)
 
 
 class LinearStatePool:
@@ -208,11 +232,13 @@ class LinearStatePool:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None, on_finish=None):
-        """on_finish(handle): called in the scheduler's thread as each request ends (for metrics)."""
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None, on_finish=None, on_preempt=None):
+        """on_finish(handle): called in the scheduler's thread as each request ends; on_preempt(handle):
+        as a request is preempted (for metrics)."""
         self.engine = engine
         self.config = config or SchedulerConfig()
         self.on_finish = on_finish
+        self.on_preempt = on_preempt
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._admitted: list[_Seq] = []  # prefill in progress
@@ -227,6 +253,8 @@ class Scheduler:
         )
         self.pool = engine.new_state_pool(self.config.max_num_seqs)
         self.steps = 0
+        self.preemptions = 0  # running requests preempted (recomputed) for lack of K/V budget
+        self._admissions = 0
         self.batch_sizes: collections.Counter = collections.Counter()  # decode batch size -> steps
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self._thread.start()
@@ -235,10 +263,9 @@ class Scheduler:
     def add_request(self, req: Request, pinned: dict | None = None) -> RequestHandle:
         """Queue a request; raises QueueFull when max_waiting requests are already waiting.
         pinned: key -> segment entry gathered for this request (held until it is assembled)."""
+        self.check_fits(req)
         handle = RequestHandle(req, self)
-        n_prompt = len(req.prompt_ids)
-        seq = _Seq(handle, req, time.perf_counter(), (n_prompt + req.sampling.max_new_tokens) * self._kv_per_token,
-                   dict(pinned or {}), self._assembly_tokens(req))
+        seq = _Seq(handle, req, time.perf_counter(), dict(pinned or {}), self._assembly_tokens(req))
         with self._cv:
             if self._stop:
                 raise RuntimeError("the scheduler is stopped")
@@ -247,6 +274,21 @@ class Scheduler:
             self._waiting.append(seq)
             self._cv.notify()
         return handle
+
+    def _first_chunk(self, seq_req: Request, generated: int = 0) -> int:
+        """Tokens of K/V a request reserves at admission: its prompt and a first chunk."""
+        return len(seq_req.prompt_ids) + min(self.config.kv_chunk_tokens, seq_req.sampling.max_new_tokens - generated)
+
+    def check_fits(self, req: Request) -> None:
+        """Raise KVBudgetError when the request's prompt and first chunk exceed the whole K/V budget."""
+        tokens = self._first_chunk(req)
+        need = tokens * self._kv_per_token
+        if need > self.config.kv_cache_bytes:
+            n = len(req.prompt_ids)
+            raise KVBudgetError(
+                f"the prompt ({n} tokens) and its first {tokens - n} new tokens need {need} bytes of attention "
+                f"K/V, over this worker's kv_cache_bytes "
+                f"({self.config.kv_cache_bytes}); shorten the prompt")
 
     def has_room(self) -> bool:
         """Whether add_request would queue a request now (it may still refuse one later)."""
@@ -312,6 +354,7 @@ class Scheduler:
         self._reap_cancelled()
         self._admit()
         self._prefill_step()
+        self._grow()
         if self._running:
             self._decode_step()
         self.steps += 1
@@ -344,11 +387,14 @@ class Scheduler:
             while self._waiting and len(self._admitted) + len(self._running) < cfg.max_num_seqs:
                 seq = self._waiting[0]
                 busy = self._admitted or self._running
-                if busy and self._kv_reserved + seq.kv_bytes > cfg.kv_cache_bytes:
+                generated = len(seq.stream.output_ids) if seq.stream is not None else 0
+                tokens = self._first_chunk(seq.req, generated)
+                if busy and self._kv_reserved + tokens * self._kv_per_token > cfg.kv_cache_bytes:
                     break
                 self._waiting.popleft()
-                seq.reserved = seq.kv_bytes
+                seq.kv_tokens, seq.reserved = tokens, tokens * self._kv_per_token
                 self._kv_reserved += seq.reserved
+                seq.admitted, self._admissions = self._admissions, self._admissions + 1
                 self._admitted.append(seq)
                 seq.cold = self._cold_segments(seq)
 
@@ -411,6 +457,13 @@ class Scheduler:
         seq.pinned, seq.built = {}, {}
         seq.prefill = seq.handle.prefill = pre
         pre.started = seq.arrived  # TTFT counts the time in the queue
+        if seq.stream is not None:
+            # resumed after a preemption: the request's stats, stream and generator go on
+            pre.stats = seq.stream.stats
+            tok = sample_token(pre.logits, params, seq.generator)
+            if not self._push(seq, tok, pre.logits):
+                self._run(seq)
+            return
         seq.stream = TextStream(eng, params, pre.stats)
         seq.handle.output_ids, seq.handle.logprobs = seq.stream.output_ids, seq.stream.logprobs
         seq.generator = request_generator(params)
@@ -422,9 +475,52 @@ class Scheduler:
         pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
         if self._push(seq, tok, pre.logits):
             return
-        seq.slot = self.pool.assign(pre.state)
+        self._run(seq)
+
+    def _run(self, seq: _Seq) -> None:
+        seq.slot = self.pool.assign(seq.prefill.state)
         self._running.append(seq)
         self._running.sort(key=lambda s: s.slot)
+
+    def _grow(self) -> None:
+        """Before a decode step: every running request whose K/V reaches its reservation grows it by a
+        chunk, the oldest first; where the budget lacks room, the latest admitted requests are
+        preempted until it has (the request itself when it is the latest)."""
+        per_token, budget = self._kv_per_token, self.config.kv_cache_bytes
+        for seq in sorted(self._running, key=lambda s: s.admitted):
+            if seq not in self._running or seq.prefill.state.length + 1 <= seq.kv_tokens:
+                continue
+            add = max(1, min(self.config.kv_chunk_tokens, seq.req.sampling.max_new_tokens - len(seq.stream.output_ids)))
+            while seq in self._running and self._kv_reserved + add * per_token > budget:
+                if len(self._admitted) + len(self._running) == 1:
+                    break  # alone: it grows past the budget rather than preempt itself forever
+                self._preempt(max(self._admitted + self._running, key=lambda s: s.admitted))
+            if seq in self._running:
+                seq.kv_tokens += add
+                seq.reserved += add * per_token
+                self._kv_reserved += add * per_token
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Give back what a request holds and queue it again at the head of the waiting queue, its
+        generated tokens appended to its live suffix (recomputed when it is admitted again)."""
+        self._release(seq)
+        seq.prefill = seq.handle.prefill = None  # its K/V goes (on every rank: nothing names it)
+        self._running = [s for s in self._running if s is not seq]
+        self._admitted = [s for s in self._admitted if s is not seq]
+        if seq.stream is not None:
+            req, generated = seq.req, seq.stream.output_ids[len(seq.req.prompt_ids) - len(seq.handle.req.prompt_ids):]
+            live = req.live
+            if not req.suffix_ids and req.segment_ids:
+                # the last segment ran live (a last part is never an entry): so it does again
+                live = live | {len(req.segment_ids) - 1}
+            seq.req = dataclasses.replace(req, suffix_ids=list(req.suffix_ids) + generated, live=frozenset(live))
+            seq.cost = self._assembly_tokens(seq.req)
+        seq.cold = {}
+        with self._cv:
+            self._waiting.appendleft(seq)
+        self.preemptions += 1
+        if self.on_preempt is not None:
+            self.on_preempt(seq.handle)
 
     def _push(self, seq: _Seq, tok: int, logits) -> bool:
         """Emit what token `tok` (sampled from `logits`) gives; True when the request ended with it."""

@@ -1,7 +1,10 @@
 """Continuous batching (runtime/scheduler.py, LayoutLM.decode_batch): requests run concurrently give
 the answers they give one by one, for every family; batched decode logits equal sequential ones;
-admission, queue bound, cancellation and interleaving behave as a server needs."""
+admission, queue bound, cancellation and interleaving behave as a server needs; K/V is reserved as
+sequences grow, and requests preempted for lack of it resume with the answers they would have given."""
 
+import json
+import shutil
 import time
 
 import pytest
@@ -9,7 +12,7 @@ import torch
 from hybridcache.services.runtime.engine import Engine, EngineConfig
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.modelzoo import init_model_dir
-from hybridcache.services.runtime.scheduler import QueueFull, Scheduler, SchedulerConfig
+from hybridcache.services.runtime.scheduler import KVBudgetError, QueueFull, Scheduler, SchedulerConfig
 from hybridcache.services.runtime.sequence import LiveRun
 from hybridcache.services.runtime.tokenizer import Tokenizer
 
@@ -198,8 +201,117 @@ def test_memory_budget_admits_what_fits(qwen35_dir):
         sched.stop()
 
 
+def _per_token(eng) -> int:
+    probe = Scheduler(eng, SchedulerConfig())
+    probe.stop()
+    return probe._kv_per_token
+
+
+def test_requests_without_max_tokens_run_concurrently(qwen35_dir):
+    """Requests that run to the end of the context (no max_new_tokens) reserve a chunk, not the
+    context: a budget far below two contexts of K/V still runs max_num_seqs of them at once."""
+    eng = _engine(qwen35_dir, mode="prefix")
+    per_token = _per_token(eng)
+    req = {"segments": [list(range(10, 80))], "suffix": [5, 6, 7], "sampling_params": {"ignore_eos": True}}
+    parsed = eng.parse_request(req)
+    limit = eng.planner.context_limit
+    assert parsed.sampling.max_new_tokens == limit - len(parsed.prompt_ids)
+    budget = 12 * (len(parsed.prompt_ids) + 256) * per_token
+    assert budget < 2 * limit * per_token  # reserved up front, the second would wait for the first
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=4, kv_cache_bytes=budget))
+    try:
+        handles = [sched.add_request(eng.parse_request(req)) for _ in range(5)]
+        its = [iter(h) for h in handles[:4]]
+        for it in its:
+            next(it)  # each of the four streams while the others run
+        deadline = time.monotonic() + 10
+        while sched.load() != {"waiting": 1, "prefilling": 0, "running": 4}:
+            assert time.monotonic() < deadline, sched.load()
+            time.sleep(0.001)
+        assert not any(h.done.is_set() for h in handles)
+        for h in handles:
+            h.cancel()
+        assert all(h.done.wait(10) for h in handles)
+        assert max(sched.batch_sizes) == 4
+    finally:
+        sched.stop()
+    # a prompt whose first chunk can never fit the budget is refused, with what it needs
+    small = Scheduler(eng, SchedulerConfig(kv_cache_bytes=(len(parsed.prompt_ids) + 10) * per_token))
+    try:
+        with pytest.raises(KVBudgetError, match="kv_cache_bytes"):
+            small.add_request(eng.parse_request(req))
+        assert small.load() == {"waiting": 0, "prefilling": 0, "running": 0}
+    finally:
+        small.stop()
+
+
+def _preempting(eng, budget_requests: float, reqs, chunk=4, seqs=4):
+    """A scheduler whose K/V budget holds about `budget_requests` of the longest prompt and a chunk:
+    the requests' growth preempts some of them."""
+    longest = max(len(eng.parse_request(r).prompt_ids) for r in reqs)
+    budget = int(budget_requests * (longest + chunk) * _per_token(eng))
+    preempted = []
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=seqs, kv_cache_bytes=budget, kv_chunk_tokens=chunk),
+                      on_preempt=lambda h: preempted.append((h, len(h.output_ids))))
+    return sched, preempted
+
+
+@pytest.mark.parametrize("mode", ["full", "prefix", "pic"])
+def test_preempted_requests_resume_with_one_by_one_outputs(qwen35_dir, mode):
+    reqs = _requests(5, seed=3, max_new=(30, 17, 41, 24, 9))
+    ref = [_engine(qwen35_dir, mode=mode).generate(r) for r in reqs]
+    eng = _engine(qwen35_dir, mode=mode)
+    sched, preempted = _preempting(eng, 2, reqs)
+    try:
+        handles = [sched.add_request(eng.parse_request(r)) for r in reqs]
+        streamed = [list(h) for h in handles]
+    finally:
+        sched.stop()
+    assert sched.preemptions == len(preempted) >= 1
+    # preempted after generating some tokens, then resumed: the stream neither repeats nor loses any
+    assert any(n > 0 for _, n in preempted)
+    for a, h, events in zip(ref, handles, streamed):
+        assert (h.output_ids, h.finish_reason) == (a.output_ids, a.finish_reason)
+        assert [t for t, _ in events if t >= 0] == a.output_ids and "".join(d for _, d in events) == a.text
+        assert h.prefill.stats.prompt_tokens == a.stats.prompt_tokens
+    assert sched._kv_reserved == 0 and sorted(sched.pool.free) == list(range(4))
+
+
+def test_stops_after_a_resume(qwen35_dir, tmp_path):
+    """An eos id of generation_config.json and a stop string still end a request that was preempted
+    before it reached them."""
+    model_dir = tmp_path / "m"
+    shutil.copytree(qwen35_dir, model_dir)
+    reqs = _requests(4, seed=8, max_new=(40, 40, 40, 40))
+    free = [_engine(model_dir, mode="prefix").generate(r) for r in reqs]
+    # request 3 (admitted last: the first preempted) stops at an eos id late in its free output
+    stop_id = next(t for i, t in enumerate(free[3].output_ids) if i >= 20 and t not in free[3].output_ids[:i])
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop_id]}))
+    reqs[3]["sampling_params"] = dict(reqs[3]["sampling_params"], ignore_eos=False)
+    # request 2 stops at a string from late in its output
+    text = free[2].text
+    reqs[2]["sampling_params"] = dict(reqs[2]["sampling_params"], stop=[text[3 * len(text) // 4:][:3]])
+    ref = [_engine(model_dir, mode="prefix").generate(r) for r in reqs]
+    assert ref[3].finish_reason == ref[2].finish_reason == "stop"
+    assert len(ref[3].output_ids) >= 20 and len(ref[2].text) < len(text)
+    eng = _engine(model_dir, mode="prefix")
+    sched, preempted = _preempting(eng, 2.5, reqs)
+    try:
+        handles = [sched.add_request(eng.parse_request(r)) for r in reqs]
+        out = [h.result() for h in handles]
+    finally:
+        sched.stop()
+    for a, b in zip(ref, out):
+        assert (b.output_ids, b.text, b.finish_reason) == (a.output_ids, a.text, a.finish_reason)
+    # a stopping request was preempted before it stopped, then resumed to its stop
+    early = [h for h, n in preempted if h in handles[2:] and 0 < n < len(h.output_ids)]
+    assert early, [(handles.index(h), n) for h, n in preempted]
+
+
 def test_bad_config():
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="kv_chunk_tokens"):
+        SchedulerConfig(kv_chunk_tokens=0)
     with pytest.raises(ValueError, match="max_waiting"):
         SchedulerConfig(max_waiting=-1)
