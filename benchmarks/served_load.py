@@ -289,39 +289,12 @@ def init_model(spec: str, out: Path, device: str, dtype: str) -> None:
     """A random-weight model directory of ARCH:PRESET, as `hybridcache model init` writes it, but
     built and initialised on `device` (a 9B model's weights made on the GPU in seconds)."""
     import torch
-    from hybridcache.services.runtime.modelzoo import (
-        build_model,
-        checkpoint_tensors,
-        config_from_dict,
-        hf_config,
-        random_init_,
-    )
-    from hybridcache.services.runtime.tokenizer import build_byte_tokenizer
-    from safetensors.torch import save_file
+    from hybridcache.services.runtime.modelzoo import init_model_dir
 
     if (out / "config.json").is_file():
         return
     arch, preset = spec.split(":")
-    cfg_dict = hf_config(arch, preset)
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        with torch.device(device):
-            model = build_model(config_from_dict(cfg_dict)).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
-    if device == "cuda":
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from gpu_bench import random_init_cuda_
-
-        random_init_cuda_(model)
-    else:
-        random_init_(model, 0, 0.02)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous().cpu() for k, v in checkpoint_tensors(model).items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
-    build_byte_tokenizer().save(str(out / "tokenizer.json"))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg_dict.get("eos_token_id")}) + "\n")
+    init_model_dir(arch, preset, out, seed=0, dtype=getattr(torch, dtype), device=device)
 
 
 def figures_of(results: dict) -> dict:

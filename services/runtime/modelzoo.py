@@ -150,27 +150,29 @@ def hf_config(arch: str, preset: str, overrides: dict | None = None) -> dict:
 
 @torch.no_grad()
 def random_init_(model: HybridLM, seed: int, std: float = 0.02) -> None:
-    """Initialise every parameter from a seeded generator (CPU), in the spirit of the HF init.
+    """Initialise every parameter from a seeded generator on the model's device, in the spirit of
+    the HF init.
 
     Norm weights get small noise around their neutral value so tests see a wrong norm formula.
     """
-    gen = torch.Generator().manual_seed(seed)
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
     # plain RMSNorm (weight * x) is neutral at 1, Qwen's zero-centered one (1 + weight) at 0
     norm_offset = getattr(model, "norm_offset", 0.0)
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
             # log-uniform A in [1e-3, 4]: slow heads keep state across segments, fast ones forget
-            vals = torch.empty(p.shape).uniform_(math.log(1e-3), math.log(4.0), generator=gen)
+            vals = torch.empty(p.shape, device=dev).uniform_(math.log(1e-3), math.log(4.0), generator=gen)
         elif name.endswith("dt_bias"):
-            vals = torch.rand(p.shape, generator=gen) * 2 - 1
+            vals = torch.rand(p.shape, device=dev, generator=gen) * 2 - 1
         elif name.endswith("linear_attn.norm.weight"):
-            vals = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            vals = 1.0 + 0.1 * torch.randn(p.shape, device=dev, generator=gen)
         elif "norm" in name.split(".")[-2]:
-            vals = norm_offset + 0.1 * torch.randn(p.shape, generator=gen)
+            vals = norm_offset + 0.1 * torch.randn(p.shape, device=dev, generator=gen)
         elif name.endswith("conv1d.weight"):
-            vals = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
+            vals = torch.randn(p.shape, device=dev, generator=gen) / math.sqrt(p.shape[-1])
         else:
-            vals = torch.randn(p.shape, generator=gen) * std
+            vals = torch.randn(p.shape, device=dev, generator=gen) * std
         p.copy_(vals.to(p.dtype))
 
 
@@ -187,8 +189,12 @@ def init_model_dir(
     dtype: torch.dtype = torch.float32,
     std: float = 0.02,
     overrides: dict | None = None,
+    device: str = "cpu",
 ) -> Path:
-    """Write config.json, model.safetensors and tokenizer.json of a random-weight model."""
+    """Write config.json, model.safetensors and tokenizer.json of a random-weight model.
+
+    On a device other than the CPU the model is built and initialised there in `dtype` (a 9B
+    model's weights made on the GPU in seconds, without a host copy in fp32)."""
     out = Path(out)
     cfg_dict = hf_config(arch, preset, overrides)
     cfg = config_from_dict(cfg_dict)
@@ -196,11 +202,20 @@ def init_model_dir(
     if tok.get_vocab_size(with_added_tokens=True) > cfg.vocab_size:
         raise ValueError(f"vocab_size {cfg.vocab_size} is smaller than the tokenizer's")
     out.mkdir(parents=True, exist_ok=True)
-    model = build_model(cfg)
-    random_init_(model, seed, std)
-    model = model.to(dtype)
+    if device == "cpu":
+        model = build_model(cfg)
+        random_init_(model, seed, std)
+        model = model.to(dtype)
+    else:
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = build_model(cfg).eval()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        random_init_(model, seed, std)
     save_file(
-        checkpoint_tensors(model, multimodal="text_config" in cfg_dict),
+        {k: v.contiguous().cpu() for k, v in checkpoint_tensors(model, multimodal="text_config" in cfg_dict).items()},
         str(out / "model.safetensors"),
         metadata={"format": "pt"},
     )
