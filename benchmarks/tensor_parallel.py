@@ -13,12 +13,17 @@ calls (tensor_parallel/ranks.py). Figures per TP size: `full` prefill of --prefi
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
 import math
+import os
+import shlex
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from hybridcache.services.runtime import modelzoo
@@ -26,6 +31,8 @@ from hybridcache.services.runtime.models.registry import build_model, config_fro
 from hybridcache.services.runtime.sequence import LiveRun
 from hybridcache.services.runtime.tensor_parallel import ranks
 from hybridcache.services.runtime.tensor_parallel.shard import shard_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @torch.no_grad()
@@ -136,8 +143,14 @@ def main(argv=None) -> int:
         print(f"tensor_parallel.py: error: --tp {max(sizes)} needs that many GPUs, {n} visible", file=sys.stderr)
         return 2
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    out = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "arch": args.arch,
-           "preset": args.preset, "dtype": args.dtype, "tp": {}}
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    out = {"benchmark": "tensor_parallel", "gpu": device_name, "commit": commit or "unknown",
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "command": shlex.join(["python", "benchmarks/tensor_parallel.py",
+                                  *(argv if argv is not None else sys.argv[1:])]),
+           "device": device_name, "arch": args.arch, "preset": args.preset, "dtype": args.dtype, "tp": {}}
     for size in sizes:
         build = functools.partial(random_model, args.arch, args.preset, args.dtype, args.device)
         if size == 1:
@@ -156,6 +169,14 @@ def main(argv=None) -> int:
         one, two = out["tp"]["1"], out["tp"]["2"]
         out["tp2_prefill_speedup"] = round(one["prefill_s"] / two["prefill_s"], 3)
         out["tp2_decode_speedup"] = round(two["decode_tokens_per_s"] / one["decode_tokens_per_s"], 3)
+    figures = {}
+    if "1" in out["tp"]:
+        figures["tp1_prefill_s_32k"] = out["tp"]["1"]["prefill_s"]
+        figures["tp1_decode_tokens_per_s_32_streams"] = out["tp"]["1"]["decode_tokens_per_s"]
+    if "tp2_prefill_speedup" in out:
+        figures["tp2_prefill_speedup_32k"] = out["tp2_prefill_speedup"]
+        figures["tp2_decode_tokens_per_s_vs_tp1"] = out["tp2_decode_speedup"]
+    out["figures"] = figures
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
