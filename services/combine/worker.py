@@ -7,7 +7,13 @@ away) cancels its request, which the scheduler drops within one step.
 What comes from elsewhere is checked before the engine sees it: a plan's entry keys are recomputed
 from the segments' tokens (a key that differs is ignored), and an entry from the tier or a scatter
 worker, whose seal the codec verified, must also have the model's entry layout (EntryLayout: the
-shapes and dtypes this engine builds) for its segment's length; anything else is a miss, rebuilt."""
+shapes and dtypes this engine builds) for its segment's length; anything else is a miss, rebuilt.
+
+A worker split over tensor-parallel ranks receives entries as bundles of every rank's slice
+(tensor_parallel/entries.py) on rank 0, under keys of its tensor-parallel size: each slice must
+have the layout of the entries this worker's ranks build, and slice r goes to rank r (one
+point-to-point hand-over per request, TPGroup.scatter), where the engine folds it in. A bundle of
+another split is a miss: its key differs, and its tensors do not cut into this worker's slices."""
 
 from __future__ import annotations
 
@@ -73,6 +79,7 @@ class CombineServicer(rpc.CombineServicer):
         # probe segment (here, before the scheduler's thread owns the model).
         probe = [0] * (engine.config.seam_window + max(1, engine.cfg.linear_conv_kernel_dim - 1) + 1)
         self.layout = EntryLayout.of(engine.build_entry(probe))
+        self.tp_size = engine.config.tensor_parallel_size
         # Every request runs through this scheduler; its thread alone runs the model.
         self.scheduler = Scheduler(engine, scheduling, on_finish=_count_finished,
                                    on_preempt=lambda _handle: metrics.SCHEDULER_PREEMPTIONS.inc())
@@ -87,13 +94,35 @@ class CombineServicer(rpc.CombineServicer):
         self._no_device_path: set[str] = set()  # scatter workers whose CUDA IPC blocks could not be opened here
         self.transport_bandwidth = measure_bandwidths(self.device)
 
-    def _accept(self, entry: SegmentEntry, segment: list[int]) -> bool:
-        """Is a received entry (seal verified) the model's layout for this segment?"""
-        problem = self.layout.check(entry, len(segment))
+    def _accept(self, entry: SegmentEntry, segment: list[int]) -> SegmentEntry | list[SegmentEntry] | None:
+        """A received entry (seal verified) if it has the model's layout for this segment, None
+        otherwise; on tensor-parallel ranks the list of its rank slices, each of that layout."""
+        slices = [entry]
+        problem = None
+        if self.tp_size > 1:
+            from hybridcache.services.runtime.tensor_parallel.entries import unbundle
+
+            slices = unbundle(entry, self.tp_size)
+            if isinstance(slices, str):
+                problem, slices = slices, []
+        for part in slices:
+            problem = problem or self.layout.check(part, len(segment))
         if problem is not None:
             metrics.ENTRIES_REJECTED.labels(reason="layout").inc()
             log.warning("entry %s refused: %s", entry.key[:12], problem)
-        return problem is None
+            return None
+        return slices if self.tp_size > 1 else entry
+
+    def _hand_out(self, received: dict[str, list[SegmentEntry]]) -> dict[str, SegmentEntry]:
+        """key -> rank 0's slice of each received entry, every rank given its own (its device)."""
+        if not received:
+            return {}
+        from hybridcache.services.runtime.tensor_parallel.entries import scatter_entries
+        from hybridcache.services.transport.codec import entry_to
+
+        keys = list(received)
+        slices = [[entry_to(received[k][0], self.device), *received[k][1:]] for k in keys]
+        return dict(zip(keys, scatter_entries(self.engine.group, slices)))
 
     def warmup(self) -> dict:
         """The engine's warm-up (Engine.warmup) with every request served by this worker's
@@ -138,6 +167,7 @@ class CombineServicer(rpc.CombineServicer):
                 if 0 <= p.index < len(segments) and p.key == self.engine.entry_key(segments[p.index])]
         keys = {p.index: p.key for p in plan}
         owners = {p.index: p.cache_tier for p in plan}
+        received: dict = {}  # key -> entry accepted from the tier or a scatter worker (rank slices on TP)
         for p in plan:
             entry = store.get(p.key)
             metrics.cache_lookup(self.own_tier, entry is not None)
@@ -148,18 +178,15 @@ class CombineServicer(rpc.CombineServicer):
                 need_tier.setdefault(p.address, []).append(p)
             elif p.source == "scatter":
                 cold.setdefault(p.address, []).append(p.index)
-        if self.engine.config.tensor_parallel_size > 1:
-            # A received entry holds one rank's heads and arrives at rank 0 only: a worker split
-            # over ranks builds what its own cache lacks (every rank its own heads)
-            return pinned, source, moved
         for address, plans in need_tier.items():
             t0 = time.perf_counter()
             moved["tier_path"] = transport_for_address(address)
             found = self._tier(address).get([p.key for p in plans], moved["tier_path"])
             moved["tier_seconds"] += time.perf_counter() - t0
             for p in plans:
-                if p.key in found and self._accept(found[p.key], segments[p.index]):
-                    pinned[p.key] = found[p.key]
+                accepted = self._accept(found[p.key], segments[p.index]) if p.key in found else None
+                if accepted is not None:
+                    received[p.key] = accepted
                     source[p.index] = "tier"
                     moved["tier_bytes"] += found[p.key].nbytes
                 # A tier miss (evicted, corrupt, tier down): recompute it.
@@ -192,8 +219,10 @@ class CombineServicer(rpc.CombineServicer):
                         log.warning("CUDA IPC from scatter worker %s failed (%s); it sends through host memory "
                                     "from now on", address, asm.last_device_error)
                 for i in idx:
-                    if i in got and got[i].key == keys.get(i) and self._accept(got[i], segments[i]):
-                        pinned[got[i].key] = got[i]
+                    accepted = (self._accept(got[i], segments[i]) if i in got and got[i].key == keys.get(i)
+                                else None)
+                    if accepted is not None:
+                        received[got[i].key] = accepted
                         source[i] = "scatter"
                         moved["build_seconds"] += got[i].build_seconds
                     else:
@@ -209,6 +238,7 @@ class CombineServicer(rpc.CombineServicer):
             elif retry:
                 # No scatter worker left: the engine builds them itself (source "built").
                 break
+        pinned.update(self._hand_out(received) if self.tp_size > 1 else received)
         return pinned, source, moved
 
     def Generate(self, request, context):

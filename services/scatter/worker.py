@@ -8,7 +8,11 @@ prefills them in one batched call (Engine.build_entries), the same segment asked
 calls built once. Requests arriving together are thus built together, and a call whose segments
 span several builds streams the first entries while the rest are computed. Entries leave the
 builder unsealed: a host transport seals an entry as it encodes it, cuda_ipc seals its device
-block's checksum instead, so an entry that stays on the GPU is never copied to the host for it."""
+block's checksum instead, so an entry that stays on the GPU is never copied to the host for it.
+
+A worker split over tensor-parallel ranks builds each entry on all of them (every rank its heads)
+and rank 0 collects the ranks' slices into one bundle (tensor_parallel/entries.py), which is what
+it streams and writes to the tier: the combine worker's rank r gets rank r's slice."""
 
 from __future__ import annotations
 
@@ -65,6 +69,8 @@ class ScatterServicer(rpc.ScatterServicer):
         self.streamed = 0
         self.builds: list[int] = []  # segments per batched build, in order
         self.endpoint = local_endpoint(engine.model.device)
+        # the tensor-parallel group of a worker split over ranks (its engine is rank 0's Remote)
+        self.group = engine.group if engine.config.tensor_parallel_size > 1 else None
         threading.Thread(target=self._loop, name="scatter-build", daemon=True).start()
 
     def warmup(self) -> dict:
@@ -158,6 +164,7 @@ class ScatterServicer(rpc.ScatterServicer):
                 segments = [list(ids) for ids in by_ids]
                 entries = (self.engine.build_entries(segments, on_layer=on_layer) if on_layer is not None
                            else self.engine.build_entries(segments))
+                entries = self._bundled(entries)
             ready = _ready_event(self.engine)
             self.builds.append(len(by_ids))
             for js, entry in zip(groups, entries):
@@ -174,13 +181,22 @@ class ScatterServicer(rpc.ScatterServicer):
         for ids, js in by_ids.items():
             try:
                 with tracing.tracer().start_as_current_span("scatter.build_entry", context=js[0].ctx):
-                    entry = self.engine.build_entry(list(ids))
+                    entry = self._bundled([self.engine.build_entry(list(ids))])[0]
                 metrics.ENTRY_BUILD_SECONDS.observe(entry.build_seconds)
                 result = (entry, "")
             except Exception as e:  # a bad segment must not take the stream down
                 result = (None, f"{type(e).__name__}: {e}")
             for job in js:
                 job.out.put(("entry", job.segment.index, *result))
+
+    def _bundled(self, entries: list) -> list:
+        """The entries as they leave this worker: on one rank as built, over tensor-parallel
+        ranks every rank's slice of each in one bundle."""
+        if self.group is None:
+            return entries
+        from hybridcache.services.runtime.tensor_parallel.entries import gather_entries
+
+        return gather_entries(self.group, entries)
 
     def Prefill(self, request, context):
         """Stream the entries of the request's segments: over cuda_ipc each layer of a batch as

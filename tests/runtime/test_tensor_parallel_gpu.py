@@ -56,3 +56,28 @@ def test_tp2_over_nccl_equals_tp1(arch, setup):
         assert [s.source for s in pt.stats.segments] == [s.source for s in pr.stats.segments]
         ref.finish_prefix(pr)
         tp2.finish_prefix(pt)
+
+
+def test_entry_slices_travel_as_one_bundle_over_nccl_ranks(setup):
+    """A scatter worker's ranks' slices gathered on rank 0 (cuda:0) equal the TP = 1 entry; cut and
+    handed back out, each rank folds its own slice in: the TP = 1 logits, nothing rebuilt."""
+    from hybridcache.services.runtime.tensor_parallel.entries import gather_entries, scatter_entries, unbundle
+
+    dirs, cfg, g = setup
+    eng = g.target.qwen3_5_text
+    tp1 = Engine.from_dir(dirs["qwen3_5_text"], device="cuda", config=cfg)
+    gen = torch.Generator().manual_seed(11)
+    segs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (70, 45)]
+    bundles = gather_entries(g, eng.build_entries(segs))
+    for b, seg in zip(bundles, segs):
+        ref = tp1.build_entry(seg)
+        assert b.data.linear[0].S.device == torch.device("cuda", 0)
+        for i, s in ref.data.linear.items():
+            assert _rel(b.data.linear[i].S.reshape(s.S.shape), s.S) < 2e-3
+    req = {"system": [3, 4, 5], "segments": segs, "suffix": [7, 8, 9]}
+    mine = scatter_entries(g, [unbundle(b, 2) for b in bundles])
+    pre = eng.prefill(eng.parse_request(req), pinned={e.key: e for e in mine})
+    eng.finish_prefix(pre)
+    want = tp1.prefill(tp1.parse_request(req))
+    assert [s.source for s in pre.stats.segments] == ["entry", "entry"] and pre.stats.built_tokens == 0
+    assert _rel(pre.logits, want.logits) < 2e-3

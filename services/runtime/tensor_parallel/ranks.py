@@ -16,6 +16,12 @@ the next handle on every rank in the same order, a handle in a later call's argu
 the follower's own object, and a handle whose object rank 0 has dropped is dropped on the
 followers with the next call. A floating-point tensor without a handle is refused (TPError): it
 would carry rank 0's slice to the other ranks, a wrong answer instead of an error.
+
+Per-rank objects also move between rank 0 and the followers as a whole, point to point on the
+gloo group (torch.save bytes, tensors landing on the receiving rank's device): `gather(obj)`
+hands rank 0 every rank's counterpart of a named object (a scatter worker collects the ranks'
+slices of the entries it built), `scatter(objs)` gives rank r objs[r] and names them alike on
+every rank (a combine worker hands each rank its slice of a received entry).
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ _WALK = {
 # results rank 0 gets back as Remotes (their methods change per-rank state, so they broadcast)
 _REMOTE = {"LinearStatePool"}
 _CPU_GROUP = None  # the gloo group of the control messages and the calls' outcomes
+_DEVICE = torch.device("cpu")  # this rank's device: where the objects it receives land
+_OP = -1  # the handle of a group operation (gather, scatter) in a control message
 _PLAIN = (int, float, str, bool, bytes, complex, slice, type(None), torch.dtype, torch.device, type)
 
 
@@ -192,6 +200,48 @@ class Channel:
         return data.numpy().tobytes()
 
 
+def _send_obj(payload: bytes, dst: int) -> None:
+    """Send a serialised object to rank `dst` on the gloo group (length first; 0: none, a failure)."""
+    dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst, group=_CPU_GROUP)
+    if payload:
+        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, group=_CPU_GROUP)
+
+
+def _recv_obj(src: int):
+    """The object rank `src` sent (_send_obj), its tensors on this rank's device."""
+    n = torch.empty(1, dtype=torch.int64)
+    dist.recv(n, src, group=_CPU_GROUP)
+    if int(n) == 0:
+        raise TPError(f"rank {src} could not send its object")
+    data = torch.empty(int(n), dtype=torch.uint8)
+    dist.recv(data, src, group=_CPU_GROUP)
+    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=_DEVICE, weights_only=False)
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _op_gather(obj) -> None:
+    """A follower's side of TPGroup.gather: send its own `obj` to rank 0."""
+    try:
+        payload = _dumps(obj)
+    except Exception:
+        _send_obj(b"", 0)
+        raise
+    _send_obj(payload, 0)
+
+
+def _op_scatter():
+    """A follower's side of TPGroup.scatter: its object from rank 0."""
+    return _recv_obj(0)
+
+
+_OPS = {"gather": _op_gather, "scatter": _op_scatter}
+
+
 @dataclasses.dataclass(frozen=True)
 class Surface:
     """What of an object a Remote forwards: `broadcast` methods run on every rank (None: every
@@ -273,9 +323,7 @@ class TPGroup:
         with self._lock:
             if self._closed:
                 raise TPError("the tensor-parallel group is shut down")
-            buf = io.BytesIO()
-            _Pickler(buf, self.handles).dump((self.handles.next, handle, path, args, kwargs))
-            self.channel.send(pickle.dumps((self.handles.take_dead(), buf.getvalue())))
+            self._send_call(handle, path, args, kwargs)
             fn = self.handles.get(handle)
             for name in path:
                 fn = getattr(fn, name)
@@ -293,6 +341,69 @@ class TPGroup:
             if type(out).__name__ in _REMOTE:
                 return Remote(self, self.handles.of[id(out)], out)
             return out
+
+    def _send_call(self, handle: int, path: tuple, args: tuple, kwargs: dict) -> None:
+        buf = io.BytesIO()
+        _Pickler(buf, self.handles).dump((self.handles.next, handle, path, args, kwargs))
+        self.channel.send(pickle.dumps((self.handles.take_dead(), buf.getvalue())))
+
+    def _op(self, name: str, args: tuple, run: Callable):
+        """Group operation `name`: the followers run _OPS[name](*args) (args pickled as a call's
+        are: named objects by handle), rank 0 runs `run()` meanwhile; rank 0's result."""
+        with self._lock:
+            if self._closed:
+                raise TPError("the tensor-parallel group is shut down")
+            self._send_call(_OP, (name,), args, {})
+            try:
+                out = run()
+            except Exception:
+                if self._outcome(True) != self.size:
+                    self._broken(f"{name} failed on rank 0 only")
+                raise
+            if self._outcome(False):
+                self._broken(f"{name} failed on another rank (its log says why)")
+            return out
+
+    def gather(self, obj) -> list:
+        """Every rank's counterpart of `obj` (rank 0's own object, or a structure of named objects:
+        each follower sends its own), in rank order; the followers' copies are rank 0's alone
+        (their tensors on rank 0's device, named on no rank)."""
+        def run():
+            got, errors = [obj], []
+            for r in range(1, self.size):  # from every follower, even after one failed (none is left sending)
+                try:
+                    got.append(_recv_obj(r))
+                except TPError as e:
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+            return got
+
+        return self._op("gather", (obj,), run)
+
+    def scatter(self, objs: list):
+        """Give rank r objs[r] (len(objs) == size, alike in structure) and name each rank's
+        alike, as a broadcast call's result is: rank 0's object (objs[0]) can then be passed to
+        broadcast calls, where each follower finds its own. A follower's tensors land on its
+        device; rank 0's object is its own, as given."""
+        if len(objs) != self.size:
+            raise ValueError(f"scatter of {len(objs)} objects over {self.size} ranks")
+
+        def run():
+            payloads = []
+            try:
+                payloads = [_dumps(o) for o in objs[1:]]
+            finally:
+                if len(payloads) != self.size - 1:  # serialising failed: every follower fails too
+                    for r in range(1, self.size):
+                        _send_obj(b"", r)
+            for r, payload in enumerate(payloads, 1):
+                _send_obj(payload, r)
+            return objs[0]
+
+        out = self._op("scatter", (), run)
+        self.handles.walk(out)
+        return out
 
     def _outcome(self, failed: bool) -> int:
         try:
@@ -345,7 +456,8 @@ def _init(rank: int, size: int, init_method: str, device: str, timeout_s: float)
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    global _CPU_GROUP
+    global _CPU_GROUP, _DEVICE
+    _DEVICE = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     # a group of its own even on the CPU: a rank that skipped a forward's all-reduce must not meet
     # another rank's control message in its place
     _CPU_GROUP = dist.new_group(backend="gloo")
@@ -382,9 +494,12 @@ def _follow(rank: int, size: int, init_method: str, device: str, timeout_s: floa
             counter, handle, path, args, kwargs = _Unpickler(io.BytesIO(call), handles).load()
             if counter != handles.next:
                 raise TPError(f"handle counter {handles.next}, rank 0's {counter}")
-            fn = handles.get(handle)
-            for name in path:
-                fn = getattr(fn, name)
+            if handle == _OP:
+                fn = _OPS[path[0]]
+            else:
+                fn = handles.get(handle)
+                for name in path:
+                    fn = getattr(fn, name)
             out = fn(*args, **kwargs)
         except Exception:  # noqa: BLE001 - rank 0 hears of it through _outcome
             log.warning("rank %d: %s failed", rank, ".".join(path), exc_info=True)
