@@ -187,6 +187,10 @@ class RuntimeConfig:
         None, "router: starting bandwidths of the entry paths in GB/s, PATH=GB/s[,...] with PATH grpc, shm or "
         "cuda_ipc (default: the cost model's); measured transfers update them", roles=("router",), type=str,
         metavar="PATH=GBPS,...")
+    ipc_arena_bytes: int = setting(
+        512 << 20, "scatter: bytes of the device buffer (one per GPU, kept for the worker's life) that entries "
+        "sent over CUDA IPC are written into; a combine worker maps it once, so requests open no IPC handle; "
+        "a write larger than it grows it; 0: a fresh buffer exported per layer batch", roles=("scatter",))
     entry_batch_tokens: int = setting(16384, "padded tokens per batched standalone prefill of cold segments")
     verify_checksums: bool = setting(False, "re-hash every segment entry on every read of the entry cache")
     prefix_policy: str = setting("exact_replay", "how prefix pages keep the linear layers' state", choices=POLICIES)
@@ -256,6 +260,8 @@ class RuntimeConfig:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
         if self.seam_window < 0:
             raise ValueError("seam_window must be >= 0")
+        if self.ipc_arena_bytes < 0:
+            raise ValueError("ipc_arena_bytes must be >= 0")
         if self.max_segments < 1:
             raise ValueError("max_segments must be >= 1")
         for name in ("max_request_bytes", "http_header_timeout_s", "http_body_timeout_s", "drain_grace_s"):

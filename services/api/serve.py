@@ -153,7 +153,7 @@ def _serve(args) -> int:
         from hybridcache.services.scatter.worker import ScatterServicer
 
         engine = _engine(config, args.model)
-        scatter = ScatterServicer(engine, config.max_num_batched_tokens)
+        scatter = ScatterServicer(engine, config.max_num_batched_tokens, arena_bytes=config.ipc_arena_bytes)
         rpc.add_ScatterServicer_to_server(scatter, server)
     elif args.role == "combine":
         from hybridcache.services.combine.worker import CombineServicer

@@ -197,6 +197,11 @@ class ScatterStub:
                 request_serializer=hybridcache__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=hybridcache__pb2.EntryChunk.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/hybridcache.v1.Scatter/Describe',
+                request_serializer=hybridcache__pb2.InfoRequest.SerializeToString,
+                response_deserializer=hybridcache__pb2.Endpoint.FromString,
+                _registered_method=True)
 
 
 class ScatterServicer:
@@ -209,6 +214,13 @@ class ScatterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """Where the worker runs (host, namespaces, the GPU holding its entries).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ScatterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -216,6 +228,11 @@ def add_ScatterServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=hybridcache__pb2.PrefillRequest.FromString,
                     response_serializer=hybridcache__pb2.EntryChunk.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=hybridcache__pb2.InfoRequest.FromString,
+                    response_serializer=hybridcache__pb2.Endpoint.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -245,6 +262,33 @@ class Scatter:
             '/hybridcache.v1.Scatter/Prefill',
             hybridcache__pb2.PrefillRequest.SerializeToString,
             hybridcache__pb2.EntryChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridcache.v1.Scatter/Describe',
+            hybridcache__pb2.InfoRequest.SerializeToString,
+            hybridcache__pb2.Endpoint.FromString,
             options,
             channel_credentials,
             insecure,

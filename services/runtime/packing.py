@@ -20,9 +20,11 @@ def padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def pack(tensors) -> torch.Tensor:
+def pack(tensors, out: torch.Tensor | None = None) -> torch.Tensor:
     """The tensors' bytes back to back in one uint8 buffer, each padded to ALIGN bytes: one transfer
-    instead of one per tensor (per-tensor transfers cost a launch, a handle or a wait each)."""
+    instead of one per tensor (per-tensor transfers cost a launch, a handle or a wait each). With
+    `out` (a contiguous uint8 tensor of exactly that size, e.g. a slot of a preallocated buffer)
+    the bytes are written there."""
     parts = []
     for t in tensors:
         b = t.contiguous().reshape(-1).view(torch.uint8)
@@ -30,7 +32,9 @@ def pack(tensors) -> torch.Tensor:
         pad = padded(b.numel()) - b.numel()
         if pad:
             parts.append(b.new_zeros(pad))
-    return torch.cat(parts)
+    if out is None:
+        return torch.cat(parts)
+    return torch.cat(parts, out=out)
 
 
 def unpack_views(buf: torch.Tensor, specs) -> list[torch.Tensor]:

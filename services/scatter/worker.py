@@ -12,7 +12,11 @@ block's checksum instead, so an entry that stays on the GPU is never copied to t
 
 A worker split over tensor-parallel ranks builds each entry on all of them (every rank its heads)
 and rank 0 collects the ranks' slices into one bundle (tensor_parallel/entries.py), which is what
-it streams and writes to the tier: the combine worker's rank r gets rank r's slice."""
+it streams and writes to the tier: the combine worker's rank r gets rank r's slice.
+
+Over cuda_ipc the entries are written into this worker's arena (services/transport/ipc_pool.py:
+one device buffer per GPU, `arena_bytes`, exported once per receiving process), so that a
+combine worker maps it once and later requests open no IPC handle."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sequence import LinearSpan
 from hybridcache.services.transport import Endpoint, choose_transport, get_transport, local_endpoint
 from hybridcache.services.transport.codec import ATTN_FIELDS, LINEAR_FIELDS, LayeredEntry, entry_chunks, layer_blocks
+from hybridcache.services.transport.ipc_pool import ArenaPool
 
 # Fault injection for the tests only: exit the process after streaming this many entries.
 FAULT_EXIT_AFTER = int(os.environ.get("HYBRIDCACHE_FAULT_EXIT_AFTER_ENTRIES", "0"))
@@ -59,8 +64,11 @@ class _Job:
     call: dict  # {"cancelled": bool}, shared by the call's jobs
 
 
+DEFAULT_ARENA_BYTES = 512 << 20
+
+
 class ScatterServicer(rpc.ScatterServicer):
-    def __init__(self, engine: Engine, max_batch_tokens: int):
+    def __init__(self, engine: Engine, max_batch_tokens: int, arena_bytes: int = DEFAULT_ARENA_BYTES):
         self.engine = engine
         self.max_batch_tokens = max_batch_tokens
         self._pending: collections.deque[_Job] = collections.deque()
@@ -71,6 +79,8 @@ class ScatterServicer(rpc.ScatterServicer):
         self.endpoint = local_endpoint(engine.model.device)
         # the tensor-parallel group of a worker split over ranks (its engine is rank 0's Remote)
         self.group = engine.group if engine.config.tensor_parallel_size > 1 else None
+        # cuda_ipc's arenas (0: none, a fresh buffer exported per layer batch)
+        self.arenas = ArenaPool(arena_bytes, owner=self.endpoint.process) if arena_bytes > 0 else None
         threading.Thread(target=self._loop, name="scatter-build", daemon=True).start()
 
     def warmup(self) -> dict:
@@ -102,6 +112,17 @@ class ScatterServicer(rpc.ScatterServicer):
         if request.HasField("receiver"):
             return choose_transport(self.endpoint, Endpoint.from_pb(request.receiver))
         return request.transport if request.transport in ("grpc", "shm") else "grpc"
+
+    def Describe(self, request, context):
+        """This worker's Endpoint: a combine worker on the same GPU builds what it would ask here itself."""
+        msg = pb.Endpoint()
+        self.endpoint.to_pb(msg)
+        return msg
+
+    def _transport(self, name: str, request):
+        if name != "cuda_ipc":
+            return get_transport(name)
+        return get_transport(name, pool=self.arenas, receiver=request.receiver.process)
 
     def _tier(self, address: str) -> CacheTierClient:
         if address not in self._tiers:
@@ -213,7 +234,7 @@ class ScatterServicer(rpc.ScatterServicer):
         with self._cv:
             self._pending.extend(_Job(seg, built, ctx, call) for seg in request.segments)
             self._cv.notify()
-        transport = get_transport(name)
+        transport = self._transport(name, request)
         entries: dict[str, list] = {}  # cache-tier member -> entries it owns
         owner = {seg.index: seg.cache_tier or request.cache_tier for seg in request.segments}
         tokens = {seg.index: list(seg.token_ids) for seg in request.segments}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import uuid
 from dataclasses import dataclass
 
 from hybridcache.services.transport.base import TensorTransport, TransportError
@@ -57,14 +58,23 @@ class Endpoint:
     pid_ns: str = ""  # its PID namespace: shared between pods only with hostPID
     device: str = ""  # UUID of the GPU holding its tensors; "" on the CPU
     gpus: tuple[str, ...] = ()  # UUIDs of the GPUs it can open memory on
+    process: str = ""  # a random id of the process: a sender's arena is exported once per receiver
 
     def to_pb(self, msg) -> None:
         msg.host, msg.ipc_ns, msg.pid_ns, msg.device = self.host, self.ipc_ns, self.pid_ns, self.device
         msg.gpus[:] = list(self.gpus)
+        msg.process = self.process
 
     @classmethod
     def from_pb(cls, msg) -> Endpoint:
-        return cls(msg.host, msg.ipc_ns, msg.pid_ns, msg.device, tuple(msg.gpus))
+        return cls(msg.host, msg.ipc_ns, msg.pid_ns, msg.device, tuple(msg.gpus), msg.process)
+
+    def same_gpu(self, other: Endpoint) -> bool:
+        """Do the two hold their tensors on one GPU of one host (known UUIDs and boot id)?"""
+        return bool(self.host and self.device) and (self.host, self.device) == (other.host, other.device)
+
+
+PROCESS_ID = uuid.uuid4().hex  # this process's Endpoint.process
 
 
 def _read(path: str) -> str:
@@ -99,7 +109,7 @@ def local_endpoint(device=None) -> Endpoint:
         d = torch.device(device)
         dev = device_uuid(d.index if d.index is not None else torch.cuda.current_device())
         gpus = visible_gpus()
-    return Endpoint(host, ipc, pid, dev, gpus)
+    return Endpoint(host, ipc, pid, dev, gpus, PROCESS_ID)
 
 
 def choose_transport(sender: Endpoint, receiver: Endpoint) -> str:

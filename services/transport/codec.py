@@ -4,10 +4,10 @@ Each tensor carries dtype, shape, layer and a CRC32 of its bytes; the header car
 seal (an HMAC keyed by the deployment secret, cache/entry.py). A reader rebuilds the entry and checks
 both: a mismatch is an error, never an entry, and is counted in hybridcache_entries_rejected_total.
 On cuda_ipc the bytes never reach the host: the entry is packed into one device block (or one per
-layer, each a range of a buffer shared with the other segments of its build), the messages carry
-the blocks' device checksums and a seal over them and the entry's layout
-(services/transport/cuda_ipc.py), and the receiver checks both on its copies when the entry is
-complete.
+layer, each a range of an arena slot shared with the other segments of its build), the messages
+carry the device checksums (of each slot, or of each block of a fresh buffer) and a seal over
+them and the entry's layout (services/transport/cuda_ipc.py), and the receiver checks both on
+its copies when the entry is complete.
 """
 
 from __future__ import annotations
@@ -24,7 +24,15 @@ from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.packing import padded
 from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
 from hybridcache.services.transport.base import TensorTransport, TransportError
-from hybridcache.services.transport.cuda_ipc import check_blocks, device_seal, receive_block, verify_device_seal
+from hybridcache.services.transport.cuda_ipc import (
+    SlotCopy,
+    check_blocks,
+    check_slots,
+    device_seal,
+    receive_block,
+    receive_slot,
+    verify_device_seal,
+)
 from hybridcache.services.transport.shm import read_shm
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
@@ -172,8 +180,12 @@ class EntryAssembler:
         self._blocks: dict[int, torch.Tensor] = {}  # segment index -> its received device block
         self._started: dict[int, float] = {}  # segment index -> when its header arrived
         # segment index -> its device blocks so far, each with its tensors' (layer, name, dtype, shape,
-        # offset) and the device checksum sums of its copy (checked when the entry completes)
-        self._parts: dict[int, list[tuple[pb.DeviceBlock, list, torch.Tensor | None]]] = {}
+        # offset) and the device checksum sums of its copy, or the copy of the arena slot it lies
+        # in (checked when the entry completes)
+        self._parts: dict[int, list[tuple[pb.DeviceBlock, list, torch.Tensor | SlotCopy | None]]] = {}
+        # arena slots copied here, by (arena, index, generation): their blocks are views of the copy
+        self._slots: dict[tuple[str, int, int], SlotCopy] = {}
+        self._unreleased: list[SlotCopy] = []  # copies whose sender slot is not released yet
         self._failed: set[int] = set()  # entries already reported failed: their later tensors are dropped
         self.bytes_received = 0
         # the time entries took to arrive and be checked once built, summed: for host transports
@@ -186,6 +198,7 @@ class EntryAssembler:
         # the blocks of a buffer mapped already open none)
         self.device_blocks = 0
         self.ipc_opens = 0
+        self.slots_received = 0  # arena slots copied (one device-to-device copy each)
         self.transport = ""  # the transport of the last header
         # device blocks that could not be opened or copied here (not checksum mismatches): the
         # receiver then asks that sender for host transports
@@ -284,7 +297,11 @@ class EntryAssembler:
         """Copy device block `block` of entry i here (its tensors follow); an error result or None."""
         t0 = time.perf_counter()
         try:
-            self._blocks[i], sums, opened = receive_block(block, self.device)
+            if block.HasField("slot"):
+                part = self._slot_block(i, block)
+            else:
+                self._blocks[i], part, opened = receive_block(block, self.device)
+                self.ipc_opens += opened
         except TransportError as e:
             if e.unreachable:
                 self.device_errors += 1
@@ -293,10 +310,39 @@ class EntryAssembler:
                 metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
             return self._fail(i, str(e))
         self.device_seconds += time.perf_counter() - t0
-        self.ipc_opens += opened
         self.device_blocks += 1
-        self._parts[i].append((block, [], sums))
+        self._parts[i].append((block, [], part))
         return None
+
+    def _slot_block(self, i: int, block) -> SlotCopy:
+        """Block `block` of entry i, in an arena slot: a view of this assembler's copy of the slot
+        (made when the slot's first block arrives)."""
+        s = block.slot
+        key = (s.arena, s.index, s.generation)
+        copy = self._slots.get(key)
+        if copy is None:
+            copy = self._slots[key] = receive_slot(block, self.device)
+            self.ipc_opens += copy.opened
+            self.slots_received += 1
+            # the sender's slot back as soon as the copy is done (a sender short of room waits for it)
+            if not copy.release(wait=True):
+                self._unreleased.append(copy)
+        elif not copy.matches(s):
+            raise TransportError(f"arena slot {s.index}: its blocks describe it differently")
+        if block.tensor_offset < 0 or block.nbytes < 0 or block.tensor_offset + block.nbytes > copy.own.numel():
+            raise TransportError(f"device block of {block.nbytes} bytes at {block.tensor_offset} lies outside "
+                                 f"its arena slot of {copy.own.numel()} bytes")
+        self._blocks[i] = copy.own[block.tensor_offset: block.tensor_offset + block.nbytes]
+        self.release_slots()
+        return copy
+
+    def release_slots(self, wait: bool = False) -> None:
+        """Release the sender's arena slots whose copies are done (with `wait`: all of them, once done)."""
+        self._unreleased = [c for c in self._unreleased if not c.release(wait)]
+
+    def close(self) -> None:
+        """Release every arena slot still held (the stream ended); the copies stay valid."""
+        self.release_slots(wait=True)
 
     def _finish(self, i: int, seal=None):
         header, parts = self._open.pop(i)
@@ -325,9 +371,13 @@ class EntryAssembler:
         # carry a seal over its bytes that verifies (what the header says about its transport is
         # not trusted).
         if blocks:
-            # the blocks' copies against their checksums, all read back at once
+            # the blocks' copies against their checksums, all read back at once (an arena slot's
+            # copy once, for all of its blocks)
             t0 = time.perf_counter()
-            intact = check_blocks([(block, sums) for block, _, sums in blocks], self.device)
+            copies = list({id(p): p for _, _, p in blocks if isinstance(p, SlotCopy)}.values())
+            intact = check_blocks([(b, p) for b, _, p in blocks if not isinstance(p, SlotCopy)], self.device)
+            intact = check_slots(copies, self.device) and intact
+            self.release_slots()  # checked: those copies are done
             self.device_seconds += time.perf_counter() - t0
             if not intact:
                 metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()

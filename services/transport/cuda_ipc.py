@@ -2,30 +2,32 @@
 sharing, torch.multiprocessing.reductions).
 
 The sender packs the tensors of several blocks (the whole entries, or one layer of every segment
-of a batched build that goes to one receiver: codec.LayeredEntry) into one device buffer
-(services/runtime/packing.py), each block an offset range of it, computes every range's checksum
-on the device and reads them all back with one synchronisation, and exports the buffer once per
-block with storage._share_cuda_(): a cudaIpcMemHandle of its allocation, the range's offset, an
-IPC event and a reference counter in a shared-memory file. Only those few hundred bytes travel in
-the stream's messages, and every block's bytes are written before its message leaves.
+of a batched build that goes to one receiver: codec.LayeredEntry) into one slot of its arena
+(services/transport/ipc_pool.py: a device buffer per GPU, kept for the life of the process and
+exported once per receiving process), each block an offset range of the slot, computes the
+slot's checksum on the device and reads it back (one synchronisation, after which the bytes are
+written), and sends only the arena's export, the slot and the block's range in the stream's
+messages. The receiver maps the arena once (ipc_pool.ArenaMappings) and keeps the mapping while
+that sender sends from it, so that requests in steady state open no IPC handle; it copies each
+slot into its own device memory with one device-to-device copy (on a side stream; over NVLink
+when the GPUs differ), queues the slot's checksum there, serves the slot's blocks as views of the
+copy, and releases the slot once the copy is done (ipc_pool.ReleaseFile). Checksums are read back
+together when an entry completes (EntryAssembler), so receiving a block waits for nothing.
 
-The receiver (DeviceMappings) maps a sender's buffer once, on the GPU that holds it (matched by
-UUID, since the two processes may number their GPUs differently), and takes the later blocks of
-the same buffer as views of that mapping, releasing their reference counters instead of opening
-them again: a batched build of 32 segments and 8 layers costs 8 mappings, not 256. Each block is
-copied into the receiver's own device memory on a side stream (device-to-device, over NVLink when
-the GPUs differ) and its checksum queued there; the checksums of an entry's blocks are read back
-together when the entry completes (EntryAssembler), so receiving a block waits for nothing. A
-mapping is released once the next buffer from that GPU is mapped and the copies from it are
-done (an event on the side stream, polled, so that no one waits for it), which lets the sender's
-allocator reuse the buffer (torch keeps it in its IPC limbo until then). A block its receiver
-never opens (a combine worker that died mid-stream) stays allocated in the sender until the sender
-exits.
+Without an arena (ArenaPool off, or a write that does not fit it now) a write is packed into a
+fresh buffer exported for it, each block with its own checksum: the receiver (DeviceMappings)
+maps such a buffer once, on the GPU that holds it (matched by UUID, since the two processes may
+number their GPUs differently), takes the later blocks of the same buffer as views of that
+mapping, releasing their reference counters instead of opening them again, and unmaps it once
+the next buffer from that GPU is mapped and the copies from it are done (an event on the side
+stream, polled), which lets the sender's allocator reuse the buffer. A block its receiver never
+opens (a combine worker that died mid-stream) stays allocated in the sender until the sender
+exits; an arena slot nobody released is taken back after ipc_pool.STALE_S.
 
 What it takes: both processes on one host with the same IPC namespace (the reference counters
-live in /dev/shm and CUDA IPC handles are opened through it) and the same PID namespace (the
-driver resolves the exporting process), and the receiver able to see the sender's GPU. The
-transport choice (services/transport/__init__.py) checks exactly that from the two Endpoints.
+and release files live in /dev/shm and CUDA IPC handles are opened through it) and the same PID
+namespace (the driver resolves the exporting process), and the receiver able to see the sender's
+GPU. The transport choice (services/transport/__init__.py) checks exactly that from the two Endpoints.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from hybridcache.services.runtime.packing import pack, padded
 from hybridcache.services.transport.base import TensorTransport, TransportError
 from hybridcache.services.transport.checksum import checksum_text, device_checksum_sums
+from hybridcache.services.transport.ipc_pool import ArenaMappings, ArenaPool, ReleaseFile
 
 
 def device_uuid(index: int) -> str:
@@ -108,15 +111,21 @@ def release_counter(block, index: int) -> None:
 
 class CudaIpcTransport(TensorTransport):
     """Exports whole entries as device blocks (write_entry); one instance per stream. `share` is
-    how a buffer is exported (the module's share: torch's CUDA IPC)."""
+    how a buffer is exported (the module's share: torch's CUDA IPC); `pool` the sender's arenas
+    (None: a fresh buffer exported per write); `receiver` the receiving process's id, whose
+    export of an arena is made once."""
 
     name = "cuda_ipc"
     packs_entries = True  # the codec hands it whole entries (write_entry)
 
-    def __init__(self, share=None):
+    def __init__(self, share=None, pool: ArenaPool | None = None, receiver: str = ""):
         self._share = share
+        self._pool = pool
+        self._receiver = receiver
         self._moved = 0
-        self.exports = 0  # blocks exported so far (each a range of a buffer packed for several)
+        self.exports = 0  # blocks exported in fresh buffers (each a range of a buffer packed for several)
+        self.slots = 0  # arena slots written
+        self.fallbacks = 0  # writes that did not fit the arena then (a fresh buffer each)
 
     def write(self, chunk, tensor: torch.Tensor) -> None:
         raise TransportError("cuda_ipc moves whole entries: the codec calls write_entry")
@@ -126,14 +135,13 @@ class CudaIpcTransport(TensorTransport):
         self.write_blocks([(block, tensors)], ready)
 
     def write_blocks(self, items, ready=None) -> None:
-        """Export several blocks from one buffer: `items` is [(DeviceBlock, tensors)]; the
-        tensors of all of them are packed back to back, each block an offset range of the buffer
-        with its own device checksum, and all checksums are read back with one synchronisation.
-        On CUDA this runs on a side stream that waits only for `ready` (a CUDA event recorded once
-        the tensors were computed): the builder's next batch, queued on the default stream
-        meanwhile, neither delays the export nor is waited for by its checksums. The sender may
-        drop everything afterwards: torch holds the buffer's allocation until every receiver of
-        its blocks released it."""
+        """Export several blocks from one slot of the arena (or one fresh buffer): `items` is
+        [(DeviceBlock, tensors)]; the tensors of all of them are packed back to back, each block
+        an offset range, with one device checksum for the slot (a fresh buffer: one per block),
+        read back with one synchronisation. On CUDA this runs on a side stream that waits only
+        for `ready` (a CUDA event recorded once the tensors were computed): the builder's next
+        batch, queued on the default stream meanwhile, neither delays the export nor is waited
+        for by its checksums. The sender may drop the tensors afterwards."""
         items = list(items)
         if not items:
             return
@@ -145,12 +153,18 @@ class CudaIpcTransport(TensorTransport):
                 for block, _ in items:
                     block.nbytes, block.checksum = 0, checksum_text((0, 0, 0))
                 return
-            buf = pack(tensors)
             ranges, off = [], 0
             for _, ts in items:
                 n = sum(padded(t.numel() * t.element_size()) for t in ts)
                 ranges.append((off, n))
                 off += n
+            arena = self._pool.arena(device, off) if self._pool is not None else None
+            slot = arena.take(off, self._pool.wait_s) if arena is not None else None
+            if slot is not None:
+                self._write_slot(arena, slot, items, tensors, ranges, share_fn)
+                return
+            self.fallbacks += arena is not None
+            buf = pack(tensors)
             sums = torch.stack([device_checksum_sums(buf[o:o + n]) for o, n in ranges]).tolist()
             for (block, _), (o, n), s in zip(items, ranges, sums):
                 # torch records the IPC event on the current (side) stream: after the pack
@@ -159,6 +173,23 @@ class CudaIpcTransport(TensorTransport):
                 block.checksum = checksum_text(s)
                 self._moved += n
         self.exports += len(items)
+
+    def _write_slot(self, arena, slot, items, tensors, ranges, share_fn) -> None:
+        """Pack into `slot` of `arena`, checksum the slot once, and fill each block with the
+        arena's export, the slot and the block's range in it."""
+        view = arena.buf[slot.offset: slot.offset + slot.nbytes]
+        pack(tensors, out=view)
+        checksum = checksum_text(device_checksum_sums(view).tolist())  # the bytes are written after this
+        export = arena.export(self._receiver, share_fn, type(items[0][0]))
+        for (block, _), (o, n) in zip(items, ranges):
+            block.CopyFrom(export)
+            block.tensor_offset, block.nbytes, block.checksum = o, n, ""
+            block.slot.arena, block.slot.owner = arena.id, arena.owner
+            block.slot.index, block.slot.generation = slot.index, slot.generation
+            block.slot.offset = export.tensor_offset + slot.offset
+            block.slot.nbytes, block.slot.checksum = slot.nbytes, checksum
+            self._moved += n
+        self.slots += 1
 
     def close(self) -> None:
         # blocks the receivers released wait in torch's IPC limbo until collected
@@ -227,6 +258,70 @@ class DeviceMappings:
 
 
 MAPPINGS = DeviceMappings()
+ARENAS = ArenaMappings()
+
+
+class SlotCopy:
+    """The receiver's copy of one arena slot (its blocks are views of it), the device checksum
+    sums of the copy (read back when an entry of it completes: `intact`), and the release of the
+    sender's slot once the copy is done."""
+
+    def __init__(self, slot, own: torch.Tensor, sums, event, releases: ReleaseFile, opened: bool):
+        self.slot = slot  # the ArenaSlot message it was received for
+        self.own, self.sums, self.event, self.releases, self.opened = own, sums, event, releases, opened
+        self.intact: bool | None = None
+        self.released = False
+
+    def matches(self, slot) -> bool:
+        return slot == self.slot
+
+    def release(self, wait: bool = False) -> bool:
+        """Release the sender's slot if the copy from it is done (with `wait`: once it is)."""
+        if self.released:
+            return True
+        if self.event is not None:
+            if wait:
+                self.event.synchronize()
+            elif not self.event.query():
+                return False
+        self.releases.release(self.slot.index, self.slot.generation)
+        self.released = True
+        return True
+
+
+def receive_slot(block, device) -> SlotCopy:
+    """A copy of the arena slot `block` lies in, in this process's memory on `device` (one
+    device-to-device copy, on the side stream, its checksum queued there too), the arena mapped
+    here the first time (ARENAS)."""
+    index = local_index(block.device_uuid)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    with _side_stream(dev if cuda else None, after_default=False):
+        src, releases, opened = ARENAS.slot(block, index, open_shared)
+        own = torch.empty(block.slot.nbytes, dtype=torch.uint8, device=dev)
+        own.copy_(src)
+        sums = device_checksum_sums(own)
+        del src
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+            own.record_stream(torch.cuda.default_stream(dev))
+    slot = type(block.slot)()
+    slot.CopyFrom(block.slot)
+    return SlotCopy(slot, own, sums, event, releases, opened)
+
+
+def check_slots(copies, device) -> bool:
+    """Do the slot copies match their slots' checksums? One read-back for those not checked yet."""
+    pending = [c for c in copies if c.intact is None]
+    if pending:
+        dev = torch.device(device)
+        with _side_stream(dev if dev.type == "cuda" else None, after_default=False):
+            got = torch.stack([c.sums for c in pending]).tolist()
+        for c, g in zip(pending, got):
+            c.intact = checksum_text(g) == c.slot.checksum
+    return all(c.intact for c in copies)
 
 
 def receive_block(block, device) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -328,9 +423,10 @@ def device_seal(header, parts) -> str:
     sealing key (services/security.py, as cache/entry.py seals entries on the host) over the
     entry's key and lengths and, per block in order (one for the whole entry, or one per layer of
     a layered entry), every tensor's (layer, name, dtype, shape, offset in the block) and the
-    block's size, offset in its buffer and device checksum. `parts`: [(specs, block)]. The bytes never reach the host,
-    so the HMAC covers their device checksums, which the receiver recomputes on its copies: only a
-    holder of the secret can make a seal the entry verifies against."""
+    block's size, offset in its buffer and device checksum, or in an arena slot its offset in
+    the slot and the slot's arena, use, place, size and device checksum. `parts`: [(specs, block)].
+    The bytes never reach the host, so the HMAC covers their device checksums, which the receiver
+    recomputes on its copies: only a holder of the secret can make a seal the entry verifies against."""
     import hashlib
     import hmac
 
@@ -342,6 +438,9 @@ def device_seal(header, parts) -> str:
         for layer, name, dtype, shape, offset in specs:
             h.update(f"|{layer}:{name}:{dtype}:{tuple(shape)}@{offset}".encode())
         h.update(f"|{block.nbytes}@{block.tensor_offset}:{block.checksum}".encode())
+        if block.HasField("slot"):
+            s = block.slot
+            h.update(f"|slot:{s.arena}:{s.owner}:{s.index}:{s.generation}:{s.nbytes}@{s.offset}:{s.checksum}".encode())
     return DEVICE_SEAL_PREFIX + h.hexdigest()
 
 

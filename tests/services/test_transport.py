@@ -289,7 +289,8 @@ class _Context:
 
 
 def test_scatter_worker_streams_cuda_ipc_entries_layer_by_layer(engine, fake_ipc, monkeypatch):
-    """Over cuda_ipc the scatter worker sends each layer of a batch as it is computed: the header,
+    """Over cuda_ipc without an arena (a fresh buffer exported per layer batch, also the path of a
+    write that does not fit the arena) the scatter worker sends each layer of a batch as it is computed: the header,
     then per layer one device block per segment (every segment's layer 0 before any layer 1), all
     of a layer ranges of one exported buffer, then the seal; the receiver maps each buffer once
     (one IPC open per layer of the build, not per segment and layer); the entries that arrive
@@ -298,7 +299,7 @@ def test_scatter_worker_streams_cuda_ipc_entries_layer_by_layer(engine, fake_ipc
     from hybridcache.services.scatter.worker import ScatterServicer
 
     shared, opened, released = fake_ipc
-    servicer = ScatterServicer(engine, max_batch_tokens=10_000)
+    servicer = ScatterServicer(engine, max_batch_tokens=10_000, arena_bytes=0)
     monkeypatch.setattr(servicer, "transport_for", lambda request: "cuda_ipc")
     rng = random.Random(11)
     segs = [[rng.randrange(5, 250) for _ in range(n)] for n in (30, 47, 52)]
@@ -401,7 +402,7 @@ def test_bandwidths_measured_at_start_up_reach_the_cost_model(engine, model_dir)
 
 
 def test_calls_built_in_one_batch_each_get_a_buffer_a_layer(engine, fake_ipc, monkeypatch):
-    """Two cuda_ipc Prefill calls whose segments the scatter worker builds in one batch: each call
+    """Two cuda_ipc Prefill calls (no arena) whose segments the scatter worker builds in one batch: each call
     gets its own exported buffer per layer holding its segments' blocks (a receiver maps only
     what it asked for), and both receive the entries built alone."""
     import threading
@@ -409,7 +410,7 @@ def test_calls_built_in_one_batch_each_get_a_buffer_a_layer(engine, fake_ipc, mo
     from hybridcache.services.scatter.worker import ScatterServicer
 
     shared, _, _ = fake_ipc
-    servicer = ScatterServicer(engine, max_batch_tokens=10_000)
+    servicer = ScatterServicer(engine, max_batch_tokens=10_000, arena_bytes=0)
     monkeypatch.setattr(servicer, "transport_for", lambda request: "cuda_ipc")
     gate, first, builds = threading.Event(), threading.Event(), []
     build = engine.build_entries

@@ -1,0 +1,286 @@
+"""The cuda_ipc arena (services/transport/ipc_pool.py) with the CUDA calls replaced by an
+in-process stand-in: sub-allocation, release through the release file, reuse across requests
+with no new IPC open, a sender's new arena, and corrupt or forged slots being misses."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from hybridcache.services.protocol import pb
+from hybridcache.services.transport import TransportError, cuda_ipc, ipc_pool
+from hybridcache.services.transport.codec import EntryAssembler, layer_tensors, read_entries
+from hybridcache.services.transport.ipc_pool import ArenaPool, ReleaseFile, SlotAllocator
+
+GPU_A = "GPU-aaaa"
+_HANDLES = itertools.count()
+
+
+@pytest.fixture
+def fake_ipc(monkeypatch):
+    """CUDA IPC as an in-process registry of CPU buffers (one handle per buffer; open returns the
+    buffer itself, the bytes a peer maps); counts opens and exports. Receiver mappings start empty."""
+    shared: dict[bytes, torch.Tensor] = {}
+    opened: list[bytes] = []
+    exports: list[bytes] = []
+
+    def share(buf, block):
+        base = buf if buf._base is None else buf._base
+        handle = next((h for h, t in shared.items() if t is base), None)
+        if handle is None:
+            handle = f"h{next(_HANDLES)}".encode()
+            shared[handle] = base
+        exports.append(handle)
+        block.device_uuid, block.handle, block.storage_bytes = GPU_A, handle, base.numel()
+        block.tensor_offset = buf.storage_offset() - base.storage_offset()
+
+    def open_shared(block, index):
+        opened.append(block.handle)
+        return shared[block.handle]
+
+    monkeypatch.setattr(cuda_ipc, "share", share)
+    monkeypatch.setattr(cuda_ipc, "open_shared", open_shared)
+    monkeypatch.setattr(cuda_ipc, "release_counter", lambda block, index: None)
+    monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: (GPU_A,))
+    monkeypatch.setattr(cuda_ipc, "MAPPINGS", cuda_ipc.DeviceMappings())
+    monkeypatch.setattr(cuda_ipc, "ARENAS", ipc_pool.ArenaMappings())
+    return shared, opened, exports
+
+
+class _Context:
+    def invocation_metadata(self):
+        return ()
+
+    def add_callback(self, fn):
+        return True
+
+
+@pytest.fixture
+def servicer(engine):
+    from hybridcache.services.scatter.worker import ScatterServicer
+
+    made = []
+
+    def make(arena_bytes=8 << 20):
+        s = ScatterServicer(engine, max_batch_tokens=10_000, arena_bytes=arena_bytes)
+        s.transport_for = lambda request: "cuda_ipc"
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        if s.arenas is not None:
+            s.arenas.close()
+
+
+def _segments(seed, lengths=(30, 47, 52)):
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 250) for _ in range(n)] for n in lengths]
+
+
+def _prefill(servicer, segs, receiver="combine-1"):
+    request = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=s) for i, s in enumerate(segs)])
+    request.receiver.process = receiver
+    return [pb.EntryChunk.FromString(c.SerializeToString()) for c in servicer.Prefill(request, _Context())]
+
+
+def _receive(chunks):
+    asm = EntryAssembler()
+    out = [r for c in chunks if (r := asm.feed(c)) is not None]
+    asm.close()
+    return out, asm
+
+
+def _same(got, want):
+    pairs = zip(layer_tensors(got.data), layer_tensors(want.data), strict=True)
+    return all((la, na) == (lb, nb) and torch.allclose(a, b, atol=1e-6) for (la, na, a), (lb, nb, b) in pairs)
+
+
+def test_slot_allocator_sub_allocates_releases_and_reclaims():
+    alloc = SlotAllocator(4096, n_slots=3, align=256, stale_s=10.0)
+    a = alloc.allocate(1000, now=0.0)
+    b = alloc.allocate(300, now=0.0)
+    assert (a.offset, b.offset) == (0, 1024) and a.generation != b.generation
+    assert alloc.allocate(5000, now=0.0) is None  # larger than the arena
+    c = alloc.allocate(2000, now=0.0)
+    assert c.offset == 1536 and alloc.held == 3
+    assert alloc.allocate(16, now=0.0) is None  # every slot index in use
+    released = {a.index: a.generation}
+    assert alloc.reap(lambda i: released.get(i, 0), now=1.0) == 1 and alloc.held == 2
+    d = alloc.allocate(900, now=1.0)
+    assert d.offset == 0 and d.index == a.index and d.generation > c.generation  # first fit, a new use
+    # an old release of that index (a's generation) does not free d
+    assert alloc.reap(lambda i: released.get(i, 0), now=2.0) == 0
+    assert alloc.allocate(2000, now=2.0) is None  # 512 bytes left at the end, 124 in the gap
+    # a slot nobody released is taken back after stale_s
+    assert alloc.reap(lambda i: 0, now=11.5) == 3 and alloc.held == 0 and alloc.reclaimed_stale == 3
+    assert alloc.allocate(4096, now=12.0).offset == 0
+
+
+def test_release_file_is_shared_through_dev_shm():
+    arena_id = "ab" * 16
+    mine = ReleaseFile(arena_id, 8, create=True)
+    try:
+        theirs = ReleaseFile(arena_id)  # the receiver's mapping of the same file
+        assert theirs.n_slots == 8 and mine.generation(3) == 0
+        theirs.release(3, 41)
+        theirs.release(99, 7)  # out of range: ignored
+        assert mine.generation(3) == 41
+        with pytest.raises(TransportError, match="already exists|File exists"):
+            ReleaseFile(arena_id, 8, create=True)
+    finally:
+        mine.unlink()
+    with pytest.raises(TransportError) as e:
+        ReleaseFile(arena_id)
+    assert e.value.unreachable
+    for bad in ("../etc", "AB" * 16, "ab" * 15):
+        with pytest.raises(TransportError, match="bad arena id"):
+            ReleaseFile(bad)
+
+
+def test_entries_through_the_arena_reuse_it_across_requests(engine, fake_ipc, servicer):
+    """One arena, exported once per receiver: every layer of a batch is one slot (one copy, one
+    checksum); the receiver maps the arena on the first request and opens nothing on the next
+    ones; the slots are released, so the later requests write to the same offsets; the entries
+    equal the ones built."""
+    shared, opened, exports = fake_ipc
+    scatter = servicer()
+    n_layers = engine.cfg.num_hidden_layers
+    offsets = []
+    for request in range(3):
+        segs = _segments(request)
+        chunks = _prefill(scatter, segs)
+        blocks = [c.layer_block.block for c in chunks if c.HasField("layer_block")]
+        assert len(blocks) == 3 * n_layers and all(b.HasField("slot") and not b.checksum for b in blocks)
+        assert len({(b.slot.index, b.slot.generation) for b in blocks}) == n_layers  # a slot a layer
+        offsets.append(sorted({b.slot.offset for b in blocks}))
+        out, asm = _receive(chunks)
+        assert [(i, err) for i, _, err in out] == [(0, ""), (1, ""), (2, "")]
+        assert asm.ipc_opens == (1 if request == 0 else 0) and asm.slots_received == n_layers
+        assert asm.device_blocks == 3 * n_layers
+        for (_, got, _), want in zip(out, engine.build_entries(segs)):
+            assert got.key == want.key and _same(got, want)
+        # every slot released once copied and checked: the arena holds nothing between requests
+        assert scatter.arenas._arenas[torch.device("cpu")].idle()
+    assert len(shared) == 1 and len(opened) == 1 and len(exports) == 1 and cuda_ipc.ARENAS.opened == 1
+    assert offsets[0] == offsets[1] == offsets[2]  # the released slots are written again
+    # the receiver's copies are its own: the sender overwriting its arena changes nothing received
+    got = out[0][1]
+    before = got.data.linear[0].S.clone()
+    next(iter(shared.values())).zero_()
+    assert torch.equal(got.data.linear[0].S, before)
+    # another receiving process gets its own export of the same arena (no new buffer)
+    assert [err for _, _, err in _receive(_prefill(scatter, _segments(7), receiver="combine-2"))[0]] == [""] * 3
+    assert len(shared) == 1 and len(exports) == 2
+
+
+def test_a_restarted_sender_arena_is_mapped_anew(engine, fake_ipc, servicer):
+    """A new arena (a sender that restarted, or grew its arena) is another id: the receiver maps
+    it once and drops its mapping of the sender's old one; entries from both are right."""
+    shared, opened, _ = fake_ipc
+    first = servicer()
+    assert [e for _, _, e in _receive(_prefill(first, _segments(1)))[0]] == [""] * 3
+    owner = first.endpoint.process
+    old = cuda_ipc.ARENAS.mapped()[owner]
+    first.arenas.close()
+    first.arenas = ArenaPool(8 << 20, owner=owner)  # the same process id, a new arena
+    segs = _segments(2)
+    out, asm = _receive(_prefill(first, segs))
+    assert [e for _, _, e in out] == [""] * 3 and asm.ipc_opens == 1 and len(opened) == 2
+    assert cuda_ipc.ARENAS.mapped()[owner] not in ("", old)
+    assert all(_same(got, want) for (_, got, _), want in zip(out, engine.build_entries(segs)))
+    # a new process (another id) is one more sender
+    second = servicer()
+    second.arenas.close()
+    second.arenas = ArenaPool(8 << 20, owner="another-process")
+    assert _receive(_prefill(second, _segments(3)))[1].ipc_opens == 1 and len(cuda_ipc.ARENAS.mapped()) == 2
+
+
+def test_a_write_larger_than_free_arena_space_takes_a_fresh_buffer(engine, fake_ipc, servicer):
+    """A layer batch that does not fit the arena now (slots still held) goes out in a fresh
+    exported buffer, as without an arena; an idle arena too small for a write is replaced by a
+    larger one."""
+    from hybridcache.services.transport import get_transport
+
+    scatter = servicer(arena_bytes=4096)
+    arena = scatter.arenas.arena(torch.device("cpu"), 16)
+    held = arena.take(4096)
+    chunks = _prefill(scatter, _segments(4))
+    blocks = [c.layer_block.block for c in chunks if c.HasField("layer_block")]
+    assert not any(b.HasField("slot") for b in blocks) and all(b.checksum for b in blocks)
+    assert [e for _, _, e in _receive(chunks)[0]] == [""] * 3
+    arena.releases.release(held.index, held.generation)
+    transport = get_transport("cuda_ipc", pool=scatter.arenas, receiver="r")
+    block = pb.DeviceBlock()
+    transport.write_entry(block, [torch.ones(3000)])  # 12,000 bytes: more than the arena holds
+    assert block.HasField("slot") and transport.slots == 1 and scatter.arenas.created == 2
+    assert scatter.arenas.arena(torch.device("cpu"), 16).capacity >= 12_000
+
+
+def _forge(chunks, edit):
+    out = [pb.EntryChunk.FromString(c.SerializeToString()) for c in chunks]
+    edit(out)
+    return out
+
+
+def _first_block(chunks, segment=0, layer=None):
+    return next(c.layer_block.block for c in chunks if c.HasField("layer_block") and c.segment_index == segment
+                and (layer is None or c.layer_block.layer == layer))
+
+
+def test_corrupt_or_forged_slots_are_misses(engine, fake_ipc, servicer):
+    shared, _, _ = fake_ipc
+    scatter = servicer()
+    chunks = _prefill(scatter, _segments(5))
+    assert [e for _, _, e in _receive(chunks)[0]] == [""] * 3
+
+    def errors(bad, segment=0):
+        out, _ = _receive(bad)
+        assert all(entry is None for i, entry, _ in out if i == segment)
+        return next(err for i, _, err in out if i == segment)
+
+    # the arena's bytes changed after the sender's checksum: the whole slot's entries are misses
+    (arena_buf,) = shared.values()
+    slot = _first_block(chunks).slot
+    arena_buf[slot.offset + 5] ^= 1
+    out, _ = _receive(chunks)
+    assert all(e is None and "checksum mismatch" in err for _, e, err in out)
+    arena_buf[slot.offset + 5] ^= 1
+    linear = engine.cfg.linear_layers[0]
+
+    def moved_block(c):  # segment 0's block pointed at segment 1's range (same size) of the slot
+        a, b = _first_block(c, 0, linear), _first_block(c, 1, linear)
+        assert a.nbytes == b.nbytes
+        a.tensor_offset = b.tensor_offset
+
+    assert "seal does not verify" in errors(_forge(chunks, moved_block))
+    # another checksum claimed for the slot: by its first block, which the copy is checked against,
+    # or by a later one, which then disagrees with the first
+    for segment, error in ((0, "checksum mismatch"), (1, "describe it differently")):
+        assert error in errors(_forge(chunks, lambda c, segment=segment: setattr(
+            _first_block(c, segment, linear).slot, "checksum", "blk64:1:2:3")), segment)
+
+    def all_checksums(c):
+        for m in c:
+            if m.HasField("layer_block"):
+                m.layer_block.block.slot.checksum = "blk64:1:2:3"
+    assert "checksum mismatch" in errors(_forge(chunks, all_checksums))
+    # a slot outside the arena, a block outside its slot, a slot index the arena does not have
+    assert "outside its arena" in errors(_forge(chunks, lambda c: setattr(_first_block(c).slot, "offset", 1 << 40)))
+    assert "outside its arena slot" in errors(_forge(chunks, lambda c: setattr(
+        _first_block(c), "tensor_offset", 1 << 40)))
+    assert "is not one of the arena's" in errors(_forge(chunks, lambda c: setattr(
+        _first_block(c).slot, "index", 1 << 20)))
+    # a forged seal, and an arena id no sender made (no release file: unreachable, counted apart)
+    assert "seal does not verify" in errors(_forge(chunks, lambda c: setattr(
+        next(m for m in c if m.HasField("seal")).seal, "checksum", "hmac-sha256-dev:" + "1" * 64)))
+    cuda_ipc.ARENAS.clear()
+    bad = _forge(chunks, lambda c: [setattr(m.layer_block.block.slot, "arena", "f" * 32)
+                                    for m in c if m.HasField("layer_block")])
+    out, asm = _receive(bad)
+    assert all(e is None for _, e, _ in out) and asm.device_errors >= 1 and "release file" in asm.last_device_error
+    # the untouched stream still arrives whole
+    out = list(read_entries(chunks))
+    assert [e for _, _, e in out] == [""] * 3
