@@ -299,7 +299,8 @@ def up(args) -> int:
     try:
         cluster.start()
     except RuntimeError as e:
-        print(f"hybridcache: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        # with the failed service's last log lines: they say why (a missing package, a CUDA error)
+        print(f"hybridcache: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps({"ready": True, "http": cluster.url, "services": [
         {"role": s.role, "grpc": s.grpc, "http": s.http, "pid": s.proc.pid} for s in cluster.services]}), flush=True)

@@ -67,6 +67,19 @@ def test_up_and_serve_reject_bad_flags_in_one_line(tmp_path, model_dir):
         assert r.stderr.startswith("hybridcache: error:") and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_up_says_why_a_service_did_not_start(tmp_path, model_dir):
+    """A service that dies at start-up (here every service: a package they import is broken) makes
+    `up` exit 1 with that service's last log lines, not only the path of a log."""
+    (tmp_path / "orjson.py").write_text("raise ImportError('orjson is broken in this test')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "hybridcache.services.cli", "up", "--model", str(model_dir),
+                        "--port", str(free_port()), "--scatter-workers", "0", "--ready-timeout-s", "120"],
+                       capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 1, r.stderr
+    assert "did not become ready" in r.stderr
+    assert "ImportError: orjson is broken in this test" in r.stderr
+
+
 def test_up_forwards_the_cache_policies_to_its_services(model_dir):
     """`hybridcache up --prefix-policy ... --entry-policy ...`: the combine worker's engine runs them
     (the request's stats name the prefix policy) and a bad value is one error line before anything starts."""
