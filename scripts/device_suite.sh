@@ -146,7 +146,7 @@ for stage in "$@"; do
                   --repeats 2)
             name=streams
         else
-            args=(--scenario rag --modes "$modes" --rates 0.25,0.5,1,2,4,8,16 --rag-requests 16 --warmup-requests 4
+            args=(--scenario rag --modes "$modes" --rates 0.5,1,2,4,8,16 --rag-requests 12 --warmup-requests 4
                   --docs 64 --doc-tokens 1024 --docs-per-request 4,32 --question-tokens 64 --rag-max-tokens 16
                   --slo-ttft-s 1.0)
             name=rag_${modes//,/_}
