@@ -134,10 +134,12 @@ class Assembler:
     """Collects a checkpoint's tensors under the runtime's names: per-expert tensors are stacked
     into the fused expert tensors, q/k/v conv parts concatenated (by `finish`).
 
-    `source[name]` is the hub name a runtime tensor came from (the first, for fused ones)."""
+    `source[name]` is the hub name a runtime tensor came from (the first, for fused ones). `stack`
+    and `cat` fuse them (torch's, or those of tensors not read yet: tensor_parallel/slices.py)."""
 
-    def __init__(self, model_type: str):
+    def __init__(self, model_type: str, stack: Callable = torch.stack, cat: Callable = torch.cat):
         self.model_type = model_type
+        self._stack, self._cat = stack, cat
         self.tensors: dict[str, torch.Tensor] = {}
         self.source: dict[str, str] = {}
         self._experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
@@ -169,15 +171,15 @@ class Assembler:
             incomplete = [e for e in range(n) if set(per_expert.get(e, {})) != {"gate", "up", "down"}]
             if incomplete:
                 raise ValueError(f"checkpoint is missing tensors of expert(s) {incomplete[:5]} under {prefix}")
-            self.tensors[f"{prefix}.gate_up_proj"] = torch.stack(
-                [torch.cat([per_expert[e]["gate"], per_expert[e]["up"]], 0) for e in range(n)]
+            self.tensors[f"{prefix}.gate_up_proj"] = self._stack(
+                [self._cat([per_expert[e]["gate"], per_expert[e]["up"]], 0) for e in range(n)]
             )
-            self.tensors[f"{prefix}.down_proj"] = torch.stack([per_expert[e]["down"] for e in range(n)])
+            self.tensors[f"{prefix}.down_proj"] = self._stack([per_expert[e]["down"] for e in range(n)])
         for prefix, parts in self._conv.items():
             if set(parts) != {"q", "k", "v"}:
                 lacking = sorted({"q", "k", "v"} - set(parts))
                 raise ValueError(f"checkpoint is missing {prefix}.{lacking[0]}_conv1d.weight")
-            self.tensors[f"{prefix}.conv1d.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]], 0)
+            self.tensors[f"{prefix}.conv1d.weight"] = self._cat([parts["q"], parts["k"], parts["v"]], 0)
         self._experts, self._conv = {}, {}
         return self.tensors
 

@@ -17,6 +17,8 @@ from hybridcache.services.runtime.config import ModelConfig, ModelConfigError
 from hybridcache.services.runtime.hub_names import Assembler
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.models.registry import build_model, config_from_dir
+from hybridcache.services.runtime.tensor_parallel import slices
+from hybridcache.services.runtime.tensor_parallel.slices import Reads, Source
 from safetensors import safe_open
 
 
@@ -39,12 +41,22 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def read_checkpoint(path: Path, model_type: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_checkpoint(path: Path, model_type: str, lazy: Reads | None = None
+                    ) -> tuple[dict[str, torch.Tensor | Source], dict[str, str]]:
     """All tensors of the checkpoint the text model uses, under the runtime's names (hub_names),
-    and for each the checkpoint name it came from."""
-    assembler = Assembler(model_type)
+    and for each the checkpoint name it came from. With `lazy` (counting the bytes read), none is
+    read: each is a Source (tensor_parallel/slices.py) to read the slices of."""
+    if lazy is not None:
+        assembler = Assembler(model_type, stack=slices.stack, cat=slices.cat)
+    else:
+        assembler = Assembler(model_type)
     for f in _checkpoint_files(path):
         try:
+            if lazy is not None:
+                sf = slices.SafetensorsFile(f, lazy)
+                for raw in sf.names():
+                    assembler.add(raw, lambda raw=raw, sf=sf: slices.Leaf(sf, raw))
+                continue
             handle = safe_open(str(f), framework="pt")
         except Exception as e:  # safetensors raises its own error types
             raise ModelLoadError(f"cannot read {f.name}: {e}") from None
@@ -74,15 +86,19 @@ def _check_names(path: Path, model_type: str, expected: dict, tensors: dict, sou
     )
 
 
-def model_fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> str:
-    """A stable id of the weights: config plus every tensor's name, shape, dtype and a strided sample."""
+def model_fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor | Source]) -> str:
+    """A stable id of the weights: config plus every tensor's name, shape, dtype and a strided
+    sample (of a Source, only the sampled elements are read: the same id)."""
     h = hashlib.sha256(json.dumps(cfg.raw, sort_keys=True, default=str).encode())
     for name in sorted(tensors):
         t = tensors[name]
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        flat = t.reshape(-1)
-        step = max(1, flat.numel() // 256)
-        h.update(flat[::step][:256].float().numpy().tobytes())
+        if isinstance(t, Source):
+            sample = t.sample(256)
+        else:
+            flat = t.reshape(-1)
+            sample = flat[::max(1, flat.numel() // 256)][:256].float()
+        h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -90,7 +106,8 @@ def load_model(
     path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, tp_rank: int = 0, tp_size: int = 1
 ) -> HybridLM:
     """The model in `path` on `device`; with tp_size > 1 rank tp_rank's shard of it
-    (tensor_parallel/shard.py: split on the host, then moved to the device)."""
+    (tensor_parallel/shard.py), of which only the rank's slices of each weight are read from the
+    checkpoint (tensor_parallel/slices.py; `checkpoint_bytes_read` on the model says how much)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
@@ -98,7 +115,8 @@ def load_model(
         cfg = config_from_dir(path)
     except ModelConfigError as e:
         raise ModelLoadError(str(e)) from None
-    tensors, source = read_checkpoint(path, cfg.model_type)
+    reads = Reads()
+    tensors, source = read_checkpoint(path, cfg.model_type, reads if tp_size > 1 else None)
     with torch.device("meta"):
         model = build_model(cfg)
     expected = dict(model.state_dict())
@@ -116,20 +134,24 @@ def load_model(
             )
     fingerprint = model_fingerprint(cfg, tensors)
     if tp_size > 1:
-        from hybridcache.services.runtime.tensor_parallel.shard import shard_model
+        from hybridcache.services.runtime.tensor_parallel.shard import install_sources, read_rest, shard_model
 
-        # The checkpoint's tensors become the model's own (no second copy on the host); the rank's
-        # slices are cut from them, the rest is freed, and only the slices go to the device.
+        # The meta model holds the checkpoint's tensors unread; the split reads the rank's slices
+        # of each, then what no split took is read whole; only the rank's tensors go to the device.
         model = model.to(dtype)
-        model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True, assign=True)
+        install_sources(model, {k: v.to(dtype) for k, v in tensors.items()})
         del tensors
         try:
-            model = shard_model(model.eval(), tp_rank, tp_size).to(device)
+            model = shard_model(model.eval(), tp_rank, tp_size)
         except ModelConfigError as e:
             raise ModelLoadError(str(e)) from None
+        read_rest(model)
+        model = model.to(device)
     else:
         model = model.to_empty(device=device).to(dtype)
         model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+        reads.bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors.values()}.values())
+    model.checkpoint_bytes_read = reads.bytes
     model.eval()
     if hasattr(model, "merge_projections"):
         model.merge_projections()  # one GEMM per group of projections that read the same input

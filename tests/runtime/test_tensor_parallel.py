@@ -3,7 +3,8 @@
 TP = 2 `full` logits equal TP = 1 for every family (tiny random models); in pic, TP = 2 entries
 are built per rank, reused after another prefix, and warm equals cold equals TP = 1; the
 scheduler's batched decode runs over the ranks; the handles that name per-rank objects across the
-ranks refuse what would carry rank 0's slice to the others.
+ranks refuse what would carry rank 0's slice to the others. Each rank reads only its slices of the
+checkpoint: about half of it at TP = 2, the same weights as a whole load split afterwards.
 """
 
 import functools
@@ -100,6 +101,22 @@ def test_an_error_on_every_rank_reaches_the_caller_and_the_group_goes_on(group):
         model.forward_layout(model.empty_state(), [LiveRun(torch.arange(4), 5)])
     logits, _ = model.forward_layout(model.empty_state(), [LiveRun(torch.arange(4), 0)])
     assert logits.shape == (320,)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_rank_reads_only_its_slices_of_the_checkpoint(arch, dirs):
+    """Rank r's load reads ~1/2 of the checkpoint's bytes (what stays whole on every rank: norms,
+    routers, MLA's latents, is little) and holds exactly the weights of a whole load split after."""
+    whole = load_model(dirs[arch])
+    for rank in range(SIZE):
+        part = load_model(dirs[arch], tp_rank=rank, tp_size=SIZE)
+        assert part.fingerprint == whole.fingerprint  # sampled from the file, the same id
+        ratio = part.checkpoint_bytes_read / whole.checkpoint_bytes_read
+        assert 1 / SIZE <= ratio < 1 / SIZE + 0.05, ratio
+        ref = shard_model(load_model(dirs[arch]), rank, SIZE).state_dict()
+        got = part.state_dict()
+        assert got.keys() == ref.keys()
+        assert all(torch.equal(got[k], ref[k]) for k in ref)
 
 
 def test_split_must_divide_heads(dirs):

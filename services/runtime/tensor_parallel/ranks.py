@@ -554,14 +554,8 @@ def build_engine(path: str, config, rank: int, size: int):
     # in which the ranks' broadcast calls meet
     config = dataclasses.replace(config, tensor_parallel_size=size, cuda_graphs=config.cuda_graphs and size == 1)
     grouped = dist.is_initialized() and dist.get_world_size() > 1
-    # Ranks load one after another: each reads the whole checkpoint on the host before it keeps its
-    # slices, so the host holds one checkpoint at a time, not one per rank.
-    model = None
-    for turn in range(size if grouped else 1):
-        if turn == rank or not grouped:
-            model = load_model(path, config.device, config.torch_dtype, tp_rank=rank, tp_size=size)
-        if grouped:
-            dist.barrier(group=_CPU_GROUP)
+    # every rank at once: each reads only its slices of the checkpoint (loader.load_model)
+    model = load_model(path, config.device, config.torch_dtype, tp_rank=rank, tp_size=size)
     config = with_cache_budgets(config, model.device)
     if grouped:
         budgets = torch.tensor([config.entry_cache_bytes, config.prefix_cache_bytes], dtype=torch.int64)

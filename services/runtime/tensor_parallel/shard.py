@@ -11,7 +11,9 @@ replicated (rank r holds key head r // (ranks / heads)), as vLLM does for GQA.
 
 A sharded module keeps its own math: only its head counts shrink, so its states, entries and K/V
 hold the rank's heads. shard_model(model, rank, size) mutates the model in place (before
-merge_projections, so the merged GEMMs are of the sharded weights).
+merge_projections, so the merged GEMMs are of the sharded weights). Its weights are tensors, or
+checkpoint tensors not read yet (slices.Source, as the loader installs them): of those, each split
+reads only the rank's rows or columns, and read_rest reads what no split took, whole.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from hybridcache.services.runtime.tensor_parallel.layers import (
     VocabParallelEmbedding,
     reduce_output,
 )
+from hybridcache.services.runtime.tensor_parallel.slices import Source
+from hybridcache.services.runtime.tensor_parallel.slices import cat as _cat
 from torch import nn
 
 
@@ -49,7 +53,8 @@ class Split:
 
 def take(t: torch.Tensor, sections: list[tuple[int, Split]], dim: int = 0) -> torch.Tensor:
     """Along `dim`, t is sections of (rows, split): `rows` rows made of split.total equal units;
-    keep each section's units of this rank, in order (a new contiguous tensor)."""
+    keep each section's units of this rank, in order (a new contiguous tensor; of a Source only
+    those are read)."""
     if sum(rows for rows, _ in sections) != t.shape[dim]:
         raise ValueError(f"sections of {sum(r for r, _ in sections)} rows for a dim of {t.shape[dim]}")
     parts, off = [], 0
@@ -57,12 +62,23 @@ def take(t: torch.Tensor, sections: list[tuple[int, Split]], dim: int = 0) -> to
         unit = rows // sp.total
         parts.append(t.narrow(dim, off + sp.start * unit, sp.count * unit))
         off += rows
+    if isinstance(t, Source):
+        return _cat(parts, dim).read().contiguous()
     return torch.cat(parts, dim=dim).contiguous()
+
+
+def whole(t):
+    """t read whole (a Source), or t (a tensor)."""
+    return t.read() if isinstance(t, Source) else t
 
 
 def _param(module: nn.Module, name: str, value: torch.Tensor) -> None:
     old = getattr(module, name)
-    if isinstance(old, nn.Parameter):
+    is_param = isinstance(old, nn.Parameter)
+    if isinstance(old, Source):
+        delattr(module, name)
+        is_param = old.is_param
+    if is_param:
         setattr(module, name, nn.Parameter(value, requires_grad=False))
     else:
         module.register_buffer(name, value)
@@ -78,7 +94,7 @@ def column(linear: nn.Linear, sections: list[tuple[int, Split]]) -> None:
 
 def row(linear: nn.Linear, sections: list[tuple[int, Split]]) -> RowParallelLinear:
     """The row-parallel form of `linear`: the rank's input columns, summed over ranks."""
-    bias = None if linear.bias is None else linear.bias.data
+    bias = None if linear.bias is None else whole(linear.bias.data)
     return RowParallelLinear(take(linear.weight.data, sections, 1), bias)
 
 
@@ -341,6 +357,26 @@ def shard_model(model: nn.Module, rank: int, size: int) -> nn.Module:
     shard_vocab(model, rank, size)
     model.tp_rank, model.tp_size = rank, size
     return model
+
+
+def install_sources(model: nn.Module, sources: dict[str, Source]) -> None:
+    """Put each checkpoint tensor not read yet in the place of the (meta) tensor it loads, as a
+    plain attribute that remembers whether it is a parameter or a buffer."""
+    for name, src in sources.items():
+        path, _, attr = name.rpartition(".")
+        module = model.get_submodule(path)
+        src.is_param = attr in module._parameters
+        (module._parameters if src.is_param else module._buffers).pop(attr, None)
+        setattr(module, attr, src)
+
+
+def read_rest(model: nn.Module) -> None:
+    """Read whole every Source no split took (norms, routers, shared latents), as the parameter
+    or buffer it stands for."""
+    for module in model.modules():
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, Source):
+                _param(module, attr, value.read())
 
 
 def _is_mixer(m: nn.Module) -> bool:
