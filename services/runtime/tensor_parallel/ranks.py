@@ -573,12 +573,23 @@ def build_engines(named: dict, rank: int, size: int):
 
 
 
+def check_split(path: str, size: int) -> None:
+    """ModelConfigError when `size` does not divide a head count of the model in `path`: the split
+    of a meta model (no weights read), before any rank starts and loads."""
+    from hybridcache.services.runtime.models.registry import build_model, config_from_dir
+    from hybridcache.services.runtime.tensor_parallel.shard import shard_model
+
+    with torch.device("meta"):
+        shard_model(build_model(config_from_dir(path)), 0, size)
+
+
 def open_engine(path: str, config):
     """The engine a worker serves with: an Engine for tensor_parallel_size 1, else the Remote of
     rank 0's Engine in a started group (its `.group` shuts the followers down)."""
     size = config.tensor_parallel_size
     if size == 1:
         return build_engine(path, config, 0, 1)
+    check_split(str(path), size)
     group = start(size, functools.partial(build_engine, str(path), config), ENGINE_SURFACE, config.device)
     atexit.register(group.shutdown)  # a command that returns without shutting it down
     return group.target
