@@ -11,15 +11,20 @@ made on the GPU and written once to --model. A request is --segments documents o
 - pic: `hybridcache up --device cuda --scatter-workers 0`: R as the first request after start-up
   (all cold, built by the combine worker), then the W_k.
 - scatter: the same with one scatter worker on the same GPU: R first, then a second cold request
-  (new documents); entries move scatter -> combine over the transport the two pick (CUDA IPC).
+  (new documents). The combine worker sees that the scatter worker's GPU is its own and builds
+  the cold segments itself (stats: built_here_same_gpu).
+- scatter_ipc: as scatter with `--scatter-same-gpu on`: the cold segments are built by the scatter
+  worker all the same, and its entries move scatter -> combine over the transport the two pick
+  (CUDA IPC, through the scatter worker's arena: the second request opens no IPC handle).
 - prefix: the stack in mode prefix: R, then the W_k.
 
 Every served TTFT is the client's: from sending the request to the first streamed token. Figures:
 served_warm_ttft_vs_in_process (median W_k served / in-process), served_pic_ttft_speedup_vs_prefix_32x1k
 (W_k, prefix stack / pic stack), cold_pic_ttft_vs_full_32x1k (R on the pic stack / full on R
 in-process), cold_pic_ttft_vs_full_32x1k_with_scatter, cold_pic_ttft_with_scatter_vs_without,
-scatter_to_combine_gb_per_s (the scatter stack's cold requests: bytes / seconds the combine
-worker spent receiving them, as its stats report), and the transport it took.
+scatter_to_combine_gb_per_s (the cold requests of the scatter_ipc stack, else of the scatter
+stack: bytes / seconds the combine worker spent receiving them, as its stats report), the
+transport it took and the IPC opens of each of those requests.
 
     python benchmarks/served_gpu.py --out served_gpu.json
     python benchmarks/served_gpu.py --phases prefix --merge served_gpu.json --out served_gpu_2.json
@@ -51,7 +56,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("inproc", "pic", "scatter", "prefix")
+PHASES = ("inproc", "pic", "scatter", "scatter_ipc", "prefix")
 SYSTEM_TOKENS = 16
 
 
@@ -116,7 +121,7 @@ def send(url: str, native: dict, timeout_s: float) -> dict:
 def _stats(st: dict) -> dict:
     keep = ("ttft_ms", "engine_ttft_ms", "router_ms", "combine_ms", "built_tokens", "reused_segments",
             "scatter_bytes", "scatter_seconds", "scatter_path", "scatter_blocks", "scatter_ipc_opens", "tier_bytes",
-            "prompt_tokens")
+            "built_here_same_gpu", "prompt_tokens")
     return {k: st[k] for k in keep if k in st}
 
 
@@ -189,11 +194,11 @@ def inproc_phase(args, work: Workload, model: Path) -> dict:
 class Stack:
     """`hybridcache up` as a child process until stop() (SIGTERM)."""
 
-    def __init__(self, args, model: Path, scatter: int, mode: str):
+    def __init__(self, args, model: Path, scatter: int, mode: str, extra: tuple[str, ...] = ()):
         cmd = [sys.executable, "-m", "hybridcache.services.cli", "up", "--model", str(model),
                "--port", str(_free_port()), "--device", args.device, "--dtype", args.dtype,
                "--scatter-workers", str(scatter), "--mode", mode, "--ready-timeout-s", str(args.ready_timeout_s),
-               *shlex.split(args.up_args)]
+               *extra, *shlex.split(args.up_args)]
         self.cmd = cmd
         env = dict(os.environ, PYTHONSAFEPATH="1")
         t0 = time.perf_counter()
@@ -223,8 +228,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def stack_phase(args, work: Workload, model: Path, scatter: int, mode: str) -> dict:
-    stack = Stack(args, model, scatter, mode)
+def stack_phase(args, work: Workload, model: Path, scatter: int, mode: str, extra: tuple[str, ...] = ()) -> dict:
+    stack = Stack(args, model, scatter, mode, extra)
     try:
         out = {"start_s": stack.start_s, "cold": send(stack.url, work.cold, args.timeout_s)}
         if scatter:
@@ -245,7 +250,7 @@ def _ratio(a, b):
 
 
 def figures(res: dict) -> dict:
-    inproc, pic, sc, prefix = (res.get(p) for p in PHASES)
+    inproc, pic, sc, sc_ipc, prefix = (res.get(p) for p in PHASES)
     warm_served = _median([r["ttft_ms"] for r in pic["warm"]]) if pic else None
     warm_inproc = _median(inproc["warm_pic_ms"]) if inproc else None
     full = _median(inproc["full_ms"]) if inproc else None
@@ -265,11 +270,16 @@ def figures(res: dict) -> dict:
         "served_cold_pic_ttft_ms_with_scatter": cold_scatter,
         "inproc_full_ttft_ms": full,
     }
-    if sc:
-        moves = [r["stats"] for r in (sc["cold"], sc["cold2"]) if r["stats"].get("scatter_seconds")]
+    moving = sc_ipc or sc
+    if moving:
+        moves = [r["stats"] for r in (moving["cold"], moving["cold2"]) if r["stats"].get("scatter_seconds")]
         rates = [m["scatter_bytes"] / m["scatter_seconds"] / 1e9 for m in moves]
         out["scatter_to_combine_gb_per_s"] = float(f"{_median(rates):.4g}") if rates else None
         out["scatter_to_combine_transport"] = moves[0].get("scatter_path", "") if moves else ""
+        out["scatter_to_combine_ipc_opens"] = [m.get("scatter_ipc_opens") for m in moves] or None
+    if sc_ipc:
+        out["cold_pic_ttft_ms_with_scatter_moving_entries"] = sc_ipc["cold"]["ttft_ms"]
+        out["cold_pic_ttft_with_scatter_moving_entries_vs_without"] = _ratio(sc_ipc["cold"]["ttft_ms"], cold_pic)
     # where a warm request's time outside the engine goes, as its stats split it
     need = ("router_ms", "combine_ms", "engine_ttft_ms")
     st = [(r["ttft_ms"], r["stats"]) for r in (pic or {}).get("warm", ()) if all(k in r.get("stats", {}) for k in need)]
@@ -336,6 +346,7 @@ def main(argv=None) -> int:
     runs = {"inproc": lambda: inproc_phase(args, work, model),
             "pic": lambda: stack_phase(args, work, model, 0, "pic"),
             "scatter": lambda: stack_phase(args, work, model, 1, "pic"),
+            "scatter_ipc": lambda: stack_phase(args, work, model, 1, "pic", ("--scatter-same-gpu", "on")),
             "prefix": lambda: stack_phase(args, work, model, 0, "prefix")}
 
     def result():

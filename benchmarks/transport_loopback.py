@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -131,6 +132,7 @@ def cuda_ipc_loopback(entries: int = 32, requests: int = 5, arena_mib: int = 512
     per request: bytes, receive seconds (the assembler's), wall seconds, IPC opens, slots."""
     import torch.multiprocessing as mp
     from hybridcache.services.protocol import pb
+    from hybridcache.services.transport import cuda_ipc
     from hybridcache.services.transport.codec import EntryAssembler
 
     torch.cuda.init()
@@ -164,6 +166,11 @@ def cuda_ipc_loopback(entries: int = 32, requests: int = 5, arena_mib: int = 512
                 verified.append(all(_same_entry(got[i], ipc_entry(r * 1000 + i, "cuda")) for i in range(entries)))
             del got, asm
         sender = here.recv()
+        # unmap the sender's memory before it exits
+        cuda_ipc.ARENAS.clear()
+        cuda_ipc.MAPPINGS.clear()
+        gc.collect()
+        torch.cuda.synchronize()
         here.send("bye")
     finally:
         proc.join(60)

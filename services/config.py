@@ -191,6 +191,10 @@ class RuntimeConfig:
         512 << 20, "scatter: bytes of the device buffer (one per GPU, kept for the worker's life) that entries "
         "sent over CUDA IPC are written into; a combine worker maps it once, so requests open no IPC handle; "
         "a write larger than it grows it; 0: a fresh buffer exported per layer batch", roles=("scatter",))
+    scatter_same_gpu: bool = setting(
+        False, "combine: send cold segments to a scatter worker on this worker's own GPU too (default: build "
+        "them here: on one GPU the scatter worker's build contends with this worker's and its entries still have "
+        "to move)", roles=("combine",))
     entry_batch_tokens: int = setting(16384, "padded tokens per batched standalone prefill of cold segments")
     verify_checksums: bool = setting(False, "re-hash every segment entry on every read of the entry cache")
     prefix_policy: str = setting("exact_replay", "how prefix pages keep the linear layers' state", choices=POLICIES)

@@ -62,6 +62,7 @@ def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]],
         log.warning("scatter worker %s failed mid-request (%s); %d of %d entries arrived",
                     address, e.code(), len(got), len(segments))
     finally:
+        asm.close()  # the sender's arena slots still held are released
         channel.close()
     metrics.BYTES_MOVED.labels(path=asm.transport or req.transport).inc(asm.bytes_received)
     return got, asm
@@ -91,6 +92,8 @@ class CombineServicer(rpc.CombineServicer):
         self.prefill_tps = 0.0
         self.device = engine.model.device
         self.endpoint = local_endpoint(self.device)
+        self._peers: dict[str, Endpoint | None] = {}  # scatter worker -> its Endpoint (Describe)
+        self.scatter_same_gpu = engine.config.scatter_same_gpu
         self._no_device_path: set[str] = set()  # scatter workers whose CUDA IPC blocks could not be opened here
         self.transport_bandwidth = measure_bandwidths(self.device)
 
@@ -136,6 +139,31 @@ class CombineServicer(rpc.CombineServicer):
         if address in self._no_device_path:
             return replace(self.endpoint, gpus=())
         return self.endpoint
+
+    def scatter_endpoint(self, address: str) -> Endpoint | None:
+        """The Endpoint of the scatter worker at `address` (its Describe, asked once; None while
+        it cannot be asked)."""
+        if address in self._peers:
+            return self._peers[address]
+        channel = internal_channel(address)
+        try:
+            endpoint = Endpoint.from_pb(rpc.ScatterStub(channel).Describe(pb.InfoRequest(), timeout=2.0))
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                return None  # asked again next time
+            endpoint = None
+        finally:
+            channel.close()
+        self._peers[address] = endpoint
+        return endpoint
+
+    def _on_my_gpu(self, address: str) -> bool:
+        """Does the scatter worker at `address` hold its entries on this worker's GPU (and is
+        --scatter-same-gpu off)?"""
+        if self.scatter_same_gpu or not self.endpoint.device:
+            return False
+        peer = self.scatter_endpoint(address)
+        return peer is not None and peer.same_gpu(self.endpoint)
 
     def close(self) -> None:
         self.scheduler.stop()
@@ -192,11 +220,15 @@ class CombineServicer(rpc.CombineServicer):
                 # A tier miss (evicted, corrupt, tier down): recompute it.
                 else:
                     cold.setdefault("", []).append(p.index)
-        workers = list(request.scatter_workers)
+        # A scatter worker on this worker's own GPU builds nothing faster than this worker does,
+        # and its entries would still have to move: what was planned there is built here.
+        same_gpu = {a for a in set(cold) | set(request.scatter_workers) if a and self._on_my_gpu(a)}
+        workers = [w for w in request.scatter_workers if w not in same_gpu]
+        moved["built_here_same_gpu"] = sum(len(cold[a]) for a in same_gpu if a in cold)
         # The pool threads do not inherit this thread's trace context: hand it over explicitly.
         trace_md = tracing.outgoing_metadata()
         failed: set[str] = set()
-        pending = {a: idx for a, idx in cold.items()}
+        pending = {a: idx for a, idx in cold.items() if a not in same_gpu}
         while pending:
             jobs = {}
             for address, idx in pending.items():

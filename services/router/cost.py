@@ -5,7 +5,10 @@ path it would take with the time to build it again where it would be built: pref
 worker, then the entry's move to the combine worker over the scatter path (CUDA IPC when the two
 share a host and GPU visibility, else shared memory or gRPC, services/transport/), and picks the
 sooner. Python gRPC on loopback moves an entry slower than a GPU recomputes its segment
-(benchmarks/transport_loopback.py); CUDA IPC moves it far faster. Bandwidths start from
+(benchmarks/transport_loopback.py); CUDA IPC moves it far faster. The same comparison sends a
+cold segment to a scatter worker only when its entry moves back faster than the combine worker
+would build it (build_here); a scatter worker on the combine worker's own GPU is never used for
+it (the combine worker checks the two Endpoints). Bandwidths start from
 `--transport-bandwidth`, else from what the combine worker measured of its end of each path at
 start-up (Router.adopt), else from the defaults below; they and the prefill speed then follow
 running averages of what the combine workers measure on every request.
@@ -69,6 +72,14 @@ class CostModel:
         sooner; fetch on a tie: it saves compute."""
         fetch = self.fetch_seconds(nbytes, path)
         return "fetch" if fetch <= self.recompute_seconds(tokens, nbytes, rebuild_path) else "recompute"
+
+    def build_here(self, tokens: int, nbytes: int, path: str) -> bool:
+        """Does moving a segment's built entry from a scatter worker over `path` take at least
+        as long, at the path's bandwidth, as the combine worker building it itself? Then sending
+        it out cannot help: the entries of all such segments arriving at the combine worker take
+        at least as long as building them there. (Per-entry latency is left out: a stream's
+        entries are in flight together.)"""
+        return path in PATHS and nbytes / self.bandwidth[path] >= self.recompute_seconds(tokens)
 
     def observe_transfer(self, path: str, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or seconds <= 0 or not path:

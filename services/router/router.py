@@ -196,6 +196,7 @@ class Router:
                 if hit:
                     present[n] = (owner, reply.nbytes[m] or segments[n].nbytes)
         plan, cold = [], []
+        nbytes_of: dict[int, int] = {}
         workers = self.directory.members("scatter")
         # where a recomputed entry would be built: on a scatter worker (then moved to the combine
         # worker over the scatter path), or by the combine worker itself
@@ -208,6 +209,13 @@ class Router:
                     plan.append(pb.SegmentPlan(index=idx, key=keys[n], source="tier", address=owner))
                     continue
             cold.append((idx, keys[n], len(ids), owners[n] or ""))
+            nbytes_of[idx] = segments[n].nbytes
+        # a segment whose entry would take longer to move here than to build here is built by the
+        # combine worker (CostModel.build_here, with the scatter path's measured bandwidth)
+        if workers:
+            here = [c for c in cold if self.cost.build_here(c[2], nbytes_of[c[0]], rebuild_path)]
+            plan += [pb.SegmentPlan(index=idx, key=key, source="local") for idx, key, _, _ in here]
+            cold = [c for c in cold if c not in here]
         assigned: dict[str, float] = {}
         if cold and workers:
             costs = [self.cost.recompute_seconds(t) for _, _, t, _ in cold]

@@ -159,7 +159,9 @@ class CudaIpcTransport(TensorTransport):
                 ranges.append((off, n))
                 off += n
             arena = self._pool.arena(device, off) if self._pool is not None else None
-            slot = arena.take(off, self._pool.wait_s) if arena is not None else None
+            # waits for room only until a write of this stream did not get it (a receiver that
+            # stopped releasing costs one wait, not one per write)
+            slot = arena.take(off, 0.0 if self.fallbacks else self._pool.wait_s) if arena is not None else None
             if slot is not None:
                 self._write_slot(arena, slot, items, tensors, ranges, share_fn)
                 return

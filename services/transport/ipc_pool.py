@@ -206,7 +206,7 @@ class ArenaPool:
     `wait_s` for the receivers to release room before it goes out in a fresh buffer instead."""
 
     def __init__(self, capacity: int, n_slots: int = DEFAULT_SLOTS, owner: str = "", stale_s: float = STALE_S,
-                 wait_s: float = 0.05):
+                 wait_s: float = 0.5):
         self.capacity, self.n_slots, self.stale_s, self.wait_s = capacity, n_slots, stale_s, wait_s
         self.owner = owner or uuid.uuid4().hex
         self._arenas: dict[torch.device, DeviceArena] = {}

@@ -1,7 +1,9 @@
 """The served stack's GPU paths (marked gpu: the device machine runs them): entries between two
-processes on one GPU by CUDA IPC, whole and layer by layer as the scatter worker sends a batched
-build (one exported buffer a layer for all of its segments), equal to what was sent, at a
-measured bandwidth and with the IPC handles opened counted."""
+processes on one GPU by CUDA IPC without an arena, whole and layer by layer as the scatter
+worker sends a batched build (one exported buffer a layer for all of its segments), equal to
+what was sent, at a measured bandwidth and with the IPC handles opened counted; the served
+stack with a scatter worker on the combine worker's GPU, sending its entries over CUDA IPC
+(--scatter-same-gpu on) or not asked (the default). tests/services/test_ipc_pool_gpu.py covers the arena."""
 
 from __future__ import annotations
 
@@ -147,7 +149,9 @@ def test_served_stack_on_one_gpu_moves_entries_by_cuda_ipc(model_dir):
 
     docs = [list(range(10 + 7 * i, 10 + 7 * i + 60)) for i in range(4)]
     body = {"segments": docs, "input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
-    with LocalCluster(model_dir, port=free_port(), scatter_workers=1, device="cuda", ready_timeout_s=600) as c:
+    # on one GPU the combine worker builds cold segments itself unless told to send them out
+    with LocalCluster(model_dir, port=free_port(), scatter_workers=1, device="cuda", ready_timeout_s=600,
+                      extra={"combine": ["--scatter-same-gpu", "on"]}) as c:
         status, cold = http("POST", f"{c.url}/generate", body, timeout=300)
         assert status == 200, cold
         st = cold["hybridcache"]
@@ -159,9 +163,33 @@ def test_served_stack_on_one_gpu_moves_entries_by_cuda_ipc(model_dir):
         status, warm = http("POST", f"{c.url}/generate", body, timeout=300)
         assert status == 200 and warm["text"] == cold["text"]
         assert warm["hybridcache"]["built_tokens"] == 0
+        # another cold request: its entries go through the scatter worker's arena, mapped already
+        body2 = dict(body, segments=[[t + 1 for t in d] for d in docs])
+        status, cold2 = http("POST", f"{c.url}/generate", body2, timeout=300)
+        assert status == 200 and cold2["hybridcache"]["scatter_path"] == "cuda_ipc"
+        assert cold2["hybridcache"]["scatter_bytes"] > 0 and cold2["hybridcache"]["scatter_ipc_opens"] == 0
         print(f"served cuda_ipc: {st['scatter_bytes'] / st['scatter_seconds'] / 1e9:.2f} GB/s, "
               f"{st['scatter_blocks']} blocks, {st['scatter_ipc_opens']} IPC opens, "
               f"ttft {st['ttft_ms']:.1f} ms (engine {st['engine_ttft_ms']:.1f} ms)")
+
+
+@pytest.mark.gpu
+def test_served_stack_builds_cold_segments_on_the_combine_gpu_when_the_scatter_worker_shares_it(model_dir):
+    """A scatter worker on the combine worker's GPU (the default, --scatter-same-gpu off): the
+    combine worker builds the cold segments itself, nothing moves, the answer is the same."""
+    from hybridcache.services.launcher import LocalCluster, free_port
+    from serving_helpers import http
+
+    docs = [list(range(10 + 7 * i, 10 + 7 * i + 60)) for i in range(4)]
+    body = {"segments": docs, "input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    with LocalCluster(model_dir, port=free_port(), scatter_workers=1, device="cuda", ready_timeout_s=600) as c:
+        status, cold = http("POST", f"{c.url}/generate", body, timeout=300)
+        assert status == 200, cold
+        st = cold["hybridcache"]
+        assert st["built_here_same_gpu"] == len(docs) and st["scatter_bytes"] == 0
+        assert [s["source"] for s in st["segments"]] == ["built"] * len(docs)
+        status, warm = http("POST", f"{c.url}/generate", body, timeout=300)
+        assert status == 200 and warm["text"] == cold["text"] and warm["hybridcache"]["built_tokens"] == 0
 
 
 @pytest.mark.gpu

@@ -242,16 +242,25 @@ def test_router_plan_fetches_or_recomputes_held_entries(engine, model_dir):
         router._release(plan, assigned)
         assert router.cold_queue_depth == 0
         # A device that prefills 1e9 tokens/s: still a fetch while a rebuilt entry would come back
-        # over gRPC (slower than the tier's shared memory)...
+        # over gRPC (slower than the tier's shared memory); the cold segment is built by the
+        # combine worker itself, which is faster than moving its entry from a scatter worker...
         router.cost.prefill_tokens_per_s = 1e9
         plan, assigned, _ = router.plan(req)
-        assert sorted(p.source for p in plan) == ["scatter", "tier"]
+        assert [(p.index, p.source) for p in sorted(plan, key=lambda p: p.index)] == [(0, "tier"), (1, "local")]
+        assert assigned == {} and router.cold_queue_depth == 0
         router._release(plan, assigned)
-        # ...and a rebuild once the combine workers report the scatter path as CUDA IPC
+        # ...and both rebuilt once the combine workers report the scatter path as CUDA IPC, still
+        # on the combine worker at that speed
         router.cost.observe_scatter("cuda_ipc", 10**9, 0.02)
         plan, assigned, _ = router.plan(req)
+        assert sorted(p.source for p in plan) == ["local", "local"]
+        router._release(plan, assigned)
+        # at 2k tokens/s a build takes longer than the move over CUDA IPC: both cold segments of a
+        # request go to the scatter workers, LPT spreading them over both
+        router.cost.prefill_tokens_per_s = 2000.0
+        plan, assigned, _ = router.plan(router.parse({"segments": [cold, cold[::-1]], "suffix": "q"}))
         assert sorted(p.source for p in plan) == ["scatter", "scatter"]
-        assert set(assigned) == {"127.0.0.1:1", "127.0.0.1:2"}  # LPT spreads the two over both workers
+        assert set(assigned) == {"127.0.0.1:1", "127.0.0.1:2"}
         router._release(plan, assigned)
     finally:
         server.stop(0)

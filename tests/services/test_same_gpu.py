@@ -1,0 +1,117 @@
+"""Where cold segments are built: a scatter worker on the combine worker's own GPU is not asked
+(the combine worker compares the two Endpoints, the scatter worker's from its Describe), and the
+router sends a cold segment out only when its entry moves back faster, at the scatter path's
+measured bandwidth, than the combine worker would build it."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+import pytest
+from hybridcache.services.protocol import pb, rpc
+from hybridcache.services.router.cost import CostModel
+from hybridcache.services.transport import Endpoint, get_transport
+from hybridcache.services.transport.codec import entry_chunks
+
+GPU_A, GPU_B = "GPU-aaaa", "GPU-bbbb"
+NODE = dict(host="boot-1", ipc_ns="ipc:[1]", pid_ns="pid:[1]")
+
+
+def test_build_here_follows_the_scatter_paths_measured_bandwidth():
+    cm = CostModel(prefill_tokens_per_s=10_000.0)
+    tokens, nbytes = 1000, 33_000_000  # 0.1 s to build; a 33 MB entry (the 9B shape, 8 layers)
+    assert cm.build_here(tokens, nbytes, "grpc")  # 0.41 s at 0.08 GB/s
+    assert not cm.build_here(tokens, nbytes, "cuda_ipc")  # 1.7 ms at the 20 GB/s default
+    assert not cm.build_here(tokens, nbytes, "local") and not cm.build_here(tokens, nbytes, "")
+    # combine workers report moves over CUDA IPC at 0.2 GB/s: 0.165 s a move, slower than the build
+    for _ in range(30):
+        cm.observe_scatter("cuda_ipc", 200_000_000, 1.0)
+    assert cm.scatter_path == "cuda_ipc" and cm.build_here(tokens, nbytes, "cuda_ipc")
+    # and at 100 GB/s again the scatter worker is worth asking
+    for _ in range(30):
+        cm.observe_scatter("cuda_ipc", 100_000_000_000, 1.0)
+    assert not cm.build_here(tokens, nbytes, "cuda_ipc")
+
+
+def test_router_plans_cold_segments_here_when_their_move_is_slower(engine, model_dir):
+    from hybridcache.services.directory import InProcessDirectory
+    from hybridcache.services.router.router import Router
+
+    router = Router(model_dir, InProcessDirectory({"scatter": ["127.0.0.1:1"]}))
+    router.adopt(pb.InfoReply(fingerprint=engine.fingerprint, seam_window=engine.config.seam_window, mode="pic"))
+    req = router.parse({"segments": [[5 + i % 200 for i in range(60)], [9 + i % 180 for i in range(50)]],
+                        "suffix": "q"})
+    nbytes = router.planner.reused_segments(req)[0].nbytes
+    router.cost.prefill_tokens_per_s = 2000.0  # 30 ms to build 60 tokens
+    router.cost.observe_scatter("cuda_ipc", nbytes, 1e-4)  # the path the combine workers report
+    plan, assigned, _ = router.plan(req)
+    assert sorted(p.source for p in plan) == ["scatter", "scatter"] and router.cold_queue_depth == 2
+    router._release(plan, assigned)
+    # the same path measured at a rate that moves an entry slower than it is built here
+    router.cost.bandwidth["cuda_ipc"] = nbytes / 0.05
+    plan, assigned, _ = router.plan(req)
+    assert sorted(p.source for p in plan) == ["local", "local"] and assigned == {} and router.cold_queue_depth == 0
+
+
+class _Scatter(rpc.ScatterServicer):
+    """A scatter worker that describes itself as `endpoint` (None: an older one without Describe)
+    and streams the entries asked for (over gRPC)."""
+
+    def __init__(self, engine, endpoint: Endpoint | None):
+        self.engine, self.endpoint, self.prefills = engine, endpoint, 0
+
+    def Describe(self, request, context):
+        if self.endpoint is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "no Describe")
+        msg = pb.Endpoint()
+        self.endpoint.to_pb(msg)
+        return msg
+
+    def Prefill(self, request, context):
+        self.prefills += 1
+        transport = get_transport("grpc")
+        for seg in request.segments:
+            yield from entry_chunks(self.engine.build_entry(list(seg.token_ids)), seg.index, transport)
+
+
+@pytest.mark.parametrize("scatter_endpoint, same_gpu_setting, asked", [
+    (Endpoint(**NODE, device=GPU_A, gpus=(GPU_A,)), False, False),  # its GPU: built here
+    (Endpoint(**NODE, device=GPU_A, gpus=(GPU_A,)), True, True),  # --scatter-same-gpu on: asked anyway
+    (Endpoint(**NODE, device=GPU_B, gpus=(GPU_B,)), False, True),  # another GPU
+    (Endpoint(**{**NODE, "host": "boot-2"}, device=GPU_A), False, True),  # another host's GPU of that UUID
+    (Endpoint(**NODE), False, True),  # a CPU scatter worker
+    (None, False, True),  # a worker that cannot describe itself
+])
+def test_combine_builds_here_what_a_scatter_worker_on_its_gpu_was_to_build(engine, scatter_endpoint,
+                                                                            same_gpu_setting, asked):
+    from hybridcache.services.combine.worker import CombineServicer
+    from hybridcache.services.launcher import free_port
+
+    scatter = _Scatter(engine, scatter_endpoint)
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    rpc.add_ScatterServicer_to_server(scatter, server)
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    combine = CombineServicer(engine)
+    try:
+        combine.endpoint = Endpoint(**NODE, device=GPU_A, gpus=(GPU_A, GPU_B))
+        combine.scatter_same_gpu = same_gpu_setting
+        segments = [list(range(20, 70)), list(range(30, 75))]
+        request = pb.CombineRequest(scatter_workers=[address], plan=[
+            pb.SegmentPlan(index=i, key=engine.entry_key(s), source="scatter", address=address)
+            for i, s in enumerate(segments)])
+        for _ in range(2):  # the second request asks Describe no more
+            pinned, source, moved = combine._gather(request, segments)
+            if asked:
+                assert source == {0: "scatter", 1: "scatter"} and len(pinned) == 2
+                assert moved["built_here_same_gpu"] == 0
+            else:
+                assert source == {} and pinned == {} and moved["built_here_same_gpu"] == 2
+        assert scatter.prefills == (2 if asked else 0)
+        # asked once, unless the setting makes the answer moot
+        assert combine._peers.get(address, "not asked") == ("not asked" if same_gpu_setting else scatter_endpoint)
+    finally:
+        combine.close()
+        server.stop(0)
