@@ -27,7 +27,7 @@ from dataclasses import replace
 import grpc
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
-from hybridcache.services.protocol import pb, rpc
+from hybridcache.services.protocol import pb, rpc, segment, segment_ids
 from hybridcache.services.runtime.cache import EntryLayout, SegmentEntry
 from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sampling import RequestError
@@ -49,7 +49,7 @@ def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]],
     channel = internal_channel(address)
     got: dict[int, SegmentEntry] = {}
     asm = EntryAssembler(device)
-    req = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=ids, cache_tier=t) for i, ids, t in segments],
+    req = pb.PrefillRequest(segments=[segment(i, ids, cache_tier=t) for i, ids, t in segments],
                             cache_tier=cache_tier, transport=transport_for_address(address))
     if receiver is not None:
         receiver.to_pb(req.receiver)
@@ -285,7 +285,7 @@ class CombineServicer(rpc.CombineServicer):
         t0 = time.perf_counter()
         try:
             sampling = json.loads(request.sampling_json) if request.sampling_json else {}
-            segments = [list(s.token_ids) for s in sorted(request.segments, key=lambda s: s.index)]
+            segments = [segment_ids(s) for s in sorted(request.segments, key=lambda s: s.index)]
             req = self.engine.parse_request({"system": list(request.system_ids), "segments": segments,
                                              "suffix": list(request.suffix_ids), "sampling_params": sampling,
                                              "live_segments": [s.index for s in request.segments if s.live]})

@@ -18,7 +18,7 @@ from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.config import DTYPES, RuntimeConfig
 from hybridcache.services.directory import Directory
 from hybridcache.services.observability import metrics, tracing
-from hybridcache.services.protocol import pb, rpc
+from hybridcache.services.protocol import pb, rpc, segment
 from hybridcache.services.router.assign import lpt_assign, round_robin_assign
 from hybridcache.services.router.cost import CostModel, parse_bandwidths
 from hybridcache.services.runtime.config import ModelConfig
@@ -266,7 +266,7 @@ class Router:
             start = next(self._rr)
             creq = pb.CombineRequest(
                 request_id=uuid.uuid4().hex, system_ids=req.system_ids,
-                segments=[pb.Segment(index=i, token_ids=s, live=i in req.live) for i, s in enumerate(req.segment_ids)],
+                segments=[segment(i, s, live=i in req.live) for i, s in enumerate(req.segment_ids)],
                 suffix_ids=req.suffix_ids, sampling_json=json.dumps(_sampling_dict(req.sampling)), plan=plan,
                 scatter_workers=self.directory.members("scatter"),
                 cache_tier=self.directory.owner(plan[0].key) or "" if plan else (tiers[0] if tiers else ""))

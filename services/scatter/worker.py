@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
-from hybridcache.services.protocol import pb, rpc
+from hybridcache.services.protocol import pb, rpc, segment, unpack_ids
 from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sequence import LinearSpan
 from hybridcache.services.transport import Endpoint, choose_transport, get_transport, local_endpoint
@@ -97,7 +97,7 @@ class ScatterServicer(rpc.ScatterServicer):
             call = {"cancelled": False}
             with self._cv:
                 self._pending.extend(
-                    _Job(pb.Segment(index=i, token_ids=[gen.randrange(vocab) for _ in range(length)]), done, None, call)
+                    _Job(segment(i, [gen.randrange(vocab) for _ in range(length)]), done, None, call)
                     for i in range(n))
                 self._cv.notify()
             for _ in range(n):
@@ -141,9 +141,9 @@ class ScatterServicer(rpc.ScatterServicer):
             jobs, tokens, seen = [], 0, set()
             while self._pending:
                 job = self._pending[0]
-                ids = tuple(job.segment.token_ids)
+                ids = job.segment.ids  # packed: hashable as it is
                 # a segment already in the batch (asked by another call) costs nothing more
-                n = 0 if ids in seen else len(ids)
+                n = 0 if ids in seen else len(ids) // 4
                 if job.call["cancelled"]:
                     self._pending.popleft()
                     continue
@@ -162,9 +162,9 @@ class ScatterServicer(rpc.ScatterServicer):
         # One batched standalone prefill; if it fails, segment by segment, so that a bad segment
         # costs only its own entry. Calls that take layers (cuda_ipc) get each layer of the batch
         # as soon as it is computed, ("layers", layer, [(segment index, span)], ready event).
-        by_ids: dict[tuple[int, ...], list[_Job]] = {}
+        by_ids: dict[bytes, list[_Job]] = {}  # packed token ids -> the jobs asking for that segment
         for job in jobs:
-            by_ids.setdefault(tuple(job.segment.token_ids), []).append(job)
+            by_ids.setdefault(job.segment.ids, []).append(job)
         groups = list(by_ids.values())
         on_layer = None
         if any(job.call.get("layers") for job in jobs):
@@ -182,7 +182,7 @@ class ScatterServicer(rpc.ScatterServicer):
         try:
             with tracing.tracer().start_as_current_span("scatter.build_entries", context=jobs[0].ctx) as span:
                 span.set_attribute("hybridcache.segments", len(by_ids))
-                segments = [list(ids) for ids in by_ids]
+                segments = [unpack_ids(ids) for ids in by_ids]
                 entries = (self.engine.build_entries(segments, on_layer=on_layer) if on_layer is not None
                            else self.engine.build_entries(segments))
                 entries = self._bundled(entries)
@@ -202,7 +202,7 @@ class ScatterServicer(rpc.ScatterServicer):
         for ids, js in by_ids.items():
             try:
                 with tracing.tracer().start_as_current_span("scatter.build_entry", context=js[0].ctx):
-                    entry = self._bundled([self.engine.build_entry(list(ids))])[0]
+                    entry = self._bundled([self.engine.build_entry(unpack_ids(ids))])[0]
                 metrics.ENTRY_BUILD_SECONDS.observe(entry.build_seconds)
                 result = (entry, "")
             except Exception as e:  # a bad segment must not take the stream down
@@ -237,7 +237,7 @@ class ScatterServicer(rpc.ScatterServicer):
         transport = self._transport(name, request)
         entries: dict[str, list] = {}  # cache-tier member -> entries it owns
         owner = {seg.index: seg.cache_tier or request.cache_tier for seg in request.segments}
-        tokens = {seg.index: list(seg.token_ids) for seg in request.segments}
+        tokens = {seg.index: unpack_ids(seg.ids) for seg in request.segments}
         kinds = self.engine.cfg.layer_types
         n_tensors = sum(len(LINEAR_FIELDS) if k == "linear_attention" else len(ATTN_FIELDS) for k in kinds)
         layered: dict[int, LayeredEntry] = {}

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 from hybridcache.services.protocol import pb
+from hybridcache.services.protocol import segment as pb_segment
 from hybridcache.services.transport import TransportError, cuda_ipc, ipc_pool
 from hybridcache.services.transport.codec import EntryAssembler, layer_tensors, read_entries
 from hybridcache.services.transport.ipc_pool import ArenaPool, ReleaseFile, SlotAllocator
@@ -81,7 +82,7 @@ def _segments(seed, lengths=(30, 47, 52)):
 
 
 def _prefill(servicer, segs, receiver="combine-1"):
-    request = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=s) for i, s in enumerate(segs)])
+    request = pb.PrefillRequest(segments=[pb_segment(i, s) for i, s in enumerate(segs)])
     request.receiver.process = receiver
     return [pb.EntryChunk.FromString(c.SerializeToString()) for c in servicer.Prefill(request, _Context())]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import torch
-from hybridcache.services.protocol import pb
+from hybridcache.services.protocol import pb, segment
 from hybridcache.services.scatter.worker import ScatterServicer
 from hybridcache.services.transport.codec import EntryAssembler
 
@@ -25,7 +25,7 @@ class _Context:
 
 
 def _segments(ids_list, start=0):
-    return [pb.Segment(index=start + i, token_ids=ids) for i, ids in enumerate(ids_list)]
+    return [segment(start + i, ids) for i, ids in enumerate(ids_list)]
 
 
 def _call(servicer, segments, results, name):

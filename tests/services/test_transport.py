@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from hybridcache.services.protocol import pb
+from hybridcache.services.protocol import pb, segment, segment_ids
 from hybridcache.services.router.cost import CostModel, parse_bandwidths
 from hybridcache.services.transport import (
     Endpoint,
@@ -206,7 +206,7 @@ def test_combine_worker_stops_offering_cuda_ipc_to_a_sender_it_failed_with(engin
             asked.append(Endpoint.from_pb(request.receiver))
             transport = get_transport("cuda_ipc")
             for seg in request.segments:
-                yield from entry_chunks(engine.build_entry(list(seg.token_ids)), seg.index, transport)
+                yield from entry_chunks(engine.build_entry(segment_ids(seg)), seg.index, transport)
 
     server = grpc.server(futures.ThreadPoolExecutor(2))
     rpc.add_ScatterServicer_to_server(Scatter(), server)
@@ -303,7 +303,7 @@ def test_scatter_worker_streams_cuda_ipc_entries_layer_by_layer(engine, fake_ipc
     monkeypatch.setattr(servicer, "transport_for", lambda request: "cuda_ipc")
     rng = random.Random(11)
     segs = [[rng.randrange(5, 250) for _ in range(n)] for n in (30, 47, 52)]
-    request = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=s) for i, s in enumerate(segs)])
+    request = pb.PrefillRequest(segments=[segment(i, s) for i, s in enumerate(segs)])
     chunks = [pb.EntryChunk.FromString(c.SerializeToString()) for c in servicer.Prefill(request, _Context())]
     kinds = [(c.WhichOneof("body"), c.segment_index) for c in chunks]
     n_layers = engine.cfg.num_hidden_layers
@@ -429,7 +429,7 @@ def test_calls_built_in_one_batch_each_get_a_buffer_a_layer(engine, fake_ipc, mo
     streams: dict[str, list] = {}
 
     def call(name):
-        request = pb.PrefillRequest(segments=[pb.Segment(index=i, token_ids=s) for i, s in enumerate(segs[name])])
+        request = pb.PrefillRequest(segments=[segment(i, s) for i, s in enumerate(segs[name])])
         streams[name] = [pb.EntryChunk.FromString(c.SerializeToString()) for c in servicer.Prefill(request, _Context())]
 
     threads = [threading.Thread(target=call, args=("blocker",))]
