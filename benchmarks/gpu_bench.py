@@ -450,7 +450,7 @@ def decode_step_batched(model, states, toks, pos):
         st = states[i]
         if layer.kind == "linear_attention":
             la = layer.linear_attn
-            mixed, z, b, a = la.project(h.view(1, B, -1))
+            mixed, z, b, a = la.projections(h.view(1, B, -1))
             conv_out, st["conv"] = backends.causal_conv1d(
                 mixed.view(B, 1, -1), la.conv1d.weight.squeeze(1), None, st["conv"], "silu"
             )

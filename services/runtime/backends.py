@@ -26,7 +26,7 @@ from hybridcache.kernels.ops.gated_delta_rule import chunk_gated_delta_rule, nai
 from hybridcache.kernels.ops.gla import naive_recurrent_gla
 from hybridcache.kernels.ops.kda import naive_recurrent_kda
 from hybridcache.kernels.ops.mamba2 import naive_ssd
-from hybridcache.kernels.ops.simple_gla import naive_lightning_attention
+from hybridcache.kernels.ops.simple_gla.naive import naive_lightning_attention, naive_recurrent_simple_gla
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.config import KERNELS, RuntimeConfig, sdpa_backend_names
 
@@ -201,6 +201,52 @@ def kda(q, k, v, g, beta, initial_state, output_transition: bool):
     return naive_recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition)
 
 
+def kda_pieces(q, k, v, g, beta):
+    """KDA runs from a zero state, each with what folding it after other state needs (the
+    contract of gated_delta_rule_pieces): (o0 [B, T, H, V] (v's dtype), T [B, H, K, K] fp32,
+    S(run|0) [B, H, K, V] fp32, u [B, T, H, K]), u_t = scale T_t^T q_t. CUDA: one chunk_kda call
+    with K extra value columns (kernels/ops/kda/fla_entry.py)."""
+    if use_fast_kernels(v) and fla_has("fla.ops.kda"):
+        from hybridcache.kernels.ops.kda.fla_entry import kda_fla_pieces
+
+        return kda_fla_pieces(q, k, v, g, beta)
+    o, _, (T, S0), u = naive_recurrent_kda(q, k, v, g, beta, output_transition=True, output_query_transition=True)
+    return o, T, S0, u
+
+
+def simple_gla(q, k, v, g, scale, initial_state, output_transition: bool):
+    """Scalar-decay linear attention with a per-step log decay g [B, T, H]; naive_recurrent_simple_gla's
+    contract. CUDA: fla's simple GLA kernels (kernels/ops/simple_gla/fla_entry.py)."""
+    if use_fast_kernels(v) and fla_has("fla.ops.simple_gla"):
+        from hybridcache.kernels.ops.simple_gla.fla_entry import simple_gla_fla
+
+        return simple_gla_fla(
+            q, k, v, g=g, scale=scale, initial_state=initial_state, output_transition=output_transition
+        )
+    return naive_recurrent_simple_gla(
+        q, k, v, g, scale=scale, initial_state=initial_state, output_transition=output_transition
+    )
+
+
+def simple_gla_pieces(q, k, v, g, scale):
+    """Scalar-decay runs from a zero state (the contract of gated_delta_rule_pieces): (o0, T [B, H],
+    S(run|0), u [B, T, H, K] fp32). T_t = exp(g_1 + ... + g_t) is a scalar per head, so the query
+    transition is u_t = scale T_t q_t, computed here from g on any device."""
+    o, _, (T, S0) = simple_gla(q, k, v, g, scale, None, True)
+    u = g.float().cumsum(1).exp()[..., None] * (q.float() * scale)
+    return o, T, S0, u
+
+
+def ssd_pieces(x, dt, A, B, C, D):
+    """Mamba2 SSD runs from a zero state (the contract of gated_delta_rule_pieces): (y0 (D skip
+    included), T [B, H], S(run|0) [B, H, N, P], u [B, T, H, N] fp32), u_t = exp(A sum_{s<=t} dt_s) C_t
+    (C repeated over the heads of its group): y from any S_in is y0 + u S_in."""
+    y, _, (T, S0) = ssd(x, dt, A, B, C, D, None, True)
+    rep = x.shape[2] // C.shape[2]
+    decay = (dt.float() * A.float()[None, None, :]).cumsum(1).exp()  # [B, T, H]
+    return y, T, S0, decay[..., None] * C.float().repeat_interleave(rep, dim=2)
+
+
 def gla(q, k, v, gk, scale, initial_state, output_transition: bool):
     """Gated linear attention (per-channel decay); naive_recurrent_gla's contract. CUDA: fla's
     chunk_gla (fused_recurrent_gla for short runs), vector T = exp(sum of the log-gates)."""
@@ -251,7 +297,10 @@ def fold_states(Ts, Ss, initial_state, use_transition):
     On CUDA, matrix T: one Triton launch that reads the blocks where they lie through a table of
     their addresses (compose_states_blocks), every intermediate state out, no stacked copy; the
     blocks of one kind must share a dtype and be contiguous there (else they are stacked, as
-    torch.cat promotes)."""
+    torch.cat promotes). Scalar or vector T only (every block), on any device: fold_diagonal, a
+    fixed number of ops."""
+    if all((b[0] if isinstance(b, tuple) else b).dim() < initial_state.dim() for b in Ts):
+        return fold_diagonal(Ts, Ss, initial_state, use_transition)
     if use_fast_kernels(initial_state) and all(use_transition):
         t0 = _block(Ts[0])
         if t0.dim() == 4 and t0.shape[-1] == t0.shape[-2]:
@@ -274,6 +323,30 @@ def fold_states(Ts, Ss, initial_state, use_transition):
         S = apply_segment(_block(T), _block(S_i), S, use_t)
         out.append(S)
     return out
+
+
+def fold_diagonal(Ts, Ss, initial_state, use_transition):
+    """fold_states for scalar [1, H] or vector [1, H, K] transitions, in a fixed number of ops
+    whatever the number n of pairs: S_i = sum_{j<=i} (T_{j+1} ... T_i) S_j + (T_1 ... T_i) S_init,
+    the products exp(c_i - c_j) of the cumulative log-transitions c (fp64, log T clamped at -1e4 so
+    that a T that underflowed to 0 stays 0); pieces without use_transition count T = 1. Returns
+    [n, 1, H, K, V] fp32."""
+    T = torch.cat([_block(b) for b in Ts]).double()  # [n, H] or [n, H, K]
+    S = torch.cat([_block(b) for b in Ss]).float()  # [n, H, K, V]
+    n, lead = T.shape[0], (1,) * (T.dim() - 1)
+    if not all(use_transition):
+        keep = to_device_async(torch.tensor(use_transition), T.device).view(n, *lead)
+        T = torch.where(keep, T, torch.ones_like(T))
+    c = T.log().clamp_min(-1e4).cumsum(0)
+    causal = torch.ones(n, n, dtype=torch.bool, device=T.device).tril().view(n, n, *lead)
+    W = (c[:, None] - c[None, :]).masked_fill(~causal, float("-inf")).exp().float()  # [i, j, H(, K)]
+    P = c.exp().float()
+    init = initial_state.float()[0]
+    if T.dim() == 2:
+        out = torch.einsum("ijh,jhkv->ihkv", W, S) + P[..., None, None] * init
+    else:
+        out = torch.einsum("ijhk,jhkv->ihkv", W, S) + P[..., None] * init
+    return out[:, None]
 
 
 def l2norm_fp32(x, eps: float = 1e-6):

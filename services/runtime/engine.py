@@ -246,11 +246,9 @@ class Engine:
     @property
     def streams_layers(self) -> bool:
         """Whether build_entries can hand out each layer of a batch as soon as it is computed
-        (on_layer): models with a batched standalone prefill (HybridLM.build_span_data), exact
-        entries (the single-state policy reshapes an entry once it is whole), one rank (a callback
-        cannot be mirrored on the followers of a tensor-parallel engine)."""
-        return (getattr(self.model, "build_span_data", None) is not None and self.config.entry_policy == "exact"
-                and self.tp_layout is None)
+        (on_layer): exact entries (the single-state policy reshapes an entry once it is whole), one
+        rank (a callback cannot be mirrored on the followers of a tensor-parallel engine)."""
+        return self.config.entry_policy == "exact" and self.tp_layout is None
 
     def _layer_span(self, data, layer: int):
         """Layer `layer` of a span being built, as the finished entry will hold it (states in the
@@ -264,15 +262,15 @@ class Engine:
         return data.attn[layer]
 
     def build_entries(self, segments: list[list[int]], on_layer=None) -> list[SegmentEntry]:
-        """Entries of several segments, equal to build_entry of each. Models that can prefill a
-        batch of segments (HybridLM.build_span_data) get them in batches of similar lengths of
-        at most `entry_batch_tokens` padded tokens; build time is shared out by length.
+        """Entries of several segments, equal to build_entry of each: prefilled together
+        (LayoutLM.build_span_data) in batches of similar lengths of at most `entry_batch_tokens`
+        padded tokens; build time is shared out by length.
         `on_layer(indices, layer, spans)`, where streams_layers, is called as each layer of a batch
         is computed: the batch's segment indices and their spans of that layer (a LinearSpan or an
         AttnSpan each, as the entries will hold them)."""
-        build = getattr(self.model, "build_span_data", None)
+        build = self.model.build_span_data
         stream = on_layer is not None and self.streams_layers
-        if build is None or (len(segments) < 2 and not stream):
+        if len(segments) < 2 and not stream:
             return [self.build_entry(s) for s in segments]
         w = self.config.seam_window
         out: dict[int, SegmentEntry] = {}

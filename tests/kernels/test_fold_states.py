@@ -6,7 +6,7 @@ import pytest
 import torch
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.runtime import backends
-from hybridcache.services.runtime.models.qwen3_hybrid import GatedDeltaNet
+from hybridcache.services.runtime.models.mixer import entering_states
 from kernel_testing import rel_rms, scattered_blocks  # sets TRITON_INTERPRET on CPU
 
 
@@ -79,9 +79,9 @@ def test_entering_states_gather(rows):
     states = torch.randn(8, 1, 2, 4, 3)
     state_in = torch.randn(1, 2, 4, 3)
     want = torch.cat([state_in if r < 0 else states[r] for r in rows])
-    got = GatedDeltaNet._entering_states(states, rows, state_in)
+    got = entering_states(states, rows, state_in)
     assert got.shape == want.shape and torch.equal(got, want)
-    assert torch.equal(GatedDeltaNet._entering_states(list(states), rows, state_in), want)
+    assert torch.equal(entering_states(list(states), rows, state_in), want)
 
 
 def test_fold_reads_blocks_in_place_and_stacks_only_mixed_dtypes(monkeypatch):

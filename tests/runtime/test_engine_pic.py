@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from hybridcache.kernels.ops.gated_delta_rule import naive_recurrent_gated_delta_rule, naive_transition
 from hybridcache.kernels.ops.transition import apply_segment, compose_many
+from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.engine import Engine, EngineConfig
 from hybridcache.services.runtime.models import qwen3_hybrid
 from hybridcache.services.runtime.sequence import LiveRun
@@ -39,7 +40,7 @@ def engine(model_dir, mode="pic", w=8):
 def test_engine_transition_equals_reference(qwen35_dir, monkeypatch):
     """Every T the engine builds with an entry equals the S0 = I, v = 0 run on the same inputs."""
     seen = []
-    real = qwen3_hybrid.gated_delta_rule
+    real = backends.gated_delta_rule
 
     def spy(q, k, v, g, beta, initial_state, output_transition):
         out = real(q, k, v, g, beta, initial_state, output_transition)
@@ -47,7 +48,7 @@ def test_engine_transition_equals_reference(qwen35_dir, monkeypatch):
             seen.append((k, v, g, beta, out[2]))
         return out
 
-    monkeypatch.setattr(qwen3_hybrid, "gated_delta_rule", spy)
+    monkeypatch.setattr(backends, "gated_delta_rule", spy)
     eng = engine(qwen35_dir)
     eng.build_entry(list(range(20, 120)))
     assert len(seen) == len(eng.cfg.linear_layers)
@@ -165,7 +166,7 @@ def test_decode_after_pic_assembly_matches_slow_recomputation(qwen35_dir, monkey
             q, k, v, g, beta, initial_state=initial_state, output_transition=output_transition
         )
 
-    monkeypatch.setattr(qwen3_hybrid, "gated_delta_rule", step_loop)
+    monkeypatch.setattr(backends, "gated_delta_rule", step_loop)
     run = LiveRun(torch.tensor(toks[:5]), assembled.length)
     slow, _ = eng.model.forward_layout(assembled, [run], logits_for="all")
     for i in range(5):
@@ -186,8 +187,8 @@ def test_batched_live_scan_equals_sequential(qwen35_dir, monkeypatch):
             monkeypatch.setattr(
                 qwen3_hybrid.GatedDeltaNet,
                 "batched_scan",
-                lambda self, mixed, b, a, layout, state, rec, li, lo, hi, off: self.sequential_scan(
-                    mixed, b, a, layout, state, rec, li, lo, hi, off
+                lambda self, inputs, layout, state, rec, li, lo, hi, off: self.sequential_scan(
+                    inputs, layout, state, rec, li, lo, hi, off
                 ),
             )
         eng = engine(qwen35_dir, w=5)

@@ -34,9 +34,25 @@ def kda_fla(q, k, v, g, beta, scale=None, initial_state=None, output_transition:
     return transition_by_value_columns(run, q, k, v, g, beta, scale, state)
 
 
-def transition_by_value_columns(run, q, k, v, g, beta, scale, initial_state):
+def kda_fla_pieces(q, k, v, g, beta, scale=None):
+    """Runs from a zero state with their query transitions, for the batched scan of live runs:
+    (o0 (dtype of v), T [B, H, K, K] fp32, S(run|0) fp32, u [B, T, H, K] (dtype of v)). u_t =
+    scale T_t^T q_t are the outputs of the K extra value columns, whose state is T_t: the same
+    single chunk_kda call that gives T."""
+    from fla.ops.kda import chunk_kda
+
+    q, k, beta = (x.to(v.dtype).contiguous() for x in (q, k, beta))
+    run = functools.partial(chunk_kda, output_final_state=True)
+    o, _, (Tr, S0), u = transition_by_value_columns(
+        run, q, k, v, g.float().contiguous(), beta, scale, None, query_transition=True
+    )
+    return o, Tr, S0, u
+
+
+def transition_by_value_columns(run, q, k, v, g, beta, scale, initial_state, query_transition: bool = False):
     """One call of run(q, k, v, g, beta, scale=, initial_state=) -> (o, final_state) with K extra
-    value columns started from I (module docstring). Returns (o, S_final, (T, S(run|0)))."""
+    value columns started from I (module docstring). Returns (o, S_final, (T, S(run|0))), and with
+    query_transition the extra columns' outputs u (scale T_t^T q_t) fourth."""
     Bsz, n, H, K = k.shape
     V = v.shape[-1]
     eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(Bsz, H, K, K)
@@ -45,4 +61,6 @@ def transition_by_value_columns(run, q, k, v, g, beta, scale, initial_state):
     o, final = run(q, k, v_ext, g, beta, scale=scale, initial_state=torch.cat([h0, eye], dim=-1).contiguous())
     S_final, Tr = final[..., :V], final[..., V:]
     S0 = S_final if initial_state is None else S_final - Tr @ initial_state
+    if query_transition:
+        return o[..., :V], S_final.contiguous(), (Tr.contiguous(), S0.contiguous()), o[..., V:]
     return o[..., :V], S_final.contiguous(), (Tr.contiguous(), S0.contiguous())

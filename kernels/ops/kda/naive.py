@@ -22,6 +22,7 @@ def naive_recurrent_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = True,
     output_transition: bool = False,
+    output_query_transition: bool = False,
 ):
     """Run the recurrence over T tokens.
 
@@ -32,11 +33,15 @@ def naive_recurrent_kda(
         initial_state: [B, H, K, V] or None (zeros).
         output_transition: also return (T [B, H, K, K], S(run|0) [B, H, K, V]); then
             final_state == T @ initial_state + S(run|0).
+        output_query_transition: (with output_transition) also return u [B, T, H, K] fp32,
+            u_t = scale T_t^T q_t, so that the outputs from any state S_in are o(0) + u S_in.
 
     Returns:
-        o [B, T, H, V] (dtype of v), final_state [B, H, K, V] fp32 (or None), and with
-        output_transition, (T, S0) as a third element.
+        o [B, T, H, V] (dtype of v), final_state [B, H, K, V] fp32 (or None), with
+        output_transition (T, S0) as a third element, and with output_query_transition u fourth.
     """
+    if output_query_transition and not output_transition:
+        raise ValueError("output_query_transition needs output_transition")
     B, T, H, K = k.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
@@ -71,4 +76,6 @@ def naive_recurrent_kda(
         init = initial_state.float()
         o = o + torch.einsum("bthk,bhkv->bthv", u, init)
         S = Tr @ init + S0
+    if output_query_transition:
+        return o.to(dtype), (S if output_final_state else None), (Tr, S0), u
     return o.to(dtype), (S if output_final_state else None), (Tr, S0)

@@ -17,7 +17,6 @@ from hybridcache.services.runtime.models.common import (
     Backbone,
     LayoutLM,
     RMSNorm,
-    attention_layout,
     eos_ids,
     need,
 )
@@ -108,17 +107,11 @@ class RopeAttention(NemotronAttention):
         super().__init__(cfg)
         self.rotary_dim, self.theta = cfg.rotary_dim, cfg.rope_theta
 
+    rotates = True
+
     def rotate(self, x, positions):
         cos, sin = rope_cos_sin(positions, self.rotary_dim, self.theta, torch.float32)
         return apply_rope(x.float(), cos, sin).to(x.dtype)
-
-    def forward_layout(self, x, layout, state, rec, layer_idx, live_pos):
-        n = x.shape[1]
-        q = self.rotate(self.q_proj(x).view(1, n, self.hq, self.d).transpose(1, 2), live_pos)
-        k = self.rotate(self.k_proj(x).view(1, n, self.hkv, self.d).transpose(1, 2), live_pos)
-        v = self.v_proj(x).view(1, n, self.hkv, self.d).transpose(1, 2)
-        out = attention_layout(q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5, self.rotate)
-        return self.o_proj(out)
 
 
 class BambaDecoderLayer(nn.Module):
@@ -136,13 +129,19 @@ class BambaDecoderLayer(nn.Module):
     def empty_state(self, device):
         return (self.mamba if self.kind == "linear_attention" else self.self_attn).empty_state(device)
 
-    def forward_layout(self, x, layout, state, rec, layer_idx, positions):
-        h = self.input_layernorm(x)
-        if self.kind == "linear_attention":
-            x = x + self.mamba.forward_layout(h, layout, state, rec, layer_idx)
-        else:
-            x = x + self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions)
+    def block(self, x, mix):
+        """x [B, n, h] -> [B, n, h]: pre-norm mixer and feed-forward halves; mix(h) runs the mixer."""
+        x = x + mix(self.input_layernorm(x))
         return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+    def forward_layout(self, x, layout, state, rec, layer_idx, positions):
+        if self.kind == "linear_attention":
+            return self.block(x, lambda h: self.mamba.forward_layout(h, layout, state, rec, layer_idx))
+        return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions))
+
+    def build_spans(self, x, lengths, seam, datas, layer_idx):
+        mixer = self.mamba if self.kind == "linear_attention" else self.self_attn
+        return self.block(x, lambda h: mixer.build_spans(h, lengths, seam, datas, layer_idx))
 
 
 class BambaLM(LayoutLM):

@@ -1,5 +1,6 @@
 """Pieces every hybrid architecture shares: the layout loops of linear and attention layers and
-the model-level forward over a layout (the interface of qwen3_hybrid.HybridLM).
+the model-level forward over a layout and batched standalone prefill (LayoutLM). The linear
+layers' contract and the code built on it (batched scans and builds) are in mixer.py.
 
 A linear layer supplies `scan(inputs, state, output_transition)` for one live run; the loop
 folds cached spans in with one T S + S and records entries. An attention layer supplies its
@@ -415,6 +416,29 @@ class LayoutLM(nn.Module):
                 for i, lin in linear.items():
                     s.linear[i] = LinearState(lin.ssm[b : b + 1], lin.conv[b : b + 1])
         return self.head(x)[0].float(), hidden
+
+    @torch.no_grad()
+    def build_span_data(self, segments: list[list[int]], seam: int, on_layer=None) -> list[SpanData]:
+        """Standalone prefill of several segments in one batched forward (positions from 0 each,
+        padded at the end to the longest); returns each segment's body (tokens seam..end) as
+        SpanData, equal to building them one by one. Every segment needs more than `seam` tokens.
+        Each layer's `build_spans(x [B, L, h], lengths, seam, datas, i) -> x` runs the block and
+        records its spans. `on_layer(i, datas)`, if given, is called as soon as layer i's spans of
+        every segment are final (segment parallelism streams them); stateless layers have none."""
+        lengths = [len(s) for s in segments]
+        if min(lengths) <= seam:
+            raise ValueError("every segment needs more tokens than the seam window")
+        L = max(lengths)
+        ids = torch.zeros(len(segments), L, dtype=torch.long)
+        for j, s in enumerate(segments):
+            ids[j, : len(s)] = torch.as_tensor(s)
+        datas = [SpanData(n - seam, seam, {}, {}) for n in lengths]
+        x = self.embed(backends.to_device_async(ids, self.device))  # [B, L, h]
+        for i, layer in enumerate(self.layers):
+            x = layer.build_spans(x, lengths, seam, datas, i)
+            if on_layer is not None and layer.kind in ("linear_attention", "full_attention"):
+                on_layer(i, datas)
+        return datas
 
     def run_layer(self, i: int, x, layout, state: SequenceState, rec: Recording, positions, capture_hidden=()):
         """Layer i of the live pass: x [1, n_live, h] -> [1, n_live, h]; its state updated."""

@@ -33,11 +33,11 @@ from hybridcache.services.runtime.models.common import (
     append_padded,
     eos_ids,
     first_live_start,
-    linear_layout,
     merge_weights,
     merged_linear,
     need,
 )
+from hybridcache.services.runtime.models.mixer import LinearMixer, attention_spans
 from hybridcache.services.runtime.models.qwen3_hybrid import MLP, Experts
 from hybridcache.services.runtime.sequence import AttnSpan, AttnState, CachedSpan, LinearState
 from torch import nn
@@ -208,7 +208,11 @@ class ForgetGate(nn.Module):
         return -self.A_log.float().exp() * F.softplus(g, threshold=20.0)
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(LinearMixer):
+    """KDA on the mixer contract (mixer.py): the conv reads q|k|v; rec = (q, k, v, g, beta) with a
+    per-channel log gate g [B, n, H, K]. g = 0 and beta = 0 is the identity step (A_t = I, no
+    update); the query transition u_t = scale T_t^T q_t comes from the kernels (backends.kda_pieces)."""
+
     def __init__(self, cfg: KimiLinearConfig):
         super().__init__()
         h = cfg.hidden_size
@@ -232,25 +236,37 @@ class KimiDeltaAttention(nn.Module):
             conv=torch.zeros(1, self.conv_dim, self.conv_width - 1, dtype=self.o_proj.weight.dtype, device=device),
         )
 
-    def scan(self, inputs, state: LinearState, output_transition: bool):
-        mixed, g, beta = inputs
-        B, n = mixed.shape[:2]
-        conv_out, tail = backends.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, "silu")
+    def project(self, x):
+        """x [B, n, h] -> ((q|k|v [B, n, conv_dim] (pre-conv), g [B, n, H, K], beta [B, n, H]), g_a)."""
+        lins = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.g_a_proj)
+        mixed, b, g_a = merged_linear(x, getattr(self, "_in_proj", None), lins, [3, 1, 1])
+        return (mixed, self.forget_gate(x), torch.sigmoid(b.float())), g_a
+
+    def recurrence_inputs(self, conv_out, rest):
+        g, beta = rest
+        B, n = conv_out.shape[:2]
         q, k, v = (t.reshape(B, n, self.nh, self.d) for t in torch.split(conv_out, self.qkv_dim, dim=-1))
-        res = backends.kda(backends.l2norm_fp32(q), backends.l2norm_fp32(k), v, g, beta, state.ssm, output_transition)
-        return res[0], res[1], (res[2] if output_transition else None), tail
+        return backends.l2norm_fp32(q), backends.l2norm_fp32(k), v, g, beta
+
+    def identity_steps(self, rec, pad):
+        q, k, v, g, beta = rec
+        return q, k, v, g.masked_fill(pad[..., None, None], 0.0), beta.masked_fill(pad[..., None], 0.0)
+
+    def recurrence(self, rec, initial_state, output_transition):
+        res = backends.kda(*rec, initial_state, output_transition)
+        return res[0], res[1], (res[2] if output_transition else None)
+
+    def pieces(self, rec):
+        return backends.kda_pieces(*rec)
 
     def merge_projections(self) -> int:
         self._in_proj = merge_weights(self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.g_a_proj)
         return int(self._in_proj is not None)
 
-    def forward_layout(self, x, layout, state, rec, layer_idx):
-        lins = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.g_a_proj)
-        mixed, b, g_a = merged_linear(x, getattr(self, "_in_proj", None), lins, [3, 1, 1])
-        beta = torch.sigmoid(b.float())
-        o = linear_layout(layout, (mixed, self.forget_gate(x), beta), state, rec, layer_idx, self.scan)
-        gate = self.g_b_proj(g_a).view(1, -1, self.nh, self.d)
-        return self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(1, -1, self.qkv_dim))
+    def finish(self, o, g_a):
+        B, n = o.shape[:2]
+        gate = self.g_b_proj(g_a).view(B, n, self.nh, self.d)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, n, self.qkv_dim))
 
 
 class MLAttention(nn.Module):
@@ -305,15 +321,33 @@ class MLAttention(nn.Module):
         state.k, state.v = torch.cat(cs, dim=2), torch.cat(rs, dim=2)
         return state.k, state.v
 
-    def forward_layout(self, x, layout, state, rec, layer_idx, live_pos):
-        n = x.shape[1]
-        q = self.query(x).view(1, n, self.nh, self.dn + self.dr).transpose(1, 2)  # [1, H, n, dn + dr]
+    def latents(self, x):
+        """x [B, n, h] -> the absorbed queries q_lat [B, H, n, r + dr], latents c [B, 1, n, r],
+        shared key parts k_r [B, n, dr] and the value up-projection w_uv [H, dv, r]."""
+        B, n = x.shape[:2]
+        q = self.query(x).view(B, n, self.nh, self.dn + self.dr).transpose(1, 2)  # [B, H, n, dn + dr]
         q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
-        c = self.kv_a_layernorm(c)[:, None]  # [1, 1, n, r]
+        c = self.kv_a_layernorm(c)[:, None]  # [B, 1, n, r]
         w = self.kv_b_proj.weight.view(self.nh, self.dn + self.dv, self.r)
         w_uk, w_uv = w[:, : self.dn], w[:, self.dn :]  # [H, dn, r], [H, dv, r]
-        q_lat = torch.cat([torch.einsum("bhnd,hdr->bhnr", q_nope, w_uk), q_rope], dim=-1)  # [1, H, n, r + dr]
+        q_lat = torch.cat([torch.einsum("bhnd,hdr->bhnr", q_nope, w_uk), q_rope], dim=-1)
+        return q_lat, c, k_r, w_uv
+
+    def build_spans(self, x, lengths, seam, datas, layer_idx):
+        """Standalone prefill of B padded segments: causal attention over each one's latents,
+        the body latents [c, k_r] into datas[j] (NoPE: no positions to record)."""
+        B, L = x.shape[:2]
+        q_lat, c, k_r, w_uv = self.latents(x)
+        k_r = k_r[:, None]  # [B, 1, L, dr]
+        o_lat = backends.sdpa(q_lat, torch.cat([c, k_r], dim=-1), c, is_causal=True, scale=self.scale, enable_gqa=True)
+        attention_spans(c, k_r, lengths, seam, datas, layer_idx)
+        out = torch.einsum("bhnr,hvr->bnhv", o_lat, w_uv).reshape(B, L, self.nh * self.dv)
+        return self.o_proj(out)
+
+    def forward_layout(self, x, layout, state, rec, layer_idx, live_pos):
+        n = x.shape[1]
+        q_lat, c, k_r, w_uv = self.latents(x)
         if isinstance(layout, DecodeBatch):
             # one token of each of n requests: their latents padded into one batch under a key mask
             C = append_padded(c, layout, [s.k for s in state])  # [n, 1, N_max, r]
@@ -391,13 +425,18 @@ class KimiDecoderLayer(nn.Module):
     def empty_state(self, device):
         return self.self_attn.empty_state(device)
 
-    def forward_layout(self, x, layout, state, rec, layer_idx, positions):
-        h = self.input_layernorm(x)
-        if self.kind == "linear_attention":
-            x = x + self.self_attn.forward_layout(h, layout, state, rec, layer_idx)
-        else:
-            x = x + self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions)
+    def block(self, x, mix):
+        """x [B, n, h] -> [B, n, h]: pre-norm mixer and MLP halves; mix(h) runs the mixer."""
+        x = x + mix(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_layout(self, x, layout, state, rec, layer_idx, positions):
+        if self.kind == "linear_attention":
+            return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx))
+        return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions))
+
+    def build_spans(self, x, lengths, seam, datas, layer_idx):
+        return self.block(x, lambda h: self.self_attn.build_spans(h, lengths, seam, datas, layer_idx))
 
 
 class KimiLinearLM(LayoutLM):

@@ -37,9 +37,9 @@ from hybridcache.services.runtime.models.common import (
     LayoutLM,
     RMSNorm,
     eos_ids,
-    linear_layout,
     need,
 )
+from hybridcache.services.runtime.models.mixer import LinearMixer
 from hybridcache.services.runtime.models.qwen3_hybrid import Experts, Router
 from hybridcache.services.runtime.sequence import LinearState
 from torch import nn
@@ -174,7 +174,14 @@ class MiniMaxConfig(LayerTypes):
         )
 
 
-class LightningAttention(nn.Module):
+class LightningAttention(LinearMixer):
+    """Lightning attention on the mixer contract (mixer.py), without a short conv (conv_width 1):
+    rec = (q, k, v, g) with g None (the layer's fixed decays) or a per-step log decay [B, n, H]
+    once identity_steps has made padding steps g = 0, k = 0 (no decay, no update). T_t =
+    exp(sum g) is a scalar per head; u_t = T_t q_t (backends.simple_gla_pieces)."""
+
+    conv_width = 1
+
     def __init__(self, cfg: MiniMaxConfig, layer_idx: int):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
@@ -202,17 +209,43 @@ class LightningAttention(nn.Module):
             conv=torch.zeros(1, 0, 0, dtype=dt, device=device),
         )
 
-    def scan(self, inputs, state: LinearState, output_transition: bool):
-        (qkv,) = inputs
-        q, k, v = qkv.reshape(*qkv.shape[:2], self.nh, 3 * self.d).split(self.d, dim=-1)  # [1, n, H, d] each
-        slopes = self.cfg.slopes(self.layer_idx, qkv.device)[self.head_start : self.head_start + self.nh]
-        res = backends.lightning_attention(q, k, v, slopes, 1.0, state.ssm, output_transition)
-        return res[0], res[1], (res[2] if output_transition else None), state.conv
+    def slopes(self, device):
+        """This module's heads' decay rates [H] (fp32)."""
+        return self.cfg.slopes(self.layer_idx, device)[self.head_start : self.head_start + self.nh]
 
-    def forward_layout(self, x, layout, state, rec, layer_idx):
-        qkv = F.silu(self.qkv_proj(x))
-        o = linear_layout(layout, (qkv,), state, rec, layer_idx, self.scan)  # [1, n, H, d]
-        o = self.norm(o.reshape(1, -1, self.nh * self.d).to(x.dtype))
+    def project(self, x):
+        """x [B, n, h] -> ((silu(qkv) [B, n, 3 H d],), x (the output gate's input))."""
+        return (F.silu(self.qkv_proj(x)),), x
+
+    def recurrence_inputs(self, qkv, rest):
+        q, k, v = qkv.reshape(*qkv.shape[:2], self.nh, 3 * self.d).split(self.d, dim=-1)  # [B, n, H, d] each
+        return q, k, v, None
+
+    def log_decays(self, rec):
+        """The per-step log decay [B, n, H] of rec: its g, or the layer's -slopes at every step."""
+        q, _, _, g = rec
+        return g if g is not None else (-self.slopes(q.device))[None, None, :].expand(*q.shape[:3])
+
+    def identity_steps(self, rec, pad):
+        q, k, v, _ = rec
+        g = self.log_decays(rec).masked_fill(pad[..., None], 0.0)
+        return q, k.masked_fill(pad[..., None, None], 0.0), v, g
+
+    def recurrence(self, rec, initial_state, output_transition):
+        q, k, v, g = rec
+        if g is None:
+            res = backends.lightning_attention(q, k, v, self.slopes(q.device), 1.0, initial_state, output_transition)
+        else:
+            res = backends.simple_gla(q, k, v, g, 1.0, initial_state, output_transition)
+        return res[0], res[1], (res[2] if output_transition else None)
+
+    def pieces(self, rec):
+        q, k, v, _ = rec
+        return backends.simple_gla_pieces(q, k, v, self.log_decays(rec), 1.0)
+
+    def finish(self, o, x):
+        B, n = o.shape[:2]
+        o = self.norm(o.reshape(B, n, self.nh * self.d))
         return self.out_proj(torch.sigmoid(self.output_gate(x)) * o)
 
 
@@ -253,15 +286,20 @@ class MiniMaxDecoderLayer(nn.Module):
     def empty_state(self, device):
         return self.self_attn.empty_state(device)
 
-    def forward_layout(self, x, layout, state, rec, layer_idx, positions):
-        # the residual is the normalized input (transformers' MiniMaxDecoderLayer)
+    def block(self, x, mix):
+        """x [B, n, h] -> [B, n, h]; mix(h) runs the mixer. The residual is the normalized input
+        (transformers' MiniMaxDecoderLayer)."""
         h = self.input_layernorm(x)
-        if self.kind == "linear_attention":
-            a = self.self_attn.forward_layout(h, layout, state, rec, layer_idx)
-        else:
-            a = self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions)
-        h = self.post_attention_layernorm(h * self.attn_alpha + a * self.attn_beta)
+        h = self.post_attention_layernorm(h * self.attn_alpha + mix(h) * self.attn_beta)
         return h * self.mlp_alpha + self.mlp(h) * self.mlp_beta
+
+    def forward_layout(self, x, layout, state, rec, layer_idx, positions):
+        if self.kind == "linear_attention":
+            return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx))
+        return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions))
+
+    def build_spans(self, x, lengths, seam, datas, layer_idx):
+        return self.block(x, lambda h: self.self_attn.build_spans(h, lengths, seam, datas, layer_idx))
 
 
 class MiniMaxLM(LayoutLM):

@@ -21,9 +21,9 @@ from hybridcache.services.runtime.models.common import (
     RMSNorm,
     attention_layout,
     eos_ids,
-    linear_layout,
     need,
 )
+from hybridcache.services.runtime.models.mixer import LinearMixer, build_attention
 from hybridcache.services.runtime.sequence import AttnState, LinearState
 from torch import nn
 
@@ -149,7 +149,11 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.weight * xg.view_as(xf).to(x.dtype)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(LinearMixer):
+    """Mamba2 (SSD) on the mixer contract (mixer.py): the conv (with bias) reads x|B|C; rec =
+    (x, dt, B, C) with dt after softplus and clamp. dt = 0 is the identity step (decay exp(0) = 1,
+    update dt B x^T = 0); T_t = exp(A sum dt) is a scalar per head, u_t = T_t C_t."""
+
     def __init__(self, cfg: NemotronHConfig):
         super().__init__()
         self.cfg = cfg
@@ -172,30 +176,35 @@ class Mamba2Mixer(nn.Module):
             conv=torch.zeros(1, self.conv_dim, self.conv_width - 1, dtype=dt, device=device),
         )
 
-    def scan(self, inputs, state: LinearState, output_transition: bool):
-        xbc, dt = inputs
-        b, n = xbc.shape[:2]
-        bias = self.conv1d.bias
-        conv_out, tail = backends.causal_conv1d(xbc, self.conv1d.weight.squeeze(1), bias, state.conv, "silu")
+    def project(self, x):
+        """x [B, n, h] -> ((x|B|C [B, n, conv_dim] (pre-conv), dt [B, n, H]), gate [B, n, inner])."""
+        gate, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, self.h], dim=-1)
+        return (xbc, dt), gate
+
+    def recurrence_inputs(self, conv_out, rest):
+        (dt,) = rest
+        b, n = conv_out.shape[:2]
         x, B, C = torch.split(conv_out, [self.inner, self.g * self.n, self.g * self.n], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp_min(self.cfg.time_step_min)
-        res = backends.ssd(
-            x.reshape(b, n, self.h, self.p),
-            dt,
-            -self.A_log.float().exp(),
-            B.reshape(b, n, self.g, self.n),
-            C.reshape(b, n, self.g, self.n),
-            self.D,
-            state.ssm,
-            output_transition,
-        )
-        return res[0], res[1], (res[2] if output_transition else None), tail
+        return x.reshape(b, n, self.h, self.p), dt, B.reshape(b, n, self.g, self.n), C.reshape(b, n, self.g, self.n)
 
-    def forward_layout(self, x, layout, state, rec, layer_idx):
-        gate, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, self.h], dim=-1)
-        y = linear_layout(layout, (xbc, dt), state, rec, layer_idx, self.scan)  # [1, n, H, P]
-        y = self.norm(y.reshape(1, -1, self.inner).to(x.dtype), gate)
-        return self.out_proj(y.to(x.dtype))
+    def identity_steps(self, rec, pad):
+        x, dt, B, C = rec
+        return x, dt.masked_fill(pad[..., None], 0.0), B, C
+
+    def recurrence(self, rec, initial_state, output_transition):
+        x, dt, B, C = rec
+        res = backends.ssd(x, dt, -self.A_log.float().exp(), B, C, self.D, initial_state, output_transition)
+        return res[0], res[1], (res[2] if output_transition else None)
+
+    def pieces(self, rec):
+        x, dt, B, C = rec
+        return backends.ssd_pieces(x, dt, -self.A_log.float().exp(), B, C, self.D)
+
+    def finish(self, y, gate):
+        b, n = y.shape[:2]
+        y = self.norm(y.reshape(b, n, self.inner), gate)
+        return self.out_proj(y.to(gate.dtype))
 
 
 class NemotronAttention(nn.Module):
@@ -212,13 +221,31 @@ class NemotronAttention(nn.Module):
         z = torch.zeros(1, self.hkv, 0, self.d, dtype=self.o_proj.weight.dtype, device=device)
         return AttnState(k=z, v=z.clone())
 
+    def rotate(self, x, positions):
+        """Keys as they are: no positional encoding, so cached K is used as stored."""
+        return x
+
+    rotates = False  # attention_layout re-rotates cached keys only when True
+
+    def qkv(self, x, positions):
+        """x [B, n, h] -> q [B, Hq, n, d], k, v [B, Hkv, n, d], q and k rotated at `positions`."""
+        B, n = x.shape[:2]
+        q = self.q_proj(x).view(B, n, self.hq, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(B, n, self.hkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(B, n, self.hkv, self.d).transpose(1, 2)
+        return self.rotate(q, positions), self.rotate(k, positions), v
+
     def forward_layout(self, x, layout, state, rec, layer_idx, live_pos):
-        n = x.shape[1]
-        q = self.q_proj(x).view(1, n, self.hq, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(1, n, self.hkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(1, n, self.hkv, self.d).transpose(1, 2)
-        # no positional encoding: cached K is used as stored
-        return self.o_proj(attention_layout(q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5))
+        q, k, v = self.qkv(x, live_pos)
+        rotate = self.rotate if self.rotates else None
+        return self.o_proj(attention_layout(q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5, rotate))
+
+    def build_spans(self, x, lengths, seam, datas, layer_idx):
+        """Standalone prefill of B padded segments (mixer.build_attention)."""
+        B, L = x.shape[:2]
+        q, k, v = self.qkv(x, torch.arange(L, device=x.device))
+        out = build_attention(q, k, v, lengths, seam, datas, layer_idx, self.d**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
 
 
 class Relu2MLP(nn.Module):
@@ -249,6 +276,12 @@ class NemotronBlock(nn.Module):
         if self.kind == "full_attention":
             return x + self.mixer.forward_layout(h, layout, state, rec, layer_idx, positions)
         return x + self.mixer(h)
+
+    def build_spans(self, x, lengths, seam, datas, layer_idx):
+        h = self.norm(x)
+        if self.kind == "mlp":
+            return x + self.mixer(h)
+        return x + self.mixer.build_spans(h, lengths, seam, datas, layer_idx)
 
 
 class NemotronHLM(LayoutLM):

@@ -21,16 +21,15 @@ from hybridcache.services.runtime.models.common import (
     RMSNorm,
     attention_layout,
     eos_ids,
-    linear_layout,
     merge_weights,
     merged_linear,
     need,
 )
+from hybridcache.services.runtime.models.mixer import DeltaRuleMixer, build_attention
 from hybridcache.services.runtime.models.qwen3_hybrid import (
     MLP,
     GatedRMSNorm,
     apply_rope,
-    gated_delta_rule,
     rope_cos_sin,
 )
 from hybridcache.services.runtime.sequence import AttnState, LinearState
@@ -127,7 +126,9 @@ class OlmoHybridConfig(LayerTypes):
         )
 
 
-class OlmoGatedDeltaNet(nn.Module):
+class OlmoGatedDeltaNet(DeltaRuleMixer):
+    """Gated DeltaNet on the mixer contract (mixer.py), beta scaled, output gated by g_proj."""
+
     def __init__(self, cfg: OlmoHybridConfig):
         super().__init__()
         h = cfg.hidden_size
@@ -156,30 +157,31 @@ class OlmoGatedDeltaNet(nn.Module):
             conv=torch.zeros(1, self.conv_dim, self.conv_width - 1, dtype=self.o_proj.weight.dtype, device=device),
         )
 
-    def scan(self, inputs, state: LinearState, output_transition: bool):
-        mixed, b, a = inputs
-        B, n = mixed.shape[:2]
-        conv_out, tail = backends.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, "silu")
+    def project(self, x):
+        """x [B, n, h] -> ((q|k|v [B, n, conv_dim] (pre-conv), b, a [B, n, Hv]), output gate [B, n, value_dim])."""
+        lins = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.a_proj, self.g_proj)
+        mixed, b, a, g = merged_linear(x, getattr(self, "_in_proj", None), lins, [3, 1, 1, 1])
+        return (mixed, b, a), g
+
+    def recurrence_inputs(self, conv_out, rest):
+        b, a = rest
+        B, n = conv_out.shape[:2]
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(B, n, self.hk, self.dk), k.reshape(B, n, self.hk, self.dk)
         rep = self.hv // self.hk  # grouped value heads share a key head
         q, k = backends.l2norm_qk(q, v.dtype, rep), backends.l2norm_qk(k, v.dtype, rep)
         g, beta = backends.gdn_gates(a, b, self.A_log, self.dt_bias)
-        beta = beta * self.beta_scale
-        res = gated_delta_rule(q, k, v.reshape(B, n, self.hv, self.dv), g, beta, state.ssm, output_transition)
-        return res[0], res[1], (res[2] if output_transition else None), tail
+        return q, k, v.reshape(B, n, self.hv, self.dv), g, beta * self.beta_scale
 
     def merge_projections(self) -> int:
         lins = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.a_proj, self.g_proj)
         self._in_proj = merge_weights(*lins)
         return int(self._in_proj is not None)
 
-    def forward_layout(self, x, layout, state, rec, layer_idx):
-        lins = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.a_proj, self.g_proj)
-        mixed, b, a, g = merged_linear(x, getattr(self, "_in_proj", None), lins, [3, 1, 1, 1])
-        o = linear_layout(layout, (mixed, b, a), state, rec, layer_idx, self.scan)
-        o = self.o_norm(o.to(x.dtype).reshape(-1, self.dv), g.reshape(-1, self.dv))
-        return self.o_proj(o.view(1, -1, self.value_dim))
+    def finish(self, o, g):
+        B, n = o.shape[:2]
+        o = self.o_norm(o.reshape(-1, self.dv), g.reshape(-1, self.dv))
+        return self.o_proj(o.view(B, n, self.value_dim))
 
 
 class OlmoAttention(nn.Module):
@@ -203,16 +205,27 @@ class OlmoAttention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.d, self.cfg.rope_theta, torch.float32)
         return apply_rope(x.float(), cos, sin).to(x.dtype)
 
-    def forward_layout(self, x, layout, state, rec, layer_idx, live_pos):
-        n = x.shape[1]
-        q = self.q_norm(self.q_proj(x)).view(1, n, self.hq, self.d).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x)).view(1, n, self.hkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(1, n, self.hkv, self.d).transpose(1, 2)
-        rotate = None
+    def qkv(self, x, positions):
+        """x [B, n, h] -> q [B, Hq, n, d], k, v [B, Hkv, n, d] (q, k rotated at `positions` unless NoPE)."""
+        B, n = x.shape[:2]
+        q = self.q_norm(self.q_proj(x)).view(B, n, self.hq, self.d).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x)).view(B, n, self.hkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(B, n, self.hkv, self.d).transpose(1, 2)
         if self.cfg.rope_theta is not None:
-            q, k, rotate = self.rotate(q, live_pos), self.rotate(k, live_pos), self.rotate
+            q, k = self.rotate(q, positions), self.rotate(k, positions)
+        return q, k, v
+
+    def forward_layout(self, x, layout, state, rec, layer_idx, live_pos):
+        q, k, v = self.qkv(x, live_pos)
+        rotate = self.rotate if self.cfg.rope_theta is not None else None
         out = attention_layout(q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5, rotate)
         return self.o_proj(out)
+
+    def build_spans(self, x, lengths, seam, datas, layer_idx):
+        B, L = x.shape[:2]
+        q, k, v = self.qkv(x, torch.arange(L, device=x.device))
+        out = build_attention(q, k, v, lengths, seam, datas, layer_idx, self.d**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
 
 
 class OlmoDecoderLayer(nn.Module):
@@ -232,14 +245,23 @@ class OlmoDecoderLayer(nn.Module):
         mixer = self.linear_attn if self.kind == "linear_attention" else self.self_attn
         return mixer.empty_state(device)
 
+    def block(self, x, mix):
+        """x [B, n, h] -> [B, n, h] around mix (the mixer on its input): linear layers pre-norm,
+        attention layers post-norm."""
+        if self.kind == "linear_attention":
+            x = x + mix(self.input_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(mix(x))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
     def forward_layout(self, x, layout, state, rec, layer_idx, positions):
         if self.kind == "linear_attention":
-            x = x + self.linear_attn.forward_layout(self.input_layernorm(x), layout, state, rec, layer_idx)
-            return x + self.mlp(self.post_attention_layernorm(x))
-        # post-norm block
-        h = self.self_attn.forward_layout(x, layout, state, rec, layer_idx, positions)
-        x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(x))
+            return self.block(x, lambda h: self.linear_attn.forward_layout(h, layout, state, rec, layer_idx))
+        return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions))
+
+    def build_spans(self, x, lengths, seam, datas, layer_idx):
+        mixer = self.linear_attn if self.kind == "linear_attention" else self.self_attn
+        return self.block(x, lambda h: mixer.build_spans(h, lengths, seam, datas, layer_idx))
 
 
 class OlmoHybridLM(LayoutLM):
