@@ -257,3 +257,106 @@ def test_tiny_model_cuda_fp32_matches_cpu_and_pic_is_consistent(arch, tmp_path, 
     gap = (cold.logits - warm.logits).abs().max().item()
     print(f"{arch}: max |cold - warm| = {gap:.3g}")
     assert gap <= (LOGITS_ATOL[arch] if arch in LOGITS_ATOL else 1e-4), f"{arch}: max |cold - warm| = {gap:.3g}"
+
+
+# Zero-start pieces of the batched live scan (mixer.LinearMixer.batched_scan): o0, (T, S(run|0)) and
+# the query transition u, so that a run from any S_in has outputs o0 + u S_in
+
+
+def _check_pieces(pieces, run_from, init):
+    """pieces = (o0, T, S0, u) of the CUDA path; run_from(init) the fp32 reference run from init
+    with its transition: o0 + u init equals its outputs, T and S0 its pair."""
+    o0, Tr, S0, u = pieces
+    o_ref, _, (T_ref, S0_ref) = run_from(init)
+    assert rel_rms(o0.float() + backends.run_outputs_from_states(u, init), o_ref) < TOL
+    assert rel_rms(Tr, T_ref) < TOL and rel_rms(S0, S0_ref) < TOL
+
+
+@pytest.mark.parametrize("B,T,H,K,V", SHAPES + [(3, 9, 3, 32, 32)], ids=IDS + ["short-B3-T9"])
+def test_kda_pieces_match_reference(B, T, H, K, V):
+    _need_fla("fla.ops.kda")
+    q, k, v, g, beta, init = _kda_inputs(B, T, H, K, V, seed=6)
+    pieces = backends.kda_pieces(q, k, v, g, beta)
+    assert pieces[3].shape == (B, T, H, K)
+    _check_pieces(
+        pieces,
+        lambda s: naive_recurrent_kda(
+            q.float(), k.float(), v.float(), g, beta, initial_state=s, output_transition=True
+        ),
+        init,
+    )
+
+
+@pytest.mark.parametrize("B,T,H,K,V", SHAPES + [(3, 9, 3, 32, 32)], ids=IDS + ["short-B3-T9"])
+def test_lightning_and_ssd_pieces_match_reference(B, T, H, K, V):
+    """simple_gla_pieces with per-step decays (lightning's fixed rates, zeroed on padding steps)
+    and ssd_pieces, CUDA against the step loops."""
+    _need_fla("fla.ops.simple_gla")
+    from hybridcache.kernels.ops.simple_gla.naive import naive_recurrent_simple_gla
+
+    torch.manual_seed(7)
+    dev = "cuda"
+    q = (torch.randn(B, T, H, K, device=dev) * K**-0.5).bfloat16()
+    k = (torch.randn(B, T, H, K, device=dev) * K**-0.5).bfloat16()
+    v = torch.randn(B, T, H, V, device=dev).bfloat16()
+    g = (-(lightning_slopes(H) * 0.1).to(dev))[None, None].expand(B, T, H).clone()
+    g[0, T // 2 :] = 0.0  # padding steps of the first run: no decay (and k = 0 there)
+    k[0, T // 2 :] = 0
+    init = torch.randn(B, H, K, V, device=dev)
+    _check_pieces(
+        backends.simple_gla_pieces(q, k, v, g, 1.0),
+        lambda s: naive_recurrent_simple_gla(
+            q.float(), k.float(), v.float(), g, scale=1.0, initial_state=s, output_transition=True
+        ),
+        init,
+    )
+    x = torch.randn(B, T, H, V, device=dev).bfloat16()
+    dt = F.softplus(torch.randn(B, T, H, device=dev) - 2)
+    A = -torch.rand(H, device=dev) - 0.1
+    Bm = (torch.randn(B, T, 1, K, device=dev) * K**-0.5).bfloat16()
+    C = (torch.randn(B, T, 1, K, device=dev) * K**-0.5).bfloat16()
+    D = torch.randn(H, device=dev)
+    _check_pieces(
+        backends.ssd_pieces(x, dt, A, Bm, C, D),
+        lambda s: naive_ssd(x.float(), dt, A, Bm.float(), C.float(), D=D, initial_state=s, output_transition=True),
+        init,
+    )
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_tiny_model_batched_build_and_scan_on_cuda(arch, tmp_path, monkeypatch, one_autotune_config):
+    """On CUDA (fp32, fla's kernels): the batched cold build of segments of several lengths equals
+    building each alone, and the batched scan of a pic assembly equals one scan per run."""
+    _need_fla(FAMILIES[arch])
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    from hybridcache.services.runtime.loader import load_model
+    from hybridcache.services.runtime.models.mixer import LinearMixer
+    from hybridcache.services.runtime.modelzoo import init_model_dir
+    from hybridcache.services.runtime.sequence import CachedSpan, LiveRun
+
+    tol = LOGITS_ATOL.get(arch, 1e-3)
+    path = init_model_dir(arch, "tiny", tmp_path / arch, seed=1, std=0.08)
+    gpu = load_model(path, "cuda")
+    gen = torch.Generator().manual_seed(9)
+    segs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 9, 17, 70, 131)]
+    with torch.inference_mode():
+        batched = gpu.build_span_data(segs, 4)
+        for seg, b in zip(segs, batched):
+            (a,) = gpu.build_span_data([seg], 4)
+            for i in a.linear:
+                for f in ("T", "S", "conv_tail"):
+                    x, y = getattr(b.linear[i], f), getattr(a.linear[i], f)
+                    assert x.shape == y.shape and (not y.numel() or rel_rms(x, y) < tol), (arch, len(seg), i, f)
+            for i in a.attn:
+                assert rel_rms(b.attn[i].k, a.attn[i].k) < tol and rel_rms(b.attn[i].v, a.attn[i].v) < tol
+        layout, pos = [LiveRun(torch.arange(3, 9), 0)], 6
+        for seg, data in zip(segs[1:], batched[1:]):
+            layout += [LiveRun(torch.tensor(seg[:4]), pos), CachedSpan(data, pos + 4)]
+            pos += len(seg)
+        layout.append(LiveRun(torch.tensor([7, 8, 9, 10, 11]), pos))
+        fast, _ = gpu.forward_layout(gpu.empty_state(), layout, logits_for="all")
+        monkeypatch.setattr(LinearMixer, "batched_scan", lambda self, *a: self.sequential_scan(*a))
+        slow, _ = gpu.forward_layout(gpu.empty_state(), layout, logits_for="all")
+    err = (fast.float() - slow.float()).abs().max().item()
+    print(f"\n{arch}: max |batched - sequential scan| = {err:.3g}")
+    assert err <= tol
