@@ -9,7 +9,7 @@ from concurrent import futures
 
 import grpc
 import pytest
-from hybridcache.services.protocol import pb, rpc
+from hybridcache.services.protocol import pb, rpc, segment_ids
 from hybridcache.services.router.cost import CostModel
 from hybridcache.services.transport import Endpoint, get_transport
 from hybridcache.services.transport.codec import entry_chunks
@@ -72,7 +72,7 @@ class _Scatter(rpc.ScatterServicer):
         self.prefills += 1
         transport = get_transport("grpc")
         for seg in request.segments:
-            yield from entry_chunks(self.engine.build_entry(list(seg.token_ids)), seg.index, transport)
+            yield from entry_chunks(self.engine.build_entry(segment_ids(seg)), seg.index, transport)
 
 
 @pytest.mark.parametrize("scatter_endpoint, same_gpu_setting, asked", [
