@@ -125,7 +125,12 @@ class CombineServicer(rpc.CombineServicer):
 
         keys = list(received)
         slices = [[entry_to(received[k][0], self.device), *received[k][1:]] for k in keys]
-        return dict(zip(keys, scatter_entries(self.engine.group, slices)))
+        try:
+            return dict(zip(keys, scatter_entries(self.engine.group, slices)))
+        except Exception:  # noqa: BLE001 - every rank failed alike (else the group is broken): rebuilt
+            log.warning("handing %d received entries to the ranks failed; they are rebuilt", len(keys),
+                        exc_info=True)
+            return {}
 
     def warmup(self) -> dict:
         """The engine's warm-up (Engine.warmup) with every request served by this worker's
@@ -270,7 +275,11 @@ class CombineServicer(rpc.CombineServicer):
             elif retry:
                 # No scatter worker left: the engine builds them itself (source "built").
                 break
-        pinned.update(self._hand_out(received) if self.tp_size > 1 else received)
+        taken = self._hand_out(received) if self.tp_size > 1 else received
+        pinned.update(taken)
+        for i, key in keys.items():
+            if source.get(i) in ("tier", "scatter") and key not in taken:
+                del source[i]  # not handed out after all: the engine builds it
         return pinned, source, moved
 
     def Generate(self, request, context):

@@ -135,3 +135,30 @@ def test_combine_worker_takes_a_bundle_from_the_tier_and_misses_a_tp1_entry(grou
         assert [s.source for s in stats.segments] == ["entry", "built"]
     finally:
         combine.close()
+
+
+def test_a_hand_over_that_fails_on_every_rank_is_a_miss_and_the_group_goes_on(group, tp1, tier, monkeypatch):
+    """Slices that cannot be sent (here: not serialisable) fail the hand-over on every rank alike:
+    the combine worker rebuilds those segments, the answer is TP = 1's, and the group still works."""
+    from hybridcache.services.runtime.tensor_parallel import entries
+
+    with pytest.raises(Exception):  # noqa: B017 - pickle's own error: a lambda cannot be serialised
+        group.scatter([lambda: 0, lambda: 1])
+    store, address = tier
+    eng = group.target.pic
+    combine = CombineServicer(eng)
+    try:
+        segs = [_ids(6, 39)]
+        [held] = gather_entries(group, eng.build_entries(segs))
+        store.put(held)
+        real = entries.scatter_entries
+        monkeypatch.setattr(entries, "scatter_entries",
+                            lambda g, slices: real(g, [[*s[:-1], lambda: 0] for s in slices]))
+        request = pb.CombineRequest(plan=[pb.SegmentPlan(index=0, key=held.key, source="tier", address=address)])
+        pinned, source, _ = combine._gather(request, segs)
+        assert pinned == {} and source == {}
+        handle = combine.scheduler.add_request(eng.parse_request(_request(segs, 94)), pinned)
+        assert handle.result().output_ids == tp1.generate(_request(segs, 94)).output_ids
+        assert [s.source for s in handle.prefill.stats.segments] == ["built"]
+    finally:
+        combine.close()
