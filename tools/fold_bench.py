@@ -1,6 +1,6 @@
 """The live scan's fold of one linear layer, alone: cached spans' entries and the layer's seam
 runs folded from the running state with every intermediate state out, as
-`GatedDeltaNet.batched_scan` does for a pic assembly (Qwen3.5-9B's linear layer: 32 heads,
+`LinearMixer.batched_scan` (models/mixer.py) does for a pic assembly (Qwen3.5-9B's linear layer: 32 heads,
 128 x 128 state, bf16 entries; 32 spans and 33 runs, the 32 x 1k + question request).
 
 Variants, same inputs, timed in the same run:

@@ -249,7 +249,7 @@ class LinearMixer(nn.Module):
             entering.append(p - 1)
             if rec is not None and piece.record == "entry":
                 rec.entries[idx].linear[layer_idx] = LinearSpan(
-                    T=T_runs[j : j + 1].clone(), S=S0_runs[j : j + 1].clone(), conv_tail=tail_after(j).clone()
+                    T=T_runs[j : j + 1].clone(), S=S0_runs[j : j + 1].clone(), conv_tail=tail_after(j)
                 )
             if idx in kept:
                 rec.snapshots[idx][layer_idx] = LinearState(kept[idx], tail_after(j))
