@@ -158,20 +158,33 @@ def test_batched_live_runs_equal_transformers(arch, models, dirs, monkeypatch):
     n = sum(lengths)
     ids = torch.tensor(tokens(n, seed=7))
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    layout = [LiveRun(ids[a : a + m], a) for a, m in zip(starts, lengths)]
+    record = [None, None, "entry", None, None]
+    layout = [LiveRun(ids[a : a + m], a, record=r) for a, m, r in zip(starts, lengths, record)]
     calls = []
     real = LinearMixer.batched_scan
     monkeypatch.setattr(LinearMixer, "batched_scan", lambda self, *a: calls.append(1) or real(self, *a))
     state = model.empty_state()
-    ours, _ = model.forward_layout(state, layout, logits_for="all")
+    ours, rec = model.forward_layout(state, layout, logits_for="all", snapshot_after=(1, 3))
     assert len(calls) == len(linear_mixers(model))
     with torch.no_grad():
         hf = AutoModelForCausalLM.from_pretrained(dirs(arch), dtype=torch.float32).eval()
         ref = hf(ids[None]).logits[0]
     assert (ours - ref).abs().max().item() <= 1e-4
     sequential_only(monkeypatch)
-    slow, _ = model.forward_layout(model.empty_state(), layout, logits_for="all")
+    slow, slow_rec = model.forward_layout(model.empty_state(), layout, logits_for="all", snapshot_after=(1, 3))
     assert (ours - slow).abs().max().item() <= 1e-4
+    # the run recorded as an entry and the states kept after runs 1 and 3 (the short run among them)
+    for i, span in slow_rec.entries[2].linear.items():
+        got = rec.entries[2].linear[i]
+        for f in ("T", "S", "conv_tail"):
+            assert getattr(got, f).shape == getattr(span, f).shape
+            if getattr(span, f).numel():
+                assert rel(getattr(got, f), getattr(span, f)) <= 1e-5, (i, f)
+    for idx in (1, 3):
+        for i, snap in slow_rec.snapshots[idx].items():
+            assert rel(rec.snapshots[idx][i].ssm, snap.ssm) <= 1e-5
+            if snap.conv.numel():
+                assert rel(rec.snapshots[idx][i].conv, snap.conv) <= 1e-5
 
 
 class OpCounter(TorchDispatchMode):
