@@ -137,13 +137,18 @@ def test_combine_worker_takes_a_bundle_from_the_tier_and_misses_a_tp1_entry(grou
         combine.close()
 
 
-def test_a_hand_over_that_fails_on_every_rank_is_a_miss_and_the_group_goes_on(group, tp1, tier, monkeypatch):
-    """Slices that cannot be sent (here: not serialisable) fail the hand-over on every rank alike:
-    the combine worker rebuilds those segments, the answer is TP = 1's, and the group still works."""
+def test_a_failed_hand_over_is_a_miss_and_the_group_goes_on(group, tp1, tier, monkeypatch):
+    """Slices that cannot be sent (here: not serialisable) fail the hand-over on every rank alike,
+    a follower's object that cannot be sent fails a gather on rank 0: the group still works, and
+    the combine worker rebuilds the segments it could not hand out, with TP = 1's answer."""
     from hybridcache.services.runtime.tensor_parallel import entries
 
     with pytest.raises(Exception):  # noqa: B017 - pickle's own error: a lambda cannot be serialised
         group.scatter([lambda: 0, lambda: 1])
+    # a follower's counterpart that cannot be sent (its engines hold locks): rank 0 hears of it
+    with pytest.raises(ranks.TPError, match="could not send"):
+        group.gather(group.target)
+    assert len(gather_entries(group, group.target.pic.build_entries([_ids(7, 20)]))) == 1
     store, address = tier
     eng = group.target.pic
     combine = CombineServicer(eng)

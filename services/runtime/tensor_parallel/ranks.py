@@ -225,12 +225,13 @@ def _dumps(obj) -> bytes:
 
 
 def _op_gather(obj) -> None:
-    """A follower's side of TPGroup.gather: send its own `obj` to rank 0."""
+    """A follower's side of TPGroup.gather: send its own `obj` to rank 0 (nothing, when it cannot
+    be serialised: rank 0 raises, and the ranks, which changed nothing, go on)."""
     try:
         payload = _dumps(obj)
-    except Exception:
-        _send_obj(b"", 0)
-        raise
+    except Exception:  # noqa: BLE001 - rank 0 hears of it by the empty message
+        log.warning("gather: this rank's object cannot be serialised", exc_info=True)
+        payload = b""
     _send_obj(payload, 0)
 
 
@@ -375,11 +376,14 @@ class TPGroup:
                     got.append(_recv_obj(r))
                 except TPError as e:
                     errors.append(e)
-            if errors:
-                raise errors[0]
-            return got
+            return got, errors
 
-        return self._op("gather", (obj,), run)
+        # a follower that could not send leaves the ranks as they were: the call succeeds on every
+        # rank, and rank 0 raises after it
+        got, errors = self._op("gather", (obj,), run)
+        if errors:
+            raise errors[0]
+        return got
 
     def scatter(self, objs: list):
         """Give rank r objs[r] (len(objs) == size, alike in structure) and name each rank's
