@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -92,6 +93,10 @@ def served_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
     return max_model_len or cfg.max_position_embeddings
 
 
+# keys remembered per combine worker as held in its own cache (newest last; the oldest forgotten)
+HELD_KEYS_PER_COMBINE = 1 << 16
+
+
 class Router:
     def __init__(self, model_dir: str | Path, directory: Directory, config: RouterConfig | None = None,
                  runtime: RuntimeConfig | None = None):
@@ -113,6 +118,9 @@ class Router:
         self._channels: dict[str, grpc.Channel] = {}
         self._tiers: dict[str, CacheTierClient] = {}
         self.info: pb.InfoReply | None = None
+        # combine worker -> keys of the entries it folded into a request it finished: it keeps
+        # them in its own cache, so a request sent to it again needs no tier lookup for them
+        self._held: dict[str, OrderedDict[str, None]] = {}
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
@@ -173,16 +181,43 @@ class Router:
                                   f"max model length of {self.max_model_len} tokens")
         return req
 
-    def plan(self, req) -> tuple[list[pb.SegmentPlan], dict[str, float], list[str]]:
-        """Per cacheable segment: fetch from the tier (if held and sooner) or build on a scatter worker."""
+    def plan(self, req, combine: str = "") -> tuple[list[pb.SegmentPlan], dict[str, float], list[str]]:
+        """Per cacheable segment: fetch from the tier (if held and sooner) or build on a scatter worker.
+
+        Segments whose entries `combine` (the worker the request goes to first) folded into an
+        earlier request are planned from the tier without asking it: that worker looks in its
+        own cache first, then the tier, and builds what neither holds (the answer is the same;
+        only a segment it has evicted since costs a build)."""
         if self.info is None:
             self.connect(timeout_s=5.0)
         segments = self.planner.reused_segments(req)
-        cacheable = [(s.index, s.token_ids) for s in segments]
         keys = [s.key for s in segments]
         ring = self.directory.ring("cache-tier")  # the tier members, read once for every key
         tiers = ring.members
         owners = [ring.owner(key) for key in keys]
+        with self._lock:
+            held = self._held.get(combine, {})
+            known = {n for n, key in enumerate(keys) if key in held}
+        plan = [pb.SegmentPlan(index=segments[n].index, key=keys[n], source="tier" if owners[n] else "local",
+                               address=owners[n]) for n in sorted(known)]
+        rest = [n for n in range(len(keys)) if n not in known]
+        more, assigned = self._plan_segments([segments[n] for n in rest], [keys[n] for n in rest],
+                                             [owners[n] for n in rest])
+        return plan + more, assigned, tiers
+
+    def _remember(self, combine: str, plan) -> None:
+        """`combine` finished a request with these segments folded in: it holds their entries."""
+        with self._lock:
+            held = self._held.setdefault(combine, OrderedDict())
+            for p in plan:
+                held[p.key] = None
+                held.move_to_end(p.key)
+            while len(held) > HELD_KEYS_PER_COMBINE:
+                held.popitem(last=False)
+
+    def _plan_segments(self, segments, keys: list[str], owners: list[str]):
+        """(plan, assigned) of these segments: a tier Stat per owner, then fetch or rebuild."""
+        cacheable = [(s.index, s.token_ids) for s in segments]
         by_owner: dict[str, list[int]] = {}
         for n, owner in enumerate(owners):
             if owner:
@@ -235,7 +270,7 @@ class Router:
         else:
             # No scatter worker: the combine worker builds cold segments itself.
             plan += [pb.SegmentPlan(index=idx, key=key, source="local") for idx, key, _, _ in cold]
-        return plan, assigned, tiers
+        return plan, assigned
 
     def _release(self, plan, assigned: dict[str, float]) -> None:
         with self._lock:
@@ -258,12 +293,12 @@ class Router:
         t0 = time.perf_counter() if received is None else received
         with tracing.tracer().start_as_current_span("router.request") as span:
             span.set_attribute("hybridcache.prompt_tokens", req.prompt_len)
-            plan, assigned, tiers = self.plan(req)
             combines = self.directory.members("combine")
             if not combines:
-                self._release(plan, assigned)
                 raise ServiceUnavailable("no combine worker is registered")
             start = next(self._rr)
+            order = [combines[(start + k) % len(combines)] for k in range(len(combines))]
+            plan, assigned, tiers = self.plan(req, order[0])
             creq = pb.CombineRequest(
                 request_id=uuid.uuid4().hex, system_ids=req.system_ids,
                 segments=[segment(i, s, live=i in req.live) for i, s in enumerate(req.segment_ids)],
@@ -275,7 +310,6 @@ class Router:
             t_asked = time.perf_counter()
             t_first_token = None
             try:
-                order = [combines[(start + k) % len(combines)] for k in range(len(combines))]
                 combine, chunks = self._open(creq, order, control)
                 for chunk in chunks:
                     now = time.perf_counter()
@@ -289,6 +323,8 @@ class Router:
                     last_t = now
                     if t_first_token is None and not chunk.done and chunk.token_id >= 0:
                         t_first_token = now
+                    if chunk.done and not chunk.error:
+                        self._remember(combine, plan)
                     if chunk.done and chunk.stats_json:
                         stats = json.loads(chunk.stats_json)
                         self._learn(stats)

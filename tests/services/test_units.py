@@ -266,6 +266,45 @@ def test_router_plan_fetches_or_recomputes_held_entries(engine, model_dir):
         server.stop(0)
 
 
+def test_router_asks_the_tier_only_for_entries_the_combine_worker_does_not_hold(engine, model_dir):
+    """After a combine worker finished a request, the router plans that request's segments from the
+    tier for that worker without a Stat (the worker looks in its own cache first); another worker,
+    or a segment it has not folded in, is still looked up."""
+    from hybridcache.services.protocol import pb
+    from hybridcache.services.router.router import Router
+
+    stats = []
+
+    class Counting(CacheTierServicer):
+        def Stat(self, request, context):
+            stats.append(list(request.keys))
+            return super().Stat(request, context)
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    rpc.add_CacheTierServicer_to_server(Counting(TierStore(1 << 24)), server)
+    tier = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(tier)
+    server.start()
+    try:
+        router = Router(model_dir, InProcessDirectory({"cache-tier": [tier]}))
+        router.adopt(pb.InfoReply(fingerprint=engine.fingerprint, seam_window=engine.config.seam_window, mode="pic"))
+        a, b, c = ([7 + (i * k) % 150 for i in range(40)] for k in (1, 3, 5))
+        req = router.parse({"segments": [a, b], "suffix": "q"})
+        plan, _, _ = router.plan(req, "combine-1")
+        assert len(stats) == 1 and sorted(p.source for p in plan) == ["local", "local"]  # the tier holds nothing
+        router._remember("combine-1", plan)
+        plan, _, _ = router.plan(router.parse({"segments": [b, a], "suffix": "q"}), "combine-1")
+        assert len(stats) == 1
+        assert sorted((p.index, p.key, p.source, p.address) for p in plan) == sorted(
+            [(0, router.planner.entry_key(b), "tier", tier), (1, router.planner.entry_key(a), "tier", tier)])
+        plan, _, _ = router.plan(router.parse({"segments": [a, c], "suffix": "q"}), "combine-1")
+        assert stats[-1] == [router.planner.entry_key(c)] and len(stats) == 2
+        router.plan(req, "combine-2")
+        assert len(stats) == 3 and len(stats[-1]) == 2
+    finally:
+        server.stop(0)
+
+
 class _FakeCombine(rpc.CombineServicer):
     """A combine worker that refuses every request (queue full) or answers two tokens."""
 
