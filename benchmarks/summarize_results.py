@@ -132,6 +132,8 @@ FIGURES = (
            "figures.cold_pic_ttft_with_scatter_vs_without", "x", 2, goal="<= 1"),
     Figure("scatter -> combine entry bandwidth, two processes on one GPU (CUDA IPC)", "served_gpu_h200*.json",
            "figures.scatter_to_combine_gb_per_s", "GB/s", 2, goal=">= 50"),
+    Figure("scatter -> combine through the CUDA IPC arena, two processes on one GPU (32 x 9B 8-layer entries)",
+           "transport_loopback_cuda_ipc_h200*.json", "figures.scatter_to_combine_gb_per_s", "GB/s", 1, goal=">= 50"),
     Figure("TP 1 cold prefill, 32k tokens (Qwen3.5-9B shape, bf16; the TP 2 baseline)", "tensor_parallel_h200*.json",
            "figures.tp1_prefill_s_32k", "s", 2),
     Figure("TP 1 decode, 32 streams of 1k-token prompts", "tensor_parallel_h200*.json",

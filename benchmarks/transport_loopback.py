@@ -61,6 +61,8 @@ def synthetic_entry(mib: int) -> SegmentEntry:
 
 
 def commit() -> str:
+    if os.environ.get("HYBRIDCACHE_COMMIT"):
+        return os.environ["HYBRIDCACHE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
