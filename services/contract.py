@@ -37,7 +37,8 @@ METRIC_COLD_QUEUE_DEPTH = "hybridcache_cold_segment_queue_depth"  # gauge, the s
 # CUDA / CPU-only worker)
 METRIC_CACHE_QUERIES = "hybridcache_cache_queries_total"
 METRIC_CACHE_HITS = "hybridcache_cache_hits_total"  # counter, label tier
-METRIC_BYTES_MOVED = "hybridcache_bytes_moved_total"  # counter, label path=shm|grpc|nccl
+# counter, label path=shm|grpc|cuda_ipc|..., tensor_parallel: entry slices between a worker's ranks
+METRIC_BYTES_MOVED = "hybridcache_bytes_moved_total"
 METRIC_ENTRY_BUILD_SECONDS = "hybridcache_entry_build_seconds"  # histogram
 METRIC_REQUESTS = "hybridcache_requests_total"  # counter, label status
 METRIC_CACHE_BYTES = "hybridcache_cache_bytes"  # gauge, label tier

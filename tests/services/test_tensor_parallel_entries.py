@@ -17,6 +17,7 @@ from hybridcache.services.cache_tier.store import TierStore
 from hybridcache.services.combine.worker import CombineServicer
 from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.launcher import free_port
+from hybridcache.services.observability import metrics
 from hybridcache.services.protocol import pb, rpc
 from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.engine import Engine
@@ -125,8 +126,11 @@ def test_combine_worker_takes_a_bundle_from_the_tier_and_misses_a_tp1_entry(grou
         store.put(SegmentEntry(keys[1], one.segment_tokens, one.data, one.build_seconds))
         request = pb.CombineRequest(plan=[pb.SegmentPlan(index=i, key=k, source="tier", address=address)
                                           for i, k in enumerate(keys)])
+        before = metrics.BYTES_MOVED.labels(path="tensor_parallel")._value.get()
         pinned, source, moved = combine._gather(request, segs)
         assert source == {0: "tier"} and set(pinned) == {keys[0]} and moved["tier_bytes"] == held.nbytes
+        # rank 1's half went to rank 1
+        assert metrics.BYTES_MOVED.labels(path="tensor_parallel")._value.get() - before == held.nbytes // SIZE
         assert pinned[keys[0]].meta["tensor_parallel"] == "0/2"
         want = tp1.generate(_request(segs)).output_ids
         handle = combine.scheduler.add_request(eng.parse_request(_request(segs)), pinned)

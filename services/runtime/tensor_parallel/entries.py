@@ -64,15 +64,26 @@ def unbundle(entry: SegmentEntry, size: int) -> list[SegmentEntry] | str:
 
 def gather_entries(group, entries: list[SegmentEntry]) -> list[SegmentEntry]:
     """Bundles of entries every rank of `group` built (`entries`: rank 0's, each named across the
-    ranks), on rank 0's device."""
+    ranks), on rank 0's device. The followers' bytes count in hybridcache_bytes_moved_total
+    (path tensor_parallel)."""
     per_rank = group.gather(list(entries))
+    _count(e for slices in per_rank[1:] for e in slices)
     return [bundle(list(slices)) for slices in zip(*per_rank)]
 
 
 def scatter_entries(group, slices: list[list[SegmentEntry]]) -> list[SegmentEntry]:
     """Hand each rank its slices (slices[j][r]: rank r's of entry j, from unbundle): rank r gets
     [slices[j][r] for every j] on its device; rank 0's list comes back, each entry named across
-    the ranks (pass it to the engine's broadcast calls, where each rank finds its own)."""
+    the ranks (pass it to the engine's broadcast calls, where each rank finds its own). The bytes
+    handed to the followers count in hybridcache_bytes_moved_total (path tensor_parallel)."""
     if not slices:
         return []
-    return group.scatter([[s[r] for s in slices] for r in range(group.size)])
+    mine = group.scatter([[s[r] for s in slices] for r in range(group.size)])
+    _count(e for s in slices for e in s[1:])
+    return mine
+
+
+def _count(entries) -> None:
+    from hybridcache.services.observability import metrics
+
+    metrics.BYTES_MOVED.labels(path="tensor_parallel").inc(sum(e.nbytes for e in entries))
