@@ -199,3 +199,29 @@ def test_start_up_measurement_of_the_cuda_ipc_device_work():
     bw = measure_bandwidths("cuda")
     print(f"start-up: cuda_ipc device work {bw['cuda_ipc'] / 1e9:.0f} GB/s, shm {bw['shm'] / 1e9:.2f} GB/s")
     assert bw["cuda_ipc"] > 10e9 and bw["shm"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_served_tp2_scatter_entries_reach_every_combine_rank(model_dir):
+    """`hybridcache up --device cuda --gpus 0,1 --tensor-parallel-size 2`: the scatter worker's two
+    ranks build each cold entry, rank 0 streams the bundle of both slices (CUDA IPC: the workers
+    share the host and see both GPUs), the combine worker hands rank 1 its slice over the group;
+    the cold answer (from the scatter worker) equals the warm one (the combine worker's own)."""
+    from hybridcache.services.launcher import LocalCluster, free_port
+    from serving_helpers import http
+
+    docs = [list(range(10 + 7 * i, 10 + 7 * i + 60)) for i in range(4)]
+    body = {"segments": docs, "input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    with LocalCluster(model_dir, port=free_port(), scatter_workers=1, device="cuda", gpus=(0, 1),
+                      tensor_parallel_size=2, ready_timeout_s=600,
+                      extra={"combine": ["--scatter-same-gpu", "on"]}) as c:
+        status, cold = http("POST", f"{c.url}/generate", body, timeout=300)
+        assert status == 200, cold
+        st = cold["hybridcache"]
+        assert [s["source"] for s in st["segments"]] == ["scatter"] * len(docs), st["segments"]
+        assert st["scatter_bytes"] > 0
+        status, warm = http("POST", f"{c.url}/generate", body, timeout=300)
+        assert status == 200 and warm["text"] == cold["text"]
+        assert warm["hybridcache"]["built_tokens"] == 0
+        print(f"served TP 2: entries over {st['scatter_path']}, {st['scatter_bytes'] / 1e6:.1f} MB")
