@@ -64,6 +64,27 @@ class LinearMixer(nn.Module):
 
     conv_width: int = 1
 
+    def project(self, x):
+        raise NotImplementedError
+
+    def recurrence_inputs(self, conv_out, rest):
+        raise NotImplementedError
+
+    def identity_steps(self, rec, pad):
+        raise NotImplementedError
+
+    def recurrence(self, rec, initial_state, output_transition):
+        raise NotImplementedError
+
+    def pieces(self, rec):
+        raise NotImplementedError
+
+    def finish(self, o, gate):
+        raise NotImplementedError
+
+    def empty_state(self, device) -> LinearState:
+        raise NotImplementedError
+
     def conv_weight(self):
         return self.conv1d.weight.squeeze(1), self.conv1d.bias
 
