@@ -37,6 +37,7 @@ from hybridcache.services.transport import Endpoint, local_endpoint, measure_ban
 from hybridcache.services.transport.codec import EntryAssembler, entry_to
 
 log = logging.getLogger("hybridcache.combine")
+PEER_RETRY_S = 10.0  # a scatter worker that did not answer Describe is asked again after this
 
 
 def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]], cache_tier: str,
@@ -93,6 +94,7 @@ class CombineServicer(rpc.CombineServicer):
         self.device = engine.model.device
         self.endpoint = local_endpoint(self.device)
         self._peers: dict[str, Endpoint | None] = {}  # scatter worker -> its Endpoint (Describe)
+        self._peer_retry: dict[str, float] = {}  # scatter worker that did not answer -> when to ask again
         self.scatter_same_gpu = engine.config.scatter_same_gpu
         self._no_device_path: set[str] = set()  # scatter workers whose CUDA IPC blocks could not be opened here
         self.transport_bandwidth = measure_bandwidths(self.device)
@@ -146,16 +148,19 @@ class CombineServicer(rpc.CombineServicer):
         return self.endpoint
 
     def scatter_endpoint(self, address: str) -> Endpoint | None:
-        """The Endpoint of the scatter worker at `address` (its Describe, asked once; None while
-        it cannot be asked)."""
+        """The Endpoint of the scatter worker at `address` (its Describe, asked once; None for
+        one that cannot describe itself, or, for PEER_RETRY_S, one that did not answer)."""
         if address in self._peers:
             return self._peers[address]
+        if time.monotonic() < self._peer_retry.get(address, 0.0):
+            return None
         channel = internal_channel(address)
         try:
-            endpoint = Endpoint.from_pb(rpc.ScatterStub(channel).Describe(pb.InfoRequest(), timeout=2.0))
+            endpoint = Endpoint.from_pb(rpc.ScatterStub(channel).Describe(pb.InfoRequest(), timeout=1.0))
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                return None  # asked again next time
+                self._peer_retry[address] = time.monotonic() + PEER_RETRY_S
+                return None
             endpoint = None
         finally:
             channel.close()

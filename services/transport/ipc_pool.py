@@ -28,6 +28,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,6 +158,8 @@ class DeviceArena:
         self.buf = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         self.allocator = SlotAllocator(capacity, n_slots, stale_s=stale_s)
         self.releases = ReleaseFile(self.id, n_slots, create=True)
+        # the release file goes with the arena, or at the latest when the process exits
+        self._finalizer = weakref.finalize(self, _unlink, self.releases.path)
         self._exports: dict[str, object] = {}  # receiving process -> its export (a DeviceBlock)
         self._lock = threading.Lock()
 
@@ -197,7 +200,14 @@ class DeviceArena:
             return block
 
     def close(self) -> None:
-        self.releases.unlink()
+        self._finalizer()
+
+
+def _unlink(path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 class ArenaPool:

@@ -285,3 +285,19 @@ def test_corrupt_or_forged_slots_are_misses(engine, fake_ipc, servicer):
     # the untouched stream still arrives whole
     out = list(read_entries(chunks))
     assert [e for _, _, e in out] == [""] * 3
+
+
+def test_an_arenas_release_file_goes_with_it():
+    pool = ArenaPool(1 << 16)
+    arena = pool.arena(torch.device("cpu"), 100)
+    path = arena.releases.path
+    assert path.is_file() and ReleaseFile(arena.id).n_slots == ipc_pool.DEFAULT_SLOTS
+    pool.close()
+    assert not path.exists()
+    other = ArenaPool(1 << 16).arena(torch.device("cpu"), 100)  # dropped without close: unlinked when collected
+    path = other.releases.path
+    del other
+    import gc
+
+    gc.collect()
+    assert not path.exists()

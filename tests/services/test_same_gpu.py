@@ -115,3 +115,21 @@ def test_combine_builds_here_what_a_scatter_worker_on_its_gpu_was_to_build(engin
     finally:
         combine.close()
         server.stop(0)
+
+
+def test_a_scatter_worker_that_does_not_answer_describe_is_asked_again_later(engine):
+    from hybridcache.services.combine.worker import PEER_RETRY_S, CombineServicer
+    from hybridcache.services.launcher import free_port
+
+    combine = CombineServicer(engine)
+    try:
+        combine.endpoint = Endpoint(**NODE, device=GPU_A, gpus=(GPU_A,))
+        address = f"127.0.0.1:{free_port()}"  # nobody listens
+        assert not combine._on_my_gpu(address)
+        assert address not in combine._peers and combine._peer_retry[address] > 0
+        first = combine._peer_retry[address]
+        assert combine.scatter_endpoint(address) is None and combine._peer_retry[address] == first  # not asked
+        combine._peer_retry[address] -= PEER_RETRY_S + 1  # the retry time has come: asked, and failing again
+        assert combine.scatter_endpoint(address) is None and combine._peer_retry[address] >= first
+    finally:
+        combine.close()
