@@ -29,6 +29,7 @@ from hybridcache.services.transport.cuda_ipc import (
     check_blocks,
     check_slots,
     device_seal,
+    own_copy,
     receive_block,
     receive_slot,
     verify_device_seal,
@@ -388,10 +389,28 @@ class EntryAssembler:
                 return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
             # verified; unsealed from here on, so that passing it on (to a cache tier) seals its bytes
             entry.checksum = ""
+            if copies:
+                # its tensors are views of slot copies it shares with the other entries of its
+                # build: copied into memory of its own (one kernel), so that it holds what it counts
+                t0 = time.perf_counter()
+                entry = _own_memory(entry, self.device)
+                self.device_seconds += time.perf_counter() - t0
         elif header.layered or not header.checksum or not entry.verify():
             metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
             return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
         return i, entry, ""
+
+
+def _own_memory(entry: SegmentEntry, device) -> SegmentEntry:
+    """The entry with its tensors packed into one buffer of its own (cuda_ipc.own_copy)."""
+    named = list(layer_tensors(entry.data))
+    own = dict(zip([(layer, name) for layer, name, _ in named], own_copy([t for _, _, t in named], device)))
+    d = entry.data
+    linear = {i: LinearSpan(*(own[i, f] for f in LINEAR_FIELDS)) for i in d.linear}
+    attn = {i: AttnSpan(*(own[i, f] for f in ATTN_FIELDS)) for i in d.attn}
+    return SegmentEntry(key=entry.key, segment_tokens=entry.segment_tokens,
+                        data=SpanData(d.num_tokens, d.local_start, linear, attn),
+                        build_seconds=entry.build_seconds, checksum=entry.checksum)
 
 
 def read_entries(chunks: Iterable) -> Iterator[tuple[int, SegmentEntry | None, str]]:

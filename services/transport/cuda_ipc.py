@@ -12,7 +12,9 @@ that sender sends from it, so that requests in steady state open no IPC handle; 
 slot into its own device memory with one device-to-device copy (on a side stream; over NVLink
 when the GPUs differ), queues the slot's checksum there, serves the slot's blocks as views of the
 copy, and releases the slot once the copy is done (ipc_pool.ReleaseFile). Checksums are read back
-together when an entry completes (EntryAssembler), so receiving a block waits for nothing.
+together when an entry completes (EntryAssembler), so receiving a block waits for nothing; a
+verified entry is then packed into memory of its own (own_copy: one kernel), so that it does not
+keep the other entries of its build alive through the slot copies they share.
 
 Without an arena (ArenaPool off, or a write that does not fit it now) a write is packed into a
 fresh buffer exported for it, each block with its own checksum: the receiver (DeviceMappings)
@@ -37,7 +39,7 @@ import functools
 import threading
 
 import torch
-from hybridcache.services.runtime.packing import pack, padded
+from hybridcache.services.runtime.packing import pack, padded, unpack_views
 from hybridcache.services.transport.base import TensorTransport, TransportError
 from hybridcache.services.transport.checksum import checksum_text, device_checksum_sums
 from hybridcache.services.transport.ipc_pool import ArenaMappings, ArenaPool, ReleaseFile
@@ -312,6 +314,18 @@ def receive_slot(block, device) -> SlotCopy:
     slot = type(block.slot)()
     slot.CopyFrom(block.slot)
     return SlotCopy(slot, own, sums, event, releases, opened)
+
+
+def own_copy(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """The tensors copied into one buffer of their own (packing.pack: one kernel), as views of it,
+    on the side stream after the copies they were taken from; marked in use by the default stream."""
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    with _side_stream(dev if cuda else None, after_default=False):
+        buf = pack(tensors)
+        if cuda:
+            buf.record_stream(torch.cuda.default_stream(dev))
+    return unpack_views(buf, [(t.shape, t.dtype) for t in tensors])
 
 
 def check_slots(copies, device) -> bool:

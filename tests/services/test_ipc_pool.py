@@ -301,3 +301,19 @@ def test_an_arenas_release_file_goes_with_it():
 
     gc.collect()
     assert not path.exists()
+
+
+def test_an_entry_from_the_arena_holds_memory_of_its_own(engine, fake_ipc, servicer):
+    """Entries of one build share slot copies while they arrive; once verified each is packed
+    into a buffer of its own, so that one kept in a cache does not hold the others' bytes."""
+    out, _ = _receive(_prefill(servicer(), _segments(8)))
+    storages = []
+    for _, entry, _ in out:
+        tensors = [t for _, _, t in layer_tensors(entry.data)]
+        own = {t.untyped_storage().data_ptr() for t in tensors}
+        assert len(own) == 1  # one buffer per entry
+        (ptr,) = own
+        assert tensors[0].untyped_storage().nbytes() == sum(-(-t.numel() * t.element_size() // 16) * 16
+                                                            for t in tensors)
+        storages.append(ptr)
+    assert len(set(storages)) == len(out)
