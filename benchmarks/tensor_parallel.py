@@ -93,11 +93,15 @@ def measure(model, args) -> dict:
         model.forward_layout(st, [LiveRun(ids(args.prompt_tokens), 0)], logits_for="none")
         states.append(st)
     toks = ids(args.streams).tolist()
-    model.decode_batch(states, toks)  # warm-up step
+    # the streams held as the scheduler holds its running requests: linear states in slots, K/V in pages
+    room = args.streams * (args.prompt_tokens + args.decode_steps + 2)
+    pool = model.new_state_pool(args.streams, room, args.prompt_tokens + args.decode_steps + 2)
+    slots = [pool.assign(st) for st in states]
+    model.decode_pool(pool, slots, toks)  # warm-up step
     sync(args.device)
     t0 = time.perf_counter()
     for _ in range(args.decode_steps):
-        logits, _ = model.decode_batch(states, toks)
+        logits, _ = model.decode_pool(pool, slots, toks)
         toks = logits.argmax(-1).tolist()
     sync(args.device)
     decode_s = time.perf_counter() - t0

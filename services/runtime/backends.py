@@ -534,7 +534,10 @@ def gated_heads(o, gate):
 
         return sigmoid_gate_heads(o, gate)
     B, H, n, d = o.shape
-    return o.transpose(1, 2).reshape(B, n, H * d) * torch.sigmoid(gate.reshape(B, n, H * d))
+    # gate is a slice of the projection: copied for any n (a reshape copies it for n > 1 only, and
+    # a decode step's ops would depend on its batch size)
+    gate = gate.clone(memory_format=torch.contiguous_format).view(B, n, H * d)
+    return o.transpose(1, 2).reshape(B, n, H * d) * torch.sigmoid(gate)
 
 
 def fused_silu_mul(gate, up):
@@ -591,6 +594,20 @@ def sdpa(q, k, v, **kw):
 
     with sdpa_kernel(allowed):
         return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def paged_decode_attention(q, k_pages, v_pages, table, rows, lengths, scale: float, max_pages: int):
+    """Decode attention over paged K/V (kernels/ops/attention/paged.py): q [B, Hq, dq], pools
+    [num_pages, P, Hkv, d], table [R, W], rows and lengths [B] -> [B, Hq, dv]. CUDA (head dims up to
+    256): the Triton kernel, reading the pages through the table; elsewhere the reference, the
+    first max_pages pages of each request gathered and SDPA under a key mask."""
+    if use_fast_kernels(q) and max(q.shape[-1], v_pages.shape[-1]) <= 256:
+        from hybridcache.kernels.ops.attention.paged import paged_decode_attention as kernel
+
+        return kernel(q, k_pages, v_pages, table, rows, lengths, scale)
+    from hybridcache.kernels.ops.attention.paged import paged_decode_reference
+
+    return paged_decode_reference(q, k_pages, v_pages, table, rows, lengths, scale, max_pages)
 
 
 # Largest mask (query rows x keys) for which GQA folds a KV head's query heads into its query rows

@@ -190,6 +190,9 @@ class Engine:
         from hybridcache.services.runtime.graphs import set_cuda_graphs
 
         set_cuda_graphs(model, self.config.cuda_graphs, self.config.cuda_graph_shapes)
+        from hybridcache.services.runtime.paged import set_decode_graphs
+
+        set_decode_graphs(model, self.config.decode_cuda_graphs)
 
     def _new_entry_store(self) -> EntryStore:
         cfg = self.config
@@ -496,25 +499,28 @@ class Engine:
             recorder.add_checkpoint(state.length, state.linear, copy=True)
         return logits
 
-    def new_state_pool(self, slots: int):
-        """A scheduler's LinearStatePool of `slots` requests' linear states (per rank under tensor
-        parallelism: its methods change per-rank tensors)."""
-        from hybridcache.services.runtime.scheduler import LinearStatePool
+    def new_state_pool(self, slots: int, kv_tokens: int = 0):
+        """A scheduler's paged.StatePool of `slots` running requests: their linear states and room
+        for `kv_tokens` tokens of attention K/V in pages (per rank under tensor parallelism: its
+        methods change per-rank tensors)."""
+        from hybridcache.services.runtime.paged import StatePool
 
-        return LinearStatePool(self.model.empty_state(), slots)
+        max_len = self.config.max_model_len or self.cfg.max_position_embeddings
+        return StatePool(self.model.empty_state(), slots, kv_tokens, max_len)
 
     @torch.no_grad()
     def decode_batch(self, prefills: list[Prefill], tokens: list[int], pool, slots: list[int]) -> torch.Tensor:
         """One decode step of B running requests (the scheduler's): request b, prefilled as
-        prefills[b], takes tokens[b]; its linear state sits in slot slots[b] of `pool` and is updated
-        there, its attention K/V grow, its page recorder advances. Returns logits [B, vocab] fp32."""
-        states = [p.state for p in prefills]
+        prefills[b] and held in slot slots[b] of `pool` (its linear states and K/V pages), takes
+        tokens[b]; its states advance there (paged.decode_step), its page recorder advances.
+        Returns logits [B, vocab] fp32."""
+        from hybridcache.services.runtime.paged import decode_step
+
         recorders = [p.recorder for p in prefills]
         capture = sorted({i for r in recorders if r is not None for i in r.capture_layers})
-        linear, idx = pool.gather(slots)
-        logits, hidden = self.model.decode_batch(states, tokens, linear, capture)
-        pool.scatter(idx, linear)
+        logits, hidden = decode_step(self.model, pool, slots, tokens, capture)
         for b, (pre, rec) in enumerate(zip(prefills, recorders)):
+            pre.state.length += 1
             if rec is not None:
                 rec.token_ids.append(tokens[b])
                 rec.add_hidden({i: hidden[i][b : b + 1] for i in rec.capture_layers}, 1)

@@ -9,9 +9,9 @@ A Scheduler owns an Engine and runs a loop in its own thread. Each step it
        segments, built as one batched standalone prefill across requests (Engine.build_entries),
        then their assemblies (Engine.prefill over warm entries), each request's first token
        sampled from it;
-    4. runs ONE decode step over every running request (LayoutLM.decode_batch): B tokens in one
-       forward, the linear-layer states of the B requests taken from their slots of a
-       preallocated pool (LinearStatePool), attention K/V per request, padded under a key mask.
+    4. runs ONE decode step over every running request (Engine.decode_batch, paged.decode_step):
+       B tokens in one forward over the requests' states in a preallocated pool (paged.StatePool):
+       linear-layer states in slots, attention K/V in pages read through a block table.
 A request's prefill is cut between steps at segment granularity (cold builds) and the assembly
 runs as one unit, so running streams wait for at most one step's budget of prefill.
 
@@ -53,7 +53,6 @@ from hybridcache.services.runtime.engine import (
     request_generator,
 )
 from hybridcache.services.runtime.sampling import RequestError, sample_token, token_logprobs
-from hybridcache.services.runtime.sequence import LinearState, SequenceState
 
 log = logging.getLogger("hybridcache.scheduler")
 
@@ -184,53 +183,6 @@ class _Seq:
     admitted: int = -1  # admission order (the latest admitted is preempted first)
 
 
-class LinearStatePool:
-    """The linear-layer states of running requests, one slot each, preallocated per layer as
-    [max_num_seqs, ...] (ssm fp32, conv tail). A request's SequenceState.linear holds views of its
-    slot, so the page tree and finish_prefix see its current state; a decode step reads the slots
-    of the batch (a view when they are consecutive) and writes the new states back in place."""
-
-    def __init__(self, empty: SequenceState, slots: int):
-        self.ssm = {i: s.ssm.new_zeros(slots, *s.ssm.shape[1:]) for i, s in empty.linear.items()}
-        self.conv = {i: s.conv.new_zeros(slots, *s.conv.shape[1:]) for i, s in empty.linear.items()}
-        self.free = list(range(slots))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.ssm, self.conv) for t in d.values())
-
-    def assign(self, state: SequenceState) -> int:
-        """Move a prefilled state's linear part into the lowest free slot; its state then views it."""
-        self.free.sort()
-        slot = self.free.pop(0)
-        for i, s in state.linear.items():
-            self.ssm[i][slot].copy_(s.ssm[0])
-            self.conv[i][slot].copy_(s.conv[0])
-            state.linear[i] = LinearState(self.ssm[i][slot : slot + 1], self.conv[i][slot : slot + 1])
-        return slot
-
-    def release(self, slot: int) -> None:
-        self.free.append(slot)
-
-    def _index(self, slots: list[int]):
-        if slots == list(range(slots[0], slots[0] + len(slots))):
-            return slice(slots[0], slots[0] + len(slots))
-        return torch.tensor(slots, device=next(iter(self.ssm.values())).device)
-
-    def gather(self, slots: list[int]) -> tuple[dict[int, LinearState], object]:
-        idx = self._index(slots)
-        return {i: LinearState(self.ssm[i][idx], self.conv[i][idx]) for i in self.ssm}, idx
-
-    def scatter(self, idx, linear: dict[int, LinearState]) -> None:
-        for i, s in linear.items():
-            if isinstance(idx, slice):
-                self.ssm[i][idx].copy_(s.ssm)
-                self.conv[i][idx].copy_(s.conv)
-            else:
-                self.ssm[i].index_copy_(0, idx, s.ssm.to(self.ssm[i].dtype))
-                self.conv[i].index_copy_(0, idx, s.conv.to(self.conv[i].dtype))
-
-
 class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig | None = None, on_finish=None, on_preempt=None):
         """on_finish(handle): called in the scheduler's thread as each request ends; on_preempt(handle):
@@ -251,7 +203,9 @@ class Scheduler:
             (a.k.shape[1] * a.k.shape[3] + a.v.shape[1] * a.v.shape[3]) * a.k.element_size()
             for a in empty.attn.values()
         )
-        self.pool = engine.new_state_pool(self.config.max_num_seqs)
+        # the running requests' linear states and K/V pages, sized by the K/V budget
+        kv_tokens = self.config.kv_cache_bytes // max(self._kv_per_token, 1)
+        self.pool = engine.new_state_pool(self.config.max_num_seqs, kv_tokens)
         self.steps = 0
         self.preemptions = 0  # running requests preempted (recomputed) for lack of K/V budget
         self._admissions = 0
@@ -558,15 +512,17 @@ class Scheduler:
         seq.handle._finish(reason)
 
     def _release(self, seq: _Seq) -> None:
-        """Give back what a request holds: its prefix pages (finish_prefix), slot and K/V reservation."""
+        """Give back what a request holds: its slot and K/V pages (copied out first when its prefix
+        pages still go into the page tree), its prefix pages (finish_prefix), its K/V reservation."""
         self._kv_reserved -= seq.reserved
         seq.reserved = 0
+        if seq.slot >= 0:
+            pre = seq.prefill
+            self.pool.release(seq.slot, pre.state if pre is not None and pre.recorder is not None else None)
+            seq.slot = -1
         if seq.prefill is not None:
             try:
                 self.engine.finish_prefix(seq.prefill)
             except Exception:  # noqa: BLE001 - a page insert that fails costs the cache, not the answer
                 log.exception("finish_prefix failed")
-        if seq.slot >= 0:
-            self.pool.release(seq.slot)
-            seq.slot = -1
         seq.pinned, seq.built = {}, {}

@@ -19,6 +19,7 @@ else:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from hybridcache.kernels.ops.activation.triton import sigmoid_gate_heads, silu_mul  # noqa: E402
+from hybridcache.kernels.ops.attention.paged_triton import paged_decode  # noqa: E402
 from hybridcache.kernels.ops.attention.triton import live_attention  # noqa: E402
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd  # noqa: E402
 from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
@@ -38,6 +39,7 @@ __all__ = [
     "l2norm_heads",
     "live_attention",
     "norm_rope_tokens",
+    "paged_decode",
     "rel_rms",
     "rope_heads",
     "scattered_blocks",

@@ -128,9 +128,11 @@ def linear_layout(
     states stacked [B, ...]; one scan for the batch, outputs [1, B, ...].
     """
     if isinstance(layout, DecodeBatch):
-        o, S, _, tail = scan(tuple(t.transpose(0, 1) for t in inputs), state, False)  # [B, 1, ...]
+        # [1, B, ...] <-> [B, 1, ...] by reshape, not transpose: a view either way for any B (a
+        # transposed output would make the caller's reshapes copy for B > 1 only)
+        o, S, _, tail = scan(tuple(t.reshape(t.shape[1], 1, *t.shape[2:]) for t in inputs), state, False)
         state.ssm, state.conv = S, tail
-        return o.transpose(0, 1)
+        return o.reshape(1, o.shape[0], *o.shape[2:])
     outs = []
     for idx in range(lo, len(layout) if hi is None else hi):
         piece = layout[idx]
@@ -167,10 +169,11 @@ def attention_layout(
     rotation per layer (live keys rotate by 0, which is exact). Updates `state`; returns
     [1, n, Hq * dv], or with head_major the attention's own [1, Hq, n, dv] (a caller that gates
     the output transposes it in the same pass).
-    A DecodeBatch layout: the n live tokens are one token of each request, `state` their AttnStates.
+    A DecodeBatch layout: the n live tokens are one token of each request, their K/V in pages
+    (`state` unused).
     """
     if isinstance(layout, DecodeBatch):
-        out = decode_attention(q, k, v, layout, state, scale)  # [1, Hq, B, dv]
+        out = decode_attention(q, k, v, layout, layer_idx, scale)  # [1, Hq, B, dv]
         return out if head_major else out.transpose(1, 2).reshape(1, q.shape[2], -1)
     ks, vs, shifts, lengths, off = [], [], [], [], 0
     for idx, piece in enumerate(layout):
@@ -212,56 +215,49 @@ def attention_layout(
 
 
 class DecodeBatch:
-    """The layout of a batched decode step: one new token for each of B requests, request b at
-    position positions[b]. Layers see the B tokens as one sequence [1, B, h] (their per-token math
-    is unchanged); linear layers get the B states stacked, attention layers the B AttnStates."""
+    """The layout of a batched decode step: one new token for each of B running requests whose
+    attention K/V lie in pages (paged.KVPages). Layers see the B tokens as one sequence [1, B, h]
+    (their per-token math is unchanged); linear layers get the B states stacked, attention layers
+    write their new K/V into the pages and attend through the block table (decode_attention).
+    rows [B]: the requests' table rows; kv_rows [B]: where each new token's K/V go in the flattened
+    pools; lengths [B]: keys each request attends to, its new one included (all int64 on the
+    device); max_pages: a host bound on the pages any request spans (the CPU path's gather)."""
 
-    __slots__ = ("positions", "lengths", "_mask")
+    __slots__ = ("kv", "rows", "kv_rows", "lengths", "max_pages")
 
-    def __init__(self, positions: list[int]):
-        self.positions = positions
-        self.lengths = [p + 1 for p in positions]  # keys each request attends to, its new one included
-        self._mask = {}
+    def __init__(self, kv, rows: torch.Tensor, kv_rows: torch.Tensor, lengths: torch.Tensor, max_pages: int):
+        self.kv, self.rows, self.kv_rows, self.lengths, self.max_pages = kv, rows, kv_rows, lengths, max_pages
 
-    def key_mask(self, device):
-        """[B, 1, 1, N_max] booleans (key j of request b is valid when j < lengths[b]); None when the
-        lengths are equal (no padding). Built once per step, shared by every attention layer."""
-        if min(self.lengths) == max(self.lengths):
-            return None
-        if device not in self._mask:
-            lens = backends.to_device_async(torch.tensor(self.lengths), device)
-            valid = torch.arange(max(self.lengths), device=device)[None, :] < lens[:, None]
-            self._mask[device] = valid[:, None, None]
-        return self._mask[device]
+    def write(self, pages: torch.Tensor, new: torch.Tensor) -> None:
+        """Write the B new rows new [B, H, d] into pages [num_pages, P, H, d], one indexed copy."""
+        pages.view(-1, *pages.shape[2:]).index_copy_(0, self.kv_rows, new.to(pages.dtype))
 
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch's K and V of a layer gathered from the pages, padded [B, H, N, d] with the values
+        past each length zeroed, and the key mask [B, 1, 1, N] (the CPU path; MLA)."""
+        from hybridcache.kernels.ops.attention.paged import gather_pages
 
-def append_padded(new: torch.Tensor, batch: DecodeBatch, old: list[torch.Tensor]) -> torch.Tensor:
-    """Each request's cached rows old[b] [1, H, N_b - 1, d] with its new row new[:, :, b] (new
-    [1, H, B, d]) appended, padded into one [B, H, N_max, d] (zeros past each length)."""
-    B, N = len(old), max(batch.lengths)
-    out = new.new_zeros(B, new.shape[1], N, new.shape[3])
-    for b, t in enumerate(old):
-        n = batch.lengths[b] - 1
-        if n:
-            out[b, :, :n] = t[0].to(out.dtype)
-        out[b, :, n] = new[0, :, b]
-    return out
+        kv = self.kv
+        K = gather_pages(kv.k[layer], kv.table, self.rows, self.max_pages)
+        V = gather_pages(kv.v[layer], kv.table, self.rows, self.max_pages)
+        valid = torch.arange(K.shape[2], device=K.device)[None, :] < self.lengths[:, None]
+        mask = valid[:, None, None]
+        return K, torch.where(mask.transpose(2, 3), V, V.new_zeros(())), mask
 
 
-def decode_attention(q, k, v, batch: DecodeBatch, states: list[AttnState], scale) -> torch.Tensor:
+def decode_attention(q, k, v, batch: DecodeBatch, layer: int, scale) -> torch.Tensor:
     """One decode step of B requests: q [1, Hq, B, d], k, v [1, Hkv, B, d] (rotated at each
-    request's position) -> [1, Hq, B, dv]. Each request's K/V (its own tensors, any length) are
-    padded into one batch under a key mask, so the B queries are one attention call; each state
-    becomes a view of that batch (no second copy). The query heads that share a KV head are its
+    request's position) -> [1, Hq, B, dv]. The new K/V rows go into the layer's pages, then the B
+    queries attend through the block table in one call (backends.paged_decode_attention): no
+    per-request work, no copy of the contexts on CUDA. The query heads that share a KV head are its
     query rows (no repeated K/V)."""
-    K = append_padded(k, batch, [s.k for s in states])  # [B, Hkv, N_max, d]
-    V = append_padded(v, batch, [s.v for s in states])
-    for b, s in enumerate(states):
-        s.k, s.v = K[b : b + 1, :, : batch.lengths[b]], V[b : b + 1, :, : batch.lengths[b]]
-    hq, hkv, B = q.shape[1], k.shape[1], q.shape[2]
-    qb = q[0].transpose(0, 1).reshape(B, hkv, hq // hkv, q.shape[3])  # [B, Hkv, rep, d]
-    o = backends.sdpa(qb, K, V, attn_mask=batch.key_mask(q.device), scale=scale)  # [B, Hkv, rep, dv]
-    return o.reshape(B, hq, o.shape[-1]).transpose(0, 1)[None]
+    kp, vp = batch.kv.k[layer], batch.kv.v[layer]
+    batch.write(kp, k[0].transpose(0, 1))
+    batch.write(vp, v[0].transpose(0, 1))
+    o = backends.paged_decode_attention(
+        q[0].transpose(0, 1), kp, vp, batch.kv.table, batch.rows, batch.lengths, scale, batch.max_pages
+    )  # [B, Hq, dv]
+    return o.transpose(0, 1)[None]
 
 
 def first_live_start(layout) -> int | None:
@@ -382,39 +378,51 @@ class LayoutLM(nn.Module):
         return self.logits_of(x, logits_for), rec
 
     @torch.no_grad()
-    def decode_batch(self, states: list[SequenceState], token_ids: list[int], linear=None, capture_hidden=()):
-        """One decode step of B requests in one forward: token_ids[b] is request b's next token, at
-        position states[b].length. linear: layer -> LinearState of the B requests' states stacked
-        [B, ...] (a slot pool's), replaced by the states after the step; None stacks them from
-        `states` and leaves each request's state a view of the result. Attention K/V stay per
-        request. Returns (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
-        batch = DecodeBatch([s.length for s in states])
-        own = linear is None
-        if own:
-            linear = {
-                i: LinearState(
-                    torch.cat([s.linear[i].ssm for s in states]), torch.cat([s.linear[i].conv for s in states])
-                )
-                for i in states[0].linear
-            }
-        positions = backends.to_device_async(torch.tensor(batch.positions), self.device)
-        x = self.embed(backends.to_device_async(torch.tensor(token_ids), self.device))[None]  # [1, B, h]
+    def decode_batch(self, states: list[SequenceState], token_ids: list[int], capture_hidden=()):
+        """One decode step of B requests given as their own states (tests, benchmarks; the scheduler
+        keeps its running requests in a paged.StatePool and calls paged.decode_step): token_ids[b]
+        is request b's next token, at position states[b].length. The states are moved into a pool
+        for the step and out again after it, their K/V copied both ways: each state ends as it
+        would after a forward of its token. Returns (logits [B, vocab] fp32, {layer in capture_hidden:
+        entering stream [B, h]})."""
+        from hybridcache.services.runtime.paged import StatePool, decode_step
+
+        B = len(states)
+        longest = max(s.length for s in states) + 1
+        pool = StatePool(self.empty_state(), B, sum(s.length + 1 for s in states), longest)
+        slots = [pool.assign(s) for s in states]
+        logits, hidden = decode_step(self, pool, slots, token_ids, capture_hidden)
+        for s, slot in zip(states, slots):
+            pool.release(slot, keep=s)
+            s.length += 1
+        return logits, hidden
+
+    def new_state_pool(self, slots: int, kv_tokens: int, max_len: int):
+        """A paged.StatePool of `slots` running requests with room for `kv_tokens` tokens of K/V."""
+        from hybridcache.services.runtime.paged import StatePool
+
+        return StatePool(self.empty_state(), slots, kv_tokens, max_len)
+
+    @torch.no_grad()
+    def decode_pool(self, pool, slots: list[int], token_ids: list[int], capture_hidden=()):
+        """One decode step of the requests held in `slots` of `pool` (paged.decode_step): their
+        states advance in the pool (the SequenceStates assigned to it keep their own length).
+        Returns (logits [B, vocab] fp32, hidden)."""
+        from hybridcache.services.runtime.paged import decode_step
+
+        return decode_step(self, pool, slots, token_ids, capture_hidden)
+
+    def forward_decode(self, batch: DecodeBatch, token_ids: torch.Tensor, positions: torch.Tensor,
+                       linear: dict[int, LinearState], capture_hidden=()):
+        """The layers over a decode batch: token_ids, positions [B] on the device; linear: layer ->
+        the B requests' linear states stacked [B, ...], replaced by the states after the step.
+        Returns (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
+        x = self.embed(token_ids)[None]  # [1, B, h]
         hidden = {}
         for i, layer in enumerate(self.layers):
             if i in capture_hidden:
                 hidden[i] = x[0].clone()
-            if i in linear:
-                st = linear[i]
-            elif i in states[0].attn:
-                st = [s.attn[i] for s in states]
-            else:
-                st = None
-            x = layer.forward_layout(x, batch, st, None, i, positions)
-        for b, s in enumerate(states):
-            s.length += 1
-            if own:
-                for i, lin in linear.items():
-                    s.linear[i] = LinearState(lin.ssm[b : b + 1], lin.conv[b : b + 1])
+            x = layer.forward_layout(x, batch, linear.get(i), None, i, positions)
         return self.head(x)[0].float(), hidden
 
     @torch.no_grad()

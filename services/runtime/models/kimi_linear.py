@@ -30,7 +30,6 @@ from hybridcache.services.runtime.models.common import (
     LayerTypes,
     LayoutLM,
     RMSNorm,
-    append_padded,
     eos_ids,
     first_live_start,
     merge_weights,
@@ -349,13 +348,12 @@ class MLAttention(nn.Module):
         n = x.shape[1]
         q_lat, c, k_r, w_uv = self.latents(x)
         if isinstance(layout, DecodeBatch):
-            # one token of each of n requests: their latents padded into one batch under a key mask
-            C = append_padded(c, layout, [s.k for s in state])  # [n, 1, N_max, r]
-            K_r = append_padded(k_r[:, None], layout, [s.v for s in state])
-            for b, s in enumerate(state):
-                s.k, s.v = C[b : b + 1, :, : layout.lengths[b]], K_r[b : b + 1, :, : layout.lengths[b]]
+            # one token of each of n requests: latents and key parts written into their pages, then
+            # gathered for the batch under a key mask
+            layout.write(layout.kv.k[layer_idx], c[0].transpose(0, 1))  # [n, 1, r]
+            layout.write(layout.kv.v[layer_idx], k_r.transpose(0, 1))  # [n, 1, dr]
+            C, K_r, mask = layout.gather(layer_idx)  # [n, 1, N, r], [n, 1, N, dr], [n, 1, 1, N]
             qb = q_lat[0].transpose(0, 1)[:, :, None]  # [n, H, 1, r + dr]
-            mask = layout.key_mask(x.device)
             o_lat = backends.sdpa(qb, torch.cat([C, K_r], dim=-1), C, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out = torch.einsum("nhr,hvr->nhv", o_lat[:, :, 0], w_uv).reshape(1, n, self.nh * self.dv)
             return self.o_proj(out)

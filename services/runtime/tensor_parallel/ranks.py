@@ -52,7 +52,7 @@ _WALK = {
     "Prefill", "Recording",
 }
 # results rank 0 gets back as Remotes (their methods change per-rank state, so they broadcast)
-_REMOTE = {"LinearStatePool"}
+_REMOTE = {"StatePool"}
 _CPU_GROUP = None  # the gloo group of the control messages and the calls' outcomes
 _DEVICE = torch.device("cpu")  # this rank's device: where the objects it receives land
 _OP = -1  # the handle of a group operation (gather, scatter) in a control message
@@ -298,7 +298,7 @@ class Remote:
 # An Engine's surface: what runs the model or changes a cache broadcasts, the single-request
 # decoding loops run on rank 0 over the Remote, the model and the entry store are Remotes
 MODEL_SURFACE = Surface(frozenset({"empty_state", "forward_layout", "decode_batch", "build_span_data",
-                                   "replay_linear_group"}))
+                                   "replay_linear_group", "new_state_pool", "decode_pool"}))
 STORE_SURFACE = Surface(frozenset({"put", "get", "pop", "evict", "clear", "demote_all", "remove", "discard"}))
 ENGINE_SURFACE = Surface(
     frozenset({"build_entry", "build_entries", "get_or_build_entry", "prefill", "finish_prefix",

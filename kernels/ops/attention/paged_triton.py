@@ -1,0 +1,137 @@
+"""Triton decode attention over paged K/V (contract and reference: paged.py).
+
+Grid (B, Hkv, splits): a program serves the G query heads of one KV head of one request (GQA
+folded into its rows, at least 16 for tl.dot) over one split of that request's keys. It reads the
+request's table row and length on the device, so its split is [s * chunk, min((s + 1) * chunk, n))
+with chunk = ceil(ceil(n / splits) / BLOCK_N) * BLOCK_N; a split past the end does nothing but
+write an empty partial. Each key block gathers its keys' page ids from the table (key j: page
+table[row, j // P], row j % P), loads K transposed and V through them and runs an online softmax
+in the exp2 domain with fp32 accumulators. With one split the program writes the output; with
+more, normalized partials and log2-sum-exp2 go to fp32 buffers merged by merge_splits_kernel
+(triton.py). Pointer arithmetic is int64 (a pool can pass 2^31 elements).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from hybridcache.kernels.ops.attention.paged import num_splits as default_splits
+from hybridcache.kernels.ops.attention.triton import merge_splits_kernel
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def paged_decode_kernel(
+    Q, K, V, TABLE, ROWS, LENS, O, OP, LSE, qk_scale,
+    s_qb, s_qh, s_qd,
+    s_kp, s_ks, s_kh, s_kd,
+    s_vp, s_vs, s_vh, s_vd,
+    s_tr, s_tc,
+    HKV: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1).to(tl.int64)
+    i_s = tl.program_id(2)
+    HQ: tl.constexpr = HKV * G
+    B = tl.num_programs(0).to(tl.int64)
+
+    row = tl.load(ROWS + b).to(tl.int64)
+    n = tl.load(LENS + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
+    lo = i_s * chunk
+    hi = tl.minimum(lo + chunk, n)
+
+    o_g = tl.arange(0, BLOCK_G)
+    o_dq = tl.arange(0, BLOCK_DQ)
+    o_dv = tl.arange(0, BLOCK_DV)
+    o_n = tl.arange(0, BLOCK_N)
+    m_g = o_g < G
+    m_dq = o_dq < DQ
+    m_dv = o_dv < DV
+    h = kv * G + o_g  # query heads of this KV head
+    p_q = Q + b * s_qb + h[:, None] * s_qh + o_dq[None, :] * s_qd
+    b_q = tl.load(p_q, mask=m_g[:, None] & m_dq[None, :], other=0.0)  # [BLOCK_G, BLOCK_DQ]
+
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + o_n
+        valid = cols < hi
+        page = tl.load(TABLE + row * s_tr + (cols // PAGE).to(tl.int64) * s_tc, mask=valid, other=0).to(tl.int64)
+        slot = (cols % PAGE).to(tl.int64)
+        p_k = K + page[None, :] * s_kp + slot[None, :] * s_ks + kv * s_kh + o_dq[:, None] * s_kd
+        b_k = tl.load(p_k, mask=m_dq[:, None] & valid[None, :], other=0.0)  # [BLOCK_DQ, BLOCK_N]
+        s = tl.dot(b_q, b_k, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_v = V + page[:, None] * s_vp + slot[:, None] * s_vs + kv * s_vh + o_dv[None, :] * s_vd
+        b_v = tl.load(p_v, mask=valid[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+        acc = tl.dot(p.to(b_v.dtype), b_v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    b_o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    row_id = b * HQ + h  # output row of a contiguous [B, Hq, DV]
+    m_o = m_g[:, None] & m_dv[None, :]
+    if SPLITS > 1:
+        n_rows = B * HQ
+        tl.store(OP + (i_s * n_rows + row_id)[:, None] * DV + o_dv[None, :], b_o, mask=m_o)
+        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(LSE + i_s * n_rows + row_id, lse, mask=m_g)
+    else:
+        tl.store(O + row_id[:, None] * DV + o_dv[None, :], b_o.to(O.dtype.element_ty), mask=m_o)
+
+
+def _config(dq: int, dv: int, dtype: torch.dtype):
+    """(BLOCK_N, num_warps, num_stages) for the head dims and dtype."""
+    d = max(dq, dv)
+    if dtype == torch.float32:
+        return (32, 4, 1) if d > 64 else (64, 4, 2)
+    return (64, 4, 2) if d <= 256 else (32, 8, 1)
+
+
+def paged_decode(q, k_pages, v_pages, table, rows, lengths, scale: float, splits: int | None = None):
+    """q [B, Hq, dq], k_pages [num_pages, P, Hkv, dq], v_pages [num_pages, P, Hkv, dv], table [R, W],
+    rows [B], lengths [B] -> o [B, Hq, dv] (q's dtype). `splits`: key splits (default num_splits)."""
+    B, Hq, dq = q.shape
+    P, Hkv, dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[-1]
+    if Hq % Hkv or k_pages.shape[-1] != dq or v_pages.shape[:3] != k_pages.shape[:3]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pages {tuple(k_pages.shape)}, {tuple(v_pages.shape)}")
+    G = Hq // Hkv
+    o = torch.empty(B, Hq, dv, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return o
+    splits = splits or default_splits(B, Hkv, q.device)
+    if splits > 1:
+        op = torch.empty(splits, B, Hq, dv, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, B, Hq, dtype=torch.float32, device=q.device)
+    else:
+        op = lse = o  # unused
+    bn, warps, stages = _config(dq, dv, q.dtype)
+    paged_decode_kernel[(B, Hkv, splits)](
+        q, k_pages, v_pages, table, rows, lengths, o, op, lse, float(scale) * _LOG2E,
+        *q.stride(), *k_pages.stride(), *v_pages.stride(), *table.stride(),
+        HKV=Hkv, G=G, DQ=dq, DV=dv, PAGE=P, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=bn,
+        BLOCK_DQ=max(16, triton.next_power_of_2(dq)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
+    )
+    if splits > 1:
+        n_rows = B * Hq
+        bdv = max(16, triton.next_power_of_2(dv))
+        br = max(1, min(64, 4096 // bdv))
+        merge_splits_kernel[(triton.cdiv(n_rows, br),)](
+            op, lse, o, n_rows, splits, DV=dv, BLOCK_R=br, BLOCK_DV=bdv, num_warps=4,
+        )
+    return o
+
+
+__all__ = ["paged_decode", "paged_decode_kernel"]

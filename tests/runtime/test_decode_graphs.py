@@ -1,0 +1,108 @@
+"""Decode CUDA graphs' static-buffer path (runtime/paged.py DecodeGraphs) without CUDA: a graph
+that reruns the step on replay stands in for a captured one. A step padded up to its batch size's
+bucket, through the static inputs and the scratch slot, equals the unpadded eager step while
+requests join and leave and cross page boundaries; batch sizes past the largest bucket run
+eagerly; a pool that grows drops the graphs."""
+
+import pytest
+import torch
+from hybridcache.services.runtime.loader import load_model
+from hybridcache.services.runtime.paged import DecodeGraphs, StatePool, decode_batch_sizes, decode_step, eager_step
+from hybridcache.services.runtime.sequence import LiveRun
+
+
+class RerunGraph:
+    """capture keeps the step; replay runs it again and returns its outputs."""
+
+    def __init__(self, mempool, device):
+        self.fn = None
+
+    def capture(self, fn, reset=None):
+        self.fn = fn
+        return None, {}
+
+    def replay(self):
+        return self.fn()
+
+
+@pytest.fixture(scope="module")
+def model(qwen35_dir):
+    return load_model(qwen35_dir)
+
+
+def test_batch_sizes():
+    assert decode_batch_sizes(32) == (1, 2, 4, 8, 16, 24, 32)
+    assert decode_batch_sizes(16) == (1, 2, 4, 8, 16)
+    assert decode_batch_sizes(5) == (1, 2, 4, 5)
+    assert decode_batch_sizes(1) == (1,)
+
+
+def test_padded_static_step_equals_unpadded_eager(model):
+    gen = torch.Generator().manual_seed(4)
+    eager = StatePool(model.empty_state(), 6, 2048, 512)
+    static = StatePool(model.empty_state(), 6, 2048, 512)
+    graphs = DecodeGraphs(model, static, sizes=(1, 2, 4), graph_factory=RerunGraph)
+    slots = {}  # request -> (eager slot, static slot)
+
+    def join(r, n):
+        ids = torch.randint(0, 250, (n,), generator=gen)
+        pair = []
+        for pool in (eager, static):
+            s = model.empty_state()
+            model.forward_layout(s, [LiveRun(ids, 0)], logits_for="none")
+            pair.append(pool.assign(s))
+        slots[r] = tuple(pair)
+
+    for r, n in enumerate((15, 16)):
+        join(r, n)
+    sizes_seen, ran_eager = set(), 0
+    for step in range(24):
+        if step == 2:
+            join(2, 3)  # three requests: bucket 4, one padding row
+        if step == 5:
+            join(3, 33)  # four: no padding
+        if step == 9:
+            join(4, 7)  # five: past the largest bucket, eager
+        if step == 13:
+            for r in (0, 4):  # request 0 leaves (slot 0 free: rows no longer consecutive)
+                a, b = slots.pop(r)
+                eager.release(a)
+                static.release(b)
+        order = sorted(slots)
+        toks = torch.randint(0, 250, (len(order),), generator=gen).tolist()
+        want, _ = decode_step(model, eager, [slots[r][0] for r in order], toks)
+        rows = [slots[r][1] for r in order]
+        host, max_pages = static.step_inputs(rows, toks)
+        out = graphs.run(host)
+        if out is None:
+            ran_eager += 1
+            out = eager_step(model, static, rows, host, max_pages)
+        else:
+            sizes_seen.add(graphs.size_for(len(order)))
+        assert out[0].shape == want.shape
+        assert torch.equal(out[0], want), step
+    assert ran_eager == 4  # the steps of five requests
+    assert sizes_seen == {2, 4} and graphs.stats["replays"] > 10
+    # the K/V in the static pool's pages are the eager pool's
+    for a, b in slots.values():
+        for i in eager.kv.layers:
+            assert torch.equal(eager.kv.read(a, i)[0], static.kv.read(b, i)[0])
+
+
+def test_graphs_are_dropped_when_the_pool_grows(model):
+    gen = torch.Generator().manual_seed(5)
+    pool = StatePool(model.empty_state(), 2, 16, 64)  # room for few pages
+    graphs = DecodeGraphs(model, pool, sizes=(1, 2), graph_factory=RerunGraph)
+    s = model.empty_state()
+    model.forward_layout(s, [LiveRun(torch.randint(0, 250, (30,), generator=gen), 0)], logits_for="none")
+    slot = pool.assign(s)
+    for _ in range(3):
+        graphs.run(pool.step_inputs([slot], [1])[0])
+    assert len(graphs.graphs) == 1
+    generation = pool.generation
+    big = model.empty_state()
+    model.forward_layout(big, [LiveRun(torch.randint(0, 250, (60,), generator=gen), 0)], logits_for="none")
+    other = pool.assign(big)  # past the pool's pages: it grows
+    assert pool.generation > generation
+    graphs.run(pool.step_inputs([slot, other], [1, 2])[0])
+    assert graphs.generation == pool.generation and list(graphs.graphs) == [(2, ())]
