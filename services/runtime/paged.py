@@ -40,9 +40,13 @@ whatever holds its tensors' addresses (a decode CUDA graph) must be built again.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.sequence import AttnState, LinearState, SequenceState
+
+log = logging.getLogger(__name__)
 
 PAGE_SIZE = 16  # tokens of K/V a page (vLLM's default block size)
 MIN_CPU_TOKENS = 4096  # tokens a slot a CPU pool starts with (it doubles when that runs out)
@@ -345,7 +349,8 @@ class DecodeGraphs:
     slot, its K/V row the first of scratch page 0, length 1; their results are dropped), its inputs
     copied into the buffer in one transfer, and the graph replayed; logits and hidden states are
     copied out of the graph's memory. The first step of a size runs `step` eagerly on the static
-    inputs (its answer, and every kernel compiled and warm), then captures it. The attention reads
+    inputs (its answer, and every kernel compiled and warm), then captures it (a capture that
+    fails leaves that size eager: the step's answer never depends on it). The attention reads
     every page a table row may name (the CPU reference's gather is bounded by the table width, not
     by a step's longest request): nothing in a graph depends on the context lengths. A pool whose
     tensors were reallocated (StatePool.generation) drops the graphs, captured again as needed.
@@ -363,6 +368,7 @@ class DecodeGraphs:
         self._factory = graph_factory or CudaLayerGraph
         self._mempool = None
         self.graphs: dict[tuple, tuple] = {}  # (size, hidden layers) -> (graph, logits, hidden)
+        self.failed: dict[tuple, str] = {}  # (size, hidden layers) whose capture failed -> why
         self.generation = pool.generation
         self.stats = {"captures": 0, "replays": 0}
 
@@ -394,10 +400,11 @@ class DecodeGraphs:
 
         B = host.shape[1]
         size = self.size_for(B)
-        if size is None:
+        if size is None or (size, capture_hidden) in self.failed:
             return None
         if self.pool.generation != self.generation:
             self.graphs.clear()
+            self.failed.clear()
             self.generation = self.pool.generation
         self.inputs[:, :size].copy_(backends.pin(self.padded(host, size)), non_blocking=True)
         key = (size, capture_hidden)
@@ -408,11 +415,17 @@ class DecodeGraphs:
                 self._mempool = torch.cuda.graph_pool_handle()
             graph = self._factory(self._mempool, self.model.device)
             backends.clear_kept()
-            with _NoFlaTensorCache():
-                out = graph.capture(lambda: self.step(size, capture_hidden))
-            backends.clear_kept()
-            self.graphs[key] = (graph, *out)
-            self.stats["captures"] += 1
+            try:
+                with _NoFlaTensorCache():
+                    out = graph.capture(lambda: self.step(size, capture_hidden))
+            except Exception as e:  # noqa: BLE001 - an op that cannot be captured: this size runs eagerly
+                self.failed[key] = f"{type(e).__name__}: {e}"
+                log.warning("decode step of batch size %d not captured, runs eagerly: %s", size, self.failed[key])
+            else:
+                self.graphs[key] = (graph, *out)
+                self.stats["captures"] += 1
+            finally:
+                backends.clear_kept()
             return logits[:B], {i: h[:B] for i, h in hidden.items()}
         graph, logits, hidden = entry
         replayed = graph.replay()

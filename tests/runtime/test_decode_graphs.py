@@ -106,3 +106,30 @@ def test_graphs_are_dropped_when_the_pool_grows(model):
     assert pool.generation > generation
     graphs.run(pool.step_inputs([slot, other], [1, 2])[0])
     assert graphs.generation == pool.generation and list(graphs.graphs) == [(2, ())]
+
+
+class FailingGraph(RerunGraph):
+    def capture(self, fn, reset=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_leaves_that_size_eager(model):
+    gen = torch.Generator().manual_seed(6)
+    pool = StatePool(model.empty_state(), 2, 256, 128)
+    ref = StatePool(model.empty_state(), 2, 256, 128)
+    ids = torch.randint(0, 250, (9,), generator=gen)
+    slots = []
+    for p in (pool, ref):
+        s = model.empty_state()
+        model.forward_layout(s, [LiveRun(ids, 0)], logits_for="none")
+        slots.append(p.assign(s))
+    graphs = DecodeGraphs(model, pool, sizes=(1, 2), graph_factory=FailingGraph)
+    host, max_pages = pool.step_inputs([slots[0]], [3])
+    first = graphs.run(host)  # the step's eager answer stands
+    assert first is not None and list(graphs.failed) == [(1, ())]
+    want, _ = decode_step(model, ref, [slots[1]], [3])
+    assert torch.equal(first[0], want)
+    host, max_pages = pool.step_inputs([slots[0]], [4])
+    assert graphs.run(host) is None  # the caller runs it eagerly
+    got = eager_step(model, pool, [slots[0]], host, max_pages)[0]
+    assert torch.equal(got, decode_step(model, ref, [slots[1]], [4])[0])

@@ -186,7 +186,10 @@ class GatedDeltaNet(DeltaRuleMixer):
     def finish(self, o, z):
         """Gated RMSNorm of the outputs o [B, n, Hv, dv] by z, then the output projection."""
         B, n = o.shape[:2]
-        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(B, n, self.value_dim)
+        # z is a slice of the projection: copied for any n (a reshape copies it for n > 1 only, and
+        # a decode step's ops would depend on its batch size)
+        z = z.clone(memory_format=torch.contiguous_format).view(-1, self.dv)
+        o = self.norm(o.reshape(-1, self.dv), z).view(B, n, self.value_dim)
         return self.out_proj(o)
 
 
