@@ -277,6 +277,25 @@ def test_preempted_requests_resume_with_one_by_one_outputs(qwen35_dir, mode):
     assert sched._kv_reserved == 0 and sorted(sched.pool.free) == list(range(4))
 
 
+@pytest.mark.parametrize("arch", ["kimi_linear", "nemotron_h", "minimax", "olmo_hybrid"])
+def test_preemption_and_page_boundaries_every_family(arch, dirs):
+    """Outputs long enough to cross several 16-token K/V pages, requests preempted (their K/V copied
+    out of the pages into the page tree) and resumed: the answers one by one, every page back."""
+    reqs = _requests(4, seed=3, max_new=(33, 20, 40, 28))
+    ref = [_engine(dirs(arch), mode="prefix").generate(r) for r in reqs]
+    eng = _engine(dirs(arch), mode="prefix")
+    sched, preempted = _preempting(eng, 2, reqs)
+    try:
+        out = [h.result() for h in [sched.add_request(eng.parse_request(r)) for r in reqs]]
+    finally:
+        sched.stop()
+    assert sched.preemptions >= 1
+    for a, b in zip(ref, out):
+        assert (b.output_ids, b.finish_reason) == (a.output_ids, a.finish_reason)
+    kv = sched.pool.kv
+    assert sched._kv_reserved == 0 and len(kv.free) == kv.num_pages - 1  # all but the scratch page
+
+
 def test_stops_after_a_resume(qwen35_dir, tmp_path):
     """An eos id of generation_config.json and a stop string still end a request that was preempted
     before it reached them."""
