@@ -66,7 +66,7 @@ def test_graph_decode_equals_eager_as_requests_join_and_leave(dtype):
         for r, t in zip(order, greedy[False]):
             toks[r] = t
     graphs = pools[True].graphs
-    assert graphs.stats["captures"] >= 3 and graphs.stats["replays"] > 20
+    assert graphs.stats["captures"] >= 2 and graphs.stats["replays"] > 20, graphs.stats
     assert worst <= (1e-4 if dtype == torch.float32 else 3e-2), worst
     for pair in slots.values():
         for i in pools[False].kv.layers:
