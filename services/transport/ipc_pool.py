@@ -174,6 +174,8 @@ class DeviceArena:
     def take(self, nbytes: int, wait_s: float = 0.0) -> Slot | None:
         """A slot of nbytes (the released ones taken back first), or None when it does not fit
         within `wait_s` seconds (waited only while slots are held: their release can make room)."""
+        if nbytes > self.capacity:
+            return None
         deadline = time.monotonic() + wait_s
         while True:
             with self._lock:

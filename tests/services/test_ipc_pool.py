@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -317,3 +318,17 @@ def test_an_entry_from_the_arena_holds_memory_of_its_own(engine, fake_ipc, servi
                                                             for t in tensors)
         storages.append(ptr)
     assert len(set(storages)) == len(out)
+
+
+def test_a_write_larger_than_a_busy_arena_does_not_wait():
+    arena = ArenaPool(4096, wait_s=5.0).arena(torch.device("cpu"), 16)
+    try:
+        held = arena.take(1000)
+        t0 = time.monotonic()
+        assert arena.take(8192, wait_s=5.0) is None and time.monotonic() - t0 < 1.0  # can never fit: no wait
+        t0 = time.monotonic()
+        assert arena.take(4000, wait_s=0.2) is None and time.monotonic() - t0 >= 0.2  # could, once released
+        arena.releases.release(held.index, held.generation)
+        assert arena.take(4000).offset == 0
+    finally:
+        arena.close()
