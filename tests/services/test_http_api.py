@@ -268,7 +268,17 @@ def metric(text: str, pattern: str) -> float:
     return float(m.group(1))
 
 
-def test_metrics_after_traffic(cluster):
+def test_metrics_after_traffic(cluster, engine):
+    # A tier hit the router sees: a segment whose entry the tier holds and the combine worker has
+    # never folded in (for segments it has, the router asks no tier).
+    from hybridcache.services.cache_tier.client import CacheTierClient
+
+    ids = [17 + (i * 7) % 190 for i in range(48)]
+    entry = engine.build_entry(ids).seal()
+    assert all(CacheTierClient(t.grpc).put([entry]) == 1 for t in cluster.role("cache-tier"))
+    status, res = http("POST", f"{cluster.url}/generate",
+                       {"segments": [ids], "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}})
+    assert status == 200 and res["hybridcache"]["segments"][0]["hit"], res
     status, text = http("GET", f"{cluster.url}/metrics")
     assert status == 200
     count = metric(text, rf"{METRIC_TTFT_SECONDS}_count (\S+)")
