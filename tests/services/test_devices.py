@@ -77,7 +77,10 @@ def test_engine_flags_reach_the_roles_that_take_them():
     scheduling = {"--max-num-seqs": "7", "--max-waiting": "3", "--kv-cache-bytes": "999"}
     assert {k: flags("combine").get(k) for k in scheduling} == scheduling
     assert flags("combine")["--max-num-batched-tokens"] == flags("scatter")["--max-num-batched-tokens"] == "512"
-    assert flags("scatter") == {k: v for k, v in flags("combine").items() if k not in scheduling}
+    # and each end of the entry transport its own: the sender's arena, the receiver's same-GPU choice
+    assert "--ipc-arena-bytes" not in flags("combine") and "--scatter-same-gpu" not in flags("scatter")
+    scatter = {k: v for k, v in flags("scatter").items() if k != "--ipc-arena-bytes"}
+    assert scatter == {k: v for k, v in flags("combine").items() if k not in {*scheduling, "--scatter-same-gpu"}}
     assert not set(scheduling) & (set(flags("router")) | set(flags("cache-tier")))
     assert flags("router")["--max-model-len"] == "2048" and "--device" not in flags("router")
     assert "--device" not in flags("cache-tier") and "--entry-cache-bytes" not in flags("cache-tier")
