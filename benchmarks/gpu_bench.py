@@ -207,6 +207,7 @@ def pic_layout(segs, entries, question):
 
 
 def ttft_figures(model, cfg, n_seg, figures, numerics):
+    from hybridcache.services.runtime.graphs import forward as graphed_forward
     from hybridcache.services.runtime.sequence import LiveRun
 
     gen = torch.Generator().manual_seed(n_seg)
@@ -227,7 +228,7 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
 
     def run_pic():
         state = model.empty_state()
-        logits, _ = model.forward_layout(state, pic_layout(segs, entries, question), "last")
+        logits, _ = graphed_forward(model, state, pic_layout(segs, entries, question), "last")
         return logits, state
 
     # The live pass runs from CUDA graphs of its shape (services/runtime/graphs.py): captured at a
@@ -268,7 +269,7 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
 
         def run():
             staged = stage(host_ents, "cuda")
-            return model.forward_layout(model.empty_state(), pic_layout(segs, staged, question), "last")
+            return graphed_forward(model, model.empty_state(), pic_layout(segs, staged, question), "last")
 
         return run
 
@@ -281,7 +282,7 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
 
     def run_pic_host_per_tensor():
         on_gpu = [to_device(e, "cuda") for e in host]
-        return model.forward_layout(model.empty_state(), pic_layout(segs, on_gpu, question), "last")
+        return graphed_forward(model, model.empty_state(), pic_layout(segs, on_gpu, question), "last")
 
     t_host_tensor, _ = timed(run_pic_host_per_tensor, repeat=3)
     figures[f"pic_ttft_ms_{tag}_host_per_tensor_copies"] = round(t_host_tensor, 2)
@@ -304,7 +305,7 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
         for e in entries
     ]
     t16, (logits16, _) = timed(
-        lambda: model.forward_layout(model.empty_state(), pic_layout(segs, e16, question), "last"), repeat=5, warmup=3
+        lambda: graphed_forward(model, model.empty_state(), pic_layout(segs, e16, question), "last"), repeat=5, warmup=3
     )
     t16_host, _ = timed(pic_from_host(e16, "bench16"), repeat=5)
     figures[f"entry_mb_per_segment_{tag}_bf16_states"] = round(sum(map(entry_nbytes, e16)) / n_seg / 2**20, 1)
@@ -340,6 +341,7 @@ def shape_churn_figures(model, cfg, figures, n_seg=8, fresh=4, steps=16):
     and context length) is new, and decode steps (each a new context length), under torch's own
     SDPA backend choice (cuDNN included) and under the engine's default (flash, efficient, math)."""
     from hybridcache.services.runtime import backends
+    from hybridcache.services.runtime.graphs import forward as graphed_forward
     from hybridcache.services.runtime.sequence import LiveRun
 
     gen = torch.Generator().manual_seed(99)
@@ -354,7 +356,7 @@ def shape_churn_figures(model, cfg, figures, n_seg=8, fresh=4, steps=16):
                 for times in (first, again):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    model.forward_layout(model.empty_state(), pic_layout(segs, entries, q), "last")
+                    graphed_forward(model, model.empty_state(), pic_layout(segs, entries, q), "last")
                     torch.cuda.synchronize()
                     times.append((time.perf_counter() - t0) * 1e3)
             base += fresh

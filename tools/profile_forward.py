@@ -161,6 +161,7 @@ def main(argv=None):
     torch.set_grad_enabled(False)
     from gpu_bench import SEAM, SEG, build_entries, build_models, pic_layout
     from hybridcache.services.runtime.graphs import eager, set_cuda_graphs
+    from hybridcache.services.runtime.graphs import forward as graphed_forward
     from hybridcache.services.runtime.sequence import LiveRun
 
     cfg, model, _, _ = build_models("qwen3.5-9b", False)
@@ -171,7 +172,7 @@ def main(argv=None):
     out = {"segments": args.segments, "seam": SEAM}
 
     def pic():
-        model.forward_layout(model.empty_state(), pic_layout(segs, entries, question), "last")
+        graphed_forward(model, model.empty_state(), pic_layout(segs, entries, question), "last")
 
     state = model.empty_state()
     model.forward_layout(state, [LiveRun(torch.cat(segs), 0)], "none")
@@ -206,7 +207,7 @@ def main(argv=None):
                 with record_function("stage"):
                     staged = stage(hosted, "cuda")
                 with record_function("forward"):
-                    model.forward_layout(model.empty_state(), pic_layout(segs, staged, question), "last")
+                    graphed_forward(model, model.empty_state(), pic_layout(segs, staged, question), "last")
 
         return fn
 
@@ -247,7 +248,7 @@ def main(argv=None):
     # time the same assembly both ways (its 32 x 1k figure has been 50 ms above this script's wall)
     def pic_kept():
         state = model.empty_state()
-        return model.forward_layout(state, pic_layout(segs, entries, question), "last"), state
+        return graphed_forward(model, state, pic_layout(segs, entries, question), "last"), state
 
     set_cuda_graphs(model, False)  # the eager pass, as before graphs
     for keep in (False, True):

@@ -5,7 +5,7 @@ rule (with initial state) when importable, our fused entry construction for runs
 cache entry, Triton causal conv, our live-token attention kernel (kernels/ops/attention) where live
 tokens sit between cached spans, and SDPA for the other attention (flash for a plain causal
 prefill, a live tail and decode).
-Which of these a process takes is one OpDispatch, chosen from the runtime config when an engine
+Which of these a process takes is one OpDispatch, chosen from the runtime config when a ModelRunner
 is built (`configure`): `--kernels reference` forces the references on any device, and
 `--sdpa-backends` names the SDPA backends allowed. Nothing here reads the environment.
 Kernel modules are imported lazily, so importing the runtime never imports Triton.
@@ -57,7 +57,7 @@ _DISPATCH = OpDispatch()
 
 
 def configure(dispatch: OpDispatch) -> None:
-    """Make `dispatch` the process's op choice (Engine does, from its config, when it is built)."""
+    """Make `dispatch` the process's op choice (runner.ModelRunner does, from its config, when it is built)."""
     global _DISPATCH
     _DISPATCH = dispatch
 

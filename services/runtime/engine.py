@@ -1,4 +1,6 @@
 """The engine: turns a request into a layout of live runs and cached spans, runs it, decodes.
+Execution (forwards, cold builds, decode steps, staging) is its ModelRunner's (runner.py); the
+engine keeps the caches, the layouts and the requests.
 
 Modes, one code path (DESIGN §3):
     full    no cache: every prompt token is live.
@@ -29,7 +31,6 @@ from pathlib import Path
 import torch
 from hybridcache.services.config import RuntimeConfig, parse_warmup_shape
 from hybridcache.services.devices import with_cache_budgets
-from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.cache import (
     EntryStore,
     MemoryEntryStore,
@@ -42,52 +43,18 @@ from hybridcache.services.runtime.cache import (
     entry_nbytes,
     restore_state,
 )
-from hybridcache.services.runtime.cache.host_tier import TieredEntryStore, is_host, stage
+from hybridcache.services.runtime.cache.host_tier import TieredEntryStore, is_host
 from hybridcache.services.runtime.cache.single_state import to_single_state
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.plan import Planner, Request
+from hybridcache.services.runtime.runner import ModelRunner
 from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams, sample_token, token_logprobs
 from hybridcache.services.runtime.sequence import CachedSpan, LinearSpan, LiveRun, SequenceState
 from hybridcache.services.runtime.tokenizer import Tokenizer
 
 # The engine's settings: one frozen config whose fields are also the command-line flags.
 EngineConfig = RuntimeConfig
-
-
-def entry_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """How build_entries groups cold segments into batched prefills: indices in increasing length,
-    cut into as few batches as fit `max_tokens` padded tokens each (count x longest; a segment
-    longer than that goes alone), and among those cuts the one whose largest batch is smallest.
-    18 equal segments that fit 16 to a batch are two batches of 9, not 16 and 2: a batch of 2 uses
-    the GPU poorly, and the worker that builds it finishes last. Segment parallelism mirrors this
-    order to stream a batch's entries layer by layer."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-
-    def cut(limit: int) -> list[list[int]]:
-        batches: list[list[int]] = []
-        batch: list[int] = []
-        for i in order:
-            if batch and (len(batch) + 1) * lengths[i] > limit:
-                batches.append(batch)
-                batch = []
-            batch.append(i)
-        if batch:
-            batches.append(batch)
-        return batches
-
-    fewest = cut(max_tokens)
-    if len(fewest) < 2:
-        return fewest
-    # the smallest limit that still needs no more batches: the cut is then as even as it gets
-    lo, hi = 1, max_tokens
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(cut(mid)) <= len(fewest):
-            hi = mid
-        else:
-            lo = mid + 1
-    return cut(lo)
 
 
 @dataclass(slots=True)
@@ -185,14 +152,9 @@ class Engine:
         generation = GenerationDefaults.from_dir(path) if path else GenerationDefaults()
         self.planner = Planner(self.cfg, tokenizer, self.config, self.fingerprint, generation)
         self.eos_ids = self.planner.eos_ids
-        # the op implementations and CUDA graphs this engine's config chooses
-        backends.configure(backends.OpDispatch.of(self.config))
-        from hybridcache.services.runtime.graphs import set_cuda_graphs
-
-        set_cuda_graphs(model, self.config.cuda_graphs, self.config.cuda_graph_shapes)
-        from hybridcache.services.runtime.paged import set_decode_graphs
-
-        set_decode_graphs(model, self.config.decode_cuda_graphs)
+        # execution: the op implementations and CUDA graphs this engine's config chooses, the
+        # forwards, cold builds, decode steps and host-tier staging
+        self.runner = ModelRunner(model, self.config)
 
     def _new_entry_store(self) -> EntryStore:
         cfg = self.config
@@ -214,24 +176,15 @@ class Engine:
     def cacheable(self, segment_ids: list[int]) -> bool:
         return self.planner.cacheable(segment_ids)
 
-    @torch.no_grad()
     def build_entry(self, segment_ids: list[int]) -> SegmentEntry:
         """Prefill the segment on its own (positions from 0) and keep its body as an entry."""
-        w = self.config.seam_window
-        ids = torch.tensor(segment_ids, dtype=torch.long)
-        t0 = time.perf_counter()
-        layout = [LiveRun(ids[w:], w, record="entry")]
-        if w:
-            layout.insert(0, LiveRun(ids[:w], 0))
-        _, rec = self.model.forward_layout(self.model.empty_state(), layout, logits_for="none")
-        data = rec.entries[len(layout) - 1]
+        data, seconds = self.runner.build_span(segment_ids)
+        return self._entry(segment_ids, data, seconds)
+
+    def _entry(self, segment_ids: list[int], data, seconds: float) -> SegmentEntry:
         return self._apply_entry_policy(
-            SegmentEntry(
-                key=self.entry_key(segment_ids),
-                segment_tokens=len(segment_ids),
-                data=data,
-                build_seconds=time.perf_counter() - t0,
-            )
+            SegmentEntry(key=self.entry_key(segment_ids), segment_tokens=len(segment_ids), data=data,
+                         build_seconds=seconds)
         )
 
     def _apply_entry_policy(self, entry: SegmentEntry) -> SegmentEntry:
@@ -266,34 +219,18 @@ class Engine:
 
     def build_entries(self, segments: list[list[int]], on_layer=None) -> list[SegmentEntry]:
         """Entries of several segments, equal to build_entry of each: prefilled together
-        (LayoutLM.build_span_data) in batches of similar lengths of at most `entry_batch_tokens`
+        (ModelRunner.build_spans) in batches of similar lengths of at most `entry_batch_tokens`
         padded tokens; build time is shared out by length.
         `on_layer(indices, layer, spans)`, where streams_layers, is called as each layer of a batch
         is computed: the batch's segment indices and their spans of that layer (a LinearSpan or an
         AttnSpan each, as the entries will hold them)."""
-        build = self.model.build_span_data
-        stream = on_layer is not None and self.streams_layers
-        if len(segments) < 2 and not stream:
-            return [self.build_entry(s) for s in segments]
-        w = self.config.seam_window
-        out: dict[int, SegmentEntry] = {}
-        for batch in entry_batches([len(s) for s in segments], self.config.entry_batch_tokens):
-            t0 = time.perf_counter()
-            if stream:
-                def layer_done(layer, datas, batch=batch):
-                    on_layer(batch, layer, [self._layer_span(d, layer) for d in datas])
-
-                datas = build([segments[i] for i in batch], w, on_layer=layer_done)
-            else:
-                datas = build([segments[i] for i in batch], w)
-            seconds = time.perf_counter() - t0
-            total = sum(len(segments[i]) for i in batch)
-            for i, data in zip(batch, datas):
-                seg = segments[i]
-                out[i] = self._apply_entry_policy(
-                    SegmentEntry(self.entry_key(seg), len(seg), data, seconds * len(seg) / total)
-                )
-        return [out[i] for i in range(len(segments))]
+        if on_layer is not None and self.streams_layers:
+            def layer_done(indices, layer, datas):
+                on_layer(indices, layer, [self._layer_span(d, layer) for d in datas])
+        else:
+            layer_done = None
+        built = self.runner.build_spans(segments, layer_done)
+        return [self._entry(seg, data, seconds) for seg, (data, seconds) in zip(segments, built)]
 
     def get_or_build_entry(self, segment_ids: list[int]) -> tuple[SegmentEntry, bool]:
         key = self.entry_key(segment_ids)
@@ -427,7 +364,7 @@ class Engine:
         # Entries found in the host tier reach the device together, layer by layer: the forward
         # waits for a layer's copies only when it gets to that layer.
         if staged:
-            datas = stage([e for _, e in staged], self.model.device)
+            datas = self.runner.stage([e for _, e in staged])
             for (idx, _), data in zip(staged, datas):
                 piece = layout[idx]
                 layout[idx] = CachedSpan(data, piece.start, piece.use_transition)
@@ -445,7 +382,7 @@ class Engine:
         snapshot_after.discard(len(layout) - 1)
         layout, snapshot_after, boundary = coalesce_live_runs(layout, snapshot_after, boundary)
         capture = recorder.capture_layers if recorder is not None else ()
-        logits, rec = self.model.forward_layout(state, layout, "last", snapshot_after, capture)
+        logits, rec = self.runner.forward(state, layout, "last", snapshot_after, capture)
         if cfg.uses_entries:
             for idx, lin in rec.snapshots.items():
                 if idx not in boundary:
@@ -492,7 +429,7 @@ class Engine:
     ) -> torch.Tensor:
         run = LiveRun(torch.tensor([token_id], dtype=torch.long), state.length)
         capture = recorder.capture_layers if recorder is not None else ()
-        logits, rec = self.model.forward_layout(state, [run], "last", capture_hidden=capture)
+        logits, rec = self.runner.forward(state, [run], "last", capture_hidden=capture)
         if recorder is not None:
             recorder.token_ids.append(token_id)
             recorder.add_hidden(rec.hidden, 1)
@@ -503,10 +440,7 @@ class Engine:
         """A scheduler's paged.StatePool of `slots` running requests: their linear states and room
         for `kv_tokens` tokens of attention K/V in pages (per rank under tensor parallelism: its
         methods change per-rank tensors)."""
-        from hybridcache.services.runtime.paged import StatePool
-
-        max_len = self.config.max_model_len or self.cfg.max_position_embeddings
-        return StatePool(self.model.empty_state(), slots, kv_tokens, max_len)
+        return self.runner.new_state_pool(slots, kv_tokens)
 
     @torch.no_grad()
     def decode_batch(self, prefills: list[Prefill], tokens: list[int], pool, slots: list[int]) -> torch.Tensor:
@@ -514,11 +448,9 @@ class Engine:
         prefills[b] and held in slot slots[b] of `pool` (its linear states and K/V pages), takes
         tokens[b]; its states advance there (paged.decode_step), its page recorder advances.
         Returns logits [B, vocab] fp32."""
-        from hybridcache.services.runtime.paged import decode_step
-
         recorders = [p.recorder for p in prefills]
         capture = sorted({i for r in recorders if r is not None for i in r.capture_layers})
-        logits, hidden = decode_step(self.model, pool, slots, tokens, capture)
+        logits, hidden = self.runner.decode(pool, slots, tokens, capture)
         for b, (pre, rec) in enumerate(zip(prefills, recorders)):
             pre.state.length += 1
             if rec is not None:

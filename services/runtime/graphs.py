@@ -6,6 +6,8 @@ thousands of kernel launches and torch ops from Python for little GPU work each
 entries' dtypes, the state it starts from, what it records — its live pass is one fixed sequence
 of kernels, so it can be captured once and replayed.
 
+`forward(model, ...)` runs a layout from its shape's graphs where they apply, else eagerly
+(LayoutLM.forward_layout, which knows nothing of graphs); runner.ModelRunner.forward is it.
 LayoutGraphs keeps, for each shape seen `capture_after` times, one CUDA graph per layer (the
 embedding with the first, the final norm and the head with the last) captured over *static*
 buffers: the live token ids, every cached span's tensors, the entering state. A replay
@@ -108,6 +110,19 @@ def layout_graphs(model) -> LayoutGraphs | None:
         shapes = getattr(model, "_cuda_graph_shapes", DEFAULT_MAX_SHAPES)
         graphs = model._layout_graphs = LayoutGraphs(model, max_graphs=shapes)
     return graphs
+
+
+@torch.no_grad()
+def forward(model, state: SequenceState, layout, logits_for="last", snapshot_after=(), capture_hidden=()):
+    """`model`'s live pass over `layout` from `state` (LayoutLM.forward_layout's arguments and
+    results): from the CUDA graphs of the layout's shape where they apply (layout_graphs), else the
+    model's eager forward. The runner's forward (runner.ModelRunner.forward) is this."""
+    graphs = layout_graphs(model)
+    if graphs is not None:
+        out = graphs.run(state, layout, logits_for, snapshot_after, capture_hidden)
+        if out is not None:
+            return out
+    return model.forward_layout(state, layout, logits_for, snapshot_after, capture_hidden)
 
 
 def peek(mapping, layer):

@@ -9,6 +9,7 @@ from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.cache.host_tier import stage, to_host
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.graphs import eager, layout_graphs
+from hybridcache.services.runtime.graphs import forward as graphed_forward
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.modelzoo import hf_config, random_init_
 from hybridcache.services.runtime.sequence import CachedSpan, LiveRun
@@ -50,7 +51,7 @@ def pic_layout(segs, datas, question):
 def run(model, layout, graphs: bool, **kw):
     state = model.empty_state()
     with contextlib.nullcontext() if graphs else eager(model):
-        logits, rec = model.forward_layout(state, layout, "last", **kw)
+        logits, rec = graphed_forward(model, state, layout, "last", **kw)
     torch.cuda.synchronize()
     return logits, state, rec
 

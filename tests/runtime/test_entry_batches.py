@@ -2,7 +2,7 @@
 
 import random
 
-from hybridcache.services.runtime.engine import entry_batches
+from hybridcache.services.runtime.runner import entry_batches
 
 
 def _greedy(lengths, max_tokens):

@@ -132,18 +132,18 @@ def test_stage_on_cuda_matches_resident_entries(qwen35_dir):
 
 
 def test_warmup_of_a_tiered_engine_stages_from_the_host(qwen35_dir, monkeypatch):
-    from hybridcache.services.runtime import engine as engine_mod
+    from hybridcache.services.runtime import runner as runner_mod
 
     tiered = Engine.from_dir(qwen35_dir, config=EngineConfig(host_cache_bytes=1 << 30))
     store = tiered.entries
     staged = []
-    real = engine_mod.stage
+    real = runner_mod.stage
 
     def spy(entries, device):
         staged.append(len(entries))
         return real(entries, device)
 
-    monkeypatch.setattr(engine_mod, "stage", spy)
+    monkeypatch.setattr(runner_mod, "stage", spy)
     tiered.warmup()
     assert staged and max(staged) >= 3
     assert tiered.entries is store and len(store) == 0

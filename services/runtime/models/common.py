@@ -360,15 +360,7 @@ class LayoutLM(nn.Module):
         logits_for: "last" ([vocab] fp32 after the last live token), "all" ([n_live, vocab]) or
         "none". snapshot_after: layout indices whose linear states to record; capture_hidden:
         layers whose entering residual stream to record. Returns (logits or None, Recording).
-        On CUDA an assembly (a layout with cached spans) may run from CUDA graphs of its shape
-        (graphs.py), with the same results."""
-        from hybridcache.services.runtime.graphs import layout_graphs
-
-        graphs = layout_graphs(self)
-        if graphs is not None:
-            out = graphs.run(state, layout, logits_for, snapshot_after, capture_hidden)
-            if out is not None:
-                return out
+        This is the eager pass; runner.ModelRunner.forward replays assemblies from CUDA graphs."""
         rec, ids, positions, end = new_recording(state, layout, snapshot_after)
         positions = backends.to_device_async(positions, self.device)
         x = self.embed(backends.to_device_async(ids, self.device))[None]  # [1, n_live, h]
