@@ -27,8 +27,9 @@ from dataclasses import replace
 import grpc
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
-from hybridcache.services.protocol import pb, rpc, segment, segment_ids
+from hybridcache.services.protocol import pb, rpc, segment, segment_array
 from hybridcache.services.runtime.cache import EntryLayout, SegmentEntry
+from hybridcache.services.runtime.cache.host_tier import is_host
 from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.runtime.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig
@@ -189,8 +190,10 @@ class CombineServicer(rpc.CombineServicer):
             self._tiers[address] = CacheTierClient(address)
         return self._tiers[address]
 
-    def _gather(self, request, segments: list[list[int]]) -> tuple[dict[str, SegmentEntry], dict[int, str], dict]:
-        """Every planned entry (own cache -> tier -> scatter); returns key -> entry, index -> source."""
+    def _gather(self, request, segments: list[list[int]], expected: dict[int, str]
+                ) -> tuple[dict[str, SegmentEntry], dict[int, str], dict]:
+        """Every planned entry (own cache -> tier -> scatter); returns key -> entry, index -> source.
+        `expected`: segment index -> its entry key, as this engine's planner computes it."""
         store = self.engine.entries
         pinned: dict[str, SegmentEntry] = {}
         source: dict[int, str] = {}
@@ -201,8 +204,7 @@ class CombineServicer(rpc.CombineServicer):
                  "build_seconds": 0.0, "redispatched": 0}
         # Only the keys of this engine's own planner count: a plan naming another key for a segment
         # (or no segment) is ignored, and the engine builds that segment itself.
-        plan = [p for p in request.plan
-                if 0 <= p.index < len(segments) and p.key == self.engine.entry_key(segments[p.index])]
+        plan = [p for p in request.plan if p.key == expected.get(p.index)]
         keys = {p.index: p.key for p in plan}
         owners = {p.index: p.cache_tier for p in plan}
         received: dict = {}  # key -> entry accepted from the tier or a scatter worker (rank slices on TP)
@@ -299,23 +301,32 @@ class CombineServicer(rpc.CombineServicer):
         t0 = time.perf_counter()
         try:
             sampling = json.loads(request.sampling_json) if request.sampling_json else {}
-            segments = [segment_ids(s) for s in sorted(request.segments, key=lambda s: s.index)]
-            req = self.engine.parse_request({"system": list(request.system_ids), "segments": segments,
+            # int32 arrays over the packed bytes: the planner checks their range in numpy
+            packed = [segment_array(s) for s in sorted(request.segments, key=lambda s: s.index)]
+            req = self.engine.parse_request({"system": list(request.system_ids), "segments": packed,
                                              "suffix": list(request.suffix_ids), "sampling_params": sampling,
                                              "live_segments": [s.index for s in request.segments if s.live]})
             self.scheduler.check_fits(req)
         except (RequestError, ValueError) as e:
             yield pb.TokenChunk(done=True, error=str(e), status=400)
             return
+        segments = req.segment_ids
+        # the plan's keys are checked against the keys recomputed here from the tokens
+        planner = self.engine.planner
+        expected = {p.index: planner.segment_key(req, p.index) for p in request.plan if 0 <= p.index < len(segments)}
         sched = self.scheduler
         # Refused before its entries are gathered, when the queue is already full.
         if not sched.has_room():
             raise QueueFull(sched.queue_full_message(), sched.retry_after_s())
-        pinned, source, moved = self._gather(request, segments)
+        pinned, source, moved = self._gather(request, segments, expected)
+        # Entries that came from elsewhere go to the model's device and into this worker's cache;
+        # those found in its cache's device tier are there already.
         device = next(self.engine.model.parameters()).device
-        pinned = {k: entry_to(e, device) for k, e in pinned.items()}
-        for entry in pinned.values():
-            self.engine.entries.put(entry)
+        held = {expected[i] for i, src in source.items() if src == "local"}
+        for key, entry in pinned.items():
+            if key not in held or is_host(entry):
+                pinned[key] = entry_to(entry, device)
+                self.engine.entries.put(pinned[key])
         handle: RequestHandle = sched.add_request(req, pinned)
         # The RPC ends early when the client cancels or goes away: the request ends too, within a
         # step (at once when the RPC ended while its entries were gathered: no callback then).

@@ -10,10 +10,11 @@ from __future__ import annotations
 import array
 import sys
 
+import numpy as np
 from hybridcache.services.protocol import hybridcache_pb2 as pb
 from hybridcache.services.protocol import hybridcache_pb2_grpc as rpc
 
-__all__ = ["pb", "rpc", "pack_ids", "unpack_ids", "segment", "segment_ids"]
+__all__ = ["pb", "rpc", "pack_ids", "unpack_ids", "segment", "segment_ids", "segment_array", "narrow_ids"]
 
 _INT32 = next(code for code in "ilh" if array.array(code).itemsize == 4)
 
@@ -45,3 +46,16 @@ def segment(index: int, token_ids, **fields) -> pb.Segment:
 def segment_ids(seg: pb.Segment) -> list[int]:
     """A Segment's token ids."""
     return unpack_ids(seg.ids)
+
+
+def segment_array(seg: pb.Segment) -> np.ndarray:
+    """A Segment's token ids as an int32 numpy array over its bytes (no copy); ValueError on a
+    length that is not a multiple of 4."""
+    if len(seg.ids) % 4:
+        raise ValueError(f"packed token ids of {len(seg.ids)} bytes: not a multiple of 4")
+    return np.frombuffer(seg.ids, dtype="<i4")
+
+
+def narrow_ids(packed64: bytes) -> bytes:
+    """Little-endian int64 ids (plan.packed_ids' bytes, each id in int32 range) as pack_ids packs them."""
+    return np.frombuffer(packed64, dtype="<i8").astype("<i4").tobytes()

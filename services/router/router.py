@@ -19,7 +19,7 @@ from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.config import DTYPES, RuntimeConfig
 from hybridcache.services.directory import Directory
 from hybridcache.services.observability import metrics, tracing
-from hybridcache.services.protocol import pb, rpc, segment
+from hybridcache.services.protocol import narrow_ids, pb, rpc, segment
 from hybridcache.services.router.assign import lpt_assign, round_robin_assign
 from hybridcache.services.router.cost import CostModel, parse_bandwidths
 from hybridcache.services.runtime.config import ModelConfig
@@ -301,7 +301,7 @@ class Router:
             plan, assigned, tiers = self.plan(req, order[0])
             creq = pb.CombineRequest(
                 request_id=uuid.uuid4().hex, system_ids=req.system_ids,
-                segments=[segment(i, s, live=i in req.live) for i, s in enumerate(req.segment_ids)],
+                segments=[_segment(req, i) for i in range(len(req.segment_ids))],
                 suffix_ids=req.suffix_ids, sampling_json=json.dumps(_sampling_dict(req.sampling)), plan=plan,
                 scatter_workers=self.directory.members("scatter"),
                 cache_tier=self.directory.owner(plan[0].key) or "" if plan else (tiers[0] if tiers else ""))
@@ -378,6 +378,14 @@ class Router:
                                    stats.get("tier_seconds", 0.0))
         self.cost.observe_scatter(stats.get("scatter_path", ""), stats.get("scatter_bytes", 0),
                                   stats.get("scatter_seconds", 0.0))
+
+
+def _segment(req, i: int) -> pb.Segment:
+    """The request's segment i as a Segment, its ids packed from those parsing packed when it did."""
+    packed = req.packed.get(i)
+    if packed is None:
+        return segment(i, req.segment_ids[i], live=i in req.live)
+    return pb.Segment(index=i, ids=narrow_ids(packed), live=i in req.live)
 
 
 def _sampling_dict(s) -> dict:

@@ -314,11 +314,16 @@ class Engine:
             whole = not (j == first and skip)
             return kind == "segment" and cfg.uses_entries and j < len(parts) - 1 and whole and self.cacheable(ids)
 
+        first_segment = 1 if req.system_ids else 0  # parts[j] is segment j - first_segment
+
+        def key_of(j):
+            return self.planner.segment_key(req, j - first_segment)
+
         # Cold segments are prefilled on their own first, all at once, then the request runs warm.
         cold = {}
         for j in range(first, len(parts)):
             if reused(j):
-                key = self.entry_key(parts[j][1])
+                key = key_of(j)
                 if key not in cold and key not in pinned and key not in ahead and not self.entries.contains(key):
                     cold[key] = parts[j][1]
         built = dict(ahead)
@@ -333,7 +338,7 @@ class Engine:
             kind, ids = parts[j]
             t = torch.tensor(ids[skip if j == first else 0 :], dtype=torch.long)
             if reused(j):
-                key = self.entry_key(ids)
+                key = key_of(j)
                 if key in built:
                     entry, hit = built.pop(key), False
                 elif key in pinned:

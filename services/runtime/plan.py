@@ -12,8 +12,9 @@ from __future__ import annotations
 import array
 import hashlib
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.runtime.sampling import GenerationDefaults, RequestError, SamplingParams
 from hybridcache.services.runtime.tokenizer import SPECIAL_TOKENS
@@ -31,18 +32,19 @@ def packed_ids(token_ids) -> bytes:
     return a.tobytes()
 
 
-def segment_key(fingerprint: str, seam_window: int, token_ids) -> str:
-    """hash(model fingerprint, cache format, w, token ids) (DESIGN §4)."""
+def segment_key(fingerprint: str, seam_window: int, token_ids, packed: bytes | None = None) -> str:
+    """hash(model fingerprint, cache format, w, token ids) (DESIGN §4). `packed`: the ids as
+    packed_ids packs them, when the caller has them so."""
     h = hashlib.sha256()
     h.update(f"{fingerprint}|{CACHE_FORMAT}|w={seam_window}|".encode())
-    h.update(packed_ids(token_ids))
+    h.update(packed_ids(token_ids) if packed is None else packed)
     return h.hexdigest()
 
 
-def chain_key(parent: str, kind: str, token_ids) -> str:
+def chain_key(parent: str, kind: str, token_ids, packed: bytes | None = None) -> str:
     """The key of a part after the chain `parent` (the part-chain snapshots, cache/prefix.py)."""
     h = hashlib.sha256(f"{parent}|{kind}|".encode())
-    h.update(packed_ids(token_ids))
+    h.update(packed_ids(token_ids) if packed is None else packed)
     return h.hexdigest()
 
 
@@ -71,6 +73,11 @@ class Request:
     # indices of segments that always run live, never cached (a chat template's markup between
     # content parts): their part kind is "live"
     live: frozenset[int] = frozenset()
+    # segment index -> its ids as packed_ids packs them (little-endian int64), made as it was parsed
+    packed: dict[int, bytes] = field(default_factory=dict, compare=False, repr=False)
+    # (entry tag, seam window, segment index) -> its entry key, computed once (Planner.segment_key);
+    # a request's segments never change (a preempted request's copy shares them and these)
+    keys: dict[tuple, str] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -146,7 +153,10 @@ class Planner:
         if chars > self.max_chars:
             raise RequestError(f"the request's text has {chars} characters, more than the {self.max_chars} "
                                f"that could fit in the served length")
-        seg_ids = [self._ids(s, f"segment {i}") for i, s in enumerate(segments)]
+        seg_ids, packed = [], {}
+        for i, s in enumerate(segments):
+            ids, packed[i] = self._segment_ids(s, f"segment {i}")
+            seg_ids.append(ids)
         for i, s in enumerate(seg_ids):
             if not s:
                 raise RequestError(f"segment {i} is empty")
@@ -169,7 +179,8 @@ class Planner:
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(seg_ids) for i in live
         ):
             raise RequestError("live_segments must be a list of segment indices")
-        req = Request(system_ids, seg_ids, suffix_ids, sampling, frozenset(live))
+        req = Request(system_ids, seg_ids, suffix_ids, sampling, frozenset(live),
+                      {i: b for i, b in packed.items() if b is not None})
         if n + sampling.max_new_tokens > limit:
             raise RequestError(
                 f"prompt of {n} tokens plus max_new_tokens {sampling.max_new_tokens} exceeds "
@@ -197,6 +208,32 @@ class Planner:
         """Prompt plus generated tokens: the model's max_position_embeddings, or less by --max-model-len."""
         limit = self.cfg.max_position_embeddings
         return min(limit, self.config.max_model_len) if self.config.max_model_len else limit
+
+    def _segment_ids(self, value, what: str) -> tuple[list[int], bytes | None]:
+        """A segment's ids and, where they are not text, their packed_ids bytes. An int32 numpy
+        array (ids unpacked from a gRPC Segment: integers by construction) is checked in numpy;
+        a list of ids is type-checked, packed once in C and range-checked on the packed array."""
+        if isinstance(value, np.ndarray):
+            if value.ndim != 1 or value.dtype.kind not in "iu":
+                raise RequestError(f"{what} must be a string or a list of token ids")
+            self._check_range(value, what)
+            return value.tolist(), value.astype("<i8").tobytes()
+        if isinstance(value, list) and value and set(map(type, value)) == {int}:
+            try:
+                a = array.array("q", value)
+            except OverflowError:
+                a = None
+            if a is not None:
+                self._check_range(np.frombuffer(a, dtype=np.int64), what)
+                if sys.byteorder != "little":
+                    a.byteswap()
+                return list(value), a.tobytes()
+        return self._ids(value, what), None
+
+    def _check_range(self, ids: np.ndarray, what: str) -> None:
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
+            bad = next(int(t) for t in ids if not 0 <= t < self.cfg.vocab_size)
+            raise RequestError(f"{what} has token id {bad} outside the vocabulary [0, {self.cfg.vocab_size})")
 
     def _ids(self, value, what: str) -> list[int]:
         if isinstance(value, str):
@@ -235,6 +272,15 @@ class Planner:
     def entry_key(self, segment_ids: list[int]) -> str:
         return segment_key(self.entry_tag, self.config.seam_window, segment_ids)
 
+    def segment_key(self, req: Request, index: int) -> str:
+        """The entry key of the request's segment `index` (entry_key of its ids), computed once
+        per request and served model (Request.keys), from the ids packed as they were parsed."""
+        memo = (self.entry_tag, self.config.seam_window, index)
+        key = req.keys.get(memo)
+        if key is None:
+            key = req.keys[memo] = segment_key(memo[0], memo[1], req.segment_ids[index], req.packed.get(index))
+        return key
+
     def cacheable(self, segment_ids: list[int]) -> bool:
         """A body needs at least conv_width - 1 tokens: its conv tail must come from the body itself."""
         return len(segment_ids) - self.config.seam_window >= max(1, self.cfg.linear_conv_kernel_dim - 1)
@@ -254,8 +300,10 @@ class Planner:
     def chain_keys(self, req: Request) -> list[str]:
         """The part-chain key after each part of the request."""
         keys, k = [], self.prefix_root()
-        for kind, ids in req.parts():
-            k = chain_key(k, kind, ids)
+        first_segment = 1 if req.system_ids else 0
+        for j, (kind, ids) in enumerate(req.parts()):
+            packed = req.packed.get(j - first_segment) if kind in ("segment", "live") else None
+            k = chain_key(k, kind, ids, packed)
             keys.append(k)
         return keys
 
@@ -269,5 +317,5 @@ class Planner:
         for i, ids in enumerate(req.segment_ids):
             last = not req.suffix_ids and i == len(req.segment_ids) - 1
             if not last and i not in req.live and self.cacheable(ids):
-                out.append(PlannedSegment(i, ids, self.entry_key(ids), self.entry_nbytes(len(ids))))
+                out.append(PlannedSegment(i, ids, self.segment_key(req, i), self.entry_nbytes(len(ids))))
         return out

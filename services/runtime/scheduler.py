@@ -231,7 +231,7 @@ class Scheduler:
 
     def _first_chunk(self, seq_req: Request, generated: int = 0) -> int:
         """Tokens of K/V a request reserves at admission: its prompt and a first chunk."""
-        return len(seq_req.prompt_ids) + min(self.config.kv_chunk_tokens, seq_req.sampling.max_new_tokens - generated)
+        return seq_req.prompt_len + min(self.config.kv_chunk_tokens, seq_req.sampling.max_new_tokens - generated)
 
     def check_fits(self, req: Request) -> None:
         """Raise KVBudgetError when the request's prompt and first chunk exceed the whole K/V budget."""
@@ -316,7 +316,7 @@ class Scheduler:
     def _assembly_tokens(self, req: Request) -> int:
         """Tokens the assembly runs live: every prompt token but the reusable segments' bodies."""
         cfg, eng = self.engine.config, self.engine
-        n = len(req.prompt_ids)
+        n = req.prompt_len
         for seg in eng.planner.reused_segments(req):
             n -= len(seg.token_ids) - cfg.seam_window
         return max(n, 1)

@@ -149,3 +149,34 @@ def test_planning_does_no_python_work_per_token_id(engine):
     small, large = request(16), request(1024)
     plan(small)
     assert _python_calls(lambda: plan(large)) <= _python_calls(lambda: plan(small)) + 100
+
+
+def test_ids_unpacked_from_the_wire_parse_as_the_same_ids(engine):
+    """The combine worker parses a segment's ids as an int32 array over its packed bytes: the same
+    request, keys and chain keys as the lists, and the same refusals for ids outside the vocabulary."""
+    import numpy as np
+    from hybridcache.services.protocol import narrow_ids, segment, segment_array
+    from hybridcache.services.runtime.plan import packed_ids
+
+    planner = Planner(engine.cfg, engine.tokenizer, RuntimeConfig(seam_window=4), engine.fingerprint)
+    docs = [list(range(5, 45)), [7, 9, 11] * 20]
+    lists = planner.parse({"segments": docs, "suffix": [3, 4]})
+    wire = planner.parse({"segments": [segment_array(segment(i, d)) for i, d in enumerate(docs)], "suffix": [3, 4]})
+    assert wire.segment_ids == lists.segment_ids == docs and all(type(t) is int for t in wire.segment_ids[0])
+    assert wire.packed == lists.packed == {i: packed_ids(d) for i, d in enumerate(docs)}
+    assert [narrow_ids(wire.packed[i]) for i in range(2)] == [segment(i, d).ids for i, d in enumerate(docs)]
+    keys = [planner.entry_key(d) for d in docs]
+    assert [s.key for s in planner.reused_segments(wire)] == [s.key for s in planner.reused_segments(lists)] == keys
+    assert planner.chain_keys(wire) == planner.chain_keys(lists)
+    # the key memo belongs to the served model's settings: another seam window keys anew
+    other = Planner(engine.cfg, engine.tokenizer, RuntimeConfig(seam_window=2), engine.fingerprint)
+    assert other.segment_key(wire, 0) == other.entry_key(docs[0]) != keys[0] == planner.segment_key(wire, 0)
+    vocab = engine.cfg.vocab_size
+    for bad in ([1, vocab], [-1, 2]):
+        with pytest.raises(RequestError, match=f"segment 0 has token id {bad[1] if bad[0] == 1 else -1} outside"):
+            planner.parse({"segments": [segment_array(segment(0, bad))], "suffix": [3]})
+    for bad in (np.zeros((2, 2), dtype=np.int32), np.array([1.0, 2.0])):
+        with pytest.raises(RequestError, match="must be a string or a list of token ids"):
+            planner.parse({"segments": [bad], "suffix": [3]})
+    with pytest.raises(RequestError, match="segment 0 is empty"):
+        planner.parse({"segments": [segment_array(segment(0, []))], "suffix": [3]})

@@ -37,3 +37,16 @@ def test_a_segment_of_the_old_layout_carries_no_ids():
     old_field_2 = bytes([0x12, 3, 5, 6, 7])  # field 2, length-delimited, packed varints 5, 6, 7
     seg = pb.Segment.FromString(bytes([0x08, 1]) + old_field_2)
     assert seg.index == 1 and segment_ids(seg) == []
+
+
+def test_a_segment_reads_as_an_int32_array_and_int64_ids_narrow_to_its_bytes():
+    import numpy as np
+    from hybridcache.services.protocol import narrow_ids, segment_array
+    from hybridcache.services.runtime.plan import packed_ids
+
+    ids = [0, 5, 2**31 - 1, 151_000]
+    arr = segment_array(pb.Segment.FromString(segment(3, ids).SerializeToString()))
+    assert arr.dtype == np.dtype("<i4") and arr.tolist() == ids
+    assert narrow_ids(packed_ids(ids)) == pack_ids(ids)
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        segment_array(pb.Segment(index=0, ids=b"\x01\x00"))
