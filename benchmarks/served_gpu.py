@@ -92,13 +92,15 @@ def http_body(native: dict) -> dict:
 
 
 def send(url: str, native: dict, timeout_s: float) -> dict:
-    """POST a streamed /generate; {"ttft_ms" (client: send to first token), "stats" (the response's)}."""
+    """POST a streamed /generate; {"ttft_ms" (client: send to first token), "stats" (the response's)}.
+    The body is encoded before the clock starts: a client's JSON encoder is not the server's cost."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     conn = httplib.HTTPConnection(host, int(port), timeout=timeout_s)
+    body = json.dumps(http_body(native)).encode()
     t0 = time.perf_counter()
     ttft, last = None, None
     try:
-        conn.request("POST", "/generate", json.dumps(http_body(native)), {"Content-Type": "application/json"})
+        conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"/generate answered {resp.status}: {resp.read().decode()[:300]}")

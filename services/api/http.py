@@ -83,6 +83,13 @@ def _parse_json(raw: bytes):
         raise _Reject(400, f"malformed JSON: {e}") from None
 
 
+def _json_object(raw: bytes) -> dict:
+    body = _parse_json(raw)
+    if not isinstance(body, dict):
+        raise _Reject(400, "the request body must be a JSON object")
+    return body
+
+
 async def start_server(app: web.Application, host: str, port: int, config: RuntimeConfig,
                        ssl_context=None) -> web.AppRunner:
     """Serve `app` on host:port (TLS with `ssl_context`); returns the AppRunner (cleanup() stops it)."""
@@ -177,6 +184,10 @@ class Api:
         return app
 
     async def _body(self, request: web.Request) -> dict:
+        return await asyncio.to_thread(_json_object, await self._raw(request))
+
+    async def _raw(self, request: web.Request) -> bytes:
+        """The request's body, bounded in size and time."""
         limit = self.config.max_request_bytes
         if request.content_length is not None and request.content_length > limit:
             raise _Reject(413, f"request body of {request.content_length} bytes exceeds {limit} bytes")
@@ -188,10 +199,7 @@ class Api:
             raise _Reject(408, f"request body not received within {self.config.http_body_timeout_s} s") from None
         if not raw:
             raise _Reject(400, "empty request body")
-        body = await asyncio.to_thread(_parse_json, raw)
-        if not isinstance(body, dict):
-            raise _Reject(400, "the request body must be a JSON object")
-        return body
+        return raw
 
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -203,11 +211,15 @@ class Api:
     async def _handle(self, request: web.Request, convert, respond):
         # the response's ttft_ms counts from here: body, parsing and planning are part of the wait
         request["received"] = time.perf_counter()
-        try:
-            body = await self._body(request)
+
+        def prepare(raw: bytes):
+            # in one worker thread: parsing, conversion (text tokenized) and the router's parse
+            body = _json_object(raw)
             self._check_model(body)
-            native = convert(body)
-            req = await asyncio.to_thread(self.router.parse, native)
+            return body, self.router.parse(convert(body))
+
+        try:
+            body, req = await asyncio.to_thread(prepare, await self._raw(request))
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError("stream must be a boolean")
