@@ -64,6 +64,14 @@ def expected_entry_nbytes(cfg, body_tokens: int, dtype: str = "float32", state_d
     return len(cfg.linear_layers) * per_linear + len(cfg.attention_layers) * per_attn
 
 
+def _holds_bool(value: list, packed: np.ndarray) -> bool:
+    """Whether the list `packed` was packed from holds a bool: only where it packed 0 or 1."""
+    places = np.flatnonzero(packed <= 1)
+    if len(places) > 64:
+        return bool in set(map(type, value))
+    return any(type(value[i]) is bool for i in places.tolist())
+
+
 @dataclass(slots=True)
 class Request:
     system_ids: list[int]
@@ -212,22 +220,25 @@ class Planner:
     def _segment_ids(self, value, what: str) -> tuple[list[int], bytes | None]:
         """A segment's ids and, where they are not text, their packed_ids bytes. An int32 numpy
         array (ids unpacked from a gRPC Segment: integers by construction) is checked in numpy;
-        a list of ids is type-checked, packed once in C and range-checked on the packed array."""
+        a list of ids is packed once in C (which refuses what is not an integer), checked for
+        booleans where it holds 0 or 1 (what True and False pack as) and range-checked on the
+        packed array. Anything else, and a refusal, goes the checks of _ids (their messages)."""
         if isinstance(value, np.ndarray):
             if value.ndim != 1 or value.dtype.kind not in "iu":
                 raise RequestError(f"{what} must be a string or a list of token ids")
             self._check_range(value, what)
             return value.tolist(), value.astype("<i8").tobytes()
-        if isinstance(value, list) and value and set(map(type, value)) == {int}:
+        if isinstance(value, list) and value:
             try:
                 a = array.array("q", value)
-            except OverflowError:
+            except (TypeError, OverflowError):
                 a = None
-            if a is not None:
+            if a is not None and not _holds_bool(value, np.frombuffer(a, dtype=np.int64)):
                 self._check_range(np.frombuffer(a, dtype=np.int64), what)
+                ids = a.tolist()  # plain ints, whatever integer type the caller gave
                 if sys.byteorder != "little":
                     a.byteswap()
-                return list(value), a.tobytes()
+                return ids, a.tobytes()
         return self._ids(value, what), None
 
     def _check_range(self, ids: np.ndarray, what: str) -> None:

@@ -180,3 +180,31 @@ def test_ids_unpacked_from_the_wire_parse_as_the_same_ids(engine):
             planner.parse({"segments": [bad], "suffix": [3]})
     with pytest.raises(RequestError, match="segment 0 is empty"):
         planner.parse({"segments": [segment_array(segment(0, []))], "suffix": [3]})
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([5, 6, True], "must be a string or a list of token ids"),
+    ([0, 1, False] + [7] * 100, "must be a string or a list of token ids"),
+    ([False] * 100, "must be a string or a list of token ids"),
+    ([5, 2.0], "must be a string or a list of token ids"),
+    ([5, "6"], "must be a string or a list of token ids"),
+    ([5, [6]], "must be a string or a list of token ids"),
+    ([5, None], "must be a string or a list of token ids"),
+    ([5, 2**63], "token id 9223372036854775808 outside the vocabulary"),
+    ([5, 10**9], "token id 1000000000 outside the vocabulary"),
+    ([5, -3], "token id -3 outside the vocabulary"),
+])
+def test_a_segment_of_ids_is_refused_as_any_ids_are(engine, bad, message):
+    planner = Planner(engine.cfg, engine.tokenizer, RuntimeConfig(), engine.fingerprint)
+    with pytest.raises(RequestError, match=f"segment 1 .*{message}" if "outside" in message else message):
+        planner.parse({"segments": [[5, 6, 7], bad], "suffix": [3]})
+
+
+def test_a_segment_of_ids_with_0_and_1_and_integer_types_parses_as_plain_ints(engine):
+    import numpy as np
+
+    planner = Planner(engine.cfg, engine.tokenizer, RuntimeConfig(), engine.fingerprint)
+    ids = [0, 1, 5, 1, 0] * 30  # more 0s and 1s than are looked at one by one
+    req = planner.parse({"segments": [ids, [np.int64(7), 8, 0]], "suffix": [3]})
+    assert req.segment_ids == [ids, [7, 8, 0]] and all(type(t) is int for s in req.segment_ids for t in s)
+    assert req.packed[0] == struct.pack(f"<{len(ids)}q", *ids)
