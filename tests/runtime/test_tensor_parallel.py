@@ -219,3 +219,23 @@ def test_scheduler_batched_decode_over_ranks(dirs, group):
         sched.stop()
     assert got == want
     assert max(sched.batch_sizes) >= 2  # decode steps ran over several requests at once
+
+
+def test_the_runner_of_a_tp_engine_runs_on_every_rank(dirs, group):
+    """An engine's ModelRunner is reached as a Remote: its forward and its pool's decode step run
+    over both ranks (a call on rank 0 alone would wait for the other forever) and equal TP = 1."""
+    ids = torch.randint(0, 256, (41,), generator=torch.Generator().manual_seed(6))
+    tp1 = Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(mode="full")).runner
+    ref_state = tp1.empty_state()
+    ref, _ = tp1.forward(ref_state, [LiveRun(ids[:-1], 0)], logits_for="last")
+    ref_pool = tp1.new_state_pool(2, 128)
+    ref_next, _ = tp1.decode(ref_pool, [ref_pool.assign(ref_state)], [int(ids[-1])])
+    runner = group.target.qwen3_5_text.runner
+    assert isinstance(runner, ranks.Remote)
+    state = runner.empty_state()
+    out, _ = runner.forward(state, [LiveRun(ids[:-1], 0)], logits_for="last")
+    pool = runner.new_state_pool(2, 128)
+    nxt, _ = runner.decode(pool, [pool.assign(state)], [int(ids[-1])])
+    assert ref.abs().max().item() > 1e-2
+    assert _close(out, ref) <= 1e-5
+    assert _close(nxt[0], ref_next[0]) <= 1e-5
