@@ -15,6 +15,7 @@ import torch
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.common import (
     Backbone,
+    BlockLayer,
     LayoutLM,
     RMSNorm,
     eos_ids,
@@ -114,7 +115,7 @@ class RopeAttention(NemotronAttention):
         return apply_rope(x.float(), cos, sin).to(x.dtype)
 
 
-class BambaDecoderLayer(nn.Module):
+class BambaDecoderLayer(BlockLayer):
     def __init__(self, cfg: BambaConfig, i: int):
         super().__init__()
         self.kind = cfg.layer_types[i]
@@ -134,14 +135,8 @@ class BambaDecoderLayer(nn.Module):
         x = x + mix(self.input_layernorm(x))
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
-    def forward_layout(self, x, layout, state, rec, layer_idx, positions):
-        if self.kind == "linear_attention":
-            return self.block(x, lambda h: self.mamba.forward_layout(h, layout, state, rec, layer_idx))
-        return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions))
-
-    def build_spans(self, x, lengths, seam, datas, layer_idx):
-        mixer = self.mamba if self.kind == "linear_attention" else self.self_attn
-        return self.block(x, lambda h: mixer.build_spans(h, lengths, seam, datas, layer_idx))
+    def mixer_module(self) -> nn.Module:
+        return self.mamba if self.kind == "linear_attention" else self.self_attn
 
 
 class BambaLM(LayoutLM):

@@ -486,3 +486,24 @@ class LayoutLM(nn.Module):
         positions = torch.arange(n, device=x.device)
         for i in group:
             x = self.layers[i].forward_layout(x, run, state.linear[i], None, i, positions)
+
+
+class BlockLayer(nn.Module):
+    """A decoder layer that is `block(x, mix)` around one mixer (the subclass's block: its norms,
+    residuals and MLP): the linear-attention mixer or attention, by `kind`, taken from
+    `mixer_module()` (default `self_attn`, the attribute name of both in their checkpoints)."""
+
+    kind: str
+
+    def mixer_module(self) -> nn.Module:
+        return self.self_attn
+
+    def forward_layout(self, x, layout, state, rec, layer_idx, positions):
+        mixer = self.mixer_module()
+        if self.kind == "linear_attention":
+            return self.block(x, lambda h: mixer.forward_layout(h, layout, state, rec, layer_idx))
+        return self.block(x, lambda h: mixer.forward_layout(h, layout, state, rec, layer_idx, positions))
+
+    def build_spans(self, x, lengths, seam, datas, layer_idx):
+        mixer = self.mixer_module()
+        return self.block(x, lambda h: mixer.build_spans(h, lengths, seam, datas, layer_idx))

@@ -26,6 +26,7 @@ from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.common import (
     Backbone,
+    BlockLayer,
     DecodeBatch,
     LayerTypes,
     LayoutLM,
@@ -410,7 +411,7 @@ class MoE(nn.Module):
         return out.view(shape) + self.shared_experts(x)
 
 
-class KimiDecoderLayer(nn.Module):
+class KimiDecoderLayer(BlockLayer):
     def __init__(self, cfg: KimiLinearConfig, i: int):
         super().__init__()
         self.kind = cfg.layer_types[i]
@@ -428,13 +429,6 @@ class KimiDecoderLayer(nn.Module):
         x = x + mix(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_layout(self, x, layout, state, rec, layer_idx, positions):
-        if self.kind == "linear_attention":
-            return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx))
-        return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions))
-
-    def build_spans(self, x, lengths, seam, datas, layer_idx):
-        return self.block(x, lambda h: self.self_attn.build_spans(h, lengths, seam, datas, layer_idx))
 
 
 class KimiLinearLM(LayoutLM):

@@ -33,6 +33,7 @@ from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.models.bamba import RopeAttention
 from hybridcache.services.runtime.models.common import (
     Backbone,
+    BlockLayer,
     LayerTypes,
     LayoutLM,
     RMSNorm,
@@ -268,7 +269,7 @@ class MiniMaxMoE(nn.Module):
         return out.view(shape)
 
 
-class MiniMaxDecoderLayer(nn.Module):
+class MiniMaxDecoderLayer(BlockLayer):
     def __init__(self, cfg: MiniMaxConfig, i: int):
         super().__init__()
         self.kind = cfg.layer_types[i]
@@ -293,13 +294,6 @@ class MiniMaxDecoderLayer(nn.Module):
         h = self.post_attention_layernorm(h * self.attn_alpha + mix(h) * self.attn_beta)
         return h * self.mlp_alpha + self.mlp(h) * self.mlp_beta
 
-    def forward_layout(self, x, layout, state, rec, layer_idx, positions):
-        if self.kind == "linear_attention":
-            return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx))
-        return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions))
-
-    def build_spans(self, x, lengths, seam, datas, layer_idx):
-        return self.block(x, lambda h: self.self_attn.build_spans(h, lengths, seam, datas, layer_idx))
 
 
 class MiniMaxLM(LayoutLM):
