@@ -190,10 +190,13 @@ class CombineServicer(rpc.CombineServicer):
             self._tiers[address] = CacheTierClient(address)
         return self._tiers[address]
 
-    def _gather(self, request, segments: list[list[int]], expected: dict[int, str]
+    def _gather(self, request, segments: list[list[int]], expected: dict[int, str] | None = None
                 ) -> tuple[dict[str, SegmentEntry], dict[int, str], dict]:
         """Every planned entry (own cache -> tier -> scatter); returns key -> entry, index -> source.
-        `expected`: segment index -> its entry key, as this engine's planner computes it."""
+        `expected`: segment index -> its entry key, as this engine's planner computes it (the
+        request's own keys; None: computed here from `segments`)."""
+        if expected is None:
+            expected = {i: self.engine.entry_key(ids) for i, ids in enumerate(segments)}
         store = self.engine.entries
         pinned: dict[str, SegmentEntry] = {}
         source: dict[int, str] = {}
