@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import time
@@ -67,3 +68,46 @@ class Etcd:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+_IPC_HANDLES = itertools.count()
+
+
+class FakeCudaIpc:
+    """CUDA IPC replaced by an in-process registry of CPU buffers: an export of a range of a packed
+    buffer puts the buffer under a handle (one per buffer, as a CUDA allocation has one) with the
+    range's offset; open returns the whole buffer (as a peer process maps the sender's allocation:
+    the same bytes). Records the exports, the opens (by handle and by block index) and the released
+    reference counters; the receiver's mappings (and arenas) start empty; `visible` are the GPUs
+    this process can open."""
+
+    def __init__(self, monkeypatch, device: str, visible: tuple[str, ...]):
+        from hybridcache.services.transport import cuda_ipc, ipc_pool
+
+        self.device = device
+        self.shared: dict = {}
+        self.exports: list[bytes] = []
+        self.opened_handles: list[bytes] = []
+        self.opened_indices: list[int] = []
+        self.released: list[bytes] = []
+        monkeypatch.setattr(cuda_ipc, "share", self.share)
+        monkeypatch.setattr(cuda_ipc, "open_shared", self.open_shared)
+        monkeypatch.setattr(cuda_ipc, "release_counter", lambda block, index: self.released.append(block.handle))
+        monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: visible)
+        monkeypatch.setattr(cuda_ipc, "MAPPINGS", cuda_ipc.DeviceMappings())
+        monkeypatch.setattr(cuda_ipc, "ARENAS", ipc_pool.ArenaMappings())
+
+    def share(self, buf, block) -> None:
+        base = buf if buf._base is None else buf._base
+        handle = next((h for h, t in self.shared.items() if t is base), None)
+        if handle is None:
+            handle = f"h{next(_IPC_HANDLES)}".encode()
+            self.shared[handle] = base
+        self.exports.append(handle)
+        block.device_uuid, block.handle, block.storage_bytes = self.device, handle, base.numel()
+        block.tensor_offset = buf.storage_offset() - base.storage_offset()
+
+    def open_shared(self, block, index):
+        self.opened_handles.append(block.handle)
+        self.opened_indices.append(index)
+        return self.shared[block.handle]

@@ -4,7 +4,6 @@ with no new IPC open, a sender's new arena, and corrupt or forged slots being mi
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 
@@ -15,40 +14,17 @@ from hybridcache.services.protocol import segment as pb_segment
 from hybridcache.services.transport import TransportError, cuda_ipc, ipc_pool
 from hybridcache.services.transport.codec import EntryAssembler, layer_tensors, read_entries
 from hybridcache.services.transport.ipc_pool import ArenaPool, ReleaseFile, SlotAllocator
+from serving_helpers import FakeCudaIpc
 
 GPU_A = "GPU-aaaa"
-_HANDLES = itertools.count()
 
 
 @pytest.fixture
 def fake_ipc(monkeypatch):
-    """CUDA IPC as an in-process registry of CPU buffers (one handle per buffer; open returns the
-    buffer itself, the bytes a peer maps); counts opens and exports. Receiver mappings start empty."""
-    shared: dict[bytes, torch.Tensor] = {}
-    opened: list[bytes] = []
-    exports: list[bytes] = []
-
-    def share(buf, block):
-        base = buf if buf._base is None else buf._base
-        handle = next((h for h, t in shared.items() if t is base), None)
-        if handle is None:
-            handle = f"h{next(_HANDLES)}".encode()
-            shared[handle] = base
-        exports.append(handle)
-        block.device_uuid, block.handle, block.storage_bytes = GPU_A, handle, base.numel()
-        block.tensor_offset = buf.storage_offset() - base.storage_offset()
-
-    def open_shared(block, index):
-        opened.append(block.handle)
-        return shared[block.handle]
-
-    monkeypatch.setattr(cuda_ipc, "share", share)
-    monkeypatch.setattr(cuda_ipc, "open_shared", open_shared)
-    monkeypatch.setattr(cuda_ipc, "release_counter", lambda block, index: None)
-    monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: (GPU_A,))
-    monkeypatch.setattr(cuda_ipc, "MAPPINGS", cuda_ipc.DeviceMappings())
-    monkeypatch.setattr(cuda_ipc, "ARENAS", ipc_pool.ArenaMappings())
-    return shared, opened, exports
+    """CUDA IPC as an in-process registry of CPU buffers (serving_helpers.FakeCudaIpc): (buffers by
+    handle, handles opened, handles exported)."""
+    fake = FakeCudaIpc(monkeypatch, GPU_A, (GPU_A,))
+    return fake.shared, fake.opened_handles, fake.exports
 
 
 class _Context:

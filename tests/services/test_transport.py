@@ -4,7 +4,6 @@ in-process stand-in, and the cost model with the scatter path."""
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
@@ -21,6 +20,7 @@ from hybridcache.services.transport import (
 )
 from hybridcache.services.transport.checksum import device_checksum
 from hybridcache.services.transport.codec import EntryAssembler, entry_chunks, layer_tensors, read_entries
+from serving_helpers import FakeCudaIpc
 
 GPU_A, GPU_B = "GPU-aaaa", "GPU-bbbb"
 NODE = Endpoint(host="boot-1", ipc_ns="ipc:[1]", pid_ns="pid:[1]")
@@ -63,39 +63,12 @@ def test_local_endpoint_on_this_host_and_its_wire_form():
     assert Endpoint.from_pb(pb.Endpoint.FromString(msg.SerializeToString())) == ep(device=GPU_A, gpus=(GPU_A, GPU_B))
 
 
-_HANDLES = itertools.count()
-
-
 @pytest.fixture
 def fake_ipc(monkeypatch):
-    """CUDA IPC replaced by an in-process registry of CPU buffers: an export of a range of a
-    packed buffer puts the buffer under a handle (one per buffer, as a CUDA allocation has one)
-    with the range's offset; open returns the whole buffer (as a peer process maps the sender's
-    allocation: the same bytes); released reference counters are counted. The receiver's
-    mappings start empty."""
-    shared: dict[bytes, torch.Tensor] = {}
-    opened: list[int] = []
-    released: list[bytes] = []
-
-    def share(buf, block):
-        base = buf if buf._base is None else buf._base
-        handle = next((h for h, t in shared.items() if t is base), None)
-        if handle is None:
-            handle = f"h{next(_HANDLES)}".encode()
-            shared[handle] = base
-        block.device_uuid, block.handle, block.storage_bytes = GPU_A, handle, base.numel()
-        block.tensor_offset = buf.storage_offset() - base.storage_offset()
-
-    def open_shared(block, index):
-        opened.append(index)
-        return shared[block.handle]
-
-    monkeypatch.setattr(cuda_ipc, "share", share)
-    monkeypatch.setattr(cuda_ipc, "open_shared", open_shared)
-    monkeypatch.setattr(cuda_ipc, "release_counter", lambda block, index: released.append(block.handle))
-    monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: (GPU_B, GPU_A))
-    monkeypatch.setattr(cuda_ipc, "MAPPINGS", cuda_ipc.DeviceMappings())
-    return shared, opened, released
+    """CUDA IPC as an in-process registry of CPU buffers (serving_helpers.FakeCudaIpc): (buffers by
+    handle, block indices opened, handles whose reference counter was released)."""
+    fake = FakeCudaIpc(monkeypatch, GPU_A, (GPU_B, GPU_A))
+    return fake.shared, fake.opened_indices, fake.released
 
 
 @pytest.fixture(scope="module")
