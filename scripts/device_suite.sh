@@ -12,7 +12,8 @@
 #   bench       benchmarks/gpu_bench.py (one GPU)
 #   served-gpu  benchmarks/served_gpu.py: router, cache tier, combine and scatter started by
 #               `hybridcache up --device cuda`, driven over HTTP against an in-process engine (one
-#               GPU); SERVED_GPU_PHASES picks the phases (default all: inproc,pic,scatter,prefix),
+#               GPU); SERVED_GPU_PHASES picks the phases (default all: inproc,pic,scatter,scatter_ipc,prefix),
+#               SERVED_GPU_ARGS adds flags (--layers 0: all the preset's layers),
 #               SERVED_GPU_MERGE names an earlier result whose other phases count in the figures
 #   qps         benchmarks/qps.py --trace-requests 24 (one GPU)
 #   profile     tools/profile_forward.py --segments 32 --sync-check (one GPU)
@@ -25,7 +26,7 @@
 #               shape (random bf16 weights, written once to $SERVED_MODEL, default /tmp/served-q9b):
 #               SERVED_SCENARIO=streams (default: 32 streams of 256 tokens vs 1) or rag (the RAG
 #               sweep, Poisson arrivals, of SERVED_MODES, default pic: one mode a call keeps a call
-#               inside 10 minutes); SERVED_ARGS adds flags. Merge the calls' JSONs with
+#               inside 10 minutes); SERVED_ARGS adds flags, SERVED_UP_ARGS `hybridcache up` flags. Merge the calls' JSONs with
 #               python benchmarks/served_load.py --combine A.json B.json ... --out FILE
 # Timing stages should run alone on the machine: CPU-heavy neighbours slow launch-bound work.
 #
@@ -116,7 +117,9 @@ for stage in "$@"; do
     served-gpu)
         merge=()
         [ -n "${SERVED_GPU_MERGE:-}" ] && merge=(--merge "$SERVED_GPU_MERGE")
-        python3 benchmarks/served_gpu.py --phases "${SERVED_GPU_PHASES:-inproc,pic,scatter,prefix}" "${merge[@]}" \
+        # shellcheck disable=SC2086  # SERVED_GPU_ARGS is a list of flags
+        python3 benchmarks/served_gpu.py --phases "${SERVED_GPU_PHASES:-inproc,pic,scatter,scatter_ipc,prefix}" "${merge[@]}" \
+            ${SERVED_GPU_ARGS:-} \
             --out "$OUT/served_gpu.json" > "$OUT/served_gpu.log" 2>&1
         echo "served-gpu rc=$?"; grep -E "served_gpu: .* done" "$OUT/served_gpu.log" ;;
     qps)
@@ -140,7 +143,7 @@ for stage in "$@"; do
     served)
         scenario=${SERVED_SCENARIO:-streams}
         modes=${SERVED_MODES:-pic}
-        up="--scatter-workers 0 --max-num-seqs 32 --ready-timeout-s 600"
+        up="--scatter-workers 0 --max-num-seqs 32 --ready-timeout-s 600 ${SERVED_UP_ARGS:-}"
         if [ "$scenario" = streams ]; then
             args=(--scenario streams --streams 1,32 --requests-per-stream 2 --max-tokens 256 --prompt-tokens 64
                   --repeats 2)
