@@ -36,9 +36,9 @@ from hybridcache.services.runtime.scheduler import QueueFull, RequestHandle, Sch
 from hybridcache.services.security import internal_channel
 from hybridcache.services.transport import Endpoint, local_endpoint, measure_bandwidths, transport_for_address
 from hybridcache.services.transport.codec import EntryAssembler, entry_to
+from hybridcache.services.transport.peers import PEER_RETRY_S, ScatterEndpoints  # noqa: F401 - PEER_RETRY_S: tests
 
 log = logging.getLogger("hybridcache.combine")
-PEER_RETRY_S = 10.0  # a scatter worker that did not answer Describe is asked again after this
 
 
 def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]], cache_tier: str,
@@ -94,8 +94,9 @@ class CombineServicer(rpc.CombineServicer):
         self.prefill_tps = 0.0
         self.device = engine.model.device
         self.endpoint = local_endpoint(self.device)
-        self._peers: dict[str, Endpoint | None] = {}  # scatter worker -> its Endpoint (Describe)
-        self._peer_retry: dict[str, float] = {}  # scatter worker that did not answer -> when to ask again
+        self._scatter_endpoints = ScatterEndpoints()
+        self._peers = self._scatter_endpoints.known  # scatter worker -> its Endpoint (Describe)
+        self._peer_retry = self._scatter_endpoints.retry_at  # one that did not answer -> when to ask again
         self.scatter_same_gpu = engine.config.scatter_same_gpu
         self._no_device_path: set[str] = set()  # scatter workers whose CUDA IPC blocks could not be opened here
         self.transport_bandwidth = measure_bandwidths(self.device)
@@ -149,24 +150,9 @@ class CombineServicer(rpc.CombineServicer):
         return self.endpoint
 
     def scatter_endpoint(self, address: str) -> Endpoint | None:
-        """The Endpoint of the scatter worker at `address` (its Describe, asked once; None for
-        one that cannot describe itself, or, for PEER_RETRY_S, one that did not answer)."""
-        if address in self._peers:
-            return self._peers[address]
-        if time.monotonic() < self._peer_retry.get(address, 0.0):
-            return None
-        channel = internal_channel(address)
-        try:
-            endpoint = Endpoint.from_pb(rpc.ScatterStub(channel).Describe(pb.InfoRequest(), timeout=1.0))
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                self._peer_retry[address] = time.monotonic() + PEER_RETRY_S
-                return None
-            endpoint = None
-        finally:
-            channel.close()
-        self._peers[address] = endpoint
-        return endpoint
+        """The Endpoint of the scatter worker at `address` (ScatterEndpoints: its Describe, asked
+        once; None for one that cannot describe itself, or, for PEER_RETRY_S, one that did not answer)."""
+        return self._scatter_endpoints.get(address)
 
     def _on_my_gpu(self, address: str) -> bool:
         """Does the scatter worker at `address` hold its entries on this worker's GPU (and is
@@ -183,7 +169,8 @@ class CombineServicer(rpc.CombineServicer):
         e = self.engine
         return pb.InfoReply(fingerprint=e.fingerprint, seam_window=e.config.seam_window, model_type=e.cfg.model_type,
                             mode=e.config.mode, dtype=self.dtype, prefill_tokens_per_second=self.prefill_tps,
-                            transport_bandwidth=self.transport_bandwidth)
+                            transport_bandwidth=self.transport_bandwidth, endpoint=self.endpoint.to_msg(),
+                            scatter_same_gpu=self.scatter_same_gpu)
 
     def _tier(self, address: str) -> CacheTierClient:
         if address not in self._tiers:

@@ -8,7 +8,9 @@ sooner. Python gRPC on loopback moves an entry slower than a GPU recomputes its 
 (benchmarks/transport_loopback.py); CUDA IPC moves it far faster. The same comparison sends a
 cold segment to a scatter worker only when its entry moves back faster than the combine worker
 would build it (build_here); a scatter worker on the combine worker's own GPU is never used for
-it (the combine worker checks the two Endpoints). Bandwidths start from
+it (the combine worker checks the two Endpoints). The router knows the scatter path before any
+entry has moved, from the combine worker's Endpoint (its Info) and the scatter workers' (their
+Describe): Router.scatter_path. Bandwidths start from
 `--transport-bandwidth`, else from what the combine worker measured of its end of each path at
 start-up (Router.adopt), else from the defaults below; they and the prefill speed then follow
 running averages of what the combine workers measure on every request.

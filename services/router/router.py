@@ -21,14 +21,15 @@ from hybridcache.services.directory import Directory
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import narrow_ids, pb, rpc, segment
 from hybridcache.services.router.assign import lpt_assign, round_robin_assign
-from hybridcache.services.router.cost import CostModel, parse_bandwidths
+from hybridcache.services.router.cost import PATHS, CostModel, parse_bandwidths
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.models.registry import config_from_dir
 from hybridcache.services.runtime.plan import Planner
 from hybridcache.services.runtime.sampling import GenerationDefaults, RequestError
 from hybridcache.services.runtime.tokenizer import Tokenizer
 from hybridcache.services.security import internal_channel, retry_unavailable
-from hybridcache.services.transport import transport_for_address
+from hybridcache.services.transport import Endpoint, choose_transport, transport_for_address
+from hybridcache.services.transport.peers import ScatterEndpoints
 
 log = logging.getLogger("hybridcache.router")
 
@@ -118,6 +119,10 @@ class Router:
         self._channels: dict[str, grpc.Channel] = {}
         self._tiers: dict[str, CacheTierClient] = {}
         self.info: pb.InfoReply | None = None
+        # combine worker -> (its Endpoint, its --scatter-same-gpu), from its Info; the scatter
+        # workers' Endpoints from their Describe: together the path of a scatter-built entry
+        self._combine_endpoints: dict[str, tuple[Endpoint, bool]] = {}
+        self._scatter_endpoints = ScatterEndpoints()
         # combine worker -> keys of the entries it folded into a request it finished: it keeps
         # them in its own cache, so a request sent to it again needs no tier lookup for them
         self._held: dict[str, OrderedDict[str, None]] = {}
@@ -139,16 +144,20 @@ class Router:
         while True:
             for address in self.directory.members("combine"):
                 try:
-                    return self.adopt(rpc.CombineStub(self._channel(address)).Info(pb.InfoRequest(), timeout=2.0))
+                    info = rpc.CombineStub(self._channel(address)).Info(pb.InfoRequest(), timeout=2.0)
+                    return self.adopt(info, address)
                 except grpc.RpcError:
                     pass
             if time.monotonic() > deadline:
                 raise ServiceUnavailable("no combine worker answered Info")
             time.sleep(0.2)
 
-    def adopt(self, info: pb.InfoReply) -> pb.InfoReply:
-        """Key entries as the served engine does (its fingerprint, seam window and mode)."""
+    def adopt(self, info: pb.InfoReply, address: str = "") -> pb.InfoReply:
+        """Key entries as the served engine does (its fingerprint, seam window and mode); `address`:
+        the combine worker's, whose Endpoint the reply names."""
         self.info = info
+        if address and info.HasField("endpoint"):
+            self._combine_endpoints[address] = (Endpoint.from_pb(info.endpoint), info.scatter_same_gpu)
         served = {"seam_window": info.seam_window, "mode": info.mode or "pic"}
         if info.dtype in DTYPES:
             served["dtype"] = info.dtype
@@ -202,7 +211,7 @@ class Router:
                                address=owners[n]) for n in sorted(known)]
         rest = [n for n in range(len(keys)) if n not in known]
         more, assigned = self._plan_segments([segments[n] for n in rest], [keys[n] for n in rest],
-                                             [owners[n] for n in rest])
+                                             [owners[n] for n in rest], combine)
         return plan + more, assigned, tiers
 
     def _remember(self, combine: str, plan) -> None:
@@ -215,7 +224,28 @@ class Router:
             while len(held) > HELD_KEYS_PER_COMBINE:
                 held.popitem(last=False)
 
-    def _plan_segments(self, segments, keys: list[str], owners: list[str]):
+    def scatter_path(self, worker: str, combine: str) -> str:
+        """The path an entry built on scatter worker `worker` takes to combine worker `combine`:
+        choose_transport of the two Endpoints (the scatter worker's Describe, the combine worker's
+        Info); "local" for a scatter worker on the combine worker's GPU (it builds that work itself,
+        unless its --scatter-same-gpu is on); the path the combine workers last reported where an
+        Endpoint is unknown."""
+        known = self._combine_endpoints.get(combine)
+        peer = self._scatter_endpoints.get(worker) if known is not None else None
+        if known is None or peer is None:
+            return self.cost.scatter_path
+        endpoint, same_gpu_on = known
+        if not same_gpu_on and peer.same_gpu(endpoint):
+            return "local"
+        return choose_transport(peer, endpoint)
+
+    def _rebuild_path(self, workers: list[str], combine: str) -> str:
+        """The slowest of the scatter workers' paths to `combine` (the one any of them may be given
+        the work over): what a cold segment's build elsewhere is charged with."""
+        paths = {self.scatter_path(w, combine) for w in workers}
+        return min(paths, key=lambda p: self.cost.bandwidth.get(p, 0.0) if p in PATHS else float("inf"))
+
+    def _plan_segments(self, segments, keys: list[str], owners: list[str], combine: str = ""):
         """(plan, assigned) of these segments: a tier Stat per owner, then fetch or rebuild."""
         cacheable = [(s.index, s.token_ids) for s in segments]
         by_owner: dict[str, list[int]] = {}
@@ -235,7 +265,7 @@ class Router:
         workers = self.directory.members("scatter")
         # where a recomputed entry would be built: on a scatter worker (then moved to the combine
         # worker over the scatter path), or by the combine worker itself
-        rebuild_path = self.cost.scatter_path if workers else "local"
+        rebuild_path = self._rebuild_path(workers, combine) if workers else "local"
         for n, (idx, ids) in enumerate(cacheable):
             if n in present:
                 owner, nbytes = present[n]

@@ -65,6 +65,14 @@ class Endpoint:
         msg.gpus[:] = list(self.gpus)
         msg.process = self.process
 
+    def to_msg(self):
+        """This Endpoint as a new pb.Endpoint."""
+        from hybridcache.services.protocol import pb
+
+        msg = pb.Endpoint()
+        self.to_pb(msg)
+        return msg
+
     @classmethod
     def from_pb(cls, msg) -> Endpoint:
         return cls(msg.host, msg.ipc_ns, msg.pid_ns, msg.device, tuple(msg.gpus), msg.process)

@@ -133,3 +133,50 @@ def test_a_scatter_worker_that_does_not_answer_describe_is_asked_again_later(eng
         assert combine.scatter_endpoint(address) is None and combine._peer_retry[address] >= first
     finally:
         combine.close()
+
+
+@pytest.mark.parametrize("scatter_endpoint, same_gpu_setting, path, sources", [
+    # another GPU of the combine worker's host: CUDA IPC, fast enough to send the work out
+    (Endpoint(**NODE, device=GPU_B, gpus=(GPU_B,)), False, "cuda_ipc", ["scatter", "scatter"]),
+    # the combine worker's own GPU: it builds the work itself (the router's plan names the worker;
+    # the combine worker keeps it, test above), or with --scatter-same-gpu on, CUDA IPC
+    (Endpoint(**NODE, device=GPU_A, gpus=(GPU_A,)), False, "local", ["scatter", "scatter"]),
+    (Endpoint(**NODE, device=GPU_A, gpus=(GPU_A,)), True, "cuda_ipc", ["scatter", "scatter"]),
+    # a CPU scatter worker on another host: gRPC, slower than building here
+    (Endpoint(host="boot-2", ipc_ns="ipc:[2]", pid_ns="pid:[2]"), False, "grpc", ["local", "local"]),
+    # one that cannot describe itself: the path the combine workers last reported (none yet: gRPC)
+    (None, False, "grpc", ["local", "local"]),
+])
+def test_router_charges_a_cold_build_with_the_path_of_the_two_endpoints(engine, model_dir, scatter_endpoint,
+                                                                         same_gpu_setting, path, sources):
+    """The router compares the combine worker's Endpoint (its Info) with the scatter worker's
+    (Describe) before any entry has moved: a scatter worker that reaches the combine worker over
+    CUDA IPC is sent cold segments from the first request on."""
+    from hybridcache.services.directory import InProcessDirectory
+    from hybridcache.services.launcher import free_port
+    from hybridcache.services.router.router import Router
+
+    scatter = _Scatter(engine, scatter_endpoint)
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    rpc.add_ScatterServicer_to_server(scatter, server)
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        router = Router(model_dir, InProcessDirectory({"scatter": [address]}))
+        combine = Endpoint(**NODE, device=GPU_A, gpus=(GPU_A, GPU_B))
+        router.adopt(pb.InfoReply(fingerprint=engine.fingerprint, seam_window=engine.config.seam_window, mode="pic",
+                                  endpoint=combine.to_msg(), scatter_same_gpu=same_gpu_setting), "combine:1")
+        assert router.cost.scatter_path == "grpc"  # nothing reported yet
+        assert router.scatter_path(address, "combine:1") == path
+        req = router.parse({"segments": [[5 + i % 200 for i in range(60)], [9 + i % 180 for i in range(50)]],
+                            "suffix": "q"})
+        nbytes = router.planner.reused_segments(req)[0].nbytes
+        router.cost.prefill_tokens_per_s = 2000.0  # 30 ms to build 60 tokens:
+        router.cost.bandwidth.update(cuda_ipc=nbytes / 1e-4, grpc=nbytes / 0.05)  # slower than a move, faster
+        plan, assigned, _ = router.plan(req, "combine:1")
+        assert sorted(p.source for p in plan) == sources
+        # a combine worker the router knows no Endpoint of: the reported path
+        assert router.scatter_path(address, "combine:2") == "grpc"
+    finally:
+        server.stop(0)

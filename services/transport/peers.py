@@ -1,0 +1,43 @@
+"""The Endpoints of scatter workers, as each describes itself (Scatter.Describe), asked once per
+address: the combine worker compares them with its own (a scatter worker on its GPU is not sent
+work), the router derives from them the path a scatter-built entry takes to the combine worker."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from hybridcache.services.protocol import pb, rpc
+from hybridcache.services.security import internal_channel
+from hybridcache.services.transport import Endpoint
+
+PEER_RETRY_S = 10.0  # a scatter worker that did not answer Describe is asked again after this
+
+
+class ScatterEndpoints:
+    """address -> Endpoint of the scatter worker there (`get`): asked once and kept; None for one
+    that cannot describe itself (UNIMPLEMENTED, kept too), or, for PEER_RETRY_S, one that did not
+    answer."""
+
+    def __init__(self, timeout_s: float = 1.0):
+        self.timeout_s = timeout_s
+        self.known: dict[str, Endpoint | None] = {}
+        self.retry_at: dict[str, float] = {}  # address that did not answer -> when to ask again
+
+    def get(self, address: str) -> Endpoint | None:
+        if address in self.known:
+            return self.known[address]
+        if time.monotonic() < self.retry_at.get(address, 0.0):
+            return None
+        channel = internal_channel(address)
+        try:
+            endpoint = Endpoint.from_pb(rpc.ScatterStub(channel).Describe(pb.InfoRequest(), timeout=self.timeout_s))
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                self.retry_at[address] = time.monotonic() + PEER_RETRY_S
+                return None
+            endpoint = None
+        finally:
+            channel.close()
+        self.known[address] = endpoint
+        return endpoint
