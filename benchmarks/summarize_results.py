@@ -120,7 +120,7 @@ FIGURES = (
            "figures.served_qps_at_slo_prefix", "requests/s", 2),
     Figure("served QPS at the SLO, pic vs full", "served_load_rag_h200*.json",
            "figures.served_qps_at_slo_pic_vs_full", "x", 1, goal=">= 2x"),
-    Figure("served warm pic TTFT / in-process, 32 x 1k + 64 (9B shape, 8 layers)", "served_gpu_h200*.json",
+    Figure("served warm pic TTFT / in-process, 32 x 1k + 64 (9B shape; layers in the file)", "served_gpu_h200*.json",
            "figures.served_warm_ttft_vs_in_process", "x", 2, goal="<= 1.15"),
     Figure("served warm pic TTFT, 32 x 1k + 64 (client-measured)", "served_gpu_h200*.json",
            "figures.served_warm_pic_ttft_ms", "ms", 1),
