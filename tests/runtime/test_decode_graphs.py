@@ -80,13 +80,17 @@ def test_padded_static_step_equals_unpadded_eager(model):
         else:
             sizes_seen.add(graphs.size_for(len(order)))
         assert out[0].shape == want.shape
-        assert torch.equal(out[0], want), step
+        # a padded batch is a GEMM of another shape: equal up to fp32 rounding (the CPU's GEMM
+        # blocking depends on the shape), and the same greedy tokens
+        torch.testing.assert_close(out[0], want, rtol=0, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+        assert out[0].argmax(-1).tolist() == want.argmax(-1).tolist(), step
     assert ran_eager == 4  # the steps of five requests
     assert sizes_seen == {2, 4} and graphs.stats["replays"] > 10
     # the K/V in the static pool's pages are the eager pool's
     for a, b in slots.values():
         for i in eager.kv.layers:
-            assert torch.equal(eager.kv.read(a, i)[0], static.kv.read(b, i)[0])
+            # (24 steps of states that differ by rounding: relative 1e-4)
+            torch.testing.assert_close(static.kv.read(b, i)[0], eager.kv.read(a, i)[0], rtol=1e-4, atol=1e-5)
 
 
 def test_graphs_are_dropped_when_the_pool_grows(model):
