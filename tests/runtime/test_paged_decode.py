@@ -90,12 +90,13 @@ def test_pool_decode_equals_sequential_across_pages_joins_and_leaves(model):
             live[r][0].length += 1
         assert (got - want).abs().max().item() <= 5e-5, step  # fp32, sums in another order
     assert pool.generation > generation  # the pool grew
+    # after 30 steps whose sums ran in another order: equal up to fp32 rounding (the logits bound)
     for r, (s, _) in live.items():
         for i in ref[r].attn:
-            assert torch.allclose(s.attn[i].k, ref[r].attn[i].k, atol=1e-5)
-            assert torch.allclose(s.attn[i].v, ref[r].attn[i].v, atol=1e-5)
+            torch.testing.assert_close(s.attn[i].k, ref[r].attn[i].k, rtol=1e-4, atol=5e-5)
+            torch.testing.assert_close(s.attn[i].v, ref[r].attn[i].v, rtol=1e-4, atol=5e-5)
         for i in ref[r].linear:
-            assert torch.allclose(s.linear[i].ssm, ref[r].linear[i].ssm, atol=1e-5)
+            torch.testing.assert_close(s.linear[i].ssm, ref[r].linear[i].ssm, rtol=1e-4, atol=5e-5)
 
 
 def test_release_copies_out_or_refuses_reads(model):
