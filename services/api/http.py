@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
 import math
+import queue
 import threading
 import time
 import uuid
@@ -103,37 +105,98 @@ async def start_server(app: web.Application, host: str, port: int, config: Runti
     return runner
 
 
-async def _chunks(router: Router, req, received: float | None = None):
-    """The router's blocking token stream as an async iterator (a thread feeds a queue). Closing
-    it early (the client went away: a failed write, or the handler cancelled) cancels the request.
-    `received`: when the request reached the API (its stats' ttft_ms counts from then)."""
-    loop = asyncio.get_running_loop()
-    q: asyncio.Queue = asyncio.Queue()
-    control = StreamControl()
+class _Workers:
+    """Daemon threads that run requests (parsing, then the router's blocking stream), reused: a
+    request starts a thread of its own only when none is idle; one idle for IDLE_S ends."""
 
-    def put(item):
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(q.put_nowait, item)
+    IDLE_S = 60.0
 
-    def pump():
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a job that no submit has claimed
+
+    def submit(self, fn) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        self._jobs.put(fn)
+        if spawn:
+            threading.Thread(target=self._run, name="http-request", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                fn = self._jobs.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # not claimed by a submit since: this thread ends
+                        self._idle -= 1
+                        return
+                continue  # claimed: its job is (about to be) in the queue
+            try:
+                fn()
+            except BaseException:  # noqa: BLE001 - a job hands its errors to the event loop itself
+                log.exception("request thread failed")
+            with self._lock:
+                self._idle += 1
+
+
+class _Run:
+    """One request's work in a worker thread: its parsing (`parsed`, a future of the event loop),
+    then at once, in the same thread, the router's token stream of it, fed to the event loop
+    through a queue. chunks() iterates that stream; close() (or leaving chunks() early: the
+    client went away, a failed write, the handler cancelled) cancels the request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self.parsed: asyncio.Future = loop.create_future()
+        self._q: asyncio.Queue = asyncio.Queue()
+        self.control = StreamControl()
+        self.done = False
+
+    def _call(self, fn, *args) -> None:
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _settle(self, result=None, error: BaseException | None = None) -> None:
+        if not self.parsed.done():  # cancelled with its handler
+            if error is not None:
+                self.parsed.set_exception(error)
+            else:
+                self.parsed.set_result(result)
+
+    def work(self, prepare, stream) -> None:
+        """(in the worker thread) parsed = prepare(); then the chunks of stream(parsed, control)."""
         try:
-            for chunk in router.stream(req, control, received):
-                put(chunk)
+            parsed = prepare()
+        except Exception as e:  # noqa: BLE001 - raised in the event loop
+            self._call(self._settle, None, e)
+            return
+        self._call(self._settle, parsed)
+        if self.control.cancelled:  # the handler went away meanwhile
+            return
+        try:
+            for chunk in stream(parsed, self.control):
+                self._call(self._q.put_nowait, chunk)
         except Exception as e:  # handed to the event loop, raised there
-            put(e)
-        put(_END)
+            self._call(self._q.put_nowait, e)
+        self._call(self._q.put_nowait, _END)
 
-    threading.Thread(target=pump, daemon=True).start()
-    done = False
-    try:
-        while (item := await q.get()) is not _END:
-            if isinstance(item, Exception):
-                raise item
-            yield item
-        done = True
-    finally:
-        if not done:
-            control.cancel()
+    async def chunks(self):
+        try:
+            while (item := await self._q.get()) is not _END:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+            self.done = True
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.done:
+            self.control.cancel()
 
 
 # What a load balancer or Prometheus reads: open even with an API key.
@@ -168,6 +231,7 @@ class Api:
         # the model's chat template (None: chats are concatenated texts, as the stats say)
         self.chat_template = chat_template
         self.chat_template_source = chat_template.source if chat_template else NO_TEMPLATE
+        self._workers = _Workers()
 
     def app(self) -> web.Application:
         middlewares = [json_errors] + ([api_key_check(self.api_key)] if self.api_key else [])
@@ -210,36 +274,51 @@ class Api:
 
     async def _handle(self, request: web.Request, convert, respond):
         # the response's ttft_ms counts from here: body, parsing and planning are part of the wait
-        request["received"] = time.perf_counter()
+        received = request["received"] = time.perf_counter()
+        try:
+            raw = await self._raw(request)
+        except _Reject as e:
+            return _error(e.status, e.message)
 
-        def prepare(raw: bytes):
-            # in one worker thread: parsing, conversion (text tokenized) and the router's parse
+        def prepare():
+            # in a worker thread: parsing, conversion (text tokenized) and the router's parse
             body = _json_object(raw)
             self._check_model(body)
-            return body, self.router.parse(convert(body))
-
-        try:
-            body, req = await asyncio.to_thread(prepare, await self._raw(request))
+            req = self.router.parse(convert(body))
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError("stream must be a boolean")
-        except _Reject as e:
-            return _error(e.status, e.message)
-        except RequestError as e:
-            return _error(400, str(e))
+            return body, req, stream
+
+        # the same thread goes on with the router's stream of the request (its plan, the call to
+        # a combine worker) while the event loop gets the parsed request
+        def open_stream(parsed, control):
+            return self.router.stream(parsed[1], control, received)
+
+        run = request["run"] = _Run(asyncio.get_running_loop())
+        self._workers.submit(functools.partial(run.work, prepare, open_stream))
         try:
-            return await respond(request, req, stream, body)
-        except _Reject as e:
-            return _error(e.status, e.message)
-        except Overloaded as e:
-            return _overloaded(e)
-        except ServiceUnavailable as e:
-            return _error(503, str(e))
+            try:
+                body, req, stream = await run.parsed
+            except _Reject as e:
+                return _error(e.status, e.message)
+            except RequestError as e:
+                return _error(400, str(e))
+            try:
+                return await respond(request, req, stream, body)
+            except _Reject as e:
+                return _error(e.status, e.message)
+            except Overloaded as e:
+                return _overloaded(e)
+            except ServiceUnavailable as e:
+                return _error(503, str(e))
+        finally:
+            run.close()
 
     async def _collect(self, request: web.Request, req) -> tuple[str, list[int], str, dict, list]:
         """The whole answer: text, token ids, finish reason, stats and per token (id, log p, top) when asked."""
         text, ids, finish, stats, lps = [], [], "length", {}, []
-        async with contextlib.aclosing(_chunks(self.router, req, request.get("received"))) as chunks:
+        async with contextlib.aclosing(request["run"].chunks()) as chunks:
             async for c in chunks:
                 if c.error:
                     raise _Reject(c.status or 500, c.error)
@@ -281,7 +360,7 @@ class Api:
         """Stream `event(chunk, n_tokens)` dicts as server-sent events, then [DONE]. The headers
         go with the first chunk, so that a refusal (429, 503) or an error before any token is the
         response's status."""
-        async with contextlib.aclosing(_chunks(self.router, req, request.get("received"))) as chunks:
+        async with contextlib.aclosing(request["run"].chunks()) as chunks:
             first = await anext(chunks, None)  # Overloaded, ServiceUnavailable: _handle answers
             if first is not None and first.done and first.error:
                 return _error(first.status or 500, first.error)

@@ -198,16 +198,18 @@ class CombineServicer(rpc.CombineServicer):
         keys = {p.index: p.key for p in plan}
         owners = {p.index: p.cache_tier for p in plan}
         received: dict = {}  # key -> entry accepted from the tier or a scatter worker (rank slices on TP)
+        hits = 0
         for p in plan:
             entry = store.get(p.key)
-            metrics.cache_lookup(self.own_tier, entry is not None)
             if entry is not None:
+                hits += 1
                 pinned[p.key] = entry
                 source[p.index] = "local"
             elif p.source == "tier":
                 need_tier.setdefault(p.address, []).append(p)
             elif p.source == "scatter":
                 cold.setdefault(p.address, []).append(p.index)
+        metrics.cache_lookups(self.own_tier, len(plan), hits)
         for address, plans in need_tier.items():
             t0 = time.perf_counter()
             moved["tier_path"] = transport_for_address(address)

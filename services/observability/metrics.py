@@ -40,9 +40,15 @@ SCHEDULER_PREEMPTIONS = Counter(_name(c.METRIC_SCHEDULER_PREEMPTIONS),
 
 
 def cache_lookup(tier: str, hit: bool) -> None:
-    CACHE_QUERIES.labels(tier=tier).inc()
-    if hit:
-        CACHE_HITS.labels(tier=tier).inc()
+    cache_lookups(tier, 1, int(hit))
+
+
+def cache_lookups(tier: str, queries: int, hits: int) -> None:
+    """`queries` lookups in one tier, `hits` of them hits (one labels() per counter, not per lookup)."""
+    if queries:
+        CACHE_QUERIES.labels(tier=tier).inc(queries)
+    if hits:
+        CACHE_HITS.labels(tier=tier).inc(hits)
 
 
 def scrape() -> bytes:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
+from grpc.experimental import ChannelOptions
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.config import DTYPES, RuntimeConfig
 from hybridcache.services.directory import Directory
@@ -117,6 +118,7 @@ class Router:
         self._lock = threading.Lock()
         self._rr = itertools.count()
         self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, rpc.CombineStub] = {}
         self._tiers: dict[str, CacheTierClient] = {}
         self.info: pb.InfoReply | None = None
         # combine worker -> (its Endpoint, its --scatter-same-gpu), from its Info; the scatter
@@ -129,9 +131,18 @@ class Router:
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
-            # a combine worker that restarts is waited for a few seconds before the answer is 503
-            self._channels[address] = internal_channel(address, [retry_unavailable("hybridcache.v1.Combine")])
+            # a combine worker that restarts is waited for a few seconds before the answer is 503;
+            # a Generate stream is read by the thread that iterates it (no channel spin thread
+            # started per call, no hand-over of each chunk from that thread to the reader)
+            self._channels[address] = internal_channel(address, [retry_unavailable("hybridcache.v1.Combine"),
+                                                                 (ChannelOptions.SingleThreadedUnaryStream, 1)])
         return self._channels[address]
+
+    def _stub(self, address: str) -> rpc.CombineStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = rpc.CombineStub(self._channel(address))
+        return stub
 
     def _tier(self, address: str) -> CacheTierClient:
         if address not in self._tiers:
@@ -381,7 +392,7 @@ class Router:
         refuse, Overloaded with the shortest back-off they gave."""
         refusals = []
         for combine in order:
-            call = rpc.CombineStub(self._channel(combine)).Generate(
+            call = self._stub(combine).Generate(
                 creq, timeout=self.config.timeout_s, metadata=tracing.outgoing_metadata())
             if control is not None:
                 control.attach(call)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -84,7 +84,8 @@ class RequestStats:
     ttft_ms: float = 0.0
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        # the fields as they are (numbers and strings; asdict would deep-copy every SegmentStat first)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["segments"] = [{"tokens": s.tokens, "hit": s.hit, "source": s.source} for s in self.segments]
         return d
 

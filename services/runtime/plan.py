@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import struct
 import sys
 from dataclasses import dataclass, field, replace
 
@@ -230,15 +231,15 @@ class Planner:
             return value.tolist(), value.astype("<i8").tobytes()
         if isinstance(value, list) and value:
             try:
-                a = array.array("q", value)
-            except (TypeError, OverflowError):
-                a = None
-            if a is not None and not _holds_bool(value, np.frombuffer(a, dtype=np.int64)):
-                self._check_range(np.frombuffer(a, dtype=np.int64), what)
-                ids = a.tolist()  # plain ints, whatever integer type the caller gave
-                if sys.byteorder != "little":
-                    a.byteswap()
-                return ids, a.tobytes()
+                # struct packs a list of ints in about half array.array's time
+                packed = struct.pack(f"<{len(value)}q", *value)
+            except (struct.error, TypeError, OverflowError):
+                packed = None
+            if packed is not None:
+                a = np.frombuffer(packed, dtype="<i8")
+                if not _holds_bool(value, a):
+                    self._check_range(a, what)
+                    return a.tolist(), packed  # plain ints, whatever integer type the caller gave
         return self._ids(value, what), None
 
     def _check_range(self, ids: np.ndarray, what: str) -> None:

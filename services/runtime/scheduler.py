@@ -170,7 +170,8 @@ class _Seq:
     req: Request
     arrived: float
     pinned: dict
-    cost: int  # prefill tokens the assembly runs (estimate)
+    cost: int = 0  # prefill tokens the assembly runs (estimate)
+    reused: list = field(default_factory=list)  # the planner's reused_segments of req
     cold: dict = field(default_factory=dict)  # key -> token ids still to build
     built: dict = field(default_factory=dict)  # key -> entry built ahead for it
     prefill: Prefill | None = None
@@ -219,7 +220,8 @@ class Scheduler:
         pinned: key -> segment entry gathered for this request (held until it is assembled)."""
         self.check_fits(req)
         handle = RequestHandle(req, self)
-        seq = _Seq(handle, req, time.perf_counter(), dict(pinned or {}), self._assembly_tokens(req))
+        seq = _Seq(handle, req, time.perf_counter(), dict(pinned or {}))
+        self._plan(seq)
         with self._cv:
             if self._stop:
                 raise RuntimeError("the scheduler is stopped")
@@ -313,13 +315,13 @@ class Scheduler:
             self._decode_step()
         self.steps += 1
 
-    def _assembly_tokens(self, req: Request) -> int:
-        """Tokens the assembly runs live: every prompt token but the reusable segments' bodies."""
-        cfg, eng = self.engine.config, self.engine
-        n = req.prompt_len
-        for seg in eng.planner.reused_segments(req):
-            n -= len(seg.token_ids) - cfg.seam_window
-        return max(n, 1)
+    def _plan(self, seq: _Seq) -> None:
+        """The segments the request folds in from entries (planned once, and again when a
+        preemption changed the request) and the tokens its assembly runs live: every prompt
+        token but those segments' bodies."""
+        seq.reused = self.engine.planner.reused_segments(seq.req)
+        w = self.engine.config.seam_window
+        seq.cost = max(seq.req.prompt_len - sum(len(seg.token_ids) - w for seg in seq.reused), 1)
 
     def _reap_cancelled(self) -> None:
         with self._cv:
@@ -357,7 +359,7 @@ class Scheduler:
         if not eng.config.uses_entries:
             return {}
         out = {}
-        for seg in eng.planner.reused_segments(seq.req):
+        for seg in seq.reused:
             if seg.key not in seq.pinned and not eng.entries.contains(seg.key):
                 out[seg.key] = seg.token_ids
         return out
@@ -468,7 +470,7 @@ class Scheduler:
                 # the last segment ran live (a last part is never an entry): so it does again
                 live = live | {len(req.segment_ids) - 1}
             seq.req = dataclasses.replace(req, suffix_ids=list(req.suffix_ids) + generated, live=frozenset(live))
-            seq.cost = self._assembly_tokens(seq.req)
+            self._plan(seq)
         seq.cold = {}
         with self._cv:
             self._waiting.appendleft(seq)

@@ -351,3 +351,40 @@ def test_router_asks_the_next_combine_worker_when_one_is_full(engine, model_dir)
     finally:
         for server in servers:
             server.stop(0)
+
+
+def test_http_request_threads_are_reused_one_per_request_in_flight_and_end_when_idle():
+    import threading
+    import time
+
+    from hybridcache.services.api.http import _Workers
+
+    workers = _Workers()
+    workers.IDLE_S = 0.3
+
+    def wait_for(cond, timeout_s=5.0):
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.005)
+
+    # one request after another: the same thread runs them all
+    ran = []
+    for _ in range(3):
+        workers.submit(lambda: ran.append(threading.get_ident()))
+        wait_for(lambda: workers._idle == 1)
+    assert len(ran) == 3 and len(set(ran)) == 1
+    # requests in flight together each get a thread (none waits for another to end)
+    release, started = threading.Event(), []
+    for _ in range(3):
+        workers.submit(lambda: (started.append(threading.get_ident()), release.wait(5)))
+    wait_for(lambda: len(started) == 3)
+    assert len(set(started)) == 3
+    release.set()
+    wait_for(lambda: workers._idle == 3)
+    # idle threads end; a later request starts one again
+    alive = [t for t in threading.enumerate() if t.name == "http-request"]
+    wait_for(lambda: workers._idle == 0 and not any(t.is_alive() for t in alive))
+    done = threading.Event()
+    workers.submit(done.set)
+    assert done.wait(5)
