@@ -82,7 +82,7 @@ def test_padded_static_step_equals_unpadded_eager(model):
         assert out[0].shape == want.shape
         # a padded batch is a GEMM of another shape: equal up to fp32 rounding (the CPU's GEMM
         # blocking depends on the shape), and the same greedy tokens
-        torch.testing.assert_close(out[0], want, rtol=0, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(out[0], want, rtol=0, atol=1e-5, msg=lambda m, step=step: f"step {step}: {m}")
         assert out[0].argmax(-1).tolist() == want.argmax(-1).tolist(), step
     assert ran_eager == 4  # the steps of five requests
     assert sizes_seen == {2, 4} and graphs.stats["replays"] > 10
