@@ -53,8 +53,14 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     slots_max = max(batches)
     kv_tokens = slots_max * (args.prompt_tokens + 4 * args.steps + 64)
-    out = {"gpu": torch.cuda.get_device_name(0), "prompt_tokens": args.prompt_tokens, "steps": args.steps,
-           "layers": cfg.num_hidden_layers}
+    import datetime
+    import os
+
+    out = {"benchmark": "profile_decode", "gpu": torch.cuda.get_device_name(0),
+           "commit": os.environ.get("HYBRIDCACHE_COMMIT", ""),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "command": "python tools/profile_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "prompt_tokens": args.prompt_tokens, "steps": args.steps, "layers": cfg.num_hidden_layers}
     modes = (False,) if args.no_graphs else (False, True)
     for graphs in modes:
         set_decode_graphs(model, graphs)
