@@ -227,10 +227,10 @@ class RuntimeConfig:
         True, "on CUDA, run the live pass of assembled prompts from CUDA graphs of their shapes "
         "(off: every forward eagerly)")
     decode_cuda_graphs: bool = setting(
-        False, "on CUDA, run batched decode steps from CUDA graphs captured per padded batch size (1, 2, 4, "
+        True, "on CUDA, run batched decode steps from CUDA graphs captured per padded batch size (1, 2, 4, "
         "multiples of 8 up to --max-num-seqs), for models whose forward has no host synchronization "
-        "(off, the default: every decode step eagerly, through the same paged K/V; "
-        "tests/kernels/test_decode_graphs_gpu.py checks graph against eager steps on a GPU)")
+        "(off: every decode step eagerly, through the same paged K/V; tests/kernels/test_decode_graphs_gpu.py "
+        "checks graph against eager steps on a GPU)")
     cuda_graph_shapes: int = setting(
         4, "layout shapes whose CUDA graphs are kept, least recently used dropped (each holds buffers the size "
         "of its request's entries)")
