@@ -188,6 +188,10 @@ def _serve(args) -> int:
         http_runner = _start_api(router, args, http_port, config)
     directory.register(args.role, address)
     stop = threading.Event()
+    if args.role in ("combine", "router"):
+        # the scatter workers' Endpoints (their Describe) asked as they join, not on a request's path
+        holder = combine if args.role == "combine" else router
+        holder._scatter_endpoints.watch(lambda: directory.members("scatter"), stop)
     if args.role in ("cache-tier", "scatter"):
         # Writers of shared-memory blocks clean up after receivers that died before reading them.
         from hybridcache.services.transport.shm import sweep_stale

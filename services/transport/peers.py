@@ -4,7 +4,9 @@ work), the router derives from them the path a scatter-built entry takes to the 
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 
 import grpc
 from hybridcache.services.protocol import pb, rpc
@@ -41,3 +43,22 @@ class ScatterEndpoints:
             channel.close()
         self.known[address] = endpoint
         return endpoint
+
+    def watch(self, members: Callable[[], list[str]], stop: threading.Event, every_s: float = 2.0) -> threading.Thread:
+        """Ask each address `members()` lists, now and every `every_s` until `stop` is set, on a
+        daemon thread: the Endpoints are known before the first request that needs them (a
+        Describe on a request's path costs it a channel's set-up, ~30 ms on an H200 host)."""
+
+        def run():
+            while True:
+                try:
+                    for address in members():
+                        self.get(address)
+                except Exception:  # noqa: BLE001 - a directory that cannot be read now is read again later
+                    pass
+                if stop.wait(every_s):
+                    return
+
+        thread = threading.Thread(target=run, name="scatter-endpoints", daemon=True)
+        thread.start()
+        return thread

@@ -180,3 +180,46 @@ def test_router_charges_a_cold_build_with_the_path_of_the_two_endpoints(engine, 
         assert router.scatter_path(address, "combine:2") == "grpc"
     finally:
         server.stop(0)
+
+
+def test_scatter_endpoints_are_asked_as_workers_join(engine):
+    """ScatterEndpoints.watch asks every listed scatter worker's Describe in the background (as
+    `serve` starts it for the combine worker and the router), so no request pays for it; a
+    worker listed later is asked on the next round, and the thread ends with its event."""
+    import threading
+    import time
+
+    from hybridcache.services.launcher import free_port
+    from hybridcache.services.transport.peers import ScatterEndpoints
+
+    servers, addresses = [], []
+    for gpu in (GPU_A, GPU_B):
+        server = grpc.server(futures.ThreadPoolExecutor(2))
+        rpc.add_ScatterServicer_to_server(_Scatter(engine, Endpoint(**NODE, device=gpu, gpus=(gpu,))), server)
+        address = f"127.0.0.1:{free_port()}"
+        server.add_insecure_port(address)
+        server.start()
+        servers.append(server)
+        addresses.append(address)
+    members = [addresses[0]]
+    book, stop = ScatterEndpoints(), threading.Event()
+    try:
+        thread = book.watch(lambda: list(members), stop, every_s=0.05)
+
+        def known(address, timeout_s=10.0):
+            deadline = time.monotonic() + timeout_s
+            while address not in book.known and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return book.known.get(address)
+
+        assert known(addresses[0]).device == GPU_A
+        assert addresses[1] not in book.known
+        members.append(addresses[1])  # a worker joins
+        assert known(addresses[1]).device == GPU_B
+        stop.set()
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+    finally:
+        stop.set()
+        for server in servers:
+            server.stop(0)
