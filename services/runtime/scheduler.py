@@ -478,10 +478,14 @@ class Scheduler:
         if self.on_preempt is not None:
             self.on_preempt(seq.handle)
 
-    def _push(self, seq: _Seq, tok: int, logits) -> bool:
-        """Emit what token `tok` (sampled from `logits`) gives; True when the request ended with it."""
+    def _push(self, seq: _Seq, tok: int, logits, row: int | None = None) -> bool:
+        """Emit what token `tok` (sampled from `logits`, or from its row `row` when given) gives;
+        True when the request ended with it."""
         top = seq.req.sampling.logprobs
-        events, done = seq.stream.push(tok, None if top is None else token_logprobs(logits, tok, top))
+        lp = None
+        if top is not None:  # the row is indexed only when asked for (a view costs a few us a request)
+            lp = token_logprobs(logits if row is None else logits[row], tok, top)
+        events, done = seq.stream.push(tok, lp)
         seq.handle._emit(events)
         if done:
             if seq.stream.finish_reason == "length":
@@ -501,7 +505,7 @@ class Scheduler:
         done = []
         for b, seq in enumerate(batch):
             tok = picks[b] if b in picks else sample_token(logits[b], seq.req.sampling, seq.generator)
-            if self._push(seq, tok, logits[b]):
+            if self._push(seq, tok, logits, b):
                 done.append(seq)
         if done:
             self._running = [s for s in self._running if s not in done]
