@@ -36,7 +36,7 @@ from hybridcache.services.runtime.scheduler import QueueFull, RequestHandle, Sch
 from hybridcache.services.security import internal_channel
 from hybridcache.services.transport import Endpoint, local_endpoint, measure_bandwidths, transport_for_address
 from hybridcache.services.transport.codec import EntryAssembler, entry_to
-from hybridcache.services.transport.peers import PEER_RETRY_S, ScatterEndpoints  # noqa: F401 - PEER_RETRY_S: tests
+from hybridcache.services.transport.peers import ScatterEndpoints
 
 log = logging.getLogger("hybridcache.combine")
 
@@ -94,9 +94,7 @@ class CombineServicer(rpc.CombineServicer):
         self.prefill_tps = 0.0
         self.device = engine.model.device
         self.endpoint = local_endpoint(self.device)
-        self._scatter_endpoints = ScatterEndpoints()
-        self._peers = self._scatter_endpoints.known  # scatter worker -> its Endpoint (Describe)
-        self._peer_retry = self._scatter_endpoints.retry_at  # one that did not answer -> when to ask again
+        self._scatter_endpoints = ScatterEndpoints()  # scatter worker -> its Endpoint (Describe)
         self.scatter_same_gpu = engine.config.scatter_same_gpu
         self._no_device_path: set[str] = set()  # scatter workers whose CUDA IPC blocks could not be opened here
         self.transport_bandwidth = measure_bandwidths(self.device)

@@ -155,7 +155,7 @@ class Router:
         while True:
             for address in self.directory.members("combine"):
                 try:
-                    info = rpc.CombineStub(self._channel(address)).Info(pb.InfoRequest(), timeout=2.0)
+                    info = self._stub(address).Info(pb.InfoRequest(), timeout=2.0)
                     return self.adopt(info, address)
                 except grpc.RpcError:
                     pass

@@ -115,9 +115,7 @@ class ScatterServicer(rpc.ScatterServicer):
 
     def Describe(self, request, context):
         """This worker's Endpoint: a combine worker on the same GPU builds what it would ask here itself."""
-        msg = pb.Endpoint()
-        self.endpoint.to_pb(msg)
-        return msg
+        return self.endpoint.to_msg()
 
     def _transport(self, name: str, request):
         if name != "cuda_ipc":

@@ -64,15 +64,25 @@ class _Scatter(rpc.ScatterServicer):
     def Describe(self, request, context):
         if self.endpoint is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "no Describe")
-        msg = pb.Endpoint()
-        self.endpoint.to_pb(msg)
-        return msg
+        return self.endpoint.to_msg()
 
     def Prefill(self, request, context):
         self.prefills += 1
         transport = get_transport("grpc")
         for seg in request.segments:
             yield from entry_chunks(self.engine.build_entry(segment_ids(seg)), seg.index, transport)
+
+
+def _serve(scatter: _Scatter) -> tuple[grpc.Server, str]:
+    """`scatter` served on a free loopback port: (the server, its address)."""
+    from hybridcache.services.launcher import free_port
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    rpc.add_ScatterServicer_to_server(scatter, server)
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    return server, address
 
 
 @pytest.mark.parametrize("scatter_endpoint, same_gpu_setting, asked", [
@@ -86,14 +96,9 @@ class _Scatter(rpc.ScatterServicer):
 def test_combine_builds_here_what_a_scatter_worker_on_its_gpu_was_to_build(engine, scatter_endpoint,
                                                                             same_gpu_setting, asked):
     from hybridcache.services.combine.worker import CombineServicer
-    from hybridcache.services.launcher import free_port
 
     scatter = _Scatter(engine, scatter_endpoint)
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    rpc.add_ScatterServicer_to_server(scatter, server)
-    address = f"127.0.0.1:{free_port()}"
-    server.add_insecure_port(address)
-    server.start()
+    server, address = _serve(scatter)
     combine = CombineServicer(engine)
     try:
         combine.endpoint = Endpoint(**NODE, device=GPU_A, gpus=(GPU_A, GPU_B))
@@ -111,26 +116,29 @@ def test_combine_builds_here_what_a_scatter_worker_on_its_gpu_was_to_build(engin
                 assert source == {} and pinned == {} and moved["built_here_same_gpu"] == 2
         assert scatter.prefills == (2 if asked else 0)
         # asked once, unless the setting makes the answer moot
-        assert combine._peers.get(address, "not asked") == ("not asked" if same_gpu_setting else scatter_endpoint)
+        asked_for = combine._scatter_endpoints.known.get(address, "not asked")
+        assert asked_for == ("not asked" if same_gpu_setting else scatter_endpoint)
     finally:
         combine.close()
         server.stop(0)
 
 
 def test_a_scatter_worker_that_does_not_answer_describe_is_asked_again_later(engine):
-    from hybridcache.services.combine.worker import PEER_RETRY_S, CombineServicer
+    from hybridcache.services.combine.worker import CombineServicer
     from hybridcache.services.launcher import free_port
+    from hybridcache.services.transport.peers import PEER_RETRY_S
 
     combine = CombineServicer(engine)
     try:
         combine.endpoint = Endpoint(**NODE, device=GPU_A, gpus=(GPU_A,))
         address = f"127.0.0.1:{free_port()}"  # nobody listens
         assert not combine._on_my_gpu(address)
-        assert address not in combine._peers and combine._peer_retry[address] > 0
-        first = combine._peer_retry[address]
-        assert combine.scatter_endpoint(address) is None and combine._peer_retry[address] == first  # not asked
-        combine._peer_retry[address] -= PEER_RETRY_S + 1  # the retry time has come: asked, and failing again
-        assert combine.scatter_endpoint(address) is None and combine._peer_retry[address] >= first
+        book = combine._scatter_endpoints
+        assert address not in book.known and book.retry_at[address] > 0
+        first = book.retry_at[address]
+        assert combine.scatter_endpoint(address) is None and book.retry_at[address] == first  # not asked
+        book.retry_at[address] -= PEER_RETRY_S + 1  # the retry time has come: asked, and failing again
+        assert combine.scatter_endpoint(address) is None and book.retry_at[address] >= first
     finally:
         combine.close()
 
@@ -153,15 +161,10 @@ def test_router_charges_a_cold_build_with_the_path_of_the_two_endpoints(engine, 
     (Describe) before any entry has moved: a scatter worker that reaches the combine worker over
     CUDA IPC is sent cold segments from the first request on."""
     from hybridcache.services.directory import InProcessDirectory
-    from hybridcache.services.launcher import free_port
     from hybridcache.services.router.router import Router
 
     scatter = _Scatter(engine, scatter_endpoint)
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    rpc.add_ScatterServicer_to_server(scatter, server)
-    address = f"127.0.0.1:{free_port()}"
-    server.add_insecure_port(address)
-    server.start()
+    server, address = _serve(scatter)
     try:
         router = Router(model_dir, InProcessDirectory({"scatter": [address]}))
         combine = Endpoint(**NODE, device=GPU_A, gpus=(GPU_A, GPU_B))
@@ -189,16 +192,11 @@ def test_scatter_endpoints_are_asked_as_workers_join(engine):
     import threading
     import time
 
-    from hybridcache.services.launcher import free_port
     from hybridcache.services.transport.peers import ScatterEndpoints
 
     servers, addresses = [], []
     for gpu in (GPU_A, GPU_B):
-        server = grpc.server(futures.ThreadPoolExecutor(2))
-        rpc.add_ScatterServicer_to_server(_Scatter(engine, Endpoint(**NODE, device=gpu, gpus=(gpu,))), server)
-        address = f"127.0.0.1:{free_port()}"
-        server.add_insecure_port(address)
-        server.start()
+        server, address = _serve(_Scatter(engine, Endpoint(**NODE, device=gpu, gpus=(gpu,))))
         servers.append(server)
         addresses.append(address)
     members = [addresses[0]]
