@@ -22,9 +22,18 @@ Every served TTFT is the client's: from sending the request to the first streame
 served_warm_ttft_vs_in_process (median W_k served / in-process), served_pic_ttft_speedup_vs_prefix_32x1k
 (W_k, prefix stack / pic stack), cold_pic_ttft_vs_full_32x1k (R on the pic stack / full on R
 in-process), cold_pic_ttft_vs_full_32x1k_with_scatter, cold_pic_ttft_with_scatter_vs_without,
-scatter_to_combine_gb_per_s (the cold requests of the scatter_ipc stack, else of the scatter
-stack: bytes / seconds the combine worker spent receiving them, as its stats report), the
-transport it took and the IPC opens of each of those requests.
+scatter_to_combine_gb_per_s and scatter_to_combine_gb_per_s_host (the cold requests of the
+scatter_ipc stack, else of the scatter stack; the median over them), the transport it took and the
+IPC opens of each of those requests. The two rates:
+
+- scatter_to_combine_gb_per_s, the link: bytes / scatter_copy_seconds, the time of the device
+  copies themselves (cuda_ipc: the combine worker's copies of the scatter worker's arena slots and
+  their checksums, timed by CUDA events on its side stream, EntryAssembler.copy_seconds); for a
+  host transport (shm, grpc), which times no device copy, bytes / scatter_seconds as below.
+- scatter_to_combine_gb_per_s_host: bytes / scatter_seconds, the host time the combine worker
+  spent receiving them (EntryAssembler.transfer_seconds: for cuda_ipc the time spent in feeding
+  device blocks, mapping, queuing copies, reading checksums back and packing entries; for a host
+  transport from each entry's header to its last tensor).
 
     python benchmarks/served_gpu.py --out served_gpu.json
     python benchmarks/served_gpu.py --phases prefix --merge served_gpu.json --out served_gpu_2.json
@@ -122,8 +131,8 @@ def send(url: str, native: dict, timeout_s: float) -> dict:
 
 def _stats(st: dict) -> dict:
     keep = ("ttft_ms", "engine_ttft_ms", "router_ms", "combine_ms", "built_tokens", "reused_segments",
-            "scatter_bytes", "scatter_seconds", "scatter_path", "scatter_blocks", "scatter_ipc_opens", "tier_bytes",
-            "built_here_same_gpu", "prompt_tokens")
+            "scatter_bytes", "scatter_seconds", "scatter_copy_seconds", "scatter_path", "scatter_blocks",
+            "scatter_ipc_opens", "tier_bytes", "built_here_same_gpu", "prompt_tokens")
     return {k: st[k] for k in keep if k in st}
 
 
@@ -275,8 +284,11 @@ def figures(res: dict) -> dict:
     moving = sc_ipc or sc
     if moving:
         moves = [r["stats"] for r in (moving["cold"], moving["cold2"]) if r["stats"].get("scatter_seconds")]
-        rates = [m["scatter_bytes"] / m["scatter_seconds"] / 1e9 for m in moves]
-        out["scatter_to_combine_gb_per_s"] = float(f"{_median(rates):.4g}") if rates else None
+        host = [m["scatter_bytes"] / m["scatter_seconds"] / 1e9 for m in moves]
+        # the link: the device copies' own time where they were timed (cuda_ipc), else the host's
+        link = [m["scatter_bytes"] / (m.get("scatter_copy_seconds") or m["scatter_seconds"]) / 1e9 for m in moves]
+        out["scatter_to_combine_gb_per_s"] = float(f"{_median(link):.4g}") if link else None
+        out["scatter_to_combine_gb_per_s_host"] = float(f"{_median(host):.4g}") if host else None
         out["scatter_to_combine_transport"] = moves[0].get("scatter_path", "") if moves else ""
         out["scatter_to_combine_ipc_opens"] = [m.get("scatter_ipc_opens") for m in moves] or None
     if sc_ipc:

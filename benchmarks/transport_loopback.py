@@ -14,6 +14,8 @@ a fresh buffer exported per layer batch); the messages travel serialized over a 
 process receives each of --requests requests with a fresh EntryAssembler on the GPU, as a
 combine worker does. Figures: scatter_to_combine_gb_per_s (bytes / the seconds the assembler
 spent receiving and checking them, what the served stack's stats report as scatter_seconds),
+scatter_to_combine_link_gb_per_s (bytes / the GPU time of the copies and their checksums,
+EntryAssembler.copy_seconds: what served_gpu.py reports as scatter_to_combine_gb_per_s),
 scatter_to_combine_wall_gb_per_s (bytes / first message in to last entry verified and
 synchronised, the sender's packing included), IPC opens per request, and whether every entry
 equals what was sent (the first request, and the last).
@@ -161,7 +163,8 @@ def cuda_ipc_loopback(entries: int = 32, requests: int = 5, arena_mib: int = 512
             asm.close()
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-            per_request.append({"bytes": asm.bytes_received, "receive_s": asm.transfer_seconds, "wall_s": wall,
+            per_request.append({"bytes": asm.bytes_received, "receive_s": asm.transfer_seconds,
+                                "copy_s": asm.copy_seconds, "wall_s": wall,
                                 "ipc_opens": asm.ipc_opens, "slots": asm.slots_received,
                                 "blocks": asm.device_blocks})
             if r in (0, requests - 1):
@@ -192,6 +195,9 @@ def ipc_figures(run: dict) -> dict:
         "entry_mib": round(entry_bytes / (1 << 20), 2),
         "request_mib": round(reqs[0]["bytes"] / (1 << 20), 1),
         "scatter_to_combine_gb_per_s": round(statistics.median(r["bytes"] / r["receive_s"] for r in steady) / 1e9, 1),
+        "scatter_to_combine_link_gb_per_s": round(
+            statistics.median(r["bytes"] / r["copy_s"] for r in steady if r["copy_s"]) / 1e9, 1)
+        if any(r["copy_s"] for r in steady) else None,
         "scatter_to_combine_wall_gb_per_s": round(statistics.median(r["bytes"] / r["wall_s"] for r in steady) / 1e9, 1),
         "first_request_gb_per_s": round(reqs[0]["bytes"] / reqs[0]["receive_s"] / 1e9, 1),
         "ipc_opens_per_request": [r["ipc_opens"] for r in reqs],

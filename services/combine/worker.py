@@ -187,9 +187,11 @@ class CombineServicer(rpc.CombineServicer):
         source: dict[int, str] = {}
         need_tier: dict[str, list[pb.SegmentPlan]] = {}
         cold: dict[str, list[int]] = {}
+        # scatter_seconds: the host time spent receiving (EntryAssembler.transfer_seconds);
+        # scatter_copy_seconds: the time of the device copies themselves (its copy_seconds)
         moved = {"tier_bytes": 0, "tier_seconds": 0.0, "tier_path": "", "scatter_bytes": 0,
-                 "scatter_seconds": 0.0, "scatter_path": "", "scatter_blocks": 0, "scatter_ipc_opens": 0,
-                 "build_seconds": 0.0, "redispatched": 0}
+                 "scatter_seconds": 0.0, "scatter_copy_seconds": 0.0, "scatter_path": "", "scatter_blocks": 0,
+                 "scatter_ipc_opens": 0, "build_seconds": 0.0, "redispatched": 0}
         # Only the keys of this engine's own planner count: a plan naming another key for a segment
         # (or no segment) is ignored, and the engine builds that segment itself.
         plan = [p for p in request.plan if p.key == expected.get(p.index)]
@@ -245,6 +247,7 @@ class CombineServicer(rpc.CombineServicer):
                 if asm is not None:
                     moved["scatter_bytes"] += asm.bytes_received
                     moved["scatter_seconds"] += asm.transfer_seconds
+                    moved["scatter_copy_seconds"] += asm.copy_seconds
                     moved["scatter_path"] = asm.transport or moved["scatter_path"]
                     moved["scatter_blocks"] += asm.device_blocks
                     moved["scatter_ipc_opens"] += asm.ipc_opens

@@ -25,6 +25,7 @@ from hybridcache.services.runtime.packing import padded
 from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
 from hybridcache.services.transport.base import TensorTransport, TransportError
 from hybridcache.services.transport.cuda_ipc import (
+    RELEASER,
     SlotCopy,
     check_blocks,
     check_slots,
@@ -181,9 +182,9 @@ class EntryAssembler:
         self._blocks: dict[int, torch.Tensor] = {}  # segment index -> its received device block
         self._started: dict[int, float] = {}  # segment index -> when its header arrived
         # segment index -> its device blocks so far, each with its tensors' (layer, name, dtype, shape,
-        # offset) and the device checksum sums of its copy, or the copy of the arena slot it lies
-        # in (checked when the entry completes)
-        self._parts: dict[int, list[tuple[pb.DeviceBlock, list, torch.Tensor | SlotCopy | None]]] = {}
+        # offset), the device checksum sums of its copy or the copy of the arena slot it lies in
+        # (checked when the entry completes), and the timer of that copy (cuda_ipc.copy_timer)
+        self._parts: dict[int, list[tuple[pb.DeviceBlock, list, torch.Tensor | SlotCopy | None, object]]] = {}
         # arena slots copied here, by (arena, index, generation): their blocks are views of the copy
         self._slots: dict[tuple[str, int, int], SlotCopy] = {}
         self._unreleased: list[SlotCopy] = []  # copies whose sender slot is not released yet
@@ -194,7 +195,14 @@ class EntryAssembler:
         # device blocks the time spent opening, copying and checking them (a layered entry's
         # header comes before its build is done)
         self.seconds = 0.0
+        # host seconds spent receiving device blocks: mapping, queuing the copies and checksums,
+        # reading the checksums back and packing verified entries (the host's time, not the link's)
         self.device_seconds = 0.0
+        # the time of the device blocks' copies and their checksums themselves, summed once per
+        # copy (an arena slot's copy serves several blocks): on CUDA measured on the GPU (timing
+        # events on the side stream, read once the entry's checksums are back), off CUDA the host
+        # time of the copies. Counted when an entry of the copy completes, or at close().
+        self.copy_seconds = 0.0
         # device blocks received, and the sender buffers mapped for them (CUDA IPC handles opened;
         # the blocks of a buffer mapped already open none)
         self.device_blocks = 0
@@ -215,7 +223,10 @@ class EntryAssembler:
 
     def feed(self, chunk) -> tuple[int, SegmentEntry | None, str] | None:
         """Returns (segment_index, entry, "") when an entry completes, (index, None, error) on a
-        failed one, None otherwise. Never returns an entry whose checksums do not verify."""
+        failed one, None otherwise. Never returns an entry whose checksums do not verify.
+        Releases the sender's arena slots whose copies are done first (polled, waits for nothing)."""
+        if self._unreleased:
+            self.release_slots()
         i = chunk.segment_index
         kind = chunk.WhichOneof("body")
         if kind == "error":
@@ -300,8 +311,9 @@ class EntryAssembler:
         try:
             if block.HasField("slot"):
                 part = self._slot_block(i, block)
+                timer = part.timer
             else:
-                self._blocks[i], part, opened = receive_block(block, self.device)
+                self._blocks[i], part, opened, timer = receive_block(block, self.device)
                 self.ipc_opens += opened
         except TransportError as e:
             if e.unreachable:
@@ -312,7 +324,7 @@ class EntryAssembler:
             return self._fail(i, str(e))
         self.device_seconds += time.perf_counter() - t0
         self.device_blocks += 1
-        self._parts[i].append((block, [], part))
+        self._parts[i].append((block, [], part, timer))
         return None
 
     def _slot_block(self, i: int, block) -> SlotCopy:
@@ -325,25 +337,37 @@ class EntryAssembler:
             copy = self._slots[key] = receive_slot(block, self.device)
             self.ipc_opens += copy.opened
             self.slots_received += 1
-            # the sender's slot back as soon as the copy is done (a sender short of room waits for it)
-            if not copy.release(wait=True):
+            # the sender's slot back once the copy is done (a sender short of room waits for it):
+            # polled on the next feeds and when an entry completes, and meanwhile by the releaser
+            # thread, which also covers the wait for the sender's next message
+            if not copy.release():
                 self._unreleased.append(copy)
+                RELEASER.add(copy)
         elif not copy.matches(s):
             raise TransportError(f"arena slot {s.index}: its blocks describe it differently")
         if block.tensor_offset < 0 or block.nbytes < 0 or block.tensor_offset + block.nbytes > copy.own.numel():
             raise TransportError(f"device block of {block.nbytes} bytes at {block.tensor_offset} lies outside "
                                  f"its arena slot of {copy.own.numel()} bytes")
         self._blocks[i] = copy.own[block.tensor_offset: block.tensor_offset + block.nbytes]
-        self.release_slots()
         return copy
 
     def release_slots(self, wait: bool = False) -> None:
-        """Release the sender's arena slots whose copies are done (with `wait`: all of them, once done)."""
+        """Release the sender's arena slots whose copies are done (polled; with `wait`: all of
+        them, waiting for those still copying)."""
         self._unreleased = [c for c in self._unreleased if not c.release(wait)]
 
+    def _count_copy(self, timer) -> None:
+        """Add a finished copy's time to copy_seconds, once per copy."""
+        if timer is not None and not timer.counted:
+            timer.counted = True
+            self.copy_seconds += timer.seconds()
+
     def close(self) -> None:
-        """Release every arena slot still held (the stream ended); the copies stay valid."""
+        """Release every arena slot still held (the stream ended: waits for their copies); the
+        copies stay valid. The copies of entries that did not complete count in copy_seconds here."""
         self.release_slots(wait=True)
+        for copy in self._slots.values():
+            self._count_copy(copy.timer)
 
     def _finish(self, i: int, seal=None):
         header, parts = self._open.pop(i)
@@ -375,16 +399,18 @@ class EntryAssembler:
             # the blocks' copies against their checksums, all read back at once (an arena slot's
             # copy once, for all of its blocks)
             t0 = time.perf_counter()
-            copies = list({id(p): p for _, _, p in blocks if isinstance(p, SlotCopy)}.values())
-            intact = check_blocks([(b, p) for b, _, p in blocks if not isinstance(p, SlotCopy)], self.device)
+            copies = list({id(p): p for _, _, p, _ in blocks if isinstance(p, SlotCopy)}.values())
+            intact = check_blocks([(b, p) for b, _, p, _ in blocks if not isinstance(p, SlotCopy)], self.device)
             intact = check_slots(copies, self.device) and intact
             self.release_slots()  # checked: those copies are done
+            for _, _, _, timer in blocks:  # their checksums are back, so their timers have passed
+                self._count_copy(timer)
             self.device_seconds += time.perf_counter() - t0
             if not intact:
                 metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
                 return i, None, f"entry {header.key[:12]}: device block checksum mismatch"
             checksum = seal.checksum if seal is not None else header.checksum
-            if not verify_device_seal(checksum, header, [(specs, block) for block, specs, _ in blocks]):
+            if not verify_device_seal(checksum, header, [(specs, block) for block, specs, _, _ in blocks]):
                 metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
                 return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
             # verified; unsealed from here on, so that passing it on (to a cache tier) seals its bytes

@@ -11,8 +11,12 @@ messages. The receiver maps the arena once (ipc_pool.ArenaMappings) and keeps th
 that sender sends from it, so that requests in steady state open no IPC handle; it copies each
 slot into its own device memory with one device-to-device copy (on a side stream; over NVLink
 when the GPUs differ), queues the slot's checksum there, serves the slot's blocks as views of the
-copy, and releases the slot once the copy is done (ipc_pool.ReleaseFile). Checksums are read back
-together when an entry completes (EntryAssembler), so receiving a block waits for nothing; a
+copy, and releases the slot once the copy is done (ipc_pool.ReleaseFile): polled, never waited
+for, by the assembler as it is fed and when an entry completes, and by a thread of its own
+(SlotReleaser) while the assembler waits on the stream. Checksums are read back together when an
+entry completes (EntryAssembler), so receiving a block waits for nothing; the copies are timed on
+the side stream (copy_timer: CUDA timing events, the host clock off CUDA), so that the assembler
+reports the GPU time of the copies (copy_seconds) apart from its host time; a
 verified entry is then packed into memory of its own (own_copy: one kernel), so that it does not
 keep the other entries of its build alive through the slot copies they share.
 
@@ -36,13 +40,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
+import time
 
 import torch
 from hybridcache.services.runtime.packing import pack, padded, unpack_views
 from hybridcache.services.transport.base import TensorTransport, TransportError
 from hybridcache.services.transport.checksum import checksum_text, device_checksum_sums
 from hybridcache.services.transport.ipc_pool import ArenaMappings, ArenaPool, ReleaseFile
+
+log = logging.getLogger("hybridcache.transport")
 
 
 def device_uuid(index: int) -> str:
@@ -265,55 +273,176 @@ MAPPINGS = DeviceMappings()
 ARENAS = ArenaMappings()
 
 
+class _HostTimer:
+    """Off CUDA a copy is done once queued: its host time (perf_counter from start to stop)."""
+
+    def __init__(self):
+        self.counted = False  # added to an assembler's copy_seconds already
+        self._t0 = time.perf_counter()
+        self._seconds = 0.0
+
+    def stop(self) -> None:
+        self._seconds = time.perf_counter() - self._t0
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def seconds(self) -> float:
+        return self._seconds
+
+
+class _CudaTimer:
+    """Two timing events on the current (side) stream around a copy and its checksum: `query`
+    polls whether they are done, `seconds` is the GPU time between them (waits for the end)."""
+
+    def __init__(self):
+        self.counted = False
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.start.record()
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def stop(self) -> None:
+        self.end.record()
+
+    def query(self) -> bool:
+        return self.end.query()
+
+    def synchronize(self) -> None:
+        self.end.synchronize()
+
+    def seconds(self) -> float:
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+def copy_timer(device):
+    """A timer started now on the current stream of `device` (call on the stream the copy is
+    queued on; stop() it after the copy's checksum): CUDA timing events there, the host clock off
+    CUDA. Replaced by the tests with a fake whose copy is done when they say so."""
+    return _CudaTimer() if torch.device(device).type == "cuda" else _HostTimer()
+
+
+_RELEASE_LOCK = threading.Lock()
+
+
 class SlotCopy:
     """The receiver's copy of one arena slot (its blocks are views of it), the device checksum
-    sums of the copy (read back when an entry of it completes: `intact`), and the release of the
-    sender's slot once the copy is done."""
+    sums of the copy (read back when an entry of it completes: `intact`), the timer of the copy
+    and its checksum (copy_timer: whether they are done, and their GPU time), and the release of
+    the sender's slot once the copy is done."""
 
-    def __init__(self, slot, own: torch.Tensor, sums, event, releases: ReleaseFile, opened: bool):
+    def __init__(self, slot, own: torch.Tensor, sums, timer, releases: ReleaseFile, opened: bool):
         self.slot = slot  # the ArenaSlot message it was received for
-        self.own, self.sums, self.event, self.releases, self.opened = own, sums, event, releases, opened
+        self.own, self.sums, self.timer, self.releases, self.opened = own, sums, timer, releases, opened
         self.intact: bool | None = None
         self.released = False
 
     def matches(self, slot) -> bool:
         return slot == self.slot
 
+    def done(self) -> bool:
+        """Is the copy from the sender's slot done (polled, never waits)?"""
+        return self.timer.query()
+
     def release(self, wait: bool = False) -> bool:
-        """Release the sender's slot if the copy from it is done (with `wait`: once it is)."""
+        """Release the sender's slot if the copy from it is done (polled; with `wait`: once it is).
+        Safe from several threads (the assembler's and the SlotReleaser's): the slot's entry of
+        the release file is written once, never after the sender may have reused the slot."""
         if self.released:
             return True
-        if self.event is not None:
-            if wait:
-                self.event.synchronize()
-            elif not self.event.query():
-                return False
-        self.releases.release(self.slot.index, self.slot.generation)
-        self.released = True
+        if wait:
+            self.timer.synchronize()
+        elif not self.timer.query():
+            return False
+        with _RELEASE_LOCK:
+            if not self.released:
+                self.releases.release(self.slot.index, self.slot.generation)
+                self.released = True
         return True
+
+
+class SlotReleaser:
+    """Releases the arena slots whose copies are not done when their assembler last looked, on
+    a thread of its own (started on first use), polling every `poll_s` while any is pending and
+    idle otherwise. The assembler polls too (on every feed and when an entry completes), but it
+    does not while it waits for the sender's next message on the gRPC stream; a sender short of
+    arena room waits for releases (DeviceArena.take, up to ArenaPool.wait_s) before its next
+    message, so without this thread that wait would end only in its timeout (a fallback to fresh
+    buffers). A copy never completes earlier than its timer says, so a slot is never released
+    while its bytes are still being read."""
+
+    def __init__(self, poll_s: float = 2e-4):
+        self.poll_s = poll_s
+        self._cv = threading.Condition()
+        self._pending: list[SlotCopy] = []
+        self._thread: threading.Thread | None = None
+        self.released = 0  # slots released by this thread
+        self.dropped = 0  # copies whose poll failed (their slots come back to the sender as stale)
+
+    def add(self, copy: SlotCopy) -> None:
+        with self._cv:
+            self._pending.append(copy)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ipc-slot-release", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._pending)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending:
+                    self._cv.wait()
+                pending = list(self._pending)
+            gone = set()
+            for copy in pending:
+                try:
+                    was = copy.released
+                    if copy.release():
+                        gone.add(id(copy))
+                        self.released += not was
+                except Exception:  # noqa: BLE001 - a failed poll must not stop the releases of the others
+                    log.warning("polling an arena slot copy failed; the sender takes the slot back as stale",
+                                exc_info=True)
+                    gone.add(id(copy))
+                    self.dropped += 1
+            with self._cv:
+                self._pending = [c for c in self._pending if id(c) not in gone]
+                more = bool(self._pending)
+            if more:
+                time.sleep(self.poll_s)
+
+
+RELEASER = SlotReleaser()
 
 
 def receive_slot(block, device) -> SlotCopy:
     """A copy of the arena slot `block` lies in, in this process's memory on `device` (one
-    device-to-device copy, on the side stream, its checksum queued there too), the arena mapped
-    here the first time (ARENAS)."""
+    device-to-device copy, on the side stream, its checksum queued there too, both timed:
+    copy_timer), the arena mapped here the first time (ARENAS). Waits for nothing: the copy's
+    timer says when it is done."""
     index = local_index(block.device_uuid)
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     with _side_stream(dev if cuda else None, after_default=False):
         src, releases, opened = ARENAS.slot(block, index, open_shared)
         own = torch.empty(block.slot.nbytes, dtype=torch.uint8, device=dev)
+        timer = copy_timer(dev)
         own.copy_(src)
         sums = device_checksum_sums(own)
+        timer.stop()
         del src
-        event = None
         if cuda:
-            event = torch.cuda.Event()
-            event.record()
             own.record_stream(torch.cuda.default_stream(dev))
     slot = type(block.slot)()
     slot.CopyFrom(block.slot)
-    return SlotCopy(slot, own, sums, event, releases, opened)
+    return SlotCopy(slot, own, sums, timer, releases, opened)
 
 
 def own_copy(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
@@ -340,16 +469,17 @@ def check_slots(copies, device) -> bool:
     return all(c.intact for c in copies)
 
 
-def receive_block(block, device) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+def receive_block(block, device) -> tuple[torch.Tensor, torch.Tensor | None, bool, object]:
     """A copy of the block's bytes in this process's memory on `device`, the device checksum
     sums of the copy (checksum.device_checksum_sums, not yet read back: the caller compares them
     with block.checksum, check_blocks, once it needs the bytes) and whether the sender's buffer
-    was mapped for it (DeviceMappings.view). On CUDA the copy and the
+    was mapped for it (DeviceMappings.view), and the timer of the copy and its checksum
+    (copy_timer; None for an empty block). On CUDA the copy and the
     checksum run on a side stream, so that they wait neither for nor behind the model's work on
     the default stream; the copy is marked in use by the default stream, where the engine reads
     it."""
     if block.nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8, device=device), None, False
+        return torch.empty(0, dtype=torch.uint8, device=device), None, False, None
     index = local_index(block.device_uuid)
     dev = torch.device(device)
     # mapped on the side stream, so that the wait for the sender's IPC event lands there too; it
@@ -357,12 +487,14 @@ def receive_block(block, device) -> tuple[torch.Tensor, torch.Tensor | None, boo
     with _side_stream(dev if dev.type == "cuda" else None, after_default=False):
         src, opened = MAPPINGS.view(block, index)
         own = torch.empty(block.nbytes, dtype=torch.uint8, device=dev)
+        timer = copy_timer(dev)
         own.copy_(src)
         sums = device_checksum_sums(own)
+        timer.stop()
         del src
         if dev.type == "cuda":
             own.record_stream(torch.cuda.default_stream(dev))
-    return own, sums, opened
+    return own, sums, opened, timer
 
 
 def check_blocks(blocks, device) -> bool:
@@ -415,8 +547,6 @@ def measure_bandwidth(device, nbytes: int = 256 << 20) -> float:
     the sender's pack and checksum, the receiver's copy and checksum (the handle's export and
     opening, which need two processes, are not in it: the combine workers' measurements on
     requests are). A starting value for the router's cost model."""
-    import time
-
     t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     for _ in range(2):  # the first round allocates and warms the kernels
         torch.cuda.synchronize(device)

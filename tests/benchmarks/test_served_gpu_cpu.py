@@ -45,6 +45,19 @@ def test_figures_are_ratios_of_what_the_phases_measured():
     assert f["cold_pic_ttft_vs_full_32x1k"] == 1.2 and f["cold_pic_ttft_vs_full_32x1k_with_scatter"] == 1.3
     assert f["cold_pic_ttft_with_scatter_vs_without"] == round(26 / 24, 3)
     assert f["scatter_to_combine_gb_per_s"] == 60.0 and f["scatter_to_combine_transport"] == "cuda_ipc"
+    assert f["scatter_to_combine_gb_per_s_host"] == 60.0  # stats without copy seconds: the host's time alone
+
+
+def test_the_link_rate_is_bytes_over_the_copy_seconds_and_the_host_rate_over_the_receive_seconds():
+    m = _mod()
+    stats = [{"scatter_bytes": 4e9, "scatter_seconds": 0.25, "scatter_copy_seconds": 0.04, "scatter_path": "cuda_ipc",
+              "scatter_ipc_opens": 1},
+             {"scatter_bytes": 4e9, "scatter_seconds": 0.2, "scatter_copy_seconds": 0.05, "scatter_ipc_opens": 0}]
+    f = m.figures({"scatter_ipc": {"cold": {"ttft_ms": 30.0, "stats": stats[0]},
+                                   "cold2": {"ttft_ms": 28.0, "stats": stats[1]}}})
+    assert f["scatter_to_combine_gb_per_s"] == 90.0  # median of 100 and 80 GB/s
+    assert f["scatter_to_combine_gb_per_s_host"] == 18.0  # median of 16 and 20 GB/s
+    assert f["scatter_to_combine_ipc_opens"] == [1, 0]
     assert "served_pic_ttft_speedup_vs_prefix_32x1k" not in f  # no prefix phase: no figure, not a made-up one
     assert "served_warm_router_ms" not in f  # warm results without the stats that split them
 

@@ -308,3 +308,144 @@ def test_a_write_larger_than_a_busy_arena_does_not_wait():
         assert arena.take(4000).offset == 0
     finally:
         arena.close()
+
+
+class _FakeCopyTimer:
+    """A copy timer (cuda_ipc.copy_timer) whose copy is done only once the test says so (`done`),
+    as a CUDA copy still queued behind the sender's kernels would be; synchronize() waits for
+    it as the CUDA event does (here: the copy completes), and it took `took` seconds."""
+
+    def __init__(self, took: float):
+        self.counted, self.done, self.took, self.waited = False, False, took, 0
+
+    def stop(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.done = True
+
+    def seconds(self) -> float:
+        return self.took
+
+
+@pytest.fixture
+def fake_timers(monkeypatch):
+    """The copy timers the receiver makes, in order, fake ones (the k-th took (k + 1) ms)."""
+    made: list[_FakeCopyTimer] = []
+
+    def make(device):
+        made.append(_FakeCopyTimer((len(made) + 1) * 1e-3))
+        return made[-1]
+
+    monkeypatch.setattr(cuda_ipc, "copy_timer", make)
+    return made
+
+
+class _NoReleaser:
+    def add(self, copy) -> None:
+        pass
+
+
+def _held(scatter) -> int:
+    arena = scatter.arenas._arenas[torch.device("cpu")]
+    arena.idle()  # takes back what the receiver released
+    return arena.allocator.held
+
+
+def test_receiving_waits_for_no_copy_and_releases_a_slot_only_once_its_copy_is_done(
+        engine, fake_ipc, servicer, fake_timers, monkeypatch):
+    """The receiver never blocks on a slot's copy: the entries come out while no copy is done,
+    and no slot is released then; a feed after a copy is done releases its slot (polled), and
+    close() waits for the rest and releases every slot."""
+    from hybridcache.services.transport import codec
+
+    monkeypatch.setattr(codec, "RELEASER", _NoReleaser())  # the assembler's own polls alone
+    scatter = servicer()
+    n_layers = engine.cfg.num_hidden_layers
+    chunks = _prefill(scatter, _segments(10))
+    asm = EntryAssembler()
+    out = [r for c in chunks if (r := asm.feed(c)) is not None]
+    assert [(i, err) for i, _, err in out] == [(0, ""), (1, ""), (2, "")]
+    assert len(fake_timers) == n_layers and not any(t.waited for t in fake_timers)
+    assert _held(scatter) == n_layers and not any(c.released for c in asm._slots.values())
+    fake_timers[0].done = True
+    asm.feed(pb.EntryChunk(segment_index=99, error="nothing"))  # any feed polls
+    released = [c.released for c in asm._slots.values()]
+    assert released == [True] + [False] * (n_layers - 1) and _held(scatter) == n_layers - 1
+    asm.close()
+    assert all(c.released for c in asm._slots.values()) and _held(scatter) == 0
+    assert all(t.waited == (k > 0) for k, t in enumerate(fake_timers))  # close() waited for those not done
+
+
+def test_the_releaser_thread_releases_slots_while_the_receiver_waits_on_the_stream(
+        engine, fake_ipc, servicer, fake_timers):
+    """A copy done while the assembler is not fed (it waits for the sender's next message, the
+    sender for arena room) has its slot released all the same, by cuda_ipc.RELEASER."""
+    scatter = servicer()
+    chunks = _prefill(scatter, _segments(11))
+    asm = EntryAssembler()
+    for c in chunks:
+        asm.feed(c)
+    n = len(fake_timers)
+    assert n == engine.cfg.num_hidden_layers and _held(scatter) == n
+    for t in fake_timers[:2]:
+        t.done = True
+    deadline = time.monotonic() + 5.0
+    while _held(scatter) > n - 2 and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    assert _held(scatter) == n - 2
+    assert [c.released for c in asm._slots.values()] == [True, True] + [False] * (n - 2)
+    asm.close()
+    assert _held(scatter) == 0
+
+
+def test_close_releases_every_slot_of_a_stream_cut_short(engine, fake_ipc, servicer, fake_timers):
+    scatter = servicer()
+    chunks = _prefill(scatter, _segments(12))
+    cut = [c for c in chunks if not c.HasField("seal")][: len(chunks) // 2]  # the sender died mid-stream
+    asm = EntryAssembler()
+    assert all(asm.feed(c) is None for c in cut)
+    n_layers = engine.cfg.num_hidden_layers
+    assert 0 < asm.slots_received < n_layers and _held(scatter) == n_layers
+    asm.close()
+    # every slot it copied is released (those it never saw come back to the sender as stale)
+    assert all(c.released for c in asm._slots.values()) and _held(scatter) == n_layers - asm.slots_received
+    # the copies of the entries that never completed count at close(), each once
+    assert asm.copy_seconds == pytest.approx(sum(t.took for t in fake_timers))
+
+
+def test_copy_seconds_counts_each_slot_copy_once(engine, fake_ipc, servicer, fake_timers):
+    """copy_seconds is the copies' own time (the timers'), an arena slot's once though its
+    blocks belong to several entries; device_seconds stays the host time spent receiving."""
+    for t in fake_timers:
+        t.done = True
+    out, asm = _receive(_prefill(servicer(), _segments(13)))
+    assert [e for _, _, e in out] == [""] * 3
+    assert len(fake_timers) == asm.slots_received == engine.cfg.num_hidden_layers
+    assert asm.copy_seconds == pytest.approx(sum(t.took for t in fake_timers))
+    assert asm.device_seconds > 0
+
+
+@pytest.mark.parametrize("arena_bytes", [8 << 20, 0])
+def test_copy_seconds_on_the_cpu_is_the_host_time_of_the_copies(engine, fake_ipc, servicer, monkeypatch,
+                                                                 arena_bytes):
+    """Off CUDA the copies are timed on the host: each slot's (or, without an arena, each
+    block's) copy and checksum, within the host time the assembler spent receiving them."""
+    made = []
+    real = cuda_ipc.copy_timer
+
+    def recording(device):
+        made.append(real(device))
+        return made[-1]
+
+    monkeypatch.setattr(cuda_ipc, "copy_timer", recording)
+    out, asm = _receive(_prefill(servicer(arena_bytes), _segments(14)))
+    assert [e for _, _, e in out] == [""] * 3
+    n_layers = engine.cfg.num_hidden_layers
+    assert len(made) == (n_layers if arena_bytes else 3 * n_layers) and all(t.counted for t in made)
+    assert 0 < asm.copy_seconds == pytest.approx(sum(t.seconds() for t in made))
+    assert asm.copy_seconds < asm.device_seconds
