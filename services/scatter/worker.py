@@ -2,6 +2,14 @@
 soon as its build completes, over the transport its Endpoint and the receiver's pick (CUDA IPC,
 shared memory or inline gRPC, services/transport/); writes every entry to the cache tier.
 
+The write to the cache tier (a copy of the entry to the host, its seal over the host bytes and the
+gRPC Put) is queued once the call's stream is sent, and done by a thread of its own that defers to
+the worker's requests: it writes an entry only while no Prefill call is streaming, no segment waits
+to be built and no build runs, or once the entry has waited `tier_write_defer_s` (so that under a
+steady load the entries still reach the tier and the queue holds a bounded time's worth of them).
+Its device-to-host copies run on a stream of their own, after the entry's build (its `cuda_ready`
+event), not on the stream the builds run on.
+
 One builder thread runs the model. Segments of every Prefill call wait in one queue; each build
 takes the oldest ones, across calls, up to `max_batch_tokens` of them (at least one segment), and
 prefills them in one batched call (Engine.build_entries), the same segment asked by several
@@ -21,6 +29,7 @@ combine worker maps it once and later requests open no IPC handle."""
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import queue
 import random
@@ -34,8 +43,18 @@ from hybridcache.services.protocol import pb, rpc, segment, unpack_ids
 from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sequence import LinearSpan
 from hybridcache.services.transport import Endpoint, choose_transport, get_transport, local_endpoint
-from hybridcache.services.transport.codec import ATTN_FIELDS, LINEAR_FIELDS, LayeredEntry, entry_chunks, layer_blocks
+from hybridcache.services.transport.codec import (
+    ATTN_FIELDS,
+    LINEAR_FIELDS,
+    LayeredEntry,
+    entry_chunks,
+    entry_to,
+    layer_blocks,
+    layer_tensors,
+)
 from hybridcache.services.transport.ipc_pool import ArenaPool
+
+log = logging.getLogger("hybridcache.scatter")
 
 # Fault injection for the tests only: exit the process after streaming this many entries.
 FAULT_EXIT_AFTER = int(os.environ.get("HYBRIDCACHE_FAULT_EXIT_AFTER_ENTRIES", "0"))
@@ -65,10 +84,12 @@ class _Job:
 
 
 DEFAULT_ARENA_BYTES = 512 << 20
+TIER_WRITE_DEFER_S = 2.0  # the longest a built entry waits for an idle worker before it is written to the tier
 
 
 class ScatterServicer(rpc.ScatterServicer):
-    def __init__(self, engine: Engine, max_batch_tokens: int, arena_bytes: int = DEFAULT_ARENA_BYTES):
+    def __init__(self, engine: Engine, max_batch_tokens: int, arena_bytes: int = DEFAULT_ARENA_BYTES,
+                 tier_write_defer_s: float = TIER_WRITE_DEFER_S):
         self.engine = engine
         self.max_batch_tokens = max_batch_tokens
         self._pending: collections.deque[_Job] = collections.deque()
@@ -81,7 +102,16 @@ class ScatterServicer(rpc.ScatterServicer):
         self.group = engine.group if engine.config.tensor_parallel_size > 1 else None
         # cuda_ipc's arenas (0: none, a fresh buffer exported per layer batch)
         self.arenas = ArenaPool(arena_bytes, owner=self.endpoint.process) if arena_bytes > 0 else None
+        self._streaming = 0  # Prefill calls whose streams are open
+        self._building = False  # a build is running
+        # (tier, entry, when queued): written by the tier writer once the worker is idle
+        self.tier_write_defer_s = tier_write_defer_s
+        self._tier_writes: queue.Queue = queue.Queue()
+        self._tier_stream = None  # the tier writer's CUDA stream (made on its first device entry)
+        self.tier_writes = 0  # entries handed to a cache tier
+        self.tier_writes_deferred = 0  # of those, written while the worker was busy (their wait ran out)
         threading.Thread(target=self._loop, name="scatter-build", daemon=True).start()
+        threading.Thread(target=self._tier_writer, name="scatter-tier-write", daemon=True).start()
 
     def warmup(self) -> dict:
         """The engine's warm-up (Engine.warmup), then the cold builds of its shaped requests'
@@ -154,7 +184,51 @@ class ScatterServicer(rpc.ScatterServicer):
 
     def _loop(self) -> None:
         while True:
-            self._build(self._take())
+            jobs = self._take()
+            self._building = True
+            try:
+                self._build(jobs)
+            finally:
+                self._building = False
+
+    def busy(self) -> bool:
+        """Is a Prefill call streaming, a segment waiting to be built, or a build running?"""
+        return bool(self._streaming or self._pending or self._building)
+
+    def _tier_writer(self) -> None:
+        """Write the queued entries to their cache tiers, one at a time, each once the worker is
+        idle (busy() polled) or it has waited tier_write_defer_s."""
+        while True:
+            tier, entry, queued = self._tier_writes.get()
+            deadline = queued + self.tier_write_defer_s
+            while self.busy() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.tier_writes_deferred += self.busy()
+            try:
+                self._tier(tier).put([self._on_host(entry)])
+            except Exception:  # noqa: BLE001 - the tier is a cache: an entry not written is rebuilt
+                log.warning("writing an entry to the cache tier %s failed", tier, exc_info=True)
+            self.tier_writes += 1
+            del entry
+
+    def _on_host(self, entry):
+        """The entry copied to the host (what the tier is sent and sealed over), on the tier
+        writer's CUDA stream after the entry's build, so that it neither waits behind nor delays
+        the builds queued on the default stream."""
+        import torch
+
+        dev = self.engine.model.device
+        if dev.type != "cuda" or all(t.device.type == "cpu" for _, _, t in layer_tensors(entry.data)):
+            return entry_to(entry, "cpu")
+        if self._tier_stream is None:
+            self._tier_stream = torch.cuda.Stream(dev)
+        ready = entry.meta.get("cuda_ready")
+        if ready is not None:
+            self._tier_stream.wait_event(ready)
+        else:
+            self._tier_stream.wait_stream(torch.cuda.default_stream(dev))
+        with torch.cuda.stream(self._tier_stream):
+            return entry_to(entry, "cpu")  # .to("cpu") waits for its copy: done when it returns
 
     def _build(self, jobs: list[_Job]) -> None:
         # One batched standalone prefill; if it fails, segment by segment, so that a bad segment
@@ -222,6 +296,15 @@ class ScatterServicer(rpc.ScatterServicer):
         soon as it is computed (codec.LayeredEntry: header, a device block per layer, then the
         seal once the entry is whole; the batch's segments of one layer are ranges of one
         exported buffer), over the host transports each entry once built."""
+        with self._cv:
+            self._streaming += 1
+        try:
+            yield from self._prefill(request, context)
+        finally:
+            with self._cv:
+                self._streaming -= 1
+
+    def _prefill(self, request, context):
         ctx = tracing.incoming_context(context)
         built: queue.Queue = queue.Queue()
         name = self.transport_for(request)
@@ -277,6 +360,9 @@ class ScatterServicer(rpc.ScatterServicer):
                 os._exit(3)
         transport.close()
         metrics.BYTES_MOVED.labels(path=transport.name).inc(transport.bytes_moved())
-        # Written after the stream, off the critical path of the request.
+        # Written after the stream, off the critical path of the request: queued for the tier
+        # writer, which waits for the worker to be idle (the requests that came meanwhile streamed)
+        now = time.monotonic()
         for tier, owned in entries.items():
-            threading.Thread(target=self._tier(tier).put, args=(owned,), daemon=True).start()
+            for entry in owned:
+                self._tier_writes.put((tier, entry, now))
