@@ -147,7 +147,12 @@ class _Run:
     """One request's work in a worker thread: its parsing (`parsed`, a future of the event loop),
     then at once, in the same thread, the router's token stream of it, fed to the event loop
     through a queue. chunks() iterates that stream; close() (or leaving chunks() early: the
-    client went away, a failed write, the handler cancelled) cancels the request."""
+    client went away, a failed write, the handler cancelled) cancels the request.
+
+    A request parsed is handed to the event loop once it went to a combine worker (the stream's
+    `sent`), or with the stream's first item, whichever comes first: the handler's next steps
+    (its response's set-up, up to waiting for the first chunk) then run while the combine
+    worker works, not between the parse and the plan, both of them wanting the GIL."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
@@ -168,20 +173,31 @@ class _Run:
                 self.parsed.set_result(result)
 
     def work(self, prepare, stream) -> None:
-        """(in the worker thread) parsed = prepare(); then the chunks of stream(parsed, control)."""
+        """(in the worker thread) parsed = prepare(); then the chunks of stream(parsed, control,
+        sent), `sent` a callable that hands `parsed` to the event loop (at most once)."""
         try:
             parsed = prepare()
         except Exception as e:  # noqa: BLE001 - raised in the event loop
             self._call(self._settle, None, e)
             return
-        self._call(self._settle, parsed)
+        handed = False
+
+        def hand() -> None:
+            nonlocal handed
+            if not handed:
+                handed = True
+                self._call(self._settle, parsed)
+
         if self.control.cancelled:  # the handler went away meanwhile
             return
         try:
-            for chunk in stream(parsed, self.control):
+            for chunk in stream(parsed, self.control, hand):
+                hand()
                 self._call(self._q.put_nowait, chunk)
         except Exception as e:  # handed to the event loop, raised there
+            hand()
             self._call(self._q.put_nowait, e)
+        hand()
         self._call(self._q.put_nowait, _END)
 
     async def chunks(self):
@@ -291,9 +307,9 @@ class Api:
             return body, req, stream
 
         # the same thread goes on with the router's stream of the request (its plan, the call to
-        # a combine worker) while the event loop gets the parsed request
-        def open_stream(parsed, control):
-            return self.router.stream(parsed[1], control, received)
+        # a combine worker); the event loop gets the parsed request once that call is made
+        def open_stream(parsed, control, sent):
+            return self.router.stream(parsed[1], control, received, sent)
 
         run = request["run"] = _Run(asyncio.get_running_loop())
         self._workers.submit(functools.partial(run.work, prepare, open_stream))

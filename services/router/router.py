@@ -322,10 +322,11 @@ class Router:
                     self._depth[p.address] = max(0, self._depth.get(p.address, 0) - 1)
                     metrics.COLD_QUEUE_DEPTH.labels(worker=p.address).set(self._depth[p.address])
 
-    def stream(self, req, control: StreamControl | None = None, received: float | None = None
-               ) -> Iterator[pb.TokenChunk]:
+    def stream(self, req, control: StreamControl | None = None, received: float | None = None,
+               sent=None) -> Iterator[pb.TokenChunk]:
         """Token chunks from a combine worker; the last one has done=True and the stats. After
-        control.cancel() the stream ends (without a done chunk).
+        control.cancel() the stream ends (without a done chunk). `sent`: called (no arguments)
+        once the request is on its way to a combine worker, before its first chunk comes back.
 
         `received`: when the request reached the router (time.perf_counter(); default: now). The
         stats' ttft_ms is the wait from then to the first token leaving the router, what a
@@ -351,7 +352,7 @@ class Router:
             t_asked = time.perf_counter()
             t_first_token = None
             try:
-                combine, chunks = self._open(creq, order, control)
+                combine, chunks = self._open(creq, order, control, sent)
                 for chunk in chunks:
                     now = time.perf_counter()
                     if first:
@@ -386,7 +387,7 @@ class Router:
                 if first:
                     self._release(plan, assigned)
 
-    def _open(self, creq, order: list[str], control: StreamControl | None):
+    def _open(self, creq, order: list[str], control: StreamControl | None, sent=None):
         """(combine worker, its chunks) from the first of `order` that takes the request: one whose
         waiting queue is full refuses at once (RESOURCE_EXHAUSTED) and the next is asked; when all
         refuse, Overloaded with the shortest back-off they gave."""
@@ -396,6 +397,8 @@ class Router:
                 creq, timeout=self.config.timeout_s, metadata=tracing.outgoing_metadata())
             if control is not None:
                 control.attach(call)
+            if sent is not None:
+                sent()
             try:
                 head = next(call)
             except StopIteration:

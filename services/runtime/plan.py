@@ -142,6 +142,7 @@ class Planner:
             if tid is not None and t != "<|im_start|>":
                 eos.add(tid)
         self.eos_ids = frozenset(eos)
+        self._nbytes: dict[tuple, int] = {}  # entry_nbytes by (segment tokens, config fields)
 
     def parse(self, obj) -> Request:
         """Validate a request object ({"system", "segments", "suffix", "sampling_params"})."""
@@ -162,10 +163,7 @@ class Planner:
         if chars > self.max_chars:
             raise RequestError(f"the request's text has {chars} characters, more than the {self.max_chars} "
                                f"that could fit in the served length")
-        seg_ids, packed = [], {}
-        for i, s in enumerate(segments):
-            ids, packed[i] = self._segment_ids(s, f"segment {i}")
-            seg_ids.append(ids)
+        seg_ids, packed = self._segments(segments)
         for i, s in enumerate(seg_ids):
             if not s:
                 raise RequestError(f"segment {i} is empty")
@@ -217,6 +215,52 @@ class Planner:
         """Prompt plus generated tokens: the model's max_position_embeddings, or less by --max-model-len."""
         limit = self.cfg.max_position_embeddings
         return min(limit, self.config.max_model_len) if self.config.max_model_len else limit
+
+    def _segments(self, segments: list) -> tuple[list[list[int]], dict[int, bytes | None]]:
+        """Every segment's ids and packed bytes (_segment_ids of each). When all of them are int
+        arrays (a combine worker's gRPC Segments) or all non-empty lists that pack as int64 (a
+        JSON body), their bools and range are checked once over all of them (one pass in numpy,
+        not two reductions per segment); a refusal, and any other mix, goes segment by segment
+        (its message names the segment)."""
+        ok = None
+        if segments and all(type(s) is np.ndarray and s.ndim == 1 and s.dtype.kind in "iu" for s in segments):
+            ok = self._in_range(np.concatenate(segments))
+            if ok:
+                return [s.tolist() for s in segments], {i: s.astype("<i8").tobytes() for i, s in enumerate(segments)}
+        elif segments and all(type(s) is list and s for s in segments):
+            try:
+                # struct packs a list of ints in about half array.array's time
+                packs = [struct.pack(f"<{len(s)}q", *s) for s in segments]
+            except (struct.error, TypeError, OverflowError):
+                packs = None
+            if packs is not None:
+                a = np.frombuffer(b"".join(packs), dtype="<i8")
+                ok = self._in_range(a) and not self._any_bool(segments, a)
+                if ok:
+                    # plain ints, whatever integer type the caller gave
+                    return [np.frombuffer(p, dtype="<i8").tolist() for p in packs], dict(enumerate(packs))
+        seg_ids, packed = [], {}
+        for i, s in enumerate(segments):
+            ids, packed[i] = self._segment_ids(s, f"segment {i}")
+            seg_ids.append(ids)
+        return seg_ids, packed
+
+    def _in_range(self, ids: np.ndarray) -> bool:
+        return not len(ids) or (ids.min() >= 0 and ids.max() < self.cfg.vocab_size)
+
+    @staticmethod
+    def _any_bool(segments: list[list], packed: np.ndarray) -> bool:
+        """Whether a segment holds a bool, `packed` all of them packed one after another: only a
+        segment where 0 or 1 was packed is looked at (_holds_bool)."""
+        places = np.flatnonzero(packed <= 1)
+        if not len(places):
+            return False
+        ends = np.cumsum([len(s) for s in segments])
+        starts = ends - np.array([len(s) for s in segments])
+        for k in np.unique(np.searchsorted(ends, places, side="right")).tolist():
+            if _holds_bool(segments[k], packed[starts[k]:ends[k]]):
+                return True
+        return False
 
     def _segment_ids(self, value, what: str) -> tuple[list[int], bytes | None]:
         """A segment's ids and, where they are not text, their packed_ids bytes. An int32 numpy
@@ -298,9 +342,18 @@ class Planner:
         return len(segment_ids) - self.config.seam_window >= max(1, self.cfg.linear_conv_kernel_dim - 1)
 
     def entry_nbytes(self, segment_tokens: int) -> int:
-        """Expected bytes of the entry of a segment of this many tokens (its body: all but the seam)."""
-        body = segment_tokens - self.config.seam_window
-        return expected_entry_nbytes(self.cfg, body, self.config.dtype, self.config.entry_state_dtype)
+        """Expected bytes of the entry of a segment of this many tokens (its body: all but the seam),
+        worked out once per length and config (a function of them alone; a request of 32
+        documents of one length asks 32 times)."""
+        c = self.config
+        memo = (segment_tokens, c.seam_window, c.dtype, c.entry_state_dtype)
+        nbytes = self._nbytes.get(memo)
+        if nbytes is None:
+            if len(self._nbytes) >= 4096:
+                self._nbytes.clear()
+            nbytes = self._nbytes[memo] = expected_entry_nbytes(self.cfg, segment_tokens - c.seam_window, c.dtype,
+                                                                c.entry_state_dtype)
+        return nbytes
 
     def prefix_root(self) -> str:
         """The chain key before the first part: exact prefixes share one root per model; pic and

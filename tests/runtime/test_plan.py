@@ -208,3 +208,49 @@ def test_a_segment_of_ids_with_0_and_1_and_integer_types_parses_as_plain_ints(en
     req = planner.parse({"segments": [ids, [np.int64(7), 8, 0]], "suffix": [3]})
     assert req.segment_ids == [ids, [7, 8, 0]] and all(type(t) is int for s in req.segment_ids for t in s)
     assert req.packed[0] == struct.pack(f"<{len(ids)}q", *ids)
+
+
+def test_segments_checked_together_parse_and_refuse_as_one_by_one(engine):
+    """A request's segments of ids are packed and checked together (bools, range): the same ids,
+    packed bytes and refusals, naming the segment, as each segment checked on its own."""
+    import numpy as np
+    from hybridcache.services.protocol import segment, segment_array
+
+    planner = Planner(engine.cfg, engine.tokenizer, RuntimeConfig(), engine.fingerprint)
+    rng = random.Random(1)
+    docs = [[rng.choice([0, 1, 5, 200]) for _ in range(rng.randrange(1, 90))] for _ in range(7)]
+    req = planner.parse({"segments": docs, "suffix": [3]})
+    one_by_one = [planner._segment_ids(d, f"segment {i}") for i, d in enumerate(docs)]
+    assert req.segment_ids == [ids for ids, _ in one_by_one] == docs
+    assert req.packed == {i: p for i, (_, p) in enumerate(one_by_one)}
+    assert all(type(t) is int for s in req.segment_ids for t in s)
+    wire = planner.parse({"segments": [segment_array(segment(i, d)) for i, d in enumerate(docs)], "suffix": [3]})
+    assert wire.segment_ids == docs and wire.packed == req.packed
+    vocab = engine.cfg.vocab_size
+    # a bool in a later segment, after segments holding 0s and 1s, and in a segment's first place
+    for bad in ([5, True, 0], [False, 7]):
+        with pytest.raises(RequestError, match="must be a string or a list of token ids"):
+            planner.parse({"segments": [[0, 1, 5], [1] * 70, bad], "suffix": [3]})
+    assert planner.parse({"segments": [[0, 1, 5], [1] * 70, [5, 1, 0]], "suffix": [3]}).segment_ids[2] == [5, 1, 0]
+    for bad, tid in (([5, vocab], vocab), ([-2, 5], -2)):
+        with pytest.raises(RequestError, match=f"segment 2 has token id {tid} outside"):
+            planner.parse({"segments": [[0, 1], [5], bad], "suffix": [3]})
+        arrays = [segment_array(segment(i, d)) for i, d in enumerate([[0, 1], [5], bad])]
+        with pytest.raises(RequestError, match=f"segment 2 has token id {tid} outside"):
+            planner.parse({"segments": arrays, "suffix": [3]})
+    # a mix of arrays, lists and text goes one by one
+    mixed = planner.parse({"segments": [np.array([5, 6], dtype=np.int32), [7, 8], "a text"], "suffix": [3]})
+    assert mixed.segment_ids[:2] == [[5, 6], [7, 8]] and mixed.segment_ids[2] == engine.tokenizer.encode("a text")
+    with pytest.raises(RequestError, match="segment 1 is empty"):
+        planner.parse({"segments": [[5], [], [6]], "suffix": [3]})
+
+
+def test_entry_sizes_are_worked_out_once_per_length_as_the_plan_says(engine):
+    from hybridcache.services.runtime.plan import expected_entry_nbytes
+
+    for config in (RuntimeConfig(seam_window=4), RuntimeConfig(seam_window=0, entry_state_dtype="bfloat16")):
+        planner = Planner(engine.cfg, engine.tokenizer, config, engine.fingerprint)
+        for n in (40, 1024, 40, 7, 1024):
+            assert planner.entry_nbytes(n) == expected_entry_nbytes(
+                engine.cfg, n - config.seam_window, config.dtype, config.entry_state_dtype)
+        assert len(planner._nbytes) == 3

@@ -388,3 +388,54 @@ def test_http_request_threads_are_reused_one_per_request_in_flight_and_end_when_
     done = threading.Event()
     workers.submit(done.set)
     assert done.wait(5)
+
+
+def test_http_request_parsed_is_handed_to_the_event_loop_once_sent_or_with_its_first_item():
+    """_Run.work: the handler gets the parsed request when the stream says it went to a combine
+    worker (before its first chunk), or else with the stream's first item or error, once."""
+    import asyncio
+    import threading
+
+    from hybridcache.services.api.http import _Run
+
+    async def run_one(stream):
+        run = _Run(asyncio.get_running_loop())
+        threading.Thread(target=run.work, args=(lambda: "parsed", stream), daemon=True).start()
+        parsed = await asyncio.wait_for(run.parsed, 5)
+        items = []
+        try:
+            async for item in run.chunks():
+                items.append(item)
+        except RuntimeError as e:
+            items.append(f"raised {e}")
+        return parsed, items
+
+    seen, gate = [], threading.Event()
+
+    def sends(parsed, control, sent):
+        seen.append(parsed)
+        sent()
+        sent()  # once only
+        assert gate.wait(5)  # the handler has the request before the first chunk
+        yield "a"
+        yield "b"
+
+    async def first_case():
+        run = _Run(asyncio.get_running_loop())
+        threading.Thread(target=run.work, args=(lambda: "parsed", sends), daemon=True).start()
+        parsed = await asyncio.wait_for(run.parsed, 5)  # the stream still waits for the gate
+        gate.set()
+        return parsed, [item async for item in run.chunks()]
+
+    assert asyncio.run(first_case()) == ("parsed", ["a", "b"])
+    assert seen == ["parsed"]
+
+    def fails(parsed, control, sent):
+        raise RuntimeError("no combine worker")
+        yield
+
+    def never_says(parsed, control, sent):
+        yield "a"
+
+    assert asyncio.run(run_one(fails)) == ("parsed", ["raised no combine worker"])
+    assert asyncio.run(run_one(never_says)) == ("parsed", ["a"])
