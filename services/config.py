@@ -231,6 +231,11 @@ class RuntimeConfig:
         "multiples of 8 up to --max-num-seqs), for models whose forward has no host synchronization "
         "(off: every decode step eagerly, through the same paged K/V; tests/kernels/test_decode_graphs_gpu.py "
         "checks graph against eager steps on a GPU)")
+    decode_overlap: bool = setting(
+        True, "on CUDA, launch each decode step before the host handles the step before it, when every running "
+        "request samples greedily without logprobs: the picks stay on the device as the next step's inputs, "
+        "and the host emits one step's tokens while the GPU runs the next (a request that stops on a token "
+        "runs one step more, its result dropped; off: the host reads every step's tokens before the next)")
     cuda_graph_shapes: int = setting(
         4, "layout shapes whose CUDA graphs are kept, least recently used dropped (each holds buffers the size "
         "of its request's entries)")

@@ -449,18 +449,22 @@ class Engine:
         return self.runner.new_state_pool(slots, kv_tokens)
 
     @torch.no_grad()
-    def decode_batch(self, prefills: list[Prefill], tokens: list[int], pool, slots: list[int]) -> torch.Tensor:
+    def decode_batch(self, prefills: list[Prefill], tokens: list[int | None], pool, slots: list[int],
+                     feed=None) -> torch.Tensor:
         """One decode step of B running requests (the scheduler's): request b, prefilled as
         prefills[b] and held in slot slots[b] of `pool` (its linear states and K/V pages), takes
         tokens[b]; its states advance there (paged.decode_step), its page recorder advances.
-        Returns logits [B, vocab] fp32."""
+        A token None is fed from the device (`feed`, paged.decode_step's: the columns of the None
+        entries and their ids there); its page recorder gets the id once the caller knows it
+        (PageRecorder.token_ids). Returns logits [B, vocab] fp32."""
         recorders = [p.recorder for p in prefills]
         capture = sorted({i for r in recorders if r is not None for i in r.capture_layers})
-        logits, hidden = self.runner.decode(pool, slots, tokens, capture)
+        logits, hidden = self.runner.decode(pool, slots, [0 if t is None else t for t in tokens], capture, feed)
         for b, (pre, rec) in enumerate(zip(prefills, recorders)):
             pre.state.length += 1
             if rec is not None:
-                rec.token_ids.append(tokens[b])
+                if tokens[b] is not None:
+                    rec.token_ids.append(tokens[b])
                 rec.add_hidden({i: hidden[i][b : b + 1] for i in rec.capture_layers}, 1)
                 rec.add_checkpoint(pre.state.length, pre.state.linear, copy=True)
         return logits

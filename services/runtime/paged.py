@@ -311,27 +311,40 @@ def decode_graphs_apply(model) -> bool:
 
 
 @torch.no_grad()
-def decode_step(model, pool: StatePool, slots: list[int], tokens: list[int], capture_hidden=()):
+def decode_step(model, pool: StatePool, slots: list[int], tokens: list[int], capture_hidden=(), feed=None):
     """One decode step of the requests in `slots` (module docstring), token ids `tokens`: their
     states in the pool advance by one token. On CUDA the step replays the CUDA graph of its padded
-    batch size (DecodeGraphs) where decode graphs apply. Returns (logits [B, vocab] fp32, {layer in
-    capture_hidden: entering stream [B, h]})."""
+    batch size (DecodeGraphs) where decode graphs apply. `feed` = (columns, ids), two int64 tensors
+    on the model's device: the token ids of those batch columns come from `ids` (the greedy picks
+    of the step before, never brought to the host; `tokens` holds anything there). Returns
+    (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
     host, max_pages = pool.step_inputs(slots, tokens)
     if decode_graphs_apply(model):
         graphs = getattr(pool, "graphs", None)
         if graphs is None or graphs.model is not model:
             graphs = pool.graphs = DecodeGraphs(model, pool)
-        out = graphs.run(host, tuple(capture_hidden))
+        out = graphs.run(host, tuple(capture_hidden), feed)
         if out is not None:
             return out
-    return eager_step(model, pool, slots, host, max_pages, capture_hidden)
+    return eager_step(model, pool, slots, host, max_pages, capture_hidden, feed)
 
 
-def eager_step(model, pool: StatePool, slots: list[int], host: torch.Tensor, max_pages: int, capture_hidden=()):
+def _feed(inputs: torch.Tensor, feed) -> None:
+    """Row 0 (token ids) of a step's device inputs takes the fed columns' ids (decode_step)."""
+    if feed is not None:
+        cols, ids = feed
+        inputs[0].index_copy_(0, cols, ids)
+
+
+def eager_step(model, pool: StatePool, slots: list[int], host: torch.Tensor, max_pages: int, capture_hidden=(),
+               feed=None):
     """decode_step's eager path from its inputs (StatePool.step_inputs: `host` [5, B], max_pages)."""
     from hybridcache.services.runtime.models.common import DecodeBatch
 
     inputs = backends.to_device_async(host, model.device)
+    if feed is not None:
+        inputs = inputs.clone() if inputs.data_ptr() == host.data_ptr() else inputs  # never write the caller's
+        _feed(inputs, feed)
     idx = pool.index(slots)
     linear = pool.gather(idx)
     batch = DecodeBatch(pool.kv, inputs[2], inputs[3], inputs[4], max_pages)
@@ -371,14 +384,16 @@ class DecodeGraphs:
         self.failed: dict[tuple, str] = {}  # (size, hidden layers) whose capture failed -> why
         self.generation = pool.generation
         self.stats = {"captures": 0, "replays": 0}
+        self._pad = torch.tensor([0, 0, pool.scratch, 0, 1], dtype=torch.long)[:, None]  # a padding column
 
     def size_for(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)
 
     def padded(self, host: torch.Tensor, size: int) -> torch.Tensor:
         """The step's inputs [5, B] padded to [5, size] with rows of the scratch slot."""
-        pad = torch.tensor([0, 0, self.pool.scratch, 0, 1], dtype=torch.long)[:, None].expand(5, size - host.shape[1])
-        return torch.cat([host, pad], dim=1)
+        if size == host.shape[1]:
+            return host
+        return torch.cat([host, self._pad.expand(5, size - host.shape[1])], dim=1)
 
     def step(self, size: int, capture_hidden: tuple):
         """The decode step over the first `size` static input columns (what a graph captures)."""
@@ -393,9 +408,10 @@ class DecodeGraphs:
         return logits, hidden
 
     @torch.no_grad()
-    def run(self, host: torch.Tensor, capture_hidden: tuple = ()):
-        """(logits [B, vocab], hidden) of the step whose inputs are `host` [5, B] (StatePool.step_inputs),
-        from its size's graph; None when B is past the largest size (the caller runs eagerly)."""
+    def run(self, host: torch.Tensor, capture_hidden: tuple = (), feed=None):
+        """(logits [B, vocab], hidden) of the step whose inputs are `host` [5, B] (StatePool.step_inputs;
+        `feed`: decode_step's), from its size's graph; None when B is past the largest size (the
+        caller runs eagerly)."""
         from hybridcache.services.runtime.graphs import _NoFlaTensorCache
 
         B = host.shape[1]
@@ -407,6 +423,7 @@ class DecodeGraphs:
             self.failed.clear()
             self.generation = self.pool.generation
         self.inputs[:, :size].copy_(backends.pin(self.padded(host, size)), non_blocking=True)
+        _feed(self.inputs, feed)
         key = (size, capture_hidden)
         entry = self.graphs.get(key)
         if entry is None:

@@ -152,9 +152,9 @@ class ModelRunner:
         return StatePool(self.empty_state(), slots, kv_tokens, self.max_len)
 
     @torch.no_grad()
-    def decode(self, pool: StatePool, slots: list[int], tokens: list[int], capture_hidden=()):
-        """One decode step of the requests held in `slots` of `pool`, token ids `tokens`: their
-        states advance in the pool (paged.decode_step; from the decode CUDA graph of the padded
-        batch size where decode graphs apply). Returns (logits [B, vocab] fp32, {layer in
-        capture_hidden: entering stream [B, h]})."""
-        return decode_step(self.model, pool, slots, tokens, capture_hidden)
+    def decode(self, pool: StatePool, slots: list[int], tokens: list[int], capture_hidden=(), feed=None):
+        """One decode step of the requests held in `slots` of `pool`, token ids `tokens` (or, for
+        the columns `feed` names, ids already on the device): their states advance in the pool
+        (paged.decode_step; from the decode CUDA graph of the padded batch size where decode
+        graphs apply). Returns (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
+        return decode_step(self.model, pool, slots, tokens, capture_hidden, feed)

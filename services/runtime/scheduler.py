@@ -15,6 +15,18 @@ A Scheduler owns an Engine and runs a loop in its own thread. Each step it
 A request's prefill is cut between steps at segment granularity (cold builds) and the assembly
 runs as one unit, so running streams wait for at most one step's budget of prefill.
 
+Overlapped decoding (SchedulerConfig.overlap; RuntimeConfig.decode_overlap, on CUDA): while every
+running request samples greedily without logprobs, a step is launched before the host handles the
+one before it, SGLang's overlap scheduler and vLLM's async scheduling in kind. The step's greedy
+picks stay on the device as the next step's inputs (paged.decode_step's `feed`) and are copied to
+the host without blocking; the host then emits them (detokenization, stop checks, the streams'
+queues) while the GPU runs the next step, and the GPU no longer idles through that host work. A
+request whose pick ends it by length sits the next step out; one that stops on a token or a stop
+string, or is cancelled or preempted meanwhile, has run one step more, whose pick is dropped (its
+state and K/V went one token further, which the page recorder records as the token it was fed: the
+pages it leaves hold what they say). A step with a request that samples or asks for logprobs runs
+synchronously, after the launched one is handled.
+
 K/V is reserved as a sequence grows, as vLLM allocates it: before a decode step, a running request
 whose K/V would pass its reservation grows it by another chunk. When the budget has no room for
 that, the most recently admitted requests are preempted by recompute (vLLM's policy): each gives
@@ -44,6 +56,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.devices import CPU_KV_BYTES, kv_cache_budget
+from hybridcache.services.runtime.backends import to_device_async
 from hybridcache.services.runtime.engine import (
     Engine,
     GenerateResult,
@@ -91,6 +104,8 @@ class SchedulerConfig:
     # kv_chunk_tokens); unset in RuntimeConfig means sized for the device (scheduler_config)
     kv_cache_bytes: int = CPU_KV_BYTES
     kv_chunk_tokens: int = KV_CHUNK_TOKENS  # K/V tokens reserved at admission beyond the prompt, and at each growth
+    # launch a decode step before the host handles the one before it (module docstring)
+    overlap: bool = False
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "kv_chunk_tokens"):
@@ -103,8 +118,9 @@ class SchedulerConfig:
 def scheduler_config(config, device) -> SchedulerConfig:
     """The SchedulerConfig of a RuntimeConfig (services/config.py), its K/V budget sized for
     `device` when unset (devices.kv_cache_budget)."""
+    overlap = config.decode_overlap and torch.device(device).type == "cuda" and config.tensor_parallel_size == 1
     return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens,
-                           kv_cache_budget(device, config.kv_cache_bytes))
+                           kv_cache_budget(device, config.kv_cache_bytes), overlap=overlap)
 
 
 class RequestHandle:
@@ -182,6 +198,20 @@ class _Seq:
     reserved: int = 0  # bytes of kv_cache_bytes held since admission
     kv_tokens: int = 0  # tokens of K/V that reservation covers
     admitted: int = -1  # admission order (the latest admitted is preempted first)
+    runs: int = 0  # times it entered the running list (a step launched before it left is stale for it)
+    fed: bool = False  # its input of the latest launched step came from the device (its id not yet known here)
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A decode step launched and not yet handled (overlapped decoding): its requests, their `runs`
+    when it was launched, and its greedy picks, on the device and copied (non-blocking) to the host."""
+
+    batch: list
+    runs: list
+    picks: torch.Tensor
+    host: torch.Tensor
+    event: object  # torch.cuda.Event recorded after the copy (None on CPU)
 
 
 class Scheduler:
@@ -211,6 +241,8 @@ class Scheduler:
         self.preemptions = 0  # running requests preempted (recomputed) for lack of K/V budget
         self._admissions = 0
         self.batch_sizes: collections.Counter = collections.Counter()  # decode batch size -> steps
+        self.overlapped_steps = 0  # decode steps launched before the step before them was handled
+        self._launched: _Launched | None = None
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self._thread.start()
 
@@ -297,6 +329,7 @@ class Scheduler:
                 self.step()
             except Exception as e:  # noqa: BLE001 - every request in flight gets the error, the loop goes on
                 log.exception("scheduler step failed")
+                self._launched = None
                 for seq in self._admitted + self._running:
                     self._release(seq)
                     seq.handle._finish("error", e)
@@ -313,6 +346,8 @@ class Scheduler:
         self._grow()
         if self._running:
             self._decode_step()
+        elif self._launched is not None:
+            self._handle(self._launched)
         self.steps += 1
 
     def _plan(self, seq: _Seq) -> None:
@@ -435,6 +470,8 @@ class Scheduler:
 
     def _run(self, seq: _Seq) -> None:
         seq.slot = self.pool.assign(seq.prefill.state)
+        seq.runs += 1
+        seq.fed = False
         self._running.append(seq)
         self._running.sort(key=lambda s: s.slot)
 
@@ -495,7 +532,86 @@ class Scheduler:
         seq.last_token = tok
         return False
 
+    def _overlaps(self, seq: _Seq) -> bool:
+        """Can the request's next token stay on the device (greedy, no logprobs)?"""
+        params = seq.req.sampling
+        return params.temperature == 0.0 and params.logprobs is None
+
     def _decode_step(self) -> None:
+        prev = self._launched
+        if self.config.overlap and all(self._overlaps(s) for s in self._running):
+            self._launch(prev)
+            if prev is not None:
+                self._handle(prev)
+            return
+        if prev is not None:
+            self._handle(prev)
+            if not self._running:
+                return
+        self._sync_step()
+
+    def _launch(self, prev: _Launched | None) -> None:
+        """Launch a decode step of the running requests whose last token is known or on its way:
+        a request of `prev` (not handled yet) takes its pick there as its input, on the device; a
+        request whose pick in `prev` is its last by length sits this step out."""
+        col = {}
+        if prev is not None:
+            col = {id(s): j for j, (s, r) in enumerate(zip(prev.batch, prev.runs)) if s.runs == r}
+        batch, toks, fed_cols, fed_src = [], [], [], []
+        for seq in self._running:
+            j = col.get(id(seq))
+            if j is not None and len(seq.stream.output_ids) + 1 >= seq.req.sampling.max_new_tokens:
+                continue  # ends with its pick in prev
+            seq.fed = j is not None
+            if seq.fed:
+                fed_cols.append(len(batch))
+                fed_src.append(j)
+                toks.append(None)
+            else:
+                toks.append(seq.last_token)
+            batch.append(seq)
+        if not batch:
+            return
+        feed = None
+        if fed_cols:
+            idx = to_device_async(torch.tensor([fed_cols, fed_src], dtype=torch.long), prev.picks.device)
+            feed = (idx[0], prev.picks.index_select(0, idx[1]))
+        logits = self.engine.decode_batch([s.prefill for s in batch], toks, self.pool, [s.slot for s in batch], feed)
+        picks = logits.argmax(-1)
+        device = picks.device
+        host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=device.type == "cuda")
+        host.copy_(picks, non_blocking=True)
+        event = None
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._launched = _Launched(batch, [s.runs for s in batch], picks, host, event)
+        self.batch_sizes[len(batch)] += 1
+        self.overlapped_steps += prev is not None
+
+    def _handle(self, launched: _Launched) -> None:
+        """Emit the picks of a launched step (waiting for them): a request that left the running
+        list since (ended, cancelled, preempted) drops its pick; one whose input of the step
+        launched after it was this pick gets its id recorded (Engine.decode_batch)."""
+        if self._launched is launched:
+            self._launched = None
+        if launched.event is not None:
+            launched.event.synchronize()
+        done = []
+        for seq, runs, tok in zip(launched.batch, launched.runs, launched.host.tolist()):
+            if seq.runs != runs or seq.slot < 0 or seq.handle.done.is_set():
+                continue
+            if seq.fed and self._launched is not None:
+                seq.fed = False
+                rec = seq.prefill.recorder
+                if rec is not None:
+                    rec.token_ids.append(tok)
+            if self._push(seq, tok, None):
+                done.append(seq)
+        if done:
+            self._running = [s for s in self._running if s not in done]
+
+    def _sync_step(self) -> None:
         batch = self._running
         toks = [s.last_token for s in batch]
         logits = self.engine.decode_batch([s.prefill for s in batch], toks, self.pool, [s.slot for s in batch])
