@@ -103,16 +103,19 @@ def test_scheduler_with_decode_graphs_equals_without(qwen35_dir):
              "segments": [torch.randint(0, 250, (40 + 9 * i,), generator=gen).tolist()],
              "suffix": torch.randint(0, 250, (6,), generator=gen).tolist(),
              "sampling_params": {"max_new_tokens": 10 + 7 * i, "ignore_eos": True}} for i in range(6)]
+    reqs[2]["sampling_params"].update(ignore_eos=False, stop_token_ids=[7, 19])  # may stop on a token
     outs = {}
-    for graphs in (False, True):
+    # eager, graphs, and graphs with overlapped steps (the picks fed on the device)
+    for graphs, overlap in ((False, False), (True, False), (True, True)):
         eng = Engine(load_model(qwen35_dir, "cuda", torch.float32), Tokenizer.from_dir(qwen35_dir),
                      EngineConfig(device="cuda", decode_cuda_graphs=graphs))
-        sched = Scheduler(eng, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128))
+        sched = Scheduler(eng, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128, overlap=overlap))
         try:
             handles = [sched.add_request(eng.parse_request(r)) for r in reqs]
-            outs[graphs] = [h.result().output_ids for h in handles]
+            outs[graphs, overlap] = [(h.result().output_ids, h.finish_reason) for h in handles]
         finally:
             sched.stop()
         if graphs:
             assert sched.pool.graphs.stats["replays"] > 10
-    assert outs[True] == outs[False]
+        assert (sched.overlapped_steps > 10) == overlap
+    assert outs[True, False] == outs[False, False] == outs[True, True]
