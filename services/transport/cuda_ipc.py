@@ -38,6 +38,7 @@ GPU. The transport choice (services/transport/__init__.py) checks exactly that f
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -365,22 +366,23 @@ class SlotCopy:
 
 
 class SlotReleaser:
-    """Releases the arena slots whose copies are not done when their assembler last looked, on
-    a thread of its own (started on first use), polling every `poll_s` while any is pending and
-    idle otherwise. The assembler polls too (on every feed and when an entry completes), but it
-    does not while it waits for the sender's next message on the gRPC stream; a sender short of
-    arena room waits for releases (DeviceArena.take, up to ArenaPool.wait_s) before its next
-    message, so without this thread that wait would end only in its timeout (a fallback to fresh
-    buffers). A copy never completes earlier than its timer says, so a slot is never released
-    while its bytes are still being read."""
+    """Releases the arena slots whose copies were not done when their assembler last looked, on a
+    thread of its own (started on first use): it waits for the oldest pending copy (its timer's
+    synchronize: a CUDA event wait, which holds no GIL) and releases its slot, then the next (the
+    copies of one side stream complete in order), and sleeps on a condition when none is pending.
+    The assembler releases too (on every feed and when an entry completes), but not while it waits
+    for the sender's next message on the gRPC stream; a sender short of arena room waits for
+    releases (DeviceArena.take, up to ArenaPool.wait_s) before its next message, so without this
+    thread that wait would end only in its timeout (a fallback to fresh buffers). It never polls:
+    a thread that woke every fraction of a millisecond took the GIL from the receiving thread often
+    enough to cut the loopback's host-side receive rate on an H200 from 137 to 38 GB/s."""
 
-    def __init__(self, poll_s: float = 2e-4):
-        self.poll_s = poll_s
+    def __init__(self):
         self._cv = threading.Condition()
-        self._pending: list[SlotCopy] = []
+        self._pending: collections.deque[SlotCopy] = collections.deque()
         self._thread: threading.Thread | None = None
         self.released = 0  # slots released by this thread
-        self.dropped = 0  # copies whose poll failed (their slots come back to the sender as stale)
+        self.dropped = 0  # copies whose wait failed (their slots come back to the sender as stale)
 
     def add(self, copy: SlotCopy) -> None:
         with self._cv:
@@ -399,24 +401,17 @@ class SlotReleaser:
             with self._cv:
                 while not self._pending:
                     self._cv.wait()
-                pending = list(self._pending)
-            gone = set()
-            for copy in pending:
-                try:
-                    was = copy.released
-                    if copy.release():
-                        gone.add(id(copy))
-                        self.released += not was
-                except Exception:  # noqa: BLE001 - a failed poll must not stop the releases of the others
-                    log.warning("polling an arena slot copy failed; the sender takes the slot back as stale",
-                                exc_info=True)
-                    gone.add(id(copy))
-                    self.dropped += 1
+                copy = self._pending[0]
+            try:
+                was = copy.released
+                copy.release(wait=True)
+                self.released += not was
+            except Exception:  # noqa: BLE001 - a failed wait must not stop the releases of the others
+                log.warning("waiting for an arena slot copy failed; the sender takes the slot back as stale",
+                            exc_info=True)
+                self.dropped += 1
             with self._cv:
-                self._pending = [c for c in self._pending if id(c) not in gone]
-                more = bool(self._pending)
-            if more:
-                time.sleep(self.poll_s)
+                self._pending.popleft()
 
 
 RELEASER = SlotReleaser()

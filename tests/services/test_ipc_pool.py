@@ -5,6 +5,7 @@ with no new IPC open, a sender's new arena, and corrupt or forged slots being mi
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -317,6 +318,10 @@ class _FakeCopyTimer:
 
     def __init__(self, took: float):
         self.counted, self.done, self.took, self.waited = False, False, took, 0
+        self._done = threading.Event()
+        self.blocks = self.BLOCKS  # synchronize() waits for `done` (a CUDA event's wait), else completes the copy
+
+    BLOCKS = False
 
     def stop(self) -> None:
         pass
@@ -324,8 +329,15 @@ class _FakeCopyTimer:
     def query(self) -> bool:
         return self.done
 
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if name == "done" and value:
+            self._done.set()
+
     def synchronize(self) -> None:
         self.waited += 1
+        if self.blocks:
+            self._done.wait()
         self.done = True
 
     def seconds(self) -> float:
@@ -382,12 +394,13 @@ def test_receiving_waits_for_no_copy_and_releases_a_slot_only_once_its_copy_is_d
 
 
 def test_the_releaser_thread_releases_slots_while_the_receiver_waits_on_the_stream(
-        engine, fake_ipc, servicer, fake_timers):
+        engine, fake_ipc, servicer, fake_timers, monkeypatch):
     """A copy done while the assembler is not fed (it waits for the sender's next message, the
     sender for arena room) has its slot released all the same, by cuda_ipc.RELEASER."""
     scatter = servicer()
     chunks = _prefill(scatter, _segments(11))
     asm = EntryAssembler()
+    monkeypatch.setattr(_FakeCopyTimer, "BLOCKS", True)  # its waits wait, as CUDA events' do
     for c in chunks:
         asm.feed(c)
     n = len(fake_timers)
@@ -398,19 +411,25 @@ def test_the_releaser_thread_releases_slots_while_the_receiver_waits_on_the_stre
     while _held(scatter) > n - 2 and time.monotonic() < deadline:
         time.sleep(1e-3)
     assert _held(scatter) == n - 2
+    time.sleep(0.05)  # the thread waits for the third copy: no more is released
     assert [c.released for c in asm._slots.values()] == [True, True] + [False] * (n - 2)
+    for t in fake_timers:
+        t.done = True
     asm.close()
     assert _held(scatter) == 0
 
 
-def test_close_releases_every_slot_of_a_stream_cut_short(engine, fake_ipc, servicer, fake_timers):
+def test_close_releases_every_slot_of_a_stream_cut_short(engine, fake_ipc, servicer, fake_timers, monkeypatch):
     scatter = servicer()
     chunks = _prefill(scatter, _segments(12))
     cut = [c for c in chunks if not c.HasField("seal")][: len(chunks) // 2]  # the sender died mid-stream
     asm = EntryAssembler()
+    monkeypatch.setattr(_FakeCopyTimer, "BLOCKS", True)  # the copies are still queued
     assert all(asm.feed(c) is None for c in cut)
     n_layers = engine.cfg.num_hidden_layers
     assert 0 < asm.slots_received < n_layers and _held(scatter) == n_layers
+    for t in fake_timers:
+        t.done = True
     asm.close()
     # every slot it copied is released (those it never saw come back to the sender as stale)
     assert all(c.released for c in asm._slots.values()) and _held(scatter) == n_layers - asm.slots_received
