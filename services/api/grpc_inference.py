@@ -60,7 +60,7 @@ class InferenceServicer(rpc.InferenceServicer):
 
     def _generate(self, request, control: StreamControl):
         try:
-            req = self.router.parse(_parse_json(request.request_json))
+            req = self.router.parse(_parse_json(request.request_json), json_ids=True)
             for chunk in self.router.stream(req, control):
                 if chunk.error:
                     raise _Status(STATUS_CODES.get(chunk.status, grpc.StatusCode.INTERNAL), chunk.error)

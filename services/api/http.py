@@ -300,7 +300,7 @@ class Api:
             # in a worker thread: parsing, conversion (text tokenized) and the router's parse
             body = _json_object(raw)
             self._check_model(body)
-            req = self.router.parse(convert(body))
+            req = self.router.parse(convert(body), json_ids=True)
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError("stream must be a boolean")

@@ -188,9 +188,10 @@ class Router:
         with self._lock:
             return sum(self._depth.values())
 
-    def parse(self, obj: dict):
+    def parse(self, obj: dict, json_ids: bool = False):
+        """The request (Planner.parse; `json_ids`: obj's lists of ids are a JSON parser's)."""
         try:
-            req = self.planner.parse(obj)
+            req = self.planner.parse(obj, json_ids)
         except RequestError as e:
             if "context limit" in str(e):
                 raise RequestTooLarge(str(e)) from None

@@ -144,8 +144,12 @@ class Planner:
         self.eos_ids = frozenset(eos)
         self._nbytes: dict[tuple, int] = {}  # entry_nbytes by (segment tokens, config fields)
 
-    def parse(self, obj) -> Request:
-        """Validate a request object ({"system", "segments", "suffix", "sampling_params"})."""
+    def parse(self, obj, json_ids: bool = False) -> Request:
+        """Validate a request object ({"system", "segments", "suffix", "sampling_params"}).
+
+        `json_ids`: the object's lists of ids are as a JSON parser gives them (numbers are int,
+        float or bool): a list that packs as int64 and holds no bool holds plain ints already, and
+        is kept as it is rather than copied (the same checks; a request body's lists are its own)."""
         if not isinstance(obj, dict):
             raise RequestError("a request must be a JSON object")
         unknown = sorted(set(obj) - {"system", "segments", "suffix", "sampling_params", "id", "mode", "live_segments"})
@@ -163,7 +167,7 @@ class Planner:
         if chars > self.max_chars:
             raise RequestError(f"the request's text has {chars} characters, more than the {self.max_chars} "
                                f"that could fit in the served length")
-        seg_ids, packed = self._segments(segments)
+        seg_ids, packed = self._segments(segments, json_ids)
         for i, s in enumerate(seg_ids):
             if not s:
                 raise RequestError(f"segment {i} is empty")
@@ -216,7 +220,7 @@ class Planner:
         limit = self.cfg.max_position_embeddings
         return min(limit, self.config.max_model_len) if self.config.max_model_len else limit
 
-    def _segments(self, segments: list) -> tuple[list[list[int]], dict[int, bytes | None]]:
+    def _segments(self, segments: list, json_ids: bool = False) -> tuple[list[list[int]], dict[int, bytes | None]]:
         """Every segment's ids and packed bytes (_segment_ids of each). When all of them are int
         arrays (a combine worker's gRPC Segments) or all non-empty lists that pack as int64 (a
         JSON body), their bools and range are checked once over all of them (one pass in numpy,
@@ -236,6 +240,8 @@ class Planner:
             if packs is not None:
                 a = np.frombuffer(b"".join(packs), dtype="<i8")
                 ok = self._in_range(a) and not self._any_bool(segments, a)
+                if ok and json_ids:
+                    return list(segments), dict(enumerate(packs))
                 if ok:
                     # plain ints, whatever integer type the caller gave
                     return [np.frombuffer(p, dtype="<i8").tolist() for p in packs], dict(enumerate(packs))

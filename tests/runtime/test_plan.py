@@ -254,3 +254,18 @@ def test_entry_sizes_are_worked_out_once_per_length_as_the_plan_says(engine):
             assert planner.entry_nbytes(n) == expected_entry_nbytes(
                 engine.cfg, n - config.seam_window, config.dtype, config.entry_state_dtype)
         assert len(planner._nbytes) == 3
+
+
+def test_a_json_body_s_lists_of_ids_are_kept_with_the_same_checks(engine):
+    """json_ids: a JSON body's id lists (ints already) are kept, not copied; the request is the
+    one parsed without it, and every refusal stays."""
+    planner = Planner(engine.cfg, engine.tokenizer, RuntimeConfig(), engine.fingerprint)
+    body = json.loads(json.dumps({"segments": [[0, 1, 5] * 30, [7, 8]], "suffix": [3, 4], "system": [9]}))
+    kept, copied = planner.parse(body, json_ids=True), planner.parse(body)
+    assert kept == copied and kept.packed == copied.packed
+    assert kept.segment_ids[0] is body["segments"][0] and copied.segment_ids[0] is not body["segments"][0]
+    vocab = engine.cfg.vocab_size
+    for bad, message in (([5, True], "must be a string or a list of token ids"), ([5, 2.0], "must be a string"),
+                         ([5, vocab], f"segment 1 has token id {vocab} outside"), ([-1], "segment 1 has token id -1")):
+        with pytest.raises(RequestError, match=message):
+            planner.parse(json.loads(json.dumps({"segments": [[5, 0], bad], "suffix": [3]})), json_ids=True)
