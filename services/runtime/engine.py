@@ -465,7 +465,7 @@ class Engine:
             if rec is not None:
                 if tokens[b] is not None:
                     rec.token_ids.append(tokens[b])
-                rec.add_hidden_row(hidden, b)
+                rec.add_hidden({i: hidden[i][b : b + 1] for i in rec.capture_layers}, 1)
                 rec.add_checkpoint(pre.state.length, pre.state.linear, copy=True)
         return logits
 

@@ -132,14 +132,6 @@ class PageRecorder:
             self.hidden.setdefault(i, []).append(captured[i][:n])
         self._hidden_cat.clear()
 
-    def add_hidden_row(self, captured: dict[int, torch.Tensor], row: int) -> None:
-        """Append one token's hidden states: row `row` of a decode step's captured [B, h] (kept as
-        (tensor, row) and gathered when the anchors are read: a decode step appends to every
-        running request's recorder, and a view a layer each was host work in every step)."""
-        for i in self.capture_layers:
-            self.hidden.setdefault(i, []).append((captured[i], row))
-        self._hidden_cat.clear()
-
     def add_checkpoint(self, pos: int, linear: dict[int, LinearState], copy: bool) -> None:
         if self.policy.is_checkpoint_position(pos) and pos not in self.checkpoints:
             self.checkpoints[pos] = _copy_linear(linear) if copy else linear
@@ -157,23 +149,7 @@ class PageRecorder:
 
     def _anchors(self, layer: int) -> torch.Tensor:
         if layer not in self._hidden_cat:
-            parts, rows = [], []  # runs of decode rows are gathered in one index_select each
-            for item in self.hidden[layer] + [None]:
-                if isinstance(item, tuple):
-                    rows.append(item)
-                    continue
-                if rows:
-                    flat = torch.cat([t for t, _ in rows])
-                    offsets, at = [], 0
-                    for t, r in rows:
-                        offsets.append(at + r)
-                        at += t.shape[0]
-                    parts.append(flat.index_select(0, torch.tensor(offsets, device=flat.device)))
-                    rows = []
-                if item is not None:
-                    parts.append(item)
-            self.hidden[layer] = parts = [torch.cat(parts)] if len(parts) > 1 else parts
-            self._hidden_cat[layer] = parts[0]
+            self._hidden_cat[layer] = torch.cat(self.hidden[layer])
         return self._hidden_cat[layer]
 
     def page_payload(self, state: SequenceState, page_start: int) -> PagePayload | None:
