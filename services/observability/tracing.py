@@ -16,7 +16,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 log = logging.getLogger("hybridcache.tracing")
-_memory = InMemorySpanExporter()
+# the last spans a process finished, for tests and debugging: bounded (unbounded, a serving
+# process kept every request's spans for as long as it ran)
+KEPT_SPANS = 512
+_memory = InMemorySpanExporter(max_spans=KEPT_SPANS)
 _configured = False
 
 

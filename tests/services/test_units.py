@@ -439,3 +439,21 @@ def test_http_request_parsed_is_handed_to_the_event_loop_once_sent_or_with_its_f
 
     assert asyncio.run(run_one(fails)) == ("parsed", ["raised no combine worker"])
     assert asyncio.run(run_one(never_says)) == ("parsed", ["a"])
+
+
+def test_a_process_keeps_its_last_spans_only():
+    """The in-memory span exporter is bounded: a serving process does not keep every request's
+    spans for as long as it runs."""
+    from hybridcache.services.observability import tracing
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = TracerProvider()  # the process's exporter, without setting the global provider
+    provider.add_span_processor(SimpleSpanProcessor(tracing._memory))
+    tracer = provider.get_tracer("test")
+    for n in range(tracing.KEPT_SPANS + 40):
+        with tracer.start_as_current_span(f"span-{n}"):
+            pass
+    spans = tracing.finished_spans()
+    assert len(spans) == tracing.KEPT_SPANS
+    assert spans[-1].name == f"span-{tracing.KEPT_SPANS + 39}"
