@@ -325,6 +325,7 @@ class CombineServicer(rpc.CombineServicer):
         # step (at once when the RPC ended while its entries were gathered: no callback then).
         if not context.add_callback(handle.cancel):
             handle.cancel()
+        t_first = None  # when its first token left this worker's handler
         try:
             n = 0
             for tok, delta in handle:
@@ -336,6 +337,8 @@ class CombineServicer(rpc.CombineServicer):
                         chunk.top_ids.extend(i for i, _ in top)
                         chunk.top_logprobs.extend(v for _, v in top)
                     n += 1
+                    if t_first is None:
+                        t_first = time.perf_counter()
                 yield chunk
         except Exception as e:  # noqa: BLE001 - the engine failed on this request: the client gets the error
             log.exception("request failed")
@@ -359,6 +362,10 @@ class CombineServicer(rpc.CombineServicer):
         stats["reused_segments"] = sum(s["hit"] for s in stats["segments"])
         stats.update(moved)
         stats["combine_ms"] = (time.perf_counter() - t0) * 1000
+        # this worker's share of the first token's wait (combine_ms goes on to the end of the
+        # request): from the request reaching it to that token leaving its handler
+        if t_first is not None:
+            stats["combine_ttft_ms"] = (t_first - t0) * 1000
         stats["trace_id"] = tracing.current_trace_id()
         metrics.CACHE_BYTES.labels(tier=self.own_tier).set(self.engine.entries.used_bytes)
         yield pb.TokenChunk(done=True, finish_reason=handle.finish_reason, stats_json=json.dumps(stats))

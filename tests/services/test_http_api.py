@@ -172,6 +172,9 @@ def test_ttft_is_the_wait_from_the_routers_receipt_with_the_engines_share_beside
     st = last["hybridcache"]
     assert 0 < st["engine_ttft_ms"] < st["ttft_ms"] <= client_ttft
     assert 0 <= st["router_ms"] < st["ttft_ms"]
+    # the combine worker's share of the wait: its engine's and more, less than the router's whole
+    assert st["engine_ttft_ms"] <= st["combine_ttft_ms"] <= st["combine_ms"]
+    assert st["combine_ttft_ms"] < st["ttft_ms"]
 
 
 def test_sglang_frontend_program(cluster):
