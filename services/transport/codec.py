@@ -353,8 +353,19 @@ class EntryAssembler:
 
     def release_slots(self, wait: bool = False) -> None:
         """Release the sender's arena slots whose copies are done (polled; with `wait`: all of
-        them, waiting for those still copying)."""
-        self._unreleased = [c for c in self._unreleased if not c.release(wait)]
+        them, waiting for those still copying). The copies run in order on one side stream, so a
+        poll stops at the first copy not done: a feed queries one event, not one a pending copy
+        (each query is a driver call, and a request's stream is a thousand feeds)."""
+        if wait:
+            self._unreleased = [c for c in self._unreleased if not c.release(True)]
+            return
+        done = 0
+        for c in self._unreleased:
+            if not c.release():
+                break
+            done += 1
+        if done:
+            del self._unreleased[:done]
 
     def _count_copy(self, timer) -> None:
         """Add a finished copy's time to copy_seconds, once per copy."""
