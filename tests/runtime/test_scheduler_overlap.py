@@ -114,7 +114,7 @@ def test_pages_of_overlapped_requests_serve_later_prompts(qwen35_dir):
 def test_sampled_requests_in_the_batch_step_without_overlap(qwen35_dir):
     """A sampled request joining the running greedy ones makes those steps synchronous (its token
     is drawn on the host); the answers stay those given one by one, seeds included."""
-    reqs = _requests(4, seed=5, max_new=(20, 14, 18, 9))
+    reqs = _requests(4, seed=5, max_new=(40, 14, 18, 9))  # request 0 runs on alone, greedy, for ~20 steps
     reqs[2]["sampling_params"].update(temperature=0.9, top_k=20, seed=3)
     reqs[3]["sampling_params"].update(logprobs=2)
     ref = [_engine(qwen35_dir, mode="pic").generate(r) for r in reqs]
@@ -126,7 +126,7 @@ def test_sampled_requests_in_the_batch_step_without_overlap(qwen35_dir):
     for (lp, top), (want, want_top) in zip(handles[3].logprobs, ref[3].logprobs):
         assert [i for i, _ in top] == [i for i, _ in want_top]
         assert abs(lp - want) < 1e-4 and all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(top, want_top))
-    assert sched.overlapped_steps >= 1  # the greedy ones overlapped once the others had ended
+    assert sched.overlapped_steps >= 10  # the greedy one overlapped once the others had ended
     assert sum(sched.batch_sizes.values()) > sched.overlapped_steps
 
 
