@@ -165,3 +165,5 @@ def test_overlap_follows_the_config():
     assert scheduler_config(RuntimeConfig(), "cuda").overlap
     assert not scheduler_config(RuntimeConfig(decode_overlap=False), "cuda").overlap
     assert not scheduler_config(RuntimeConfig(), "cpu").overlap
+    # tensor-parallel ranks decode through rank 0's broadcast calls: the picks would stay on rank 0's GPU
+    assert not scheduler_config(RuntimeConfig(tensor_parallel_size=2), "cuda").overlap
