@@ -411,18 +411,20 @@ class Engine:
         stats.segments = seg_stats
         return Prefill(state, logits, stats, started, recorder, locked)
 
-    def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list) -> None:
+    def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list, last: bool = False) -> None:
         tip = self.pages.insert(recorder.token_ids, lambda a: recorder.page_payload(state, a))
         if tip is not None:
             locked.append(tip)
-            # The request holds these pages until it finishes: their anchors need not stay here too.
-            recorder.drop_before(tip.depth * self.pages.page_size)
+            # The request holds these pages until it finishes: their anchors need not stay here too
+            # (unless this is its last insert: the recorder goes with it).
+            if not last:
+                recorder.drop_before(tip.depth * self.pages.page_size)
 
     def finish_prefix(self, pre: Prefill) -> None:
         """A request ended: add the pages its decode completed, then release its pages."""
         try:
             if pre.recorder is not None:
-                self._insert_pages(pre.recorder, pre.state, pre.locked)
+                self._insert_pages(pre.recorder, pre.state, pre.locked, last=True)
                 pre.recorder = None
         finally:
             for node in pre.locked:
