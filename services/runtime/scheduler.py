@@ -180,7 +180,7 @@ class RequestHandle:
             self._scheduler.on_finish(self)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity: `seq in self._running` in every step
 class _Seq:
     handle: RequestHandle
     req: Request
@@ -574,8 +574,14 @@ class Scheduler:
             return
         feed = None
         if fed_cols:
-            idx = to_device_async(torch.tensor([fed_cols, fed_src], dtype=torch.long), prev.picks.device)
-            feed = (idx[0], prev.picks.index_select(0, idx[1]))
+            k = len(fed_cols)
+            if fed_cols == fed_src == list(range(k)):
+                # the same requests in the same columns as the step before (a steady batch): no index
+                # to bring to the device
+                feed = (self._columns(k, prev.picks.device), prev.picks[:k])
+            else:
+                idx = to_device_async(torch.tensor([fed_cols, fed_src], dtype=torch.long), prev.picks.device)
+                feed = (idx[0], prev.picks.index_select(0, idx[1]))
         logits = self.engine.decode_batch([s.prefill for s in batch], toks, self.pool, [s.slot for s in batch], feed)
         picks = logits.argmax(-1)
         device = picks.device
@@ -588,6 +594,13 @@ class Scheduler:
         self._launched = _Launched(batch, [s.runs for s in batch], picks, host, event)
         self.batch_sizes[len(batch)] += 1
         self.overlapped_steps += prev is not None
+
+    def _columns(self, k: int, device) -> torch.Tensor:
+        """0..k-1 on `device` (kept: a steady batch feeds the same columns every step)."""
+        cols = getattr(self, "_cols", None)
+        if cols is None or cols.numel() < k or cols.device != device:
+            cols = self._cols = torch.arange(max(k, self.config.max_num_seqs), device=device)
+        return cols[:k]
 
     def _handle(self, launched: _Launched) -> None:
         """Emit the picks of a launched step (waiting for them): a request that left the running
