@@ -20,9 +20,8 @@ FAMILIES = ["qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "olmo_hybrid", "ne
             "minimax"]
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sched_models")
+def tiny_dirs(root):
+    """arch -> the directory of a tiny random model of that family under root, made on first use."""
     cache = {}
 
     def get(arch):
@@ -31,6 +30,11 @@ def dirs(tmp_path_factory):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return tiny_dirs(tmp_path_factory.mktemp("sched_models"))
 
 
 def _ids(gen, n):

@@ -5,46 +5,15 @@ stop string, cancellation, preemption), with sampled requests in the mix, and th
 built from overlapped requests serves later prompts correctly."""
 
 import pytest
-import torch
-from hybridcache.services.runtime.engine import Engine, EngineConfig
-from hybridcache.services.runtime.loader import load_model
-from hybridcache.services.runtime.modelzoo import init_model_dir
 from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
-from hybridcache.services.runtime.tokenizer import Tokenizer
+
+# the requests and models of the scheduler's own tests (shared segments, page-tree hits, padding)
+from test_scheduler import _engine, _requests, tiny_dirs
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("overlap_models")
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            cache[arch] = init_model_dir(arch, "tiny", root / arch, seed=1, std=0.08)
-        return cache[arch]
-
-    return get
-
-
-def _ids(gen, n):
-    return torch.randint(0, 250, (n,), generator=gen).tolist()
-
-
-def _requests(n, seed=0, max_new=(12, 5, 9, 16, 3)):
-    gen = torch.Generator().manual_seed(seed)
-    shared = _ids(gen, 40)
-    sys_ids = _ids(gen, 70)
-    out = []
-    for i in range(n):
-        segs = [shared, _ids(gen, 20 + 7 * i)] if i % 2 == 0 else [_ids(gen, 30 + 3 * i), shared]
-        out.append({"system": sys_ids if i % 3 == 0 else _ids(gen, 5 + i), "segments": segs,
-                    "suffix": _ids(gen, 4 + i),
-                    "sampling_params": {"max_new_tokens": max_new[i % len(max_new)], "ignore_eos": True}})
-    return out
-
-
-def _engine(path, **cfg):
-    return Engine(load_model(path), Tokenizer.from_dir(path), EngineConfig(**cfg))
+    return tiny_dirs(tmp_path_factory.mktemp("overlap_models"))
 
 
 def _run(eng, reqs, **cfg):
