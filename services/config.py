@@ -231,6 +231,11 @@ class RuntimeConfig:
         "multiples of 8 up to --max-num-seqs), for models whose forward has no host synchronization "
         "(off: every decode step eagerly, through the same paged K/V; tests/kernels/test_decode_graphs_gpu.py "
         "checks graph against eager steps on a GPU)")
+    batch_plain_prefills: bool = setting(
+        True, "prefill the prompts admitted in one scheduler step together when each runs all live from an "
+        "empty state (no segments, no system prompt, no prefix-cache hit, shorter than a prefix-cache "
+        "checkpoint interval): one batched standalone forward of each prompt but its last token, which "
+        "runs in the next decode step and yields the first output token (off: each prompt's own forward)")
     decode_overlap: bool = setting(
         True, "on CUDA, launch each decode step before the host handles the step before it, when every running "
         "request samples greedily without logprobs: the picks stay on the device as the next step's inputs, "

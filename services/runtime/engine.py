@@ -50,7 +50,7 @@ from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.plan import Planner, Request
 from hybridcache.services.runtime.runner import ModelRunner
 from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams, sample_token, token_logprobs
-from hybridcache.services.runtime.sequence import CachedSpan, LinearSpan, LiveRun, SequenceState
+from hybridcache.services.runtime.sequence import AttnState, CachedSpan, LinearSpan, LinearState, LiveRun, SequenceState
 from hybridcache.services.runtime.tokenizer import Tokenizer
 
 # The engine's settings: one frozen config whose fields are also the command-line flags.
@@ -411,6 +411,58 @@ class Engine:
         stats.segments = seg_stats
         return Prefill(state, logits, stats, started, recorder, locked)
 
+    def plain_prefill_ok(self, req: Request) -> bool:
+        """Can the request's prompt be prefilled by prefill_plain: all live from an empty state (no
+        system prompt or segments, no page-tree hit), at least two tokens, at least one new token
+        asked, and no prefix-cache checkpoint inside it (the batched pass yields the state at its
+        end only)?"""
+        cfg, prompt = self.config, req.prompt_ids
+        if (not cfg.batch_plain_prefills or req.system_ids or req.segment_ids or len(prompt) < 2
+                or req.sampling.max_new_tokens < 1 or cfg.tensor_parallel_size > 1):
+            return False
+        if cfg.uses_prefix_cache:
+            policy = self.page_policy
+            if policy.stores_checkpoints and len(prompt) - 1 >= policy.checkpoint_tokens:
+                return False
+            if self.pages.match(prompt[: len(prompt) - 1], policy.usable):
+                return False
+        return True
+
+    @torch.no_grad()
+    def prefill_plain(self, reqs: list[Request]) -> list[Prefill]:
+        """Prefill of several requests that plain_prefill_ok accepts, together: every prompt but its
+        last token in one batched standalone forward (ModelRunner.prompt_spans), each state its
+        span data folded into an empty state (linear: S(prompt|0) and the conv tail; attention:
+        the K/V, at positions from 0 already). The last prompt token is left to the caller's
+        next decode step, which yields the first output token: Prefill.logits is None. The
+        prompts' pages go into the page tree as a prefill's do."""
+        cfg, policy = self.config, self.page_policy
+        started = time.perf_counter()
+        anchor_layers = tuple(g[0] for g in self.model.linear_groups())
+        capture = anchor_layers if cfg.uses_prefix_cache and policy.anchors_kept else ()
+        spans = self.runner.prompt_spans([r.prompt_ids[:-1] for r in reqs], capture)
+        out = []
+        for req, (data, captured) in zip(reqs, spans):
+            n = len(req.prompt_ids) - 1
+            state = self.model.empty_state()
+            for i, span in data.linear.items():
+                empty = state.linear[i]
+                state.linear[i] = LinearState(span.S.float(), span.conv_tail.to(empty.conv.dtype))
+            for i, span in data.attn.items():
+                state.attn[i] = AttnState(span.k, span.v)
+            state.length = n
+            stats = RequestStats(mode=cfg.mode, seam_window=cfg.seam_window)
+            stats.prompt_tokens = stats.live_tokens = n + 1
+            recorder, locked = None, []
+            if cfg.uses_prefix_cache:
+                stats.prefix_policy = cfg.prefix_policy
+                recorder = PageRecorder(policy, 0, req.prompt_ids[:n], anchor_layers)
+                recorder.add_hidden(captured, n)
+                recorder.add_checkpoint(n, state.linear, copy=True)
+                self._insert_pages(recorder, state, locked)
+            out.append(Prefill(state, None, stats, started, recorder, locked))
+        return out
+
     def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list, last: bool = False) -> None:
         tip = self.pages.insert(recorder.token_ids, lambda a: recorder.page_payload(state, a))
         if tip is not None:
@@ -502,8 +554,8 @@ class Engine:
         """Send synthetic requests down every path a request can take before real traffic comes.
         First small ones: a batch of cold entry builds (runs shorter and longer than one chunk,
         odd and multiple-of-16 lengths), an assembly with several seams, the same segments reused
-        in another order after another prefix, a prefix-cache hit with one new segment, and
-        decode steps. Then, for the configured shape (warmup_shape), one request all cold and two
+        in another order after another prefix, a prefix-cache hit with one new segment, a plain
+        prompt, and decode steps. Then, for the configured shape (warmup_shape), one request all cold and two
         with its segments reordered after other system prompts: the cold builds of that many
         segments of that length in the batches the request path makes, and the assembly of that
         shape seen three times, so that its CUDA graphs are captured here (the second time,
@@ -530,6 +582,7 @@ class Engine:
             Request(sys1, [a, b, c], q1, greedy),  # cold: one batch of builds, then the assembly
             Request(sys2, [c, a, b], q2, greedy),  # warm: reused after another prefix
             Request(sys1, [a, b, d], q1, greedy),  # prefix hit, one cold build
+            Request([], [], ids(w + 40), greedy),  # a plain prompt (a scheduler prefills those batched)
         ]
         shape = self.warmup_shape()
         if shape is not None:

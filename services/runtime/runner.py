@@ -141,6 +141,18 @@ class ModelRunner:
                 out[i] = (data, seconds * len(segments[i]) / total)
         return [out[i] for i in range(len(segments))]
 
+    def prompt_spans(self, prompts: list[list[int]], capture_hidden=()) -> list[tuple[SpanData, dict]]:
+        """Whole prompts prefilled together from empty states (LayoutLM.prompt_spans), in batches
+        of similar lengths of at most `entry_batch_tokens` padded tokens (entry_batches): each
+        prompt's SpanData and {layer in capture_hidden: the stream entering it [n, h]}."""
+        out: dict[int, tuple[SpanData, dict]] = {}
+        for batch in entry_batches([len(p) for p in prompts], self.config.entry_batch_tokens):
+            datas, captured = self.model.prompt_spans([prompts[i] for i in batch], tuple(capture_hidden))
+            for j, i in enumerate(batch):
+                n = len(prompts[i])
+                out[i] = (datas[j], {layer: c[j, :n].clone() for layer, c in captured.items()})
+        return [out[i] for i in range(len(prompts))]
+
     def stage(self, entries: list) -> list[SpanData]:
         """The span data of host-tier entries on the model's device, copied together layer by
         layer (host_tier.stage): a forward waits for a layer's copies only when it gets to it."""

@@ -13,7 +13,12 @@ A Scheduler owns an Engine and runs a loop in its own thread. Each step it
        B tokens in one forward over the requests' states in a preallocated pool (paged.StatePool):
        linear-layer states in slots, attention K/V in pages read through a block table.
 A request's prefill is cut between steps at segment granularity (cold builds) and the assembly
-runs as one unit, so running streams wait for at most one step's budget of prefill.
+runs as one unit, so running streams wait for at most one step's budget of prefill. Prompts that
+run all live from an empty state (Engine.plain_prefill_ok: no segments, no system prompt, no
+page-tree hit, no prefix-cache checkpoint inside) are prefilled together instead, one batched
+standalone forward of every such prompt admitted in the step but its last token
+(Engine.prefill_plain); that token is their input to the step's decode, which yields their first
+output token. A burst of short prompts then costs one batched pass, not an eager forward each.
 
 Overlapped decoding (SchedulerConfig.overlap; RuntimeConfig.decode_overlap, on CUDA): while every
 running request samples greedily without logprobs, a step is launched before the host handles the
@@ -198,6 +203,7 @@ class _Seq:
     reserved: int = 0  # bytes of kv_cache_bytes held since admission
     kv_tokens: int = 0  # tokens of K/V that reservation covers
     admitted: int = -1  # admission order (the latest admitted is preempted first)
+    first_pending: bool = False  # prefilled without its last prompt token: the next decode step yields token 1
     runs: int = 0  # times it entered the running list (a step launched before it left is stale for it)
     fed: bool = False  # its input of the latest launched step came from the device (its id not yet known here)
 
@@ -242,6 +248,7 @@ class Scheduler:
         self._admissions = 0
         self.batch_sizes: collections.Counter = collections.Counter()  # decode batch size -> steps
         self.overlapped_steps = 0  # decode steps launched before the step before them was handled
+        self.plain_prefilled = 0  # requests prefilled together by Engine.prefill_plain
         self._launched: _Launched | None = None
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self._thread.start()
@@ -401,6 +408,7 @@ class Scheduler:
 
     def _prefill_step(self) -> None:
         budget = self.config.max_num_batched_tokens
+        budget = self._plain_prefills(budget)
         # cold segments of the admitted requests, oldest first, as one batched build
         todo: dict[str, list[int]] = {}
         for seq in self._admitted:
@@ -436,6 +444,50 @@ class Scheduler:
             progressed = True
             self._assemble(seq)
         self._admitted = still
+
+    def _plain_prefills(self, budget: int) -> int:
+        """The admitted requests whose prompts run all live from an empty state (Engine.plain_prefill_ok),
+        prefilled together while the budget lasts (at least one): they start decoding with their
+        last prompt token as their input. Returns the budget left."""
+        eng = self.engine
+        page = eng.pages.page_size if eng.config.uses_prefix_cache else 0
+        plain, tokens, first_pages = [], 0, set()
+        for seq in self._admitted:
+            if seq.stream is not None or seq.cold or seq.pinned or seq.built or not eng.plain_prefill_ok(seq.req):
+                continue
+            prompt = seq.req.prompt_ids
+            head = tuple(prompt[:page]) if page and len(prompt) > page else None
+            if head is not None and head in first_pages:
+                continue  # shares a page with a prompt prefilled now: next step, it reuses its pages
+            if plain and tokens + seq.req.prompt_len > budget:
+                break
+            plain.append(seq)
+            tokens += seq.req.prompt_len
+            if head is not None:
+                first_pages.add(head)
+        if not plain:
+            return budget
+        self._admitted = [s for s in self._admitted if s not in plain]
+        try:
+            pres = eng.prefill_plain([s.req for s in plain])
+        except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
+            log.exception("batched prefill failed")
+            for seq in plain:
+                self._release(seq)
+                seq.handle._finish("error", e)
+            return budget - tokens
+        self.plain_prefilled += len(plain)
+        for seq, pre in zip(plain, pres):
+            params = seq.req.sampling
+            seq.prefill = seq.handle.prefill = pre
+            pre.started = seq.arrived
+            seq.stream = TextStream(eng, params, pre.stats)
+            seq.handle.output_ids, seq.handle.logprobs = seq.stream.output_ids, seq.stream.logprobs
+            seq.generator = request_generator(params)
+            seq.last_token = seq.req.prompt_ids[-1]
+            seq.first_pending = True
+            self._run(seq)
+        return budget - tokens
 
     def _assemble(self, seq: _Seq) -> None:
         eng, params = self.engine, seq.req.sampling
@@ -518,6 +570,9 @@ class Scheduler:
     def _push(self, seq: _Seq, tok: int, logits, row: int | None = None) -> bool:
         """Emit what token `tok` (sampled from `logits`, or from its row `row` when given) gives;
         True when the request ended with it."""
+        if seq.first_pending:  # its first token, from the decode step its last prompt token ran in
+            seq.first_pending = False
+            seq.prefill.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
         top = seq.req.sampling.logprobs
         lp = None
         if top is not None:  # the row is indexed only when asked for (a view costs a few us a request)

@@ -48,7 +48,7 @@ def test_warmup_takes_every_path_and_leaves_caches_as_they_were(model_dir, monke
 
     # the three small requests, and three of the default shape cut to the tiny model's 4096 positions
     assert report["shape"] == (16, 3, 1024, 64)
-    assert report["requests"] == 6 and report["seconds"] > 0
+    assert report["requests"] == 7 and report["seconds"] > 0
     assert calls["batched_scan"] > 0, "no assembly with several seams"
     assert calls["build"] >= 3, "the cold segments were not built in a batch"
     assert calls["decode"] >= 3 * 2, "decode steps missing"
@@ -102,7 +102,7 @@ def test_scatter_worker_warms_up_before_it_is_ready(model_dir, tmp_path):
         assert ready.is_set(), "".join(lines[-20:])
         code, body = http("GET", f"http://127.0.0.1:{http_port}/health")
         assert code == 200 and body["status"] == "ok"
-        assert body["warmup"]["requests"] == 6 and body["warmup"]["shape"] == [16, 3, 1024, 64]
+        assert body["warmup"]["requests"] == 7 and body["warmup"]["shape"] == [16, 3, 1024, 64]
         # the shape's 3 segments through the worker's builder, in its batches of --max-num-batched-tokens
         assert body["warmup"]["builds"] == [3]
         assert all(c == 503 for c, s in seen if s != "ok"), seen

@@ -425,6 +425,18 @@ class LayoutLM(nn.Module):
         Each layer's `build_spans(x [B, L, h], lengths, seam, datas, i) -> x` runs the block and
         records its spans. `on_layer(i, datas)`, if given, is called as soon as layer i's spans of
         every segment are final (segment parallelism streams them); stateless layers have none."""
+        return self._span_pass(segments, seam, on_layer)[0]
+
+    @torch.no_grad()
+    def prompt_spans(self, prompts: list[list[int]], capture_hidden=()) -> tuple[list[SpanData], dict]:
+        """build_span_data of whole prompts (no seam window) and, for each layer in capture_hidden,
+        the residual stream entering it [B, L, h] (row j real for its first len(prompts[j])
+        tokens): the state after prompt j from an empty one is its SpanData folded into an empty
+        state (Engine.prefill_plain)."""
+        datas, captured = self._span_pass(prompts, 0, None, capture_hidden)
+        return datas, captured
+
+    def _span_pass(self, segments, seam, on_layer, capture_hidden=()):
         lengths = [len(s) for s in segments]
         if min(lengths) <= seam:
             raise ValueError("every segment needs more tokens than the seam window")
@@ -433,12 +445,15 @@ class LayoutLM(nn.Module):
         for j, s in enumerate(segments):
             ids[j, : len(s)] = torch.as_tensor(s)
         datas = [SpanData(n - seam, seam, {}, {}) for n in lengths]
+        captured = {}
         x = self.embed(backends.to_device_async(ids, self.device))  # [B, L, h]
         for i, layer in enumerate(self.layers):
+            if i in capture_hidden:
+                captured[i] = x.clone()
             x = layer.build_spans(x, lengths, seam, datas, i)
             if on_layer is not None and layer.kind in ("linear_attention", "full_attention"):
                 on_layer(i, datas)
-        return datas
+        return datas, captured
 
     def run_layer(self, i: int, x, layout, state: SequenceState, rec: Recording, positions, capture_hidden=()):
         """Layer i of the live pass: x [1, n_live, h] -> [1, n_live, h]; its state updated."""
