@@ -7,7 +7,7 @@ inside the prompt, a page-tree hit, segments) goes the usual way."""
 import pytest
 import torch
 from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
-from test_scheduler import FAMILIES, _engine, tiny_dirs
+from test_scheduler import FAMILIES, _engine, serve, tiny_dirs
 
 
 @pytest.fixture(scope="module")
@@ -19,16 +19,6 @@ def _prompts(seed, lengths=(5, 23, 40, 67, 101), max_new=(9, 4, 12, 7, 10)):
     gen = torch.Generator().manual_seed(seed)
     return [{"suffix": torch.randint(0, 250, (n,), generator=gen).tolist(),
              "sampling_params": {"max_new_tokens": m, "ignore_eos": True}} for n, m in zip(lengths, max_new)]
-
-
-def _serve(eng, reqs, **cfg):
-    sched = Scheduler(eng, SchedulerConfig(**cfg))
-    try:
-        handles = [sched.add_request(eng.parse_request(r)) for r in reqs]
-        events = [list(h) for h in handles]
-    finally:
-        sched.stop()
-    return sched, handles, events
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -59,7 +49,7 @@ def test_batched_plain_prompts_answer_as_one_by_one(arch, dirs):
     reqs[4]["sampling_params"].update(temperature=0.9, top_k=20, seed=5)
     ref = [_engine(dirs(arch), mode="prefix").generate(r) for r in reqs]
     eng = _engine(dirs(arch), mode="prefix")
-    sched, handles, events = _serve(eng, reqs, max_num_seqs=4, overlap=True)
+    sched, handles, events = serve(eng, reqs, max_num_seqs=4, overlap=True)
     for a, h, ev in zip(ref, handles, events):
         assert (h.output_ids, h.finish_reason) == (a.output_ids, a.finish_reason)
         assert "".join(d for _, d in ev) == a.text
@@ -73,7 +63,7 @@ def test_modes_and_logprobs(qwen35_dir, mode):
     reqs = _prompts(3)
     reqs[1]["sampling_params"].update(logprobs=2)
     ref = [_engine(qwen35_dir, mode=mode).generate(r) for r in reqs]
-    sched, handles, _ = _serve(_engine(qwen35_dir, mode=mode), reqs, max_num_seqs=3)
+    sched, handles, _ = serve(_engine(qwen35_dir, mode=mode), reqs, max_num_seqs=3)
     assert [h.output_ids for h in handles] == [a.output_ids for a in ref]
     assert sched.plain_prefilled == len(reqs)
     for (lp, top), (want, want_top) in zip(handles[1].logprobs, ref[1].logprobs):
@@ -85,7 +75,7 @@ def test_pages_serve_later_prompts_and_what_cannot_be_batched_runs_as_before(qwe
     first = {"suffix": torch.randint(0, 250, (150,), generator=gen).tolist(),
              "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
     eng = _engine(qwen35_dir, mode="prefix")
-    sched, handles, _ = _serve(eng, [first], max_num_seqs=2)
+    sched, handles, _ = serve(eng, [first], max_num_seqs=2)
     assert sched.plain_prefilled == 1
     # the same prompt and more: a page-tree hit (128 tokens from the first one's pages), not batched
     later = {"suffix": first["suffix"] + handles[0].output_ids + [3, 4, 5],
@@ -94,7 +84,7 @@ def test_pages_serve_later_prompts_and_what_cannot_be_batched_runs_as_before(qwe
     long = {"suffix": torch.randint(0, 250, (300,), generator=gen).tolist(),
             "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
     want = [_engine(qwen35_dir, mode="prefix").generate(r) for r in (later, long)]
-    sched, handles, _ = _serve(eng, [later, long], max_num_seqs=2)
+    sched, handles, _ = serve(eng, [later, long], max_num_seqs=2)
     assert [h.output_ids for h in handles] == [w.output_ids for w in want]
     assert sched.plain_prefilled == 0
     assert handles[0].prefill.stats.cached_tokens >= 128

@@ -56,6 +56,18 @@ def _requests(n, seed=0, max_new=(12, 5, 9, 16, 3)):
     return out
 
 
+def serve(eng, reqs, **cfg):
+    """Requests (dicts) through a Scheduler(eng, SchedulerConfig(**cfg)), all queued at once:
+    (the scheduler, the handles, each handle's streamed events)."""
+    sched = Scheduler(eng, SchedulerConfig(**cfg))
+    try:
+        handles = [sched.add_request(eng.parse_request(r)) for r in reqs]
+        events = [list(h) for h in handles]
+    finally:
+        sched.stop()
+    return sched, handles, events
+
+
 def _engine(path, **cfg):
     return Engine(load_model(path), Tokenizer.from_dir(path), EngineConfig(**cfg))
 

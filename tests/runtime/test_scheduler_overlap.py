@@ -8,7 +8,7 @@ import pytest
 from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
 
 # the requests and models of the scheduler's own tests (shared segments, page-tree hits, padding)
-from test_scheduler import _engine, _requests, tiny_dirs
+from test_scheduler import _engine, _requests, serve, tiny_dirs
 
 
 @pytest.fixture(scope="module")
@@ -17,13 +17,7 @@ def dirs(tmp_path_factory):
 
 
 def _run(eng, reqs, **cfg):
-    sched = Scheduler(eng, SchedulerConfig(overlap=True, **cfg))
-    try:
-        handles = [sched.add_request(eng.parse_request(r)) for r in reqs]
-        events = [list(h) for h in handles]
-    finally:
-        sched.stop()
-    return sched, handles, events
+    return serve(eng, reqs, overlap=True, **cfg)
 
 
 def _same(ref, handles, events):
