@@ -341,10 +341,8 @@ def eager_step(model, pool: StatePool, slots: list[int], host: torch.Tensor, max
     """decode_step's eager path from its inputs (StatePool.step_inputs: `host` [5, B], max_pages)."""
     from hybridcache.services.runtime.models.common import DecodeBatch
 
-    inputs = backends.to_device_async(host, model.device)
-    if feed is not None:
-        inputs = inputs.clone() if inputs.data_ptr() == host.data_ptr() else inputs  # never write the caller's
-        _feed(inputs, feed)
+    inputs = backends.to_device_async(host, model.device)  # host is this step's own: written in place on CPU
+    _feed(inputs, feed)
     idx = pool.index(slots)
     linear = pool.gather(idx)
     batch = DecodeBatch(pool.kv, inputs[2], inputs[3], inputs[4], max_pages)

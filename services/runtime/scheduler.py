@@ -453,12 +453,12 @@ class Scheduler:
         page = eng.pages.page_size if eng.config.uses_prefix_cache else 0
         plain, tokens, first_pages = [], 0, set()
         for seq in self._admitted:
-            if seq.stream is not None or seq.cold or seq.pinned or seq.built or not eng.plain_prefill_ok(seq.req):
+            if seq.stream is not None or not eng.plain_prefill_ok(seq.req):  # a resumed one runs its prefill
                 continue
             prompt = seq.req.prompt_ids
             head = tuple(prompt[:page]) if page and len(prompt) > page else None
             if head is not None and head in first_pages:
-                continue  # shares a page with a prompt prefilled now: next step, it reuses its pages
+                continue  # shares a page with a prompt prefilled now: assembled after it, from its pages
             if plain and tokens + seq.req.prompt_len > budget:
                 break
             plain.append(seq)
@@ -665,7 +665,6 @@ class Scheduler:
             self._launched = None
         if launched.event is not None:
             launched.event.synchronize()
-        done = []
         for seq, runs, tok in zip(launched.batch, launched.runs, launched.host.tolist()):
             if seq.runs != runs or seq.slot < 0 or seq.handle.done.is_set():
                 continue
@@ -674,10 +673,7 @@ class Scheduler:
                 rec = seq.prefill.recorder
                 if rec is not None:
                     rec.token_ids.append(tok)
-            if self._push(seq, tok, None):
-                done.append(seq)
-        if done:
-            self._running = [s for s in self._running if s not in done]
+            self._push(seq, tok, None)  # a request it ends leaves the running list (_end)
 
     def _sync_step(self) -> None:
         batch = self._running

@@ -344,10 +344,6 @@ class SlotCopy:
     def matches(self, slot) -> bool:
         return slot == self.slot
 
-    def done(self) -> bool:
-        """Is the copy from the sender's slot done (polled, never waits)?"""
-        return self.timer.query()
-
     def release(self, wait: bool = False) -> bool:
         """Release the sender's slot if the copy from it is done (polled; with `wait`: once it is).
         Safe from several threads (the assembler's and the SlotReleaser's): the slot's entry of
@@ -381,8 +377,6 @@ class SlotReleaser:
         self._cv = threading.Condition()
         self._pending: collections.deque[SlotCopy] = collections.deque()
         self._thread: threading.Thread | None = None
-        self.released = 0  # slots released by this thread
-        self.dropped = 0  # copies whose wait failed (their slots come back to the sender as stale)
 
     def add(self, copy: SlotCopy) -> None:
         with self._cv:
@@ -392,10 +386,6 @@ class SlotReleaser:
                 self._thread.start()
             self._cv.notify()
 
-    def pending(self) -> int:
-        with self._cv:
-            return len(self._pending)
-
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -403,13 +393,10 @@ class SlotReleaser:
                     self._cv.wait()
                 copy = self._pending[0]
             try:
-                was = copy.released
                 copy.release(wait=True)
-                self.released += not was
             except Exception:  # noqa: BLE001 - a failed wait must not stop the releases of the others
                 log.warning("waiting for an arena slot copy failed; the sender takes the slot back as stale",
                             exc_info=True)
-                self.dropped += 1
             with self._cv:
                 self._pending.popleft()
 

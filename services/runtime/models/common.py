@@ -433,8 +433,7 @@ class LayoutLM(nn.Module):
         the residual stream entering it [B, L, h] (row j real for its first len(prompts[j])
         tokens): the state after prompt j from an empty one is its SpanData folded into an empty
         state (Engine.prefill_plain)."""
-        datas, captured = self._span_pass(prompts, 0, None, capture_hidden)
-        return datas, captured
+        return self._span_pass(prompts, 0, None, capture_hidden)
 
     def _span_pass(self, segments, seam, on_layer, capture_hidden=()):
         lengths = [len(s) for s in segments]
