@@ -56,6 +56,7 @@ class Result:
     status: int = 0
     sent: float = 0.0
     token_times: list[float] = field(default_factory=list)  # arrival of each output token
+    server: dict = field(default_factory=dict)  # SERVER_STATS of the last event's "hybridcache" stats
     error: str = ""
 
     @property
@@ -66,6 +67,12 @@ class Result:
     def itls(self) -> list[float]:
         t = self.token_times
         return [b - a for a, b in zip(t, t[1:])]
+
+
+# The server's own split of a request's time to its first token (router.py, combine/worker.py):
+# ttft_ms from the router's receipt, router_ms its parse and plan, combine_ttft_ms from the combine
+# worker's receipt, engine_ttft_ms from the scheduler's queue (waiting included) to the first token.
+SERVER_STATS = ("ttft_ms", "router_ms", "combine_ttft_ms", "engine_ttft_ms")
 
 
 def send(host: str, port: int, body: dict, timeout_s: float) -> Result:
@@ -89,6 +96,8 @@ def send(host: str, port: int, body: dict, timeout_s: float) -> Result:
                 break
             ids = ev.get("output_ids") or []
             now = time.perf_counter()
+            if isinstance(ev.get("hybridcache"), dict):
+                res.server = {k: ev["hybridcache"][k] for k in SERVER_STATS if k in ev["hybridcache"]}
             res.token_times += [now] * (len(ids) - n)
             n = len(ids)
     except OSError as e:
@@ -121,7 +130,10 @@ def summarize(results: list[Result], wall_s: float) -> dict:
             "requests_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else 0.0,
             "ttft_ms": percentiles([r.ttft for r in ok]),
             "itl_ms": percentiles([x for r in ok for x in r.itls]),
-            "e2e_ms": percentiles([r.token_times[-1] - r.sent for r in ok])}
+            "e2e_ms": percentiles([r.token_times[-1] - r.sent for r in ok]),
+            # where the client's TTFT went, as the server saw it (p50 and p90 of each, ms)
+            "server_ttft_ms": {k: percentiles([r.server[k] for r in ok if k in r.server], scale=1.0)
+                               for k in SERVER_STATS}}
 
 
 def rand_ids(rng: random.Random, n: int, vocab: int) -> list[int]:

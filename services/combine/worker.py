@@ -136,8 +136,14 @@ class CombineServicer(rpc.CombineServicer):
 
     def warmup(self) -> dict:
         """The engine's warm-up (Engine.warmup) with every request served by this worker's
-        scheduler, the path its requests take (its per-step batches of cold builds, batched decode)."""
-        return self.engine.warmup(run=self.scheduler.generate)
+        scheduler, the path its requests take (its per-step batches of cold builds, batched decode),
+        then the decode CUDA graph of every batch size the scheduler may step (captured here, not
+        while a batch of that size waits)."""
+        out = self.engine.warmup(run=self.scheduler.generate)
+        t0 = time.perf_counter()
+        out["decode_graphs"] = self.scheduler.warm_decode_graphs()
+        out["decode_graphs_seconds"] = round(time.perf_counter() - t0, 3)
+        return out
 
     def receiver_for(self, address: str) -> Endpoint:
         """This worker's Endpoint as sent to the scatter worker at `address`: without the GPUs it

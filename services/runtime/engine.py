@@ -502,6 +502,14 @@ class Engine:
         methods change per-rank tensors)."""
         return self.runner.new_state_pool(slots, kv_tokens)
 
+    def decode_capture_sets(self) -> list[tuple[int, ...]]:
+        """The sets of hidden layers a decode step may capture (those of its requests' page
+        recorders): none, and the linear groups' entries where the prefix cache keeps anchors."""
+        sets = [()]
+        if self.config.uses_prefix_cache and self.page_policy.anchors_kept:
+            sets.append(tuple(sorted(g[0] for g in self.model.linear_groups())))
+        return sets
+
     @torch.no_grad()
     def decode_batch(self, prefills: list[Prefill], tokens: list[int | None], pool, slots: list[int],
                      feed=None) -> torch.Tensor:

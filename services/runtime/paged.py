@@ -329,6 +329,17 @@ def decode_step(model, pool: StatePool, slots: list[int], tokens: list[int], cap
     return eager_step(model, pool, slots, host, max_pages, capture_hidden, feed)
 
 
+def warm_decode_graphs(model, pool: StatePool, capture_sets) -> int:
+    """Capture every decode graph `pool`'s steps may replay (DecodeGraphs.capture_all) where decode
+    graphs apply; returns how many were captured (0 where they do not apply)."""
+    if not decode_graphs_apply(model):
+        return 0
+    graphs = getattr(pool, "graphs", None)
+    if graphs is None or graphs.model is not model:
+        graphs = pool.graphs = DecodeGraphs(model, pool)
+    return graphs.capture_all(capture_sets)
+
+
 def _feed(inputs: torch.Tensor, feed) -> None:
     """Row 0 (token ids) of a step's device inputs takes the fed columns' ids (decode_step)."""
     if feed is not None:
@@ -404,6 +415,20 @@ class DecodeGraphs:
         logits, hidden = self.model.forward_decode(batch, x[0], x[1], linear, capture_hidden)
         pool.scatter(x[2], linear)
         return logits, hidden
+
+    @torch.no_grad()
+    def capture_all(self, capture_sets) -> int:
+        """Capture the graph of every padded batch size for each set of captured hidden layers
+        now (a server's warm-up, vLLM style), so that no request waits for a size's first eager
+        step, its kernels' compilation (the paged attention kernel's key splits depend on the
+        batch size) or its capture. Each step runs padding columns alone (the scratch slot, as a
+        padded step's extra rows do). Returns the graphs captured."""
+        before = self.stats["captures"]
+        for hidden in capture_sets:
+            for size in self.sizes:
+                if (size, tuple(hidden)) not in self.graphs:
+                    self.run(self._pad.expand(5, size).contiguous(), tuple(hidden))
+        return self.stats["captures"] - before
 
     @torch.no_grad()
     def run(self, host: torch.Tensor, capture_hidden: tuple = (), feed=None):

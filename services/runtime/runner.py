@@ -32,7 +32,7 @@ import torch
 from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.runtime import backends, graphs
 from hybridcache.services.runtime.cache.host_tier import stage
-from hybridcache.services.runtime.paged import StatePool, decode_step, set_decode_graphs
+from hybridcache.services.runtime.paged import StatePool, decode_step, set_decode_graphs, warm_decode_graphs
 from hybridcache.services.runtime.sequence import LiveRun, SequenceState, SpanData
 
 
@@ -162,6 +162,11 @@ class ModelRunner:
         """A paged.StatePool of `slots` running requests: their linear states and room for
         `kv_tokens` tokens of attention K/V in pages."""
         return StatePool(self.empty_state(), slots, kv_tokens, self.max_len)
+
+    def warm_decode(self, pool: StatePool, capture_sets) -> int:
+        """Capture the decode CUDA graphs of every padded batch size of `pool` for each set of
+        captured hidden layers (paged.warm_decode_graphs); the graphs captured (0 off CUDA)."""
+        return warm_decode_graphs(self.model, pool, capture_sets)
 
     @torch.no_grad()
     def decode(self, pool: StatePool, slots: list[int], tokens: list[int], capture_hidden=(), feed=None):

@@ -310,6 +310,17 @@ class Scheduler:
         req = request if isinstance(request, Request) else self.engine.parse_request(request)
         return self.add_request(req).result()
 
+    def warm_decode_graphs(self) -> int:
+        """Capture the decode CUDA graph of every padded batch size up to max_num_seqs, for each
+        set of hidden layers a step may capture (Engine.decode_capture_sets), before requests
+        come: otherwise the first step of each size compiles its kernels and captures while its
+        requests wait. Runs while the scheduler is idle (its lock held: requests queue meanwhile).
+        Returns the graphs captured (0 where decode graphs do not apply)."""
+        with self._cv:
+            if self._waiting or self._admitted or self._running or self._launched is not None:
+                raise RuntimeError("warm_decode_graphs needs an idle scheduler")
+            return self.engine.runner.warm_decode(self.pool, self.engine.decode_capture_sets())
+
     def load(self) -> dict:
         with self._cv:
             return {"waiting": len(self._waiting), "prefilling": len(self._admitted), "running": len(self._running)}

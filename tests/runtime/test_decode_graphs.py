@@ -137,3 +137,42 @@ def test_a_failed_capture_leaves_that_size_eager(model):
     assert graphs.run(host) is None  # the caller runs it eagerly
     got = eager_step(model, pool, [slots[0]], host, max_pages)[0]
     assert torch.equal(got, decode_step(model, ref, [slots[1]], [4])[0])
+
+
+def test_capture_all_captures_every_size_before_requests(model):
+    """A server's warm-up captures each padded batch size (and each hidden-layer set) from padding
+    columns alone; the steps of real requests then replay those graphs, capture nothing more and
+    give the eager answer."""
+    gen = torch.Generator().manual_seed(7)
+    pool = StatePool(model.empty_state(), 4, 1024, 256)
+    ref = StatePool(model.empty_state(), 4, 1024, 256)
+    graphs = DecodeGraphs(model, pool, sizes=(1, 2, 4), graph_factory=RerunGraph)
+    anchors = (model.linear_groups()[0][0],)
+    assert graphs.capture_all([(), anchors]) == 6
+    assert set(graphs.graphs) == {(s, h) for s in (1, 2, 4) for h in ((), anchors)}
+    assert graphs.capture_all([(), anchors]) == 0  # captured once
+    pairs = []
+    for n in (5, 17, 30):
+        ids = torch.randint(0, 250, (n,), generator=gen)
+        pair = []
+        for p in (pool, ref):
+            s = model.empty_state()
+            model.forward_layout(s, [LiveRun(ids, 0)], logits_for="none")
+            pair.append(p.assign(s))
+        pairs.append(pair)
+        toks = torch.randint(0, 250, (len(pairs),), generator=gen).tolist()
+        for hidden in ((), anchors):
+            host, _ = pool.step_inputs([a for a, _ in pairs], toks)
+            got, got_hidden = graphs.run(host, hidden)
+            want, want_hidden = decode_step(model, ref, [b for _, b in pairs], toks, hidden)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+            assert set(got_hidden) == set(hidden)
+    assert graphs.stats["captures"] == 6 and graphs.stats["replays"] == 6
+
+
+def test_a_scheduler_off_cuda_captures_no_decode_graphs(model):
+    from hybridcache.services.runtime.paged import warm_decode_graphs
+
+    pool = StatePool(model.empty_state(), 2, 64, 64)
+    assert warm_decode_graphs(model, pool, [()]) == 0 and getattr(pool, "graphs", None) is None
