@@ -21,7 +21,10 @@ made on the GPU and written once to --model. A request is --segments documents o
 Every served TTFT is the client's: from sending the request to the first streamed token. Figures:
 served_warm_ttft_vs_in_process (median W_k served / in-process), served_pic_ttft_speedup_vs_prefix_32x1k
 (W_k, prefix stack / pic stack), cold_pic_ttft_vs_full_32x1k (R on the pic stack / full on R
-in-process), cold_pic_ttft_vs_full_32x1k_with_scatter, cold_pic_ttft_with_scatter_vs_without,
+in-process), cold_pic_ttft_vs_full_32x1k_with_scatter, cold_pic_ttft_with_scatter_vs_without (R
+on each), cold_pic_ttft_with_scatter_vs_without_median (every cold request of the scatter stack
+against every one of the pic stack, median against median: R, R2 and --cold-requests - 2 more
+of new documents each; the pic stack serves R2 and those after its W_k),
 scatter_to_combine_gb_per_s and scatter_to_combine_gb_per_s_host (the cold requests of the
 scatter_ipc stack, else of the scatter stack; the median over them), the transport it took and the
 IPC opens of each of those requests. The two rates:
@@ -87,6 +90,9 @@ class Workload:
         self.cold = {"system": rand_ids(rng, SYSTEM_TOKENS), "segments": self.docs, "suffix": self.question,
                      "sampling_params": sp}
         self.cold2 = dict(self.cold, segments=self.docs2)
+        # more cold requests (new documents each) for the stacks' cold TTFT medians
+        self.cold_more = [dict(self.cold, segments=[rand_ids(rng, args.segment_tokens) for _ in range(args.segments)])
+                          for _ in range(max(0, args.cold_requests - 2))]
         self.warm = []
         for _ in range(args.repeats):
             order = list(range(args.segments))
@@ -248,6 +254,9 @@ def stack_phase(args, work: Workload, model: Path, scatter: int, mode: str, extr
             out["cold2"] = send(stack.url, work.cold2, args.timeout_s)
         else:
             out["warm"] = [send(stack.url, w, args.timeout_s) for w in work.warm]
+            if args.cold_requests > 1:
+                out["cold2"] = send(stack.url, work.cold2, args.timeout_s)
+        out["cold_more"] = [send(stack.url, c, args.timeout_s) for c in work.cold_more]
         return out
     finally:
         stack.stop()
@@ -282,9 +291,17 @@ def figures(res: dict) -> dict:
         "served_cold_pic_ttft_ms_with_scatter": cold_scatter,
         "inproc_full_ttft_ms": full,
     }
+    # every cold request of a stack (the first after start-up, then new documents each): the
+    # scatter worker on the combine worker's GPU against none, median against median
+    colds = {name: [r["ttft_ms"] for r in [ph["cold"], ph.get("cold2"), *ph.get("cold_more", ())] if r]
+             for name, ph in (("pic", pic), ("scatter", sc)) if ph}
+    if "pic" in colds and "scatter" in colds:
+        out["cold_pic_ttft_ms_all"], out["cold_pic_ttft_ms_all_with_scatter"] = colds["pic"], colds["scatter"]
+        out["cold_pic_ttft_with_scatter_vs_without_median"] = _ratio(_median(colds["scatter"]), _median(colds["pic"]))
     moving = sc_ipc or sc
     if moving:
-        moves = [r["stats"] for r in (moving["cold"], moving["cold2"]) if r["stats"].get("scatter_seconds")]
+        moves = [r["stats"] for r in (moving["cold"], moving["cold2"], *moving.get("cold_more", ()))
+                 if r["stats"].get("scatter_seconds")]
         host = [m["scatter_bytes"] / m["scatter_seconds"] / 1e9 for m in moves]
         # the link: the device copies' own time where they were timed (cuda_ipc), else the host's
         link = [m["scatter_bytes"] / (m.get("scatter_copy_seconds") or m["scatter_seconds"]) / 1e9 for m in moves]
@@ -323,6 +340,8 @@ def main(argv=None) -> int:
     ap.add_argument("--segment-tokens", type=int, default=1024)
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="warm requests (each its own order and system prompt)")
+    ap.add_argument("--cold-requests", type=int, default=2,
+                    help="cold requests a stack serves (the first after start-up, then new documents each)")
     ap.add_argument("--phases", default=",".join(PHASES),
                     help=f"comma list of {', '.join(PHASES)}, run in the order given")
     ap.add_argument("--up-args", default="", help="more `hybridcache up` flags, one string")
