@@ -10,9 +10,10 @@ written), and sends only the arena's export, the slot and the block's range in t
 messages. The receiver maps the arena once (ipc_pool.ArenaMappings) and keeps the mapping while
 that sender sends from it, so that requests in steady state open no IPC handle; it copies each
 slot into its own device memory with one device-to-device copy (on a side stream; over NVLink
-when the GPUs differ), queues the slot's checksum there, serves the slot's blocks as views of the
-copy, and releases the slot once the copy is done (ipc_pool.ReleaseFile): polled, never waited
-for, by the assembler as it is fed and when an entry completes, and by a thread of its own
+when the GPUs differ) that also computes the slot's checksum (checksum.copy_with_checksum: one
+pass over the bytes on one GPU), serves the slot's blocks as views of the copy, and releases
+the slot once the copy is done (ipc_pool.ReleaseFile): polled, never waited for, by the
+assembler as it is fed and when an entry completes, and by a thread of its own
 (SlotReleaser) while the assembler waits on the stream. Checksums are read back together when an
 entry completes (EntryAssembler), so receiving a block waits for nothing; the copies are timed on
 the side stream (copy_timer: CUDA timing events, the host clock off CUDA), so that the assembler
@@ -48,7 +49,7 @@ import time
 import torch
 from hybridcache.services.runtime.packing import pack, padded, unpack_views
 from hybridcache.services.transport.base import TensorTransport, TransportError
-from hybridcache.services.transport.checksum import checksum_text, device_checksum_sums
+from hybridcache.services.transport.checksum import checksum_text, copy_with_checksum, device_checksum_sums
 from hybridcache.services.transport.ipc_pool import ArenaMappings, ArenaPool, ReleaseFile
 
 log = logging.getLogger("hybridcache.transport")
@@ -416,8 +417,7 @@ def receive_slot(block, device) -> SlotCopy:
         src, releases, opened = ARENAS.slot(block, index, open_shared)
         own = torch.empty(block.slot.nbytes, dtype=torch.uint8, device=dev)
         timer = copy_timer(dev)
-        own.copy_(src)
-        sums = device_checksum_sums(own)
+        sums = copy_with_checksum(src, own)
         timer.stop()
         del src
         if cuda:
@@ -470,8 +470,7 @@ def receive_block(block, device) -> tuple[torch.Tensor, torch.Tensor | None, boo
         src, opened = MAPPINGS.view(block, index)
         own = torch.empty(block.nbytes, dtype=torch.uint8, device=dev)
         timer = copy_timer(dev)
-        own.copy_(src)
-        sums = device_checksum_sums(own)
+        sums = copy_with_checksum(src, own)
         timer.stop()
         del src
         if dev.type == "cuda":

@@ -22,6 +22,7 @@ from hybridcache.kernels.ops.activation.triton import sigmoid_gate_heads, silu_m
 from hybridcache.kernels.ops.attention.paged_triton import paged_decode  # noqa: E402
 from hybridcache.kernels.ops.attention.triton import live_attention  # noqa: E402
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd  # noqa: E402
+from hybridcache.kernels.ops.checksum.triton import checksum_sums, copy_checksum  # noqa: E402
 from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
 from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_heads, row_norm  # noqa: E402
 from hybridcache.kernels.ops.rope.triton import norm_rope_tokens, rope_heads  # noqa: E402
@@ -32,6 +33,8 @@ __all__ = [
     "RMS",
     "add_rms_norm",
     "causal_conv1d_fwd",
+    "checksum_sums",
+    "copy_checksum",
     "compose_states_blocks",
     "compose_states_fwd",
     "device",
