@@ -34,7 +34,7 @@ from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.runtime.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig
 from hybridcache.services.security import internal_channel
-from hybridcache.services.transport import Endpoint, local_endpoint, measure_bandwidths, transport_for_address
+from hybridcache.services.transport import Endpoint, checksum, local_endpoint, measure_bandwidths, transport_for_address
 from hybridcache.services.transport.codec import EntryAssembler, entry_to
 from hybridcache.services.transport.peers import ScatterEndpoints
 
@@ -140,6 +140,7 @@ class CombineServicer(rpc.CombineServicer):
         then the decode CUDA graph of every batch size the scheduler may step (captured here, not
         while a batch of that size waits)."""
         out = self.engine.warmup(run=self.scheduler.generate)
+        checksum.warm(self.engine.model.device)  # received device blocks' checksum kernels
         t0 = time.perf_counter()
         out["decode_graphs"] = self.scheduler.warm_decode_graphs()
         out["decode_graphs_seconds"] = round(time.perf_counter() - t0, 3)

@@ -42,7 +42,7 @@ from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import pb, rpc, segment, unpack_ids
 from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sequence import LinearSpan
-from hybridcache.services.transport import Endpoint, choose_transport, get_transport, local_endpoint
+from hybridcache.services.transport import Endpoint, checksum, choose_transport, get_transport, local_endpoint
 from hybridcache.services.transport.codec import (
     ATTN_FIELDS,
     LINEAR_FIELDS,
@@ -118,6 +118,7 @@ class ScatterServicer(rpc.ScatterServicer):
         segments through this worker's builder, in the batches it makes of them (max_batch_tokens),
         so that a first request of that shape finds every build shape done before."""
         out = self.engine.warmup()
+        checksum.warm(self.engine.model.device)  # the checksum kernels of the entries it sends
         shape = self.engine.warmup_shape()
         if shape is not None:
             _, n, length, _ = shape

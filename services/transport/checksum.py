@@ -11,11 +11,13 @@ that pass); elsewhere from the reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from hybridcache.kernels.ops.checksum import naive
 from hybridcache.kernels.ops.checksum.naive import ROW
 
-__all__ = ["ROW", "checksum_text", "copy_with_checksum", "device_checksum", "device_checksum_sums"]
+__all__ = ["ROW", "checksum_text", "copy_with_checksum", "device_checksum", "device_checksum_sums", "warm"]
 
 
 def _fast(t: torch.Tensor) -> bool:
@@ -55,3 +57,19 @@ def checksum_text(sums) -> str:
 def device_checksum(buf: torch.Tensor) -> str:
     """The checksum of buf's bytes, computed on its device (synchronises on the result)."""
     return checksum_text(device_checksum_sums(buf))
+
+
+@functools.cache
+def warm(device) -> bool:
+    """Compile the checksum kernels for `device` now (once per device and process): a sender's
+    arena and a receiver's assembler call it before their first transfer, which would otherwise
+    wait for Triton's compilation (about a second) while the other side ran out of arena slots.
+    Returns whether there was anything to compile (CUDA)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return False
+    buf = torch.zeros(4 * ROW + 4, dtype=torch.uint8, device=dev)
+    copy_with_checksum(buf, torch.empty_like(buf))
+    device_checksum_sums(buf)
+    torch.cuda.synchronize(dev)
+    return True

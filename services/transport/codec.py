@@ -23,6 +23,7 @@ from hybridcache.services.protocol import pb
 from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.packing import padded
 from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
+from hybridcache.services.transport import checksum
 from hybridcache.services.transport.base import TensorTransport, TransportError
 from hybridcache.services.transport.cuda_ipc import (
     RELEASER,
@@ -178,6 +179,7 @@ class EntryAssembler:
     """Feed EntryChunks (possibly of several entries interleaved); completed entries come out."""
 
     def __init__(self, device="cpu"):
+        checksum.warm(torch.device(device))  # its device blocks' checksum kernels compiled before they come
         self._open: dict[int, tuple[pb.EntryHeader, list]] = {}
         self._blocks: dict[int, torch.Tensor] = {}  # segment index -> its received device block
         self._started: dict[int, float] = {}  # segment index -> when its header arrived

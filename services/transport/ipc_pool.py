@@ -236,6 +236,9 @@ class ArenaPool:
                 arena.close()
                 arena = None
             if arena is None:
+                from hybridcache.services.transport import checksum
+
+                checksum.warm(device)  # the slots' checksum kernel compiled before the first write waits for it
                 size = max(self.capacity, 1 << max(0, need - 1).bit_length())
                 arena = self._arenas[device] = DeviceArena(device, size, self.n_slots, self.owner, self.stale_s)
                 self.created += 1

@@ -65,3 +65,11 @@ def test_an_arena_slot_sized_buffer_on_the_gpu():
     dst = torch.empty_like(src)
     got = copy_checksum(src, dst)
     assert torch.equal(dst, src) and got.tolist() == naive.checksum_sums(src).tolist()
+
+
+def test_warm_compiles_only_for_cuda_devices():
+    from hybridcache.services.transport import checksum
+
+    assert checksum.warm(torch.device("cpu")) is False
+    if torch.cuda.is_available():
+        assert checksum.warm(torch.device("cuda", 0)) is True
