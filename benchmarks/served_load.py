@@ -131,7 +131,7 @@ def summarize(results: list[Result], wall_s: float) -> dict:
             "ttft_ms": percentiles([r.ttft for r in ok]),
             "itl_ms": percentiles([x for r in ok for x in r.itls]),
             "e2e_ms": percentiles([r.token_times[-1] - r.sent for r in ok]),
-            # where the client's TTFT went, as the server saw it (p50 and p90 of each, ms)
+            # where the client's TTFT went, as the server saw it (percentiles of each, ms)
             "server_ttft_ms": {k: percentiles([r.server[k] for r in ok if k in r.server], scale=1.0)
                                for k in SERVER_STATS}}
 

@@ -320,10 +320,7 @@ def decode_step(model, pool: StatePool, slots: list[int], tokens: list[int], cap
     (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
     host, max_pages = pool.step_inputs(slots, tokens)
     if decode_graphs_apply(model):
-        graphs = getattr(pool, "graphs", None)
-        if graphs is None or graphs.model is not model:
-            graphs = pool.graphs = DecodeGraphs(model, pool)
-        out = graphs.run(host, tuple(capture_hidden), feed)
+        out = _graphs_of(model, pool).run(host, tuple(capture_hidden), feed)
         if out is not None:
             return out
     return eager_step(model, pool, slots, host, max_pages, capture_hidden, feed)
@@ -334,10 +331,15 @@ def warm_decode_graphs(model, pool: StatePool, capture_sets) -> int:
     graphs apply; returns how many were captured (0 where they do not apply)."""
     if not decode_graphs_apply(model):
         return 0
+    return _graphs_of(model, pool).capture_all(capture_sets)
+
+
+def _graphs_of(model, pool: StatePool) -> DecodeGraphs:
+    """The DecodeGraphs of `model` over `pool` (kept on the pool, made on first use)."""
     graphs = getattr(pool, "graphs", None)
     if graphs is None or graphs.model is not model:
         graphs = pool.graphs = DecodeGraphs(model, pool)
-    return graphs.capture_all(capture_sets)
+    return graphs
 
 
 def _feed(inputs: torch.Tensor, feed) -> None:

@@ -30,6 +30,16 @@ def model(qwen35_dir):
     return load_model(qwen35_dir)
 
 
+def assign_prefilled(model, pools, ids) -> tuple:
+    """`ids` prefilled from an empty state once per pool, each state assigned a slot there: the slots."""
+    slots = []
+    for pool in pools:
+        s = model.empty_state()
+        model.forward_layout(s, [LiveRun(ids, 0)], logits_for="none")
+        slots.append(pool.assign(s))
+    return tuple(slots)
+
+
 def test_batch_sizes():
     assert decode_batch_sizes(32) == (1, 2, 4, 8, 16, 24, 32)
     assert decode_batch_sizes(16) == (1, 2, 4, 8, 16)
@@ -45,13 +55,7 @@ def test_padded_static_step_equals_unpadded_eager(model):
     slots = {}  # request -> (eager slot, static slot)
 
     def join(r, n):
-        ids = torch.randint(0, 250, (n,), generator=gen)
-        pair = []
-        for pool in (eager, static):
-            s = model.empty_state()
-            model.forward_layout(s, [LiveRun(ids, 0)], logits_for="none")
-            pair.append(pool.assign(s))
-        slots[r] = tuple(pair)
+        slots[r] = assign_prefilled(model, (eager, static), torch.randint(0, 250, (n,), generator=gen))
 
     for r, n in enumerate((15, 16)):
         join(r, n)
@@ -121,12 +125,7 @@ def test_a_failed_capture_leaves_that_size_eager(model):
     gen = torch.Generator().manual_seed(6)
     pool = StatePool(model.empty_state(), 2, 256, 128)
     ref = StatePool(model.empty_state(), 2, 256, 128)
-    ids = torch.randint(0, 250, (9,), generator=gen)
-    slots = []
-    for p in (pool, ref):
-        s = model.empty_state()
-        model.forward_layout(s, [LiveRun(ids, 0)], logits_for="none")
-        slots.append(p.assign(s))
+    slots = assign_prefilled(model, (pool, ref), torch.randint(0, 250, (9,), generator=gen))
     graphs = DecodeGraphs(model, pool, sizes=(1, 2), graph_factory=FailingGraph)
     host, max_pages = pool.step_inputs([slots[0]], [3])
     first = graphs.run(host)  # the step's eager answer stands
@@ -153,25 +152,19 @@ def test_capture_all_captures_every_size_before_requests(model):
     assert graphs.capture_all([(), anchors]) == 0  # captured once
     pairs = []
     for n in (5, 17, 30):
-        ids = torch.randint(0, 250, (n,), generator=gen)
-        pair = []
-        for p in (pool, ref):
-            s = model.empty_state()
-            model.forward_layout(s, [LiveRun(ids, 0)], logits_for="none")
-            pair.append(p.assign(s))
-        pairs.append(pair)
+        pairs.append(assign_prefilled(model, (pool, ref), torch.randint(0, 250, (n,), generator=gen)))
         toks = torch.randint(0, 250, (len(pairs),), generator=gen).tolist()
         for hidden in ((), anchors):
             host, _ = pool.step_inputs([a for a, _ in pairs], toks)
             got, got_hidden = graphs.run(host, hidden)
-            want, want_hidden = decode_step(model, ref, [b for _, b in pairs], toks, hidden)
+            want, _ = decode_step(model, ref, [b for _, b in pairs], toks, hidden)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
             assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
             assert set(got_hidden) == set(hidden)
     assert graphs.stats["captures"] == 6 and graphs.stats["replays"] == 6
 
 
-def test_a_scheduler_off_cuda_captures_no_decode_graphs(model):
+def test_no_decode_graphs_are_captured_off_cuda(model):
     from hybridcache.services.runtime.paged import warm_decode_graphs
 
     pool = StatePool(model.empty_state(), 2, 64, 64)
