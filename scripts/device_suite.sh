@@ -22,6 +22,10 @@
 #               500), continuing from .qa-ckpt/ when it holds a model (carry it); TRAIN_ARGS adds
 #               flags. The model comes back sharded in $OUT/model; to chain calls, here:
 #               python benchmarks/train_qa_model.py --install-from <that folder> --out .qa-ckpt
+#   transport   the scatter -> combine transport between two processes on one GPU: benchmarks/transport_loopback.py
+#               --cuda-ipc (LOOPBACK_ENTRIES entries a request, default 32, five requests), the receiver's host
+#               work alone (benchmarks/assembler_host.py, on this machine's CPU) and the transport's gpu tests
+#               (tests/services/test_ipc_pool_gpu.py, tests/kernels/test_copy_checksum.py)
 #   served      benchmarks/served_load.py through `hybridcache up --device cuda` on the Qwen3.5-9B
 #               shape (random bf16 weights, written once to $SERVED_MODEL, default /tmp/served-q9b):
 #               SERVED_SCENARIO=streams (default: 32 streams of 256 tokens vs 1) or rag (the RAG
@@ -47,9 +51,9 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | served-gpu | qps | profile | fold | train | served) ;;
+    gpu-tests | families | bench | served-gpu | qps | profile | fold | train | transport | served) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, served-gpu, qps, profile, fold, train, served)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, served-gpu, qps, profile, fold, train, transport, served)" >&2
         exit 2 ;;
     esac
 done
@@ -140,6 +144,15 @@ for stage in "$@"; do
         python3 benchmarks/train_qa_model.py --fla --out /tmp/qa --export "$OUT/model" --time-budget "${TRAIN_SECONDS:-500}" \
             --workers 12 --save-every 120 "${init[@]}" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
         echo "train rc=$? (init: ${init[*]:-none})"; grep -E '"val_acc_1hop"' "$OUT/train.log" | tail -3 ;;
+    transport)
+        timeout 240 python3 benchmarks/transport_loopback.py --cuda-ipc --entries "${LOOPBACK_ENTRIES:-32}" --requests 5 \
+            --out "$OUT/transport_loopback.json" > "$OUT/transport_loopback.log" 2>&1
+        echo "transport loopback rc=$?"; grep -o '"figures": {[^}]*}' "$OUT/transport_loopback.json" | cut -c1-600
+        timeout 120 python3 benchmarks/assembler_host.py --out "$OUT/assembler_host.json" > "$OUT/assembler_host.log" 2>&1
+        echo "transport assembler_host rc=$?"; grep -E '"host_(ms_per_request|us_per_tensor)"' "$OUT/assembler_host.json"
+        TRITON_F32_DEFAULT=ieee timeout 240 python3 -P -m pytest -v -s -m gpu -p no:cacheprovider -rfE \
+            tests/services/test_ipc_pool_gpu.py tests/kernels/test_copy_checksum.py > "$OUT/transport_tests.log" 2>&1
+        echo "transport gpu tests rc=$?"; grep -E "cuda_ipc arena|passed|failed" "$OUT/transport_tests.log" | cut -c1-300 | tail -6 ;;
     served)
         scenario=${SERVED_SCENARIO:-streams}
         modes=${SERVED_MODES:-pic}

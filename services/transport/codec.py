@@ -12,6 +12,7 @@ its copies when the entry is complete.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import zlib
@@ -21,7 +22,7 @@ import torch
 from hybridcache.services.observability import metrics
 from hybridcache.services.protocol import pb
 from hybridcache.services.runtime.cache import SegmentEntry
-from hybridcache.services.runtime.packing import padded
+from hybridcache.services.runtime.packing import ALIGN, padded
 from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
 from hybridcache.services.transport import checksum
 from hybridcache.services.transport.base import TensorTransport, TransportError
@@ -31,7 +32,7 @@ from hybridcache.services.transport.cuda_ipc import (
     check_blocks,
     check_slots,
     device_seal,
-    own_copy,
+    own_buffer,
     receive_block,
     receive_slot,
     verify_device_seal,
@@ -163,16 +164,55 @@ def _tensor(chunk) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(_DTYPES[chunk.dtype]).reshape(tuple(chunk.shape))
 
 
-def _block_tensor(chunk, block: torch.Tensor) -> torch.Tensor:
-    """The tensor a TensorChunk of a device block announces: a view of the received block."""
-    if chunk.dtype not in _DTYPES:
+def _block_spec(chunk, size: int) -> tuple:
+    """The (layer, name, dtype, shape, offset) of a TensorChunk of a device block of `size` bytes,
+    checked to describe a tensor that lies in the block (its view is made once the entry verifies)."""
+    dtype = _DTYPES.get(chunk.dtype)
+    if dtype is None:
         raise TransportError(f"unsupported dtype {chunk.dtype!r}")
-    dtype = _DTYPES[chunk.dtype]
-    n = chunk.nbytes
-    shape = tuple(chunk.shape)
-    if n != math.prod(shape) * dtype.itemsize or chunk.block_offset < 0 or chunk.block_offset + n > block.numel():
+    n, off, shape = chunk.nbytes, chunk.block_offset, tuple(chunk.shape)
+    if n != math.prod(shape) * dtype.itemsize or off < 0 or off + n > size or off % dtype.itemsize:
         raise TransportError(f"layer {chunk.layer} {chunk.name}: outside its device block")
-    return block[chunk.block_offset: chunk.block_offset + n].view(dtype).view(shape)
+    return chunk.layer, chunk.name, chunk.dtype, shape, off
+
+
+@functools.lru_cache(maxsize=256)
+def _strides(shape: tuple) -> tuple:
+    """The strides of a contiguous tensor of `shape` (an entry's shapes repeat layer after layer)."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _block_views(blocks, device) -> list[tuple[int, str, torch.Tensor]]:
+    """An entry's tensors from its verified device blocks (`blocks`: [(bytes, specs, whether the
+    bytes lie in an arena slot copy)]), as (layer, name, view). Blocks that are ranges of arena
+    slot copies, which the other entries of the build share, are first copied back to back into
+    one buffer of the entry's own (one kernel: cuda_ipc.own_buffer), so that the entry holds what
+    it counts; a block copied on its own is already the entry's. Every view is one as_strided of
+    its buffer seen as its dtype."""
+    if any(in_slot for _, _, in_slot in blocks):
+        buf = own_buffer([data for data, _, _ in blocks], device)
+        bases, start = [], 0
+        for data, _, _ in blocks:
+            bases.append((buf, start))
+            start += data.numel()
+    else:
+        bases = [(data, 0) for data, _, _ in blocks]
+    typed: dict = {}
+    out = []
+    for (base, start), (_, specs, _) in zip(bases, blocks):
+        for layer, name, dtype, shape, off in specs:
+            dt = _DTYPES[dtype]
+            key = (id(base), dt)
+            v = typed.get(key)
+            if v is None:
+                v = typed[key] = base.view(dt)
+            at = v.storage_offset() + (start + off) // dt.itemsize
+            out.append((layer, name, v.as_strided(shape, _strides(shape), at)))
+    return out
 
 
 class EntryAssembler:
@@ -185,8 +225,10 @@ class EntryAssembler:
         self._started: dict[int, float] = {}  # segment index -> when its header arrived
         # segment index -> its device blocks so far, each with its tensors' (layer, name, dtype, shape,
         # offset), the device checksum sums of its copy or the copy of the arena slot it lies in
-        # (checked when the entry completes), and the timer of that copy (cuda_ipc.copy_timer)
-        self._parts: dict[int, list[tuple[pb.DeviceBlock, list, torch.Tensor | SlotCopy | None, object]]] = {}
+        # (checked when the entry completes), the timer of that copy (cuda_ipc.copy_timer) and the
+        # block's bytes here (its copy, or its range of the slot's copy)
+        self._parts: dict[int, list[tuple[pb.DeviceBlock, list, torch.Tensor | SlotCopy | None, object,
+                                          torch.Tensor]]] = {}
         # arena slots copied here, by (arena, index, generation): their blocks are views of the copy
         self._slots: dict[tuple[str, int, int], SlotCopy] = {}
         self._unreleased: list[SlotCopy] = []  # copies whose sender slot is not released yet
@@ -285,8 +327,9 @@ class EntryAssembler:
         """Take one tensor of entry i (from its device block, or its own bytes); an error result or None."""
         try:
             if i in self._blocks:
-                t = _block_tensor(tensor, self._blocks[i])
-                self._parts[i][-1][1].append(_spec(tensor))
+                # the view is made once the entry's checksums and seal verify (_finish)
+                self._parts[i][-1][1].append(_block_spec(tensor, self._blocks[i].numel()))
+                t = None
             elif header.transport == "cuda_ipc":
                 raise TransportError("cuda_ipc entry without its device block")
             else:
@@ -311,6 +354,9 @@ class EntryAssembler:
         """Copy device block `block` of entry i here (its tensors follow); an error result or None."""
         t0 = time.perf_counter()
         try:
+            if block.nbytes % ALIGN:
+                # a sender packs every tensor at an ALIGN boundary and pads the block to one
+                raise TransportError(f"device block of {block.nbytes} bytes: not a multiple of {ALIGN}")
             if block.HasField("slot"):
                 part = self._slot_block(i, block)
                 timer = part.timer
@@ -326,7 +372,7 @@ class EntryAssembler:
             return self._fail(i, str(e))
         self.device_seconds += time.perf_counter() - t0
         self.device_blocks += 1
-        self._parts[i].append((block, [], part, timer))
+        self._parts[i].append((block, [], part, timer, self._blocks[i]))
         return None
 
     def _slot_block(self, i: int, block) -> SlotCopy:
@@ -389,6 +435,30 @@ class EntryAssembler:
         started = self._started.pop(i, time.perf_counter())
         if not blocks:
             self.seconds += time.perf_counter() - started
+        else:
+            # An entry of device blocks (cuda_ipc) carries a seal over its layout and the blocks'
+            # checksums, which are checked on the copies received here: the blocks' checksums all
+            # read back at once (an arena slot's copy once, for all of its blocks), then the seal;
+            # its tensors are views made only once both verify.
+            t0 = time.perf_counter()
+            copies = list({id(p): p for _, _, p, _, _ in blocks if isinstance(p, SlotCopy)}.values())
+            intact = check_blocks([(b, p) for b, _, p, _, _ in blocks if not isinstance(p, SlotCopy)], self.device)
+            intact = check_slots(copies, self.device) and intact
+            self.release_slots()  # checked: those copies are done
+            for _, _, _, timer, _ in blocks:  # their checksums are back, so their timers have passed
+                self._count_copy(timer)
+            self.device_seconds += time.perf_counter() - t0
+            if not intact:
+                metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
+                return i, None, f"entry {header.key[:12]}: device block checksum mismatch"
+            checksum = seal.checksum if seal is not None else header.checksum
+            if not verify_device_seal(checksum, header, [(specs, block) for block, specs, _, _, _ in blocks]):
+                metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
+                return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
+            t0 = time.perf_counter()
+            parts = _block_views([(data, specs, isinstance(p, SlotCopy)) for _, specs, p, _, data in blocks],
+                                 self.device)
+            self.device_seconds += time.perf_counter() - t0
         linear, attn, by_layer = {}, {}, {}
         for layer, name, t in parts:
             by_layer.setdefault(layer, {})[name] = t
@@ -402,54 +472,15 @@ class EntryAssembler:
                 return i, None, f"layer {layer} has tensors {sorted(d)}"
         data = SpanData(header.num_tokens, header.local_start, linear, attn)
         build_seconds = seal.build_seconds if seal is not None else header.build_seconds
+        # verified device blocks: unsealed from here on, so that passing the entry on (to a cache
+        # tier) seals its bytes; every other entry must carry a seal over its bytes that verifies
+        # (what the header says about its transport is not trusted)
         entry = SegmentEntry(key=header.key, segment_tokens=header.segment_tokens, data=data,
-                             build_seconds=build_seconds, checksum=header.checksum)
-        # An entry of device blocks (cuda_ipc) carries a seal over its layout and the blocks'
-        # checksums, which receive_block checked on the bytes received; every other entry must
-        # carry a seal over its bytes that verifies (what the header says about its transport is
-        # not trusted).
-        if blocks:
-            # the blocks' copies against their checksums, all read back at once (an arena slot's
-            # copy once, for all of its blocks)
-            t0 = time.perf_counter()
-            copies = list({id(p): p for _, _, p, _ in blocks if isinstance(p, SlotCopy)}.values())
-            intact = check_blocks([(b, p) for b, _, p, _ in blocks if not isinstance(p, SlotCopy)], self.device)
-            intact = check_slots(copies, self.device) and intact
-            self.release_slots()  # checked: those copies are done
-            for _, _, _, timer in blocks:  # their checksums are back, so their timers have passed
-                self._count_copy(timer)
-            self.device_seconds += time.perf_counter() - t0
-            if not intact:
-                metrics.ENTRIES_REJECTED.labels(reason="checksum").inc()
-                return i, None, f"entry {header.key[:12]}: device block checksum mismatch"
-            checksum = seal.checksum if seal is not None else header.checksum
-            if not verify_device_seal(checksum, header, [(specs, block) for block, specs, _, _ in blocks]):
-                metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
-                return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
-            # verified; unsealed from here on, so that passing it on (to a cache tier) seals its bytes
-            entry.checksum = ""
-            if copies:
-                # its tensors are views of slot copies it shares with the other entries of its
-                # build: copied into memory of its own (one kernel), so that it holds what it counts
-                t0 = time.perf_counter()
-                entry = _own_memory(entry, self.device)
-                self.device_seconds += time.perf_counter() - t0
-        elif header.layered or not header.checksum or not entry.verify():
+                             build_seconds=build_seconds, checksum="" if blocks else header.checksum)
+        if not blocks and (header.layered or not header.checksum or not entry.verify()):
             metrics.ENTRIES_REJECTED.labels(reason="seal").inc()
             return i, None, f"entry {header.key[:12]}: seal does not verify (forged, corrupt or unsealed)"
         return i, entry, ""
-
-
-def _own_memory(entry: SegmentEntry, device) -> SegmentEntry:
-    """The entry with its tensors packed into one buffer of its own (cuda_ipc.own_copy)."""
-    named = list(layer_tensors(entry.data))
-    own = dict(zip([(layer, name) for layer, name, _ in named], own_copy([t for _, _, t in named], device)))
-    d = entry.data
-    linear = {i: LinearSpan(*(own[i, f] for f in LINEAR_FIELDS)) for i in d.linear}
-    attn = {i: AttnSpan(*(own[i, f] for f in ATTN_FIELDS)) for i in d.attn}
-    return SegmentEntry(key=entry.key, segment_tokens=entry.segment_tokens,
-                        data=SpanData(d.num_tokens, d.local_start, linear, attn),
-                        build_seconds=entry.build_seconds, checksum=entry.checksum)
 
 
 def read_entries(chunks: Iterable) -> Iterator[tuple[int, SegmentEntry | None, str]]:

@@ -18,8 +18,9 @@ assembler as it is fed and when an entry completes, and by a thread of its own
 entry completes (EntryAssembler), so receiving a block waits for nothing; the copies are timed on
 the side stream (copy_timer: CUDA timing events, the host clock off CUDA), so that the assembler
 reports the GPU time of the copies (copy_seconds) apart from its host time; a
-verified entry is then packed into memory of its own (own_copy: one kernel), so that it does not
-keep the other entries of its build alive through the slot copies they share.
+verified entry's blocks are then copied back to back into memory of its own (own_buffer: one
+kernel), of which its tensors are views, so that it does not keep the other entries of its build
+alive through the slot copies they share.
 
 Without an arena (ArenaPool off, or a write that does not fit it now) a write is packed into a
 fresh buffer exported for it, each block with its own checksum: the receiver (DeviceMappings)
@@ -47,7 +48,7 @@ import threading
 import time
 
 import torch
-from hybridcache.services.runtime.packing import pack, padded, unpack_views
+from hybridcache.services.runtime.packing import pack, padded
 from hybridcache.services.transport.base import TensorTransport, TransportError
 from hybridcache.services.transport.checksum import checksum_text, copy_with_checksum, device_checksum_sums
 from hybridcache.services.transport.ipc_pool import ArenaMappings, ArenaPool, ReleaseFile
@@ -427,16 +428,17 @@ def receive_slot(block, device) -> SlotCopy:
     return SlotCopy(slot, own, sums, timer, releases, opened)
 
 
-def own_copy(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """The tensors copied into one buffer of their own (packing.pack: one kernel), as views of it,
-    on the side stream after the copies they were taken from; marked in use by the default stream."""
+def own_buffer(blocks: list[torch.Tensor], device) -> torch.Tensor:
+    """The uint8 `blocks` (an entry's ranges of arena slot copies) copied back to back into one
+    buffer of their own (one kernel), on the side stream after the copies they were taken from;
+    marked in use by the default stream."""
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     with _side_stream(dev if cuda else None, after_default=False):
-        buf = pack(tensors)
+        buf = torch.cat(blocks) if blocks else torch.empty(0, dtype=torch.uint8, device=dev)
         if cuda:
             buf.record_stream(torch.cuda.default_stream(dev))
-    return unpack_views(buf, [(t.shape, t.dtype) for t in tensors])
+    return buf
 
 
 def check_slots(copies, device) -> bool:

@@ -252,6 +252,15 @@ def test_corrupt_or_forged_slots_are_misses(engine, fake_ipc, servicer):
         _first_block(c), "tensor_offset", 1 << 40)))
     assert "is not one of the arena's" in errors(_forge(chunks, lambda c: setattr(
         _first_block(c).slot, "index", 1 << 20)))
+    # a tensor at an offset its dtype cannot start at, a block no sender pads that way: errors
+    # before any view of the bytes is made, never an exception out of the assembler
+
+    def first_tensor(c):
+        return next(m for m in c if m.HasField("layer_block") and m.segment_index == 0).layer_block.tensors[0]
+
+    assert "outside its device block" in errors(_forge(chunks, lambda c: setattr(first_tensor(c), "block_offset", 1)))
+    assert "not a multiple of 16" in errors(_forge(chunks, lambda c: setattr(
+        _first_block(c), "nbytes", _first_block(c).nbytes - 4)))
     # a forged seal, and an arena id no sender made (no release file: unreachable, counted apart)
     assert "seal does not verify" in errors(_forge(chunks, lambda c: setattr(
         next(m for m in c if m.HasField("seal")).seal, "checksum", "hmac-sha256-dev:" + "1" * 64)))
