@@ -26,10 +26,12 @@ class ScatterEndpoints:
         self.known: dict[str, Endpoint | None] = {}
         self.retry_at: dict[str, float] = {}  # address that did not answer -> when to ask again
 
-    def get(self, address: str) -> Endpoint | None:
+    def get(self, address: str, retry_now: bool = False) -> Endpoint | None:
+        """The Endpoint of the scatter worker at `address`; `retry_now`: ask one that did not
+        answer again now (the background watch), not after PEER_RETRY_S (a request's path)."""
         if address in self.known:
             return self.known[address]
-        if time.monotonic() < self.retry_at.get(address, 0.0):
+        if not retry_now and time.monotonic() < self.retry_at.get(address, 0.0):
             return None
         channel = internal_channel(address)
         try:
@@ -44,19 +46,23 @@ class ScatterEndpoints:
         self.known[address] = endpoint
         return endpoint
 
-    def watch(self, members: Callable[[], list[str]], stop: threading.Event, every_s: float = 2.0) -> threading.Thread:
+    def watch(self, members: Callable[[], list[str]], stop: threading.Event, every_s: float = 2.0,
+              unknown_every_s: float = 0.1) -> threading.Thread:
         """Ask each address `members()` lists, now and every `every_s` until `stop` is set, on a
         daemon thread: the Endpoints are known before the first request that needs them (a
-        Describe on a request's path costs it a channel's set-up, ~30 ms on an H200 host)."""
+        Describe on a request's path costs it a channel's set-up, ~30 ms on an H200 host). A
+        member that has not answered yet (a scatter worker listed before it serves: it warms up
+        first) is asked again every `unknown_every_s`, here and not on a request's path."""
 
         def run():
             while True:
+                pending = False
                 try:
                     for address in members():
-                        self.get(address)
+                        pending |= self.get(address, retry_now=True) is None and address not in self.known
                 except Exception:  # noqa: BLE001 - a directory that cannot be read now is read again later
-                    pass
-                if stop.wait(every_s):
+                    pending = True
+                if stop.wait(unknown_every_s if pending else every_s):
                     return
 
         thread = threading.Thread(target=run, name="scatter-endpoints", daemon=True)

@@ -73,13 +73,13 @@ class _Scatter(rpc.ScatterServicer):
             yield from entry_chunks(self.engine.build_entry(segment_ids(seg)), seg.index, transport)
 
 
-def _serve(scatter: _Scatter) -> tuple[grpc.Server, str]:
-    """`scatter` served on a free loopback port: (the server, its address)."""
+def _serve(scatter: _Scatter, address: str | None = None) -> tuple[grpc.Server, str]:
+    """`scatter` served on `address` (default: a free loopback port): (the server, its address)."""
     from hybridcache.services.launcher import free_port
 
     server = grpc.server(futures.ThreadPoolExecutor(2))
     rpc.add_ScatterServicer_to_server(scatter, server)
-    address = f"127.0.0.1:{free_port()}"
+    address = address or f"127.0.0.1:{free_port()}"
     server.add_insecure_port(address)
     server.start()
     return server, address
@@ -220,4 +220,41 @@ def test_scatter_endpoints_are_asked_as_workers_join(engine):
     finally:
         stop.set()
         for server in servers:
+            server.stop(0)
+
+
+def test_a_scatter_worker_listed_before_it_serves_is_described_once_it_does(engine):
+    """A scatter worker is listed (a static directory, `hybridcache up`) while it still warms up,
+    before its server answers: the watch asks it again every unknown_every_s, not after
+    PEER_RETRY_S, so that the first request after it starts serving finds its Endpoint known
+    instead of asking on its path; a request's own lookup still waits PEER_RETRY_S."""
+    import threading
+    import time
+
+    from hybridcache.services.launcher import free_port
+    from hybridcache.services.transport import peers
+    from hybridcache.services.transport.peers import ScatterEndpoints
+
+    address = f"127.0.0.1:{free_port()}"
+    book, stop = ScatterEndpoints(timeout_s=0.5), threading.Event()
+    server = None
+    try:
+        thread = book.watch(lambda: [address], stop, every_s=60.0, unknown_every_s=0.05)
+        deadline = time.monotonic() + 10
+        while address not in book.retry_at and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert address in book.retry_at and address not in book.known  # asked, nobody answered
+        assert book.get(address) is None  # a request's path: not asked again within PEER_RETRY_S
+        server, _ = _serve(_Scatter(engine, Endpoint(**NODE, device=GPU_A, gpus=(GPU_A,))), address)
+        started = time.monotonic()
+        while address not in book.known and time.monotonic() - started < 10:
+            time.sleep(0.02)
+        assert book.known.get(address) is not None and book.known[address].device == GPU_A
+        assert time.monotonic() - started < peers.PEER_RETRY_S
+        stop.set()
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+    finally:
+        stop.set()
+        if server is not None:
             server.stop(0)
