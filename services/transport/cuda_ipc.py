@@ -435,7 +435,7 @@ def own_buffer(blocks: list[torch.Tensor], device) -> torch.Tensor:
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     with _side_stream(dev if cuda else None, after_default=False):
-        buf = torch.cat(blocks) if blocks else torch.empty(0, dtype=torch.uint8, device=dev)
+        buf = torch.cat(blocks)
         if cuda:
             buf.record_stream(torch.cuda.default_stream(dev))
     return buf

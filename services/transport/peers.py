@@ -59,9 +59,10 @@ class ScatterEndpoints:
                 pending = False
                 try:
                     for address in members():
-                        pending |= self.get(address, retry_now=True) is None and address not in self.known
+                        self.get(address, retry_now=True)
+                        pending |= address not in self.known
                 except Exception:  # noqa: BLE001 - a directory that cannot be read now is read again later
-                    pending = True
+                    pass
                 if stop.wait(unknown_every_s if pending else every_s):
                     return
 
