@@ -77,7 +77,9 @@ def serve_args(spec: HybridCacheSpec, name: str, role: RoleSpec) -> list[str]:
         args += ["--etcd", spec.etcd_endpoints[0]]
     peers = {
         "router": ("scatter", "combine", "cache-tier"),
-        "combine": ("router", "cache-tier"),
+        # the combine worker asks each scatter worker's Describe as it joins (whether it shares
+        # the combine worker's GPU, the transport between them), not on a request's path
+        "combine": ("router", "scatter", "cache-tier"),
         "scatter": ("router", "combine", "cache-tier"),
         "cache-tier": (),
     }[role.name]

@@ -178,7 +178,10 @@ class LocalCluster:
                                     env=(scatter_env or [{}] * self.n_scatter)[i] if scatter_env else None,
                                     placement=self.scatter_placement[i])
                         for i in range(self.n_scatter)]
-            combine = self._spawn("combine", free_port(), free_port(), [])
+            # the combine worker is told the scatter workers too: it asks each one's Describe in the
+            # background as they come up (ScatterEndpoints.watch), not on its first request's path
+            combine = self._spawn("combine", free_port(), free_port(),
+                                  [f for s in scatters for f in ("--scatter", s.grpc)])
             for s in [*tiers, *scatters, combine]:
                 self._wait_ready(s)
             flags = ["--combine", combine.grpc]

@@ -166,6 +166,10 @@ def test_combine_deployment_engine_flags():
     assert arg(c["args"], "--prefix-policy") == "exact_replay"
     assert arg(c["args"], "--cuda-graphs") == "on"
     assert arg(c["args"], "--model") == "/models/qwen3-next"
+    # its peers: the scatter workers too (their Describe asked as they join, not on a request's path)
+    assert arg(c["args"], "--scatter") == "demo-scatter:50071"
+    assert arg(c["args"], "--router") == "demo-router:50051"
+    assert arg(c["args"], "--cache-tier") == "demo-cache-tier:50081"
     eager = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}, "engine": {"cudaGraphs": False}})
     assert arg(container(builders.combine_deployment(eager, NAME))["args"], "--cuda-graphs") == "off"
 

@@ -130,5 +130,11 @@ def test_local_cluster_spawns_each_child_on_its_device(monkeypatch, tmp_path):
                        "scatter": [("cuda", "1,0"), ("cuda", "0,1"), ("cuda", "1,0")]}
         combine = cluster.role("combine")[0].proc.cmd
         assert combine[combine.index("--dtype") + 1] == "bfloat16"
+        # the combine worker knows the scatter workers from the start (it asks their Describe in
+        # the background, not on its first request's path), as the router does
+        told = [combine[i + 1] for i, a in enumerate(combine) if a == "--scatter"]
+        assert told == [s.grpc for s in cluster.role("scatter")] and len(told) == 3
+        router = cluster.role("router")[0].proc.cmd
+        assert [router[i + 1] for i, a in enumerate(router) if a == "--scatter"] == told
     finally:
         cluster.stop()
