@@ -80,7 +80,12 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"copy_contention: --slots takes comma-separated integers, got {args.slots!r}", file=sys.stderr)
         return 2
-    res = {"gpu": torch.cuda.get_device_name(), "label": args.label,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip()
+    res = {"tool": "copy_contention", "gpu": torch.cuda.get_device_name(), "commit": commit,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "command": "python tools/copy_contention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "label": args.label,
            "alone": [measure(args.mb, k, args.copies, args.gap_s) for k in variants]}
     seconds = 4 + len(variants) * args.copies * (args.gap_s + 0.05) + 8
     proc = subprocess.Popen([sys.executable, __file__, "--neighbour-s", str(seconds)])
