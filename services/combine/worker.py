@@ -41,6 +41,27 @@ from hybridcache.services.transport.peers import ScatterEndpoints
 log = logging.getLogger("hybridcache.combine")
 
 
+def memory_counters(device, store) -> dict[str, int]:
+    """This process's running counts of what costs a request time outside its kernels: CUDA
+    allocations the caching allocator made on `device` (cudaMalloc: it had no cached block to
+    give), its retries after a failed one (each frees the cached blocks, synchronising the
+    device), and the entries the device entry cache `store` evicted (a tiered store moves them to
+    host memory). A request's stats carry the difference over the request (other requests in
+    flight count in it too)."""
+    import torch
+
+    out = {}
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        st = torch.cuda.memory_stats(dev)
+        out["device_allocs"] = int(st.get("num_device_alloc", 0))
+        out["alloc_retries"] = int(st.get("num_alloc_retries", 0))
+    evictions = getattr(getattr(store, "device", store), "evictions", None)
+    if isinstance(evictions, int):
+        out["entry_evictions"] = evictions
+    return out
+
+
 def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]], cache_tier: str,
                        metadata=(), timeout_s: float = 120.0, receiver: Endpoint | None = None,
                        device="cpu") -> tuple[dict[int, SegmentEntry], EntryAssembler]:
@@ -299,6 +320,8 @@ class CombineServicer(rpc.CombineServicer):
 
     def _generate(self, request, context):
         t0 = time.perf_counter()
+        device = next(self.engine.model.parameters()).device
+        counted = memory_counters(device, self.engine.entries)
         try:
             sampling = json.loads(request.sampling_json) if request.sampling_json else {}
             # int32 arrays over the packed bytes: the planner checks their range in numpy
@@ -321,7 +344,6 @@ class CombineServicer(rpc.CombineServicer):
         pinned, source, moved = self._gather(request, segments, expected)
         # Entries that came from elsewhere go to the model's device and into this worker's cache;
         # those found in its cache's device tier are there already.
-        device = next(self.engine.model.parameters()).device
         held = {expected[i] for i, src in source.items() if src == "local"}
         for key, entry in pinned.items():
             if key not in held or is_host(entry):
@@ -373,6 +395,8 @@ class CombineServicer(rpc.CombineServicer):
         # request): from the request reaching it to that token leaving its handler
         if t_first is not None:
             stats["combine_ttft_ms"] = (t_first - t0) * 1000
+        stats.update({k: v - counted.get(k, 0) for k, v in memory_counters(device, self.engine.entries).items()})
+        stats["entry_cache_bytes"] = self.engine.entries.used_bytes
         stats["trace_id"] = tracing.current_trace_id()
         metrics.CACHE_BYTES.labels(tier=self.own_tier).set(self.engine.entries.used_bytes)
         yield pb.TokenChunk(done=True, finish_reason=handle.finish_reason, stats_json=json.dumps(stats))

@@ -167,3 +167,18 @@ def test_other_families_answer_the_same_from_the_host_tier(arch, tmp_path):
         e.finish_prefix(p)
     assert [s.source for s in pre[1].stats.segments] == ["host", "host"]
     assert torch.equal(pre[0].logits, pre[1].logits)
+
+
+def test_a_requests_memory_counters_count_the_device_stores_evictions(engine):
+    """The combine worker's per-request counters (memory_counters): the entries the device store
+    evicted, whether it drops them or moves them to host memory; no CUDA counters off CUDA."""
+    from hybridcache.services.combine.worker import memory_counters
+
+    a, b, c = _entry(engine, 0), _entry(engine, 1), _entry(engine, 2)
+    room = a.nbytes + b.nbytes // 2
+    for store in (MemoryEntryStore(room), TieredEntryStore(room, 10 * a.nbytes)):
+        before = memory_counters("cpu", store)
+        assert before == {"entry_evictions": 0}
+        for e in (a, b, c):
+            store.put(e)
+        assert memory_counters("cpu", store)["entry_evictions"] - before["entry_evictions"] == 2

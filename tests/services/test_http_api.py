@@ -175,6 +175,10 @@ def test_ttft_is_the_wait_from_the_routers_receipt_with_the_engines_share_beside
     # the combine worker's share of the wait: its engine's and more, less than the router's whole
     assert st["engine_ttft_ms"] <= st["combine_ttft_ms"] <= st["combine_ms"]
     assert st["combine_ttft_ms"] < st["ttft_ms"]
+    # what the request cost the combine worker's memory: its new entries are in the entry cache,
+    # which evicted nothing to hold them (1 GiB on the CPU); no CUDA allocator there
+    assert st["entry_cache_bytes"] > 0 and st["entry_evictions"] == 0
+    assert "device_allocs" not in st and "alloc_retries" not in st
 
 
 def test_sglang_frontend_program(cluster):
