@@ -7,6 +7,7 @@ with the peers given by flags), prints one `ready` line and runs until SIGINT/SI
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -180,6 +181,14 @@ def _serve(args) -> int:
         health["status"] = "warming up"
         health["warmup"] = (combine or scatter).warmup()
         log.info("warm-up done: %s", health["warmup"])
+    # What the process holds by now (the model, its kernels and CUDA graphs, the libraries) lives
+    # as long as it does: frozen out of the collector's sight, so that the full collections Python
+    # runs by itself now and then, on some request's path, walk only what requests made (a warm
+    # worker of the shipped model tracks ~300k objects, a full collection of which took 107 ms on
+    # a 2-core CPU, 0 ms frozen: tools/gc_pause.py)
+    gc.collect()
+    gc.freeze()
+    health["gc_frozen_objects"] = gc.get_freeze_count()
     server.start()
     health["status"] = "ok"
     if args.role == "router":
@@ -221,6 +230,7 @@ def _serve(args) -> int:
         combine.close()
     if getattr(engine, "group", None) is not None:
         engine.group.shutdown()  # the tensor-parallel followers this process started
+    gc.unfreeze()  # the interpreter's last collection sees everything again as it exits
     return 0
 
 

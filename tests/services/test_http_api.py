@@ -323,3 +323,14 @@ def test_grpc_inference_streams_tokens(cluster, engine):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(pb.GenerateRequest(request_json="{"), timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "JSON" in err.value.details()
+
+
+def test_workers_freeze_what_they_hold_once_warm(cluster):
+    """A served worker and the cache tier freeze the objects they hold once ready (gc.freeze), so
+    that Python's full collections on a request's path walk only what requests made; /health says
+    how many were frozen."""
+    for role in ("combine", "scatter", "cache-tier"):
+        for svc in cluster.role(role):
+            status, health = http("GET", f"http://{svc.http}/health")
+            assert status == 200 and health["status"] == "ok", (role, health)
+            assert health["gc_frozen_objects"] > 10_000, (role, health)
