@@ -30,6 +30,15 @@ def full_collection_ms(repeats: int) -> float:
     return round(statistics.median(times), 2)
 
 
+def _shown(path: Path) -> str:
+    """`path` relative to the repository when it lies inside it."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="model directory (default: the shipped model)")
@@ -61,7 +70,7 @@ def main(argv=None) -> int:
                             cwd=Path(__file__).resolve().parent).stdout.strip()
     res = {"tool": "gc_pause", "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "command": "python tools/gc_pause.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "model": str(model), "device": args.device, "python": sys.version.split()[0],
+           "model": _shown(Path(model)), "device": args.device, "python": sys.version.split()[0],
            "tracked_objects_after_warmup": tracked, "full_collection_ms": before,
            "frozen_objects": frozen, "full_collection_ms_frozen": after}
     text = json.dumps(res, indent=2)
