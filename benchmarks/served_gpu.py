@@ -66,6 +66,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -227,7 +228,17 @@ class Stack:
             self.stop()
             raise RuntimeError(f"`{shlex.join(cmd)}` did not become ready (exit {self.proc.returncode})")
         self.start_s = round(time.perf_counter() - t0, 1)
-        self.url = json.loads(line)["http"]
+        ready = json.loads(line)
+        self.url = ready["http"]
+        self.services = ready.get("services", [])
+
+    def gc_frozen_objects(self) -> int | None:
+        """The objects the combine worker froze out of Python's collector once warm (its /health)."""
+        combine = [s for s in self.services if s.get("role") == "combine"]
+        if not combine:
+            return None
+        with urllib.request.urlopen(f"http://{combine[0]['http']}/health", timeout=10) as r:
+            return json.loads(r.read()).get("gc_frozen_objects")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -250,7 +261,8 @@ def _free_port() -> int:
 def stack_phase(args, work: Workload, model: Path, scatter: int, mode: str, extra: tuple[str, ...] = ()) -> dict:
     stack = Stack(args, model, scatter, mode, extra)
     try:
-        out = {"start_s": stack.start_s, "cold": send(stack.url, work.cold, args.timeout_s)}
+        out = {"start_s": stack.start_s, "combine_gc_frozen_objects": stack.gc_frozen_objects(),
+               "cold": send(stack.url, work.cold, args.timeout_s)}
         if scatter:
             out["cold2"] = send(stack.url, work.cold2, args.timeout_s)
         else:

@@ -98,3 +98,6 @@ def test_tiny_cpu_run(tmp_path):
     # the response's ttft_ms is the router's view of the client's wait; the engine's share is inside it
     assert 0 < cold["stats"]["engine_ttft_ms"] < cold["stats"]["ttft_ms"] <= cold["ttft_ms"]
     assert cold["stats"]["built_tokens"] == 3 * 40 and cold["stats"]["scatter_bytes"] > 0
+    # the combine worker froze what it held once warm (its /health), and says what requests cost its memory
+    assert res["detail"]["scatter"]["combine_gc_frozen_objects"] > 10_000
+    assert cold["stats"]["entry_evictions"] == 0 and cold["stats"]["entry_cache_bytes"] > 0
