@@ -184,8 +184,8 @@ def _serve(args) -> int:
     # What the process holds by now (the model, its kernels and CUDA graphs, the libraries) lives
     # as long as it does: frozen out of the collector's sight, so that the full collections Python
     # runs by itself now and then, on some request's path, walk only what requests made (a warm
-    # worker of the shipped model tracks ~300k objects, a full collection of which took 107 ms on
-    # a 2-core CPU, 0 ms frozen: tools/gc_pause.py)
+    # worker of the shipped model tracks ~300k objects, a full collection of which took 104 ms on
+    # a 2-core CPU, 0 ms frozen: gc_pause_cpu_ac05456.json, tools/gc_pause.py)
     gc.collect()
     gc.freeze()
     health["gc_frozen_objects"] = gc.get_freeze_count()

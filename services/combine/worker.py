@@ -53,7 +53,7 @@ def memory_counters(device, store) -> dict[str, int]:
     out = {}
     dev = torch.device(device)
     if dev.type == "cuda":
-        st = torch.cuda.memory_stats(dev)
+        st = torch.cuda.memory_stats_as_nested_dict(dev)  # both counts are top-level: no flattening
         out["device_allocs"] = int(st.get("num_device_alloc", 0))
         out["alloc_retries"] = int(st.get("num_alloc_retries", 0))
     evictions = getattr(getattr(store, "device", store), "evictions", None)
@@ -398,7 +398,7 @@ class CombineServicer(rpc.CombineServicer):
         stats.update({k: v - counted.get(k, 0) for k, v in memory_counters(device, self.engine.entries).items()})
         stats["entry_cache_bytes"] = self.engine.entries.used_bytes
         stats["trace_id"] = tracing.current_trace_id()
-        metrics.CACHE_BYTES.labels(tier=self.own_tier).set(self.engine.entries.used_bytes)
+        metrics.CACHE_BYTES.labels(tier=self.own_tier).set(stats["entry_cache_bytes"])
         yield pb.TokenChunk(done=True, finish_reason=handle.finish_reason, stats_json=json.dumps(stats))
 
 
