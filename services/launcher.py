@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,11 +21,47 @@ from hybridcache.services.config import RuntimeConfig, add_config_flags, config_
 from hybridcache.services.security import DeploymentSecret
 
 _HANDED_OUT: set[int] = set()
+_PORT_FLOOR = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands to outgoing connections (Linux: 32768 unless configured)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def reserve_port(port: int) -> None:
+    """Never hand out `port` from free_port() in this process (a port the caller chose)."""
+    _HANDED_OUT.add(port)
 
 
 def free_port() -> int:
     """A port free on 127.0.0.1 now and not handed out before by this process: the services bind
-    their ports only after all are chosen, so the OS could otherwise give one port twice."""
+    their ports only after all are chosen, so the OS could otherwise give one port twice. Chosen
+    below the kernel's ephemeral range where there is room, so that an outgoing connection made
+    between choosing and binding (the services connect to each other while the later ones start)
+    cannot take it; the ephemeral range itself is the fallback."""
+    low = _ephemeral_low()
+    if low - _PORT_FLOOR >= 1000:
+        # from a random start (processes choosing at once rarely meet), every port of the window once
+        width = low - _PORT_FLOOR
+        start = random.randrange(width)
+        for i in range(width):
+            port = _PORT_FLOOR + (start + i) % width
+            if port not in _HANDED_OUT and _bindable(port):
+                _HANDED_OUT.add(port)
+                return port
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -100,6 +137,7 @@ class LocalCluster:
         self.log_dir = Path(log_dir) if log_dir else self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.port = port
+        reserve_port(port)
         self.n_scatter = scatter_workers
         self.etcd = etcd
         self.config = replace(config or RuntimeConfig(), **settings)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -14,12 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hybridcache.services.launcher import free_port  # noqa: F401  (the operator tests import it from here)
 
 
 @contextlib.contextmanager

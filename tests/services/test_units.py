@@ -457,3 +457,28 @@ def test_a_process_keeps_its_last_spans_only():
     spans = tracing.finished_spans()
     assert len(spans) == tracing.KEPT_SPANS
     assert spans[-1].name == f"span-{tracing.KEPT_SPANS + 39}"
+
+
+def test_free_port_stays_out_of_the_ephemeral_range_and_skips_reserved_ports(monkeypatch):
+    import socket
+
+    from hybridcache.services import launcher
+
+    low = launcher._ephemeral_low()
+    ports = [free_port() for _ in range(40)]
+    assert len(set(ports)) == len(ports)
+    if low - launcher._PORT_FLOOR >= 1000:
+        assert all(launcher._PORT_FLOOR <= p < low for p in ports), ports
+    for p in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+    # in a window of 1000 ports with all but one reserved (a port the caller chose, as up --port
+    # is), that one is the port handed out
+    monkeypatch.setattr(launcher, "_HANDED_OUT", set())
+    monkeypatch.setattr(launcher, "_PORT_FLOOR", 21000)
+    monkeypatch.setattr(launcher, "_ephemeral_low", lambda: 22000)
+    left = next(p for p in range(21500, 22000) if launcher._bindable(p))
+    for p in range(21000, 22000):
+        if p != left:
+            launcher.reserve_port(p)
+    assert launcher.free_port() == left
