@@ -97,6 +97,9 @@ def serve_args(spec: HybridCacheSpec, name: str, role: RoleSpec) -> list[str]:
             # the workers start their other ranks themselves; the router keys entries by the split
             "--tensor-parallel-size", str(spec.engine.tensor_parallel_size),
         ]
+        if role.name in ("combine", "scatter"):
+            # a pod owns its GPUs: the whole share is its own (`up` splits it between co-located workers)
+            args += ["--gpu-memory-utilization", f"{spec.engine.gpu_memory_utilization:g}"]
     if spec.observability.otlp_endpoint:
         args += ["--otlp-endpoint", spec.observability.otlp_endpoint]
     # each cache budget to the roles whose processes hold that cache (the config field's roles)

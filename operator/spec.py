@@ -117,6 +117,8 @@ class EngineSpec:
     cuda_graphs: bool = True
     # ranks each worker splits its model over (one GPU each): a worker pod holds that many GPUs
     tensor_parallel_size: int = 1
+    # share of each GPU's memory a worker pod may use (vLLM's --gpu-memory-utilization)
+    gpu_memory_utilization: float = 0.9
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None) -> EngineSpec:
@@ -127,9 +129,12 @@ class EngineSpec:
             prefix_policy=raw.get("prefixPolicy", cls.prefix_policy),
             cuda_graphs=raw.get("cudaGraphs", cls.cuda_graphs),
             tensor_parallel_size=int(raw.get("tensorParallelSize", cls.tensor_parallel_size)),
+            gpu_memory_utilization=float(raw.get("gpuMemoryUtilization", cls.gpu_memory_utilization)),
         )
         if engine.tensor_parallel_size < 1:
             raise SpecError(f"engine.tensorParallelSize must be >= 1, got {engine.tensor_parallel_size}")
+        if not 0 < engine.gpu_memory_utilization <= 1:
+            raise SpecError(f"engine.gpuMemoryUtilization must be in (0, 1], got {engine.gpu_memory_utilization}")
         if engine.dtype not in DTYPES or engine.prefix_policy not in PREFIX_POLICIES:
             raise SpecError(f"unknown engine.dtype or engine.prefixPolicy: {engine}")
         if not isinstance(engine.cuda_graphs, bool):

@@ -170,9 +170,13 @@ class RuntimeConfig:
     http_body_timeout_s: int = setting(
         30, "router: seconds a client has to send a request's body once its headers are in (HTTP 408 after)",
         roles=("router",))
+    gpu_memory_utilization: float = setting(
+        0.9, "share of its GPU's total memory a worker may use, weights included; the cache and K/V budgets "
+        "left unset are shares of what remains once the model is loaded (at most the memory free then). "
+        "`up` splits it between the workers it places on one GPU", type=float)
     entry_cache_bytes: int | None = setting(
-        None, "segment-entry cache budget (default: 1 GiB on the CPU; on CUDA a share of the device memory "
-        "free after the model loads, stated at start-up)", type=int)
+        None, "segment-entry cache budget (default: 1 GiB on the CPU; on CUDA a share of the worker's "
+        "memory pool (--gpu-memory-utilization), stated at start-up)", type=int)
     prefix_cache_bytes: int | None = setting(
         None, "prefix page-tree (and part-chain snapshot) budget (default: as --entry-cache-bytes, a smaller "
         "share)", type=int)
@@ -268,7 +272,7 @@ class RuntimeConfig:
         None, "attention K/V the running requests may reserve, each its prompt and 256-token chunks of "
         "output as it grows; a request waits until its first chunk fits, running ones are preempted "
         "(recomputed later) when growth does not (default: 4 GiB on the CPU; on CUDA a share of the "
-        "device memory free after the model loads)", roles=("combine",), type=int)
+        "worker's memory pool (--gpu-memory-utilization))", roles=("combine",), type=int)
 
     def __post_init__(self):
         if self.anchor_dtype is None:  # the Python spelling of "model"
@@ -308,6 +312,8 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.tensor_parallel_size < 1:

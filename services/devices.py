@@ -4,8 +4,11 @@
 robin over --gpus in start order (the combine worker first), and keeps the router and the cache
 tier on the CPU. A worker's own GPU is its `cuda:0`; the other GPUs of the list stay visible after
 it (CUDA_VISIBLE_DEVICES="own,others"), because a receiver opens a CUDA IPC handle on the GPU
-that holds the memory (services/transport/cuda_ipc.py). Cache budgets left unset are sized from
-the device memory free once the model is loaded.
+that holds the memory (services/transport/cuda_ipc.py). Cache budgets left unset are sized once
+the model is loaded, from the worker's memory pool: --gpu-memory-utilization of the GPU's total
+memory less what the process already holds (its weights), never more than is free then. Workers
+that `up` places on one GPU split the utilization between them, so their pools do not overlap
+whichever loads first.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ log = logging.getLogger("hybridcache.devices")
 
 WORKER_ROLES = ("combine", "scatter")
 CPU_CACHE_BYTES = 1 << 30  # entry and prefix budgets on the CPU (and the cache tier's store)
-# Share of the device memory free after the model loads that the caches may take: the rest is for
-# activations of batched cold builds and for other workers placed on the same GPU.
+# Share of a worker's memory pool (memory_pool) that the caches may take: the rest is for the
+# running requests' K/V and the activations of batched cold builds.
 CACHE_MEMORY_FRACTION = 0.5
 ENTRY_SHARE = 0.75  # of that, the segment entries' part; the prefix page tree gets the rest
 # The running requests' attention K/V (the scheduler's admission budget): another share of that
-# free memory on CUDA, a fixed budget on the CPU.
+# pool on CUDA, a fixed budget on the CPU.
 KV_MEMORY_FRACTION = 0.25
 CPU_KV_BYTES = 4 << 30
 
@@ -70,23 +73,62 @@ def place_services(roles: list[str], device: str, gpus: tuple[int, ...] = (0,)) 
     return out
 
 
-def cache_budgets(device: str, free_bytes: int | None, entry_bytes: int | None = None,
-                  prefix_bytes: int | None = None, fraction: float = CACHE_MEMORY_FRACTION) -> tuple[int, int, str]:
+def utilization_per_worker(placements: list[Placement], utilization: float) -> dict[int, float]:
+    """The --gpu-memory-utilization of each GPU's workers when `placements` share GPUs: the GPU's
+    `utilization` split evenly between the workers placed on it (GPU index -> per-worker value)."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    count: dict[int, int] = {}
+    for p in placements:
+        if p.gpu is not None:
+            count[p.gpu] = count.get(p.gpu, 0) + 1
+    return {gpu: utilization / n for gpu, n in count.items()}
+
+
+def pool_bytes(total: int, free: int, held: int, utilization: float) -> tuple[int, str]:
+    """(bytes, how) a worker may still take on its GPU: `utilization` of the `total` memory less
+    what the process `held` already (its weights), at most what is `free` now, at least 0."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    want = int(utilization * total) - held
+    pool = max(0, min(want, free))
+    how = (f"{utilization:g} of {total / 2**30:.1f} GiB less {held / 2**30:.1f} GiB held = {max(want, 0) / 2**30:.1f} "
+           f"GiB")
+    if want > free:
+        how += f", cut to the {free / 2**30:.1f} GiB free"
+    return pool, how
+
+
+def memory_pool(device, utilization: float) -> tuple[int, str] | None:
+    """pool_bytes on a CUDA `device` now (the process's reserved memory counts as held), None off
+    CUDA (or with no CUDA to ask)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return pool_bytes(total, free, torch.cuda.memory_reserved(device), utilization)
+
+
+def cache_budgets(device: str, pool: int | None, entry_bytes: int | None = None,
+                  prefix_bytes: int | None = None, fraction: float = CACHE_MEMORY_FRACTION,
+                  pool_how: str = "") -> tuple[int, int, str]:
     """(entry budget, prefix budget, how they were chosen) for an engine process. Budgets given
-    stay as given; the others are CPU_CACHE_BYTES on the CPU and shares of `fraction` of the free
-    device memory on CUDA."""
+    stay as given; the others are CPU_CACHE_BYTES on the CPU and shares of `fraction` of the
+    worker's memory `pool` (memory_pool; `pool_how` says how it was found) on CUDA."""
     for name, v in (("entry", entry_bytes), ("prefix", prefix_bytes)):
         if v is not None and v <= 0:
             raise ValueError(f"the {name} cache budget must be positive, got {v}")
     if not 0 < fraction <= 1:
         raise ValueError(f"the cache memory fraction must be in (0, 1], got {fraction}")
-    if device != "cuda" or free_bytes is None:
+    if device != "cuda" or pool is None:
         auto_entry = auto_prefix = CPU_CACHE_BYTES
         why = "CPU defaults"
     else:
-        pool = int(free_bytes * fraction)
-        auto_entry, auto_prefix = int(pool * ENTRY_SHARE), pool - int(pool * ENTRY_SHARE)
-        why = f"{fraction:g} of {free_bytes / 2**30:.1f} GiB free on the device"
+        share = int(pool * fraction)
+        auto_entry, auto_prefix = int(share * ENTRY_SHARE), share - int(share * ENTRY_SHARE)
+        why = f"{fraction:g} of a {pool / 2**30:.1f} GiB pool" + (f" ({pool_how})" if pool_how else "")
     entry = entry_bytes if entry_bytes is not None else auto_entry
     prefix = prefix_bytes if prefix_bytes is not None else auto_prefix
     given = [n for n, v in (("entry", entry_bytes), ("prefix", prefix_bytes)) if v is not None]
@@ -97,38 +139,33 @@ def cache_budgets(device: str, free_bytes: int | None, entry_bytes: int | None =
 
 def with_cache_budgets(config, device):
     """`config` (a RuntimeConfig) with its unset cache budgets sized for `device` (cache_budgets,
-    from the memory free now: call it once the model is loaded), stated in the log."""
+    from the worker's memory pool: call it once the model is loaded), stated in the log."""
     if config.entry_cache_bytes is not None and config.prefix_cache_bytes is not None:
         return config
     import torch
 
     device = torch.device(device)
-    entry, prefix, why = cache_budgets(device.type, free_device_memory(device), config.entry_cache_bytes,
-                                       config.prefix_cache_bytes)
+    found = memory_pool(device, config.gpu_memory_utilization)
+    pool, how = found if found is not None else (None, "")
+    entry, prefix, why = cache_budgets(device.type, pool, config.entry_cache_bytes, config.prefix_cache_bytes,
+                                       pool_how=how)
     log.info("cache budgets on %s: entries %.2f GiB, prefix pages %.2f GiB (%s)", device, entry / 2**30,
              prefix / 2**30, why)
     return replace(config, entry_cache_bytes=entry, prefix_cache_bytes=prefix)
 
 
-def kv_cache_budget(device, given: int | None = None, fraction: float = KV_MEMORY_FRACTION) -> int:
+def kv_cache_budget(device, given: int | None = None, utilization: float = 0.9,
+                    fraction: float = KV_MEMORY_FRACTION) -> int:
     """The attention K/V budget of a scheduler's running requests: `given`, else CPU_KV_BYTES on the
-    CPU and `fraction` of the device memory free now on CUDA (call it once the model is loaded)."""
+    CPU and `fraction` of the worker's memory pool on CUDA (memory_pool at `utilization`: call it
+    once the model is loaded)."""
     if given is not None:
         return given
-    free = free_device_memory(device)
-    if free is None:
+    found = memory_pool(device, utilization)
+    if found is None:
         return CPU_KV_BYTES
-    budget = int(free * fraction)
-    log.info("K/V budget of running requests on %s: %.2f GiB (%g of %.1f GiB free)", device, budget / 2**30,
-             fraction, free / 2**30)
+    pool, how = found
+    budget = int(pool * fraction)
+    log.info("K/V budget of running requests on %s: %.2f GiB (%g of a %.1f GiB pool: %s)", device,
+             budget / 2**30, fraction, pool / 2**30, how)
     return budget
-
-
-def free_device_memory(device) -> int | None:
-    """Free bytes on `device` now (torch.cuda.mem_get_info), None off CUDA (or with no CUDA to ask)."""
-    import torch
-
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.mem_get_info(device)[0]

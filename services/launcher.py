@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hybridcache.services.config import RuntimeConfig, add_config_flags, config_args, config_env, config_from_args
+from hybridcache.services.devices import place_services, utilization_per_worker
 from hybridcache.services.security import DeploymentSecret
 
 _HANDED_OUT: set[int] = set()
@@ -125,8 +126,6 @@ class LocalCluster:
         """`config` (with `settings`: RuntimeConfig fields set over it) goes to every service, each
         role getting the fields it takes; `extra` adds flags per role. With device cuda the workers
         take the `gpus` round robin (services/devices.py)."""
-        from hybridcache.services.devices import place_services
-
         if scatter_workers < 0:
             raise ValueError("scatter_workers must be >= 0")
         if cache_tiers < 1:
@@ -161,6 +160,9 @@ class LocalCluster:
                                 self.config.device, gpus)
         self.placement = {"cache-tier": placed[0], "router": placed[1], "combine": placed[2]}
         self.scatter_placement = placed[3:]
+        # workers on one GPU split its --gpu-memory-utilization: each sizes its caches from its own
+        # part, so their pools cannot overlap whichever loads first
+        self.utilization = utilization_per_worker(placed, self.config.gpu_memory_utilization)
 
     @property
     def url(self) -> str:
@@ -171,8 +173,11 @@ class LocalCluster:
                placement=None) -> Service:
         placement = placement or self.placement[role]
         env = dict(placement.env, **(env or {}))
+        config = self.config
+        if placement.gpu is not None:
+            config = replace(config, gpu_memory_utilization=round(self.utilization[placement.gpu], 6))
         cmd = [sys.executable, "-m", "hybridcache.services.cli", "serve", role, "--grpc-port", str(grpc_port),
-               "--http-port", str(http_port), "--die-with-parent", str(os.getpid()), *config_args(self.config, role)]
+               "--http-port", str(http_port), "--die-with-parent", str(os.getpid()), *config_args(config, role)]
         if role != "cache-tier":
             cmd += ["--model", self.model_dir]
         if self.etcd:
@@ -332,8 +337,11 @@ def up(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     where = "on the CPU"
     if cluster.config.device == "cuda":
-        gpus_of = [f"combine: GPU {cluster.placement['combine'].gpu}"]
-        gpus_of += [f"scatter {i}: GPU {p.gpu}" for i, p in enumerate(cluster.scatter_placement)]
+        def on(p) -> str:
+            return f"GPU {p.gpu} ({cluster.utilization[p.gpu]:.3g} of its memory)"
+
+        gpus_of = [f"combine: {on(cluster.placement['combine'])}"]
+        gpus_of += [f"scatter {i}: {on(p)}" for i, p in enumerate(cluster.scatter_placement)]
         where = f"on CUDA ({', '.join(gpus_of)}; router and cache tier on the CPU)"
     print(f"hybridcache up: starting {args.cache_tiers} cache tier(s), {args.scatter_workers} scatter worker(s), "
           f"a combine worker and router for {model} {where}; logs in {cluster.log_dir}", file=sys.stderr, flush=True)

@@ -125,7 +125,8 @@ def scheduler_config(config, device) -> SchedulerConfig:
     `device` when unset (devices.kv_cache_budget)."""
     overlap = config.decode_overlap and torch.device(device).type == "cuda" and config.tensor_parallel_size == 1
     return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens,
-                           kv_cache_budget(device, config.kv_cache_bytes), overlap=overlap)
+                           kv_cache_budget(device, config.kv_cache_bytes, config.gpu_memory_utilization),
+                           overlap=overlap)
 
 
 class RequestHandle:

@@ -74,7 +74,7 @@ def test_defaults_are_applied():
         "metricsSource": {"type": "Router", "url": "", "query": ""},
     }
     assert spec["engine"] == {"dtype": "bfloat16", "seamWindow": 8, "prefixPolicy": "exact_replay", "cudaGraphs": True,
-                              "tensorParallelSize": 1}
+                              "tensorParallelSize": 1, "gpuMemoryUtilization": 0.9}
     assert spec["paused"] is False
 
 
@@ -90,6 +90,8 @@ def test_defaults_are_applied():
     ({"scatter": {"autoscaling": {"targetQueueDepthPerReplica": 0}}}, "targetQueueDepthPerReplica"),
     ({"engine": {"dtype": "float16"}}, "dtype"),
     ({"engine": {"seamWindow": -1}}, "seamWindow"),
+    ({"engine": {"gpuMemoryUtilization": 0}}, "gpuMemoryUtilization"),
+    ({"engine": {"gpuMemoryUtilization": 1.5}}, "gpuMemoryUtilization"),
     ({"etcd": {"endpoints": ["no-port"]}}, "endpoints"),
     ({"router": {"replicas": 0}}, "replicas"),
 ])

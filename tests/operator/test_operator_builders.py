@@ -187,6 +187,17 @@ def test_tensor_parallel_workers_hold_their_gpus_and_pass_the_size():
         assert arg(c["args"], "--tensor-parallel-size") == "2" and arg(c["args"], "--device") == "cuda"
     assert arg(container(builders.router_deployment(tp, NAME))["args"], "--tensor-parallel-size") == "2"
     assert arg(container(builders.combine_deployment(GPU, NAME))["args"], "--tensor-parallel-size") == "1"
+
+
+def test_worker_pods_take_the_gpu_memory_utilization_the_router_does_not():
+    spec = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"},
+                                  "engine": {"gpuMemoryUtilization": 0.8}})
+    for build in (builders.combine_deployment, lambda s, n: builders.scatter_deployment(s, n, 1)):
+        assert arg(container(build(spec, NAME))["args"], "--gpu-memory-utilization") == "0.8"
+        assert arg(container(build(GPU, NAME))["args"], "--gpu-memory-utilization") == "0.9"
+    assert "--gpu-memory-utilization" not in container(builders.router_deployment(spec, NAME))["args"]
+    with pytest.raises(ValueError, match="gpuMemoryUtilization"):
+        HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}, "engine": {"gpuMemoryUtilization": 2}})
     with pytest.raises(ValueError, match="gpusPerPod must be 2"):
         HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}, "engine": {"tensorParallelSize": 2},
                                "combine": {"gpusPerPod": 1}, "scatter": {"gpusPerPod": 2}})

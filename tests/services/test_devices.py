@@ -9,7 +9,14 @@ import pytest
 from hybridcache.services import launcher
 from hybridcache.services.cli import build_parser
 from hybridcache.services.config import config_args, config_from_args
-from hybridcache.services.devices import CPU_CACHE_BYTES, cache_budgets, parse_gpus, place_services
+from hybridcache.services.devices import (
+    CPU_CACHE_BYTES,
+    cache_budgets,
+    parse_gpus,
+    place_services,
+    pool_bytes,
+    utilization_per_worker,
+)
 
 GiB = 1 << 30
 
@@ -42,15 +49,41 @@ def test_bad_gpu_lists_are_rejected(text):
 
 def test_cache_budgets_cpu_defaults_cuda_shares_and_given_values():
     assert cache_budgets("cpu", None)[:2] == (CPU_CACHE_BYTES, CPU_CACHE_BYTES)
-    entry, prefix, why = cache_budgets("cuda", 120 * GiB)
+    entry, prefix, why = cache_budgets("cuda", 120 * GiB, pool_how="0.9 of 140 GiB less 6 GiB held")
     assert entry + prefix == 60 * GiB and entry == 3 * prefix
-    assert "120.0 GiB free" in why
+    assert "120.0 GiB pool" in why and "less 6 GiB held" in why
     # a 32 x 1k working set of Qwen3.5-9B entries (~80 MB each) fits the sized default on an H200
     assert entry > 32 * 80e6 * 10
     entry, prefix, why = cache_budgets("cuda", 120 * GiB, entry_bytes=5 * GiB)
     assert entry == 5 * GiB and prefix == 15 * GiB and "entry as given" in why
     with pytest.raises(ValueError, match="positive"):
         cache_budgets("cuda", GiB, prefix_bytes=0)
+
+
+def test_memory_pool_is_the_utilization_of_total_less_what_the_process_holds_capped_by_free():
+    # an H200 (~140 GiB) with 18 GiB of weights loaded by this worker
+    pool, how = pool_bytes(140 * GiB, 120 * GiB, 18 * GiB, 0.9)
+    assert pool == int(0.9 * 140 * GiB) - 18 * GiB and "less 18.0 GiB held" in how
+    # two workers on one GPU, each at half of 0.9, whichever loads first: their pools do not
+    # overlap (sized from free memory, each would have taken a share of ~the same 100+ GiB)
+    first, _ = pool_bytes(140 * GiB, 122 * GiB, 18 * GiB, 0.45)
+    second, _ = pool_bytes(140 * GiB, 104 * GiB, 18 * GiB, 0.45)
+    assert first == second and first + second + 2 * 18 * GiB <= 0.9 * 140 * GiB + 1
+    # another process holding more than its part: never more than is free now
+    pool, how = pool_bytes(140 * GiB, 30 * GiB, 18 * GiB, 0.9)
+    assert pool == 30 * GiB and "cut to the 30.0 GiB free" in how
+    # weights over the utilization: no pool (the budgets then refuse entries, not the allocator)
+    assert pool_bytes(80 * GiB, 60 * GiB, 20 * GiB, 0.2)[0] == 0
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        pool_bytes(80 * GiB, 60 * GiB, 0, 1.5)
+
+
+def test_workers_sharing_a_gpu_split_its_utilization():
+    placed = place_services(["cache-tier", "router", "combine", "scatter", "scatter"], "cuda", (0, 1))
+    assert utilization_per_worker(placed, 0.9) == {0: 0.45, 1: 0.9}
+    assert utilization_per_worker(place_services(["router", "combine"], "cpu"), 0.9) == {}
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        utilization_per_worker(placed, 0.0)
 
 
 def _up_args(*flags):
@@ -128,6 +161,10 @@ def test_local_cluster_spawns_each_child_on_its_device(monkeypatch, tmp_path):
             assert "--entry-cache-bytes" not in cmd  # workers size their own on CUDA
         assert got == {"cache-tier": [(None, "")], "router": [(None, "")], "combine": [("cuda", "0,1")],
                        "scatter": [("cuda", "1,0"), ("cuda", "0,1"), ("cuda", "1,0")]}
+        # two workers on each GPU: each is told half of the GPU's utilization
+        for s in cluster.role("combine") + cluster.role("scatter"):
+            assert s.proc.cmd[s.proc.cmd.index("--gpu-memory-utilization") + 1] == "0.45"
+        assert all("--gpu-memory-utilization" not in s.proc.cmd for s in cluster.role("router"))
         combine = cluster.role("combine")[0].proc.cmd
         assert combine[combine.index("--dtype") + 1] == "bfloat16"
         # the combine worker knows the scatter workers from the start (it asks their Describe in
