@@ -55,6 +55,9 @@ METRIC_SCHEDULER_PREEMPTIONS = "hybridcache_scheduler_preemptions_total"
 # the model's entry layout). Every refused entry is a miss.
 METRIC_ENTRIES_REJECTED = "hybridcache_entries_rejected_total"
 METRIC_UNAUTHENTICATED = "hybridcache_unauthenticated_requests_total"  # counter, label door=grpc|http
+# histogram, label generation=0|1|2: the interpreter's garbage-collector pauses (every thread of the
+# process waits them out, a request's engine step included)
+METRIC_GC_PAUSE_SECONDS = "hybridcache_gc_pause_seconds"
 
 ALL_METRICS = (
     METRIC_TTFT_SECONDS,
@@ -73,4 +76,5 @@ ALL_METRICS = (
     METRIC_SCHEDULER_PREEMPTIONS,
     METRIC_ENTRIES_REJECTED,
     METRIC_UNAUTHENTICATED,
+    METRIC_GC_PAUSE_SECONDS,
 )

@@ -22,7 +22,7 @@ from hybridcache.services import security
 from hybridcache.services.config import add_config_flags, config_from_args
 from hybridcache.services.contract import ROLES
 from hybridcache.services.directory import make_directory
-from hybridcache.services.observability import tracing
+from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.observability.http import serve_health_and_metrics
 from hybridcache.services.protocol import rpc
 
@@ -114,6 +114,7 @@ def _serve(args) -> int:
     http_port = args.http_port if args.http_port is not None else ports.http
     address = f"{args.host}:{grpc_port}"
     tracing.setup_tracing(args.role, args.otlp_endpoint)
+    metrics.watch_gc()  # each collection's pause in hybridcache_gc_pause_seconds and the requests' stats
     if config.secret_file is None:
         raise security.SecretError("no deployment secret: --secret-file names the file that holds it "
                                    "(`hybridcache up` and the operator make one)")

@@ -321,7 +321,7 @@ class CombineServicer(rpc.CombineServicer):
     def _generate(self, request, context):
         t0 = time.perf_counter()
         device = next(self.engine.model.parameters()).device
-        counted = memory_counters(device, self.engine.entries)
+        counted = {**memory_counters(device, self.engine.entries), **metrics.GC_PAUSES.counters()}
         try:
             sampling = json.loads(request.sampling_json) if request.sampling_json else {}
             # int32 arrays over the packed bytes: the planner checks their range in numpy
@@ -395,7 +395,9 @@ class CombineServicer(rpc.CombineServicer):
         # request): from the request reaching it to that token leaving its handler
         if t_first is not None:
             stats["combine_ttft_ms"] = (t_first - t0) * 1000
-        stats.update({k: v - counted.get(k, 0) for k, v in memory_counters(device, self.engine.entries).items()})
+        now = {**memory_counters(device, self.engine.entries), **metrics.GC_PAUSES.counters()}
+        stats.update({k: v - counted.get(k, 0) for k, v in now.items()})
+        stats["gc_pause_ms"] = round(stats["gc_pause_ms"], 3)
         stats["entry_cache_bytes"] = self.engine.entries.used_bytes
         stats["trace_id"] = tracing.current_trace_id()
         metrics.CACHE_BYTES.labels(tier=self.own_tier).set(stats["entry_cache_bytes"])

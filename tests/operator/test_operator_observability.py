@@ -15,7 +15,8 @@ from hybridcache.services import contract
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "manifests" / "dashboards" / "hybridcache.json"
 RULES = REPO / "manifests" / "alerts" / "hybridcache-rules.yaml"
-HISTOGRAMS = (contract.METRIC_TTFT_SECONDS, contract.METRIC_INTER_TOKEN_SECONDS, contract.METRIC_ENTRY_BUILD_SECONDS)
+HISTOGRAMS = (contract.METRIC_TTFT_SECONDS, contract.METRIC_INTER_TOKEN_SECONDS, contract.METRIC_ENTRY_BUILD_SECONDS,
+              contract.METRIC_GC_PAUSE_SECONDS)
 ALLOWED = set(contract.ALL_METRICS) | {f"{h}_{s}" for h in HISTOGRAMS for s in ("bucket", "sum", "count")}
 METRIC = re.compile(r"\bhybridcache_[a-z0-9_]+\b")
 

@@ -179,6 +179,9 @@ def test_ttft_is_the_wait_from_the_routers_receipt_with_the_engines_share_beside
     # which evicted nothing to hold them (1 GiB on the CPU); no CUDA allocator there
     assert st["entry_cache_bytes"] > 0 and st["entry_evictions"] == 0
     assert "device_allocs" not in st and "alloc_retries" not in st
+    # and the collector's pauses over the request (all threads wait them out)
+    assert st["gc_collections"] >= 0 and st["gc_pause_ms"] >= 0
+    assert st["gc_collections"] > 0 or st["gc_pause_ms"] == 0
 
 
 def test_sglang_frontend_program(cluster):

@@ -482,3 +482,22 @@ def test_free_port_stays_out_of_the_ephemeral_range_and_skips_reserved_ports(mon
         if p != left:
             launcher.reserve_port(p)
     assert launcher.free_port() == left
+
+
+def test_gc_pauses_are_timed_and_exported():
+    import gc
+
+    from hybridcache.services.observability import metrics
+
+    pauses = metrics.watch_gc()
+    assert metrics.watch_gc() is pauses and gc.callbacks.count(pauses) == 1  # installed once
+    junk = [[i] for i in range(200_000)]  # something for a full collection to walk
+    before = pauses.counters()
+    count_before = metrics.GC_PAUSE.labels(generation="2")._sum.get()
+    gc.collect()
+    after = pauses.counters()
+    del junk
+    assert after["gc_collections"] == before["gc_collections"] + 1
+    assert after["gc_pause_ms"] > before["gc_pause_ms"]
+    assert metrics.GC_PAUSE.labels(generation="2")._sum.get() > count_before
+    assert b'hybridcache_gc_pause_seconds_bucket{generation="2"' in metrics.scrape()
