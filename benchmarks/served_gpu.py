@@ -141,7 +141,8 @@ def _stats(st: dict) -> dict:
     keep = ("ttft_ms", "engine_ttft_ms", "router_ms", "combine_ms", "combine_ttft_ms", "built_tokens",
             "reused_segments", "scatter_bytes", "scatter_seconds", "scatter_copy_seconds", "scatter_path",
             "scatter_blocks", "scatter_ipc_opens", "tier_bytes", "built_here_same_gpu", "prompt_tokens",
-            "device_allocs", "alloc_retries", "entry_evictions", "entry_cache_bytes", "gc_collections", "gc_pause_ms")
+            "device_allocs", "alloc_retries", "entry_evictions", "entry_cache_bytes", "gc_collections", "gc_pause_ms",
+            "graph_captures", "graph_replays", "graph_eager", "graph_failures")
     return {k: st[k] for k in keep if k in st}
 
 

@@ -62,6 +62,18 @@ def memory_counters(device, store) -> dict[str, int]:
     return out
 
 
+def request_counters(device, store, model) -> dict[str, float]:
+    """memory_counters, the interpreter's collections (metrics.GC_PAUSES) and the live pass's CUDA
+    graph cache's counts (graphs.LayoutGraphs: shapes captured, replayed, run eagerly; a capture
+    runs on the request that sees a shape for the capture_after-th time): running totals whose
+    difference over a request its stats carry."""
+    out: dict[str, float] = {**memory_counters(device, store), **metrics.GC_PAUSES.counters()}
+    graphs = getattr(model, "_layout_graphs", None)
+    if graphs is not None:
+        out.update({f"graph_{k}": v for k, v in graphs.stats.items()})
+    return out
+
+
 def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]], cache_tier: str,
                        metadata=(), timeout_s: float = 120.0, receiver: Endpoint | None = None,
                        device="cpu") -> tuple[dict[int, SegmentEntry], EntryAssembler]:
@@ -321,7 +333,7 @@ class CombineServicer(rpc.CombineServicer):
     def _generate(self, request, context):
         t0 = time.perf_counter()
         device = next(self.engine.model.parameters()).device
-        counted = {**memory_counters(device, self.engine.entries), **metrics.GC_PAUSES.counters()}
+        counted = request_counters(device, self.engine.entries, self.engine.model)
         try:
             sampling = json.loads(request.sampling_json) if request.sampling_json else {}
             # int32 arrays over the packed bytes: the planner checks their range in numpy
@@ -395,7 +407,7 @@ class CombineServicer(rpc.CombineServicer):
         # request): from the request reaching it to that token leaving its handler
         if t_first is not None:
             stats["combine_ttft_ms"] = (t_first - t0) * 1000
-        now = {**memory_counters(device, self.engine.entries), **metrics.GC_PAUSES.counters()}
+        now = request_counters(device, self.engine.entries, self.engine.model)
         stats.update({k: v - counted.get(k, 0) for k, v in now.items()})
         stats["gc_pause_ms"] = round(stats["gc_pause_ms"], 3)
         stats["entry_cache_bytes"] = self.engine.entries.used_bytes

@@ -568,7 +568,10 @@ class Engine:
         segments of that length in the batches the request path makes, and the assembly of that
         shape seen three times, so that its CUDA graphs are captured here (the second time,
         graphs.LayoutGraphs) and replayed by the third, and the allocator holds the memory such a
-        request takes. On CUDA the first call of each Triton kernel configuration compiles and
+        request takes; and three more after the first one's system prompt, which the prefix cache
+        then holds (new documents, the first documents reordered, new documents again): a live
+        pass that starts from the cached prompt is another shape, captured here too rather than
+        on the second such request that comes. On CUDA the first call of each Triton kernel configuration compiles and
         autotunes (seconds to minutes: fla's KDA kernels are the slowest) and a new layout shape
         runs eagerly before it is captured, none of which a server must charge to its first
         requests. `run(request)` serves one request to its end (default: this engine's own path;
@@ -595,10 +598,17 @@ class Engine:
         shape = self.warmup_shape()
         if shape is not None:
             system, n, length, question = shape
-            docs, q = [ids(length) for _ in range(n)], ids(question)
-            requests += [Request(ids(system), docs, q, greedy),  # all cold, then the assembly
+            docs, more = [ids(length) for _ in range(n)], [ids(length) for _ in range(n)]
+            q, s0 = ids(question), ids(system)
+            requests += [Request(s0, docs, q, greedy),  # all cold, then the assembly
                          Request(ids(system), docs[::-1], q, greedy),  # warm, another order: captured
-                         Request(ids(system), docs[1:] + docs[:1], q, greedy)]  # and replayed
+                         Request(ids(system), docs[1:] + docs[:1], q, greedy),  # and replayed
+                         # after a system prompt that is cached (the common case: one application's
+                         # prompt, new documents): another shape, seen cold, then warm (captured)
+                         # and cold again (replayed)
+                         Request(s0, more, q, greedy),
+                         Request(s0, docs[::-1], q, greedy),
+                         Request(s0, [ids(length) for _ in range(n)], q, greedy)]
         if run is None:
             def run(req):
                 for _ in self.start(req):

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import pb, rpc, segment, unpack_ids
+from hybridcache.services.runtime import graphs
 from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.sequence import LinearSpan
 from hybridcache.services.transport import Endpoint, checksum, choose_transport, get_transport, local_endpoint
@@ -116,8 +117,11 @@ class ScatterServicer(rpc.ScatterServicer):
     def warmup(self) -> dict:
         """The engine's warm-up (Engine.warmup), then the cold builds of its shaped requests'
         segments through this worker's builder, in the batches it makes of them (max_batch_tokens),
-        so that a first request of that shape finds every build shape done before."""
-        out = self.engine.warmup()
+        so that a first request of that shape finds every build shape done before. Its live
+        passes run eagerly: a scatter worker only builds entries (recording passes, never from
+        CUDA graphs), so graphs of assemblies would hold its GPU memory for nothing."""
+        with graphs.eager(self.engine.model):
+            out = self.engine.warmup()
         checksum.warm(self.engine.model.device)  # the checksum kernels of the entries it sends
         shape = self.engine.warmup_shape()
         if shape is not None:

@@ -94,3 +94,24 @@ def test_segments_of_calls_arriving_together_are_built_in_one_batch(engine):
             assert entry.key == alone.key
             for x, y in zip(entry.data.linear.values(), alone.data.linear.values()):
                 assert torch.allclose(x.S, y.S, atol=1e-5)
+
+
+def test_scatter_warmup_runs_its_live_passes_eagerly(model_dir, monkeypatch):
+    """A scatter worker only builds entries: its warm-up's assemblies must not leave CUDA graphs
+    (GPU memory it would hold for nothing). Every live pass asks layout_graphs; none may find the
+    model's graphs enabled, and they are enabled again afterwards."""
+    from hybridcache.services.runtime import graphs
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+
+    own = Engine.from_dir(model_dir, config=EngineConfig(warmup_shape="4+2x64+8"))
+    asked = []
+    real = graphs.layout_graphs
+
+    def layout_graphs(model):
+        asked.append(getattr(model, "_cuda_graphs_enabled", True))
+        return real(model)
+
+    monkeypatch.setattr(graphs, "layout_graphs", layout_graphs)
+    report = ScatterServicer(own, max_batch_tokens=256).warmup()
+    assert report["requests"] > 0 and asked and not any(asked)
+    assert getattr(own.model, "_cuda_graphs_enabled", True)

@@ -501,3 +501,21 @@ def test_gc_pauses_are_timed_and_exported():
     assert after["gc_pause_ms"] > before["gc_pause_ms"]
     assert metrics.GC_PAUSE.labels(generation="2")._sum.get() > count_before
     assert b'hybridcache_gc_pause_seconds_bucket{generation="2"' in metrics.scrape()
+
+
+def test_request_counters_carry_the_graph_cache_counts():
+    from types import SimpleNamespace
+
+    from hybridcache.services.combine.worker import request_counters
+    from hybridcache.services.runtime.cache.memory import MemoryEntryStore
+    from hybridcache.services.runtime.graphs import LayoutGraphs
+
+    model = SimpleNamespace()
+    store = MemoryEntryStore(1 << 20)
+    plain = request_counters("cpu", store, model)
+    assert set(plain) == {"entry_evictions", "gc_collections", "gc_pause_ms"}
+    model._layout_graphs = LayoutGraphs(model)
+    model._layout_graphs.stats.update(captures=2, replays=5, eager=1)
+    got = request_counters("cpu", store, model)
+    assert {k: got[k] for k in ("graph_captures", "graph_replays", "graph_eager", "graph_failures")} == {
+        "graph_captures": 2, "graph_replays": 5, "graph_eager": 1, "graph_failures": 0}

@@ -46,14 +46,70 @@ def test_warmup_takes_every_path_and_leaves_caches_as_they_were(model_dir, monke
     monkeypatch.setattr(Engine, "decode_one_token", decode)
     report = engine.warmup()
 
-    # the three small requests, and three of the default shape cut to the tiny model's 4096 positions
+    # the four small requests, and six of the default shape cut to the tiny model's 4096 positions
     assert report["shape"] == (16, 3, 1024, 64)
-    assert report["requests"] == 7 and report["seconds"] > 0
+    assert report["requests"] == 10 and report["seconds"] > 0
     assert calls["batched_scan"] > 0, "no assembly with several seams"
     assert calls["build"] >= 3, "the cold segments were not built in a batch"
     assert calls["decode"] >= 3 * 2, "decode steps missing"
     assert (engine.entries, engine.prefixes, engine.pages) == stores
     assert (len(engine.entries), len(engine.prefixes), len(engine.pages), engine.entries.used_bytes) == before
+
+
+def test_after_warmup_no_request_of_the_shape_captures_graphs(model_dir, monkeypatch):
+    """The live-pass shapes of the warm-up's request shape are all captured during the warm-up:
+    requests of that shape after it (a first cold one, warm ones after other system prompts, cold
+    ones after the same, now cached, system prompt: served_gpu.py's sequence) only replay. Graphs
+    run on CUDA only; here the shape cache (graphs.LayoutGraphs' counting by layout_key, capture
+    on the second sighting) is followed on the CPU with the engine's real layouts."""
+    import random
+
+    from hybridcache.services.runtime import graphs
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from hybridcache.services.runtime.scheduler import Scheduler, scheduler_config
+
+    events: list[tuple[str, str]] = []
+    seen: dict[tuple, int] = {}
+    captured: set[tuple] = set()
+    phase = ["warmup"]
+
+    class Shapes:
+        def run(self, state, layout, logits_for, snapshot_after, capture_hidden):
+            key = graphs.layout_key(state, layout, logits_for, snapshot_after, capture_hidden)
+            if key is not None:
+                if key in captured:
+                    events.append((phase[0], "replay"))
+                else:
+                    seen[key] = seen.get(key, 0) + 1
+                    if seen[key] >= 2:
+                        captured.add(key)
+                    events.append((phase[0], "capture" if key in captured else "eager"))
+            return None  # the eager forward runs
+
+    monkeypatch.setattr(graphs, "layout_graphs", lambda model: Shapes())
+    system, n, length, question = 16, 4, 64, 16
+    engine = Engine.from_dir(model_dir, config=EngineConfig(warmup_shape=f"{system}+{n}x{length}+{question}"))
+    scheduler = Scheduler(engine, scheduler_config(engine.config, "cpu"))
+    try:
+        engine.warmup(run=scheduler.generate)
+        assert ("warmup", "capture") in events
+        rng = random.Random(1)
+
+        def ids(k):
+            return [rng.randrange(engine.cfg.vocab_size) for _ in range(k)]
+
+        sp = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+        cold = {"system": ids(system), "segments": [ids(length) for _ in range(n)], "suffix": ids(question),
+                "sampling_params": sp}
+        sequence = [cold, dict(cold, system=ids(system), segments=cold["segments"][::-1])]
+        sequence += [dict(cold, segments=[ids(length) for _ in range(n)]) for _ in range(3)]
+        for k, body in enumerate(sequence):
+            phase[0] = f"request {k}"
+            scheduler.generate(body)
+    finally:
+        scheduler.stop()
+    served = [e for e in events if e[0] != "warmup"]
+    assert len(served) >= len(sequence) and all(kind == "replay" for _, kind in served), served
 
 
 def test_health_is_503_until_ready_and_livez_always_answers():
@@ -102,7 +158,7 @@ def test_scatter_worker_warms_up_before_it_is_ready(model_dir, tmp_path):
         assert ready.is_set(), "".join(lines[-20:])
         code, body = http("GET", f"http://127.0.0.1:{http_port}/health")
         assert code == 200 and body["status"] == "ok"
-        assert body["warmup"]["requests"] == 7 and body["warmup"]["shape"] == [16, 3, 1024, 64]
+        assert body["warmup"]["requests"] == 10 and body["warmup"]["shape"] == [16, 3, 1024, 64]
         # the shape's 3 segments through the worker's builder, in its batches of --max-num-batched-tokens
         assert body["warmup"]["builds"] == [3]
         assert all(c == 503 for c, s in seen if s != "ok"), seen
