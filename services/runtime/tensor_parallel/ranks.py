@@ -34,7 +34,6 @@ import io
 import logging
 import os
 import pickle
-import socket
 import threading
 import weakref
 from collections.abc import Callable
@@ -451,9 +450,10 @@ def _local(x):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # below the kernel's ephemeral range, as the local services' ports (launcher.free_port)
+    from hybridcache.services.launcher import free_port
+
+    return free_port()
 
 
 def _init(rank: int, size: int, init_method: str, device: str, timeout_s: float) -> Channel:
