@@ -312,6 +312,14 @@ def figures(res: dict) -> dict:
     if "pic" in colds and "scatter" in colds:
         out["cold_pic_ttft_ms_all"], out["cold_pic_ttft_ms_all_with_scatter"] = colds["pic"], colds["scatter"]
         out["cold_pic_ttft_with_scatter_vs_without_median"] = _ratio(_median(colds["scatter"]), _median(colds["pic"]))
+    # what each of those cold requests paid on its own path besides the engine's work (their
+    # stats): live-pass graphs captured, collector pauses, allocator retries
+    for name, ph in (("pic", pic), ("scatter", sc)):
+        reqs = [r for r in [ph["cold"], ph.get("cold2"), *ph.get("cold_more", ())] if r] if ph else []
+        for key in ("graph_captures", "gc_pause_ms", "alloc_retries"):
+            got = [r["stats"].get(key) for r in reqs]
+            if any(v is not None for v in got):
+                out[f"cold_{key}_all" + ("" if name == "pic" else "_with_scatter")] = got
     moving = sc_ipc or sc
     if moving:
         moves = [r["stats"] for r in (moving["cold"], moving["cold2"], *moving.get("cold_more", ()))

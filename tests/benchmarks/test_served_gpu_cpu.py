@@ -101,3 +101,7 @@ def test_tiny_cpu_run(tmp_path):
     # the combine worker froze what it held once warm (its /health), and says what requests cost its memory
     assert res["detail"]["scatter"]["combine_gc_frozen_objects"] > 10_000
     assert cold["stats"]["entry_evictions"] == 0 and cold["stats"]["entry_cache_bytes"] > 0
+    # and what each cold request paid besides the engine's work, per stack (no graphs or CUDA
+    # allocator on the CPU: collector pauses only)
+    pauses = f["cold_gc_pause_ms_all_with_scatter"]
+    assert len(pauses) >= 2 and all(p >= 0 for p in pauses) and "cold_graph_captures_all_with_scatter" not in f
