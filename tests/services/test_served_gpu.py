@@ -193,6 +193,38 @@ def test_served_stack_builds_cold_segments_on_the_combine_gpu_when_the_scatter_w
 
 
 @pytest.mark.gpu
+def test_served_requests_of_the_warmup_shape_capture_no_graphs(model_dir):
+    """After the combine worker's warm-up, requests of its warm-up shape (a first cold one, warm
+    ones after other system prompts, cold ones after the same, cached, system prompt) only replay
+    CUDA graphs: none captures on its own path (served_gpu.py's sequence, its shape cut small)."""
+    import random
+
+    from hybridcache.services.launcher import LocalCluster, free_port
+    from serving_helpers import http
+
+    system, n, length, question = 16, 4, 64, 16
+    rng = random.Random(0)
+
+    def ids(k):
+        return [rng.randrange(5, 250) for _ in range(k)]
+
+    sp = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+    cold = {"system": ids(system), "segments": [ids(length) for _ in range(n)], "suffix": ids(question),
+            "sampling_params": sp}
+    sequence = [cold, dict(cold, system=ids(system), segments=cold["segments"][::-1])]
+    sequence += [dict(cold, segments=[ids(length) for _ in range(n)]) for _ in range(3)]
+    with LocalCluster(model_dir, port=free_port(), scatter_workers=0, device="cuda", ready_timeout_s=600,
+                      warmup_shape=f"{system}+{n}x{length}+{question}") as c:
+        stats = []
+        for body in sequence:
+            status, out = http("POST", f"{c.url}/generate", body, timeout=300)
+            assert status == 200, out
+            stats.append(out["hybridcache"])
+    assert [s["graph_captures"] for s in stats] == [0] * len(sequence), stats
+    assert all(s["graph_replays"] >= 1 for s in stats), stats
+
+
+@pytest.mark.gpu
 def test_start_up_measurement_of_the_cuda_ipc_device_work():
     from hybridcache.services.transport import measure_bandwidths
 
