@@ -184,8 +184,9 @@ class RuntimeConfig:
                                     flag="--cache-bytes")
     warmup_shape: str = setting(
         "16+32x1024+64", "scatter/combine warm-up: besides the small requests that take every path, requests of "
-        "this shape ([SYSTEM+]NxL+Q: N segments of L tokens, a Q-token question) cold and then warm, through the "
-        "worker's own request path, so that the first such request compiles, autotunes and captures nothing "
+        "this shape ([SYSTEM+]NxL+Q: N segments of L tokens, a Q-token question) cold and then warm, after new "
+        "system prompts and after a cached one, through the worker's own request path, so that no such request "
+        "compiles, autotunes or captures CUDA graphs on its own path "
         "(N is cut to what the served length allows); none = only the small ones", metavar="[SYS+]NxL+Q")
     transport_bandwidth: str | None = setting(
         None, "router: starting bandwidths of the entry paths in GB/s, PATH=GB/s[,...] with PATH grpc, shm or "
