@@ -73,16 +73,27 @@ def place_services(roles: list[str], device: str, gpus: tuple[int, ...] = (0,)) 
     return out
 
 
-def utilization_per_worker(placements: list[Placement], utilization: float) -> dict[int, float]:
-    """The --gpu-memory-utilization of each GPU's workers when `placements` share GPUs: the GPU's
-    `utilization` split evenly between the workers placed on it (GPU index -> per-worker value)."""
+def gpus_used(p: Placement, tensor_parallel_size: int = 1) -> list[int]:
+    """The GPUs a placed worker's ranks run on: rank r takes its r-th visible GPU (its own first)."""
+    if p.gpu is None:
+        return []
+    visible = [int(g) for g in p.env.get("CUDA_VISIBLE_DEVICES", str(p.gpu)).split(",") if g]
+    return visible[:tensor_parallel_size]
+
+
+def utilization_per_worker(placements: list[Placement], utilization: float,
+                           tensor_parallel_size: int = 1) -> dict[int, float]:
+    """The --gpu-memory-utilization each worker is given when `placements` share GPUs, by the
+    worker's own GPU: `utilization` of a GPU split evenly between the ranks on it, a worker taking
+    the smallest share among the GPUs its ranks use (each rank sizes its caches alike)."""
     if not 0 < utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
-    count: dict[int, int] = {}
+    ranks: dict[int, int] = {}
     for p in placements:
-        if p.gpu is not None:
-            count[p.gpu] = count.get(p.gpu, 0) + 1
-    return {gpu: utilization / n for gpu, n in count.items()}
+        for g in gpus_used(p, tensor_parallel_size):
+            ranks[g] = ranks.get(g, 0) + 1
+    return {p.gpu: utilization / max(ranks[g] for g in gpus_used(p, tensor_parallel_size))
+            for p in placements if p.gpu is not None}
 
 
 def pool_bytes(total: int, free: int, held: int, utilization: float) -> tuple[int, str]:

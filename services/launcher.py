@@ -162,7 +162,8 @@ class LocalCluster:
         self.scatter_placement = placed[3:]
         # workers on one GPU split its --gpu-memory-utilization: each sizes its caches from its own
         # part, so their pools cannot overlap whichever loads first
-        self.utilization = utilization_per_worker(placed, self.config.gpu_memory_utilization)
+        self.utilization = utilization_per_worker(placed, self.config.gpu_memory_utilization,
+                                                  self.config.tensor_parallel_size)
 
     @property
     def url(self) -> str:

@@ -82,6 +82,13 @@ def test_workers_sharing_a_gpu_split_its_utilization():
     placed = place_services(["cache-tier", "router", "combine", "scatter", "scatter"], "cuda", (0, 1))
     assert utilization_per_worker(placed, 0.9) == {0: 0.45, 1: 0.9}
     assert utilization_per_worker(place_services(["router", "combine"], "cpu"), 0.9) == {}
+    # tensor parallel: a worker's ranks take its first visible GPUs (its own first), so with 2
+    # ranks each on 2 GPUs both GPUs hold a combine and a scatter rank; a combine worker alone
+    # keeps the whole share on each of its GPUs
+    both = place_services(["combine", "scatter"], "cuda", (0, 1))
+    assert utilization_per_worker(both, 0.9, 2) == {0: 0.45, 1: 0.45}
+    assert utilization_per_worker(both, 0.9, 1) == {0: 0.9, 1: 0.9}
+    assert utilization_per_worker(place_services(["combine"], "cuda", (0, 1, 2, 3)), 0.9, 2) == {0: 0.9}
     with pytest.raises(ValueError, match="gpu-memory-utilization"):
         utilization_per_worker(placed, 0.0)
 
