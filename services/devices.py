@@ -52,6 +52,7 @@ class Placement:
     device: str  # cpu | cuda
     gpu: int | None  # physical GPU index (its cuda:0), None on the CPU
     env: dict[str, str]
+    visible: tuple[int, ...] = ()  # the GPUs it sees, in its cuda:N order (its own first)
 
 
 def place_services(roles: list[str], device: str, gpus: tuple[int, ...] = (0,)) -> list[Placement]:
@@ -67,7 +68,8 @@ def place_services(roles: list[str], device: str, gpus: tuple[int, ...] = (0,)) 
             own = gpus[n % len(gpus)]
             n += 1
             visible = [own, *(g for g in gpus if g != own)]
-            out.append(Placement(role, "cuda", own, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, visible))}))
+            out.append(Placement(role, "cuda", own, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, visible))},
+                                 tuple(visible)))
         else:
             out.append(Placement(role, "cpu", None, {"CUDA_VISIBLE_DEVICES": ""}))
     return out
@@ -75,10 +77,7 @@ def place_services(roles: list[str], device: str, gpus: tuple[int, ...] = (0,)) 
 
 def gpus_used(p: Placement, tensor_parallel_size: int = 1) -> list[int]:
     """The GPUs a placed worker's ranks run on: rank r takes its r-th visible GPU (its own first)."""
-    if p.gpu is None:
-        return []
-    visible = [int(g) for g in p.env.get("CUDA_VISIBLE_DEVICES", str(p.gpu)).split(",") if g]
-    return visible[:tensor_parallel_size]
+    return list(p.visible[:tensor_parallel_size])
 
 
 def utilization_per_worker(placements: list[Placement], utilization: float,
@@ -165,8 +164,7 @@ def with_cache_budgets(config, device):
     return replace(config, entry_cache_bytes=entry, prefix_cache_bytes=prefix)
 
 
-def kv_cache_budget(device, given: int | None = None, utilization: float = 0.9,
-                    fraction: float = KV_MEMORY_FRACTION) -> int:
+def kv_cache_budget(device, given: int | None, utilization: float, fraction: float = KV_MEMORY_FRACTION) -> int:
     """The attention K/V budget of a scheduler's running requests: `given`, else CPU_KV_BYTES on the
     CPU and `fraction` of the worker's memory pool on CUDA (memory_pool at `utilization`: call it
     once the model is loaded)."""

@@ -53,10 +53,9 @@ def free_port() -> int:
     below the kernel's ephemeral range where there is room, so that an outgoing connection made
     between choosing and binding (the services connect to each other while the later ones start)
     cannot take it; the ephemeral range itself is the fallback."""
-    low = _ephemeral_low()
-    if low - _PORT_FLOOR >= 1000:
+    width = _ephemeral_low() - _PORT_FLOOR
+    if width >= 1000:
         # from a random start (processes choosing at once rarely meet), every port of the window once
-        width = low - _PORT_FLOOR
         start = random.randrange(width)
         for i in range(width):
             port = _PORT_FLOOR + (start + i) % width

@@ -571,14 +571,14 @@ class Engine:
         request takes; and three more after the first one's system prompt, which the prefix cache
         then holds (new documents, the first documents reordered, new documents again): a live
         pass that starts from the cached prompt is another shape, captured here too rather than
-        on the second such request that comes. On CUDA the first call of each Triton kernel configuration compiles and
-        autotunes (seconds to minutes: fla's KDA kernels are the slowest) and a new layout shape
-        runs eagerly before it is captured, none of which a server must charge to its first
-        requests. `run(request)` serves one request to its end (default: this engine's own path;
-        a combine worker passes its scheduler's, the path its requests take). The engine's caches
-        are swapped for throwaway ones meanwhile, so nothing of the warm-up stays cached or counts
-        against a budget. Returns {"requests": n, "shape": the shaped requests' shape or None,
-        "seconds": wall time}."""
+        on the second such request that comes. On CUDA the first call of each Triton kernel
+        configuration compiles and autotunes (seconds to minutes: fla's KDA kernels are the
+        slowest) and a new layout shape runs eagerly before it is captured, none of which a server
+        must charge to its first requests. `run(request)` serves one request to its end (default:
+        this engine's own path; a combine worker passes its scheduler's, the path its requests
+        take). The engine's caches are swapped for throwaway ones meanwhile, so nothing of the
+        warm-up stays cached or counts against a budget. Returns {"requests": n, "shape": the
+        shaped requests' shape or None, "seconds": wall time}."""
         t0 = time.perf_counter()
         w = self.config.seam_window
         gen = torch.Generator().manual_seed(0)
