@@ -117,6 +117,8 @@ def memory_pool(device, utilization: float) -> tuple[int, str] | None:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()  # blocks the process freed are not held
     free, total = torch.cuda.mem_get_info(device)
     return pool_bytes(total, free, torch.cuda.memory_reserved(device), utilization)
 

@@ -148,7 +148,9 @@ def load_model(
         read_rest(model)
         model = model.to(device)
     else:
-        model = model.to_empty(device=device).to(dtype)
+        # cast on the meta device first: the device then holds the weights once, in `dtype`
+        # (to_empty in float32 and then a cast would reserve twice their memory at the peak)
+        model = model.to(dtype).to_empty(device=device)
         model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
         reads.bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors.values()}.values())
     model.checkpoint_bytes_read = reads.bytes
@@ -157,4 +159,9 @@ def load_model(
         model.merge_projections()  # one GEMM per group of projections that read the same input
     model.fingerprint = fingerprint
     model.path = str(path)
+    if torch.device(device).type == "cuda":
+        # the loads' and merges' freed blocks go back to the device, so the memory a worker
+        # budgets from (devices.memory_pool) and the GPU's other workers see them
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
     return model

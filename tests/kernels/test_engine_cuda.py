@@ -121,3 +121,26 @@ def test_pic_with_bf16_entry_states_cuda():
     for i, pairs in state_errs.items():
         s32, s16 = mean([a for a, _ in pairs]), mean([b for _, b in pairs])
         assert s16 < 1.25 * s32 + 1e-2, (i, pairs)
+
+
+def test_loaded_model_holds_its_weights_once_on_the_gpu(tmp_path):
+    """load_model on CUDA in bf16 leaves the process holding about the weights' bytes (the memory a
+    worker's budgets start from, devices.memory_pool): casting after materialising in fp32 held
+    twice as much, and two 9B workers on one 80 GB GPU could not both size their caches."""
+    from hybridcache.services.devices import memory_pool
+    from hybridcache.services.runtime.loader import load_model
+    from hybridcache.services.runtime.modelzoo import init_model_dir
+
+    layers = (["linear_attention"] * 3 + ["full_attention"]) * 2
+    path = init_model_dir("qwen3_5_text", "tiny", tmp_path / "m", seed=0, dtype=torch.bfloat16, device="cuda",
+                          overrides=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=8,
+                                         layer_types=layers))
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    model = load_model(path, "cuda", torch.bfloat16)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    held = torch.cuda.memory_reserved() - before
+    assert weights > 500 << 20
+    assert held < 1.15 * weights, (held, weights)
+    pool, how = memory_pool("cuda", 0.9)
+    assert f"less {torch.cuda.memory_reserved() / 2**30:.1f} GiB held" in how and pool > 0
