@@ -180,3 +180,45 @@ def kv_cache_budget(device, given: int | None, utilization: float, fraction: flo
     log.info("K/V budget of running requests on %s: %.2f GiB (%g of a %.1f GiB pool: %s)", device,
              budget / 2**30, fraction, pool / 2**30, how)
     return budget
+
+
+def out_of_memory_message(what: str, device: str, total: int, free: int, held: int, utilization: float) -> str:
+    """The one error line of a worker that ran out of device memory while `what` (loading the
+    model, warming up): the GPU's memory, this process's part and the rest (other processes on
+    the GPU), and what to change."""
+    gib = 2**30
+    others = max(0, total - free - held)
+    return (f"out of GPU memory on {device} while {what}: the GPU has {total / gib:.1f} GiB, this process holds "
+            f"{held / gib:.1f} GiB (--gpu-memory-utilization {utilization:g}), other processes {others / gib:.1f} GiB, "
+            f"{free / gib:.2f} GiB free. Give each worker its own GPU (--gpus), lower --gpu-memory-utilization "
+            f"or --max-num-batched-tokens, warm up a smaller --warmup-shape, or use a GPU with more memory")
+
+
+class DeviceMemoryError(RuntimeError):
+    """A worker ran out of device memory while starting (the message says what to change)."""
+
+
+def explain_out_of_memory(e: BaseException, what: str, device, utilization: float) -> str | None:
+    """out_of_memory_message for `e` if it is torch's CUDA out-of-memory error, else None."""
+    import torch
+
+    if not isinstance(e, torch.OutOfMemoryError):
+        return None
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"out of device memory on {device} while {what}"
+    free, total = torch.cuda.mem_get_info(device)
+    return out_of_memory_message(what, str(device), total, free, torch.cuda.memory_reserved(device), utilization)
+
+
+def starting(what: str, device, utilization: float, fn):
+    """fn() while a worker starts (`what`: loading the model, warming up); torch's out-of-memory
+    error becomes a DeviceMemoryError that says where the GPU's memory went (one error line, not
+    a traceback), any other error passes."""
+    try:
+        return fn()
+    except Exception as e:
+        message = explain_out_of_memory(e, what, device, utilization)
+        if message is None:
+            raise
+        raise DeviceMemoryError(message) from None

@@ -21,6 +21,7 @@ import grpc
 from hybridcache.services import security
 from hybridcache.services.config import add_config_flags, config_from_args
 from hybridcache.services.contract import ROLES
+from hybridcache.services.devices import DeviceMemoryError, starting
 from hybridcache.services.directory import make_directory
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.observability.http import serve_health_and_metrics
@@ -97,7 +98,7 @@ def serve(args) -> int:
         die_with_parent(args.die_with_parent)
     try:
         return _serve(args)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, DeviceMemoryError) as e:
         print(f"hybridcache: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
 
@@ -154,14 +155,16 @@ def _serve(args) -> int:
     elif args.role == "scatter":
         from hybridcache.services.scatter.worker import ScatterServicer
 
-        engine = _engine(config, args.model)
+        engine = starting("loading the model", config.device, config.gpu_memory_utilization,
+                          lambda: _engine(config, args.model))
         scatter = ScatterServicer(engine, config.max_num_batched_tokens, arena_bytes=config.ipc_arena_bytes)
         rpc.add_ScatterServicer_to_server(scatter, server)
     elif args.role == "combine":
         from hybridcache.services.combine.worker import CombineServicer
         from hybridcache.services.runtime.scheduler import scheduler_config
 
-        engine = _engine(config, args.model)
+        engine = starting("loading the model", config.device, config.gpu_memory_utilization,
+                          lambda: _engine(config, args.model))
         combine = CombineServicer(engine, dtype=config.dtype, scheduling=scheduler_config(config, engine.model.device))
         rpc.add_CombineServicer_to_server(combine, server)
     else:
@@ -180,7 +183,8 @@ def _serve(args) -> int:
     if engine is not None and warm:
         # before the server starts and registers: no request comes here until the kernels are built
         health["status"] = "warming up"
-        health["warmup"] = (combine or scatter).warmup()
+        health["warmup"] = starting("warming up", config.device, config.gpu_memory_utilization,
+                                    (combine or scatter).warmup)
         log.info("warm-up done: %s", health["warmup"])
     # What the process holds by now (the model, its kernels and CUDA graphs, the libraries) lives
     # as long as it does: frozen out of the collector's sight, so that the full collections Python

@@ -11,10 +11,13 @@ from hybridcache.services.cli import build_parser
 from hybridcache.services.config import config_args, config_from_args
 from hybridcache.services.devices import (
     CPU_CACHE_BYTES,
+    DeviceMemoryError,
     cache_budgets,
+    out_of_memory_message,
     parse_gpus,
     place_services,
     pool_bytes,
+    starting,
     utilization_per_worker,
 )
 
@@ -182,3 +185,44 @@ def test_local_cluster_spawns_each_child_on_its_device(monkeypatch, tmp_path):
         assert [router[i + 1] for i, a in enumerate(router) if a == "--scatter"] == told
     finally:
         cluster.stop()
+
+
+def test_out_of_memory_message_says_where_the_gpus_memory_went():
+    m = out_of_memory_message("warming up", "cuda:0", total=80 * GiB, free=GiB // 2, held=29 * GiB, utilization=0.45)
+    assert m.startswith("out of GPU memory on cuda:0 while warming up: the GPU has 80.0 GiB")
+    assert "this process holds 29.0 GiB (--gpu-memory-utilization 0.45), other processes 50.5 GiB, 0.50 GiB free" in m
+    assert "--gpus" in m and "\n" not in m
+
+
+def test_starting_turns_torchs_out_of_memory_into_one_error_and_passes_other_errors():
+    import torch
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    with pytest.raises(DeviceMemoryError, match="^out of device memory on cpu while loading the model$"):
+        starting("loading the model", "cpu", 0.9, oom)
+    with pytest.raises(KeyError):
+        starting("loading the model", "cpu", 0.9, lambda: {}["x"])
+    assert starting("warming up", "cpu", 0.9, lambda: 7) == 7
+
+
+def test_a_worker_out_of_memory_in_its_warmup_exits_2_with_one_error_line(monkeypatch, tmp_path, capsys, model_dir):
+    """The served process (cli serve --role combine): an out-of-memory error in the warm-up is one
+    error line and exit status 2, which `up` shows with the log's tail, not a traceback."""
+    import torch
+    from hybridcache.services import security
+    from hybridcache.services.cli import main
+    from hybridcache.services.combine.worker import CombineServicer
+
+    def warmup(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    monkeypatch.setattr(CombineServicer, "warmup", warmup)
+    secret = security.DeploymentSecret.generate().write(tmp_path / "secret")
+    rc = main(["serve", "combine", "--model", str(model_dir), "--secret-file", str(secret), "--warmup", "on",
+               "--grpc-port", str(launcher.free_port()), "--http-port", str(launcher.free_port())])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err[-1] == "hybridcache: error: out of device memory on cpu while warming up", err
+    assert not any("Traceback" in line for line in err)
