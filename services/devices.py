@@ -222,3 +222,35 @@ def starting(what: str, device, utilization: float, fn):
         if message is None:
             raise
         raise DeviceMemoryError(message) from None
+
+
+def peak_over_share(peak: int, total: int, utilization: float) -> str | None:
+    """A warning when a worker's peak device memory (the allocator's most reserved, its warm-up's
+    largest requests included) passed its --gpu-memory-utilization share of the GPU, else None."""
+    share = utilization * total
+    if peak <= share:
+        return None
+    gib = 2**30
+    return (f"the warm-up peaked at {peak / gib:.1f} GiB of this GPU's {total / gib:.1f} GiB, over this worker's "
+            f"{share / gib:.1f} GiB share (--gpu-memory-utilization {utilization:g}): the cache budgets leave out the "
+            f"activations of its largest requests and its CUDA graphs, so other workers on this GPU may run out of "
+            f"memory")
+
+
+def warm_up_measured(device, utilization: float, warmup) -> dict:
+    """warmup() (a worker's warm-up, returning its summary) under `starting`, with the peak device
+    memory it took on CUDA added to the summary (`peak_reserved_gib`) and a warning logged if that
+    passed the worker's share (peak_over_share)."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    out = starting("warming up", device, utilization, warmup)
+    if cuda:
+        peak = torch.cuda.max_memory_reserved(device)
+        out["peak_reserved_gib"] = round(peak / 2**30, 2)
+        warning = peak_over_share(peak, torch.cuda.mem_get_info(device)[1], utilization)
+        if warning:
+            log.warning(warning)
+    return out

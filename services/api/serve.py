@@ -21,7 +21,7 @@ import grpc
 from hybridcache.services import security
 from hybridcache.services.config import add_config_flags, config_from_args
 from hybridcache.services.contract import ROLES
-from hybridcache.services.devices import DeviceMemoryError, starting
+from hybridcache.services.devices import DeviceMemoryError, starting, warm_up_measured
 from hybridcache.services.directory import make_directory
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.observability.http import serve_health_and_metrics
@@ -183,8 +183,7 @@ def _serve(args) -> int:
     if engine is not None and warm:
         # before the server starts and registers: no request comes here until the kernels are built
         health["status"] = "warming up"
-        health["warmup"] = starting("warming up", config.device, config.gpu_memory_utilization,
-                                    (combine or scatter).warmup)
+        health["warmup"] = warm_up_measured(config.device, config.gpu_memory_utilization, (combine or scatter).warmup)
         log.info("warm-up done: %s", health["warmup"])
     # What the process holds by now (the model, its kernels and CUDA graphs, the libraries) lives
     # as long as it does: frozen out of the collector's sight, so that the full collections Python

@@ -144,3 +144,20 @@ def test_loaded_model_holds_its_weights_once_on_the_gpu(tmp_path):
     assert held < 1.15 * weights, (held, weights)
     pool, how = memory_pool("cuda", 0.9)
     assert f"less {torch.cuda.memory_reserved() / 2**30:.1f} GiB held" in how and pool > 0
+
+
+def test_warm_up_measured_reports_the_peak_and_warns_over_the_share(caplog):
+    """devices.warm_up_measured: the warm-up's peak reserved memory in its summary, and a warning
+    when it passed the worker's --gpu-memory-utilization share."""
+    from hybridcache.services.devices import warm_up_measured
+
+    def warmup():
+        x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        del x
+        return {"requests": 0}
+
+    torch.cuda.empty_cache()
+    out = warm_up_measured("cuda", 0.9, warmup)
+    assert out["peak_reserved_gib"] >= 1.0 and not [r for r in caplog.records if "peaked" in r.message]
+    out = warm_up_measured("cuda", 0.001, warmup)
+    assert out["peak_reserved_gib"] >= 1.0 and [r for r in caplog.records if "over this worker's" in r.message]

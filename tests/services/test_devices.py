@@ -15,6 +15,7 @@ from hybridcache.services.devices import (
     cache_budgets,
     out_of_memory_message,
     parse_gpus,
+    peak_over_share,
     place_services,
     pool_bytes,
     starting,
@@ -226,3 +227,9 @@ def test_a_worker_out_of_memory_in_its_warmup_exits_2_with_one_error_line(monkey
     assert rc == 2
     assert err[-1] == "hybridcache: error: out of device memory on cpu while warming up", err
     assert not any("Traceback" in line for line in err)
+
+
+def test_a_warmup_peak_over_the_workers_share_is_a_warning():
+    assert peak_over_share(40 * GiB, 80 * GiB, 0.5) is None
+    w = peak_over_share(49 * GiB, 80 * GiB, 0.45)
+    assert w.startswith("the warm-up peaked at 49.0 GiB of this GPU's 80.0 GiB, over this worker's 36.0 GiB share")
