@@ -75,6 +75,29 @@ def place_services(roles: list[str], device: str, gpus: tuple[int, ...] = (0,)) 
     return out
 
 
+CPU_SCATTER_WORKERS = 2  # `hybridcache up` on the CPU: cold segments built in two more processes
+
+
+def default_scatter_workers(device: str, gpus: tuple[int, ...], tensor_parallel_size: int = 1) -> int:
+    """`hybridcache up`'s scatter workers when --scatter-workers is not given: CPU_SCATTER_WORKERS
+    on the CPU; on CUDA one on each GPU of `gpus` besides the combine worker's, none with tensor
+    parallelism (a worker's ranks take several GPUs). A scatter worker on the combine worker's own
+    GPU builds nothing for it unless --scatter-same-gpu on, yet takes its part of that GPU's memory."""
+    if device != "cuda":
+        return CPU_SCATTER_WORKERS
+    return len(gpus) - 1 if tensor_parallel_size == 1 else 0
+
+
+def idle_scatter_workers(combine: Placement, scatters: list[Placement], scatter_same_gpu: bool,
+                         tensor_parallel_size: int = 1) -> list[int]:
+    """Indices of the scatter workers placed on a GPU of the combine worker's ranks, which that
+    combine worker sends no cold segment to while --scatter-same-gpu is off (it builds them itself)."""
+    if scatter_same_gpu or combine.gpu is None:
+        return []
+    mine = set(gpus_used(combine, tensor_parallel_size))
+    return [i for i, p in enumerate(scatters) if p.gpu is not None and p.gpu in mine]
+
+
 def gpus_used(p: Placement, tensor_parallel_size: int = 1) -> list[int]:
     """The GPUs a placed worker's ranks run on: rank r takes its r-th visible GPU (its own first)."""
     return list(p.visible[:tensor_parallel_size])

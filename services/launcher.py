@@ -305,7 +305,7 @@ def up(args) -> int:
         print(f"hybridcache: error: no model (config.json) in {model}", file=sys.stderr)
         return 2
     try:
-        from hybridcache.services.devices import parse_gpus
+        from hybridcache.services.devices import default_scatter_workers, idle_scatter_workers, parse_gpus
         from hybridcache.services.router.router import served_max_model_len
         from hybridcache.services.runtime.config import ModelConfig
 
@@ -326,7 +326,10 @@ def up(args) -> int:
                                  f"in --gpus (given: {args.gpus or '0'})")
         if args.ready_timeout_s <= 0:
             raise ValueError(f"--ready-timeout-s must be positive, got {args.ready_timeout_s}")
-        cluster = LocalCluster(model, port=args.port, scatter_workers=args.scatter_workers, etcd=args.etcd,
+        n_scatter = args.scatter_workers
+        if n_scatter is None:
+            n_scatter = default_scatter_workers(config.device, gpus, config.tensor_parallel_size)
+        cluster = LocalCluster(model, port=args.port, scatter_workers=n_scatter, etcd=args.etcd,
                                config=config, cache_tiers=args.cache_tiers, gpus=gpus,
                                ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir)
     except ValueError as e:
@@ -343,8 +346,15 @@ def up(args) -> int:
         gpus_of = [f"combine: {on(cluster.placement['combine'])}"]
         gpus_of += [f"scatter {i}: {on(p)}" for i, p in enumerate(cluster.scatter_placement)]
         where = f"on CUDA ({', '.join(gpus_of)}; router and cache tier on the CPU)"
-    print(f"hybridcache up: starting {args.cache_tiers} cache tier(s), {args.scatter_workers} scatter worker(s), "
+    print(f"hybridcache up: starting {args.cache_tiers} cache tier(s), {n_scatter} scatter worker(s), "
           f"a combine worker and router for {model} {where}; logs in {cluster.log_dir}", file=sys.stderr, flush=True)
+    idle = idle_scatter_workers(cluster.placement["combine"], cluster.scatter_placement, config.scatter_same_gpu,
+                                config.tensor_parallel_size)
+    if idle:
+        print(f"hybridcache up: note: scatter {', '.join(map(str, idle))} on the combine worker's GPU: it builds the "
+              f"cold segments itself there (--scatter-same-gpu off), so these take a part of that GPU's memory for "
+              f"no build; --scatter-workers {n_scatter - len(idle)} or more GPUs in --gpus avoid it",
+              file=sys.stderr, flush=True)
     try:
         cluster.start()
     except RuntimeError as e:
@@ -375,7 +385,9 @@ def add_up_flags(p) -> None:
     p.add_argument("--gpus", help="with --device cuda: GPU indices the workers take round robin (default 0)")
     p.add_argument("--model", help="model directory (default: the embedded default model)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the router")
-    p.add_argument("--scatter-workers", type=int, default=2)
+    p.add_argument("--scatter-workers", type=int, default=None,
+                   help="scatter worker processes (default: 2 on the CPU; with --device cuda one on each GPU of "
+                        "--gpus besides the combine worker's, none with --tensor-parallel-size > 1)")
     p.add_argument("--cache-tiers", type=int, default=1,
                    help="cache-tier processes (entries spread over them by consistent hashing)")
     p.add_argument("--etcd", help="etcd endpoint HOST:PORT (default: in-process directory)")

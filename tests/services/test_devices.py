@@ -13,6 +13,8 @@ from hybridcache.services.devices import (
     CPU_CACHE_BYTES,
     DeviceMemoryError,
     cache_budgets,
+    default_scatter_workers,
+    idle_scatter_workers,
     out_of_memory_message,
     parse_gpus,
     peak_over_share,
@@ -233,3 +235,24 @@ def test_a_warmup_peak_over_the_workers_share_is_a_warning():
     assert peak_over_share(40 * GiB, 80 * GiB, 0.5) is None
     w = peak_over_share(49 * GiB, 80 * GiB, 0.45)
     assert w.startswith("the warm-up peaked at 49.0 GiB of this GPU's 80.0 GiB, over this worker's 36.0 GiB share")
+
+
+def test_up_starts_scatter_workers_on_the_gpus_the_combine_worker_does_not_take():
+    assert build_parser().parse_args(["up"]).scatter_workers is None
+    assert default_scatter_workers("cpu", (0,)) == 2
+    assert default_scatter_workers("cuda", (0,)) == 0
+    assert default_scatter_workers("cuda", (0, 1, 2, 3)) == 3
+    assert default_scatter_workers("cuda", (0, 1, 2, 3), tensor_parallel_size=2) == 0
+    placed = place_services(["combine"] + ["scatter"] * default_scatter_workers("cuda", (4, 5, 6)), "cuda", (4, 5, 6))
+    assert [p.gpu for p in placed] == [4, 5, 6]
+    assert idle_scatter_workers(placed[0], placed[1:], scatter_same_gpu=False) == []
+
+
+def test_scatter_workers_on_the_combine_workers_gpu_are_idle_unless_asked():
+    placed = place_services(["combine"] + ["scatter"] * 3, "cuda", (0, 1))  # scatter GPUs: 1, 0, 1
+    assert idle_scatter_workers(placed[0], placed[1:], scatter_same_gpu=False) == [1]
+    assert idle_scatter_workers(placed[0], placed[1:], scatter_same_gpu=True) == []
+    # the combine worker's two ranks take GPUs 0 and 1: every scatter worker shares one of them
+    assert idle_scatter_workers(placed[0], placed[1:], False, tensor_parallel_size=2) == [0, 1, 2]
+    cpu = place_services(["combine", "scatter"], "cpu")
+    assert idle_scatter_workers(cpu[0], cpu[1:], scatter_same_gpu=False) == []
