@@ -492,10 +492,14 @@ def test_gc_pauses_are_timed_and_exported():
     pauses = metrics.watch_gc()
     assert metrics.watch_gc() is pauses and gc.callbacks.count(pauses) == 1  # installed once
     junk = [[i] for i in range(200_000)]  # something for a full collection to walk
-    before = pauses.counters()
-    count_before = metrics.GC_PAUSE.labels(generation="2")._sum.get()
-    gc.collect()
-    after = pauses.counters()
+    gc.disable()  # no automatic collection (this thread's or another's allocations) between the reads
+    try:
+        before = pauses.counters()
+        count_before = metrics.GC_PAUSE.labels(generation="2")._sum.get()
+        gc.collect()
+        after = pauses.counters()
+    finally:
+        gc.enable()
     del junk
     assert after["gc_collections"] == before["gc_collections"] + 1
     assert after["gc_pause_ms"] > before["gc_pause_ms"]
