@@ -21,7 +21,7 @@ import grpc
 from hybridcache.services import security
 from hybridcache.services.config import add_config_flags, config_from_args
 from hybridcache.services.contract import ROLES
-from hybridcache.services.devices import DeviceMemoryError, starting, warm_up_measured
+from hybridcache.services.devices import WORKER_ROLES, DeviceMemoryError, starting, warm_up_measured
 from hybridcache.services.directory import make_directory
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.observability.http import serve_health_and_metrics
@@ -145,6 +145,9 @@ def _serve(args) -> int:
         serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend),
                                  idle_timeout_s=config.http_header_timeout_s)
     engine = combine = scatter = None
+    if args.role in WORKER_ROLES:
+        engine = starting("loading the model", config.device, config.gpu_memory_utilization,
+                          lambda: _engine(config, args.model))
 
     if args.role == "cache-tier":
         from hybridcache.services.cache_tier.server import CacheTierServicer
@@ -155,16 +158,12 @@ def _serve(args) -> int:
     elif args.role == "scatter":
         from hybridcache.services.scatter.worker import ScatterServicer
 
-        engine = starting("loading the model", config.device, config.gpu_memory_utilization,
-                          lambda: _engine(config, args.model))
         scatter = ScatterServicer(engine, config.max_num_batched_tokens, arena_bytes=config.ipc_arena_bytes)
         rpc.add_ScatterServicer_to_server(scatter, server)
     elif args.role == "combine":
         from hybridcache.services.combine.worker import CombineServicer
         from hybridcache.services.runtime.scheduler import scheduler_config
 
-        engine = starting("loading the model", config.device, config.gpu_memory_utilization,
-                          lambda: _engine(config, args.model))
         combine = CombineServicer(engine, dtype=config.dtype, scheduling=scheduler_config(config, engine.model.device))
         rpc.add_CombineServicer_to_server(combine, server)
     else:

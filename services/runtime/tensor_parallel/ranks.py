@@ -449,13 +449,6 @@ def _local(x):
     return x
 
 
-def _free_port() -> int:
-    # below the kernel's ephemeral range, as the local services' ports (launcher.free_port)
-    from hybridcache.services.launcher import free_port
-
-    return free_port()
-
-
 def _init(rank: int, size: int, init_method: str, device: str, timeout_s: float) -> Channel:
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -532,7 +525,9 @@ def start(size: int, build: Callable, surface: Surface = ENGINE_SURFACE, device:
         raise ValueError("a tensor-parallel group needs at least 2 ranks")
     if device == "cuda" and torch.cuda.device_count() < size:
         raise TPError(f"tensor-parallel size {size} needs {size} GPUs, {torch.cuda.device_count()} are visible")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    from hybridcache.services.launcher import free_port  # below the kernel's ephemeral range
+
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_follow, args=(r, size, init_method, device, timeout_s, build), daemon=True,
                          name=f"tp-rank-{r}") for r in range(1, size)]
