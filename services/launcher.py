@@ -307,11 +307,11 @@ def up(args) -> int:
     try:
         from hybridcache.services.devices import default_scatter_workers, idle_scatter_workers, parse_gpus
         from hybridcache.services.router.router import served_max_model_len
-        from hybridcache.services.runtime.config import ModelConfig
+        from hybridcache.services.runtime.models.registry import config_from_dir
 
         # bad values: one line, exit 2, before anything starts
         config = config_from_args(args)
-        served_max_model_len(ModelConfig.from_dir(model), config.max_model_len)
+        served_max_model_len(config_from_dir(model), config.max_model_len)
         gpus = parse_gpus(args.gpus)
         if config.device == "cuda":
             import torch

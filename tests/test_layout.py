@@ -1,4 +1,4 @@
-"""Project layout rules of DESIGN §1: the packages list is complete, no shadowing, no test packages."""
+"""Project layout rules (docs/architecture.md): the packages list is complete, no shadowing, no test packages."""
 
 from pathlib import Path
 

@@ -23,7 +23,6 @@ from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import narrow_ids, pb, rpc, segment
 from hybridcache.services.router.assign import lpt_assign, round_robin_assign
 from hybridcache.services.router.cost import PATHS, CostModel, parse_bandwidths
-from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.models.registry import config_from_dir
 from hybridcache.services.runtime.plan import Planner
 from hybridcache.services.runtime.sampling import GenerationDefaults, RequestError
@@ -87,7 +86,7 @@ class RouterConfig:
             raise ValueError("assignment must be lpt or round_robin")
 
 
-def served_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
+def served_max_model_len(cfg, max_model_len: int | None) -> int:
     """The model's max_position_embeddings, or --max-model-len when that says less (more is an error)."""
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "

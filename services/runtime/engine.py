@@ -2,7 +2,7 @@
 Execution (forwards, cold builds, decode steps, staging) is its ModelRunner's (runner.py); the
 engine keeps the caches, the layouts and the requests.
 
-Modes, one code path (DESIGN §3):
+Modes, one code path (docs/concepts.md, "Engine modes"):
     full    no cache: every prompt token is live.
     prefix  exact prefix cache over 64-token pages, the rest live (what every engine has).
     pic     prefix cache + position-independent segment entries: each segment's body is folded

@@ -82,3 +82,22 @@ def test_cached_tokens_count_only_caches_filled_before(model_dir):
     warm = engine.generate(obj).stats
     assert warm.built_tokens == 0 and warm.cached_tokens == warm.reused_tokens > 0
     assert cold.generated_tokens == warm.generated_tokens == 2
+
+
+def test_only_the_config_files_end_tokens_end_generation(model_dir):
+    """The tokenizer's chat markers (<|im_end|>, <|endoftext|>) end generation only where
+    config.json or generation_config.json lists them, as in transformers and vLLM."""
+    from hybridcache.services.runtime.models.registry import config_from_dir
+    from hybridcache.services.runtime.plan import Planner
+    from hybridcache.services.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    im_end = tok.token_id("<|im_end|>")
+    assert im_end is not None
+    cfg = config_from_dir(model_dir)
+    _write(model_dir, eos_token_id=300)
+    planner = Planner(cfg, tok, generation=GenerationDefaults.from_dir(model_dir))
+    assert planner.eos_ids == frozenset(cfg.eos_token_ids) | {300}
+    assert im_end not in planner.eos_ids
+    _write(model_dir, eos_token_id=[300, im_end])
+    assert im_end in Planner(cfg, tok, generation=GenerationDefaults.from_dir(model_dir)).eos_ids

@@ -2,7 +2,7 @@
 with the checkpoint's tensor names (transformers' modeling_kimi_linear.py).
 
 KDA is a delta rule with a per-channel forget gate, so a segment's transition T is a dense
-K x K matrix per head (DESIGN §2, kernels/ops/kda). The gate is g = -exp(A_log) softplus(f_b(f_a(x))
+K x K matrix per head (docs/concepts.md, "The math"; kernels/ops/kda). The gate is g = -exp(A_log) softplus(f_b(f_a(x))
 + dt_bias) per channel, beta = sigmoid(b_proj(x)); q and k are L2-normalised after a silu short
 conv; the output goes through an RMSNorm gated by sigmoid(g_b(g_a(x))).
 

@@ -2,7 +2,7 @@
 
 Every block is pre-norm with one mixer: Mamba2 ("linear_attention"), attention without positional
 encoding (so cached K needs no re-rotation) or a squared-ReLU MLP. The Mamba2 state S [H, N, P]
-has a scalar transition per head (DESIGN §2); the D skip and the gated RMSNorm act outside the
+has a scalar transition per head (docs/concepts.md, "The math"); the D skip and the gated RMSNorm act outside the
 recurrence, on the live tokens only. MoE blocks are not supported yet.
 """
 
