@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybridcache.services.config import add_config_flags, config_from_args
+from hybridcache.services.config import ENGINE_SECTIONS, add_config_flags, config_from_args
 
 EXIT_USAGE = 2
 
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def engine_flags(sp, model_required: bool):
         sp.add_argument("--model", required=model_required, help="model directory (HF format)")
-        add_config_flags(sp)
+        add_config_flags(sp, sections=ENGINE_SECTIONS)
 
     m = command("model", "model directories")
     msub = m.add_subparsers(dest="model_command", required=True)

@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hybridcache.services.config import RuntimeConfig, add_config_flags, config_from_args
+from hybridcache.services.config import ENGINE_SECTIONS, RuntimeConfig, add_config_flags, config_from_args
 from hybridcache.services.runtime.qa_data import INSTRUCTIONS, QAExample, QAGenerator, normalize_answer
 
 # run name -> (engine mode, seam window)
@@ -247,7 +247,7 @@ def add_eval_flags(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--max-docs", type=_positive, default=16)
     sp.add_argument("--output", help="write the JSON results here")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_config_flags(sp, exclude=RUN_FIELDS)  # the runs set the others
+    add_config_flags(sp, exclude=RUN_FIELDS, sections=ENGINE_SECTIONS)  # the runs set the others
 
 
 def cmd_eval(args) -> int:

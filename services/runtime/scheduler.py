@@ -56,10 +56,10 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
-from hybridcache.services.config import RuntimeConfig
+from hybridcache.services.config import default_of
 from hybridcache.services.devices import CPU_KV_BYTES, kv_cache_budget
 from hybridcache.services.runtime.backends import to_device_async
 from hybridcache.services.runtime.engine import (
@@ -94,17 +94,13 @@ class QueueFull(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
-def _default(name: str):
-    """The setting's one default, the RuntimeConfig field's (services/config.py says what it means)."""
-    return next(f.default for f in fields(RuntimeConfig) if f.name == name)
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = _default("max_num_seqs")  # requests decoding at once (vLLM's name)
+    max_num_seqs: int = default_of("max_num_seqs")  # requests decoding at once (vLLM's name)
     # requests queued beyond the free seats; one more is refused (QueueFull)
-    max_waiting: int = _default("max_waiting")
-    max_num_batched_tokens: int = _default("max_num_batched_tokens")  # prefill tokens (cold builds, assemblies) a step
+    max_waiting: int = default_of("max_waiting")
+    # prefill tokens (cold builds, assemblies) a step
+    max_num_batched_tokens: int = default_of("max_num_batched_tokens")
     # attention K/V reserved by running requests (prompt + generated tokens, grown by chunks of
     # kv_chunk_tokens); unset in RuntimeConfig means sized for the device (scheduler_config)
     kv_cache_bytes: int = CPU_KV_BYTES
