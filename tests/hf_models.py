@@ -23,15 +23,31 @@ TEXT_FAMILIES = [
 ]
 MULTIMODAL = ["qwen3_5", "qwen3_5_moe"]
 FAMILIES = TEXT_FAMILIES + MULTIMODAL
+# Structures other than the tiny presets' (which transformers' own configs accept): odd and
+# uneven head counts, MLP-only layers among MoE ones, several SSM groups, more experts per token
+VARIED = {
+    "qwen3_next": dict(num_attention_heads=6, num_key_value_heads=3, linear_num_key_heads=3,
+                       linear_num_value_heads=6, mlp_only_layers=[0, 2]),
+    "qwen3_5_text": dict(num_attention_heads=6, num_key_value_heads=3, linear_num_key_heads=3,
+                         linear_num_value_heads=3),
+    "qwen3_5_moe_text": dict(num_attention_heads=5, num_key_value_heads=1, linear_num_key_heads=1,
+                             linear_num_value_heads=3),
+    "olmo_hybrid": dict(num_attention_heads=6, num_key_value_heads=3, linear_num_key_heads=3, linear_num_value_heads=3),
+    "nemotron_h": dict(num_attention_heads=6, num_key_value_heads=3, mamba_num_heads=6, n_groups=3),
+    "bamba": dict(num_attention_heads=6, num_key_value_heads=3, mamba_n_groups=4),
+    "kimi_linear": dict(num_attention_heads=3, num_key_value_heads=3, linear_num_heads=3),
+    "minimax": dict(num_attention_heads=6, num_key_value_heads=3, num_local_experts=5, num_experts_per_tok=3),
+}
 TINY_VISION = dict(
     depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=16
 )
 
 
-def hf_model(arch: str, tied: bool, seed: int):
-    """A transformers model of the tiny preset, its weights drawn so that every tensor matters:
-    matrices N(0, 0.08), vectors (norms, gates, biases) perturbed around their initial values."""
-    cfg = hf_config(arch, "tiny")
+def hf_model(arch: str, tied: bool, seed: int, overrides: dict | None = None):
+    """A transformers model of the tiny preset (with `overrides` of its config), its weights drawn
+    so that every tensor matters: matrices N(0, 0.08), vectors (norms, gates, biases) perturbed
+    around their initial values."""
+    cfg = hf_config(arch, "tiny", overrides)
     torch.manual_seed(seed)
     if arch in MULTIMODAL:
         text = {k: v for k, v in cfg["text_config"].items() if k != "tie_word_embeddings"}
