@@ -19,7 +19,7 @@ from typing import Any
 from hybridcache.services import contract
 from hybridcache.services.config import default_of
 
-DEFAULT_IMAGE = "hybridcache/hybridcache:0.1.0"
+DEFAULT_IMAGE = "hybridcache/hybridcache-serve:0.1.0"
 AUTOSCALING_MODES = ("Operator", "External", "Disabled")
 METRICS_SOURCES = ("Router", "Prometheus")
 DTYPES = ("bfloat16", "float32")  # what `hybridcache serve --dtype` accepts

@@ -225,15 +225,16 @@ class LocalCluster:
             # background as they come up (ScatterEndpoints.watch), not on its first request's path
             combine = self._spawn("combine", free_port(), free_port(),
                                   [f for s in scatters for f in ("--scatter", s.grpc)])
-            for s in [*tiers, *scatters, combine]:
-                self._wait_ready(s)
+            # the router starts with the workers (it asks the combine worker's Info in the
+            # background until it answers), so its start-up overlaps their model loading
             flags = ["--combine", combine.grpc]
             for t in tiers:
                 flags += ["--cache-tier", t.grpc]
             for s in scatters:
                 flags += ["--scatter", s.grpc]
             router = self._spawn("router", free_port(), self.port, flags)
-            self._wait_ready(router)
+            for s in [*tiers, *scatters, combine, router]:
+                self._wait_ready(s)
         except BaseException:
             self.stop()
             raise

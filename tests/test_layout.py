@@ -5,7 +5,8 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPING = {"kernels": "hybridcache.kernels", "services": "hybridcache.services", "operator": "hybridcache.operator"}
+MAPPING = {"kernels": "hybridcache.kernels", "services": "hybridcache.services", "operator": "hybridcache.operator",
+           "models": "hybridcache.models"}
 
 
 def test_every_package_dir_is_listed():

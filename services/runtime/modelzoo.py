@@ -228,13 +228,29 @@ def init_model_dir(
     return out
 
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SHIPPED_MODEL = REPO_ROOT / "models" / "default"
+class NoModelError(FileNotFoundError):
+    """No model directory given and none shipped with this installation (one line at the CLI)."""
+
+
+def shipped_model_dir() -> Path:
+    """models/default as installed: the package data of `hybridcache.models` (inside a wheel's
+    site-packages, or the source tree through an editable install), else the source tree beside
+    this file (an editable install made before models/ was a package)."""
+    from importlib.resources import files
+
+    try:
+        return Path(str(files("hybridcache.models") / "default"))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "models" / "default"
+
+
+SHIPPED_MODEL = shipped_model_dir()
 
 
 def default_model_dir() -> Path:
-    """The embedded default model: $HYBRIDCACHE_MODEL, else the model shipped in models/default,
-    else a tiny random Qwen3.5 model created on first use under $HYBRIDCACHE_HOME (~/.cache/hybridcache)."""
+    """The model served when no --model is given: $HYBRIDCACHE_MODEL, else the trained QA model
+    shipped with the package (models/default). NoModelError when neither exists: a random model
+    in its place would answer garbage without a word."""
     import os
 
     env = os.environ.get("HYBRIDCACHE_MODEL")
@@ -242,8 +258,5 @@ def default_model_dir() -> Path:
         return Path(env)
     if (SHIPPED_MODEL / "config.json").is_file():
         return SHIPPED_MODEL
-    home = Path(os.environ.get("HYBRIDCACHE_HOME", Path.home() / ".cache" / "hybridcache"))
-    out = home / "models" / "random-tiny-qwen3_5"
-    if not (out / "model.safetensors").is_file():
-        init_model_dir("qwen3_5_text", "tiny", out, seed=0, std=0.08)
-    return out
+    raise NoModelError(f"no --model given and this installation has no shipped model ({SHIPPED_MODEL} is "
+                       f"missing): pass --model DIR or set HYBRIDCACHE_MODEL")

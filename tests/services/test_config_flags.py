@@ -243,7 +243,7 @@ def test_runtime_reads_no_environment_switch():
         found = re.findall(r"(?:os\.environ(?:\.get)?[\[(]|os\.getenv\()\s*\"([A-Z_0-9]+)\"", p.read_text())
         if found:
             reads[str(p.relative_to(root))] = sorted(set(found))
-    assert reads == {"services/runtime/modelzoo.py": ["HYBRIDCACHE_HOME", "HYBRIDCACHE_MODEL"]}
+    assert reads == {"services/runtime/modelzoo.py": ["HYBRIDCACHE_MODEL"]}
 
 
 def test_engine_takes_its_op_dispatch_and_graph_bound_from_the_config(qwen35_dir):
