@@ -55,7 +55,7 @@ SECTIONS = {
     "model": "the model served and how the API names and presents it",
     "cache": "segment entries, the prefix cache and where entries move",
     "scheduler": "continuous batching: admission, prefill budgets, decode, warm-up",
-    "server": "the router's request limits, timeouts and draining",
+    "server": "the router's request limits, timeouts and draining; the servers' stats lines and request log",
     "security": "API key, TLS and the deployment secret",
     "devices": "where and how the model runs: device, memory share, parallelism, kernels, CUDA graphs",
 }
@@ -155,7 +155,8 @@ class RuntimeConfig:
         "max_position_embeddings)", roles=("router",), type=int, section="model")
     served_model_name: str | None = setting(
         None, "router: the model name the API serves, lists in /v1/models and answers to (default: the model "
-        "directory's name; 'default' is always an alias)", roles=("router",), type=str, metavar="NAME", section="model")
+        "directory's name; 'default' is always an alias); on a combine worker, the model_name label of its "
+        "vLLM-named metrics", roles=("router", "combine"), type=str, metavar="NAME", section="model")
     # every command refuses it (cli.main): a field so that vLLM command lines get that clear error
     trust_remote_code: bool = setting(
         False, "refused when set: the server runs only its own implementations of the supported model types, "
@@ -188,6 +189,15 @@ class RuntimeConfig:
         roles=("router",), type=str, metavar="PATH", section="security")
     tls_keyfile: str | None = setting(None, "router: PEM private key of --tls-certfile", roles=("router",), type=str,
                                       metavar="PATH", section="security")
+    stats_interval_s: int = setting(
+        10, "combine: seconds between the lines of running statistics the worker logs, as vLLM's: prompt and "
+        "generation throughput, running and waiting requests, K/V and entry-cache use, prefix and entry cache "
+        "hit rates (an idle worker logs one line, then none until it works again; `hybridcache up` shows them); "
+        "0 = none", roles=("combine",), section="server")
+    log_requests: bool = setting(
+        False, "router: log one line per request that reached a combine worker as it ends: its id, HTTP status "
+        "and finish reason, prompt, cached and generated tokens, time to first token and in all "
+        "(`hybridcache up` shows them)", roles=("router",), section="server")
     http_body_timeout_s: int = setting(
         30, "router: seconds a client has to send a request's body once its headers are in (HTTP 408 after)",
         roles=("router",), section="server")
@@ -324,6 +334,8 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("--tls-certfile and --tls-keyfile go together")
+        if self.stats_interval_s < 0:
+            raise ValueError(f"stats_interval_s must be >= 0 (0 = no stats lines), got {self.stats_interval_s}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key.strip():

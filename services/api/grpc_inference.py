@@ -15,6 +15,7 @@ import logging
 import math
 
 import grpc
+from hybridcache.services.observability import metrics
 from hybridcache.services.protocol import rpc
 from hybridcache.services.router.router import Overloaded, Router, ServiceUnavailable, StreamControl
 from hybridcache.services.runtime.sampling import RequestError
@@ -47,7 +48,11 @@ class InferenceServicer(rpc.InferenceServicer):
             control.cancel()
         try:
             yield from self._generate(request, control)
+            metrics.grpc_answered("CANCELLED" if control.cancelled else "OK")
             return
+        except GeneratorExit:  # the client went away mid-stream
+            metrics.grpc_answered("CANCELLED")
+            raise
         except _Status as e:
             code, message = e.code, e.message
         except Overloaded as e:
@@ -56,6 +61,7 @@ class InferenceServicer(rpc.InferenceServicer):
         except Exception as e:  # noqa: BLE001 - a fault of this server: logged, answered INTERNAL
             log.exception("Generate failed")
             code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}"
+        metrics.grpc_answered(code.name)
         context.abort(code, message)
 
     def _generate(self, request, control: StreamControl):

@@ -49,7 +49,7 @@ def _error(status: int, message: str, headers: dict | None = None) -> web.Respon
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             405: "invalid_request_error", 408: "request_timeout", 413: "request_too_large",
             429: "rate_limit_exceeded", 503: "service_unavailable"}.get(status, "error")
-    metrics.REQUESTS.labels(status=str(status)).inc()
+    metrics.request_answered("http", status)
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status,
                              headers=headers)
 
@@ -346,7 +346,7 @@ class Api:
                         ids.append(c.token_id)
                         if c.has_logprob:
                             lps.append(_logprob_of(c))
-        metrics.REQUESTS.labels(status="200").inc()
+        metrics.request_answered("http", 200)
         return "".join(text), ids, finish, stats, lps
 
     def _token_text(self, token_id: int) -> str:
@@ -394,10 +394,10 @@ class Api:
                     if payload is not None:
                         await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
                     c = await anext(chunks, None)
-                metrics.REQUESTS.labels(status="200").inc()
+                metrics.request_answered("http", 200)
             except (ServiceUnavailable, Overloaded) as e:
                 code = 429 if isinstance(e, Overloaded) else 503
-                metrics.REQUESTS.labels(status=str(code)).inc()
+                metrics.request_answered("http", code)
                 await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'code': code}})}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()

@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 from hybridcache.services import security
@@ -25,6 +26,7 @@ from hybridcache.services.devices import WORKER_ROLES, DeviceMemoryError, starti
 from hybridcache.services.directory import make_directory
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.observability.http import serve_health_and_metrics
+from hybridcache.services.observability.stats import stage
 from hybridcache.services.protocol import rpc
 
 log = logging.getLogger("hybridcache.serve")
@@ -116,6 +118,8 @@ def _serve(args) -> int:
     address = f"{args.host}:{grpc_port}"
     tracing.setup_tracing(args.role, args.otlp_endpoint)
     metrics.watch_gc()  # each collection's pause in hybridcache_gc_pause_seconds and the requests' stats
+    if args.role != "cache-tier":
+        metrics.bind_model(config.served_model_name or Path(args.model).name)  # vLLM-named series' label
     if config.secret_file is None:
         raise security.SecretError("no deployment secret: --secret-file names the file that holds it "
                                    "(`hybridcache up` and the operator make one)")
@@ -146,8 +150,9 @@ def _serve(args) -> int:
                                  idle_timeout_s=config.http_header_timeout_s)
     engine = combine = scatter = None
     if args.role in WORKER_ROLES:
-        engine = starting("loading the model", config.device, config.gpu_memory_utilization,
-                          lambda: _engine(config, args.model))
+        with stage("loading the model %s on %s", args.model, config.device):
+            engine = starting("loading the model", config.device, config.gpu_memory_utilization,
+                              lambda: _engine(config, args.model))
 
     if args.role == "cache-tier":
         from hybridcache.services.cache_tier.server import CacheTierServicer
@@ -182,7 +187,9 @@ def _serve(args) -> int:
     if engine is not None and warm:
         # before the server starts and registers: no request comes here until the kernels are built
         health["status"] = "warming up"
-        health["warmup"] = warm_up_measured(config.device, config.gpu_memory_utilization, (combine or scatter).warmup)
+        with stage("warm-up"):
+            health["warmup"] = warm_up_measured(config.device, config.gpu_memory_utilization,
+                                                (combine or scatter).warmup)
         log.info("warm-up done: %s", health["warmup"])
     # What the process holds by now (the model, its kernels and CUDA graphs, the libraries) lives
     # as long as it does: frozen out of the collector's sight, so that the full collections Python
@@ -200,6 +207,8 @@ def _serve(args) -> int:
         http_runner = _start_api(router, args, http_port, config)
     directory.register(args.role, address)
     stop = threading.Event()
+    if combine is not None and config.stats_interval_s > 0:
+        combine.stats.run(stop)
     if args.role in ("combine", "router"):
         # the scatter workers' Endpoints (their Describe) asked as they join, not on a request's path
         holder = combine if args.role == "combine" else router
@@ -256,7 +265,6 @@ def _tls_context(config):
 def _start_api(router, args, http_port: int, config):
     """Run the aiohttp app in its own thread; returns a function that stops it."""
     import asyncio
-    from pathlib import Path
 
     from hybridcache.services.api.http import Api, start_server
 

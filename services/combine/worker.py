@@ -23,10 +23,12 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
+from hybridcache.services.observability.stats import StatsLog, stage, warmup_requests
 from hybridcache.services.protocol import pb, rpc, segment, segment_array
 from hybridcache.services.runtime.cache import EntryLayout, SegmentEntry
 from hybridcache.services.runtime.cache.host_tier import is_host
@@ -119,9 +121,10 @@ class CombineServicer(rpc.CombineServicer):
         # Every request runs through this scheduler; its thread alone runs the model.
         self.scheduler = Scheduler(engine, scheduling, on_finish=_count_finished,
                                    on_preempt=lambda _handle: metrics.SCHEDULER_PREEMPTIONS.inc())
-        for state in ("waiting", "prefilling", "running"):
-            metrics.SCHEDULER_REQUESTS.labels(state=state).set_function(
-                lambda state=state: self.scheduler.load()[state])
+        # the scheduler's load and memory as gauges (read at each scrape) and in the stats line
+        self.stats = StatsLog(engine.config.stats_interval_s, self.gauges)
+        metrics.watch_scheduler(engine.config.served_model_name or Path(getattr(engine.model, "path", "")).name,
+                                self.scheduler.load, self.scheduler.kv_usage, self._entry_usage)
         self._tiers: dict[str, CacheTierClient] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="combine-fetch")
         self.prefill_tps = 0.0
@@ -131,6 +134,17 @@ class CombineServicer(rpc.CombineServicer):
         self.scatter_same_gpu = engine.config.scatter_same_gpu
         self._no_device_path: set[str] = set()  # scatter workers whose CUDA IPC blocks could not be opened here
         self.transport_bandwidth = measure_bandwidths(self.device)
+
+    def _entry_usage(self) -> float:
+        entries = self.engine.entries
+        return entries.used_bytes / max(entries.capacity_bytes, 1)
+
+    def gauges(self) -> dict:
+        """What the stats line states of the worker now (StatsLog)."""
+        load = self.scheduler.load()
+        return {"running": load["running"] + load["prefilling"], "waiting": load["waiting"],
+                "kv_usage": self.scheduler.kv_usage(), "entry_usage": self._entry_usage(),
+                "entry_bytes": self.engine.entries.used_bytes}
 
     def _accept(self, entry: SegmentEntry, segment: list[int]) -> SegmentEntry | list[SegmentEntry] | None:
         """A received entry (seal verified) if it has the model's layout for this segment, None
@@ -172,10 +186,11 @@ class CombineServicer(rpc.CombineServicer):
         scheduler, the path its requests take (its per-step batches of cold builds, batched decode),
         then the decode CUDA graph of every batch size the scheduler may step (captured here, not
         while a batch of that size waits)."""
-        out = self.engine.warmup(run=self.scheduler.generate)
+        out = self.engine.warmup(run=warmup_requests(self.scheduler.generate))
         checksum.warm(self.engine.model.device)  # received device blocks' checksum kernels
         t0 = time.perf_counter()
-        out["decode_graphs"] = self.scheduler.warm_decode_graphs()
+        with stage("decode graphs of batch sizes up to %d", self.scheduler.config.max_num_seqs):
+            out["decode_graphs"] = self.scheduler.warm_decode_graphs()
         out["decode_graphs_seconds"] = round(time.perf_counter() - t0, 3)
         return out
 
@@ -378,6 +393,7 @@ class CombineServicer(rpc.CombineServicer):
                         chunk.top_ids.extend(i for i, _ in top)
                         chunk.top_logprobs.extend(v for _, v in top)
                     n += 1
+                    self.stats.generated()
                     if t_first is None:
                         t_first = time.perf_counter()
                 yield chunk
@@ -413,9 +429,10 @@ class CombineServicer(rpc.CombineServicer):
         stats["entry_cache_bytes"] = self.engine.entries.used_bytes
         stats["trace_id"] = tracing.current_trace_id()
         metrics.CACHE_BYTES.labels(tier=self.own_tier).set(stats["entry_cache_bytes"])
+        self.stats.request_done(stats)
         yield pb.TokenChunk(done=True, finish_reason=handle.finish_reason, stats_json=json.dumps(stats))
 
 
 def _count_finished(handle: RequestHandle) -> None:
     metrics.SCHEDULER_FINISHED.labels(reason=handle.finish_reason or "abort").inc()
-    metrics.GENERATION_TOKENS.inc(len(handle.output_ids))
+    metrics.SCHEDULER_GENERATED_TOKENS.inc(len(handle.output_ids))

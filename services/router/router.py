@@ -20,6 +20,7 @@ from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.config import DTYPES, RuntimeConfig
 from hybridcache.services.directory import Directory
 from hybridcache.services.observability import metrics, tracing
+from hybridcache.services.observability.stats import RequestRecord
 from hybridcache.services.protocol import narrow_ids, pb, rpc, segment
 from hybridcache.services.router.assign import lpt_assign, round_robin_assign
 from hybridcache.services.router.cost import PATHS, CostModel, parse_bandwidths
@@ -351,6 +352,7 @@ class Router:
             last_t = None
             t_asked = time.perf_counter()
             t_first_token = None
+            record = RequestRecord(creq.request_id, req.prompt_len) if self.runtime.log_requests else None
             try:
                 combine, chunks = self._open(creq, order, control, sent)
                 for chunk in chunks:
@@ -359,7 +361,7 @@ class Router:
                         self._release(plan, assigned)
                         first = False
                         if not chunk.error:
-                            metrics.TTFT.observe(now - t0)
+                            metrics.first_token(now - t0)
                     elif last_t is not None and not chunk.done:
                         metrics.INTER_TOKEN.observe(now - last_t)
                     last_t = now
@@ -369,6 +371,7 @@ class Router:
                         self._remember(combine, plan)
                     if chunk.done and chunk.stats_json:
                         stats = json.loads(chunk.stats_json)
+                        metrics.request_finished(stats, now - t0)
                         self._learn(stats)
                         stats["engine_ttft_ms"] = stats.get("ttft_ms", 0.0)
                         stats["ttft_ms"] = ((t_first_token or now) - t0) * 1000
@@ -376,16 +379,28 @@ class Router:
                         # The combine worker's span must sit in this request's trace (context in metadata).
                         stats["trace_propagated"] = stats.get("trace_id") == tracing.current_trace_id() != ""
                         chunk.stats_json = json.dumps(stats)
+                        if record is not None:
+                            record.finished(stats, chunk.finish_reason)
+                    if chunk.error and record is not None:
+                        record.status = chunk.status or 500
                     yield chunk
             except _Cancelled:
                 return
             except grpc.RpcError as e:
                 if control is not None and control.cancelled:
                     return
+                if record is not None:
+                    record.status = 503
                 raise ServiceUnavailable(f"combine worker {combine} failed: {e.code().name}") from None
+            except (Overloaded, ServiceUnavailable) as e:
+                if record is not None:
+                    record.status = 429 if isinstance(e, Overloaded) else 503
+                raise
             finally:
                 if first:
                     self._release(plan, assigned)
+                if record is not None:
+                    record.log(time.perf_counter() - t0)
 
     def _open(self, creq, order: list[str], control: StreamControl | None, sent=None):
         """(combine worker, its chunks) from the first of `order` that takes the request: one whose

@@ -322,6 +322,10 @@ class Scheduler:
         with self._cv:
             return {"waiting": len(self._waiting), "prefilling": len(self._admitted), "running": len(self._running)}
 
+    def kv_usage(self) -> float:
+        """Share of the K/V budget the running requests have reserved (a lone request may pass 1)."""
+        return self._kv_reserved / self.config.kv_cache_bytes
+
     def stop(self) -> None:
         with self._cv:
             self._stop = True

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
+from hybridcache.services.observability.stats import warmup_requests
 from hybridcache.services.protocol import pb, rpc, segment, unpack_ids
 from hybridcache.services.runtime import graphs
 from hybridcache.services.runtime.engine import Engine
@@ -121,7 +122,7 @@ class ScatterServicer(rpc.ScatterServicer):
         passes run eagerly: a scatter worker only builds entries (recording passes, never from
         CUDA graphs), so graphs of assemblies would hold its GPU memory for nothing."""
         with graphs.eager(self.engine.model):
-            out = self.engine.warmup()
+            out = self.engine.warmup(run=warmup_requests(lambda req: list(self.engine.start(req))))
         checksum.warm(self.engine.model.device)  # the checksum kernels of the entries it sends
         shape = self.engine.warmup_shape()
         if shape is not None:

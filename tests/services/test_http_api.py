@@ -300,7 +300,7 @@ def test_metrics_after_traffic(cluster, engine):
     assert 0 < hits < queries
     inter = metric(text, r"hybridcache_inter_token_latency_seconds_count (\S+)")
     assert inter > 0
-    assert metric(text, r'hybridcache_requests_total{status="200"} (\S+)') >= 50
+    assert metric(text, r'hybridcache_requests_total{door="http",status="200"} (\S+)') >= 50
     # The operator's autoscaler reads the queue depth from this scrape: drained after the traffic.
     from hybridcache.operator.autoscaler import read_router_metrics
 
