@@ -4,6 +4,7 @@ a served model (tests/services/test_monitoring.py has them in a live `up`)."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from hybridcache.services import launcher
@@ -100,3 +101,38 @@ def test_ready_timeout_names_the_service_and_its_last_stage(monkeypatch, tmp_pat
                             "its last progress: loading the model m on cpu ...; log ")
     assert "cache-tier-0: progress: loading the model m on cpu ..." in shown
     assert not any("something else" in line for line in shown)
+
+
+def test_a_worker_logs_each_start_up_stage(model_dir, tmp_path):
+    """A combine worker warming up says each stage as it passes, in order: loading the model, the
+    warm-up, each of its requests, the decode graphs; `up` forwards exactly these lines."""
+    import subprocess
+    import sys
+
+    from hybridcache.services.security import DeploymentSecret
+
+    secret = DeploymentSecret.generate().write(tmp_path / "secret")
+    cmd = [sys.executable, "-m", "hybridcache.services.cli", "serve", "combine", "--model", str(model_dir),
+           "--grpc-port", str(launcher.free_port()), "--http-port", str(launcher.free_port()), "--warmup", "on",
+           "--warmup-shape", "none", "--secret-file", str(secret)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith('{"ready"'):
+                break
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    stages = [m.group(1).removeprefix("progress: ") for m in map(FORWARDED.match, lines)
+              if m and m.group(1).startswith("progress: ")]
+    report = next(line for line in lines if "warm-up done: " in line)
+    n = int(re.search(r"'requests': (\d+)", report).group(1))
+    heads = [re.sub(r" \(\d+ segments, \d+ prompt tokens\)", "", s.split(" ...")[0].split(":")[0]) for s in stages]
+    assert heads == [f"loading the model {model_dir} on cpu"] * 2 + ["warm-up"] + [
+        f"warm-up request {i}" for i in range(1, n + 1)] + ["decode graphs of batch sizes up to 16"] * 2 + [
+        "warm-up"], "".join(lines)
+    # every stage that does not begin one ends with its time
+    assert all(re.search(r": done in [\d.]+ s$", s) for s in stages if not s.endswith(" ..."))
+    assert n >= 1 and stages[-1].startswith("warm-up: done in ")
