@@ -75,10 +75,16 @@ def _read_requests(path: str) -> list:
 
 
 def cmd_model_init(args) -> int:
-    from hybridcache.services.runtime.modelzoo import init_model_dir
+    from hybridcache.services.runtime.modelzoo import init_model_dir, parse_size
 
     try:
-        out = init_model_dir(args.arch, args.preset, args.out, seed=args.seed, dtype=_dtype(args.dtype))
+        if args.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda given but no CUDA device is available")
+        out = init_model_dir(args.arch, args.preset, args.out, seed=args.seed, dtype=_dtype(args.dtype),
+                             device=args.device, max_shard_bytes=parse_size(args.max_shard_size), progress=True)
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(json.dumps({"model_dir": str(out), "arch": args.arch, "preset": args.preset, "seed": args.seed}))
@@ -153,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--out", required=True)
     mi.add_argument("--seed", type=int, default=0)
     mi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    mi.add_argument("--max-shard-size", default="5GB",
+                    help="largest weights file; more is written as model-0000K-of-0000N.safetensors shards with "
+                    "an index, one at a time (default 5GB, as save_pretrained)")
+    mi.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the random values are drawn (cuda: faster for the real-size presets)")
     mi.set_defaults(func=cmd_model_init)
 
     g = command("generate", "run requests from a JSON file against one cache, print JSON lines")
