@@ -108,3 +108,20 @@ def test_a_mid_size_model_is_written_within_a_shard_and_a_layer(tmp_path):
     # largest parameter as it is drawn, and the allocator's slack: far from the whole model
     bound = 2 * SHARD + layer_bytes + biggest + 32 * 2**20
     assert growth < bound < model_bytes / 2.5, (growth, bound, model_bytes)
+
+
+@pytest.mark.gpu
+def test_drawn_on_the_gpu_one_parameter_at_a_time(tmp_path):
+    """--device cuda draws each parameter on the GPU and frees it once written: the GPU holds about
+    one parameter at a time (a 9B model's write held ~25 GiB cached when it was built there whole)."""
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = init_model_dir("qwen3_5_text", "tiny", tmp_path / "mid", overrides=MID, dtype=torch.bfloat16,
+                         device="cuda", max_shard_bytes=SHARD)
+    weights = _tensors(out)
+    biggest = max(t.numel() for t in weights.values()) * 4  # drawn in fp32
+    assert torch.cuda.max_memory_allocated() - before <= 2 * biggest
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
+    from hybridcache.services.runtime.loader import load_model
+
+    assert load_model(out, dtype=torch.bfloat16).cfg.num_hidden_layers == MID["num_hidden_layers"]
