@@ -1,5 +1,8 @@
-"""MoE blocks on the CPU: which expert path runs, and a decode step issues the same ops whatever
-the routing (no host synchronisation, so it can run from a CUDA graph)."""
+"""MoE blocks of every MoE family (qwen3_5_moe, qwen3_next, kimi_linear, minimax) on the CPU, fp32:
+the block's output equals transformers' own block on the same weights (tokens routed to every
+expert, and to all but two), with the grouped-GEMM path and with the per-expert loop; greedy
+generation equals transformers' on a checkpoint written by save_pretrained; a decode step issues
+the same ops whatever the routing (no host synchronisation, so it can run from a CUDA graph)."""
 
 import dataclasses
 import importlib
@@ -8,6 +11,7 @@ import pytest
 import torch
 import transformers
 from hybridcache.services.runtime import backends
+from hybridcache.services.runtime.engine import Engine, EngineConfig
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models import kimi_linear, minimax, qwen3_hybrid
 from hybridcache.services.runtime.models.registry import config_from_dict
@@ -80,6 +84,34 @@ def routed_experts(block, x):
     return set(torch.cat([t.reshape(-1) for t in seen]).tolist())
 
 
+@pytest.mark.parametrize("some_dead", [False, True], ids=["all-experts", "two-unused"])
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_block_equals_transformers(arch, some_dead):
+    ours, theirs = blocks(arch)
+    x = inputs(ours, some_dead)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    assert routed_experts(ours, x) == set(range(E)) - (set(DEAD) if some_dead else set())
+    with torch.no_grad():
+        ref = theirs(x)
+        assert ref.abs().max().item() > 1e-2
+        for path in PATHS:
+            with moe_dispatch(path):
+                assert backends.moe_path(x, ours.experts.gate_up_proj, ours.experts.down_proj) == path
+                got = ours(x)
+            assert (got - ref).abs().max().item() <= 1e-5, path
+
+
+def test_auto_path_on_cpu_is_the_grouped_gemm_and_reference_the_loop():
+    ours, _ = blocks("qwen3_5_moe_text")
+    x, gu, d = torch.zeros(3, 64), ours.experts.gate_up_proj, ours.experts.down_proj
+    assert backends.moe_path(x, gu, d) == "grouped_mm"
+    ref = dataclasses.replace(backends.current_dispatch(), kernels="reference")
+    with backends.dispatching(ref):
+        assert backends.moe_path(x, gu, d) == "loop"
+    with pytest.raises(ValueError, match="moe must be one of"):
+        backends.OpDispatch(moe="dense")
+
+
 class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -132,3 +164,23 @@ def test_decode_step_ops_do_not_depend_on_the_routing(path, tmp_path):
         assert "aten._grouped_mm" in ops_spread
     else:
         assert len(ops_spread) > len(ops_narrow)
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_greedy_generation_equals_transformers_from_save_pretrained(arch, tmp_path):
+    """32 greedy tokens of transformers' model and of ours, both loaded from the directory that
+    transformers' save_pretrained wrote."""
+    src = init_model_dir(arch, "tiny", tmp_path / "src", seed=1, std=0.08)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    saved = tmp_path / "saved"
+    hf.save_pretrained(saved)
+    (saved / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, 24:].tolist()
+    engine = Engine.from_dir(saved, config=EngineConfig(mode="full"))
+    res = engine.generate({"suffix": ids[0].tolist(), "sampling_params": {"max_new_tokens": 32, "ignore_eos": True}})
+    assert len(ref) == 32
+    assert res.output_ids == ref
