@@ -370,10 +370,8 @@ class HybridLM(LayoutLM):
 
     norm_offset = 0.0  # modelzoo.random_init_: zero-centred RMSNorm, scale (1 + weight)
 
-    @property
-    def cuda_graphs(self) -> bool:
-        """Dense models only: the MoE block reads its routing on the host (torch.unique)."""
-        return self.cfg.num_experts == 0
+    # dense and MoE alike: the MoE block routes and runs its experts on the device (backends.moe_experts)
+    cuda_graphs = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(
