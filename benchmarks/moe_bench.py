@@ -363,7 +363,7 @@ def decode_figures(model, cfg, device, batch, prompt, steps, bw_gbs, figures):
     figures[f"moe_decode_step_ms_{batch}"] = round(step_ms, 3)
     figures[f"moe_decode_tokens_per_s_{batch}"] = round(batch / step_ms * 1e3, 1)
     figures[f"moe_decode_floor_ms_{batch}"] = round(floor_ms, 3)
-    figures[f"moe_decode_fraction_of_floor_{batch}"] = round(floor_ms / step_ms, 3)
+    figures[f"moe_decode_fraction_of_floor_{batch}"] = float(f"{floor_ms / step_ms:.3g}")
     figures[f"moe_decode_bytes_{batch}"] = {k: int(v) for k, v in parts.items()}
     figures[f"moe_decode_active_experts_per_layer_{batch}"] = round(statistics.mean(active.values()), 4)
     figures[f"moe_decode_graph_stats_{batch}"] = dict(graphs.stats) if graphs is not None else None

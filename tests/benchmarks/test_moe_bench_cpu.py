@@ -28,7 +28,7 @@ def test_tiny_run_reports_every_figure(tmp_path):
         assert f[f"moe_block_rel_err_grouped_mm_{n}"] <= 1e-5 and f[f"moe_block_fastest_{n}"] in ("loop", "grouped_mm")
     assert f["moe_prefill_ms_ours_48"] > 0 and f["moe_prefill_ms_peer_48"] > 0
     speedup = f["moe_prefill_ms_peer_48"] / f["moe_prefill_ms_ours_48"]
-    assert f["moe_prefill_speedup_vs_peer_48"] == pytest.approx(speedup, rel=2e-3)
+    assert f["moe_prefill_speedup_vs_peer_48"] == pytest.approx(speedup, rel=2e-3, abs=6e-4)  # 3 decimals
     assert f["peer_kernels"]["experts"] == "grouped_mm"
     # tiny: 4 MoE layers of 4 experts, h = 64, I = 48, fp32: one expert is 3 * 64 * 48 * 4 bytes
     for b in (1, 4):
