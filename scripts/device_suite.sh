@@ -10,6 +10,8 @@
 #   families    the families' engine tests alone, one pytest each (fla's KDA autotuning alone has
 #               taken > 200 s); FAMILIES='kimi_linear olmo_hybrid' picks, FAMILIES_TIMEOUT (500 s) bounds
 #   bench       benchmarks/gpu_bench.py (one GPU)
+#   moe         benchmarks/moe_bench.py: the Qwen3.5-35B-A3B shape, ours against transformers + fla in
+#               turn (one GPU, ~6 min on an H100); MOE_BENCH_ARGS adds flags (--layers, --quick, --sections)
 #   served-gpu  benchmarks/served_gpu.py: router, cache tier, combine and scatter started by
 #               `hybridcache up --device cuda`, driven over HTTP against an in-process engine (one
 #               GPU); SERVED_GPU_PHASES picks the phases (default all: inproc,pic,scatter,scatter_ipc,prefix),
@@ -51,9 +53,9 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | served-gpu | qps | profile | fold | train | transport | served) ;;
+    gpu-tests | families | bench | moe | served-gpu | qps | profile | fold | train | transport | served) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, served-gpu, qps, profile, fold, train, transport, served)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, fold, train, transport, served)" >&2
         exit 2 ;;
     esac
 done
@@ -118,6 +120,10 @@ for stage in "$@"; do
     bench)
         python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" > "$OUT/gpu_bench.log" 2>&1
         echo "bench rc=$?" ;;
+    moe)
+        # shellcheck disable=SC2086  # MOE_BENCH_ARGS is a list of flags
+        python3 benchmarks/moe_bench.py ${MOE_BENCH_ARGS:-} --out "$OUT/moe_bench.json" > "$OUT/moe_bench.log" 2>&1
+        echo "moe rc=$?"; grep -E "moe_bench: " "$OUT/moe_bench.log" | cut -c1-300 ;;
     served-gpu)
         merge=()
         [ -n "${SERVED_GPU_MERGE:-}" ] && merge=(--merge "$SERVED_GPU_MERGE")

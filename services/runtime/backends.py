@@ -1,7 +1,9 @@
 """Which implementation of each op runs for a device and dtype (the model's dispatch points).
 
 CPU (and CI): the pure-PyTorch references in kernels/ops. CUDA: fla-core's chunked gated delta
-rule (with initial state) when importable, our fused entry construction for runs that record a
+rule (with initial state) when importable, MoE experts as torch's grouped GEMM (bf16 on sm90/sm100)
+or else the Triton fused-MoE kernel (kernels/ops/moe; on the CPU the grouped GEMM too, where
+torch has it), our fused entry construction for runs that record a
 cache entry, Triton causal conv, our live-token attention kernel (kernels/ops/attention) where live
 tokens sit between cached spans, and SDPA for the other attention (flash for a plain causal
 prefill, a live tail and decode).
@@ -26,9 +28,12 @@ from hybridcache.kernels.ops.gated_delta_rule import chunk_gated_delta_rule, nai
 from hybridcache.kernels.ops.gla import naive_recurrent_gla
 from hybridcache.kernels.ops.kda import naive_recurrent_kda
 from hybridcache.kernels.ops.mamba2 import naive_ssd
+from hybridcache.kernels.ops.moe import grouped_experts, grouped_mm_supported, naive_experts
 from hybridcache.kernels.ops.simple_gla.naive import naive_lightning_attention, naive_recurrent_simple_gla
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.config import KERNELS, RuntimeConfig, sdpa_backend_names
+
+MOE_PATHS = ("auto", "grouped_mm", "triton", "loop")
 
 # Below this many tokens the step loop beats chunking on CPU, and fla's fused recurrent kernel
 # beats its chunked one on GPU (decode, seam windows).
@@ -42,10 +47,15 @@ class OpDispatch:
 
     kernels: str = RuntimeConfig.kernels
     sdpa_backends: str = RuntimeConfig.sdpa_backends
+    # MoE experts (moe_experts): "auto" picks the fastest path that has no host synchronisation;
+    # "grouped_mm", "triton" and "loop" force one (benchmarks/moe_bench.py compares them)
+    moe: str = "auto"
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.moe not in MOE_PATHS:
+            raise ValueError(f"moe must be one of {', '.join(MOE_PATHS)}, got {self.moe!r}")
         sdpa_backend_names(self.sdpa_backends)
 
     @classmethod
@@ -548,6 +558,34 @@ def fused_silu_mul(gate, up):
     from hybridcache.kernels.ops.activation.triton import silu_mul
 
     return silu_mul(gate, up)
+
+
+def moe_path(x, gate_up, down) -> str:
+    """Which implementation moe_experts runs for these tensors: the per-expert loop under
+    `--kernels reference` (it reads the routing on the host); else torch's grouped GEMM where it
+    runs without a host synchronisation (grouped_mm_supported: the CPU, bf16 on sm90/sm100), the
+    Triton fused-MoE kernel on other CUDA tensors, the loop elsewhere. OpDispatch.moe forces one."""
+    if _DISPATCH.moe != "auto":
+        return _DISPATCH.moe
+    if _DISPATCH.kernels == "reference":
+        return "loop"
+    if grouped_mm_supported(x, gate_up, down):
+        return "grouped_mm"
+    return "triton" if x.is_cuda else "loop"
+
+
+def moe_experts(x, gate_up, down, top_i, top_w):
+    """Routed SwiGLU experts: x [n, h], gate_up [E, 2I, h], down [E, h, I], top_i / top_w [n, k]
+    (each token's experts and routing weights) -> [n, h] in x's dtype (kernels/ops/moe)."""
+    path = moe_path(x, gate_up, down)
+    if path == "grouped_mm":
+        silu_mul = fused_silu_mul if use_fast_kernels(x) else None
+        return grouped_experts(x, gate_up, down, top_i, top_w, silu_mul)
+    if path == "triton":
+        from hybridcache.kernels.ops.moe.triton import fused_experts
+
+        return fused_experts(x, gate_up, down, top_i, top_w)
+    return naive_experts(x, gate_up, down, top_i, top_w)
 
 
 def causal_conv1d(x, weight, bias, initial_state, activation):

@@ -24,6 +24,7 @@ from hybridcache.kernels.ops.attention.triton import live_attention  # noqa: E40
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd  # noqa: E402
 from hybridcache.kernels.ops.checksum.triton import checksum_sums, copy_checksum  # noqa: E402
 from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
+from hybridcache.kernels.ops.moe.triton import FusedConfig, fused_experts  # noqa: E402
 from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_heads, row_norm  # noqa: E402
 from hybridcache.kernels.ops.rope.triton import norm_rope_tokens, rope_heads  # noqa: E402
 from hybridcache.kernels.ops.transition.compose_triton import compose_states_blocks, compose_states_fwd  # noqa: E402
@@ -38,6 +39,8 @@ __all__ = [
     "compose_states_blocks",
     "compose_states_fwd",
     "device",
+    "FusedConfig",
+    "fused_experts",
     "gdn_gates",
     "l2norm_heads",
     "live_attention",

@@ -265,7 +265,7 @@ def test_host_constants_are_device_tensors_filled_once_after_the_capture():
 def test_graphs_are_off_on_cpu(model):
     assert layout_graphs(model) is None  # a CPU model: the eager forward
     moe = HybridLM(ModelConfig.from_dict(hf_config("qwen3_5_moe_text", "tiny")))
-    assert not moe.cuda_graphs and model.cuda_graphs
+    assert moe.cuda_graphs and model.cuda_graphs  # MoE blocks have no host sync (tests/runtime/test_moe.py)
 
 
 def test_patch_sites_are_the_table_entries_holding_a_buffer_address():

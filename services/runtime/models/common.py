@@ -313,8 +313,8 @@ class LayoutLM(nn.Module):
     `forward_layout(x, layout, state, rec, layer_idx, positions) -> x`, residuals included."""
 
     norm_offset = 1.0  # modelzoo.random_init_: these models use plain RMSNorm (weight * x)
-    # Whether the live pass of an assembly may run from CUDA graphs (graphs.py): only where it has
-    # no host synchronization (a MoE layer's expert loop reads the routing on the host) and is tested so.
+    # Whether the live pass of an assembly and decode steps may run from CUDA graphs (graphs.py,
+    # paged.py): only where they have no host synchronization and are tested so on a GPU.
     cuda_graphs = False
 
     def __init__(self, cfg, backbone: nn.Module):
