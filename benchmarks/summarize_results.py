@@ -150,6 +150,21 @@ FIGURES = (
            "figures.tp1_prefill_s_32k", "s", 2),
     Figure("TP 1 decode, 32 streams of 1k-token prompts", "tensor_parallel_h200*.json",
            "figures.tp1_decode_tokens_per_s_32_streams", "tokens/s", 0),
+    Figure("MoE (Qwen3.5-35B-A3B shape, bf16) prefill vs transformers + fla, 8k", "moe_bench_*.json",
+           "figures.moe_prefill_speedup_vs_peer_8k", "x", 2, goal=">= 1.1x"),
+    Figure("MoE prefill vs transformers + fla, 32k", "moe_bench_*.json",
+           "figures.moe_prefill_speedup_vs_peer_32k", "x", 2, goal=">= 1.1x"),
+    Figure("MoE prefill, 32k tokens (ours)", "moe_bench_*.json", "figures.moe_prefill_ms_ours_32k", "ms", 0),
+    Figure("MoE decode step at batch 1, fraction of the bandwidth floor", "moe_bench_*.json",
+           "figures.moe_decode_fraction_of_floor_1", "", 3, goal=">= 0.6"),
+    Figure("MoE decode step at batch 32, fraction of the bandwidth floor", "moe_bench_*.json",
+           "figures.moe_decode_fraction_of_floor_32", "", 3, goal=">= 0.5"),
+    Figure("MoE decode, batch 1 (graphed step)", "moe_bench_*.json", "figures.moe_decode_tokens_per_s_1",
+           "tokens/s", 1),
+    Figure("MoE decode, batch 32 (graphed step)", "moe_bench_*.json", "figures.moe_decode_tokens_per_s_32",
+           "tokens/s", 0),
+    Figure("one MoE block on 32 tokens, fastest expert path vs the per-expert loop", "moe_bench_*.json",
+           "figures.moe_block_speedup_vs_loop_32", "x", 1),
 )
 
 

@@ -562,16 +562,17 @@ def fused_silu_mul(gate, up):
 
 def moe_path(x, gate_up, down) -> str:
     """Which implementation moe_experts runs for these tensors: the per-expert loop under
-    `--kernels reference` (it reads the routing on the host); else torch's grouped GEMM where it
-    runs without a host synchronisation (grouped_mm_supported: the CPU, bf16 on sm90/sm100), the
-    Triton fused-MoE kernel on other CUDA tensors, the loop elsewhere. OpDispatch.moe forces one."""
+    `--kernels reference` (it reads the routing on the host); else the Triton fused-MoE kernel on
+    CUDA (faster than torch's grouped GEMM at every token count benchmarks/moe_bench.py measures
+    on an H100, and free of host synchronisation on every GPU and dtype), torch's grouped GEMM on
+    the CPU where it applies (grouped_mm_supported), the loop elsewhere. OpDispatch.moe forces one."""
     if _DISPATCH.moe != "auto":
         return _DISPATCH.moe
     if _DISPATCH.kernels == "reference":
         return "loop"
-    if grouped_mm_supported(x, gate_up, down):
-        return "grouped_mm"
-    return "triton" if x.is_cuda else "loop"
+    if x.is_cuda:
+        return "triton"
+    return "grouped_mm" if grouped_mm_supported(x, gate_up, down) else "loop"
 
 
 def moe_experts(x, gate_up, down, top_i, top_w):

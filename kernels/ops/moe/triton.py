@@ -38,10 +38,12 @@ class FusedConfig:
 
 
 def default_config(pairs: int, num_experts: int) -> FusedConfig:
-    """Decode-sized batches (about one pair per expert or fewer): 16-row blocks; larger: 64."""
-    if pairs <= 2 * num_experts:
-        return FusedConfig(16, 64, 128, 4, 3)
-    return FusedConfig(64, 64, 64, 4, 3)
+    """64 x 128 tiles up to 16k token-expert pairs, 128 x 128 beyond: the fastest of the tiles
+    benchmarks/moe_bench.py tries, or within 1 % of it, at 1, 32, 256, 2,048 and 8,192 tokens of
+    the Qwen3.5-35B-A3B shape on an H100 (moe_bench_h100_72d9493.json)."""
+    if pairs <= 16384:
+        return FusedConfig(64, 128, 64, 8, 3)
+    return FusedConfig(128, 128, 64, 8, 3)
 
 
 @triton.jit
