@@ -165,6 +165,11 @@ class RuntimeConfig:
         None, "router: a Jinja chat template file for /v1/chat/completions (default: the model directory's "
         "tokenizer_config.json chat_template, else its chat_template.jinja)", roles=("router",), type=str,
         metavar="FILE", section="model")
+    segment_separator: str = setting(
+        "<<PIC_SEP>>", "router: the marker that splits every prompt text into segments (completion prompts, every "
+        "chat message's content, system and developer messages included, /generate text, native requests on HTTP "
+        "and gRPC); removed before tokenizing. A request's `separator` field overrides it; \"\" turns it off",
+        roles=("router",), metavar="TEXT", section="cache")
     max_request_bytes: int = setting(
         4 << 20, "router: largest HTTP request body and gRPC Inference message read; a larger one is refused "
         "before it is read or parsed (HTTP 413, gRPC RESOURCE_EXHAUSTED)", roles=("router",), section="server")

@@ -134,11 +134,14 @@ class ChatTemplate:
 
     def prompt(self, marked: list[dict], texts: list[str], tokenizer, tools: list | None = None) -> ChatPrompt:
         """The prompt of the messages `marked`, where mark(k) stands for texts[k] (each text that
-        may be a segment); the template sees the messages with the texts in place."""
+        may be a segment); the template sees the messages with the texts in place. A text the
+        template does not render is no part of the prompt."""
         full = self.render(substitute(marked, texts), tools)
         rendered = self.render(marked, tools)
         spans, out, pos = [], [], 0
         for k, text in enumerate(texts):
+            if mark(k) not in rendered:
+                continue  # a text the template leaves out (a role it does not render)
             at = rendered.find(mark(k), pos)
             if at < 0 or rendered.count(mark(k)) != 1:
                 spans = None

@@ -15,6 +15,7 @@ import logging
 import math
 
 import grpc
+from hybridcache.services.api.openai_compat import split_native
 from hybridcache.services.observability import metrics
 from hybridcache.services.protocol import rpc
 from hybridcache.services.router.router import Overloaded, Router, ServiceUnavailable, StreamControl
@@ -66,7 +67,8 @@ class InferenceServicer(rpc.InferenceServicer):
 
     def _generate(self, request, control: StreamControl):
         try:
-            req = self.router.parse(_parse_json(request.request_json), json_ids=True)
+            native = split_native(_parse_json(request.request_json), self.router.runtime.segment_separator)
+            req = self.router.parse(native, json_ids=True)
             for chunk in self.router.stream(req, control):
                 if chunk.error:
                     raise _Status(STATUS_CODES.get(chunk.status, grpc.StatusCode.INTERNAL), chunk.error)

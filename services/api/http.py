@@ -414,7 +414,8 @@ class Api:
 
     async def chat(self, request):
         def convert(body):
-            return chat_to_native(body, self.chat_template, self.router.planner.tokenizer)
+            return chat_to_native(body, self.chat_template, self.router.planner.tokenizer,
+                                  self.config.segment_separator)
 
         return await self._handle(request, convert, self._chat_respond)
 
@@ -481,7 +482,8 @@ class Api:
         return await self._sse(request, req, event)
 
     async def completions(self, request):
-        return await self._handle(request, completion_to_native, self._completion_respond)
+        convert = functools.partial(completion_to_native, separator=self.config.segment_separator)
+        return await self._handle(request, convert, self._completion_respond)
 
     async def _completion_respond(self, request, req, stream, body):
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.served_model}
@@ -521,7 +523,7 @@ class Api:
                 if body.get("add_generation_prompt", True) is not True:
                     raise RequestError("add_generation_prompt must be true (the prompts served end with it)")
                 native = chat_to_native({k: body[k] for k in ("messages", "tools") if k in body},
-                                        self.chat_template, tok)
+                                        self.chat_template, tok, self.config.segment_separator)
                 tokens = [t for part in (native["system"], *native["segments"], native["suffix"])
                           for t in (tok.encode(part) if isinstance(part, str) else part)]
             else:
@@ -555,7 +557,8 @@ class Api:
                                                                                      skip_special_tokens=False)})
 
     async def generate(self, request):
-        return await self._handle(request, sglang_to_native, self._generate_respond)
+        convert = functools.partial(sglang_to_native, separator=self.config.segment_separator)
+        return await self._handle(request, convert, self._generate_respond)
 
     def _meta(self, req, n: int, finish: str | None, stats: dict, t0: float) -> dict:
         meta = {"prompt_tokens": req.prompt_len, "completion_tokens": stats.get("generated_tokens", n),

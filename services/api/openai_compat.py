@@ -2,10 +2,15 @@
 mapped onto the engine's native request ({"system", "segments", "suffix", "sampling_params"}).
 
 Segmentation: each text part of a message's content list is one segment; a message whose content
-is a string is one segment; the last part of the last message is the suffix (the question). An
-optional `separator` string splits parts further. `segments` may also be given directly. A chat
-with the model's chat template keeps those segments and puts the template's markup around them
-(api/chat_template.py).
+is a string is one segment; the last part of the last message is the suffix (the question). The
+segment separator (the server's --segment-separator, `<<PIC_SEP>>` by default; a request's
+`separator` field overrides it, "" turns it off) splits every text further and is removed before
+tokenizing: completion prompts, /generate text, native `system`, `segments` and `suffix` strings,
+and every message's content, system and developer messages included (their text before the first
+separator stays the prefix, each piece after one is a segment). `segments` may also be given
+directly. A chat with the model's chat template keeps those segments and puts the template's
+markup around them (api/chat_template.py); its prompt ids are those of the same messages without
+separators.
 """
 
 from __future__ import annotations
@@ -53,17 +58,65 @@ def _check_fields(body: dict, known: set[str], what: str) -> None:
             raise RequestError(f"{name}={json.dumps(body[name])[:60]} is not supported by this server{off}")
 
 
-def _split(text: str, separator: str | None) -> list[str]:
+def _split(text: str, separator: str) -> list[str]:
     if not separator:
         return [text]
     return [p for p in text.split(separator) if p]
 
 
-def _separator(body: dict) -> str | None:
+def _separator(body: dict, default: str = "") -> str:
+    """The request's `separator`, else the server's `default` ("" for none)."""
     sep = body.get("separator")
-    if sep is not None and (not isinstance(sep, str) or not sep):
-        raise RequestError("separator must be a non-empty string")
+    if sep is None:
+        return default
+    if not isinstance(sep, str):
+        raise RequestError('separator must be a string ("" turns splitting off)')
     return sep
+
+
+def split_native(obj, default: str = ""):
+    """A native request ({"system", "segments", "suffix", ...}) with its texts split on the
+    separator (its `separator` field, else `default`) and the field dropped: the system text before
+    the first separator stays the system prompt and each piece after one becomes a segment, before
+    the given segments; each text segment becomes its pieces; the suffix's last piece stays the
+    suffix, the pieces before it become segments after the others. Empty pieces are dropped; a
+    live segment's pieces stay live. Anything not as expected is left for Planner.parse to refuse."""
+    if not isinstance(obj, dict):
+        return obj
+    sep = _separator(obj, default)
+    obj = {k: v for k, v in obj.items() if k != "separator"}
+    system, segments, suffix = obj.get("system"), obj.get("segments") or [], obj.get("suffix")
+    live = obj.get("live_segments") or []
+    if not sep or not isinstance(segments, list) or not isinstance(live, list):
+        return obj
+    texts = [t for t in (system, suffix, *segments) if isinstance(t, str)]
+    if not any(sep in t for t in texts):
+        return obj
+    new_segments, new_live = [], []
+
+    def add(piece, is_live: bool) -> None:
+        if is_live:
+            new_live.append(len(new_segments))
+        new_segments.append(piece)
+
+    if isinstance(system, str) and sep in system:
+        head, *rest = system.split(sep)
+        obj["system"] = head
+        for p in rest:
+            if p:
+                add(p, False)
+    for i, s in enumerate(segments):
+        for p in _split(s, sep) if isinstance(s, str) else [s]:
+            add(p, i in live)
+    if isinstance(suffix, str) and sep in suffix:
+        pieces = _split(suffix, sep)
+        for p in pieces[:-1]:
+            add(p, False)
+        obj["suffix"] = pieces[-1] if pieces else ""
+    obj["segments"] = new_segments
+    if "live_segments" in obj:
+        obj["live_segments"] = new_live
+    return obj
 
 
 def _opt_number(body: dict, name: str, kind) -> float | int | None:
@@ -132,25 +185,25 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 NO_TEMPLATE = "none: message texts concatenated without roles (the model has no chat template)"
 
 
-def chat_to_native(body: dict, template: ChatTemplate | None = None, tokenizer=None) -> dict:
+def chat_to_native(body: dict, template: ChatTemplate | None = None, tokenizer=None, separator: str = "") -> dict:
     """A chat request as the engine's native request. With a chat template (and the tokenizer)
     the prompt is the rendered template in token ids (chat_template.ChatTemplate.prompt); without
-    one, system texts are the prefix, every other text part a segment, the last one the suffix."""
+    one, system texts are the prefix, every other text part a segment, the last one the suffix.
+    `separator`: the server's segment separator (the request's `separator` overrides it)."""
     _check_fields(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                          "seed", "stop", "n", "stream", "separator", "tools", "tool_choice"} | _OPENAI_IGNORED,
                   "the request")
-    native = _chat_native(body, template, tokenizer)
+    native = _chat_native(body, template, tokenizer, _separator(body, separator))
     top = chat_logprobs(body)
     if top is not None:
         native["sampling_params"]["logprobs"] = top
     return native
 
 
-def _chat_native(body: dict, template: ChatTemplate | None, tokenizer) -> dict:
+def _chat_native(body: dict, template: ChatTemplate | None, tokenizer, sep: str) -> dict:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
-    sep = _separator(body)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a role")
@@ -174,7 +227,7 @@ def _chat_native(body: dict, template: ChatTemplate | None, tokenizer) -> dict:
     return native
 
 
-def _chat_without_template(messages: list, sep: str | None, body: dict) -> dict:
+def _chat_without_template(messages: list, sep: str, body: dict) -> dict:
     system, parts = [], []
     for i, m in enumerate(messages):
         texts = _text_parts(m.get("content"), f"messages[{i}]")
@@ -183,42 +236,45 @@ def _chat_without_template(messages: list, sep: str | None, body: dict) -> dict:
         else:
             for t in texts:
                 parts += _split(t, sep)
-    parts = [p for p in parts if p]
+    # the system texts before the first separator are the prefix, each piece after one a segment
+    prefix, *system_pieces = "".join(system).split(sep) if sep else ["".join(system)]
+    parts = [p for p in system_pieces + parts if p]
     if not parts:
         raise RequestError("the messages hold no text")
-    return {"system": "".join(system), "segments": parts[:-1], "suffix": parts[-1],
+    return {"system": prefix, "segments": parts[:-1], "suffix": parts[-1],
             "sampling_params": openai_sampling(body)}
 
 
-def _marked_messages(messages: list, sep: str | None) -> tuple[list[dict], list[str]]:
+def _marked_messages(messages: list, sep: str) -> tuple[list[dict], list[str]]:
     """The messages for the template with chat_template.mark(k) in place of each text that may be
-    a segment (text parts of user, assistant and tool messages; a separator splits them further),
-    and those texts. Assistant tool calls carry their arguments as objects, as templates expect."""
+    a segment, and those texts: the text parts of user, assistant and tool messages, split further
+    by the separator, and in system and developer messages each piece after a separator (the text
+    before the first one stays in the markup, the prefix). The separators are removed: the
+    template renders the texts joined. Assistant tool calls carry their arguments as objects, as
+    templates expect."""
     texts: list[str] = []
 
-    def marked_text(text: str) -> str:
+    def marked_text(text: str, keep_head: bool) -> str:
         pieces = text.split(sep) if sep else [text]
-        out = []
-        for p in pieces:
+        out = [pieces[0]] if keep_head else []
+        for p in pieces[1:] if keep_head else pieces:
             if p:
                 texts.append(p)
                 out.append(mark(len(texts) - 1))
-            else:
-                out.append("")
-        return (sep or "").join(out)
+        return "".join(out)
 
     out = []
     for i, m in enumerate(messages):
         m = dict(m)
         content = m.get("content")
-        segmentable = m["role"] not in ("system", "developer")
+        keep_head = m["role"] in ("system", "developer")
         if content is None and m["role"] == "assistant":
             pass
         elif isinstance(content, str):
-            m["content"] = marked_text(content) if segmentable else content
+            m["content"] = marked_text(content, keep_head)
         else:
             texts_here = _text_parts(content, f"messages[{i}]")
-            m["content"] = [{"type": "text", "text": marked_text(t) if segmentable else t} for t in texts_here]
+            m["content"] = [{"type": "text", "text": marked_text(t, keep_head)} for t in texts_here]
         if isinstance(m.get("tool_calls"), list):
             m["tool_calls"] = [_tool_call_for_template(c) for c in m["tool_calls"]]
         out.append(m)
@@ -237,7 +293,7 @@ def _tool_call_for_template(call):
     return dict(call, function=fn)
 
 
-def completion_to_native(body: dict) -> dict:
+def completion_to_native(body: dict, separator: str = "") -> dict:
     _check_fields(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
                          "stream", "separator", "segments", "system", "logprobs"} | _OPENAI_IGNORED,
                   "the request")
@@ -253,15 +309,8 @@ def completion_to_native(body: dict) -> dict:
         native["sampling_params"]["logprobs"] = _top_count(top, "logprobs")
     if body.get("system") is not None:
         native["system"] = body["system"]
-    sep = _separator(body)
-    if isinstance(prompt, str) and sep:
-        pieces = _split(prompt, sep)
-        if not isinstance(native["segments"], list):
-            raise RequestError("segments must be a list")
-        native["segments"] = list(native["segments"]) + pieces[:-1]
-        prompt = pieces[-1] if pieces else ""
     native["suffix"] = prompt
-    return native
+    return split_native(native, _separator(body, separator))
 
 
 # SGLang sampling parameters this engine does not implement, with the value that means "off".
@@ -290,7 +339,7 @@ def sglang_sampling(sp) -> dict:
     return out
 
 
-def sglang_to_native(body: dict) -> dict:
+def sglang_to_native(body: dict, separator: str = "") -> dict:
     _check_fields(body, {"text", "input_ids", "sampling_params", "stream", "system", "segments", "suffix",
                          "separator", "model", "return_logprob", "top_logprobs_num"} | _SGLANG_IGNORED,
                   "the request")
@@ -306,13 +355,8 @@ def sglang_to_native(body: dict) -> dict:
         if len(text) != 1:
             raise RequestError("batched text is not supported: send one prompt per request")
         text = text[0]
-    sep = _separator(body)
-    if isinstance(text, str) and sep:
-        pieces = _split(text, sep)
-        native["segments"] = list(native.get("segments") or []) + pieces[:-1]
-        text = pieces[-1] if pieces else ""
     native["suffix"] = text if text is not None else ""
-    return native
+    return split_native(native, _separator(body, separator))
 
 
 TOOL_CALL_OPEN = "<tool_call>"
