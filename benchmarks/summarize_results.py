@@ -106,6 +106,8 @@ FIGURES = (
            "figures.get_grpc_gb_s", "GB/s", 2),
     Figure("entry Get through shared memory (CPU, 56 MiB entry)", "transport_loopback_cpu_*.json",
            "figures.get_shm_gb_s", "GB/s", 2),
+    Figure("prompt tokens cached when a LangChain stuff chain's 8 documents come back reordered (CPU, shipped model)",
+           "rag_reuse_cpu_*.json", "reordered.cached_fraction", "%", 1, 100.0, "CPU", goal=">= 90 %"),
     Figure("served requests/s, 16 concurrent streams vs one at a time (CPU, shipped model)",
            "served_load_cpu_*.json", "figures.requests_per_s_16_streams_vs_1", "x", 2, goal=">= 4x"),
     Figure("served output tokens/s, 32 streams of 256 tokens vs 1 (Qwen3.5-9B shape, bf16)",
