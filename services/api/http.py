@@ -30,10 +30,12 @@ from aiohttp import web
 from hybridcache.services.api.chat_template import ChatTemplate
 from hybridcache.services.api.openai_compat import (
     NO_TEMPLATE,
+    Fanout,
+    chat_requests,
     chat_to_native,
-    completion_to_native,
+    completion_requests,
     parse_tool_calls,
-    sglang_to_native,
+    sglang_requests,
     streamable_prefix,
 )
 from hybridcache.services.config import RuntimeConfig
@@ -289,6 +291,9 @@ class Api:
             raise _Reject(404, f"model {model!r} is not served here (serving {self.served_model!r}, alias 'default')")
 
     async def _handle(self, request: web.Request, convert, respond):
+        """`convert(body)`: the native request, or a Fanout of several (n, best_of, prompt lists,
+        batches), each streamed by the router in a worker thread of its own (request["runs"], in
+        order); `respond(request, reqs, stream, body, fanout)` answers."""
         # the response's ttft_ms counts from here: body, parsing and planning are part of the wait
         received = request["received"] = time.perf_counter()
         try:
@@ -300,28 +305,38 @@ class Api:
             # in a worker thread: parsing, conversion (text tokenized) and the router's parse
             body = _json_object(raw)
             self._check_model(body)
-            req = self.router.parse(convert(body), json_ids=True)
+            out = convert(body)
+            fanout = out if isinstance(out, Fanout) else Fanout([out])
+            reqs = [_parse_named(self.router, native, fanout.prompt_field) for native in fanout.requests]
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError("stream must be a boolean")
-            return body, req, stream
+            return body, reqs, stream, fanout
 
-        # the same thread goes on with the router's stream of the request (its plan, the call to
-        # a combine worker); the event loop gets the parsed request once that call is made
+        # the same thread goes on with the router's stream of the first request (its plan, the call
+        # to a combine worker); the event loop gets the parsed request once that call is made
         def open_stream(parsed, control, sent):
-            return self.router.stream(parsed[1], control, received, sent)
+            return self.router.stream(parsed[1][0], control, received, sent)
 
-        run = request["run"] = _Run(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        run = _Run(loop)
+        request["runs"] = [run]
         self._workers.submit(functools.partial(run.work, prepare, open_stream))
         try:
             try:
-                body, req, stream = await run.parsed
+                body, reqs, stream, fanout = await run.parsed
             except _Reject as e:
                 return _error(e.status, e.message)
             except RequestError as e:
                 return _error(400, str(e))
+            for req in reqs[1:]:
+                more = _Run(loop)
+                request["runs"].append(more)
+                self._workers.submit(functools.partial(
+                    more.work, functools.partial(lambda r: r, req),
+                    lambda r, control, sent: self.router.stream(r, control, received, sent)))
             try:
-                return await respond(request, req, stream, body)
+                return await respond(request, reqs, stream, body, fanout)
             except _Reject as e:
                 return _error(e.status, e.message)
             except Overloaded as e:
@@ -329,12 +344,14 @@ class Api:
             except ServiceUnavailable as e:
                 return _error(503, str(e))
         finally:
-            run.close()
+            for r in request["runs"]:
+                r.close()
 
-    async def _collect(self, request: web.Request, req) -> tuple[str, list[int], str, dict, list]:
-        """The whole answer: text, token ids, finish reason, stats and per token (id, log p, top) when asked."""
+    async def _collect(self, run: _Run) -> tuple[str, list[int], str, dict, list]:
+        """One request's whole answer: text, token ids, finish reason, stats and per token (id, log p,
+        top) when asked."""
         text, ids, finish, stats, lps = [], [], "length", {}, []
-        async with contextlib.aclosing(request["run"].chunks()) as chunks:
+        async with contextlib.aclosing(run.chunks()) as chunks:
             async for c in chunks:
                 if c.error:
                     raise _Reject(c.status or 500, c.error)
@@ -346,8 +363,13 @@ class Api:
                         ids.append(c.token_id)
                         if c.has_logprob:
                             lps.append(_logprob_of(c))
-        metrics.request_answered("http", 200)
         return "".join(text), ids, finish, stats, lps
+
+    async def _collect_all(self, request: web.Request) -> list[tuple]:
+        """Every request's answer (_collect), in order; the first error ends them all."""
+        out = await asyncio.gather(*(self._collect(r) for r in request["runs"]))
+        metrics.request_answered("http", 200)
+        return out
 
     def _token_text(self, token_id: int) -> str:
         return self.router.planner.tokenizer.tok.decode([token_id], skip_special_tokens=False)
@@ -372,28 +394,52 @@ class Api:
             offset += len(t)
         return out
 
-    async def _sse(self, request: web.Request, req, event) -> web.StreamResponse:
-        """Stream `event(chunk, n_tokens)` dicts as server-sent events, then [DONE]. The headers
-        go with the first chunk, so that a refusal (429, 503) or an error before any token is the
-        response's status."""
-        async with contextlib.aclosing(request["run"].chunks()) as chunks:
-            first = await anext(chunks, None)  # Overloaded, ServiceUnavailable: _handle answers
-            if first is not None and first.done and first.error:
+    async def _sse(self, request: web.Request, event, final=None) -> web.StreamResponse:
+        """Stream `event(i, chunk, n_tokens)` payloads (a dict, a list of them, or None) of the
+        chunks of every request i of request["runs"] as they come, as server-sent events; then
+        final()'s payloads, then [DONE]. The headers go with the first chunk, so that a refusal
+        (429, 503) or an error before any token is the response's status."""
+        runs = request["runs"]
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, run: _Run) -> None:
+            try:
+                async with contextlib.aclosing(run.chunks()) as chunks:
+                    async for c in chunks:
+                        q.put_nowait((i, c))
+            except Exception as e:  # noqa: BLE001 - raised where the chunks are read
+                q.put_nowait((i, e))
+            q.put_nowait((i, _END))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(runs)]
+        try:
+            i, first = await q.get()
+            if isinstance(first, Exception):  # Overloaded, ServiceUnavailable: _handle answers
+                raise first
+            if first is not _END and first.done and first.error:
                 return _error(first.status or 500, first.error)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
-            n = 0
+            n, ended, item = [0] * len(runs), 0, (i, first)
             try:
-                c = first
-                while c is not None:
-                    if c.error:
-                        payload = {"error": {"message": c.error, "code": c.status or 500}}
+                while True:
+                    i, c = item
+                    if c is _END:
+                        ended += 1
+                        if ended == len(runs):
+                            break
+                    elif isinstance(c, Exception):
+                        raise c
                     else:
-                        n += c.token_id >= 0 and not c.done
-                        payload = event(c, n)
-                    if payload is not None:
-                        await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
-                    c = await anext(chunks, None)
+                        if c.error:
+                            payload = {"error": {"message": c.error, "code": c.status or 500}}
+                        else:
+                            n[i] += c.token_id >= 0 and not c.done
+                            payload = event(i, c, n[i])
+                        await _write_events(resp, payload)
+                    item = await q.get()
+                if final is not None:
+                    await _write_events(resp, final())
                 metrics.request_answered("http", 200)
             except (ServiceUnavailable, Overloaded) as e:
                 code = 429 if isinstance(e, Overloaded) else 503
@@ -401,111 +447,156 @@ class Api:
                 await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'code': code}})}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-        return resp
+            return resp
+        finally:
+            for t in tasks:
+                t.cancel()
 
-    def _usage(self, req, completion_tokens: int, stats: dict) -> dict:
-        # what the model generated (the token that stopped it included), and of the prompt what
-        # came from caches filled before this request
-        prompt = req.prompt_len
-        completion_tokens = stats.get("generated_tokens", completion_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)}}
+    def _usage(self, reqs, answers: list[tuple[int, dict]], copies: int = 1) -> dict:
+        """usage of the requests, answers[i] = (tokens streamed, stats) of reqs[i]: what the model
+        generated (the token that stopped it included), every copy's; each prompt once (its `copies`
+        share it), and of it what came from caches filled before this request."""
+        firsts = range(0, len(reqs), copies)
+        prompt = sum(reqs[k].prompt_len for k in firsts)
+        cached = sum(answers[k][1].get("cached_tokens", 0) for k in firsts)
+        completion = sum(stats.get("generated_tokens", n) for n, stats in answers)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def chat(self, request):
         def convert(body):
-            return chat_to_native(body, self.chat_template, self.router.planner.tokenizer,
-                                  self.config.segment_separator)
+            return chat_requests(body, self.chat_template, self.router.planner.tokenizer,
+                                 self.config.segment_separator)
 
         return await self._handle(request, convert, self._chat_respond)
 
-    async def _chat_respond(self, request, req, stream, body):
+    async def _chat_respond(self, request, reqs, stream, body, fanout):
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.served_model}
         # tool calls in the output (Qwen/Hermes <tool_call> blocks) come back as tool_calls
         tools = bool(body.get("tools")) and body.get("tool_choice") != "none" and self.chat_template is not None
+        logprobs = reqs[0].sampling.logprobs is not None
         if not stream:
-            text, ids, finish, stats, lps = await self._collect(request, req)
-            stats["chat_template"] = self.chat_template_source
-            message = {"role": "assistant", "content": text}
-            if tools:
-                content, calls = parse_tool_calls(text)
-                if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": calls}
-                    finish = "tool_calls"
-            return web.json_response(dict(base, object="chat.completion", choices=[
-                {"index": 0, "message": message, "finish_reason": finish,
-                 "logprobs": self._chat_logprobs(lps) if req.sampling.logprobs is not None else None}],
-                usage=self._usage(req, len(ids), stats), hybridcache=stats))
+            choices, all_stats = [], []
+            for i, (text, ids, finish, stats, lps) in enumerate(await self._collect_all(request)):
+                stats["chat_template"] = self.chat_template_source
+                message = {"role": "assistant", "content": text}
+                if tools:
+                    content, calls = parse_tool_calls(text)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
+                        finish = "tool_calls"
+                choices.append({"index": i, "message": message, "finish_reason": finish,
+                                "logprobs": self._chat_logprobs(lps) if logprobs else None})
+                all_stats.append((len(ids), stats))
+            return web.json_response(dict(base, object="chat.completion", choices=choices,
+                                          usage=self._usage(reqs, all_stats, fanout.copies),
+                                          hybridcache=_stats_field(all_stats)))
 
-        sent = {"text": "", "out": 0, "role": False}
+        # one request without stream_options.include_usage: usage and stats ride on its last chunk
+        # (as before OpenAI had include_usage); else they come in a last chunk of their own
+        own_usage_chunk = len(reqs) > 1 or _include_usage(body)
+        sent = [{"text": "", "out": 0, "role": False} for _ in reqs]
+        ended: list = [(0, {})] * len(reqs)
 
-        def delta_of(content: str) -> dict:
+        def delta_of(i: int, content: str) -> dict:
             d = {"content": content}
-            if not sent["role"]:
-                sent["role"] = True
+            if not sent[i]["role"]:
+                sent[i]["role"] = True
                 d = {"role": "assistant", **d}
             return d
 
-        def event(c, n):
+        def event(i, c, n):
             chunk = dict(base, object="chat.completion.chunk")
+            st = sent[i]
             if c.done:
                 stats = json.loads(c.stats_json or "{}")
                 stats["chat_template"] = self.chat_template_source
+                ended[i] = (n, stats)
                 finish, extra = c.finish_reason, []
                 if tools:
-                    content, calls = parse_tool_calls(sent["text"])
+                    content, calls = parse_tool_calls(st["text"])
                     if calls:
                         finish = "tool_calls"
-                        calls = [dict(call, index=i) for i, call in enumerate(calls)]
-                        extra.append({"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None})
-                    elif len(sent["text"]) > sent["out"]:  # held back, and no tool call after all
-                        extra.append({"index": 0, "delta": delta_of(sent["text"][sent["out"]:]),
+                        calls = [dict(call, index=k) for k, call in enumerate(calls)]
+                        extra.append({"index": i, "delta": {"tool_calls": calls}, "finish_reason": None})
+                    elif len(st["text"]) > st["out"]:  # held back, and no tool call after all
+                        extra.append({"index": i, "delta": delta_of(i, st["text"][st["out"]:]),
                                       "finish_reason": None})
-                chunk.update(choices=[*extra, {"index": 0, "delta": {}, "finish_reason": finish}],
-                             usage=self._usage(req, n, stats), hybridcache=stats)
+                chunk.update(choices=[*extra, {"index": i, "delta": {}, "finish_reason": finish}])
+                if not own_usage_chunk:
+                    chunk.update(usage=self._usage(reqs, [(n, stats)]), hybridcache=stats)
                 return chunk
-            sent["text"] += c.text
+            st["text"] += c.text
             if tools:
-                upto = max(streamable_prefix(sent["text"]), sent["out"])
-                piece, sent["out"] = sent["text"][sent["out"]:upto], upto
+                upto = max(streamable_prefix(st["text"]), st["out"])
+                piece, st["out"] = st["text"][st["out"]:upto], upto
                 if not piece:
                     return None
             else:
                 piece = c.text
-            choice = {"index": 0, "delta": delta_of(piece), "finish_reason": None}
+            choice = {"index": i, "delta": delta_of(i, piece), "finish_reason": None}
             if c.has_logprob:
                 choice["logprobs"] = self._chat_logprobs([_logprob_of(c)])
             chunk.update(choices=[choice])
             return chunk
 
-        return await self._sse(request, req, event)
+        def final():
+            if not own_usage_chunk:
+                return None
+            return dict(base, object="chat.completion.chunk", choices=[],
+                        usage=self._usage(reqs, ended, fanout.copies), hybridcache=_stats_field(ended))
+
+        return await self._sse(request, event, final)
 
     async def completions(self, request):
-        convert = functools.partial(completion_to_native, separator=self.config.segment_separator)
+        convert = functools.partial(completion_requests, separator=self.config.segment_separator)
         return await self._handle(request, convert, self._completion_respond)
 
-    async def _completion_respond(self, request, req, stream, body):
+    async def _completion_respond(self, request, reqs, stream, body, fanout):
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.served_model}
+        # the client's logprobs (best_of > n asks for them itself, to rank the candidates)
+        logprobs = body.get("logprobs") is not None
+        n = body.get("n") or 1
         if not stream:
-            text, ids, finish, stats, lps = await self._collect(request, req)
-            logprobs = self._completion_logprobs(lps) if req.sampling.logprobs is not None else None
-            return web.json_response(dict(base, object="text_completion", choices=[
-                {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
-                usage=self._usage(req, len(ids), stats), hybridcache=stats))
+            answers = await self._collect_all(request)
+            picked = []
+            for g in range(0, len(answers), fanout.copies):
+                group = list(range(g, g + fanout.copies))
+                if fanout.copies > n:  # best_of: the n with the highest log-probability per token
+                    group.sort(key=lambda k: -_mean_logprob(answers[k][4]))
+                picked += group[:n]
+            choices = [{"index": j, "text": answers[k][0], "finish_reason": answers[k][2],
+                        "logprobs": self._completion_logprobs(answers[k][4]) if logprobs else None}
+                       for j, k in enumerate(picked)]
+            counted = [(len(a[1]), a[3]) for a in answers]
+            return web.json_response(dict(base, object="text_completion", choices=choices,
+                                          usage=self._usage(reqs, counted, fanout.copies),
+                                          hybridcache=_stats_field([counted[k] for k in picked])))
 
-        def event(c, n):
+        own_usage_chunk = len(reqs) > 1 or _include_usage(body)
+        ended: list = [(0, {})] * len(reqs)
+
+        def event(i, c, n_tokens):
             chunk = dict(base, object="text_completion")
             if c.done:
                 stats = json.loads(c.stats_json or "{}")
-                chunk.update(choices=[{"index": 0, "text": "", "finish_reason": c.finish_reason, "logprobs": None}],
-                             usage=self._usage(req, n, stats), hybridcache=stats)
+                ended[i] = (n_tokens, stats)
+                chunk.update(choices=[{"index": i, "text": "", "finish_reason": c.finish_reason, "logprobs": None}])
+                if not own_usage_chunk:
+                    chunk.update(usage=self._usage(reqs, [(n_tokens, stats)]), hybridcache=stats)
             else:
-                logprobs = self._completion_logprobs([_logprob_of(c)]) if c.has_logprob else None
-                chunk.update(choices=[{"index": 0, "text": c.text, "finish_reason": None, "logprobs": logprobs}])
+                lp = self._completion_logprobs([_logprob_of(c)]) if c.has_logprob and logprobs else None
+                chunk.update(choices=[{"index": i, "text": c.text, "finish_reason": None, "logprobs": lp}])
             return chunk
 
-        return await self._sse(request, req, event)
+        def final():
+            if not own_usage_chunk:
+                return None
+            return dict(base, object="text_completion", choices=[], usage=self._usage(reqs, ended, fanout.copies),
+                        hybridcache=_stats_field(ended))
+
+        return await self._sse(request, event, final)
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [
@@ -557,7 +648,7 @@ class Api:
                                                                                      skip_special_tokens=False)})
 
     async def generate(self, request):
-        convert = functools.partial(sglang_to_native, separator=self.config.segment_separator)
+        convert = functools.partial(sglang_requests, separator=self.config.segment_separator)
         return await self._handle(request, convert, self._generate_respond)
 
     def _meta(self, req, n: int, finish: str | None, stats: dict, t0: float) -> dict:
@@ -566,37 +657,42 @@ class Api:
         meta["finish_reason"] = None if finish is None else {"type": finish}
         return meta
 
-    async def _generate_respond(self, request, req, stream, body):
+    async def _generate_respond(self, request, reqs, stream, body, fanout):
+        """SGLang's answer: one object, or a list of them in request order (a batch of texts, n > 1)."""
         t0 = time.perf_counter()
         if not stream:
-            text, ids, finish, stats, lps = await self._collect(request, req)
-            meta = self._meta(req, len(ids), finish, stats, t0)
-            if req.sampling.logprobs is not None:
-                meta.update(_sglang_logprobs(lps))
-            return web.json_response({"text": text, "output_ids": ids, "meta_info": meta,
-                                      "usage": self._usage(req, len(ids), stats), "hybridcache": stats})
-        text, ids, lps = [], [], []
+            outs = []
+            for req, (text, ids, finish, stats, lps) in zip(reqs, await self._collect_all(request)):
+                meta = self._meta(req, len(ids), finish, stats, t0)
+                if req.sampling.logprobs is not None:
+                    meta.update(_sglang_logprobs(lps))
+                outs.append({"text": text, "output_ids": ids, "meta_info": meta,
+                             "usage": self._usage([req], [(len(ids), stats)]), "hybridcache": stats})
+            return web.json_response(outs if fanout.listed else outs[0])
+        text, ids, lps = ([[] for _ in reqs] for _ in range(3))
 
-        def event(c, n):
-            # SGLang streams the text so far in every chunk.
+        def event(i, c, n):
+            # SGLang streams the text so far in every chunk (a batch's with their index)
+            req = reqs[i]
+            index = {"index": i} if fanout.listed else {}
             if c.done:
                 stats = json.loads(c.stats_json or "{}")
                 meta = self._meta(req, n, c.finish_reason, stats, t0)
                 if req.sampling.logprobs is not None:
-                    meta.update(_sglang_logprobs(lps))
-                return {"text": "".join(text), "output_ids": ids, "usage": self._usage(req, n, stats),
-                        "meta_info": meta, "hybridcache": stats}
-            text.append(c.text)
+                    meta.update(_sglang_logprobs(lps[i]))
+                return {"text": "".join(text[i]), "output_ids": ids[i], "usage": self._usage([req], [(n, stats)]),
+                        "meta_info": meta, "hybridcache": stats, **index}
+            text[i].append(c.text)
             if c.token_id >= 0:
-                ids.append(c.token_id)
+                ids[i].append(c.token_id)
                 if c.has_logprob:
-                    lps.append(_logprob_of(c))
+                    lps[i].append(_logprob_of(c))
             meta = self._meta(req, n, None, {}, t0)
             if req.sampling.logprobs is not None:
-                meta.update(_sglang_logprobs(lps))
-            return {"text": "".join(text), "output_ids": list(ids), "meta_info": meta}
+                meta.update(_sglang_logprobs(lps[i]))
+            return {"text": "".join(text[i]), "output_ids": list(ids[i]), "meta_info": meta, **index}
 
-        return await self._sse(request, req, event)
+        return await self._sse(request, event)
 
     async def model_info(self, request):
         return web.json_response({"model_path": self.served_model, "tokenizer_path": self.served_model,
@@ -622,6 +718,39 @@ class Api:
 
     async def metrics(self, request):
         return web.Response(body=metrics.scrape(), content_type="text/plain", charset="utf-8")
+
+
+async def _write_events(resp: web.StreamResponse, payload) -> None:
+    """Write a payload (a dict, a list of them, or None) as server-sent events."""
+    for p in payload if isinstance(payload, list) else [] if payload is None else [payload]:
+        await resp.write(f"data: {json.dumps(p)}\n\n".encode())
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _stats_field(answers: list) -> dict | list:
+    """The `hybridcache` object: one request's stats, or the list of each request's ((n, stats) pairs)."""
+    stats = [st for _, st in answers]
+    return stats[0] if len(stats) == 1 else stats
+
+
+def _mean_logprob(lps: list) -> float:
+    """The log-probability per token of an output (best_of's ranking); 0 for an empty one."""
+    return sum(lp for _, lp, _ in lps) / len(lps) if lps else 0.0
+
+
+def _parse_named(router: Router, native: dict, prompt_field: str | None):
+    """router.parse of a native request, a refusal of its suffix naming the field the client sent."""
+    try:
+        return router.parse(native, json_ids=True)
+    except RequestError as e:
+        message = str(e)
+        if prompt_field and message.startswith("suffix "):
+            raise RequestError(prompt_field + message[len("suffix"):]) from None
+        raise
 
 
 def _logprob_of(c) -> tuple[int, float, list[tuple[int, float]]]:

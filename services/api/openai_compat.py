@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 
 from hybridcache.services.api.chat_template import ChatTemplate, mark
 from hybridcache.services.runtime.sampling import MAX_TOP_LOGPROBS, RequestError
@@ -26,33 +27,35 @@ from hybridcache.services.runtime.sampling import MAX_TOP_LOGPROBS, RequestError
 # or at a value listed here (of that type: `true` is not 1), the one that asks for nothing; any
 # other value is refused, never silently ignored. Fields listed with no value must be null.
 _OFF = {
-    "frequency_penalty": (0.0, 0), "presence_penalty": (0.0, 0), "logit_bias": ({},),
+    "logit_bias": ({},),
     "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,),
     "suffix_text": ("",), "reasoning_effort": (), "modalities": (["text"],),
     "logprob_start_len": (-1,), "token_ids_logprob": (),
     "return_text_in_logprobs": (False, True), "image_data": (), "video_data": (), "audio_data": (), "lora_path": (),
     "custom_logit_processor": (), "return_hidden_states": (False,), "bootstrap_host": (), "bootstrap_port": (),
-    "bootstrap_room": (), "session_params": (), "data_parallel_rank": (),
+    "bootstrap_room": (), "session_params": (), "data_parallel_rank": (), "return_routed_experts": (False,),
 }
 # Fields that change nothing in the answer (identifiers, storage and routing hints): accepted.
 _OPENAI_IGNORED = {"user", "stream_options", "service_tier", "store", "metadata", "parallel_tool_calls",
-                   "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
+                   "logit_bias", "logprobs", "top_logprobs",
                    "response_format", "echo", "best_of", "suffix_text", "reasoning_effort", "modalities"}
+# Sampling fields of OpenAI requests (vLLM's extensions included) this server implements.
+_OPENAI_SAMPLING = {"frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "ignore_eos"}
 _SGLANG_IGNORED = {"rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
                    "return_text_in_logprobs", "image_data", "video_data", "audio_data", "lora_path", "modalities",
                    "custom_logit_processor", "return_hidden_states", "bootstrap_host", "bootstrap_port",
-                   "bootstrap_room", "session_params", "log_metrics", "data_parallel_rank"}
+                   "bootstrap_room", "session_params", "log_metrics", "data_parallel_rank", "return_routed_experts"}
 
 
 def _is_off(value, offs: tuple) -> bool:
     return value is None or any(type(value) is type(o) and value == o for o in offs)
 
 
-def _check_fields(body: dict, known: set[str], what: str) -> None:
+def _check_fields(body: dict, known: set[str], what: str, implemented: frozenset = frozenset()) -> None:
     unknown = sorted(set(body) - known)
     if unknown:
         raise RequestError(f"unknown field(s) in {what}: {', '.join(unknown)}")
-    for name in sorted(set(body) & set(_OFF)):
+    for name in sorted(set(body) & set(_OFF) - implemented):
         if not _is_off(body[name], _OFF[name]):
             off = f" (only {', '.join(json.dumps(o) for o in _OFF[name])} or null)" if _OFF[name] else " (only null)"
             raise RequestError(f"{name}={json.dumps(body[name])[:60]} is not supported by this server{off}")
@@ -145,10 +148,51 @@ def chat_logprobs(body: dict) -> int | None:
     return _top_count(top or 0, "top_logprobs") if want else None
 
 
+# Most requests one body may stand for (prompts times n or best_of).
+MAX_CHOICES = 64
+
+
+@dataclass(frozen=True)
+class Fanout:
+    """The native requests one API request stands for: `copies` of each prompt (n, or best_of), in
+    prompt order; `listed`: the API answers with a list (SGLang's batched text or n > 1);
+    `prompt_field`: what the client calls the text that becomes the suffix (named in refusals)."""
+
+    requests: list[dict]
+    copies: int = 1
+    listed: bool = False
+    prompt_field: str | None = None
+
+
+def _count(body: dict, name: str, default: int = 1) -> int:
+    v = _opt_number(body, name, int)
+    if v is None:
+        return default
+    if v < 1:
+        raise RequestError(f"{name} must be >= 1")
+    return v
+
+
+def copies(native: dict, n: int) -> list[dict]:
+    """n copies of a native request, each its own sample: with a seed, copy j is seeded seed + j."""
+    out = []
+    for j in range(n):
+        sp = dict(native.get("sampling_params") or {})
+        for key in ("seed", "sampling_seed"):
+            if j and isinstance(sp.get(key), int) and not isinstance(sp[key], bool):
+                sp[key] = (sp[key] + j) % (1 << 64)
+        out.append(dict(native, sampling_params=sp))
+    return out
+
+
+def _fanout(requests: list[dict], n: int, **kw) -> Fanout:
+    if len(requests) > MAX_CHOICES:
+        raise RequestError(f"the request asks for {len(requests)} completions (prompts times n or best_of); "
+                           f"at most {MAX_CHOICES}")
+    return Fanout(requests, n, **kw)
+
+
 def openai_sampling(body: dict) -> dict:
-    n = _opt_number(body, "n", int)
-    if n not in (None, 1):
-        raise RequestError("only n = 1 is supported")
     sp: dict = {}
     max_new = _opt_number(body, "max_completion_tokens", int)
     if max_new is None:
@@ -156,10 +200,25 @@ def openai_sampling(body: dict) -> dict:
     if max_new is not None:
         sp["max_new_tokens"] = max_new
     for src, dst, kind in (("temperature", "temperature", float), ("top_p", "top_p", float),
-                           ("top_k", "top_k", int), ("seed", "seed", int)):
+                           ("top_k", "top_k", int), ("seed", "seed", int), ("min_tokens", "min_new_tokens", int),
+                           ("repetition_penalty", "repetition_penalty", float),
+                           ("frequency_penalty", "frequency_penalty", float),
+                           ("presence_penalty", "presence_penalty", float)):
         v = _opt_number(body, src, kind)
         if v is not None:
             sp[dst] = v
+    # range checks here, so that a refusal names the field the client sent
+    if sp.get("min_new_tokens", 0) < 0:
+        raise RequestError("min_tokens must be >= 0")
+    if sp.get("repetition_penalty", 1.0) <= 0:
+        raise RequestError("repetition_penalty must be greater than 0")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -2.0 <= sp.get(name, 0.0) <= 2.0:
+            raise RequestError(f"{name} must be between -2 and 2")
+    if body.get("ignore_eos") is not None:
+        if not isinstance(body["ignore_eos"], bool):
+            raise RequestError("ignore_eos must be a boolean")
+        sp["ignore_eos"] = body["ignore_eos"]
     if body.get("stop") is not None:
         sp["stop"] = body["stop"]
     return sp
@@ -191,13 +250,20 @@ def chat_to_native(body: dict, template: ChatTemplate | None = None, tokenizer=N
     one, system texts are the prefix, every other text part a segment, the last one the suffix.
     `separator`: the server's segment separator (the request's `separator` overrides it)."""
     _check_fields(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-                         "seed", "stop", "n", "stream", "separator", "tools", "tool_choice"} | _OPENAI_IGNORED,
-                  "the request")
+                         "seed", "stop", "n", "stream", "separator", "tools", "tool_choice"} | _OPENAI_IGNORED
+                  | _OPENAI_SAMPLING, "the request")
     native = _chat_native(body, template, tokenizer, _separator(body, separator))
     top = chat_logprobs(body)
     if top is not None:
         native["sampling_params"]["logprobs"] = top
     return native
+
+
+def chat_requests(body: dict, template: ChatTemplate | None = None, tokenizer=None, separator: str = "") -> Fanout:
+    """A chat request as its native requests: n copies (choices) of chat_to_native's."""
+    n = _count(body, "n")
+    native = chat_to_native(body, template, tokenizer, separator)
+    return _fanout(copies(native, n), n)
 
 
 def _chat_native(body: dict, template: ChatTemplate | None, tokenizer, sep: str) -> dict:
@@ -293,15 +359,50 @@ def _tool_call_for_template(call):
     return dict(call, function=fn)
 
 
+def _prompt_list(prompt) -> list:
+    """A completions prompt as its prompts: a string, a list of token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            for i, p in enumerate(prompt):
+                if isinstance(p, list) and not (p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)):
+                    raise RequestError(f"prompt[{i}] must be a non-empty list of token ids")
+            return list(prompt)
+    raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of either")
+
+
+def completion_requests(body: dict, separator: str = "") -> Fanout:
+    """A completions request as its native requests: for each prompt of a prompt list, best_of (else
+    n) copies; best_of > n asks for the sampled tokens' log-probabilities, to rank the candidates."""
+    prompts = _prompt_list(body.get("prompt"))
+    n = _count(body, "n")
+    best_of = _count(body, "best_of", n)
+    if best_of < n:
+        raise RequestError(f"best_of must be >= n ({n})")
+    if best_of > n and body.get("stream"):
+        raise RequestError("best_of > n cannot be streamed: the best are known only at the end")
+    out = []
+    for p in prompts:
+        native = completion_to_native(dict(body, prompt=p), separator)
+        if best_of > n and native["sampling_params"].get("logprobs") is None:
+            native["sampling_params"]["logprobs"] = 0
+        out += copies(native, best_of)
+    return _fanout(out, best_of, prompt_field="prompt")
+
+
 def completion_to_native(body: dict, separator: str = "") -> dict:
     _check_fields(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-                         "stream", "separator", "segments", "system", "logprobs"} | _OPENAI_IGNORED,
-                  "the request")
+                         "stream", "separator", "segments", "system", "logprobs"} | _OPENAI_IGNORED | _OPENAI_SAMPLING,
+                  "the request", implemented=frozenset({"best_of"}))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if not isinstance(prompt, (str, list)):
         raise RequestError("prompt must be a string or a list of token ids")
+    _count(body, "n")
     native = {"segments": body.get("segments") or [], "sampling_params": openai_sampling(body)}
     # the legacy completions API: logprobs is the number of alternatives (0: the chosen token's only)
     top = _opt_number(body, "logprobs", int)
@@ -314,8 +415,7 @@ def completion_to_native(body: dict, separator: str = "") -> dict:
 
 
 # SGLang sampling parameters this engine does not implement, with the value that means "off".
-_SGLANG_NEUTRAL = {"min_new_tokens": 0, "n": 1, "stop_regex": None, "min_p": 0.0, "frequency_penalty": 0.0,
-                   "presence_penalty": 0.0, "repetition_penalty": 1.0, "regex": None, "json_schema": None, "ebnf": None,
+_SGLANG_NEUTRAL = {"stop_regex": None, "min_p": 0.0, "regex": None, "json_schema": None, "ebnf": None,
                    "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False}
 
 
@@ -332,11 +432,29 @@ def sglang_sampling(sp) -> dict:
             same_kind = type(v) is type(off) or (type(off) is float and type(v) is int)
             if not (v is None or v in ("", []) or (same_kind and v == off)):
                 raise RequestError(f"sampling_params.{k}={v!r} is not supported by this server")
-        elif k in ("stop", "stop_token_ids") and not v:
-            continue
+        elif k == "n" or (k in ("stop", "stop_token_ids") and not v):
+            continue  # n: copies of the request (sglang_requests)
         else:
             out[k] = v
     return out
+
+
+def sglang_requests(body: dict, separator: str = "") -> Fanout:
+    """An SGLang /generate request as its native requests: each text (or token-id list) of a
+    batch, sampling_params.n copies of each; answered with a list when batched or n > 1."""
+    text = body.get("text", body.get("input_ids"))
+    batched = isinstance(text, list) and bool(text) and (all(isinstance(t, str) for t in text)
+                                                         or all(isinstance(t, list) for t in text))
+    sp = body.get("sampling_params")
+    n = _count(sp, "n") if isinstance(sp, dict) else 1
+    field = "text" if "text" in body else "input_ids" if "input_ids" in body else "suffix"
+    out = []
+    for t in text if batched else [text]:
+        one = {k: v for k, v in body.items() if k not in ("text", "input_ids")}
+        if t is not None:
+            one["text" if isinstance(t, str) else "input_ids"] = t
+        out += copies(sglang_to_native(one, separator), n)
+    return _fanout(out, n, listed=batched or n > 1, prompt_field=field)
 
 
 def sglang_to_native(body: dict, separator: str = "") -> dict:
@@ -351,10 +469,10 @@ def sglang_to_native(body: dict, separator: str = "") -> dict:
         native["sampling_params"]["logprobs"] = _top_count(_opt_number(body, "top_logprobs_num", int) or 0,
                                                            "top_logprobs_num")
     text = body.get("text", body.get("input_ids", body.get("suffix")))
-    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-        if len(text) != 1:
-            raise RequestError("batched text is not supported: send one prompt per request")
-        text = text[0]
+    if isinstance(text, list) and len(text) == 1 and isinstance(text[0], (str, list)):
+        text = text[0]  # a batch of one
+    if isinstance(text, list) and text and all(isinstance(t, (str, list)) for t in text):
+        raise RequestError("a batch of texts goes through sglang_requests")
     native["suffix"] = text if text is not None else ""
     return split_native(native, _separator(body, separator))
 

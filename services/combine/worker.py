@@ -358,7 +358,7 @@ class CombineServicer(rpc.CombineServicer):
                                              "live_segments": [s.index for s in request.segments if s.live]})
             self.scheduler.check_fits(req)
         except (RequestError, ValueError) as e:
-            yield pb.TokenChunk(done=True, error=str(e), status=400)
+            yield pb.TokenChunk(token_id=-1, done=True, error=str(e), status=400)
             return
         segments = req.segment_ids
         # the plan's keys are checked against the keys recomputed here from the tokens
@@ -399,7 +399,7 @@ class CombineServicer(rpc.CombineServicer):
                 yield chunk
         except Exception as e:  # noqa: BLE001 - the engine failed on this request: the client gets the error
             log.exception("request failed")
-            yield pb.TokenChunk(done=True, error=f"{type(e).__name__}: {e}", status=500)
+            yield pb.TokenChunk(token_id=-1, done=True, error=f"{type(e).__name__}: {e}", status=500)
             return
         if handle.finish_reason == "abort":
             return
@@ -430,7 +430,7 @@ class CombineServicer(rpc.CombineServicer):
         stats["trace_id"] = tracing.current_trace_id()
         metrics.CACHE_BYTES.labels(tier=self.own_tier).set(stats["entry_cache_bytes"])
         self.stats.request_done(stats)
-        yield pb.TokenChunk(done=True, finish_reason=handle.finish_reason, stats_json=json.dumps(stats))
+        yield pb.TokenChunk(token_id=-1, done=True, finish_reason=handle.finish_reason, stats_json=json.dumps(stats))
 
 
 def _count_finished(handle: RequestHandle) -> None:

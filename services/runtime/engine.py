@@ -49,7 +49,13 @@ from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.plan import Planner, Request
 from hybridcache.services.runtime.runner import ModelRunner
-from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams, sample_token, token_logprobs
+from hybridcache.services.runtime.sampling import (
+    GenerationDefaults,
+    LogitsAdjuster,
+    SamplingParams,
+    sample_token,
+    token_logprobs,
+)
 from hybridcache.services.runtime.sequence import AttnState, CachedSpan, LinearSpan, LinearState, LiveRun, SequenceState
 from hybridcache.services.runtime.tokenizer import Tokenizer
 
@@ -684,7 +690,9 @@ class TextStream:
         if logprobs is not None:
             self.logprobs.append(logprobs)
         text = self.engine.tokenizer.decode(self.output_ids)
-        cut = min((text.find(s) for s in params.stop if s in text), default=-1)
+        # no stop string before min_new_tokens (vLLM's StopChecker)
+        stops = params.stop if len(self.output_ids) >= params.min_new_tokens else ()
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
         if cut >= 0:
             self.finish_reason = "stop"
             return [(tok, text[len(self.emitted) : cut] if cut > len(self.emitted) else "")], True
@@ -737,10 +745,11 @@ class Generation:
         stream = TextStream(eng, params, pre.stats)
         self.output_ids, self.logprobs = stream.output_ids, stream.logprobs
         logits = pre.logits
+        adjust = LogitsAdjuster(params, self.req.prompt_ids, eng.eos_ids) if params.adjusts_logits else None
         if params.max_new_tokens == 0:
             pre.stats.ttft_ms = (time.perf_counter() - pre.started) * 1000
         for step in range(params.max_new_tokens):
-            tok = sample_token(logits, params, gen)
+            tok = sample_token(logits if adjust is None else adjust(logits, stream.output_ids), params, gen)
             if step == 0:
                 pre.stats.ttft_ms = (time.perf_counter() - pre.started) * 1000
             lp = None if params.logprobs is None else token_logprobs(logits, tok, params.logprobs)

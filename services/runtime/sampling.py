@@ -81,6 +81,19 @@ class SamplingParams:
     ignore_eos: bool = False
     # return each generated token's log-probability and this many most likely alternatives (None: off)
     logprobs: int | None = None
+    # no eos or stop token id, and no stop string, before this many output tokens (vLLM's min_tokens)
+    min_new_tokens: int = 0
+    # vLLM's penalties (apply_penalties): repetition over prompt and output tokens, frequency and
+    # presence over output tokens; 1, 0, 0 are off
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether LogitsAdjuster changes this request's logits before a token is picked."""
+        return (self.min_new_tokens > 0 or self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
 
     @classmethod
     def from_dict(
@@ -92,7 +105,8 @@ class SamplingParams:
             raise RequestError("sampling_params must be an object")
         d = {**(defaults or {}), **{k: v for k, v in (d or {}).items() if v is not None}}
         known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed",
-                 "sampling_seed", "ignore_eos", "logprobs"}
+                 "sampling_seed", "ignore_eos", "logprobs", "min_new_tokens", "repetition_penalty",
+                 "frequency_penalty", "presence_penalty"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
@@ -136,7 +150,18 @@ class SamplingParams:
         logprobs = num("logprobs", int, None)
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"sampling_params.logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
-        return cls(max_new, temperature, top_p, top_k, tuple(stop), tuple(stop_ids), seed, ignore_eos, logprobs)
+        min_new = num("min_new_tokens", int, 0)
+        if not 0 <= min_new <= max_new_tokens_limit:
+            raise RequestError(f"sampling_params.min_new_tokens must be between 0 and {max_new_tokens_limit}")
+        repetition = num("repetition_penalty", float, 1.0)
+        if not repetition > 0.0:
+            raise RequestError("sampling_params.repetition_penalty must be greater than 0")
+        frequency, presence = num("frequency_penalty", float, 0.0), num("presence_penalty", float, 0.0)
+        for name, v in (("frequency_penalty", frequency), ("presence_penalty", presence)):
+            if not -2.0 <= v <= 2.0:
+                raise RequestError(f"sampling_params.{name} must be between -2 and 2")
+        return cls(max_new, temperature, top_p, top_k, tuple(stop), tuple(stop_ids), seed, ignore_eos, logprobs,
+                   min_new, repetition, frequency, presence)
 
 
 MAX_TOP_LOGPROBS = 20
@@ -153,6 +178,51 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, l
         values, ids = torch.topk(lp, min(top, lp.numel()))
         alternatives = list(zip(ids.tolist(), values.tolist()))
     return float(lp[token]), alternatives
+
+
+class LogitsAdjuster:
+    """One request's changes to its logits before a token is picked, as vLLM makes them: while
+    fewer than min_new_tokens are out, its stop token ids (eos too, unless ignore_eos) are masked;
+    then its penalties (vLLM's apply_penalties): a logit of a token seen in the prompt or the output
+    is divided by repetition_penalty where positive, multiplied where not; frequency_penalty times
+    the token's count in the output and presence_penalty where it occurs there are subtracted.
+    The prompt's token mask is made once; the output counts grow with each call."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], eos_ids=()):
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids)))
+        self._prompt_mask = None  # [vocab] bool, on the logits' device
+        self._counts = None  # [vocab] of the output tokens seen so far
+        self._seen = 0
+
+    def __call__(self, logits: torch.Tensor, output_ids: list[int]) -> torch.Tensor:
+        """logits [vocab] (not modified) -> the adjusted logits [vocab] fp32, given the output so far."""
+        import torch
+
+        p = self.params
+        logits = logits.float().clone()
+        vocab, device = logits.shape[-1], logits.device
+        if len(output_ids) < p.min_new_tokens and self.stop_ids:
+            ids = [t for t in self.stop_ids if t < vocab]
+            logits[torch.tensor(ids, dtype=torch.long, device=device)] = float("-inf")
+        if p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
+            return logits
+        if self._counts is None:
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self._prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+            if self.prompt_ids:
+                self._prompt_mask[torch.tensor(self.prompt_ids, dtype=torch.long, device=device)] = True
+        if len(output_ids) > self._seen:
+            new = torch.tensor(output_ids[self._seen:], dtype=torch.long, device=device)
+            self._counts.index_add_(0, new, torch.ones(len(new), dtype=torch.float32, device=device))
+            self._seen = len(output_ids)
+        in_output = self._counts > 0
+        if p.repetition_penalty != 1.0:
+            seen = self._prompt_mask | in_output
+            penalized = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+            logits = torch.where(seen, penalized, logits)
+        return logits - p.frequency_penalty * self._counts - p.presence_penalty * in_output.float()
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -70,7 +70,7 @@ from hybridcache.services.runtime.engine import (
     TextStream,
     request_generator,
 )
-from hybridcache.services.runtime.sampling import RequestError, sample_token, token_logprobs
+from hybridcache.services.runtime.sampling import LogitsAdjuster, RequestError, sample_token, token_logprobs
 
 log = logging.getLogger("hybridcache.scheduler")
 
@@ -203,6 +203,7 @@ class _Seq:
     first_pending: bool = False  # prefilled without its last prompt token: the next decode step yields token 1
     runs: int = 0  # times it entered the running list (a step launched before it left is stale for it)
     fed: bool = False  # its input of the latest launched step came from the device (its id not yet known here)
+    adjuster: LogitsAdjuster | None = None  # min_new_tokens and penalties, made on its first pick
 
 
 @dataclass(slots=True)
@@ -515,7 +516,7 @@ class Scheduler:
         if seq.stream is not None:
             # resumed after a preemption: the request's stats, stream and generator go on
             pre.stats = seq.stream.stats
-            tok = sample_token(pre.logits, params, seq.generator)
+            tok = self._pick(seq, pre.logits)
             if not self._push(seq, tok, pre.logits):
                 self._run(seq)
             return
@@ -526,7 +527,7 @@ class Scheduler:
             pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
             self._end(seq, "length")
             return
-        tok = sample_token(pre.logits, params, seq.generator)
+        tok = self._pick(seq, pre.logits)
         pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
         if self._push(seq, tok, pre.logits):
             return
@@ -600,9 +601,18 @@ class Scheduler:
         return False
 
     def _overlaps(self, seq: _Seq) -> bool:
-        """Can the request's next token stay on the device (greedy, no logprobs)?"""
+        """Can the request's next token stay on the device (greedy on the raw logits, no logprobs)?"""
         params = seq.req.sampling
-        return params.temperature == 0.0 and params.logprobs is None
+        return params.temperature == 0.0 and params.logprobs is None and not params.adjusts_logits
+
+    def _pick(self, seq: _Seq, logits) -> int:
+        """The request's next token from its logits [vocab], after its LogitsAdjuster where it has one."""
+        params = seq.req.sampling
+        if params.adjusts_logits:
+            if seq.adjuster is None:
+                seq.adjuster = LogitsAdjuster(params, seq.handle.req.prompt_ids, self.engine.eos_ids)
+            logits = seq.adjuster(logits, seq.stream.output_ids)
+        return sample_token(logits, params, seq.generator)
 
     def _decode_step(self) -> None:
         prev = self._launched
@@ -692,11 +702,12 @@ class Scheduler:
         toks = [s.last_token for s in batch]
         logits = self.engine.decode_batch([s.prefill for s in batch], toks, self.pool, [s.slot for s in batch])
         self.batch_sizes[len(batch)] += 1
-        greedy = [b for b, s in enumerate(batch) if s.req.sampling.temperature == 0.0]
+        greedy = [b for b, s in enumerate(batch) if s.req.sampling.temperature == 0.0
+                  and not s.req.sampling.adjusts_logits]
         picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
         done = []
         for b, seq in enumerate(batch):
-            tok = picks[b] if b in picks else sample_token(logits[b], seq.req.sampling, seq.generator)
+            tok = picks[b] if b in picks else self._pick(seq, logits[b])
             if self._push(seq, tok, logits, b):
                 done.append(seq)
         if done:
