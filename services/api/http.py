@@ -35,6 +35,7 @@ from hybridcache.services.api.openai_compat import (
     chat_to_native,
     completion_requests,
     parse_tool_calls,
+    prompt_list,
     sglang_requests,
     streamable_prefix,
 )
@@ -347,23 +348,24 @@ class Api:
             for r in request["runs"]:
                 r.close()
 
-    async def _collect(self, run: _Run) -> tuple[str, list[int], str, dict, list]:
-        """One request's whole answer: text, token ids, finish reason, stats and per token (id, log p,
-        top) when asked."""
-        text, ids, finish, stats, lps = [], [], "length", {}, []
+    async def _collect(self, run: _Run) -> tuple[str, list[int], str, dict, list, list]:
+        """One request's whole answer: text, token ids, finish reason, stats, per token (id, log p,
+        top) when asked, and per prompt token from where asked (log p or None, top)."""
+        text, ids, finish, stats, lps, prompt_lps = [], [], "length", {}, [], []
         async with contextlib.aclosing(run.chunks()) as chunks:
             async for c in chunks:
                 if c.error:
                     raise _Reject(c.status or 500, c.error)
                 if c.done:
                     finish, stats = c.finish_reason, json.loads(c.stats_json or "{}")
+                    prompt_lps = _prompt_logprobs_of(c)
                 else:
                     text.append(c.text)
                     if c.token_id >= 0:
                         ids.append(c.token_id)
                         if c.has_logprob:
                             lps.append(_logprob_of(c))
-        return "".join(text), ids, finish, stats, lps
+        return "".join(text), ids, finish, stats, lps, prompt_lps
 
     async def _collect_all(self, request: web.Request) -> list[tuple]:
         """Every request's answer (_collect), in order; the first error ends them all."""
@@ -382,6 +384,21 @@ class Api:
 
         return {"content": [dict(entry(tid, lp), top_logprobs=[entry(i, v) for i, v in top]) for tid, lp, top in lps]}
 
+    def _sglang_logprobs(self, req, lps: list, prompt_lps: list, with_text: bool) -> dict:
+        """SGLang's meta_info fields: [log p, token id, text] per output token and per prompt token
+        from logprob_start_len (log p None for the prompt's first), and their top alternatives;
+        the text only with return_text_in_logprobs."""
+        def entry(lp, tid):
+            return [lp, tid, self._token_text(tid) if with_text else None]
+
+        start = len(req.prompt_ids) - len(prompt_lps)
+        prompt = [(tid, lp, top) for tid, (lp, top) in zip(req.prompt_ids[start:], prompt_lps)]
+        return {"output_token_logprobs": [entry(lp, tid) for tid, lp, _ in lps],
+                "output_top_logprobs": [[entry(v, i) for i, v in top] for _, _, top in lps],
+                "input_token_logprobs": [entry(lp, tid) for tid, lp, _ in prompt],
+                "input_top_logprobs": [None if lp is None else [entry(v, i) for i, v in top]
+                                       for _, lp, top in prompt]}
+
     def _completion_logprobs(self, lps: list, offset: int = 0) -> dict:
         """The legacy completions API's logprobs object (tokens, token_logprobs, top_logprobs, text_offset)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -389,7 +406,7 @@ class Api:
             t = self._token_text(tid)
             out["tokens"].append(t)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({self._token_text(i): v for i, v in top})
+            out["top_logprobs"].append(None if lp is None else {self._token_text(i): v for i, v in top})
             out["text_offset"].append(offset)
             offset += len(t)
         return out
@@ -478,7 +495,7 @@ class Api:
         logprobs = reqs[0].sampling.logprobs is not None
         if not stream:
             choices, all_stats = [], []
-            for i, (text, ids, finish, stats, lps) in enumerate(await self._collect_all(request)):
+            for i, (text, ids, finish, stats, lps, _) in enumerate(await self._collect_all(request)):
                 stats["chat_template"] = self.chat_template_source
                 message = {"role": "assistant", "content": text}
                 if tools:
@@ -558,6 +575,13 @@ class Api:
         # the client's logprobs (best_of > n asks for them itself, to rank the candidates)
         logprobs = body.get("logprobs") is not None
         n = body.get("n") or 1
+        prompts = prompt_list(body.get("prompt")) if body.get("echo") else None
+
+        def echoed(k: int) -> str:
+            """The prompt of request k, as echo returns it (token ids decoded)."""
+            p = prompts[k // fanout.copies]
+            return p if isinstance(p, str) else self.router.planner.tokenizer.tok.decode(p, skip_special_tokens=False)
+
         if not stream:
             answers = await self._collect_all(request)
             picked = []
@@ -566,9 +590,16 @@ class Api:
                 if fanout.copies > n:  # best_of: the n with the highest log-probability per token
                     group.sort(key=lambda k: -_mean_logprob(answers[k][4]))
                 picked += group[:n]
-            choices = [{"index": j, "text": answers[k][0], "finish_reason": answers[k][2],
-                        "logprobs": self._completion_logprobs(answers[k][4]) if logprobs else None}
-                       for j, k in enumerate(picked)]
+            choices = []
+            for j, k in enumerate(picked):
+                text, _, finish, _, lps, prompt_lps = answers[k]
+                head = echoed(k) if prompts else ""
+                out = None
+                if logprobs:
+                    # echo: the prompt's tokens first, the first of them without a log-probability
+                    entries = [(t, lp, top) for t, (lp, top) in zip(reqs[k].prompt_ids, prompt_lps)]
+                    out = self._completion_logprobs(entries + lps)
+                choices.append({"index": j, "text": head + text, "finish_reason": finish, "logprobs": out})
             counted = [(len(a[1]), a[3]) for a in answers]
             return web.json_response(dict(base, object="text_completion", choices=choices,
                                           usage=self._usage(reqs, counted, fanout.copies),
@@ -576,6 +607,7 @@ class Api:
 
         own_usage_chunk = len(reqs) > 1 or _include_usage(body)
         ended: list = [(0, {})] * len(reqs)
+        started = [False] * len(reqs)
 
         def event(i, c, n_tokens):
             chunk = dict(base, object="text_completion")
@@ -587,7 +619,11 @@ class Api:
                     chunk.update(usage=self._usage(reqs, [(n_tokens, stats)]), hybridcache=stats)
             else:
                 lp = self._completion_logprobs([_logprob_of(c)]) if c.has_logprob and logprobs else None
-                chunk.update(choices=[{"index": i, "text": c.text, "finish_reason": None, "logprobs": lp}])
+                text = c.text
+                if prompts and not started[i]:  # echo: the prompt goes first
+                    text = echoed(i) + text
+                started[i] = True
+                chunk.update(choices=[{"index": i, "text": text, "finish_reason": None, "logprobs": lp}])
             return chunk
 
         def final():
@@ -662,14 +698,16 @@ class Api:
         t0 = time.perf_counter()
         if not stream:
             outs = []
-            for req, (text, ids, finish, stats, lps) in zip(reqs, await self._collect_all(request)):
+            with_text = body.get("return_text_in_logprobs") is True
+            for req, (text, ids, finish, stats, lps, prompt_lps) in zip(reqs, await self._collect_all(request)):
                 meta = self._meta(req, len(ids), finish, stats, t0)
                 if req.sampling.logprobs is not None:
-                    meta.update(_sglang_logprobs(lps))
+                    meta.update(self._sglang_logprobs(req, lps, prompt_lps, with_text))
                 outs.append({"text": text, "output_ids": ids, "meta_info": meta,
                              "usage": self._usage([req], [(len(ids), stats)]), "hybridcache": stats})
             return web.json_response(outs if fanout.listed else outs[0])
         text, ids, lps = ([[] for _ in reqs] for _ in range(3))
+        with_text = body.get("return_text_in_logprobs") is True
 
         def event(i, c, n):
             # SGLang streams the text so far in every chunk (a batch's with their index)
@@ -679,7 +717,7 @@ class Api:
                 stats = json.loads(c.stats_json or "{}")
                 meta = self._meta(req, n, c.finish_reason, stats, t0)
                 if req.sampling.logprobs is not None:
-                    meta.update(_sglang_logprobs(lps[i]))
+                    meta.update(self._sglang_logprobs(req, lps[i], _prompt_logprobs_of(c), with_text))
                 return {"text": "".join(text[i]), "output_ids": ids[i], "usage": self._usage([req], [(n, stats)]),
                         "meta_info": meta, "hybridcache": stats, **index}
             text[i].append(c.text)
@@ -689,7 +727,7 @@ class Api:
                     lps[i].append(_logprob_of(c))
             meta = self._meta(req, n, None, {}, t0)
             if req.sampling.logprobs is not None:
-                meta.update(_sglang_logprobs(lps[i]))
+                meta.update(self._sglang_logprobs(req, lps[i], [], with_text))
             return {"text": "".join(text[i]), "output_ids": list(ids[i]), "meta_info": meta, **index}
 
         return await self._sse(request, event)
@@ -757,10 +795,22 @@ def _logprob_of(c) -> tuple[int, float, list[tuple[int, float]]]:
     return c.token_id, c.logprob, list(zip(c.top_ids, c.top_logprobs))
 
 
-def _sglang_logprobs(lps: list) -> dict:
-    """SGLang's meta_info fields: (log p, token id, text) per output token, and the top alternatives."""
-    return {"output_token_logprobs": [[lp, tid, None] for tid, lp, _ in lps],
-            "output_top_logprobs": [[[v, i, None] for i, v in top] for _, _, top in lps]}
+def _prompt_logprobs_of(c) -> list[tuple[float | None, list[tuple[int, float]]]]:
+    """A done chunk's prompt log-probabilities: (log p, or None for the prompt's first token, and
+    the alternatives) per prompt token from where they were asked."""
+    values = list(c.prompt_logprobs)
+    if not values:
+        return []
+    known = sum(not math.isnan(v) for v in values)
+    k = len(c.prompt_top_ids) // known if known else 0
+    out, at = [], 0
+    for v in values:
+        if math.isnan(v):
+            out.append((None, []))
+            continue
+        out.append((v, list(zip(c.prompt_top_ids[at:at + k], c.prompt_top_logprobs[at:at + k]))))
+        at += k
+    return out
 
 
 def _check_keys(body: dict, known: set[str]) -> None:

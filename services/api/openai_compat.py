@@ -30,7 +30,7 @@ _OFF = {
     "logit_bias": ({},),
     "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,),
     "suffix_text": ("",), "reasoning_effort": (), "modalities": (["text"],),
-    "logprob_start_len": (-1,), "token_ids_logprob": (),
+    "token_ids_logprob": (),
     "return_text_in_logprobs": (False, True), "image_data": (), "video_data": (), "audio_data": (), "lora_path": (),
     "custom_logit_processor": (), "return_hidden_states": (False,), "bootstrap_host": (), "bootstrap_port": (),
     "bootstrap_room": (), "session_params": (), "data_parallel_rank": (), "return_routed_experts": (False,),
@@ -359,7 +359,7 @@ def _tool_call_for_template(call):
     return dict(call, function=fn)
 
 
-def _prompt_list(prompt) -> list:
+def prompt_list(prompt) -> list:
     """A completions prompt as its prompts: a string, a list of token ids, or a list of either."""
     if isinstance(prompt, str):
         return [prompt]
@@ -377,7 +377,7 @@ def _prompt_list(prompt) -> list:
 def completion_requests(body: dict, separator: str = "") -> Fanout:
     """A completions request as its native requests: for each prompt of a prompt list, best_of (else
     n) copies; best_of > n asks for the sampled tokens' log-probabilities, to rank the candidates."""
-    prompts = _prompt_list(body.get("prompt"))
+    prompts = prompt_list(body.get("prompt"))
     n = _count(body, "n")
     best_of = _count(body, "best_of", n)
     if best_of < n:
@@ -396,7 +396,7 @@ def completion_requests(body: dict, separator: str = "") -> Fanout:
 def completion_to_native(body: dict, separator: str = "") -> dict:
     _check_fields(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
                          "stream", "separator", "segments", "system", "logprobs"} | _OPENAI_IGNORED | _OPENAI_SAMPLING,
-                  "the request", implemented=frozenset({"best_of"}))
+                  "the request", implemented=frozenset({"best_of", "echo"}))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -408,6 +408,14 @@ def completion_to_native(body: dict, separator: str = "") -> dict:
     top = _opt_number(body, "logprobs", int)
     if top is not None:
         native["sampling_params"]["logprobs"] = _top_count(top, "logprobs")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise RequestError("echo must be a boolean")
+    if echo and top is not None:
+        # the prompt comes back with its tokens' log-probabilities before the completion's
+        if body.get("stream"):
+            raise RequestError("echo with logprobs cannot be streamed: the prompt's log-probabilities come at the end")
+        native["sampling_params"]["prompt_logprobs_from"] = 0
     if body.get("system") is not None:
         native["system"] = body["system"]
     native["suffix"] = prompt
@@ -468,6 +476,10 @@ def sglang_to_native(body: dict, separator: str = "") -> dict:
     if body.get("return_logprob"):
         native["sampling_params"]["logprobs"] = _top_count(_opt_number(body, "top_logprobs_num", int) or 0,
                                                            "top_logprobs_num")
+        # the prompt's log-probabilities from logprob_start_len on (-1, SGLang's default: none)
+        start = _opt_number(body, "logprob_start_len", int)
+        if start is not None and start >= 0:
+            native["sampling_params"]["prompt_logprobs_from"] = start
     text = body.get("text", body.get("input_ids", body.get("suffix")))
     if isinstance(text, list) and len(text) == 1 and isinstance(text[0], (str, list)):
         text = text[0]  # a batch of one

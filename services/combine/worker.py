@@ -430,7 +430,12 @@ class CombineServicer(rpc.CombineServicer):
         stats["trace_id"] = tracing.current_trace_id()
         metrics.CACHE_BYTES.labels(tier=self.own_tier).set(stats["entry_cache_bytes"])
         self.stats.request_done(stats)
-        yield pb.TokenChunk(token_id=-1, done=True, finish_reason=handle.finish_reason, stats_json=json.dumps(stats))
+        done = pb.TokenChunk(token_id=-1, done=True, finish_reason=handle.finish_reason, stats_json=json.dumps(stats))
+        for lp, top in handle.prompt_logprobs or ():
+            done.prompt_logprobs.append(lp)
+            done.prompt_top_ids.extend(i for i, _ in top)
+            done.prompt_top_logprobs.extend(v for _, v in top)
+        yield done
 
 
 def _count_finished(handle: RequestHandle) -> None:

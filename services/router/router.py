@@ -451,4 +451,5 @@ def _sampling_dict(s) -> dict:
     return {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids), "seed": s.seed, "ignore_eos": s.ignore_eos,
             "logprobs": s.logprobs, "min_new_tokens": s.min_new_tokens, "repetition_penalty": s.repetition_penalty,
-            "frequency_penalty": s.frequency_penalty, "presence_penalty": s.presence_penalty}
+            "frequency_penalty": s.frequency_penalty, "presence_penalty": s.presence_penalty,
+            "prompt_logprobs_from": s.prompt_logprobs_from}

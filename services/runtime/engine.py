@@ -469,6 +469,32 @@ class Engine:
             out.append(Prefill(state, None, stats, started, recorder, locked))
         return out
 
+    @torch.no_grad()
+    def prompt_logprobs(self, prompt_ids: list[int], start: int, top: int, chunk: int = 512) -> list:
+        """(log p, [(id, log p) of the `top` likeliest]) of each prompt token from position `start`
+        on, under the model's distribution after the tokens before it ((nan, []) for the prompt's
+        first token, which has none): an exact forward of the prompt from an empty state, cached
+        segments left out, `chunk` tokens at a time; logits only where they are needed."""
+        n = len(prompt_ids)
+        out = [(float("nan"), [])] if start == 0 and n else []
+        lo = max(start, 1) - 1  # the logits after token p give token p + 1
+        state, pos = self.runner.empty_state(), 0
+        while pos < n - 1:
+            t = torch.tensor(prompt_ids[pos : min(pos + chunk, n - 1)], dtype=torch.long)
+            want = pos + len(t) > lo
+            logits, _ = self.runner.forward(state, [LiveRun(t, pos)], "all" if want else "none")
+            if want:
+                lp = torch.log_softmax(logits.float(), dim=-1)  # [len(t), vocab]
+                for row in range(max(lo - pos, 0), len(t)):
+                    tok = prompt_ids[pos + row + 1]
+                    alternatives = []
+                    if top:
+                        values, ids = torch.topk(lp[row], min(top, lp.shape[-1]))
+                        alternatives = list(zip(ids.tolist(), values.tolist()))
+                    out.append((float(lp[row, tok]), alternatives))
+            pos += len(t)
+        return out
+
     def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list, last: bool = False) -> None:
         tip = self.pages.insert(recorder.token_ids, lambda a: recorder.page_payload(state, a))
         if tip is not None:

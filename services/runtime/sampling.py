@@ -88,6 +88,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # return the prompt's log-probabilities from this position on, each with `logprobs`
+    # alternatives (SGLang's logprob_start_len, OpenAI's echo with logprobs; None: off)
+    prompt_logprobs_from: int | None = None
 
     @property
     def adjusts_logits(self) -> bool:
@@ -106,7 +109,7 @@ class SamplingParams:
         d = {**(defaults or {}), **{k: v for k, v in (d or {}).items() if v is not None}}
         known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed",
                  "sampling_seed", "ignore_eos", "logprobs", "min_new_tokens", "repetition_penalty",
-                 "frequency_penalty", "presence_penalty"}
+                 "frequency_penalty", "presence_penalty", "prompt_logprobs_from"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
@@ -160,8 +163,11 @@ class SamplingParams:
         for name, v in (("frequency_penalty", frequency), ("presence_penalty", presence)):
             if not -2.0 <= v <= 2.0:
                 raise RequestError(f"sampling_params.{name} must be between -2 and 2")
+        prompt_from = num("prompt_logprobs_from", int, None)
+        if prompt_from is not None and prompt_from < 0:
+            raise RequestError("sampling_params.prompt_logprobs_from must be >= 0")
         return cls(max_new, temperature, top_p, top_k, tuple(stop), tuple(stop_ids), seed, ignore_eos, logprobs,
-                   min_new, repetition, frequency, presence)
+                   min_new, repetition, frequency, presence, prompt_from)
 
 
 MAX_TOP_LOGPROBS = 20

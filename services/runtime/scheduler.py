@@ -21,8 +21,8 @@ standalone forward of every such prompt admitted in the step but its last token
 output token. A burst of short prompts then costs one batched pass, not an eager forward each.
 
 Overlapped decoding (SchedulerConfig.overlap; RuntimeConfig.decode_overlap, on CUDA): while every
-running request samples greedily without logprobs, a step is launched before the host handles the
-one before it, SGLang's overlap scheduler and vLLM's async scheduling in kind. The step's greedy
+running request samples greedily without logprobs or penalties, a step is launched before the host
+handles the one before it, SGLang's overlap scheduler and vLLM's async scheduling in kind. The step's greedy
 picks stay on the device as the next step's inputs (paged.decode_step's `feed`) and are copied to
 the host without blocking; the host then emits them (detokenization, stop checks, the streams'
 queues) while the GPU runs the next step, and the GPU no longer idles through that host work. A
@@ -43,8 +43,10 @@ neither repeats nor loses a token. A request alone in the scheduler grows past t
 than preempt itself forever; one whose prompt and first chunk exceed the budget is refused
 (KVBudgetError) when it is queued.
 
-Sampling (per request: temperature, top_p, top_k, seed) and stop conditions are the single-request
-path's (sampling.sample_token, engine.TextStream). A finished request's prefix pages go into the
+Sampling (per request: temperature, top_p, top_k, seed; min_new_tokens and vLLM's penalties on the
+request's logits first, sampling.LogitsAdjuster) and stop conditions are the single-request path's
+(sampling.sample_token, engine.TextStream). A request that asks for its prompt's log-probabilities
+gets them from Engine.prompt_logprobs as it is assembled. A finished request's prefix pages go into the
 page tree and are released (Engine.finish_prefix), its slot is freed.
 """
 
@@ -138,6 +140,7 @@ class RequestHandle:
         self.finish_reason: str | None = None
         self.output_ids: list[int] = []
         self.logprobs: list = []  # per output token, when the request asks for them (TextStream.logprobs)
+        self.prompt_logprobs: list | None = None  # Engine.prompt_logprobs, when the request asks for them
         self.prefill: Prefill | None = None
         self.error: BaseException | None = None
         self.finished_step = -1  # the scheduler step that ended it
@@ -466,7 +469,8 @@ class Scheduler:
         page = eng.pages.page_size if eng.config.uses_prefix_cache else 0
         plain, tokens, first_pages = [], 0, set()
         for seq in self._admitted:
-            if seq.stream is not None or not eng.plain_prefill_ok(seq.req):  # a resumed one runs its prefill
+            if (seq.stream is not None or not eng.plain_prefill_ok(seq.req)  # a resumed one runs its prefill
+                    or seq.req.sampling.prompt_logprobs_from is not None):
                 continue
             prompt = seq.req.prompt_ids
             head = tuple(prompt[:page]) if page and len(prompt) > page else None
@@ -523,6 +527,14 @@ class Scheduler:
         seq.stream = TextStream(eng, params, pre.stats)
         seq.handle.output_ids, seq.handle.logprobs = seq.stream.output_ids, seq.stream.logprobs
         seq.generator = request_generator(params)
+        if params.prompt_logprobs_from is not None:
+            try:
+                seq.handle.prompt_logprobs = eng.prompt_logprobs(seq.req.prompt_ids, params.prompt_logprobs_from,
+                                                                 params.logprobs or 0)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self._release(seq)
+                seq.handle._finish("error", e)
+                return
         if params.max_new_tokens == 0:
             pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
             self._end(seq, "length")
