@@ -94,8 +94,11 @@ def cmd_model_init(args) -> int:
 def cmd_generate(args) -> int:
     reqs = _read_requests(args.request)
     engine = _engine(args)
-    # Validate every request before running any, so a bad one fails fast and alone.
-    parsed = [engine.parse_request(r) for r in reqs]
+    from hybridcache.services.api.openai_compat import split_native
+
+    # Validate every request before running any, so a bad one fails fast and alone; their texts are
+    # split on the segment separator as the server splits a native request's
+    parsed = [engine.parse_request(split_native(r, engine.config.segment_separator)) for r in reqs]
     if len(parsed) == 1:
         print(json.dumps(engine.generate(parsed[0]).to_dict()), flush=True)
         return 0

@@ -168,7 +168,8 @@ class RuntimeConfig:
     segment_separator: str = setting(
         "<<PIC_SEP>>", "router: the marker that splits every prompt text into segments (completion prompts, every "
         "chat message's content, system and developer messages included, /generate text, native requests on HTTP "
-        "and gRPC); removed before tokenizing. A request's `separator` field overrides it; \"\" turns it off",
+        "and gRPC, and `hybridcache generate`'s request files); removed before tokenizing. A request's "
+        "`separator` field overrides it; \"\" turns it off",
         roles=("router",), metavar="TEXT", section="cache")
     max_request_bytes: int = setting(
         4 << 20, "router: largest HTTP request body and gRPC Inference message read; a larger one is refused "

@@ -26,8 +26,17 @@ DOCS = [f"Document {c}: the {c} tower stands {i + 3} storeys tall beside the old
         for i, c in enumerate("ABCD")]
 
 
-def test_default_separator_is_hypic_marker():
+def test_default_separator_is_hypic_marker_and_empty_turns_it_off_through_up():
+    from hybridcache.services.cli import build_parser
+    from hybridcache.services.config import config_args, config_from_args
+
     assert SEP == "<<PIC_SEP>>"
+    off = config_from_args(build_parser().parse_args(["up", "--segment-separator", ""]))
+    assert off.segment_separator == ""
+    # `up` hands the router "" as an argument of its own, which parses back to ""
+    args = config_args(off, "router")
+    assert args[args.index("--segment-separator") + 1] == ""
+    assert config_from_args(build_parser().parse_args(["serve", "router", *args])).segment_separator == ""
 
 
 def test_split_native_splits_every_text_and_keeps_order():
