@@ -19,8 +19,8 @@ def _one(url, prompt, **kw):
     return res
 
 
-def test_completions_prompt_list_gives_a_choice_per_prompt(cluster):
-    url = cluster.url
+def test_completions_prompt_list_gives_a_choice_per_prompt(clients_cluster):
+    url = clients_cluster.url
     res = _one(url, PROMPTS, temperature=0)
     assert [c["index"] for c in res["choices"]] == [0, 1]
     alone = [_one(url, p, temperature=0) for p in PROMPTS]
@@ -33,8 +33,8 @@ def test_completions_prompt_list_gives_a_choice_per_prompt(cluster):
     assert len(_one(url, ids)["choices"]) == 2 and len(_one(url, ids[0])["choices"]) == 1
 
 
-def test_n_copies_are_samples_of_their_own_and_stream_by_index(cluster):
-    url = cluster.url
+def test_n_copies_are_samples_of_their_own_and_stream_by_index(clients_cluster):
+    url = clients_cluster.url
     res = _one(url, PROMPTS[0], n=3, temperature=1.0, seed=11, ignore_eos=True)
     texts = [c["text"] for c in res["choices"]]
     assert [c["index"] for c in res["choices"]] == [0, 1, 2] and len(set(texts)) > 1
@@ -62,8 +62,8 @@ def test_n_copies_are_samples_of_their_own_and_stream_by_index(cluster):
     assert status == 200 and [c["index"] for c in chat["choices"]] == [0, 1], chat
 
 
-def test_best_of_returns_the_likeliest_candidates(cluster):
-    url = cluster.url
+def test_best_of_returns_the_likeliest_candidates(clients_cluster):
+    url = clients_cluster.url
     body = {"prompt": PROMPTS[1], "max_tokens": 5, "temperature": 1.0, "seed": 5, "ignore_eos": True}
     # best_of's candidates are the n = best_of copies of the same request (same seeds)
     candidates = _one(url, body["prompt"], **{k: v for k, v in body.items() if k != "prompt"}, n=4, logprobs=0)
@@ -77,8 +77,8 @@ def test_best_of_returns_the_likeliest_candidates(cluster):
     assert best["usage"]["completion_tokens"] == 20  # every candidate's tokens
 
 
-def test_sglang_batched_text_and_n(cluster):
-    url = cluster.url
+def test_sglang_batched_text_and_n(clients_cluster):
+    url = clients_cluster.url
     sp = {"max_new_tokens": 4, "temperature": 0}
     status, res = http("POST", f"{url}/generate", {"text": PROMPTS, "sampling_params": sp})
     assert status == 200 and isinstance(res, list) and len(res) == 2, res
@@ -104,9 +104,9 @@ def test_sglang_batched_text_and_n(cluster):
     ({"prompt": "x", "n": 0}, "n must be >= 1"),
     ({"prompt": ["x"] * 40, "n": 2}, "at most 64"),
 ])
-def test_refusals_name_the_field_sent(cluster, body, message):
-    status, res = http("POST", f"{cluster.url}/v1/completions", dict(body, max_tokens=2))
+def test_refusals_name_the_field_sent(clients_cluster, body, message):
+    status, res = http("POST", f"{clients_cluster.url}/v1/completions", dict(body, max_tokens=2))
     assert status == 400 and res["error"]["message"].startswith(message) or message in res["error"]["message"], res
-    status, res = http("POST", f"{cluster.url}/generate", {"input_ids": [5, 999999]})
+    status, res = http("POST", f"{clients_cluster.url}/generate", {"input_ids": [5, 999999]})
     assert status == 400 and res["error"]["message"].startswith("input_ids has token id"), res
     assert json.dumps(res).count("suffix") == 0

@@ -35,9 +35,9 @@ def sse(url: str, body: dict) -> list:
 
 @pytest.mark.parametrize("entry", RECORDED["requests"], ids=[e["client"].split(",")[0] + " " + e["path"]
                                                              for e in RECORDED["requests"]])
-def test_load_generator_request_is_served(cluster, entry):
+def test_load_generator_request_is_served(clients_cluster, entry):
     body, path = entry["body"], entry["path"]
-    events = sse(cluster.url + path, body)
+    events = sse(clients_cluster.url + path, body)
     assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
     chunks = events[:-1]
     want = body.get("max_tokens") or body.get("max_completion_tokens") or body["sampling_params"]["max_new_tokens"]
@@ -58,19 +58,19 @@ def test_load_generator_request_is_served(cluster, entry):
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage
 
 
-def test_grpc_stream_ids_equal_the_http_ids_and_end_with_the_no_token_sentinel(cluster):
+def test_grpc_stream_ids_equal_the_http_ids_and_end_with_the_no_token_sentinel(clients_cluster):
     native = {"segments": ["The Varnel Bridge spans the Osk river.\n"], "suffix": "Who built it?",
               "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}
-    stub = rpc.InferenceStub(grpc.insecure_channel(cluster.role("router")[0].grpc))
+    stub = rpc.InferenceStub(grpc.insecure_channel(clients_cluster.role("router")[0].grpc))
     chunks = list(stub.Generate(pb.GenerateRequest(request_json=json.dumps(native)), timeout=60))
     done = chunks[-1]
     assert done.done and done.token_id == -1 and not any(c.done for c in chunks[:-1])
     grpc_ids = [c.token_id for c in chunks if c.token_id >= 0]
     assert len(grpc_ids) == 12  # a client keeping every id >= 0 gets the tokens generated, no more
 
-    req = urllib.request.Request(f"{cluster.url}/generate", method="POST", headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"segments": native["segments"], "text": native["suffix"],
-                                                  "sampling_params": native["sampling_params"]}).encode())
+    body = {"segments": native["segments"], "text": native["suffix"], "sampling_params": native["sampling_params"]}
+    req = urllib.request.Request(f"{clients_cluster.url}/generate", method="POST",
+                                 headers={"Content-Type": "application/json"}, data=json.dumps(body).encode())
     with urllib.request.urlopen(req, timeout=120) as r:
         http_ids = json.loads(r.read())["output_ids"]
     assert grpc_ids == http_ids

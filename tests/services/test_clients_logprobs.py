@@ -39,9 +39,9 @@ def test_prompt_logprobs_are_the_models_chunk_by_chunk(qwen35_dir, start):
         assert all(abs(v - w) <= 1e-4 for (_, v), w in zip(top, values.tolist()))
 
 
-def test_sglang_input_logprobs_from_logprob_start_len(cluster, engine):
+def test_sglang_input_logprobs_from_logprob_start_len(clients_cluster, engine):
     ids = engine.tokenizer.encode(PROMPT)
-    status, res = http("POST", f"{cluster.url}/generate", {
+    status, res = http("POST", f"{clients_cluster.url}/generate", {
         "text": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "return_logprob": True,
         "logprob_start_len": 3, "top_logprobs_num": 2, "return_text_in_logprobs": True})
     assert status == 200, res
@@ -54,16 +54,16 @@ def test_sglang_input_logprobs_from_logprob_start_len(cluster, engine):
     assert all(len(top) == 2 for top in meta["input_top_logprobs"])
     assert len(meta["output_token_logprobs"]) == 2
     # from 0: the prompt's first token has none
-    status, res = http("POST", f"{cluster.url}/generate", {
+    status, res = http("POST", f"{clients_cluster.url}/generate", {
         "input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0})
     meta = res["meta_info"]
     assert status == 200 and meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
     assert len(meta["input_token_logprobs"]) == len(ids)
 
 
-def test_completions_echo_with_logprobs(cluster, engine):
+def test_completions_echo_with_logprobs(clients_cluster, engine):
     ids = engine.tokenizer.encode(PROMPT)
-    status, res = http("POST", f"{cluster.url}/v1/completions", {
+    status, res = http("POST", f"{clients_cluster.url}/v1/completions", {
         "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1, "ignore_eos": True})
     assert status == 200, res
     choice = res["choices"][0]
@@ -74,14 +74,14 @@ def test_completions_echo_with_logprobs(cluster, engine):
     ref = _reference(engine, ids)
     assert all(abs(lp["token_logprobs"][p] - ref[p - 1, ids[p]].item()) <= 1e-4 for p in range(1, len(ids)))
     # echo alone: the prompt text, no log-probabilities
-    status, res = http("POST", f"{cluster.url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "echo": True})
+    url = f"{clients_cluster.url}/v1/completions"
+    status, res = http("POST", url, {"prompt": PROMPT, "max_tokens": 2, "echo": True})
     assert status == 200 and res["choices"][0]["text"].startswith(PROMPT) and res["choices"][0]["logprobs"] is None
-    status, res = http("POST", f"{cluster.url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "echo": True,
-                                                                "logprobs": 0, "stream": True})
+    status, res = http("POST", url, {"prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 0, "stream": True})
     assert status == 400 and "echo with logprobs" in res["error"]["message"]
 
 
-def test_sglang_frontend_select(cluster, engine):
+def test_sglang_frontend_select(clients_cluster, engine):
     sgl = pytest.importorskip("sglang", reason="sglang frontend not installed (pip install --no-deps sglang)")
 
     @sgl.function
@@ -89,7 +89,7 @@ def test_sglang_frontend_select(cluster, engine):
         s += "Document: the Varnel Bridge was built by Ilse Marrow.\nQuestion: who built the bridge?\nAnswer:"
         s += sgl.select("answer", choices=[" Ilse Marrow", " the Osk river", " Tarn"])
 
-    state = pick.run(backend=sgl.RuntimeEndpoint(cluster.url))
+    state = pick.run(backend=sgl.RuntimeEndpoint(clients_cluster.url))
     assert state["answer"] in (" Ilse Marrow", " the Osk river", " Tarn")
     meta = state.get_meta_info("answer")
     # the choice taken is the one with the highest mean log-probability of its tokens (the frontend's

@@ -25,18 +25,18 @@ def _rag_reuse():
     return mod
 
 
-def test_langchain_stuff_chain_gets_reordered_documents_from_cache(cluster):
+def test_langchain_stuff_chain_gets_reordered_documents_from_cache(clients_cluster):
     # benchmarks/rag_reuse.py's chain (the figure's), on 4 documents: the tiny model's bytes-as-tokens
     # prompts of 8 would pass the cluster's --max-model-len
-    out = _rag_reuse().run(f"{cluster.url}/v1", n_docs=4)
+    out = _rag_reuse().run(f"{clients_cluster.url}/v1", n_docs=4)
     first, second = out["first"], out["reordered"]
     assert second["prompt_tokens"] == first["prompt_tokens"] > 1000
     assert second["cached_fraction"] >= 0.9, out
     assert first["cached_tokens"] < second["cached_tokens"]
 
 
-def test_openai_sdk_f_string_prompt_gets_reordered_documents_from_cache(cluster):
-    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=120)
+def test_openai_sdk_f_string_prompt_gets_reordered_documents_from_cache(clients_cluster):
+    client = openai.OpenAI(base_url=f"{clients_cluster.url}/v1", api_key="none", max_retries=0, timeout=120)
     docs = [f"Ledger {i}: the {w} lighthouse keeper logged {i * 7 + 3} ships passing the Osk estuary "
             f"during the storms of the winter of 18{60 + i}, and noted each one's flag and cargo.\n" * 2
             for i, w in enumerate(("north", "south", "east", "west"))]
@@ -62,13 +62,13 @@ def test_openai_sdk_f_string_prompt_gets_reordered_documents_from_cache(cluster)
     assert again.usage.prompt_tokens_details.cached_tokens >= 0.9 * again.usage.prompt_tokens
 
 
-def test_llamaindex_synthesizer_requests_get_reordered_documents_from_cache(cluster):
+def test_llamaindex_synthesizer_requests_get_reordered_documents_from_cache(clients_cluster):
     recorded = json.loads((DATA / "llamaindex_synthesizer_requests.json").read_text())
     first, second = recorded["requests"]
     assert first["path"] == second["path"] == "/v1/chat/completions"
     results = []
     for r in (first, second):
-        status, res = http("POST", cluster.url + r["path"], r["body"])
+        status, res = http("POST", clients_cluster.url + r["path"], r["body"])
         assert status == 200, res
         results.append(res)
     # every document came back as one segment of its own, from cache the second time

@@ -134,9 +134,9 @@ def _stats(res: dict) -> dict:
     return res["hybridcache"]
 
 
-def test_served_texts_split_on_the_default_separator(cluster):
+def test_served_texts_split_on_the_default_separator(clients_cluster):
     """Reordered documents marked only by the default separator hit their entries on every API."""
-    url = cluster.url
+    url = clients_cluster.url
     docs = [f"Marker document {i}: " + "the harbour lights of Ostvik burn all night long. " * 3 + "\n"
             for i in range(3)]
 
@@ -170,7 +170,7 @@ def test_served_texts_split_on_the_default_separator(cluster):
         first["usage"]["prompt_tokens"]
 
     # gRPC Inference/Generate: a native request's texts split the same way
-    stub = rpc.InferenceStub(grpc.insecure_channel(cluster.role("router")[0].grpc))
+    stub = rpc.InferenceStub(grpc.insecure_channel(clients_cluster.role("router")[0].grpc))
     req = {"suffix": prompt([2, 1, 0]), "sampling_params": {"max_new_tokens": 2}}
     chunks = list(stub.Generate(pb.GenerateRequest(request_json=json.dumps(req)), timeout=60))
     st = json.loads(chunks[-1].stats_json)
