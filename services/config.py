@@ -281,10 +281,11 @@ class RuntimeConfig:
         "runs in the next decode step and yields the first output token (off: each prompt's own forward)",
         section="scheduler")
     decode_overlap: bool = setting(
-        True, "on CUDA, launch each decode step before the host handles the step before it, when every running "
-        "request samples greedily without logprobs: the picks stay on the device as the next step's inputs, "
-        "and the host emits one step's tokens while the GPU runs the next (a request that stops on a token "
-        "runs one step more, its result dropped; off: the host reads every step's tokens before the next)",
+        True, "on CUDA, launch each decode step before the host handles the step before it, when no running "
+        "request asks for logprobs: the picks (greedy or sampled on the GPU) stay on the device as the next "
+        "step's inputs, and the host emits one step's tokens while the GPU runs the next (a request that "
+        "stops on a token runs one step more, its result dropped; off: the host reads every step's tokens "
+        "before the next)",
         section="scheduler")
     cuda_graph_shapes: int = setting(
         4, "layout shapes whose CUDA graphs are kept, least recently used dropped (each holds buffers the size "

@@ -265,7 +265,7 @@ def completion_to_native(body: dict) -> dict:
 
 
 # SGLang sampling parameters this engine does not implement, with the value that means "off".
-_SGLANG_NEUTRAL = {"min_new_tokens": 0, "n": 1, "stop_regex": None, "min_p": 0.0, "frequency_penalty": 0.0,
+_SGLANG_NEUTRAL = {"min_new_tokens": 0, "n": 1, "stop_regex": None, "frequency_penalty": 0.0,
                    "presence_penalty": 0.0, "repetition_penalty": 1.0, "regex": None, "json_schema": None, "ebnf": None,
                    "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False}
 

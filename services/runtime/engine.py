@@ -702,12 +702,13 @@ class TextStream:
         return [(-1, rest)]
 
 
-def request_generator(params: SamplingParams) -> torch.Generator | None:
-    """The sampling generator of one request: seeded by params.seed, else at random; None when greedy."""
-    if params.temperature <= 0:
+def request_generator(params: SamplingParams, device="cpu") -> torch.Generator | None:
+    """The sampling generator of a seeded request, on `device` (where its logits are): its tokens
+    are drawn from it alone (sampling.sample), the same for the same seed. None when greedy or
+    unseeded (the device's default generator draws for it)."""
+    if params.temperature <= 0 or params.seed is None:
         return None
-    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device=device).manual_seed(params.seed)
 
 
 class Generation:
@@ -733,7 +734,7 @@ class Generation:
 
     def _decode(self) -> Iterator[tuple[int, str]]:
         eng, params, pre = self.engine, self.req.sampling, self.prefill
-        gen = request_generator(params)
+        gen = request_generator(params, getattr(pre.logits, "device", "cpu"))
         stream = TextStream(eng, params, pre.stats)
         self.output_ids, self.logprobs = stream.output_ids, stream.logprobs
         logits = pre.logits

@@ -322,7 +322,7 @@ def decode_step(model, pool: StatePool, slots: list[int], tokens: list[int], cap
     """One decode step of the requests in `slots` (module docstring), token ids `tokens`: their
     states in the pool advance by one token. On CUDA the step replays the CUDA graph of its padded
     batch size (DecodeGraphs) where decode graphs apply. `feed` = (columns, ids), two int64 tensors
-    on the model's device: the token ids of those batch columns come from `ids` (the greedy picks
+    on the model's device: the token ids of those batch columns come from `ids` (the picks
     of the step before, never brought to the host; `tokens` holds anything there). Returns
     (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
     host, max_pages = pool.step_inputs(slots, tokens)

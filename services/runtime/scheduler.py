@@ -20,17 +20,17 @@ standalone forward of every such prompt admitted in the step but its last token
 (Engine.prefill_plain); that token is their input to the step's decode, which yields their first
 output token. A burst of short prompts then costs one batched pass, not an eager forward each.
 
-Overlapped decoding (SchedulerConfig.overlap; RuntimeConfig.decode_overlap, on CUDA): while every
-running request samples greedily without logprobs, a step is launched before the host handles the
-one before it, SGLang's overlap scheduler and vLLM's async scheduling in kind. The step's greedy
-picks stay on the device as the next step's inputs (paged.decode_step's `feed`) and are copied to
-the host without blocking; the host then emits them (detokenization, stop checks, the streams'
-queues) while the GPU runs the next step, and the GPU no longer idles through that host work. A
-request whose pick ends it by length sits the next step out; one that stops on a token or a stop
-string, or is cancelled or preempted meanwhile, has run one step more, whose pick is dropped (its
-state and K/V went one token further, which the page recorder records as the token it was fed: the
-pages it leaves hold what they say). A step with a request that samples or asks for logprobs runs
-synchronously, after the launched one is handled.
+Overlapped decoding (SchedulerConfig.overlap; RuntimeConfig.decode_overlap, on CUDA): while no
+running request asks for logprobs, a step is launched before the host handles the one before it,
+SGLang's overlap scheduler and vLLM's async scheduling in kind. The step's picks (greedy or sampled
+on the device, sampling.sample) stay on the device as the next step's inputs (paged.decode_step's
+`feed`) and are copied to the host without blocking; the host then emits them (detokenization, stop
+checks, the streams' queues) while the GPU runs the next step, and the GPU no longer idles through
+that host work. A request whose pick ends it by length sits the next step out; one that stops on a
+token or a stop string, or is cancelled or preempted meanwhile, has run one step more, whose pick
+is dropped (its state and K/V went one token further, which the page recorder records as the token
+it was fed: the pages it leaves hold what they say). A step with a request that asks for logprobs
+(read from the step's logits on the host) runs synchronously, after the launched one is handled.
 
 K/V is reserved as a sequence grows, as vLLM allocates it: before a decode step, a running request
 whose K/V would pass its reservation grows it by another chunk. When the budget has no room for
@@ -43,9 +43,9 @@ neither repeats nor loses a token. A request alone in the scheduler grows past t
 than preempt itself forever; one whose prompt and first chunk exceed the budget is refused
 (KVBudgetError) when it is queued.
 
-Sampling (per request: temperature, top_p, top_k, seed) and stop conditions are the single-request
-path's (sampling.sample_token, engine.TextStream). A finished request's prefix pages go into the
-page tree and are released (Engine.finish_prefix), its slot is freed.
+Sampling (per request: temperature, top_p, top_k, min_p, seed) and stop conditions are the single-
+request path's (sampling.sample over the batch's rows, engine.TextStream). A finished request's
+prefix pages go into the page tree and are released (Engine.finish_prefix), its slot is freed.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from hybridcache.services.runtime.engine import (
     TextStream,
     request_generator,
 )
-from hybridcache.services.runtime.sampling import RequestError, sample_token, token_logprobs
+from hybridcache.services.runtime.sampling import RequestError, sample, sample_token, token_logprobs
 
 log = logging.getLogger("hybridcache.scheduler")
 
@@ -208,7 +208,7 @@ class _Seq:
 @dataclass(slots=True)
 class _Launched:
     """A decode step launched and not yet handled (overlapped decoding): its requests, their `runs`
-    when it was launched, and its greedy picks, on the device and copied (non-blocking) to the host."""
+    when it was launched, and its picks, on the device and copied (non-blocking) to the host."""
 
     batch: list
     runs: list
@@ -240,6 +240,7 @@ class Scheduler:
         # the running requests' linear states and K/V pages, sized by the K/V budget
         kv_tokens = self.config.kv_cache_bytes // max(self._kv_per_token, 1)
         self.pool = engine.new_state_pool(self.config.max_num_seqs, kv_tokens)
+        self._device = engine.model.device  # where the logits are: seeded requests' generators go there
         self.steps = 0
         self.preemptions = 0  # running requests preempted (recomputed) for lack of K/V budget
         self._admissions = 0
@@ -495,7 +496,7 @@ class Scheduler:
             pre.started = seq.arrived
             seq.stream = TextStream(eng, params, pre.stats)
             seq.handle.output_ids, seq.handle.logprobs = seq.stream.output_ids, seq.stream.logprobs
-            seq.generator = request_generator(params)
+            seq.generator = request_generator(params, self._device)
             seq.last_token = seq.req.prompt_ids[-1]
             seq.first_pending = True
             self._run(seq)
@@ -521,7 +522,7 @@ class Scheduler:
             return
         seq.stream = TextStream(eng, params, pre.stats)
         seq.handle.output_ids, seq.handle.logprobs = seq.stream.output_ids, seq.stream.logprobs
-        seq.generator = request_generator(params)
+        seq.generator = request_generator(params, self._device)
         if params.max_new_tokens == 0:
             pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
             self._end(seq, "length")
@@ -600,9 +601,9 @@ class Scheduler:
         return False
 
     def _overlaps(self, seq: _Seq) -> bool:
-        """Can the request's next token stay on the device (greedy, no logprobs)?"""
-        params = seq.req.sampling
-        return params.temperature == 0.0 and params.logprobs is None
+        """Can the request's next token stay on the device (no logprobs: those are read from the
+        logits on the host)?"""
+        return seq.req.sampling.logprobs is None
 
     def _decode_step(self) -> None:
         prev = self._launched
@@ -650,7 +651,7 @@ class Scheduler:
                 idx = to_device_async(torch.tensor([fed_cols, fed_src], dtype=torch.long), prev.picks.device)
                 feed = (idx[0], prev.picks.index_select(0, idx[1]))
         logits = self.engine.decode_batch([s.prefill for s in batch], toks, self.pool, [s.slot for s in batch], feed)
-        picks = logits.argmax(-1)
+        picks = sample(logits, [s.req.sampling for s in batch], [s.generator for s in batch])
         device = picks.device
         host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=device.type == "cuda")
         host.copy_(picks, non_blocking=True)
@@ -692,12 +693,10 @@ class Scheduler:
         toks = [s.last_token for s in batch]
         logits = self.engine.decode_batch([s.prefill for s in batch], toks, self.pool, [s.slot for s in batch])
         self.batch_sizes[len(batch)] += 1
-        greedy = [b for b, s in enumerate(batch) if s.req.sampling.temperature == 0.0]
-        picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
+        picks = sample(logits, [s.req.sampling for s in batch], [s.generator for s in batch]).tolist()
         done = []
         for b, seq in enumerate(batch):
-            tok = picks[b] if b in picks else sample_token(logits[b], seq.req.sampling, seq.generator)
-            if self._push(seq, tok, logits, b):
+            if self._push(seq, picks[b], logits, b):
                 done.append(seq)
         if done:
             self._running = [s for s in self._running if s not in done]
