@@ -203,7 +203,9 @@ class RuntimeConfig:
         roles=("router",), section="server")
     gpu_memory_utilization: float = setting(
         0.9, "share of its GPU's total memory a worker may use, weights included; the cache and K/V budgets "
-        "left unset are shares of what remains once the model is loaded (at most the memory free then). "
+        "left unset are shares of what remains once the model is loaded (at most the memory free then); a "
+        "combine worker that warms up on one GPU first measures its warm-up's activation peak and CUDA graphs "
+        "and sizes them from what is left, or refuses to start when its configuration does not fit. "
         "`up` splits it between the workers it places on one GPU", type=float, section="devices")
     entry_cache_bytes: int | None = setting(
         None, "segment-entry cache budget (default: 1 GiB on the CPU; on CUDA a share of the worker's "

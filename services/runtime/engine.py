@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -156,6 +156,15 @@ class Engine:
         # execution: the op implementations and CUDA graphs this engine's config chooses, the
         # forwards, cold builds, decode steps and host-tier staging
         self.runner = ModelRunner(model, self.config)
+
+    def set_cache_budgets(self, entry_bytes: int, prefix_bytes: int) -> None:
+        """The entry and prefix budgets of a planned worker (devices.plan_memory), set once its
+        warm-up has measured what its requests take, before any request: the stores are made
+        anew, empty."""
+        self.config = replace(self.config, entry_cache_bytes=entry_bytes, prefix_cache_bytes=prefix_bytes)
+        self.entries = self._new_entry_store()
+        self.prefixes = PrefixStore(prefix_bytes)
+        self.pages = PageTree(prefix_bytes, self.page_policy.page_size)
 
     def _new_entry_store(self) -> EntryStore:
         cfg = self.config

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 import queue
 import threading
@@ -116,13 +117,22 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
 
 
-def scheduler_config(config, device) -> SchedulerConfig:
-    """The SchedulerConfig of a RuntimeConfig (services/config.py), its K/V budget sized for
-    `device` when unset (devices.kv_cache_budget)."""
+def scheduler_config(config, device, kv_cache_bytes: int | None = None) -> SchedulerConfig:
+    """The SchedulerConfig of a RuntimeConfig (services/config.py), its K/V budget `kv_cache_bytes`
+    when given (a planned worker's provisional one, Scheduler.resize_kv), else the config's, else
+    sized for `device` (devices.kv_cache_budget)."""
     overlap = config.decode_overlap and torch.device(device).type == "cuda" and config.tensor_parallel_size == 1
-    return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens,
-                           kv_cache_budget(device, config.kv_cache_bytes, config.gpu_memory_utilization),
+    kv = kv_cache_bytes if kv_cache_bytes is not None else kv_cache_budget(
+        device, config.kv_cache_bytes, config.gpu_memory_utilization)
+    return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens, kv,
                            overlap=overlap)
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of attention K/V one token of a running request holds (every attention layer's k
+    [1, H, 0, d] and v [1, H, 0, dv]; MLA: latents and the shared key part)."""
+    return sum((a.k.shape[1] * a.k.shape[3] + a.v.shape[1] * a.v.shape[3]) * a.k.element_size()
+               for a in model.empty_state().attn.values())
 
 
 class RequestHandle:
@@ -231,16 +241,11 @@ class Scheduler:
         self._running: list[_Seq] = []  # decoding, in slot order
         self._kv_reserved = 0
         self._stop = False
-        empty = engine.model.empty_state()
-        # per layer k [1, H, 0, d] and v [1, H, 0, dv] (MLA: latents and the shared key part)
-        self._kv_per_token = sum(
-            (a.k.shape[1] * a.k.shape[3] + a.v.shape[1] * a.v.shape[3]) * a.k.element_size()
-            for a in empty.attn.values()
-        )
+        self._kv_per_token = kv_bytes_per_token(engine.model)
         # the running requests' linear states and K/V pages, sized by the K/V budget
         kv_tokens = self.config.kv_cache_bytes // max(self._kv_per_token, 1)
         self.pool = engine.new_state_pool(self.config.max_num_seqs, kv_tokens)
-        self._device = engine.model.device  # where the logits are: seeded requests' generators go there
+        self._device = torch.device(engine.model.device)  # where the logits are: seeded requests' generators go there
         self.steps = 0
         self.preemptions = 0  # running requests preempted (recomputed) for lack of K/V budget
         self._admissions = 0
@@ -318,6 +323,26 @@ class Scheduler:
             if self._waiting or self._admitted or self._running or self._launched is not None:
                 raise RuntimeError("warm_decode_graphs needs an idle scheduler")
             return self.engine.runner.warm_decode(self.pool, self.engine.decode_capture_sets())
+
+    @property
+    def kv_per_token(self) -> int:
+        return self._kv_per_token
+
+    def resize_kv(self, kv_cache_bytes: int) -> None:
+        """Give the running requests' K/V `kv_cache_bytes` (a planned worker, after its warm-up:
+        devices.plan_memory): the state pool is made anew at that size, the old one (and its decode
+        graphs) freed first. Runs while the scheduler is idle; capture the decode graphs again
+        after (warm_decode_graphs)."""
+        with self._cv:
+            if self._waiting or self._admitted or self._running or self._launched is not None:
+                raise RuntimeError("resize_kv needs an idle scheduler")
+            self.config = dataclasses.replace(self.config, kv_cache_bytes=kv_cache_bytes)
+            self.pool = None
+            gc.collect()  # the old pool and its decode graphs refer to each other
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+            tokens = kv_cache_bytes // max(self._kv_per_token, 1)
+            self.pool = self.engine.new_state_pool(self.config.max_num_seqs, tokens)
 
     def load(self) -> dict:
         with self._cv:
