@@ -711,13 +711,13 @@ class TextStream:
         return [(-1, rest)]
 
 
-def request_generator(params: SamplingParams, device="cpu") -> torch.Generator | None:
-    """The sampling generator of a seeded request, on `device` (where its logits are): its tokens
-    are drawn from it alone (sampling.sample), the same for the same seed. None when greedy or
-    unseeded (the device's default generator draws for it)."""
+def request_generator(params: SamplingParams) -> torch.Generator | None:
+    """The sampling generator of a seeded request (on the host): its tokens' noise is drawn from
+    it alone (sampling.sample), the same for the same seed whatever else is in the batch. None
+    when greedy or unseeded (the process's default generators draw for it)."""
     if params.temperature <= 0 or params.seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+    return torch.Generator().manual_seed(params.seed)
 
 
 class Generation:
@@ -743,7 +743,7 @@ class Generation:
 
     def _decode(self) -> Iterator[tuple[int, str]]:
         eng, params, pre = self.engine, self.req.sampling, self.prefill
-        gen = request_generator(params, getattr(pre.logits, "device", "cpu"))
+        gen = request_generator(params)
         stream = TextStream(eng, params, pre.stats)
         self.output_ids, self.logprobs = stream.output_ids, stream.logprobs
         logits = pre.logits

@@ -1,12 +1,14 @@
 """Sampling parameters (SGLang's names) and token selection.
 
-Tokens are picked on the logits' device for a whole batch at once (`sample`): temperature, top-k,
-top-p and min-p as masks over the batch's rows, then one draw per row by the exponential race
-(argmax of p / q with q ~ Exp(1), which picks token i with probability p_i), so a decode step's
+Tokens are picked on the logits' device for a whole batch at once (`sample`), so a decode step's
 picks never go through the host (the overlap scheduler feeds them to the next step on the
-device). A seeded request draws its row's noise from its own generator (request_generator): the
-same seed gives the same tokens whatever else is in the batch. `reference_probs` is the
-distribution of one request written plainly, what `sampling_probs` is tested against."""
+device): on CUDA one Triton launch draws every row without sorting the vocabulary
+(kernels/ops/sampling); elsewhere temperature, top-k, top-p and min-p are masks over the batch's
+rows (`sampling_probs`) and each row is drawn by the exponential race (argmax of p / q with
+q ~ Exp(1), which picks token i with probability p_i). A seeded request's noise comes from its own
+generator (request_generator): the same seed gives the same tokens whatever else is in the batch.
+`reference_probs` is one request's distribution written plainly (kernels/ops/sampling/naive.py),
+what both are tested against."""
 
 from __future__ import annotations
 
@@ -177,25 +179,54 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
     """The next token of each row of logits [B, vocab] (fp32) under params[b], on the logits'
-    device without a host round trip: int64 [B]. Greedy rows (temperature 0) take the argmax; the
-    others draw by the exponential race over sampling_probs, row b's noise from generators[b]
-    when it is not None (a seeded request's, on the logits' device), else from the device's
-    default generator."""
+    device without a host round trip: int64 [B]. Greedy rows (temperature 0) take the argmax. On
+    CUDA the others are drawn by one Triton launch that sorts nothing (kernels/ops/sampling: a
+    Gumbel-max race over the kept tokens, redrawn when the pick falls outside the nucleus), from a
+    Philox seed a row drawn on the host (from generators[b], a seeded request's own CPU generator,
+    when it is not None); elsewhere by the exponential race over sampling_probs."""
     import torch
 
     greedy = [p.temperature == 0.0 for p in params]
     if all(greedy):
         return logits.argmax(-1)
-    probs = sampling_probs(logits, params)
-    q = torch.empty_like(probs).exponential_()
-    for b, g in enumerate(generators):
-        if g is not None and not greedy[b]:
-            q[b].exponential_(generator=g)
-    picks = probs.div_(q).argmax(-1)
+    from hybridcache.services.runtime import backends
+
+    if backends.use_fast_kernels(logits):
+        picks = _sample_kernel(logits, params, generators)
+    else:
+        probs = sampling_probs(logits, params)
+        q = torch.empty_like(probs).exponential_()
+        for b, g in enumerate(generators):
+            if g is not None and not greedy[b]:
+                q[b].copy_(torch.empty(probs.shape[1]).exponential_(generator=g))
+        picks = probs.div_(q).argmax(-1)
     if any(greedy):
         keep = _to(torch.tensor(greedy), logits.device)
         picks = torch.where(keep, logits.argmax(-1), picks)
     return picks
+
+
+def _sample_kernel(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+    """sample's CUDA path: the rows' settings and seeds to the device in two copies, each top-k
+    row's k-th largest logit from one torch.topk, then kernels/ops/sampling's one launch."""
+    import torch
+    from hybridcache.kernels.ops.sampling.triton import sample_rows
+
+    B, V = logits.shape
+    seeds = torch.randint(0, 1 << 62, (B,))
+    for b, g in enumerate(generators):
+        if g is not None:
+            seeds[b] = int(torch.randint(0, 1 << 62, (1,), generator=g))
+    ks = [p.top_k if p.temperature > 0 and p.top_k > 0 else 0 for p in params]
+    table = _to(torch.tensor([[p.temperature if p.temperature > 0 else 1.0 for p in params],
+                              [p.top_p if p.top_p < 1.0 else 2.0 for p in params],
+                              [p.min_p for p in params], [float(k) for k in ks]]), logits.device)
+    kth = torch.full_like(table[3], float("-inf"))
+    if any(ks):
+        kmax = min(max(ks), V)
+        top = torch.topk(logits, kmax, dim=-1).values.gather(1, (table[3].long().clamp(1, kmax) - 1)[:, None])[:, 0]
+        kth = torch.where(table[3] > 0, top, kth)
+    return sample_rows(logits, table[0], table[1], table[2], kth, _to(seeds, logits.device))
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -229,23 +260,12 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """One request's distribution over logits [vocab] written plainly (temperature, top-k mask,
-    softmax, top-p over the sorted probabilities, min-p): what sampling_probs is tested against."""
-    import torch
+    """One request's distribution over logits [vocab] written plainly (kernels/ops/sampling/naive.py):
+    what sampling_probs and the sampling kernel are tested against."""
+    from hybridcache.kernels.ops.sampling import naive_sampling_probs
 
-    logits = logits.float() / (params.temperature if params.temperature > 0 else 1.0)
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_p, 0)
-        sorted_p = sorted_p.masked_fill(cum - sorted_p > params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-    if params.min_p > 0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+    return naive_sampling_probs(logits, params.temperature if params.temperature > 0 else 1.0, params.top_k,
+                                params.top_p, params.min_p)
 
 
 def _to(t: torch.Tensor, device) -> torch.Tensor:

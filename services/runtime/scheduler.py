@@ -245,7 +245,7 @@ class Scheduler:
         # the running requests' linear states and K/V pages, sized by the K/V budget
         kv_tokens = self.config.kv_cache_bytes // max(self._kv_per_token, 1)
         self.pool = engine.new_state_pool(self.config.max_num_seqs, kv_tokens)
-        self._device = torch.device(engine.model.device)  # where the logits are: seeded requests' generators go there
+        self._device = torch.device(engine.model.device)
         self.steps = 0
         self.preemptions = 0  # running requests preempted (recomputed) for lack of K/V budget
         self._admissions = 0
@@ -521,7 +521,7 @@ class Scheduler:
             pre.started = seq.arrived
             seq.stream = TextStream(eng, params, pre.stats)
             seq.handle.output_ids, seq.handle.logprobs = seq.stream.output_ids, seq.stream.logprobs
-            seq.generator = request_generator(params, self._device)
+            seq.generator = request_generator(params)
             seq.last_token = seq.req.prompt_ids[-1]
             seq.first_pending = True
             self._run(seq)
@@ -547,7 +547,7 @@ class Scheduler:
             return
         seq.stream = TextStream(eng, params, pre.stats)
         seq.handle.output_ids, seq.handle.logprobs = seq.stream.output_ids, seq.stream.logprobs
-        seq.generator = request_generator(params, self._device)
+        seq.generator = request_generator(params)
         if params.max_new_tokens == 0:
             pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
             self._end(seq, "length")

@@ -28,6 +28,7 @@ from hybridcache.kernels.ops.moe.triton import FusedConfig, fused_experts  # noq
 from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_heads, row_norm  # noqa: E402
 from hybridcache.kernels.ops.recurrent_step.triton import recurrent_step  # noqa: E402
 from hybridcache.kernels.ops.rope.triton import norm_rope_tokens, rope_heads  # noqa: E402
+from hybridcache.kernels.ops.sampling.triton import sample_rows  # noqa: E402
 from hybridcache.kernels.ops.transition.compose_triton import compose_states_blocks, compose_states_fwd  # noqa: E402
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "recurrent_step",
     "rel_rms",
     "rope_heads",
+    "sample_rows",
     "scattered_blocks",
     "sigmoid_gate_heads",
     "row_norm",
