@@ -182,7 +182,7 @@ def _serve(args) -> int:
         from hybridcache.services.combine.worker import CombineServicer
         from hybridcache.services.runtime.scheduler import scheduler_config
 
-        # a worker that plans its memory (plan_memory_after_warmup) warms up over a provisional K/V
+        # a worker that plans its memory (CombineServicer.plan_memory) warms up over a provisional K/V
         # budget, just enough for its warm-up requests, and sizes its caches from what that measured
         provisional = warmup_kv_bytes(engine, config) if plans else None
         combine = CombineServicer(engine, dtype=config.dtype,

@@ -42,7 +42,7 @@ def test_served_decode_on_cpu(qwen35_dir, tmp_path, capsys):
     sd = _served_decode()
     out = tmp_path / "r.json"
     assert sd.main(["--model", str(qwen35_dir), "--device", "cpu", "--dtype", "float32", "--streams", "1,3",
-                    "--sampled-streams", "3", "--repeats", "1", "--max-tokens", "8", "--prompt-tokens", "12",
+                    "--sampled-streams", "3", "--repeats", "1", "--max-tokens", "40", "--prompt-tokens", "12",
                     "--copy-bandwidth", "1e10", "--up-args", "--scatter-workers 0", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == res
