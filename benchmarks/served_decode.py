@@ -173,6 +173,21 @@ def probe_device(args, vocab: int) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def get_json(address: str, path: str, timeout_s: float) -> tuple[int, dict]:
+    import http.client as httplib
+
+    host, port = address.split(":")
+    conn = httplib.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    except (OSError, ValueError):
+        return 0, {}
+    finally:
+        conn.close()
+
+
 def figures_of(results: dict) -> dict:
     out = {}
     for n, r in results["greedy"].items():
@@ -240,7 +255,13 @@ def main(argv=None) -> int:
     url = args.url or stack.url
     host, port = url.removeprefix("http://").rstrip("/").split(":")
     results: dict = {"greedy": {}, "sampled": {}}
+    health = {}
     try:
+        combine = next((s for s in (stack.services if stack else []) if s["role"] == "combine"), None)
+        if combine is not None:  # its warm-up and memory plan (decode graphs captured, budgets)
+            code, body = get_json(combine["http"], "/health", args.timeout_s)
+            if code == 200:
+                health = {k: body.get(k) for k in ("warmup", "memory")}
         send(host, int(port), {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}, args.timeout_s)
         for kind, sizes, sampling in (("greedy", args.streams, {}), ("sampled", args.sampled_streams, SAMPLED)):
             for n in sizes:
@@ -261,6 +282,7 @@ def main(argv=None) -> int:
     out = {"benchmark": "served_decode", "figures": figures_of(results), "results": results,
            "gpu": probe["gpu"], "copy_bandwidth_tb_per_s": round(probe["copy_bytes_per_s"] / 1e12, 3),
            "sampler_ms": probe.get("sampler_ms"), "argmax_ms": probe.get("argmax_ms"), "model_bytes": shape,
+           "combine_health": health,
            "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "host": platform.node(), "seconds": round(time.perf_counter() - t_start, 1),
            "command": "python benchmarks/" + shlex.join([Path(__file__).name, *(argv or sys.argv[1:])]),

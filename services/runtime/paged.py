@@ -8,7 +8,8 @@ A StatePool holds what the scheduler's running requests carry from one decode st
   of each slot in order.
 
 The last slot, and page 0, are scratch: the padded rows of a decode batch (decode CUDA graphs pad
-the batch up to a captured size) read and write there and their results are dropped.
+the batch up to a captured size) read and write there and their results are dropped (several
+padded rows update the scratch slot's states at once: what it holds is never read for a request).
 
 A request joins (assign) with its prefilled SequenceState: its linear states are copied into its
 slot and become views of it, its K/V are copied into pages and each of its AttnStates becomes a

@@ -52,4 +52,5 @@ def test_served_decode_on_cpu(qwen35_dir, tmp_path, capsys):
     assert f["served_decode_fraction_of_floor_3_streams"] == round(
         g["3"]["decode_tokens_per_s"] / g["3"]["floor"]["tokens_per_s"], 3) > 0
     assert f["served_sampled_vs_greedy_tokens_per_s_3_streams"] > 0
+    assert res["combine_health"]["warmup"] is None or "decode_graphs" in res["combine_health"]["warmup"]
     assert res["gpu"] == "none (CPU)" and res["commit"] and res["date"] and res["copy_bandwidth_tb_per_s"] == 0.01
