@@ -84,7 +84,7 @@ def sample_rows_kernel(
     lower = tl.full((BR,), float("-inf"), tl.float32)  # logits at or below it are out
     chosen = tl.zeros((BR,), tl.int32)
     done = tl.where(m_r, 0, 1)
-    rnd = 0
+    rnd = tl.program_id(0) * 0  # an int32 scalar tensor: the loop carries it
     while (tl.min(done, 0) == 0) & (rnd < MAX_ROUNDS):
         # 2. Gumbel-max race among the kept tokens above the bound; one Philox call gives the
         # noise of four quarters of a block
