@@ -260,7 +260,7 @@ def test_a_9b_combine_worker_plans_its_memory_and_captures_every_decode_graph(mo
         assert mem["decode_graphs"] == mem["decode_graphs_expected"] > 0, mem
         assert min(mem["kv_gib"], mem["entry_gib"], mem["prefix_gib"]) > 0.5, mem
         used = mem["held_gib"] + mem["transient_gib"] + mem["kv_gib"] + mem["entry_gib"] + mem["prefix_gib"]
-        assert used <= mem["share_gib"] + 0.01, mem
+        assert used <= mem["share_gib"] + 0.03, mem  # each figure rounded to 0.01 GiB
         body = {"input_ids": list(range(5, 69)), "sampling_params": {"max_new_tokens": 16, "ignore_eos": True,
                                                                        "temperature": 0.8, "top_p": 0.95}}
         status, out = http("POST", f"{c.url}/generate", body, timeout=300)
