@@ -28,6 +28,10 @@
 #               --cuda-ipc (LOOPBACK_ENTRIES entries a request, default 32, five requests), the receiver's host
 #               work alone (benchmarks/assembler_host.py, on this machine's CPU) and the transport's gpu tests
 #               (tests/services/test_ipc_pool_gpu.py, tests/kernels/test_copy_checksum.py)
+#   decode      issue 43 on one GPU: the in-place decode step's and the sampler's kernels against their
+#               references (tests/kernels/test_recurrent_step.py, test_sampling_kernel.py, gpu tests
+#               included), then benchmarks/served_decode.py (1, 32, 128 greedy streams, 32 sampled, on
+#               the Qwen3.5-9B shape written once to $SERVED_MODEL); DECODE_ARGS adds its flags
 #   served      benchmarks/served_load.py through `hybridcache up --device cuda` on the Qwen3.5-9B
 #               shape (random bf16 weights, written once to $SERVED_MODEL, default /tmp/served-q9b):
 #               SERVED_SCENARIO=streams (default: 32 streams of 256 tokens vs 1) or rag (the RAG
@@ -53,9 +57,9 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | moe | served-gpu | qps | profile | fold | train | transport | served) ;;
+    gpu-tests | families | bench | moe | served-gpu | qps | profile | fold | train | transport | decode | served) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, fold, train, transport, served)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, fold, train, transport, decode, served)" >&2
         exit 2 ;;
     esac
 done
@@ -159,6 +163,15 @@ for stage in "$@"; do
         TRITON_F32_DEFAULT=ieee timeout 240 python3 -P -m pytest -v -s -m gpu -p no:cacheprovider -rfE \
             tests/services/test_ipc_pool_gpu.py tests/kernels/test_copy_checksum.py > "$OUT/transport_tests.log" 2>&1
         echo "transport gpu tests rc=$?"; grep -E "cuda_ipc arena|passed|failed" "$OUT/transport_tests.log" | cut -c1-300 | tail -6 ;;
+    decode)
+        timeout 300 python3 -P -m pytest -v -s -m "gpu or not gpu" -p no:cacheprovider -rfE \
+            tests/kernels/test_recurrent_step.py tests/kernels/test_sampling_kernel.py > "$OUT/decode_kernels.log" 2>&1
+        echo "decode kernels rc=$?"; grep -E "kernel .* ms|passed|failed" "$OUT/decode_kernels.log" | tail -5
+        # shellcheck disable=SC2086  # DECODE_ARGS is a list of flags
+        timeout 540 python3 benchmarks/served_decode.py --device cuda --init-model qwen3_5_text:qwen3.5-9b \
+            --model "${SERVED_MODEL:-/tmp/served-q9b}" ${DECODE_ARGS:-} --out "$OUT/served_decode.json" \
+            > "$OUT/served_decode.log" 2>&1
+        echo "decode served rc=$?"; grep -o '"figures": {[^}]*}' "$OUT/served_decode.json" ;;
     served)
         scenario=${SERVED_SCENARIO:-streams}
         modes=${SERVED_MODES:-pic}

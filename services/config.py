@@ -209,7 +209,9 @@ class RuntimeConfig:
         roles=("router",), section="server")
     gpu_memory_utilization: float = setting(
         0.9, "share of its GPU's total memory a worker may use, weights included; the cache and K/V budgets "
-        "left unset are shares of what remains once the model is loaded (at most the memory free then). "
+        "left unset are shares of what remains once the model is loaded (at most the memory free then); a "
+        "combine worker that warms up on one GPU first measures its warm-up's activation peak and CUDA graphs "
+        "and sizes them from what is left, or refuses to start when its configuration does not fit. "
         "`up` splits it between the workers it places on one GPU", type=float, section="devices")
     entry_cache_bytes: int | None = setting(
         None, "segment-entry cache budget (default: 1 GiB on the CPU; on CUDA a share of the worker's "
@@ -287,10 +289,11 @@ class RuntimeConfig:
         "runs in the next decode step and yields the first output token (off: each prompt's own forward)",
         section="scheduler")
     decode_overlap: bool = setting(
-        True, "on CUDA, launch each decode step before the host handles the step before it, when every running "
-        "request samples greedily without logprobs: the picks stay on the device as the next step's inputs, "
-        "and the host emits one step's tokens while the GPU runs the next (a request that stops on a token "
-        "runs one step more, its result dropped; off: the host reads every step's tokens before the next)",
+        True, "on CUDA, launch each decode step before the host handles the step before it, when no running "
+        "request asks for logprobs: the picks (greedy or sampled on the GPU) stay on the device as the next "
+        "step's inputs, and the host emits one step's tokens while the GPU runs the next (a request that "
+        "stops on a token runs one step more, its result dropped; off: the host reads every step's tokens "
+        "before the next)",
         section="scheduler")
     cuda_graph_shapes: int = setting(
         4, "layout shapes whose CUDA graphs are kept, least recently used dropped (each holds buffers the size "

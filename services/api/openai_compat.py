@@ -423,7 +423,7 @@ def completion_to_native(body: dict, separator: str = "") -> dict:
 
 
 # SGLang sampling parameters this engine does not implement, with the value that means "off".
-_SGLANG_NEUTRAL = {"stop_regex": None, "min_p": 0.0, "regex": None, "json_schema": None, "ebnf": None,
+_SGLANG_NEUTRAL = {"stop_regex": None, "regex": None, "json_schema": None, "ebnf": None,
                    "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False}
 
 

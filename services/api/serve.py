@@ -94,6 +94,17 @@ def _engine(config, model_dir: str):
     return Engine(model, Tokenizer.from_dir(model_dir), config)
 
 
+def warmup_kv_bytes(engine, config) -> int:
+    """A planned worker's provisional K/V budget: room for its longest warm-up request (its warm-up
+    shape, else the small ones) and a chunk of new tokens, twice over; at most a budget given."""
+    from hybridcache.services.runtime.scheduler import KV_CHUNK_TOKENS, kv_bytes_per_token
+
+    shape = engine.warmup_shape()
+    tokens = max(shape[0] + shape[1] * shape[2] + shape[3] + 3 if shape else 0, 8 * (config.seam_window + 160))
+    need = 2 * (tokens + KV_CHUNK_TOKENS) * kv_bytes_per_token(engine.model)
+    return min(need, config.kv_cache_bytes) if config.kv_cache_bytes else need
+
+
 def serve(args) -> int:
     """Run the role until SIGINT/SIGTERM; a bad flag, model or port is one error line and status 2."""
     if args.die_with_parent:
@@ -149,6 +160,8 @@ def _serve(args) -> int:
         serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend),
                                  idle_timeout_s=config.http_header_timeout_s)
     engine = combine = scatter = None
+    # a combine worker on one GPU sizes its caches from what its warm-up measured (CombineServicer.plan_memory)
+    plans = args.role == "combine" and warm and config.device == "cuda" and config.tensor_parallel_size == 1
     if args.role in WORKER_ROLES:
         with stage("loading the model %s on %s", args.model, config.device):
             engine = starting("loading the model", config.device, config.gpu_memory_utilization,
@@ -169,7 +182,11 @@ def _serve(args) -> int:
         from hybridcache.services.combine.worker import CombineServicer
         from hybridcache.services.runtime.scheduler import scheduler_config
 
-        combine = CombineServicer(engine, dtype=config.dtype, scheduling=scheduler_config(config, engine.model.device))
+        # a worker that plans its memory (CombineServicer.plan_memory) warms up over a provisional K/V
+        # budget, just enough for its warm-up requests, and sizes its caches from what that measured
+        provisional = warmup_kv_bytes(engine, config) if plans else None
+        combine = CombineServicer(engine, dtype=config.dtype,
+                                  scheduling=scheduler_config(config, engine.model.device, provisional))
         rpc.add_CombineServicer_to_server(combine, server)
     else:
         from hybridcache.services.api.grpc_inference import InferenceServicer
@@ -191,6 +208,9 @@ def _serve(args) -> int:
             health["warmup"] = warm_up_measured(config.device, config.gpu_memory_utilization,
                                                 (combine or scatter).warmup)
         log.info("warm-up done: %s", health["warmup"])
+        if plans:
+            health["memory"] = starting("planning its memory", config.device, config.gpu_memory_utilization,
+                                        lambda: combine.plan_memory(config, health["warmup"]))
     # What the process holds by now (the model, its kernels and CUDA graphs, the libraries) lives
     # as long as it does: frozen out of the collector's sight, so that the full collections Python
     # runs by itself now and then, on some request's path, walk only what requests made (a warm

@@ -186,11 +186,75 @@ class CombineServicer(rpc.CombineServicer):
         scheduler, the path its requests take (its per-step batches of cold builds, batched decode),
         then the decode CUDA graph of every batch size the scheduler may step (captured here, not
         while a batch of that size waits)."""
+        import torch
+
+        cuda = self.engine.model.device.type == "cuda"
         out = self.engine.warmup(run=warmup_requests(self.scheduler.generate))
         checksum.warm(self.engine.model.device)  # received device blocks' checksum kernels
+        if cuda:
+            # the requests' transient peak above what stays held (plan_memory's `transient`)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_reserved()
+            torch.cuda.empty_cache()
+            held = torch.cuda.memory_reserved()
+            out["activation_peak_bytes"] = max(0, peak - held)
         t0 = time.perf_counter()
         with stage("decode graphs of batch sizes up to %d", self.scheduler.config.max_num_seqs):
-            out["decode_graphs"] = self.scheduler.warm_decode_graphs()
+            out.update(self._capture_decode_graphs())
+        out["decode_graphs_seconds"] = round(time.perf_counter() - t0, 3)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            out["decode_graphs_bytes"] = torch.cuda.memory_reserved() - held
+        return out
+
+    def _capture_decode_graphs(self) -> dict:
+        """The scheduler's decode graphs captured now, and how many its batch sizes and capture sets
+        call for where decode graphs apply (fewer captured: some size runs eagerly)."""
+        from hybridcache.services.runtime.paged import decode_batch_sizes, decode_graphs_apply
+
+        captured = self.scheduler.warm_decode_graphs()
+        expected = 0
+        if decode_graphs_apply(self.engine.model):
+            sizes = decode_batch_sizes(self.scheduler.config.max_num_seqs)
+            expected = len(sizes) * len(self.engine.decode_capture_sets())
+        return {"decode_graphs": captured, "decode_graphs_expected": expected}
+
+    def plan_memory(self, given, warmup: dict) -> dict:
+        """Size this worker's caches from what its warm-up measured (devices.plan_memory, vLLM's
+        determine_available_memory in kind): its share of the GPU (`given`: the worker's
+        RuntimeConfig, budgets None where unset) less what it holds now (the weights, the running
+        requests' linear states, CUDA graphs) and its warm-up's activation peak. The entry and
+        prefix stores are made anew with their budgets, the scheduler's pool with its K/V budget
+        (it was provisional, just enough for the warm-up), and the decode graphs are captured again
+        over it. Raises devices.MemoryPlanError (one line) when the configuration does not fit.
+        Returns the plan's summary for /health."""
+        import torch
+        from hybridcache.services.devices import plan_memory
+
+        model, sched = self.engine.model, self.scheduler
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        held = torch.cuda.memory_reserved()
+        pool = sched.pool
+        kv_now = pool.kv.nbytes if pool.kv is not None else 0
+        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        n = sched.config.max_num_seqs
+        parts = {"weights": weights, f"linear states of {n} requests": pool.nbytes - kv_now,
+                 "decode graphs": warmup.get("decode_graphs_bytes", 0)}
+        plan = plan_memory(
+            int(given.gpu_memory_utilization * total), held - kv_now, warmup.get("activation_peak_bytes", 0),
+            free + kv_now, kv_min=n * sched.config.kv_chunk_tokens * sched.kv_per_token,
+            entry=given.entry_cache_bytes, prefix=given.prefix_cache_bytes, kv=given.kv_cache_bytes, parts=parts,
+            advice="lower --max-num-seqs, --max-num-batched-tokens or --warmup-shape, or raise "
+                   "--gpu-memory-utilization")
+        log.info("memory plan: %s", plan.how)
+        self.engine.set_cache_budgets(plan.entry, plan.prefix)
+        sched.resize_kv(plan.kv)
+        t0 = time.perf_counter()
+        with stage("decode graphs of batch sizes up to %d over the planned pool", n):
+            out = dict(plan.summary(), how=plan.how, **self._capture_decode_graphs())
         out["decode_graphs_seconds"] = round(time.perf_counter() - t0, 3)
         return out
 

@@ -589,6 +589,33 @@ def moe_experts(x, gate_up, down, top_i, top_w):
     return naive_experts(x, gate_up, down, top_i, top_w)
 
 
+def causal_conv1d_update(x, weight, bias, conv_state, slots, activation):
+    """One decode token of B requests whose conv states are rows `slots` of the pool conv_state
+    [S, D, W - 1], advanced in place: x [B, D] -> y [B, D]. CUDA: one Triton launch
+    (kernels/ops/causal_conv); elsewhere the reference."""
+    if use_fast_kernels(x):
+        from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_update as kernel
+
+        return kernel(x, weight, bias, conv_state, slots, activation)
+    from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d_update
+
+    return naive_causal_conv1d_update(x, weight, bias, conv_state, slots, activation)
+
+
+def recurrent_step(q, k, v, g, beta, pool, slots, scale=None, **gates):
+    """One decode token of a linear recurrence for B requests whose states are rows `slots` of
+    `pool` [S, HV, K, V] fp32, advanced in place (kernels/ops/recurrent_step: the delta rule when
+    beta is given, per-head or per-key gates, optionally the gated delta rule's gates and q/k
+    norms from the raw projections): o [B, HV, V]. CUDA: one Triton launch; elsewhere the reference."""
+    if use_fast_kernels(v) and pool.dtype == torch.float32:
+        from hybridcache.kernels.ops.recurrent_step.triton import recurrent_step as kernel
+
+        return kernel(q, k, v, g, beta, pool, slots, scale, **gates)
+    from hybridcache.kernels.ops.recurrent_step import naive_recurrent_step
+
+    return naive_recurrent_step(q, k, v, g, beta, pool, slots, scale, **gates)
+
+
 def causal_conv1d(x, weight, bias, initial_state, activation):
     """x [B, T, D], weight [D, W], state [B, D, W - 1] -> (y [B, T, D], tail [B, D, W - 1])."""
     if use_fast_kernels(x):

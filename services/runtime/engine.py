@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -162,6 +162,15 @@ class Engine:
         # execution: the op implementations and CUDA graphs this engine's config chooses, the
         # forwards, cold builds, decode steps and host-tier staging
         self.runner = ModelRunner(model, self.config)
+
+    def set_cache_budgets(self, entry_bytes: int, prefix_bytes: int) -> None:
+        """The entry and prefix budgets of a planned worker (devices.plan_memory), set once its
+        warm-up has measured what its requests take, before any request: the stores are made
+        anew, empty."""
+        self.config = replace(self.config, entry_cache_bytes=entry_bytes, prefix_cache_bytes=prefix_bytes)
+        self.entries = self._new_entry_store()
+        self.prefixes = PrefixStore(prefix_bytes)
+        self.pages = PageTree(prefix_bytes, self.page_policy.page_size)
 
     def _new_entry_store(self) -> EntryStore:
         cfg = self.config
@@ -737,11 +746,12 @@ class TextStream:
 
 
 def request_generator(params: SamplingParams) -> torch.Generator | None:
-    """The sampling generator of one request: seeded by params.seed, else at random; None when greedy."""
-    if params.temperature <= 0:
+    """The sampling generator of a seeded request (on the host): its tokens' noise is drawn from
+    it alone (sampling.sample), the same for the same seed whatever else is in the batch. None
+    when greedy or unseeded (the process's default generators draw for it)."""
+    if params.temperature <= 0 or params.seed is None:
         return None
-    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator().manual_seed(params.seed)
 
 
 class Generation:

@@ -1,4 +1,14 @@
-"""Sampling parameters (SGLang's names) and token selection."""
+"""Sampling parameters (SGLang's names) and token selection.
+
+Tokens are picked on the logits' device for a whole batch at once (`sample`), so a decode step's
+picks never go through the host (the overlap scheduler feeds them to the next step on the
+device): on CUDA one Triton launch draws every row without sorting the vocabulary
+(kernels/ops/sampling); elsewhere temperature, top-k, top-p and min-p are masks over the batch's
+rows (`sampling_probs`) and each row is drawn by the exponential race (argmax of p / q with
+q ~ Exp(1), which picks token i with probability p_i). A seeded request's noise comes from its own
+generator (request_generator): the same seed gives the same tokens whatever else is in the batch.
+`reference_probs` is one request's distribution written plainly (kernels/ops/sampling/naive.py),
+what both are tested against."""
 
 from __future__ import annotations
 
@@ -75,6 +85,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0  # tokens below min_p times the most likely one's probability are dropped
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
@@ -107,7 +118,7 @@ class SamplingParams:
         if d is not None and not isinstance(d, dict):
             raise RequestError("sampling_params must be an object")
         d = {**(defaults or {}), **{k: v for k, v in (d or {}).items() if v is not None}}
-        known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed",
+        known = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
                  "sampling_seed", "ignore_eos", "logprobs", "min_new_tokens", "repetition_penalty",
                  "frequency_penalty", "presence_penalty", "prompt_logprobs_from"}
         unknown = sorted(set(d) - known)
@@ -134,6 +145,9 @@ class SamplingParams:
         top_k = num("top_k", int, -1)
         if top_k == 0 or top_k < -1:
             raise RequestError("sampling_params.top_k must be -1 (disabled) or a positive integer")
+        min_p = num("min_p", float, 0.0)
+        if not 0.0 <= min_p <= 1.0:
+            raise RequestError("sampling_params.min_p must be in [0, 1]")
         stop = d.get("stop") or ()
         if isinstance(stop, str):
             stop = (stop,)
@@ -166,8 +180,8 @@ class SamplingParams:
         prompt_from = num("prompt_logprobs_from", int, None)
         if prompt_from is not None and prompt_from < 0:
             raise RequestError("sampling_params.prompt_logprobs_from must be >= 0")
-        return cls(max_new, temperature, top_p, top_k, tuple(stop), tuple(stop_ids), seed, ignore_eos, logprobs,
-                   min_new, repetition, frequency, presence, prompt_from)
+        return cls(max_new, temperature, top_p, top_k, min_p, tuple(stop), tuple(stop_ids), seed, ignore_eos,
+                   logprobs, min_new, repetition, frequency, presence, prompt_from)
 
 
 MAX_TOP_LOGPROBS = 20
@@ -232,21 +246,104 @@ class LogitsAdjuster:
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick the next token from logits [vocab] (fp32): greedy at temperature 0."""
-    import torch  # here: the request plan (plan.py) parses sampling parameters without torch
-
+    """Pick the next token from logits [vocab] (fp32): greedy at temperature 0 (`sample` of one row)."""
     if params.temperature == 0.0:
-        return int(torch.argmax(logits))
-    logits = logits.float() / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_p, 0)
-        drop = cum - sorted_p > params.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        probs = probs / probs.sum()
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+        return int(logits.argmax())
+    return int(sample(logits[None], [params], [generator])[0])
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+    """The next token of each row of logits [B, vocab] (fp32) under params[b], on the logits'
+    device without a host round trip: int64 [B]. Greedy rows (temperature 0) take the argmax. On
+    CUDA the others are drawn by one Triton launch that sorts nothing (kernels/ops/sampling: a
+    Gumbel-max race over the kept tokens, redrawn when the pick falls outside the nucleus), from a
+    Philox seed a row drawn on the host (from generators[b], a seeded request's own CPU generator,
+    when it is not None); elsewhere by the exponential race over sampling_probs."""
+    import torch
+
+    greedy = [p.temperature == 0.0 for p in params]
+    if all(greedy):
+        return logits.argmax(-1)
+    from hybridcache.services.runtime import backends
+
+    if backends.use_fast_kernels(logits):
+        picks = _sample_kernel(logits, params, generators)
+    else:
+        probs = sampling_probs(logits, params)
+        q = torch.empty_like(probs).exponential_()
+        for b, g in enumerate(generators):
+            if g is not None and not greedy[b]:
+                q[b].copy_(torch.empty(probs.shape[1]).exponential_(generator=g))
+        picks = probs.div_(q).argmax(-1)
+    if any(greedy):
+        keep = _to(torch.tensor(greedy), logits.device)
+        picks = torch.where(keep, logits.argmax(-1), picks)
+    return picks
+
+
+def _sample_kernel(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+    """sample's CUDA path: the rows' settings and seeds to the device in two copies, each top-k
+    row's k-th largest logit from one torch.topk, then kernels/ops/sampling's one launch."""
+    import torch
+    from hybridcache.kernels.ops.sampling.triton import sample_rows
+
+    B, V = logits.shape
+    seeds = torch.randint(0, 1 << 62, (B,))
+    for b, g in enumerate(generators):
+        if g is not None:
+            seeds[b] = int(torch.randint(0, 1 << 62, (1,), generator=g))
+    ks = [p.top_k if p.temperature > 0 and p.top_k > 0 else 0 for p in params]
+    table = _to(torch.tensor([[p.temperature if p.temperature > 0 else 1.0 for p in params],
+                              [p.top_p if p.top_p < 1.0 else 2.0 for p in params],
+                              [p.min_p for p in params], [float(k) for k in ks]]), logits.device)
+    kth = torch.full_like(table[3], float("-inf"))
+    if any(ks):
+        kmax = min(max(ks), V)
+        top = torch.topk(logits, kmax, dim=-1).values.gather(1, (table[3].long().clamp(1, kmax) - 1)[:, None])[:, 0]
+        kth = torch.where(table[3] > 0, top, kth)
+    return sample_rows(logits, table[0], table[1], table[2], kth, _to(seeds, logits.device))
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[B, vocab] fp32: each row's distribution after its temperature, top-k, top-p and min-p, on
+    the logits' device in a fixed number of batched ops (rows at temperature 0 as at 1). top-k
+    takes one topk of the largest k asked; top-p one sort of the rows, only when a row asks for
+    it; the per-row values go to the device in one copy."""
+    import torch
+
+    B, V = logits.shape
+    sampled = [p for p in params if p.temperature > 0]
+    ks = [p.top_k if p.temperature > 0 and p.top_k > 0 else 0 for p in params]
+    table = _to(torch.tensor([[p.temperature if p.temperature > 0 else 1.0 for p in params],
+                              [p.top_p if p.top_p < 1.0 else 2.0 for p in params],
+                              [p.min_p for p in params], [float(k) for k in ks]]), logits.device)
+    x = logits.float() / table[0, :, None]
+    if any(ks):
+        kmax = min(max(ks), V)
+        kth = torch.topk(x, kmax, dim=-1).values.gather(1, (table[3].long().clamp(1, kmax) - 1)[:, None])
+        kth = torch.where(table[3, :, None] > 0, kth, torch.full_like(kth, float("-inf")))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if any(p.top_p < 1.0 for p in sampled):
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > table[1, :, None]
+        probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p.masked_fill(drop, 0.0))
+    if any(p.min_p > 0 for p in sampled):
+        floor = table[2, :, None] * probs.max(-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One request's distribution over logits [vocab] written plainly (kernels/ops/sampling/naive.py):
+    what sampling_probs and the sampling kernel are tested against."""
+    from hybridcache.kernels.ops.sampling import naive_sampling_probs
+
+    return naive_sampling_probs(logits, params.temperature if params.temperature > 0 else 1.0, params.top_k,
+                                params.top_p, params.min_p)
+
+
+def _to(t: torch.Tensor, device) -> torch.Tensor:
+    from hybridcache.services.runtime.backends import to_device_async
+
+    return to_device_async(t, device)

@@ -20,17 +20,19 @@ standalone forward of every such prompt admitted in the step but its last token
 (Engine.prefill_plain); that token is their input to the step's decode, which yields their first
 output token. A burst of short prompts then costs one batched pass, not an eager forward each.
 
-Overlapped decoding (SchedulerConfig.overlap; RuntimeConfig.decode_overlap, on CUDA): while every
-running request samples greedily without logprobs or penalties, a step is launched before the host
-handles the one before it, SGLang's overlap scheduler and vLLM's async scheduling in kind. The step's greedy
-picks stay on the device as the next step's inputs (paged.decode_step's `feed`) and are copied to
-the host without blocking; the host then emits them (detokenization, stop checks, the streams'
-queues) while the GPU runs the next step, and the GPU no longer idles through that host work. A
-request whose pick ends it by length sits the next step out; one that stops on a token or a stop
-string, or is cancelled or preempted meanwhile, has run one step more, whose pick is dropped (its
-state and K/V went one token further, which the page recorder records as the token it was fed: the
-pages it leaves hold what they say). A step with a request that samples or asks for logprobs runs
-synchronously, after the launched one is handled.
+Overlapped decoding (SchedulerConfig.overlap; RuntimeConfig.decode_overlap, on CUDA): while no
+running request asks for logprobs or adjusts its logits (min_new_tokens, penalties), a step is
+launched before the host handles the one before it, SGLang's overlap scheduler and vLLM's async
+scheduling in kind. The step's picks (greedy or sampled on the device, sampling.sample) stay on
+the device as the next step's inputs (paged.decode_step's `feed`) and are copied to the host
+without blocking; the host then emits them (detokenization, stop checks, the streams' queues)
+while the GPU runs the next step, and the GPU no longer idles through that host work. A request
+whose pick ends it by length sits the next step out; one that stops on a token or a stop string,
+or is cancelled or preempted meanwhile, has run one step more, whose pick is dropped (its state
+and K/V went one token further, which the page recorder records as the token it was fed: the
+pages it leaves hold what they say). A step with a request that asks for logprobs (read from the
+step's logits on the host) or adjusts its logits runs synchronously, after the launched one is
+handled.
 
 K/V is reserved as a sequence grows, as vLLM allocates it: before a decode step, a running request
 whose K/V would pass its reservation grows it by another chunk. When the budget has no room for
@@ -43,17 +45,19 @@ neither repeats nor loses a token. A request alone in the scheduler grows past t
 than preempt itself forever; one whose prompt and first chunk exceed the budget is refused
 (KVBudgetError) when it is queued.
 
-Sampling (per request: temperature, top_p, top_k, seed; min_new_tokens and vLLM's penalties on the
-request's logits first, sampling.LogitsAdjuster) and stop conditions are the single-request path's
-(sampling.sample_token, engine.TextStream). A request that asks for its prompt's log-probabilities
-gets them from Engine.prompt_logprobs as it is assembled. A finished request's prefix pages go into the
-page tree and are released (Engine.finish_prefix), its slot is freed.
+Sampling (per request: temperature, top_p, top_k, min_p, seed; min_new_tokens and vLLM's
+penalties on the request's logits first, sampling.LogitsAdjuster) and stop conditions are the
+single-request path's (sampling.sample over the batch's rows, engine.TextStream). A request that
+asks for its prompt's log-probabilities gets them from Engine.prompt_logprobs as it is assembled.
+A finished request's prefix pages go into the page tree and are released (Engine.finish_prefix),
+its slot is freed.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 import queue
 import threading
@@ -72,7 +76,7 @@ from hybridcache.services.runtime.engine import (
     TextStream,
     request_generator,
 )
-from hybridcache.services.runtime.sampling import LogitsAdjuster, RequestError, sample_token, token_logprobs
+from hybridcache.services.runtime.sampling import LogitsAdjuster, RequestError, sample, sample_token, token_logprobs
 
 log = logging.getLogger("hybridcache.scheduler")
 
@@ -118,13 +122,22 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
 
 
-def scheduler_config(config, device) -> SchedulerConfig:
-    """The SchedulerConfig of a RuntimeConfig (services/config.py), its K/V budget sized for
-    `device` when unset (devices.kv_cache_budget)."""
+def scheduler_config(config, device, kv_cache_bytes: int | None = None) -> SchedulerConfig:
+    """The SchedulerConfig of a RuntimeConfig (services/config.py), its K/V budget `kv_cache_bytes`
+    when given (a planned worker's provisional one, Scheduler.resize_kv), else the config's, else
+    sized for `device` (devices.kv_cache_budget)."""
     overlap = config.decode_overlap and torch.device(device).type == "cuda" and config.tensor_parallel_size == 1
-    return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens,
-                           kv_cache_budget(device, config.kv_cache_bytes, config.gpu_memory_utilization),
+    kv = kv_cache_bytes if kv_cache_bytes is not None else kv_cache_budget(
+        device, config.kv_cache_bytes, config.gpu_memory_utilization)
+    return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens, kv,
                            overlap=overlap)
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of attention K/V one token of a running request holds (every attention layer's k
+    [1, H, 0, d] and v [1, H, 0, dv]; MLA: latents and the shared key part)."""
+    return sum((a.k.shape[1] * a.k.shape[3] + a.v.shape[1] * a.v.shape[3]) * a.k.element_size()
+               for a in model.empty_state().attn.values())
 
 
 class RequestHandle:
@@ -212,7 +225,7 @@ class _Seq:
 @dataclass(slots=True)
 class _Launched:
     """A decode step launched and not yet handled (overlapped decoding): its requests, their `runs`
-    when it was launched, and its greedy picks, on the device and copied (non-blocking) to the host."""
+    when it was launched, and its picks, on the device and copied (non-blocking) to the host."""
 
     batch: list
     runs: list
@@ -235,15 +248,11 @@ class Scheduler:
         self._running: list[_Seq] = []  # decoding, in slot order
         self._kv_reserved = 0
         self._stop = False
-        empty = engine.model.empty_state()
-        # per layer k [1, H, 0, d] and v [1, H, 0, dv] (MLA: latents and the shared key part)
-        self._kv_per_token = sum(
-            (a.k.shape[1] * a.k.shape[3] + a.v.shape[1] * a.v.shape[3]) * a.k.element_size()
-            for a in empty.attn.values()
-        )
+        self._kv_per_token = kv_bytes_per_token(engine.model)
         # the running requests' linear states and K/V pages, sized by the K/V budget
         kv_tokens = self.config.kv_cache_bytes // max(self._kv_per_token, 1)
         self.pool = engine.new_state_pool(self.config.max_num_seqs, kv_tokens)
+        self._device = torch.device(engine.model.device)
         self.steps = 0
         self.preemptions = 0  # running requests preempted (recomputed) for lack of K/V budget
         self._admissions = 0
@@ -321,6 +330,26 @@ class Scheduler:
             if self._waiting or self._admitted or self._running or self._launched is not None:
                 raise RuntimeError("warm_decode_graphs needs an idle scheduler")
             return self.engine.runner.warm_decode(self.pool, self.engine.decode_capture_sets())
+
+    @property
+    def kv_per_token(self) -> int:
+        return self._kv_per_token
+
+    def resize_kv(self, kv_cache_bytes: int) -> None:
+        """Give the running requests' K/V `kv_cache_bytes` (a planned worker, after its warm-up:
+        devices.plan_memory): the state pool is made anew at that size, the old one (and its decode
+        graphs) freed first. Runs while the scheduler is idle; capture the decode graphs again
+        after (warm_decode_graphs)."""
+        with self._cv:
+            if self._waiting or self._admitted or self._running or self._launched is not None:
+                raise RuntimeError("resize_kv needs an idle scheduler")
+            self.config = dataclasses.replace(self.config, kv_cache_bytes=kv_cache_bytes)
+            self.pool = None
+            gc.collect()  # the old pool and its decode graphs refer to each other
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+            tokens = kv_cache_bytes // max(self._kv_per_token, 1)
+            self.pool = self.engine.new_state_pool(self.config.max_num_seqs, tokens)
 
     def load(self) -> dict:
         with self._cv:
@@ -613,17 +642,23 @@ class Scheduler:
         return False
 
     def _overlaps(self, seq: _Seq) -> bool:
-        """Can the request's next token stay on the device (greedy on the raw logits, no logprobs)?"""
+        """Can the request's next token stay on the device (no logprobs, which are read from the
+        logits on the host, and no logits adjusted by its output so far)?"""
         params = seq.req.sampling
-        return params.temperature == 0.0 and params.logprobs is None and not params.adjusts_logits
+        return params.logprobs is None and not params.adjusts_logits
+
+    def _adjusted(self, seq: _Seq, logits):
+        """The request's logits [vocab] after its LogitsAdjuster (min_new_tokens, penalties)."""
+        params = seq.req.sampling
+        if seq.adjuster is None:
+            seq.adjuster = LogitsAdjuster(params, seq.handle.req.prompt_ids, self.engine.eos_ids)
+        return seq.adjuster(logits, seq.stream.output_ids)
 
     def _pick(self, seq: _Seq, logits) -> int:
         """The request's next token from its logits [vocab], after its LogitsAdjuster where it has one."""
         params = seq.req.sampling
         if params.adjusts_logits:
-            if seq.adjuster is None:
-                seq.adjuster = LogitsAdjuster(params, seq.handle.req.prompt_ids, self.engine.eos_ids)
-            logits = seq.adjuster(logits, seq.stream.output_ids)
+            logits = self._adjusted(seq, logits)
         return sample_token(logits, params, seq.generator)
 
     def _decode_step(self) -> None:
@@ -672,7 +707,7 @@ class Scheduler:
                 idx = to_device_async(torch.tensor([fed_cols, fed_src], dtype=torch.long), prev.picks.device)
                 feed = (idx[0], prev.picks.index_select(0, idx[1]))
         logits = self.engine.decode_batch([s.prefill for s in batch], toks, self.pool, [s.slot for s in batch], feed)
-        picks = logits.argmax(-1)
+        picks = sample(logits, [s.req.sampling for s in batch], [s.generator for s in batch])
         device = picks.device
         host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=device.type == "cuda")
         host.copy_(picks, non_blocking=True)
@@ -714,13 +749,16 @@ class Scheduler:
         toks = [s.last_token for s in batch]
         logits = self.engine.decode_batch([s.prefill for s in batch], toks, self.pool, [s.slot for s in batch])
         self.batch_sizes[len(batch)] += 1
-        greedy = [b for b, s in enumerate(batch) if s.req.sampling.temperature == 0.0
-                  and not s.req.sampling.adjusts_logits]
-        picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
+        rows = logits
+        adjusted = [b for b, seq in enumerate(batch) if seq.req.sampling.adjusts_logits]
+        if adjusted:
+            rows = logits.clone()
+            for b in adjusted:
+                rows[b] = self._adjusted(batch[b], logits[b])
+        picks = sample(rows, [s.req.sampling for s in batch], [s.generator for s in batch]).tolist()
         done = []
         for b, seq in enumerate(batch):
-            tok = picks[b] if b in picks else self._pick(seq, logits[b])
-            if self._push(seq, tok, logits, b):
+            if self._push(seq, picks[b], logits, b):
                 done.append(seq)
         if done:
             self._running = [s for s in self._running if s not in done]

@@ -1,8 +1,8 @@
 """Overlapped decoding (Scheduler with SchedulerConfig.overlap): each decode step is launched
-before the host handles the one before it, the greedy picks fed to the next step on the device.
-The answers are the ones given one by one, for every way a request can end (length, stop id,
-stop string, cancellation, preemption), with sampled requests in the mix, and the page tree
-built from overlapped requests serves later prompts correctly."""
+before the host handles the one before it, the picks (greedy or sampled) fed to the next step on
+the device. The answers are the ones given one by one, for every way a request can end (length,
+stop id, stop string, cancellation, preemption), with sampled and logprobs requests in the mix,
+and the page tree built from overlapped requests serves later prompts correctly."""
 
 import pytest
 from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
@@ -74,9 +74,10 @@ def test_pages_of_overlapped_requests_serve_later_prompts(qwen35_dir):
     assert handles[0].prefill.stats.cached_tokens >= 256
 
 
-def test_sampled_requests_in_the_batch_step_without_overlap(qwen35_dir):
-    """A sampled request joining the running greedy ones makes those steps synchronous (its token
-    is drawn on the host); the answers stay those given one by one, seeds included."""
+def test_logprobs_requests_step_without_overlap(qwen35_dir):
+    """A request asking for logprobs joining the running ones makes those steps synchronous (its
+    logprobs are read from the logits on the host); a seeded sampled one does not. The answers
+    stay those given one by one, seeds included."""
     reqs = _requests(4, seed=5, max_new=(40, 14, 18, 9))  # request 0 runs on alone, greedy, for ~20 steps
     reqs[2]["sampling_params"].update(temperature=0.9, top_k=20, seed=3)
     reqs[3]["sampling_params"].update(logprobs=2)
@@ -89,8 +90,29 @@ def test_sampled_requests_in_the_batch_step_without_overlap(qwen35_dir):
     for (lp, top), (want, want_top) in zip(handles[3].logprobs, ref[3].logprobs):
         assert [i for i, _ in top] == [i for i, _ in want_top]
         assert abs(lp - want) < 1e-4 and all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(top, want_top))
-    assert sched.overlapped_steps >= 10  # the greedy one overlapped once the others had ended
+    assert sched.overlapped_steps >= 10  # overlapped once the logprobs request had ended
     assert sum(sched.batch_sizes.values()) > sched.overlapped_steps
+
+
+def test_sampled_requests_take_overlapped_steps(qwen35_dir):
+    """Requests sampling on the device (temperature, top-p, top-k, min-p; seeded) decode in
+    overlapped steps, their picks fed to the next step on the device, and give the tokens their
+    seeds give one by one."""
+    reqs = _requests(4, seed=7, max_new=(16, 12, 14, 10))
+    settings = [dict(temperature=0.8, top_p=0.95), dict(temperature=1.0, top_k=20),
+                dict(temperature=0.6, min_p=0.05), dict(temperature=1.2, top_p=0.9, top_k=50)]
+    for i, (r, sp) in enumerate(zip(reqs, settings)):
+        r["sampling_params"].update(sp, seed=11 + i)
+    ref = [_engine(qwen35_dir, mode="pic").generate(r) for r in reqs]
+    eng = _engine(qwen35_dir, mode="pic")
+    sched, handles, events = _run(eng, reqs, max_num_seqs=4)
+    _same(ref, handles, events)
+    greedy = [_engine(qwen35_dir, mode="pic").generate(dict(r, sampling_params=dict(r["sampling_params"],
+                                                                                     temperature=0.0)))
+              for r in reqs]
+    assert any(h.output_ids != g.output_ids for h, g in zip(handles, greedy))  # they did sample
+    steps = sum(sched.batch_sizes.values())
+    assert sched.overlapped_steps >= steps - 2 and steps >= 10
 
 
 def test_cancel_and_preempt_while_overlapped(qwen35_dir):

@@ -219,14 +219,19 @@ class DecodeBatch:
     attention K/V lie in pages (paged.KVPages). Layers see the B tokens as one sequence [1, B, h]
     (their per-token math is unchanged); linear layers get the B states stacked, attention layers
     write their new K/V into the pages and attend through the block table (decode_attention).
-    rows [B]: the requests' table rows; kv_rows [B]: where each new token's K/V go in the flattened
-    pools; lengths [B]: keys each request attends to, its new one included (all int64 on the
-    device); max_pages: a host bound on the pages any request spans (the CPU path's gather)."""
+    rows [B]: the requests' table rows, which are their slots in the state pool; kv_rows [B]: where
+    each new token's K/V go in the flattened pools; lengths [B]: keys each request attends to, its
+    new one included (all int64 on the device); max_pages: a host bound on the pages any request
+    spans (the CPU path's gather). states_in_pool: a linear layer's state is the pool's (tensors
+    [slots + 1, ...]) and advances in place at `rows` (LinearMixer.decode); else it is the B
+    requests' states stacked [B, ...], replaced by the step (the gather/scatter reference)."""
 
-    __slots__ = ("kv", "rows", "kv_rows", "lengths", "max_pages")
+    __slots__ = ("kv", "rows", "kv_rows", "lengths", "max_pages", "states_in_pool")
 
-    def __init__(self, kv, rows: torch.Tensor, kv_rows: torch.Tensor, lengths: torch.Tensor, max_pages: int):
+    def __init__(self, kv, rows: torch.Tensor, kv_rows: torch.Tensor, lengths: torch.Tensor, max_pages: int,
+                 states_in_pool: bool = True):
         self.kv, self.rows, self.kv_rows, self.lengths, self.max_pages = kv, rows, kv_rows, lengths, max_pages
+        self.states_in_pool = states_in_pool
 
     def write(self, pages: torch.Tensor, new: torch.Tensor) -> None:
         """Write the B new rows new [B, H, d] into pages [num_pages, P, H, d], one indexed copy."""
@@ -407,8 +412,9 @@ class LayoutLM(nn.Module):
     def forward_decode(self, batch: DecodeBatch, token_ids: torch.Tensor, positions: torch.Tensor,
                        linear: dict[int, LinearState], capture_hidden=()):
         """The layers over a decode batch: token_ids, positions [B] on the device; linear: layer ->
-        the B requests' linear states stacked [B, ...], replaced by the states after the step.
-        Returns (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
+        the pool's linear state, advanced in place at the batch's rows (batch.states_in_pool), or
+        the B requests' states stacked [B, ...], replaced by the states after the step. Returns
+        (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
         x = self.embed(token_ids)[None]  # [1, B, h]
         hidden = {}
         for i, layer in enumerate(self.layers):

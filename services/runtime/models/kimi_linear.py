@@ -259,6 +259,14 @@ class KimiDeltaAttention(LinearMixer):
     def pieces(self, rec):
         return backends.kda_pieces(*rec)
 
+    def recurrence_step(self, conv_out, rest, pool, slots):
+        """One launch on CUDA: q and k (views of the conv output) L2-normalized inside the kernel,
+        the per-key gate g [B, H, K] and beta [B, H] as project made them."""
+        g, beta = rest
+        B = conv_out.shape[0]
+        q, k, v = (t.view(B, self.nh, self.d) for t in torch.split(conv_out, self.qkv_dim, dim=-1))
+        return backends.recurrent_step(q, k, v, g, beta, pool, slots, l2norm_qk=True)
+
     def merge_projections(self) -> int:
         self._in_proj = merge_weights(self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.g_a_proj)
         return int(self._in_proj is not None)

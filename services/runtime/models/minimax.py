@@ -244,6 +244,12 @@ class LightningAttention(LinearMixer):
         q, k, v, _ = rec
         return backends.simple_gla_pieces(q, k, v, self.log_decays(rec), 1.0)
 
+    def recurrence_step(self, qkv, rest, pool, slots):
+        """The plain recurrence's step (kernels/ops/recurrent_step) with the layer's fixed decays."""
+        q, k, v, _ = self.recurrence_inputs(qkv[:, None], rest)  # [B, 1, H, d] each
+        g = -self.slopes(q.device)[None, :].expand(q.shape[0], self.nh)
+        return backends.recurrent_step(q[:, 0], k[:, 0], v[:, 0], g, None, pool, slots, scale=1.0)
+
     def finish(self, o, x):
         B, n = o.shape[:2]
         o = self.norm(o.reshape(B, n, self.nh * self.d))
