@@ -167,6 +167,14 @@ FIGURES = (
            "tokens/s", 0),
     Figure("one MoE block on 32 tokens, fastest expert path vs the per-expert loop", "moe_bench_*.json",
            "figures.moe_block_speedup_vs_loop_32", "x", 1),
+    Figure("served decode (HTTP, 9B shape, bf16), 1 stream, fraction of the bandwidth floor", "served_decode_*.json",
+           "figures.served_decode_fraction_of_floor_1_streams", "", 3, goal=">= 0.85"),
+    Figure("served decode, 32 streams, fraction of the bandwidth floor", "served_decode_*.json",
+           "figures.served_decode_fraction_of_floor_32_streams", "", 3, goal=">= 0.75"),
+    Figure("served decode, 128 streams, fraction of the bandwidth floor", "served_decode_*.json",
+           "figures.served_decode_fraction_of_floor_128_streams", "", 3, goal=">= 0.6"),
+    Figure("served decode, 32 streams, sampled (T 0.8, top-p 0.95) / greedy tokens/s", "served_decode_*.json",
+           "figures.served_sampled_vs_greedy_tokens_per_s_32_streams", "", 3, goal=">= 0.95"),
 )
 
 
