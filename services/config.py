@@ -308,8 +308,9 @@ class RuntimeConfig:
         "flash,efficient,math", "SDPA backends allowed on CUDA: a comma list of flash, efficient, cudnn, math; "
         "or torch (torch's own choice)", section="devices")
 
-    # Continuous batching (services/runtime/scheduler.py): the combine worker and `hybridcache generate`
-    # run their requests through one Scheduler; the scatter worker batches cold segments by the token budget.
+    # Continuous batching (services/runtime/scheduler.py): the combine worker and the in-process commands
+    # (`hybridcache generate`, `demo`, `eval`: runtime/llm.py) run every request through a Scheduler; the
+    # scatter worker batches cold segments by the token budget.
     max_num_seqs: int = setting(16, "most requests decoding at once (one batched decode step over them all)",
                                 roles=("combine",), section="scheduler")
     max_waiting: int = setting(

@@ -10,6 +10,7 @@ from hybridcache.services.runtime.cache.host_tier import stage, to_host
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.graphs import eager, layout_graphs
 from hybridcache.services.runtime.graphs import forward as graphed_forward
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.modelzoo import hf_config, random_init_
 from hybridcache.services.runtime.sequence import CachedSpan, LiveRun
@@ -138,8 +139,8 @@ def test_engine_answers_alike_with_and_without_graphs(tmp_path):
         }
         for req in (cold, dict(cold, system=[4, 5, 6], segments=docs[::-1])):
             with eager(graphed.model):
-                want = plain.generate(dict(req)).output_ids
-            got = graphed.generate(dict(req)).output_ids
+                want = LLM(plain).generate(dict(req)).output_ids
+            got = LLM(graphed).generate(dict(req)).output_ids
             assert got == want and len(want) == 6, n
     graphs = layout_graphs(graphed.model)
     assert graphs.stats["replays"] >= 2 and not graphs.failed, (graphs.stats, graphs.failed)

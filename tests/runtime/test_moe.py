@@ -12,6 +12,7 @@ import torch
 import transformers
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models import kimi_linear, minimax, qwen3_hybrid
 from hybridcache.services.runtime.models.registry import config_from_dict
@@ -181,7 +182,8 @@ def test_greedy_generation_equals_transformers_from_save_pretrained(arch, tmp_pa
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, 24:].tolist()
     engine = Engine.from_dir(saved, config=EngineConfig(mode="full"))
-    res = engine.generate({"suffix": ids[0].tolist(), "sampling_params": {"max_new_tokens": 32, "ignore_eos": True}})
+    greedy = {"max_new_tokens": 32, "ignore_eos": True}
+    res = LLM(engine).generate({"suffix": ids[0].tolist(), "sampling_params": greedy})
     assert len(ref) == 32
     assert res.output_ids == ref
 

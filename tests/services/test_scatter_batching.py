@@ -98,12 +98,16 @@ def test_segments_of_calls_arriving_together_are_built_in_one_batch(engine):
 
 def test_scatter_warmup_runs_its_live_passes_eagerly(model_dir, monkeypatch):
     """A scatter worker only builds entries: its warm-up's assemblies must not leave CUDA graphs
-    (GPU memory it would hold for nothing). Every live pass asks layout_graphs; none may find the
-    model's graphs enabled, and they are enabled again afterwards."""
+    (GPU memory it would hold for nothing). The scatter role's engine runs with graphs off
+    (serve.role_config): every live pass of its warm-up asks layout_graphs and none finds graphs
+    enabled, while a combine worker's config keeps them."""
+    from hybridcache.services.api.serve import role_config
     from hybridcache.services.runtime import graphs
     from hybridcache.services.runtime.engine import Engine, EngineConfig
 
-    own = Engine.from_dir(model_dir, config=EngineConfig(warmup_shape="4+2x64+8"))
+    config = EngineConfig(warmup_shape="4+2x64+8")
+    assert role_config(config, "combine") == config and config.cuda_graphs and config.decode_cuda_graphs
+    own = Engine.from_dir(model_dir, config=role_config(config, "scatter"))
     asked = []
     real = graphs.layout_graphs
 
@@ -114,4 +118,3 @@ def test_scatter_warmup_runs_its_live_passes_eagerly(model_dir, monkeypatch):
     monkeypatch.setattr(graphs, "layout_graphs", layout_graphs)
     report = ScatterServicer(own, max_batch_tokens=256).warmup()
     assert report["requests"] > 0 and asked and not any(asked)
-    assert getattr(own.model, "_cuda_graphs_enabled", True)
