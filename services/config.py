@@ -298,7 +298,7 @@ class RuntimeConfig:
     cuda_graph_shapes: int = setting(
         4, "layout shapes whose CUDA graphs are kept, least recently used dropped (each holds buffers the size "
         "of its request's entries)", section="devices")
-    # The two below choose the op implementations (services/runtime/backends.py) for the process.
+    # The two below choose the op implementations (services/runtime/backends.py) of the engine's runner.
     kernels: str = setting(
         "auto", "auto: the fast kernels (fla, Triton) for CUDA tensors and the PyTorch references elsewhere; "
         "reference: the references everywhere (to compare against)", choices=KERNELS, section="devices")

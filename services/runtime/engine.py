@@ -41,7 +41,6 @@ from hybridcache.services.runtime.cache import (
     SegmentEntry,
     cast_entry_states,
     entry_nbytes,
-    restore_state,
 )
 from hybridcache.services.runtime.cache.host_tier import TieredEntryStore, is_host
 from hybridcache.services.runtime.cache.single_state import to_single_state
@@ -267,7 +266,7 @@ class Engine:
             self.pages.lock(path[-1])
             locked.append(path[-1])
             t0 = time.perf_counter()
-            state = restore_state(self.model, self.page_policy, path)
+            state = self.runner.restore_state(self.page_policy, path)
             stats.prefix_restore_ms = (time.perf_counter() - t0) * 1000
             return state, True
         if snap is not None:

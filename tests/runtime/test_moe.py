@@ -124,18 +124,23 @@ class OpCounter(TorchDispatchMode):
 
 
 def decode_ops(model, prompts, tokens):
-    """The aten ops of one decode step of the prompts' requests, and the experts it routed to."""
-    states = []
+    """The aten ops of one decode step of the prompts' requests (through a runner's pool, as the
+    scheduler steps them), and the experts it routed to."""
+    from hybridcache.services.runtime.runner import ModelRunner
+
+    runner = ModelRunner(model, dispatch=backends.current_dispatch())  # the MoE path moe_dispatch forces
+    pool = runner.new_state_pool(len(prompts), 64 * len(prompts))
+    slots = []
     for p in prompts:
         s = model.empty_state()
         model.forward_layout(s, [LiveRun(p, 0)], logits_for="none")
-        states.append(s)
+        slots.append(pool.assign(s))
     layer = next(m for m in model.modules() if isinstance(m, qwen3_hybrid.SparseMoE))
     seen = []
     handle = layer.experts.register_forward_pre_hook(lambda _m, args: seen.append(args[1]))
     try:
         with OpCounter() as counter:
-            model.decode_batch(states, tokens)
+            runner.decode(pool, slots, tokens)
     finally:
         handle.remove()
     return counter.ops, set(seen[-1].reshape(-1).tolist())

@@ -75,7 +75,12 @@ def _engine(path, **cfg):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_batched_decode_logits_equal_sequential(arch, dirs):
+    """Decode steps of four requests in one pool (the scheduler's: linear states in slots, K/V in
+    pages) equal each request's own one-token forward; the states copied out at the end too."""
+    from hybridcache.services.runtime.runner import ModelRunner
+
     model = load_model(dirs(arch))
+    runner = ModelRunner(model)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.tensor(_ids(gen, n)) for n in (5, 23, 11, 1)]
     seq, bat = [], []
@@ -84,14 +89,19 @@ def test_batched_decode_logits_equal_sequential(arch, dirs):
             s = model.empty_state()
             model.forward_layout(s, [LiveRun(p, 0)], logits_for="none")
             states.append(s)
+    pool = runner.new_state_pool(len(bat), 256)
+    slots = [pool.assign(s) for s in bat]
     for _ in range(3):
         toks = _ids(gen, len(prompts))
         ref = torch.stack(
             [model.forward_layout(s, [LiveRun(torch.tensor([t]), s.length)])[0] for s, t in zip(seq, toks)]
         )
-        out, _ = model.decode_batch(bat, toks)
+        out, _ = runner.decode(pool, slots, toks)
         assert ref.abs().max().item() > 0.1
         assert (out - ref).abs().max().item() <= 1e-5
+    for s, slot in zip(bat, slots):
+        pool.release(slot, keep=s)
+        s.length += 3
     for a, b in zip(seq, bat):
         assert a.length == b.length
         for i in a.linear:

@@ -68,11 +68,13 @@ def test_full_logits_equal_tp1(arch, dirs, group):
     assert ref.abs().max().item() > 1e-2
     assert _close(out, ref) <= 1e-5
     assert _close(nxt, ref_next) <= 1e-5
-    # batched decode of two requests continues both
+    # a batched decode step of two requests (the runner's, over its pool) continues both
+    runner = getattr(group.target, arch).runner
     s1, s2 = model.empty_state(), model.empty_state()
     model.forward_layout(s1, [LiveRun(ids[:30], 0)], logits_for="none")
     model.forward_layout(s2, [LiveRun(ids[:-1], 0)], logits_for="none")
-    both, _ = model.decode_batch([s1, s2], [int(ids[30]), int(ids[-1])])
+    pool = runner.new_state_pool(2, 128)
+    both, _ = runner.decode(pool, [pool.assign(s1), pool.assign(s2)], [int(ids[30]), int(ids[-1])])
     assert _close(both[0], ref[30]) <= 1e-5
     assert _close(both[1], ref_next) <= 1e-5
 

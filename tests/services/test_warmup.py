@@ -88,9 +88,9 @@ def test_after_warmup_no_request_of_the_shape_captures_graphs(model_dir, monkeyp
                     events.append((phase[0], "capture" if key in captured else "eager"))
             return None  # the eager forward runs
 
-    monkeypatch.setattr(graphs, "layout_graphs", lambda model: Shapes())
     system, n, length, question = 16, 4, 64, 16
     engine = Engine.from_dir(model_dir, config=EngineConfig(warmup_shape=f"{system}+{n}x{length}+{question}"))
+    engine.runner.layout_graphs = Shapes()  # the runner's graph cache, counting shapes (the eager forward runs)
     scheduler = Scheduler(engine, scheduler_config(engine.config, "cpu"))
     try:
         engine.warmup(run=scheduler.generate)
