@@ -12,7 +12,7 @@ a generator seeded by its name, so that the peer built later holds the same weig
 - prefill: ours (LayoutLM.forward_layout of the whole prompt), then, ours freed, transformers'
   Qwen3_5MoeForCausalLM (fla's kernels when fla-core is installed, transformers' grouped_mm
   experts) of the same config, layer count and weights: `moe_prefill_speedup_vs_peer_8k`, `_32k`.
-- decode: a decode step of B requests (paged.decode_step from a StatePool, replayed from its CUDA
+- decode: a decode step of B requests (a ModelRunner's over its StatePool, replayed from its CUDA
   graph) against the bytes the step must read at the device-to-device copy bandwidth measured in
   the same run (`copy_gb_per_s`, read + write bytes over time): the weights of the experts the
   step's tokens route to (distinct experts per layer, counted from eager steps of the same
@@ -315,12 +315,18 @@ def step_bytes(model, cfg, pool, batch, context, active) -> dict:
 
 
 def decode_figures(model, cfg, device, batch, prompt, steps, bw_gbs, figures):
-    from hybridcache.services.runtime.paged import StatePool, decode_step, set_decode_graphs
+    from hybridcache.services.config import RuntimeConfig
+    from hybridcache.services.runtime import backends
+    from hybridcache.services.runtime.runner import ModelRunner
     from hybridcache.services.runtime.sequence import LiveRun
 
     gen = torch.Generator().manual_seed(batch)
     max_len = prompt + 2 * steps + 16
-    pool = StatePool(model.empty_state(), batch, batch * max_len, max_len)
+    # the decode step's CUDA graphs are a runner's: an eager one for the routing count, a graphed one
+    # for the timed steps, over one pool; both take the MoE path in force here
+    runners = {g: ModelRunner(model, RuntimeConfig(decode_cuda_graphs=g, max_model_len=max_len),
+                              dispatch=backends.current_dispatch()) for g in (False, True)}
+    pool = runners[True].new_state_pool(batch, batch * max_len)
     slots = []
     for _ in range(batch):
         s = model.empty_state()
@@ -335,31 +341,29 @@ def decode_figures(model, cfg, device, batch, prompt, steps, bw_gbs, figures):
         if ex is not None:
             hooks.append(ex.register_forward_pre_hook(
                 lambda _m, args, i=i: seen.setdefault(i, []).append(int(torch.unique(args[1]).numel()))))
-    set_decode_graphs(model, False)
     try:
         for _ in range(2):
-            logits, _ = decode_step(model, pool, slots, toks)
+            logits, _ = runners[False].decode(pool, slots, toks)
             toks = logits.argmax(-1).tolist()
     finally:
         for h in hooks:
             h.remove()
-        set_decode_graphs(model, True)
     active = {i: statistics.mean(v) for i, v in seen.items()}
     # graph capture and a warm replay, then the timed steps (the host prepares step i + 1 while
     # the GPU runs step i: no synchronisation inside the loop)
     for _ in range(2):
-        logits, _ = decode_step(model, pool, slots, toks)
+        logits, _ = runners[True].decode(pool, slots, toks)
     context0 = prompt + 4
     sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        logits, _ = decode_step(model, pool, slots, toks)
+        logits, _ = runners[True].decode(pool, slots, toks)
     sync(device)
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
     parts = step_bytes(model, cfg, pool, batch, context0 + steps // 2, active)
     total = sum(parts.values())
     floor_ms = total / (bw_gbs * 1e9) * 1e3
-    graphs = getattr(pool, "graphs", None)
+    graphs = runners[True].decode_graphs(pool)
     figures[f"moe_decode_step_ms_{batch}"] = round(step_ms, 3)
     figures[f"moe_decode_tokens_per_s_{batch}"] = round(batch / step_ms * 1e3, 1)
     figures[f"moe_decode_floor_ms_{batch}"] = round(floor_ms, 3)

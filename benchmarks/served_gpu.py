@@ -206,27 +206,33 @@ def inproc_phase(args, work: Workload, model: Path) -> dict:
     import torch
     from hybridcache.services.config import RuntimeConfig
     from hybridcache.services.runtime.engine import Engine
+    from hybridcache.services.runtime.llm import LLM
 
     config = RuntimeConfig(device=args.device, dtype=args.dtype)
-    engine = Engine.from_dir(model, args.device, getattr(torch, args.dtype), config)
-    out = {"warmup": engine.warmup()}
+    llm = LLM(Engine.from_dir(model, args.device, getattr(torch, args.dtype), config))
+    out = {"warmup": llm.warmup()}
 
-    def ttft(eng, native) -> float:
-        req = eng.parse_request(native)
+    def ttft(llm, native) -> float:
+        req = llm.parse_request(native)
         _sync(args.device)
         t0 = time.perf_counter()
         first = None
-        for _ in eng.start(req):  # to the end, so that the request releases what it holds
+        for _ in llm.scheduler.add_request(req):  # to the end, so that the request releases what it holds
             if first is None:
                 _sync(args.device)
                 first = time.perf_counter()
         return round((first - t0) * 1000, 2)
 
-    out["cold_pic_ms"] = ttft(engine, work.cold)
-    out["warm_pic_ms"] = [ttft(engine, w) for w in work.warm]
-    full = Engine(engine.model, engine.tokenizer, replace(engine.config, mode="full"))
+    out["cold_pic_ms"] = ttft(llm, work.cold)
+    out["warm_pic_ms"] = [ttft(llm, w) for w in work.warm]
+    engine = llm.engine
+    llm.close()  # its pool of running requests' states goes before the next scheduler sizes its own
+    del llm
+    gc.collect()
+    full = LLM(Engine(engine.model, engine.tokenizer, replace(engine.config, mode="full")))
     ttft(full, work.cold2)  # the plain prefill of that length once, as a warmed-up server has
     out["full_ms"] = [ttft(full, work.cold) for _ in range(max(1, args.repeats))]
+    full.close()
     del engine, full
     gc.collect()
     if args.device == "cuda":

@@ -298,7 +298,7 @@ class RuntimeConfig:
     cuda_graph_shapes: int = setting(
         4, "layout shapes whose CUDA graphs are kept, least recently used dropped (each holds buffers the size "
         "of its request's entries)", section="devices")
-    # The two below choose the op implementations (services/runtime/backends.py) for the process.
+    # The two below choose the op implementations (services/runtime/backends.py) of the engine's runner.
     kernels: str = setting(
         "auto", "auto: the fast kernels (fla, Triton) for CUDA tensors and the PyTorch references elsewhere; "
         "reference: the references everywhere (to compare against)", choices=KERNELS, section="devices")
@@ -308,8 +308,9 @@ class RuntimeConfig:
         "flash,efficient,math", "SDPA backends allowed on CUDA: a comma list of flash, efficient, cudnn, math; "
         "or torch (torch's own choice)", section="devices")
 
-    # Continuous batching (services/runtime/scheduler.py): the combine worker and `hybridcache generate`
-    # run their requests through one Scheduler; the scatter worker batches cold segments by the token budget.
+    # Continuous batching (services/runtime/scheduler.py): the combine worker and the in-process commands
+    # (`hybridcache generate`, `demo`, `eval`: runtime/llm.py) run every request through a Scheduler; the
+    # scatter worker batches cold segments by the token budget.
     max_num_seqs: int = setting(16, "most requests decoding at once (one batched decode step over them all)",
                                 roles=("combine",), section="scheduler")
     max_waiting: int = setting(

@@ -7,6 +7,7 @@ with the peers given by flags), prints one `ready` line and runs until SIGINT/SI
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -71,6 +72,15 @@ def die_with_parent(parent_pid: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:
         raise SystemExit(0)
+
+
+def role_config(config, role: str):
+    """The settings a role's engine runs with: a scatter worker only builds entries (recording
+    passes, never from CUDA graphs) and decodes nothing, so its CUDA graphs of assemblies and decode
+    steps are off (they would hold its GPU memory for nothing)."""
+    if role == "scatter":
+        return dataclasses.replace(config, cuda_graphs=False, decode_cuda_graphs=False)
+    return config
 
 
 def _engine(config, model_dir: str):
@@ -162,6 +172,7 @@ def _serve(args) -> int:
     engine = combine = scatter = None
     # a combine worker on one GPU sizes its caches from what its warm-up measured (CombineServicer.plan_memory)
     plans = args.role == "combine" and warm and config.device == "cuda" and config.tensor_parallel_size == 1
+    config = role_config(config, args.role)
     if args.role in WORKER_ROLES:
         with stage("loading the model %s on %s", args.model, config.device):
             engine = starting("loading the model", config.device, config.gpu_memory_utilization,

@@ -64,15 +64,13 @@ def memory_counters(device, store) -> dict[str, int]:
     return out
 
 
-def request_counters(device, store, model) -> dict[str, float]:
-    """memory_counters, the interpreter's collections (metrics.GC_PAUSES) and the live pass's CUDA
-    graph cache's counts (graphs.LayoutGraphs: shapes captured, replayed, run eagerly; a capture
-    runs on the request that sees a shape for the capture_after-th time): running totals whose
-    difference over a request its stats carry."""
+def request_counters(device, store, runner) -> dict[str, float]:
+    """memory_counters, the interpreter's collections (metrics.GC_PAUSES) and the counts of the
+    runner's CUDA graphs of live passes (ModelRunner.graph_stats: shapes captured, replayed, run
+    eagerly; a capture runs on the request that sees a shape for the capture_after-th time):
+    running totals whose difference over a request its stats carry."""
     out: dict[str, float] = {**memory_counters(device, store), **metrics.GC_PAUSES.counters()}
-    graphs = getattr(model, "_layout_graphs", None)
-    if graphs is not None:
-        out.update({f"graph_{k}": v for k, v in graphs.stats.items()})
+    out.update({f"graph_{k}": v for k, v in runner.graph_stats.items()})
     return out
 
 
@@ -211,11 +209,11 @@ class CombineServicer(rpc.CombineServicer):
     def _capture_decode_graphs(self) -> dict:
         """The scheduler's decode graphs captured now, and how many its batch sizes and capture sets
         call for where decode graphs apply (fewer captured: some size runs eagerly)."""
-        from hybridcache.services.runtime.paged import decode_batch_sizes, decode_graphs_apply
+        from hybridcache.services.runtime.paged import decode_batch_sizes
 
         captured = self.scheduler.warm_decode_graphs()
         expected = 0
-        if decode_graphs_apply(self.engine.model):
+        if self.engine.runner.decode_graphs_on:
             sizes = decode_batch_sizes(self.scheduler.config.max_num_seqs)
             expected = len(sizes) * len(self.engine.decode_capture_sets())
         return {"decode_graphs": captured, "decode_graphs_expected": expected}
@@ -412,7 +410,7 @@ class CombineServicer(rpc.CombineServicer):
     def _generate(self, request, context):
         t0 = time.perf_counter()
         device = next(self.engine.model.parameters()).device
-        counted = request_counters(device, self.engine.entries, self.engine.model)
+        counted = request_counters(device, self.engine.entries, self.engine.runner)
         try:
             sampling = json.loads(request.sampling_json) if request.sampling_json else {}
             # int32 arrays over the packed bytes: the planner checks their range in numpy
@@ -487,7 +485,7 @@ class CombineServicer(rpc.CombineServicer):
         # request): from the request reaching it to that token leaving its handler
         if t_first is not None:
             stats["combine_ttft_ms"] = (t_first - t0) * 1000
-        now = request_counters(device, self.engine.entries, self.engine.model)
+        now = request_counters(device, self.engine.entries, self.engine.runner)
         stats.update({k: v - counted.get(k, 0) for k, v in now.items()})
         stats["gc_pause_ms"] = round(stats["gc_pause_ms"], 3)
         stats["entry_cache_bytes"] = self.engine.entries.used_bytes

@@ -7,15 +7,19 @@ torch has it), our fused entry construction for runs that record a
 cache entry, Triton causal conv, our live-token attention kernel (kernels/ops/attention) where live
 tokens sit between cached spans, and SDPA for the other attention (flash for a plain causal
 prefill, a live tail and decode).
-Which of these a process takes is one OpDispatch, chosen from the runtime config when a ModelRunner
-is built (`configure`): `--kernels reference` forces the references on any device, and
-`--sdpa-backends` names the SDPA backends allowed. Nothing here reads the environment.
+Which of these a call takes is an OpDispatch: a ModelRunner holds the one its runtime config
+chooses (`--kernels reference` forces the references on any device, `--sdpa-backends` names the
+SDPA backends allowed) and enters it for each of its calls (`dispatching`, a context variable: it
+holds for that thread's call alone, so runners of other choices can run side by side); outside a
+runner's call the default applies (fast kernels for CUDA tensors). Nothing here reads the
+environment.
 Kernel modules are imported lazily, so importing the runtime never imports Triton.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import threading
@@ -42,8 +46,8 @@ SHORT_RUN = 16
 
 @dataclass(frozen=True)
 class OpDispatch:
-    """The process's choice of op implementations (RuntimeConfig.kernels and .sdpa_backends):
-    fast kernels for CUDA tensors unless kernels is "reference"; the SDPA backends allowed."""
+    """A choice of op implementations (RuntimeConfig.kernels and .sdpa_backends): fast kernels for
+    CUDA tensors unless kernels is "reference"; the SDPA backends allowed."""
 
     kernels: str = RuntimeConfig.kernels
     sdpa_backends: str = RuntimeConfig.sdpa_backends
@@ -63,32 +67,28 @@ class OpDispatch:
         return cls(config.kernels, config.sdpa_backends)
 
 
-_DISPATCH = OpDispatch()
-
-
-def configure(dispatch: OpDispatch) -> None:
-    """Make `dispatch` the process's op choice (runner.ModelRunner does, from its config, when it is built)."""
-    global _DISPATCH
-    _DISPATCH = dispatch
+DEFAULT_DISPATCH = OpDispatch()
+# the choice in force for this thread's (or task's) current call; the default outside any
+_DISPATCH: contextvars.ContextVar[OpDispatch] = contextvars.ContextVar("op_dispatch", default=DEFAULT_DISPATCH)
 
 
 def current_dispatch() -> OpDispatch:
-    return _DISPATCH
+    return _DISPATCH.get()
 
 
 @contextlib.contextmanager
 def dispatching(dispatch: OpDispatch):
-    """`dispatch` inside the block, the previous choice after it (benchmarks' comparisons, tests)."""
-    prev = _DISPATCH
-    configure(dispatch)
+    """`dispatch` inside the block (for this thread's calls), the previous choice after it (a
+    ModelRunner's calls; comparisons in benchmarks and tests)."""
+    token = _DISPATCH.set(dispatch)
     try:
         yield dispatch
     finally:
-        configure(prev)
+        _DISPATCH.reset(token)
 
 
 def use_fast_kernels(t: torch.Tensor) -> bool:
-    return t.is_cuda and _DISPATCH.kernels != "reference"
+    return t.is_cuda and _DISPATCH.get().kernels != "reference"
 
 
 @functools.cache
@@ -566,9 +566,10 @@ def moe_path(x, gate_up, down) -> str:
     CUDA (faster than torch's grouped GEMM at every token count benchmarks/moe_bench.py measures
     on an H100, and free of host synchronisation on every GPU and dtype), torch's grouped GEMM on
     the CPU where it applies (grouped_mm_supported), the loop elsewhere. OpDispatch.moe forces one."""
-    if _DISPATCH.moe != "auto":
-        return _DISPATCH.moe
-    if _DISPATCH.kernels == "reference":
+    dispatch = _DISPATCH.get()
+    if dispatch.moe != "auto":
+        return dispatch.moe
+    if dispatch.kernels == "reference":
         return "loop"
     if x.is_cuda:
         return "triton"
@@ -629,9 +630,9 @@ DEFAULT_SDPA_BACKENDS = RuntimeConfig.sdpa_backends
 
 
 def sdpa_backends(spec: str | None = None):
-    """The torch SDPBackend list for a spec (default: the process's OpDispatch); None for "torch"
+    """The torch SDPBackend list for a spec (default: the OpDispatch in force); None for "torch"
     (no restriction)."""
-    return _sdpa_backends(spec if spec is not None else _DISPATCH.sdpa_backends)
+    return _sdpa_backends(spec if spec is not None else _DISPATCH.get().sdpa_backends)
 
 
 @functools.cache

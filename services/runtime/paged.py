@@ -304,50 +304,21 @@ def decode_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sizes) + (max_num_seqs,)
 
 
-def set_decode_graphs(model, enabled: bool) -> None:
-    """Turn decode CUDA graphs of `model` on or off (RuntimeConfig.decode_cuda_graphs)."""
-    model._decode_graphs_enabled = bool(enabled)
-
-
-def decode_graphs_apply(model) -> bool:
-    """Whether `model`'s decode steps run from CUDA graphs here: on CUDA with the fast kernels, one
-    rank, for a model whose forward has no host synchronization (LayoutLM.cuda_graphs), unless
-    turned off."""
-    return (getattr(model, "cuda_graphs", False) and getattr(model, "_decode_graphs_enabled", True)
-            and getattr(model, "tp_size", 1) == 1  # a tensor-parallel step's all-reduces are not captured
-            and model.device.type == "cuda" and backends.use_fast_kernels(model.lm_head.weight))
-
-
 @torch.no_grad()
-def decode_step(model, pool: StatePool, slots: list[int], tokens: list[int], capture_hidden=(), feed=None):
+def decode_step(model, pool: StatePool, slots: list[int], tokens: list[int], capture_hidden=(), feed=None,
+                graphs: DecodeGraphs | None = None):
     """One decode step of the requests in `slots` (module docstring), token ids `tokens`: their
-    states in the pool advance by one token. On CUDA the step replays the CUDA graph of its padded
-    batch size (DecodeGraphs) where decode graphs apply. `feed` = (columns, ids), two int64 tensors
-    on the model's device: the token ids of those batch columns come from `ids` (the picks
-    of the step before, never brought to the host; `tokens` holds anything there). Returns
-    (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
+    states in the pool advance by one token. With `graphs` (the runner's DecodeGraphs of this pool,
+    on CUDA) the step replays the CUDA graph of its padded batch size where one covers it. `feed` =
+    (columns, ids), two int64 tensors on the model's device: the token ids of those batch columns
+    come from `ids` (the picks of the step before, never brought to the host; `tokens` holds
+    anything there). Returns (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
     host, max_pages = pool.step_inputs(slots, tokens)
-    if decode_graphs_apply(model):
-        out = _graphs_of(model, pool).run(host, tuple(capture_hidden), feed)
+    if graphs is not None:
+        out = graphs.run(host, tuple(capture_hidden), feed)
         if out is not None:
             return out
     return eager_step(model, pool, slots, host, max_pages, capture_hidden, feed)
-
-
-def warm_decode_graphs(model, pool: StatePool, capture_sets) -> int:
-    """Capture every decode graph `pool`'s steps may replay (DecodeGraphs.capture_all) where decode
-    graphs apply; returns how many were captured (0 where they do not apply)."""
-    if not decode_graphs_apply(model):
-        return 0
-    return _graphs_of(model, pool).capture_all(capture_sets)
-
-
-def _graphs_of(model, pool: StatePool) -> DecodeGraphs:
-    """The DecodeGraphs of `model` over `pool` (kept on the pool, made on first use)."""
-    graphs = getattr(pool, "graphs", None)
-    if graphs is None or graphs.model is not model:
-        graphs = pool.graphs = DecodeGraphs(model, pool)
-    return graphs
 
 
 def _feed(inputs: torch.Tensor, feed) -> None:
@@ -377,9 +348,10 @@ def eager_step(model, pool: StatePool, slots: list[int], host: torch.Tensor, max
 
 
 class DecodeGraphs:
-    """Decode CUDA graphs of one model over one StatePool, vLLM style: for each padded batch size
-    (decode_batch_sizes) and set of captured hidden layers, the whole step (embedding, every layer,
-    head, the linear states' updates in their slots, the K/V writes) as one graph over static inputs:
+    """Decode CUDA graphs of one model over one StatePool (a ModelRunner holds them), vLLM style:
+    for each padded batch size (decode_batch_sizes) and set of captured hidden layers, the whole
+    step (embedding, every layer, head, the linear states' updates in their slots, the K/V writes)
+    as one graph over static inputs:
     one [5, max size] int64 buffer of token ids, positions, table rows, K/V rows and lengths. A step
     of B requests is padded up to the next size (padding rows: token 0 at position 0 of the scratch
     slot, its K/V row the first of scratch page 0, length 1; their results are dropped), its inputs

@@ -46,11 +46,11 @@ than preempt itself forever; one whose prompt and first chunk exceed the budget 
 (KVBudgetError) when it is queued.
 
 Sampling (per request: temperature, top_p, top_k, min_p, seed; min_new_tokens and vLLM's
-penalties on the request's logits first, sampling.LogitsAdjuster) and stop conditions are the
-single-request path's (sampling.sample over the batch's rows, engine.TextStream). A request that
-asks for its prompt's log-probabilities gets them from Engine.prompt_logprobs as it is assembled.
-A finished request's prefix pages go into the page tree and are released (Engine.finish_prefix),
-its slot is freed.
+penalties on the request's logits first, sampling.LogitsAdjuster; sampling.sample over the batch's
+rows, a seeded request's own generator: request_generator) and stop conditions (TextStream) are per
+request. A request that asks for its prompt's log-probabilities gets them from
+Engine.prompt_logprobs as it is assembled. A finished request's prefix pages go into the page tree
+and are released (Engine.finish_prefix), its slot is freed.
 """
 
 from __future__ import annotations
@@ -68,15 +68,15 @@ import torch
 from hybridcache.services.config import default_of
 from hybridcache.services.devices import CPU_KV_BYTES, kv_cache_budget
 from hybridcache.services.runtime.backends import to_device_async
-from hybridcache.services.runtime.engine import (
-    Engine,
-    GenerateResult,
-    Prefill,
-    Request,
-    TextStream,
-    request_generator,
+from hybridcache.services.runtime.engine import Engine, GenerateResult, Prefill, Request, RequestStats
+from hybridcache.services.runtime.sampling import (
+    LogitsAdjuster,
+    RequestError,
+    SamplingParams,
+    sample,
+    sample_token,
+    token_logprobs,
 )
-from hybridcache.services.runtime.sampling import LogitsAdjuster, RequestError, sample, sample_token, token_logprobs
 
 log = logging.getLogger("hybridcache.scheduler")
 
@@ -86,6 +86,60 @@ _DONE = object()
 # tokens of attention K/V a request reserves at admission beyond its prompt, and again each time
 # its sequence reaches what it holds (fewer when it has fewer new tokens left to generate)
 KV_CHUNK_TOKENS = 256
+
+
+class TextStream:
+    """Detokenization of one request's output and its stop conditions (stop ids, EOS, stop
+    strings). push(token) -> (events, done): events are (token_id, text_delta) to emit, token_id -1
+    for text only. Text that could be the start of a stop string is held back until it cannot be."""
+
+    def __init__(self, engine: Engine, params: SamplingParams, stats: RequestStats | None = None):
+        self.engine, self.params, self.stats = engine, params, stats
+        self.output_ids: list[int] = []
+        # per output token, when the request asks for them: (log p, [(id, log p) of the top alternatives])
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.finish_reason = "length"
+        self.emitted = ""
+        self.hold = max((len(s) for s in params.stop), default=0)
+
+    def push(self, tok: int, logprobs=None) -> tuple[list[tuple[int, str]], bool]:
+        params = self.params
+        if self.stats is not None:
+            self.stats.generated_tokens += 1
+        if (tok in self.engine.eos_ids and not params.ignore_eos) or tok in params.stop_token_ids:
+            self.finish_reason = "stop"
+            return self.flush(), True
+        self.output_ids.append(tok)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        text = self.engine.tokenizer.decode(self.output_ids)
+        # no stop string before min_new_tokens (vLLM's StopChecker)
+        stops = params.stop if len(self.output_ids) >= params.min_new_tokens else ()
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        if cut >= 0:
+            self.finish_reason = "stop"
+            return [(tok, text[len(self.emitted) : cut] if cut > len(self.emitted) else "")], True
+        safe = max(len(text) - self.hold + 1, len(self.emitted)) if self.hold else len(text)
+        delta = text[len(self.emitted) : safe]
+        self.emitted = text[:safe]
+        return [(tok, delta)], len(self.output_ids) >= params.max_new_tokens
+
+    def flush(self) -> list[tuple[int, str]]:
+        """The text held back, once the output ends without a stop string."""
+        text = self.engine.tokenizer.decode(self.output_ids)
+        if len(text) <= len(self.emitted):
+            return []
+        rest, self.emitted = text[len(self.emitted) :], text
+        return [(-1, rest)]
+
+
+def request_generator(params: SamplingParams) -> torch.Generator | None:
+    """The sampling generator of a seeded request (on the host): its tokens' noise is drawn from
+    it alone (sampling.sample), the same for the same seed whatever else is in the batch. None
+    when greedy or unseeded (the process's default generators draw for it)."""
+    if params.temperature <= 0 or params.seed is None:
+        return None
+    return torch.Generator().manual_seed(params.seed)
 
 
 class KVBudgetError(RequestError):
@@ -178,7 +232,7 @@ class RequestHandle:
                 self.cancel()
 
     def result(self) -> GenerateResult:
-        """Wait for the end; the same result Engine.generate gives."""
+        """Wait for the end: the request's text, output ids, finish reason, stats (and logprobs)."""
         text = "".join(delta for _, delta in self)
         stats = self.prefill.stats if self.prefill is not None else None
         logprobs = list(self.logprobs) if self.req.sampling.logprobs is not None else None

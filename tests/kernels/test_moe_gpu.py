@@ -5,13 +5,13 @@ logits; an engine answers alike with graphs on and off."""
 
 import pytest
 import torch
+from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfig
-from hybridcache.services.runtime.graphs import eager, layout_graphs
-from hybridcache.services.runtime.graphs import forward as graphed_forward
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.modelzoo import hf_config, init_model_dir, random_init_
-from hybridcache.services.runtime.paged import StatePool, decode_step, set_decode_graphs
+from hybridcache.services.runtime.runner import ModelRunner
 from hybridcache.services.runtime.sequence import CachedSpan, LiveRun
 
 pytestmark = pytest.mark.gpu
@@ -56,23 +56,24 @@ def test_decode_step_replays_without_host_sync(arch):
     x = torch.zeros(1, model.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     assert backends.moe_path(x, experts.gate_up_proj, experts.down_proj) in ("grouped_mm", "triton")
     gen = torch.Generator().manual_seed(0)
-    pools = {g: StatePool(model.empty_state(), 8, 4096, 1024) for g in (False, True)}
+    # an eager runner and a graphed one over the model (the decode graphs are a runner's)
+    runners = {g: ModelRunner(model, RuntimeConfig(decode_cuda_graphs=g, max_model_len=1024)) for g in (False, True)}
+    pools = {g: runners[g].new_state_pool(8, 4096) for g in (False, True)}
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen) for n in (7, 30, 100)]
     slots = {g: [pools[g].assign(prefilled(model, p)) for p in prompts] for g in pools}
     toks = [int(p[-1]) for p in prompts]
     for step in range(6):
         out = {}
         for g in (False, True):
-            set_decode_graphs(model, g)
             if g and step > 0:  # the first graphed step captures; the later ones replay
                 with NoHostSync():
-                    out[g], _ = decode_step(model, pools[g], slots[g], toks)
+                    out[g], _ = runners[g].decode(pools[g], slots[g], toks)
             else:
-                out[g], _ = decode_step(model, pools[g], slots[g], toks)
+                out[g], _ = runners[g].decode(pools[g], slots[g], toks)
         assert gap(out[True], out[False]) <= 3e-2, step
         assert out[True].argmax(-1).tolist() == out[False].argmax(-1).tolist(), step
         toks = out[False].argmax(-1).tolist()
-    graphs = pools[True].graphs
+    graphs = runners[True].decode_graphs(pools[True])
     assert graphs.stats["captures"] == 1 and graphs.stats["replays"] == 5 and not graphs.failed, graphs.stats
 
 
@@ -93,18 +94,19 @@ def pic_request(model, seed, lengths=(150, 203, 97), question=16):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_warm_request_replays_without_host_sync(arch):
     model = cuda_model(arch)
-    graphs = layout_graphs(model)
+    runner = ModelRunner(model, RuntimeConfig())
+    graphs = runner.layout_graphs
     assert graphs is not None
     for seed in (1, 2, 3, 4):  # eager, capture (answered eagerly), replay, replay
         layout = pic_request(model, seed)
-        with eager(model):
-            ref, _ = graphed_forward(model, model.empty_state(), layout, "last")
+        with runner.eager():
+            ref, _ = runner.forward(model.empty_state(), layout, "last")
         state = model.empty_state()
         if seed >= 3:
             with NoHostSync():
-                logits, _ = graphed_forward(model, state, layout, "last")
+                logits, _ = runner.forward(state, layout, "last")
         else:
-            logits, _ = graphed_forward(model, state, layout, "last")
+            logits, _ = runner.forward(state, layout, "last")
         assert gap(logits, ref) <= 1e-3 * (1 + ref.abs().max().item()), seed
     assert graphs.stats["captures"] == 1 and graphs.stats["replays"] == 2 and not graphs.failed, graphs.stats
 
@@ -114,16 +116,16 @@ def test_engine_answers_alike_with_and_without_graphs(tmp_path):
 
     path = init_model_dir("qwen3_5_moe_text", "tiny", tmp_path / "m", seed=1, std=0.08, overrides=MOE)
     graphed = Engine.from_dir(path, device="cuda", dtype=torch.bfloat16, config=EngineConfig(mode="pic"))
-    plain = Engine(graphed.model, graphed.tokenizer, EngineConfig(mode="pic"))
+    eager = EngineConfig(mode="pic", cuda_graphs=False, decode_cuda_graphs=False)
+    plain = Engine(graphed.model, graphed.tokenizer, eager)
     gen = torch.Generator().manual_seed(0)
     for n in range(3):
         docs = [torch.randint(0, 200, (120,), generator=gen).tolist() for _ in range(3)]
         cold = {"system": [1, 2, 3], "segments": docs, "suffix": [7, 8, 9, 10],
                 "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
         for req in (cold, dict(cold, system=[4, 5, 6], segments=docs[::-1])):
-            with eager(graphed.model):
-                want = plain.generate(dict(req)).output_ids
-            got = graphed.generate(dict(req)).output_ids
+            want = LLM(plain).generate(dict(req)).output_ids
+            got = LLM(graphed).generate(dict(req)).output_ids
             assert got == want and len(want) == 6, n
-    graphs = layout_graphs(graphed.model)
+    graphs = graphed.runner.layout_graphs
     assert graphs.stats["replays"] >= 2 and not graphs.failed, (graphs.stats, graphs.failed)

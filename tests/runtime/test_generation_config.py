@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.sampling import GenerationDefaults, RequestError
 
 
@@ -22,7 +23,7 @@ def _write(path, **cfg):
 
 
 def _greedy(engine, prompt, n):
-    res = engine.generate({"suffix": prompt, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}})
+    res = LLM(engine).generate({"suffix": prompt, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}})
     return res.output_ids
 
 
@@ -35,7 +36,7 @@ def test_every_eos_id_of_a_list_stops(model_dir):
     _write(model_dir, eos_token_id=[300, stop])
     engine = Engine.from_dir(model_dir)
     assert {300, stop} <= engine.eos_ids
-    res = engine.generate({"suffix": prompt, "sampling_params": {"max_new_tokens": 6}})
+    res = LLM(engine).generate({"suffix": prompt, "sampling_params": {"max_new_tokens": 6}})
     assert res.output_ids == free[:at] and res.finish_reason == "stop"
     assert res.stats.generated_tokens == at + 1  # the eos token was generated too
     # ignore_eos still runs to max_new_tokens
@@ -77,9 +78,9 @@ def test_cached_tokens_count_only_caches_filled_before(model_dir):
     engine = Engine.from_dir(model_dir, config=EngineConfig(mode="pic", seam_window=4))
     segs = [list(range(10 + i, 40 + i)) for i in range(3)]
     obj = {"segments": segs, "suffix": [7, 8, 9], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
-    cold = engine.generate(obj).stats
+    cold = LLM(engine).generate(obj).stats
     assert cold.reused_tokens > 0 and cold.built_tokens > 0 and cold.cached_tokens == 0
-    warm = engine.generate(obj).stats
+    warm = LLM(engine).generate(obj).stats
     assert warm.built_tokens == 0 and warm.cached_tokens == warm.reused_tokens > 0
     assert cold.generated_tokens == warm.generated_tokens == 2
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hf_models import FAMILIES, MULTIMODAL, hf_model, reference_model, save_checkpoint
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.loader import ModelLoadError, load_model
 from hybridcache.services.runtime.modelzoo import hf_config, init_model_dir
 from hybridcache.services.runtime.sequence import LiveRun
@@ -85,7 +86,7 @@ def test_save_pretrained_checkpoint_loads(arch, dtype, tied, sharded, tmp_path):
             prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n_new, do_sample=False, eos_token_id=None
         )[0, 16:].tolist()
     engine = Engine.from_dir(path, config=EngineConfig(mode="full"))
-    res = engine.generate(
+    res = LLM(engine).generate(
         {"suffix": prompt[0].tolist(), "sampling_params": {"max_new_tokens": n_new, "ignore_eos": True}}
     )
     assert len(expect) == n_new and res.output_ids == expect

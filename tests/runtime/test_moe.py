@@ -12,6 +12,7 @@ import torch
 import transformers
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models import kimi_linear, minimax, qwen3_hybrid
 from hybridcache.services.runtime.models.registry import config_from_dict
@@ -123,18 +124,23 @@ class OpCounter(TorchDispatchMode):
 
 
 def decode_ops(model, prompts, tokens):
-    """The aten ops of one decode step of the prompts' requests, and the experts it routed to."""
-    states = []
+    """The aten ops of one decode step of the prompts' requests (through a runner's pool, as the
+    scheduler steps them), and the experts it routed to."""
+    from hybridcache.services.runtime.runner import ModelRunner
+
+    runner = ModelRunner(model, dispatch=backends.current_dispatch())  # the MoE path moe_dispatch forces
+    pool = runner.new_state_pool(len(prompts), 64 * len(prompts))
+    slots = []
     for p in prompts:
         s = model.empty_state()
         model.forward_layout(s, [LiveRun(p, 0)], logits_for="none")
-        states.append(s)
+        slots.append(pool.assign(s))
     layer = next(m for m in model.modules() if isinstance(m, qwen3_hybrid.SparseMoE))
     seen = []
     handle = layer.experts.register_forward_pre_hook(lambda _m, args: seen.append(args[1]))
     try:
         with OpCounter() as counter:
-            model.decode_batch(states, tokens)
+            runner.decode(pool, slots, tokens)
     finally:
         handle.remove()
     return counter.ops, set(seen[-1].reshape(-1).tolist())
@@ -181,7 +187,8 @@ def test_greedy_generation_equals_transformers_from_save_pretrained(arch, tmp_pa
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, 24:].tolist()
     engine = Engine.from_dir(saved, config=EngineConfig(mode="full"))
-    res = engine.generate({"suffix": ids[0].tolist(), "sampling_params": {"max_new_tokens": 32, "ignore_eos": True}})
+    greedy = {"max_new_tokens": 32, "ignore_eos": True}
+    res = LLM(engine).generate({"suffix": ids[0].tolist(), "sampling_params": greedy})
     assert len(ref) == 32
     assert res.output_ids == ref
 

@@ -3,13 +3,14 @@
 import pytest
 import torch
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.sampling import RequestError, SamplingParams, sample_token
 
 REQ = {"segments": [list(range(30, 100))], "suffix": [7, 8, 9]}
 
 
 def gen(engine, **sp):
-    return engine.generate(dict(REQ, sampling_params=dict({"max_new_tokens": 12, "ignore_eos": True}, **sp)))
+    return LLM(engine).generate(dict(REQ, sampling_params=dict({"max_new_tokens": 12, "ignore_eos": True}, **sp)))
 
 
 def test_seeded_sampling_is_reproducible(qwen35_dir):
@@ -47,9 +48,10 @@ def test_stop_string_and_stop_ids(qwen35_dir):
 def test_streamed_deltas_add_up_to_the_text(qwen35_dir):
     eng = Engine.from_dir(qwen35_dir, config=EngineConfig())
     req = eng.parse_request(dict(REQ, sampling_params={"max_new_tokens": 10, "ignore_eos": True}))
-    g = eng.start(req)
-    deltas = [d for _, d in g]
-    assert "".join(deltas) == eng.tokenizer.decode(g.output_ids)
+    with LLM(eng) as llm:
+        g = llm.scheduler.add_request(req)
+        deltas = [d for _, d in g]
+    assert "".join(deltas) == eng.tokenizer.decode(g.output_ids) and len(g.output_ids) == 10
     assert g.prefill.stats.ttft_ms > 0
 
 

@@ -5,6 +5,7 @@ stop id, stop string, cancellation, preemption), with sampled and logprobs reque
 and the page tree built from overlapped requests serves later prompts correctly."""
 
 import pytest
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
 
 # the requests and models of the scheduler's own tests (shared segments, page-tree hits, padding)
@@ -30,16 +31,16 @@ def _same(ref, handles, events):
                                           ("nemotron_h", "prefix"), ("olmo_hybrid", "pic")])
 def test_overlapped_greedy_equals_one_by_one(arch, mode, dirs):
     reqs = _requests(5, max_new=(12, 5, 9, 16, 3))
-    ref = [_engine(dirs(arch), mode=mode).generate(r) for r in reqs]
+    ref = [LLM(_engine(dirs(arch), mode=mode)).generate(r) for r in reqs]
     # a stop id and a stop string from the middle of two requests' own outputs: they end a step
     # after the step that was launched with them
     reqs[1]["sampling_params"].update(ignore_eos=False, stop_token_ids=[ref[1].output_ids[2]])
     text = ref[3].text
     for at in range(len(text) // 2, len(text) - 3):  # a 3-character string a one-by-one run stops at
         reqs[3]["sampling_params"].update(stop=[text[at:at + 3]])
-        if _engine(dirs(arch), mode=mode).generate(reqs[3]).finish_reason == "stop":
+        if LLM(_engine(dirs(arch), mode=mode)).generate(reqs[3]).finish_reason == "stop":
             break
-    ref = [_engine(dirs(arch), mode=mode).generate(r) for r in reqs]
+    ref = [LLM(_engine(dirs(arch), mode=mode)).generate(r) for r in reqs]
     assert ref[1].finish_reason == ref[3].finish_reason == "stop"
     eng = _engine(dirs(arch), mode=mode)
     sched, handles, events = _run(eng, reqs, max_num_seqs=4, max_num_batched_tokens=64)
@@ -57,7 +58,7 @@ def test_pages_of_overlapped_requests_serve_later_prompts(qwen35_dir):
     made of its prompt and output reuses them and answers as a fresh engine does."""
     base = {"system": list(range(10, 90)), "segments": [], "suffix": list(range(100, 150)),
             "sampling_params": {"max_new_tokens": 220, "ignore_eos": True}}
-    free = _engine(qwen35_dir, mode="prefix").generate(base)
+    free = LLM(_engine(qwen35_dir, mode="prefix")).generate(base)
     out = free.output_ids
     stop = next(t for i, t in enumerate(out) if i >= 140 and t not in out[:i])  # ends past 4 pages of 64
     first = dict(base, sampling_params={"max_new_tokens": 220, "ignore_eos": False, "stop_token_ids": [stop]})
@@ -67,7 +68,7 @@ def test_pages_of_overlapped_requests_serve_later_prompts(qwen35_dir):
     assert done.finish_reason == "stop" and done.output_ids == free.output_ids[:free.output_ids.index(stop)]
     later = {"system": base["system"], "segments": [], "suffix": base["suffix"] + done.output_ids + [stop] + [7, 8],
              "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
-    want = _engine(qwen35_dir, mode="prefix").generate(later)
+    want = LLM(_engine(qwen35_dir, mode="prefix")).generate(later)
     _, handles, events = _run(eng, [later], max_num_seqs=2)
     _same([want], handles, events)
     # the prompt and the first request's output up to its last whole page came from pages
@@ -81,7 +82,7 @@ def test_logprobs_requests_step_without_overlap(qwen35_dir):
     reqs = _requests(4, seed=5, max_new=(40, 14, 18, 9))  # request 0 runs on alone, greedy, for ~20 steps
     reqs[2]["sampling_params"].update(temperature=0.9, top_k=20, seed=3)
     reqs[3]["sampling_params"].update(logprobs=2)
-    ref = [_engine(qwen35_dir, mode="pic").generate(r) for r in reqs]
+    ref = [LLM(_engine(qwen35_dir, mode="pic")).generate(r) for r in reqs]
     eng = _engine(qwen35_dir, mode="pic")
     sched, handles, events = _run(eng, reqs, max_num_seqs=4)
     _same(ref, handles, events)
@@ -103,11 +104,11 @@ def test_sampled_requests_take_overlapped_steps(qwen35_dir):
                 dict(temperature=0.6, min_p=0.05), dict(temperature=1.2, top_p=0.9, top_k=50)]
     for i, (r, sp) in enumerate(zip(reqs, settings)):
         r["sampling_params"].update(sp, seed=11 + i)
-    ref = [_engine(qwen35_dir, mode="pic").generate(r) for r in reqs]
+    ref = [LLM(_engine(qwen35_dir, mode="pic")).generate(r) for r in reqs]
     eng = _engine(qwen35_dir, mode="pic")
     sched, handles, events = _run(eng, reqs, max_num_seqs=4)
     _same(ref, handles, events)
-    greedy = [_engine(qwen35_dir, mode="pic").generate(dict(r, sampling_params=dict(r["sampling_params"],
+    greedy = [LLM(_engine(qwen35_dir, mode="pic")).generate(dict(r, sampling_params=dict(r["sampling_params"],
                                                                                      temperature=0.0)))
               for r in reqs]
     assert any(h.output_ids != g.output_ids for h, g in zip(handles, greedy))  # they did sample
@@ -117,7 +118,7 @@ def test_sampled_requests_take_overlapped_steps(qwen35_dir):
 
 def test_cancel_and_preempt_while_overlapped(qwen35_dir):
     reqs = _requests(5, seed=3, max_new=(30, 17, 41, 24, 9))
-    ref = [_engine(qwen35_dir, mode="prefix").generate(r) for r in reqs]
+    ref = [LLM(_engine(qwen35_dir, mode="prefix")).generate(r) for r in reqs]
     eng = _engine(qwen35_dir, mode="prefix")
     longest = max(len(eng.parse_request(r).prompt_ids) for r in reqs)
     empty = eng.model.empty_state()

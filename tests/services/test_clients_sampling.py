@@ -11,6 +11,7 @@ import pytest
 import torch
 from hybridcache.services.api.openai_compat import chat_to_native, completion_to_native, sglang_to_native
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.modelzoo import SHIPPED_MODEL
 from hybridcache.services.runtime.sampling import LogitsAdjuster, RequestError, SamplingParams
 from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
@@ -78,7 +79,7 @@ def test_scheduler_applies_penalties_per_request():
                                                        "repetition_penalty": 1.3, "frequency_penalty": 0.5,
                                                        "presence_penalty": 0.5}}
     want = _reference_decode(engine, prompt, 8, 1.3, 0.5, 0.5)
-    unpenalized = engine.generate(plain).output_ids
+    unpenalized = LLM(engine).generate(plain).output_ids
     assert want != unpenalized  # the penalties change this output: the comparison below can fail
     sched = Scheduler(engine, SchedulerConfig(max_num_seqs=4))
     try:
@@ -88,13 +89,13 @@ def test_scheduler_applies_penalties_per_request():
     finally:
         sched.stop()
     assert out == [unpenalized, want, unpenalized]
-    assert engine.generate(penalized).output_ids == want  # the single-request path too
+    assert LLM(engine).generate(penalized).output_ids == want  # alone in a scheduler too
 
 
 def test_min_tokens_holds_off_eos_in_the_scheduler(qwen35_dir):
     engine = Engine.from_dir(qwen35_dir, config=EngineConfig(mode="full"))
     prompt = [80, 81, 82, 83]
-    free = engine.generate({"suffix": prompt, "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}})
+    free = LLM(engine).generate({"suffix": prompt, "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}})
     first = free.output_ids[0]
     # the first greedy token as a stop id: without min_tokens the request stops at once
     stop = {"suffix": prompt, "sampling_params": {"max_new_tokens": 6, "stop_token_ids": [first]}}

@@ -250,13 +250,9 @@ def test_engine_takes_its_op_dispatch_and_graph_bound_from_the_config(qwen35_dir
     from hybridcache.services.runtime import backends
     from hybridcache.services.runtime.engine import Engine
 
-    prev = backends.current_dispatch()
-    try:
-        eng = Engine.from_dir(qwen35_dir, config=RuntimeConfig(kernels="reference", sdpa_backends="math",
-                                                               cuda_graph_shapes=3))
-        assert backends.current_dispatch() == backends.OpDispatch("reference", "math")
-        assert eng.model._cuda_graph_shapes == 3
-        Engine(eng.model, eng.tokenizer, RuntimeConfig())
-        assert backends.current_dispatch() == backends.OpDispatch()
-    finally:
-        backends.configure(prev)
+    eng = Engine.from_dir(qwen35_dir, config=RuntimeConfig(kernels="reference", sdpa_backends="math",
+                                                           cuda_graph_shapes=3))
+    assert eng.runner.dispatch == backends.OpDispatch("reference", "math")
+    assert backends.current_dispatch() == backends.OpDispatch()  # the runner's, for its calls only
+    other = Engine(eng.model, eng.tokenizer, RuntimeConfig())
+    assert other.runner.dispatch == backends.OpDispatch() and eng.runner.dispatch.kernels == "reference"

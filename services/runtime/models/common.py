@@ -374,41 +374,6 @@ class LayoutLM(nn.Module):
         state.length = end
         return self.logits_of(x, logits_for), rec
 
-    @torch.no_grad()
-    def decode_batch(self, states: list[SequenceState], token_ids: list[int], capture_hidden=()):
-        """One decode step of B requests given as their own states (tests, benchmarks; the scheduler
-        keeps its running requests in a paged.StatePool and calls paged.decode_step): token_ids[b]
-        is request b's next token, at position states[b].length. The states are moved into a pool
-        for the step and out again after it, their K/V copied both ways: each state ends as it
-        would after a forward of its token. Returns (logits [B, vocab] fp32, {layer in capture_hidden:
-        entering stream [B, h]})."""
-        from hybridcache.services.runtime.paged import StatePool, decode_step
-
-        B = len(states)
-        longest = max(s.length for s in states) + 1
-        pool = StatePool(self.empty_state(), B, sum(s.length + 1 for s in states), longest)
-        slots = [pool.assign(s) for s in states]
-        logits, hidden = decode_step(self, pool, slots, token_ids, capture_hidden)
-        for s, slot in zip(states, slots):
-            pool.release(slot, keep=s)
-            s.length += 1
-        return logits, hidden
-
-    def new_state_pool(self, slots: int, kv_tokens: int, max_len: int):
-        """A paged.StatePool of `slots` running requests with room for `kv_tokens` tokens of K/V."""
-        from hybridcache.services.runtime.paged import StatePool
-
-        return StatePool(self.empty_state(), slots, kv_tokens, max_len)
-
-    @torch.no_grad()
-    def decode_pool(self, pool, slots: list[int], token_ids: list[int], capture_hidden=()):
-        """One decode step of the requests held in `slots` of `pool` (paged.decode_step): their
-        states advance in the pool (the SequenceStates assigned to it keep their own length).
-        Returns (logits [B, vocab] fp32, hidden)."""
-        from hybridcache.services.runtime.paged import decode_step
-
-        return decode_step(self, pool, slots, token_ids, capture_hidden)
-
     def forward_decode(self, batch: DecodeBatch, token_ids: torch.Tensor, positions: torch.Tensor,
                        linear: dict[int, LinearState], capture_hidden=()):
         """The layers over a decode batch: token_ids, positions [B] on the device; linear: layer ->
