@@ -278,8 +278,8 @@ def _eval(args) -> int:
         model_dir = default_model_dir()
     config = config_from_args(args)
     if config.tensor_parallel_size > 1:
-        # the eval runs one fresh engine per question and run over one model: a split model would
-        # need its followers to mirror each of them
+        # the eval loads the model once in this process and runs an engine per run over it: a split
+        # model's ranks are processes of their own, with a runner per engine
         raise ValueError("hybridcache eval runs on one device: --tensor-parallel-size must be 1")
     if config.device == "cuda":
         import torch
