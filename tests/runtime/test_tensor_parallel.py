@@ -96,7 +96,7 @@ def test_full_logits_equal_tp1(arch, dirs, group):
     assert _close(both[1], ref_next) <= 1e-5
 
 
-def test_engine_generate_equals_tp1(dirs, engines):
+def test_generate_through_llm_equals_tp1(dirs, engines):
     req = {"segments": [list(range(40, 90))], "suffix": [5, 6, 7],
            "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}}
     ref = LLM(Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(mode="full"))).generate(req)
