@@ -111,11 +111,26 @@ def test_fp8_anchors_restore_nearly_as_well_as_full_precision(decaying_model):
     assert fp8[3] < 0.1 * fp8[0], fp8
 
 
+def test_bf16_anchors_restore_about_as_well_as_full_precision(decaying_model):
+    """bf16 anchors of an fp32 model: rounding to 8 mantissa bits (relative error <= 2^-9 per
+    value) adds at most a small absolute floor to the replay's error, below fp8's."""
+    model, tokenizer = decaying_model
+    ids = tokens(4 * P, seed=3)
+    ks = (4, 16, 32)
+    full, _ = _anchor_state_errors(model, tokenizer, None, ids, ks)
+    bf16, _ = _anchor_state_errors(model, tokenizer, "bfloat16", ids, ks)
+    fp8, _ = _anchor_state_errors(model, tokenizer, FP8, ids, ks)
+    assert bf16 != full  # the anchors really were rounded
+    for a, b in zip(full, bf16):
+        assert b <= a + 0.02, (full, bf16)
+    assert bf16[-1] < fp8[-1], (bf16, fp8)
+
+
 def test_stats_report_fp8_bytes(tiny_dir):
     ids = tokens(3 * P + 1, seed=6)
     h, groups = 64, 2  # the tiny model: hidden 64, two linear groups; fp32 weights
     per_policy = {}
-    for anchor_dtype in (None, FP8):
+    for anchor_dtype in (None, "bfloat16", FP8):
         eng = Engine.from_dir(tiny_dir, config=EngineConfig(
             mode="prefix", prefix_policy="suffix_replay", anchors_per_page=4, anchor_dtype=anchor_dtype))
         LLM(eng).generate(request(ids))
@@ -125,6 +140,10 @@ def test_stats_report_fp8_bytes(tiny_dir):
         row = eng.page_policy.anchor_row_bytes(h, 4)
         assert stats.linear_state_bytes == 3 * 4 * groups * row
         per_policy[anchor_dtype] = stats.linear_state_bytes
+        stored = {a.dtype for n in eng.pages.match(ids) for a in n.payload.anchors.values()}
+        assert stored == {{None: torch.float32, "bfloat16": torch.bfloat16, FP8: torch.uint8}[anchor_dtype]}
+    # bf16 anchors of an fp32 model: half the bytes
+    assert per_policy["bfloat16"] == 3 * 4 * groups * h * 2
     # fp8 values plus one fp32 scale per anchor row, against fp32 anchors.
     assert per_policy[FP8] == 3 * 4 * groups * (h + 4)
     assert per_policy[FP8] * 4 < per_policy[None] * 1.1
@@ -156,7 +175,8 @@ def test_cli_anchor_dtype_flag(tiny_dir, tmp_path, capsys):
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert lines[1]["stats"]["linear_state_bytes"] == 2 * 8 * 2 * 64 * 4
     for bad in (["--prefix-policy", "suffix_replay", "--anchor-dtype", "fp4"],
-                ["--prefix-policy", "exact_replay", "--anchor-dtype", FP8]):
+                ["--prefix-policy", "exact_replay", "--anchor-dtype", FP8],
+                ["--prefix-policy", "checkpoint", "--anchor-dtype", "bfloat16"]):
         assert main(base + bad) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("hybridcache: error: anchor_dtype"), err
