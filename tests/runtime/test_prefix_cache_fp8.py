@@ -184,7 +184,10 @@ def test_cli_anchor_dtype_flag(tiny_dir, tmp_path, capsys):
 
 def test_bytes_only_benchmark_matches_the_engine_and_meets_the_goal(capsys):
     """benchmarks/prefix_cache.py --bytes-only: the 9B shape's analytic fp8 figure (built on the
-    meta device) beats the 1/250 goal, and a tiny engine keeps exactly the analytic bytes."""
+    meta device) beats the 1/250 goal against a dense checkpoint per page and stores at most 0.36x
+    of SGLang's default grid (a dense state every 8,192 tokens) at 128x its granularity, and a tiny
+    engine keeps exactly the analytic bytes of every policy, the checkpoint policy on SGLang's
+    grid included (one 8,192-token prompt)."""
     import importlib.util
     from pathlib import Path
 
@@ -193,11 +196,23 @@ def test_bytes_only_benchmark_matches_the_engine_and_meets_the_goal(capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     result = bench.main(["--preset", "qwen3.5-9b", "--dtype", "bfloat16", "--anchor-dtype", FP8,
-                         "--bytes-only", "--lengths", "256", "--policies", "suffix_replay", "exact_replay"])
+                         "--bytes-only", "--lengths", "256", "--policies", "suffix_replay", "exact_replay",
+                         "checkpoint"])
     capsys.readouterr()
     fig = result["figures"]
     assert 250 < fig["analytic_suffix_replay_fp8_dense_checkpoint_per_page_over_it"] < 400
     assert fig["analytic_suffix_replay_model_anchors_dense_checkpoint_per_page_over_it"] < 250
+    # the 9B shape: 24 Gated DeltaNet layers, 8 groups, hidden 4096
+    analytic = result["analytic_bytes_per_token"]
+    assert analytic["dense_checkpoint_sglang_grid"] == analytic["dense_checkpoint_every_page"] / 128
+    assert analytic["checkpoint_sglang_grid"] == analytic["dense_checkpoint_sglang_grid"]
+    assert analytic["suffix_replay"] == 8 * (4096 + 4) * 4 / 64
+    assert 0.3 < fig["suffix_replay_bytes_vs_sglang_grid"] <= 0.36
+    assert fig["suffix_replay_granularity_vs_sglang_grid"] == 128
+    assert fig["analytic_suffix_replay_model_anchors_vs_sglang_grid"] > 0.6  # bf16 anchors: not enough
+    assert fig["analytic_exact_replay_vs_sglang_grid"] > 40
     rows = result["engine_check"]["rows"]
-    assert {r["policy"] for r in rows} == {"suffix_replay", "suffix_replay_model_anchors", "exact_replay"}
+    assert {r["policy"] for r in rows} == {"suffix_replay", "suffix_replay_model_anchors", "exact_replay",
+                                           "checkpoint", "checkpoint_sglang_grid"}
+    assert {r["prompt_tokens"] for r in rows if r["policy"] == "checkpoint_sglang_grid"} == {8192}
     assert all(r["equal"] and r["analytic"] > 0 for r in rows), rows
