@@ -217,7 +217,9 @@ def evaluate(
     return scores
 
 
-REPLAY_LENGTHS = (16, 32, 64, 128, 256)  # suffix_replay k swept by --multi-turn
+# suffix_replay k swept by --multi-turn; k = 1 (one anchor: almost none of the history) is the control
+# that says whether the answers depend on the restored state at all
+REPLAY_LENGTHS = (1, 16, 32, 64, 128, 256)
 MULTITURN_ANCHOR_DTYPES = ("bfloat16", "float8_e4m3fn")
 _DTYPE_TAGS = {"model": "model", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
 
@@ -261,6 +263,12 @@ class TurnResult:
     prompt_tokens: int
     restored_tokens: int  # where the engine resumed (0: nothing cached was used)
     expected_restore: int | None  # the page boundary qa_data.restore_point predicts
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # log p of each output token as sampled
+    # relative error of the restored linear state (S of every linear layer, averaged) against the
+    # exact state at the same page boundary; None where the run restores exactly or did not resume
+    state_rel_err: float | None = None
+    restore_ms: float = 0.0  # the engine's time to rebuild the state of its page-tree hit
 
 
 @dataclass
@@ -286,14 +294,24 @@ class MultiTurnScore:
             # hits at a page boundary that is not a checkpoint-grid position
             "hits_between_grid_positions": sum(t.restored_tokens % grid != 0 for t in hits),
             "hits_at_predicted_page": sum(t.restored_tokens == t.expected_restore for t in hits),
+            "restore_ms_mean": round(sum(t.restore_ms for t in hits) / max(1, len(hits)), 2),
         }
         if full is not None:
             ref = {(t.conversation, t.turn): t for t in full.turns}
             same = [t.text.strip() == ref[t.conversation, t.turn].text.strip() for t in res]
             out["agreement_with_full_resumed"] = round(sum(same) / max(1, len(same)), 4)
-            out["em_resumed_vs_full"] = round(
-                out["em_resumed"] / full.to_dict(None, grid)["em_resumed"], 4) if any(
-                t.correct for t in full.resumed()) else None
+            # where the answer is full recompute's, how far each of its tokens' log p moved: a
+            # measure of the restored state that exact match cannot give once every answer agrees
+            diffs = [abs(a - b) for t in res if t.output_ids == ref[t.conversation, t.turn].output_ids
+                     for a, b in zip(t.logprobs, ref[t.conversation, t.turn].logprobs)]
+            out["answer_logprob_abs_diff_mean"] = float(f"{sum(diffs) / len(diffs):.3g}") if diffs else None
+            out["answer_logprob_abs_diff_max"] = float(f"{max(diffs):.3g}") if diffs else None
+            full_em = full.to_dict(None, grid)["em_resumed"]
+            out["em_resumed_vs_full"] = round(out["em_resumed"] / full_em, 4) if full_em else None
+        errs = [t.state_rel_err for t in res if t.state_rel_err is not None]
+        if errs:
+            out["linear_state_rel_err_mean"] = float(f"{sum(errs) / len(errs):.3g}")
+            out["linear_state_rel_err_max"] = float(f"{max(errs):.3g}")
         return out
 
 
@@ -336,21 +354,53 @@ def evaluate_multiturn(
     scores = {r: MultiTurnScore() for r in runs}
     bar = tqdm(total=sum(len(c.turns) for c in convs) * len(runs), desc="eval --multi-turn", unit="answer",
                disable=not progress, file=sys.stderr)
+    # the exact states that suffix_replay's restored ones are measured against: restored from a tree
+    # of exact_replay pages of the same conversation (its own, or built for the purpose)
+    exact_config = replace(base, **dict(fixed, mode="prefix", prefix_policy="exact_replay"))
     for c, conv in enumerate(convs):
         prompts = [conv.prompt_ids(t, encode) for t in range(len(conv.turns))]
         answers = [encode(answer_text(turn.example.answer)) for turn in conv.turns]
         expected = [restore_point(prompts, answers, t, page) if t else 0 for t in range(len(conv.turns))]
+        exact = None
         for r in runs:
             engine = Engine(model, tokenizer, configs[r])
+            approximate = engine.page_policy.name == "suffix_replay"
+            if approximate and exact is None:
+                exact = Engine(model, tokenizer, exact_config)
+                for t in range(len(conv.turns)):
+                    exact.generate(conv.request(t, encode))
             for t, turn in enumerate(conv.turns):
-                res = engine.generate(conv.request(t, encode))
+                req = conv.request(t, encode)
+                req["sampling_params"]["logprobs"] = 0
+                res = engine.generate(req)
+                if res.prompt_ids != prompts[t]:
+                    raise RuntimeError("the engine tokenized a turn other than the conversation did")
+                p = res.stats.prefix_reused_tokens
+                err = _state_error(model, engine, exact, prompts[t][:p]) if approximate and p else None
                 scores[r].turns.append(TurnResult(
                     c, t, turn.line, normalize_answer(res.text) == normalize_answer(turn.example.answer), res.text,
-                    res.stats.prompt_tokens, res.stats.prefix_reused_tokens, expected[t]))
+                    res.stats.prompt_tokens, p, expected[t], res.output_ids, [lp for lp, _ in res.logprobs or []],
+                    err, res.stats.prefix_restore_ms))
                 bar.update(1)
+            if configs[r].prefix_policy == "exact_replay" and configs[r].mode == "prefix":
+                exact = engine
         bar.set_postfix({r: f"{scores[r].to_dict(None, 1)['em']:.2f}" for r in list(runs)[:3]})
     bar.close()
     return scores, convs
+
+
+def _state_error(model, engine, exact, prefix: list[int]) -> float:
+    """Mean over linear layers of ||S - S_exact|| / ||S_exact|| for the state `engine`'s policy
+    restores after `prefix` (whole pages, all in its tree) against the one `exact`'s restores."""
+    from hybridcache.services.runtime.cache import restore_state
+
+    got = restore_state(model, engine.page_policy, engine.pages.match(prefix))
+    ref = restore_state(model, exact.page_policy, exact.pages.match(prefix))
+    if got.length != len(prefix) or ref.length != len(prefix):
+        raise RuntimeError("a page of the restored prefix is missing from a tree")
+    errs = [((got.linear[i].ssm.float() - s.ssm.float()).norm() / s.ssm.float().norm().clamp_min(1e-30)).item()
+            for i, s in ref.linear.items()]
+    return sum(errs) / len(errs)
 
 
 def multiturn_json(scores: dict[str, MultiTurnScore], grid: int) -> dict:
@@ -359,10 +409,12 @@ def multiturn_json(scores: dict[str, MultiTurnScore], grid: int) -> dict:
 
 
 def multiturn_figures(results: dict, replay_anchors: int, anchor_dtype: str = "float8_e4m3fn") -> dict:
-    """Flat figures: each suffix_replay run's exact-match rate over resumed turns against full
-    recompute's and its agreement with full recompute's answers; the named figure
-    `suffix_replay_em_vs_full_multiturn` at `replay_anchors` and `anchor_dtype`; and the smallest
-    replay length of each dtype whose rate ratio and agreement both reach 0.99 (None: none did)."""
+    """Flat figures: each run's exact-match rate over resumed turns against full recompute's, its
+    agreement with full recompute's answers, and for suffix_replay the restored state's error and
+    the answers' log p shift; the named `suffix_replay_em_vs_full_multiturn` at `replay_anchors`
+    and `anchor_dtype`; per anchor dtype, the smallest replay length above the k = 1 control whose
+    rate ratio and agreement both reach 0.99 (None: none did), and whether the control itself
+    stays below that (if not, exact match does not tell replay lengths apart on this model)."""
     figures: dict = {}
     smallest: dict[str, int | None] = {}
     for name, r in results.items():
@@ -370,33 +422,45 @@ def multiturn_figures(results: dict, replay_anchors: int, anchor_dtype: str = "f
             continue
         figures[f"{name}_em_vs_full_multiturn"] = r["em_resumed_vs_full"]
         figures[f"{name}_agreement_with_full_multiturn"] = r["agreement_with_full_resumed"]
-        if name.startswith("suffix_replay_k"):
-            k, tag = name.removeprefix("suffix_replay_k").split("_")
-            ok = (r["em_resumed_vs_full"] or 0) >= 0.99 and r["agreement_with_full_resumed"] >= 0.99
-            smallest.setdefault(tag, None)
-            if ok and (smallest[tag] is None or int(k) < smallest[tag]):
-                smallest[tag] = int(k)
+        if not name.startswith("suffix_replay_k"):
+            continue
+        figures[f"{name}_linear_state_rel_err"] = r.get("linear_state_rel_err_mean")
+        figures[f"{name}_answer_logprob_abs_diff"] = r.get("answer_logprob_abs_diff_mean")
+        k, tag = name.removeprefix("suffix_replay_k").split("_")
+        ok = (r["em_resumed_vs_full"] or 0) >= 0.99 and r["agreement_with_full_resumed"] >= 0.99
+        if int(k) == 1:
+            figures[f"suffix_replay_{tag}_control_k1_discriminates"] = not ok
+            continue
+        smallest.setdefault(tag, None)
+        if ok and (smallest[tag] is None or int(k) < smallest[tag]):
+            smallest[tag] = int(k)
     for tag, k in smallest.items():
         figures[f"suffix_replay_{tag}_smallest_replay_length_at_0.99"] = k
     if "full" in results:
         figures["full_em_multiturn"] = results["full"]["em_resumed"]
     key = f"suffix_replay_k{replay_anchors}_{_DTYPE_TAGS[anchor_dtype]}"
+    figures["default_replay_anchors"] = replay_anchors
     if key in results:
         figures["suffix_replay_em_vs_full_multiturn"] = results[key]["em_resumed_vs_full"]
         figures["suffix_replay_agreement_with_full_multiturn"] = results[key]["agreement_with_full_resumed"]
+        figures["suffix_replay_linear_state_rel_err_multiturn"] = results[key].get("linear_state_rel_err_mean")
     return figures
 
 
 def format_multiturn_table(results: dict) -> str:
     lines = [f"{'run':<26}{'EM':>7}{'EM resumed':>12}{'vs full':>9}{'agree':>8}{'hits':>6}{'off grid':>9}"
-             f"{'restored':>10}"]
+             f"{'restored':>10}{'state err':>11}{'|dlogp|':>10}"]
+
+    def fmt(v, spec):
+        return "" if v is None else format(v, spec)
+
     for r, d in results.items():
-        vs = d.get("em_resumed_vs_full")
-        agree = d.get("agreement_with_full_resumed")
         lines.append(
             f"{r:<26}{100 * d['em']:>6.1f}%{100 * d['em_resumed']:>11.1f}%"
-            f"{'' if vs is None else f'{vs:.3f}':>9}{'' if agree is None else f'{agree:.3f}':>8}"
+            f"{fmt(d.get('em_resumed_vs_full'), '.3f'):>9}{fmt(d.get('agreement_with_full_resumed'), '.3f'):>8}"
             f"{d['hits']:>6}{d['hits_between_grid_positions']:>9}{d['restored_tokens_mean']:>10.0f}"
+            f"{fmt(d.get('linear_state_rel_err_mean'), '.3f'):>11}"
+            f"{fmt(d.get('answer_logprob_abs_diff_mean'), '.1e'):>10}"
         )
     return "\n".join(lines)
 
@@ -487,6 +551,9 @@ def add_eval_flags(sp: argparse.ArgumentParser) -> None:
                     help="--multi-turn: suffix_replay replay lengths k (anchors replayed per group)")
     sp.add_argument("--anchor-dtypes", type=_anchor_dtypes, default=",".join(MULTITURN_ANCHOR_DTYPES),
                     help="--multi-turn: suffix_replay anchor dtypes")
+    # its own dest: config_from_args reads the RuntimeConfig field names off the namespace
+    sp.add_argument("--anchors-per-page", dest="multi_turn_anchors_per_page", type=_positive, default=None,
+                    help="--multi-turn: suffix_replay anchors kept per page, r (default: the engine's, 4)")
     sp.add_argument("--min-docs", type=_positive, default=8)
     sp.add_argument("--max-docs", type=_positive, default=16)
     sp.add_argument("--output", help="write the JSON results here")
@@ -561,6 +628,8 @@ def _eval_multiturn(args, model_dir: Path, config: RuntimeConfig) -> int:
     import time
 
     limit = args.limit or 8
+    if args.multi_turn_anchors_per_page is not None:
+        config = replace(config, anchors_per_page=args.multi_turn_anchors_per_page)
     runs = multiturn_runs(args.replay_lengths, args.anchor_dtypes)
     started = time.perf_counter()
     scores, convs = evaluate_multiturn(
