@@ -313,6 +313,7 @@ def bytes_per_token(model_dir: Path, dtype: str, policies: dict) -> dict:
 
 def figures_of(results: dict, sglang_end: dict | None) -> dict:
     figures: dict = {}
+    results = {p: r for p, r in results.items() if "error" not in r}
     p50 = {p: r["ttft_ms"].get("p50") for p, r in results.items()}
     for p, r in results.items():
         figures[f"multiturn_ttft_p50_ms_{p}"] = p50[p]
@@ -325,6 +326,16 @@ def figures_of(results: dict, sglang_end: dict | None) -> dict:
     if sglang_end is not None:
         figures["sglang_request_end_states_hit_fraction_upper_bound"] = sglang_end["hit_fraction"]
     return figures
+
+
+def gpu_name() -> str:
+    """The GPU's name from nvidia-smi (no CUDA context in this client process), else "cuda"."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        out = []
+    return out[0] if out else "cuda"
 
 
 def pair(text: str) -> tuple[int, int]:
@@ -386,11 +397,52 @@ def main(argv=None) -> dict:
     budget = args.prefix_cache_bytes or int(unique * per_token["exact_replay"]["total"] / 4)
     from hybridcache.services.launcher import free_port
 
+    machine = args.machine or ("cpu" if args.device == "cpu" else gpu_name())
+    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     results, sent_of = {}, {}
+
+    def record() -> dict:
+        # the SGLang bound from the trace as the SGLang-grid run (else the first run) sent it
+        ref = sent_of.get("sglang_grid") or next(iter(sent_of.values()), [])
+        sglang_end = sglang_request_end_hits(ref, args.sglang_interval)
+        return {
+            "benchmark": "multiturn", "machine": machine, "gpu": machine if args.device == "cuda" else "none (CPU)",
+            "commit": commit or "unknown",
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "host": platform.node(), "cpus": os.cpu_count(),
+            "command": "python benchmarks/" + shlex.join([Path(__file__).name,
+                                                          *(argv if argv is not None else sys.argv[1:])]),
+            "model": str(args.model), "device": args.device, "dtype": args.dtype, "up_args": args.up_args,
+            "trace": {"conversations": len(trace.conversations), "requests": trace.requests, "rate": args.rate,
+                      "systems": args.systems, "system_tokens": args.system_tokens, "turns": list(args.turns),
+                      "user_tokens": list(args.user_tokens), "output_tokens": args.output_tokens,
+                      "branch_prob": args.branch_prob, "think_s": args.think_s, "seed": args.seed,
+                      "branched_turns": sum(t.parent is not None and t.parent != i - 1
+                                            for c in trace.conversations for i, t in enumerate(c.turns)),
+                      "unique_tokens": unique},
+            "prefix_cache_bytes": budget,
+            "bytes_per_token": {p: per_token[p] for p in ("attention_kv", *args.policies)},
+            "policies": {p: policy_flags(pol) for p, pol in policies.items()},
+            "sglang_interval": args.sglang_interval,
+            "sglang_request_end_states_upper_bound": sglang_end,
+            "results": results,
+            "figures": figures_of(results, sglang_end),
+            "note": "client TTFT from sending a streamed /generate to its first token; prefix hit tokens are the "
+                    "server's prefix_reused_tokens (where the page tree resumed the request); every policy ran the "
+                    "same trace (same arrivals, prompts built from each server's own answers) on its own server "
+                    "with the same page-tree budget",
+        }
+
     for policy in args.policies:
         up = f"{args.up_args} --mode prefix --prefix-cache-bytes {budget} {shlex.join(policy_flags(policies[policy]))}"
-        stack = sl.Stack(SimpleNamespace(port=free_port(), model=args.model, device=args.device, dtype=args.dtype,
-                                         up_args=up), None)
+        try:
+            stack = sl.Stack(SimpleNamespace(port=free_port(), model=args.model, device=args.device,
+                                             dtype=args.dtype, up_args=up), None)
+        except SystemExit as e:  # a server that did not start: the other policies still run
+            results[policy] = {"error": str(e)}
+            print(f"multiturn: {policy}: {e}", file=sys.stderr, flush=True)
+            continue
         try:
             host, port = stack.url.removeprefix("http://").rstrip("/").split(":")
             # a short conversation of other tokens first (a cold turn, a continuation, a branch), one
@@ -407,43 +459,9 @@ def main(argv=None) -> dict:
         print(f"multiturn: {policy}: p50 TTFT {results[policy]['ttft_ms'].get('p50')} ms, hit fraction "
               f"{results[policy]['prefix_hit_fraction']}, {results[policy]['failed']} failed",
               file=sys.stderr, flush=True)
-    # from the trace as the SGLang-grid run (else the first run) sent it
-    ref = sent_of.get("sglang_grid") or next(iter(sent_of.values()))
-    sglang_end = sglang_request_end_hits(ref, args.sglang_interval)
-    machine = args.machine or "cpu"
-    if args.device == "cuda" and not args.machine:
-        import torch
-
-        machine = torch.cuda.get_device_name(0)
-    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out = {
-        "benchmark": "multiturn", "machine": machine, "gpu": machine if args.device == "cuda" else "none (CPU)",
-        "commit": commit or "unknown",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "host": platform.node(), "cpus": os.cpu_count(),
-        "command": "python benchmarks/" + shlex.join([Path(__file__).name,
-                                                      *(argv if argv is not None else sys.argv[1:])]),
-        "model": str(args.model), "device": args.device, "dtype": args.dtype, "up_args": args.up_args,
-        "trace": {"conversations": len(trace.conversations), "requests": trace.requests, "rate": args.rate,
-                  "systems": args.systems, "system_tokens": args.system_tokens, "turns": list(args.turns),
-                  "user_tokens": list(args.user_tokens), "output_tokens": args.output_tokens,
-                  "branch_prob": args.branch_prob, "think_s": args.think_s, "seed": args.seed,
-                  "branched_turns": sum(t.parent is not None and t.parent != i - 1
-                                        for c in trace.conversations for i, t in enumerate(c.turns)),
-                  "unique_tokens": unique},
-        "prefix_cache_bytes": budget,
-        "bytes_per_token": {p: per_token[p] for p in ("attention_kv", *args.policies)},
-        "policies": {p: policy_flags(pol) for p, pol in policies.items()},
-        "sglang_interval": args.sglang_interval,
-        "sglang_request_end_states_upper_bound": sglang_end,
-        "results": results,
-        "figures": figures_of(results, sglang_end),
-        "note": "client TTFT from sending a streamed /generate to its first token; prefix hit tokens are the "
-                "server's prefix_reused_tokens (where the page tree resumed the request); every policy ran the same "
-                "trace (same arrivals, prompts built from each server's own answers) on its own server with the "
-                "same page-tree budget",
-    }
+        if args.out:  # a run cut short still leaves the policies it finished
+            args.out.write_text(json.dumps(record(), indent=2) + "\n")
+    out = record()
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
