@@ -627,6 +627,8 @@ def _eval_multiturn(args, model_dir: Path, config: RuntimeConfig) -> int:
     import subprocess
     import time
 
+    import torch
+
     limit = args.limit or 8
     if args.multi_turn_anchors_per_page is not None:
         config = replace(config, anchors_per_page=args.multi_turn_anchors_per_page)
@@ -646,6 +648,7 @@ def _eval_multiturn(args, model_dir: Path, config: RuntimeConfig) -> int:
         "model": str(model_dir),
         "machine": "cpu" if config.device == "cpu" else config.device,
         "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
         "host": platform.node(),
         "commit": commit or "unknown",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
