@@ -331,13 +331,16 @@ def evaluate_multiturn(
     progress: bool = True,
     base: RuntimeConfig | None = None,
 ) -> tuple[dict[str, MultiTurnScore], list[Conversation]]:
-    """Each run's answers to every turn of `limit` conversations: one engine per run and
-    conversation, its requests sent in order (each finished request's pages, prompt and answer,
-    are in the page tree when the next one arrives). `base` gives the runs their settings but
-    RUN_FIELDS (its checkpoint_every and anchors_per_page included: the grid is its)."""
+    """Each run's answers to every turn of `limit` conversations: one engine and scheduler (an LLM,
+    the path a combine worker serves with) per run and conversation, its requests sent in order
+    (each finished request's pages, prompt and answer, are in the page tree when the next one
+    arrives). `base` gives the runs their settings but RUN_FIELDS (its checkpoint_every and
+    anchors_per_page included: the grid is its)."""
     import torch
     from hybridcache.services.runtime.engine import Engine
+    from hybridcache.services.runtime.llm import LLM
     from hybridcache.services.runtime.loader import load_model
+    from hybridcache.services.runtime.scheduler import SchedulerConfig, kv_bytes_per_token
     from hybridcache.services.runtime.tokenizer import Tokenizer
     from tqdm import tqdm
 
@@ -345,6 +348,9 @@ def evaluate_multiturn(
     runs = multiturn_runs() if runs is None else runs
     model = load_model(model_dir, device, dtype or torch.float32)
     tokenizer = Tokenizer.from_dir(model_dir)
+    # one request at a time: a pool with room for one long prompt, not the worker's default budget
+    limit_tokens = base.max_model_len or model.cfg.max_position_embeddings
+    scheduling = SchedulerConfig(max_num_seqs=1, kv_cache_bytes=kv_bytes_per_token(model) * (limit_tokens + 512))
     encode = tokenizer.encode
     fixed = {f: getattr(RuntimeConfig, f) for f in RUN_FIELDS if f not in ("checkpoint_every", "anchors_per_page")}
     configs = {r: replace(base, **dict(fixed, **fields)) for r, fields in runs.items()}
@@ -361,27 +367,28 @@ def evaluate_multiturn(
         prompts = [conv.prompt_ids(t, encode) for t in range(len(conv.turns))]
         answers = [encode(answer_text(turn.example.answer)) for turn in conv.turns]
         expected = [restore_point(prompts, answers, t, page) if t else 0 for t in range(len(conv.turns))]
-        exact = None
+        exact = None  # an Engine whose tree holds this conversation's exact_replay pages
         for r in runs:
             engine = Engine(model, tokenizer, configs[r])
             approximate = engine.page_policy.name == "suffix_replay"
             if approximate and exact is None:
                 exact = Engine(model, tokenizer, exact_config)
-                for t in range(len(conv.turns)):
-                    exact.generate(conv.request(t, encode))
-            for t, turn in enumerate(conv.turns):
-                req = conv.request(t, encode)
-                req["sampling_params"]["logprobs"] = 0
-                res = engine.generate(req)
-                if res.prompt_ids != prompts[t]:
-                    raise RuntimeError("the engine tokenized a turn other than the conversation did")
-                p = res.stats.prefix_reused_tokens
-                err = _state_error(model, engine, exact, prompts[t][:p]) if approximate and p else None
-                scores[r].turns.append(TurnResult(
-                    c, t, turn.line, normalize_answer(res.text) == normalize_answer(turn.example.answer), res.text,
-                    res.stats.prompt_tokens, p, expected[t], res.output_ids, [lp for lp, _ in res.logprobs or []],
-                    err, res.stats.prefix_restore_ms))
-                bar.update(1)
+                with LLM(exact, scheduling) as llm:
+                    llm.generate([conv.request(t, encode) for t in range(len(conv.turns))])
+            with LLM(engine, scheduling) as llm:
+                for t, turn in enumerate(conv.turns):
+                    req = conv.request(t, encode)
+                    req["sampling_params"]["logprobs"] = 0
+                    res = llm.generate(req)
+                    if res.prompt_ids != prompts[t]:
+                        raise RuntimeError("the engine tokenized a turn other than the conversation did")
+                    p = res.stats.prefix_reused_tokens
+                    err = _state_error(model, engine, exact, prompts[t][:p]) if approximate and p else None
+                    scores[r].turns.append(TurnResult(
+                        c, t, turn.line, normalize_answer(res.text) == normalize_answer(turn.example.answer),
+                        res.text, res.stats.prompt_tokens, p, expected[t], res.output_ids,
+                        [lp for lp, _ in res.logprobs or []], err, res.stats.prefix_restore_ms))
+                    bar.update(1)
             if configs[r].prefix_policy == "exact_replay" and configs[r].mode == "prefix":
                 exact = engine
         bar.set_postfix({r: f"{scores[r].to_dict(None, 1)['em']:.2f}" for r in list(runs)[:3]})

@@ -61,6 +61,7 @@ def test_bytes_per_token_from_the_shape_match_an_engine(qwen35_dir):
     """The trace's per-policy bytes (the capacity it reports at a budget) are what the engine's
     page tree keeps: a 256-token prompt under each policy."""
     from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from hybridcache.services.runtime.llm import LLM
 
     mt = _bench()
     args = SimpleNamespace(checkpoint_every=4, anchors_per_page=4, replay_anchors=64, anchor_dtype="float8_e4m3fn",
@@ -72,8 +73,9 @@ def test_bytes_per_token_from_the_shape_match_an_engine(qwen35_dir):
             mode="prefix", prefix_policy=pol.name, checkpoint_every=pol.checkpoint_every,
             anchors_per_page=pol.anchors_per_page, replay_anchors=pol.replay_anchors,
             anchor_dtype=pol.anchor_dtype, prefix_cache_bytes=1 << 30))
-        eng.generate({"suffix": [7 + i % 50 for i in range(257)],
-                      "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}})
+        with LLM(eng) as llm:
+            llm.generate({"suffix": [7 + i % 50 for i in range(257)],
+                          "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}})
         assert eng.pages.used_bytes / 256 == per_token[name]["total"], name
         assert eng.pages.linear_bytes / 256 == per_token[name]["linear"], name
 
