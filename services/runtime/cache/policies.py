@@ -15,10 +15,11 @@ All three policies share the page tree (radix.py) and keep full-attention K/V pe
 Anchors are exact inputs of a group because they were captured from the true run; a group's
 layers need nothing else (no attention inside a group), so groups replay independently.
 
-suffix_replay may store its anchors in fp8 (`anchor_dtype="float8_e4m3fn"`, like fp8 KV caches in
-vLLM/SGLang): each anchor row (one token at one group entry) keeps x / s in e4m3 and its fp32 scale
-s = amax|x| / 448, packed as one uint8 row [h + 4] so every byte-count sees both. exact_replay
-and checkpoint refuse it: they must stay exact.
+suffix_replay may store its anchors in bf16 (`anchor_dtype="bfloat16"`, whatever the model's dtype)
+or in fp8 (`anchor_dtype="float8_e4m3fn"`, like fp8 KV caches in vLLM/SGLang): each fp8 anchor row
+(one token at one group entry) keeps x / s in e4m3 and its fp32 scale s = amax|x| / 448, packed as
+one uint8 row [h + 4] so every byte-count sees both. exact_replay and checkpoint refuse both: they
+must stay exact.
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ def dequantize_anchors(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 def _page_anchors(payload: PagePayload, layer: int, dtype: torch.dtype) -> torch.Tensor:
-    """A page's anchors at a group entry [r, h]; packed fp8 ones (uint8) are dequantized, whatever
-    the reading policy says, so a policy built without anchor_dtype still reads them right."""
+    """A page's anchors at a group entry [r, h] in `dtype`; packed fp8 ones (uint8) are dequantized,
+    bf16 ones cast, whatever the reading policy says, so a policy built without anchor_dtype still
+    reads them right."""
     anchors = payload.anchors[layer]
-    return dequantize_anchors(anchors, dtype) if anchors.dtype == torch.uint8 else anchors
+    return dequantize_anchors(anchors, dtype) if anchors.dtype == torch.uint8 else anchors.to(dtype)
 
 
 def _copy_linear(linear: dict[int, LinearState]) -> dict[int, LinearState]:
@@ -187,6 +189,8 @@ class PageRecorder:
         if r:
             lo = end - self.start - r
             anchors = {i: self._anchors(i)[lo : end - self.start].clone() for i in self.capture_layers}
-            if self.policy.anchor_dtype:
+            if self.policy.anchor_dtype == "float8_e4m3fn":
                 anchors = {i: quantize_anchors(a) for i, a in anchors.items()}
+            elif self.policy.anchor_dtype == "bfloat16":
+                anchors = {i: a.to(torch.bfloat16) for i, a in anchors.items()}
         return PagePayload(attn=attn, checkpoint=checkpoint, anchors=anchors)
