@@ -59,7 +59,7 @@ SECTIONS = {
     "security": "API key, TLS and the deployment secret",
     "devices": "where and how the model runs: device, memory share, parallelism, kernels, CUDA graphs",
 }
-# sections of the commands that run one engine in-process (generate, demo, eval)
+# sections of the commands that run one engine in-process only (generate, eval)
 ENGINE_SECTIONS = ("model", "cache", "scheduler", "devices")
 
 
