@@ -381,9 +381,13 @@ class CombineServicer(rpc.CombineServicer):
                     if t_first is None:
                         t_first = time.perf_counter()
                 yield chunk
-        except Exception as e:  # noqa: BLE001 - the engine failed on this request: the client gets the error
-            log.exception("request failed")
-            yield pb.TokenChunk(done=True, error=f"{type(e).__name__}: {e}", status=500)
+        except RequestError as e:  # what its parameters caused (the scheduler finished it alone)
+            yield pb.TokenChunk(done=True, error=str(e), status=400)
+            return
+        except Exception as e:  # noqa: BLE001 - the engine failed on this request: the client gets an id to report
+            log.error("request %s failed", request.request_id, exc_info=e)
+            yield pb.TokenChunk(done=True, status=500, error=f"internal error ({type(e).__name__}) in request "
+                                f"{request.request_id}; the combine worker's log has its traceback")
             return
         if handle.finish_reason == "abort":
             return

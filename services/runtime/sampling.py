@@ -111,6 +111,10 @@ class SamplingParams:
         temperature = num("temperature", float, 0.0)
         if not 0.0 <= temperature <= 100.0:
             raise RequestError("sampling_params.temperature must be between 0 and 100")
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            # vLLM's rule: a temperature this close to 0 is raised to MIN_TEMPERATURE (a nearly greedy
+            # draw either way), so that no accepted value scales finite logits to inf
+            temperature = MIN_TEMPERATURE
         top_p = num("top_p", float, 1.0)
         if not 0.0 < top_p <= 1.0:
             raise RequestError("sampling_params.top_p must be in (0, 1]")
@@ -140,6 +144,8 @@ class SamplingParams:
 
 
 MAX_TOP_LOGPROBS = 20
+# the lowest temperature sampled at (vLLM's _MAX_TEMP): a request's (0, MIN_TEMPERATURE) is raised to it
+MIN_TEMPERATURE = 1e-2
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -161,7 +167,10 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    logits = logits.float() / params.temperature
+    # shifted by the largest logit first: every value is <= 0 before the division, so no temperature
+    # scales a finite logit to +inf (the softmax of which is NaN); the largest stays 0
+    logits = logits.float()
+    logits = (logits - logits.max()) / max(params.temperature, MIN_TEMPERATURE)
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -173,4 +182,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
         probs = probs / probs.sum()
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    probs = probs.cpu()
+    if not bool(torch.isfinite(probs).all()):
+        raise RuntimeError("the model's logits are not finite: no token can be sampled")
+    return int(torch.multinomial(probs, 1, generator=generator))
