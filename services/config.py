@@ -167,6 +167,9 @@ class RuntimeConfig:
         roles=("router",), type=str, metavar="PATH")
     tls_keyfile: str | None = setting(None, "router: PEM private key of --tls-certfile", roles=("router",), type=str,
                                       metavar="PATH")
+    prepare_timeout_s: int = setting(
+        10, "router: seconds a request may take to be prepared (parsed, its chat template rendered, tokenized, "
+        "planned) before it is answered 503 with Retry-After and its preparation stopped", roles=("router",))
     http_body_timeout_s: int = setting(
         30, "router: seconds a client has to send a request's body once its headers are in (HTTP 408 after)",
         roles=("router",))
@@ -288,7 +291,8 @@ class RuntimeConfig:
             raise ValueError("ipc_arena_bytes must be >= 0")
         if self.max_segments < 1:
             raise ValueError("max_segments must be >= 1")
-        for name in ("max_request_bytes", "http_header_timeout_s", "http_body_timeout_s", "drain_grace_s"):
+        for name in ("max_request_bytes", "http_header_timeout_s", "http_body_timeout_s", "drain_grace_s",
+                     "prepare_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):

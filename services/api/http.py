@@ -27,7 +27,7 @@ import uuid
 
 import orjson
 from aiohttp import web
-from hybridcache.services.api.chat_template import ChatTemplate
+from hybridcache.services.api.chat_template import ChatLimits, ChatTemplate, PrepareDeadline
 from hybridcache.services.api.openai_compat import (
     NO_TEMPLATE,
     chat_to_native,
@@ -85,7 +85,12 @@ def _parse_json(raw: bytes):
         raise _Reject(400, f"malformed JSON: {e}") from None
 
 
-def _json_object(raw: bytes) -> dict:
+def _json_object(raw: bytes, max_values: int | None = None) -> dict:
+    """The body's JSON object; with `max_values`, a body with more commas than that (more values
+    than any request served here holds) is refused before it is parsed."""
+    if max_values is not None and raw.count(b",") > max_values:
+        raise _Reject(400, "the request holds more JSON values than any request this server serves could "
+                           "(its text and token ids past the served length)")
     body = _parse_json(raw)
     if not isinstance(body, dict):
         raise _Reject(400, "the request body must be a JSON object")
@@ -215,6 +220,10 @@ class _Run:
             self.control.cancel()
 
 
+# A chat of more messages than this many per segment a request may have is refused before it renders
+# (its user and assistant texts are segments, and the markup between them too: none could be served).
+CHAT_MESSAGES_PER_SEGMENT = 8
+
 # What a load balancer or Prometheus reads: open even with an API key.
 OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
 
@@ -266,6 +275,31 @@ class Api:
     async def _body(self, request: web.Request) -> dict:
         return await asyncio.to_thread(_json_object, await self._raw(request))
 
+    @property
+    def _max_values(self) -> int:
+        """More values (commas) than a servable request's body holds: its text's characters (every
+        value and key of a chat counts at least one, ChatLimits), its token ids, twice over."""
+        return 2 * (self.router.planner.max_chars + self.router.max_model_len) + 4096
+
+    def _limits(self, received: float, cancelled) -> ChatLimits:
+        """What one request may cost to prepare: the chat bounds (checked before its template renders;
+        none could be served over them) and its deadline (from `received`, time.perf_counter())."""
+        planner = self.router.planner
+        deadline = time.monotonic() + self.config.prepare_timeout_s - (time.perf_counter() - received)
+        return ChatLimits(max_messages=CHAT_MESSAGES_PER_SEGMENT * planner.config.max_segments,
+                          max_texts=planner.config.max_segments + 1, max_chars=planner.max_chars,
+                          deadline=deadline, cancelled=cancelled)
+
+    async def _off_loop(self, work):
+        """work(limits) in a worker thread, bounded by the prepare deadline; cancelled (the client
+        gone, the handler cancelled) at its next check."""
+        gone = threading.Event()
+        limits = self._limits(time.perf_counter(), gone.is_set)
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(work, limits), self.config.prepare_timeout_s)
+        finally:
+            gone.set()
+
     async def _raw(self, request: web.Request) -> bytes:
         """The request's body, bounded in size and time."""
         limit = self.config.max_request_bytes
@@ -296,11 +330,14 @@ class Api:
         except _Reject as e:
             return _error(e.status, e.message)
 
+        run = request["run"] = _Run(asyncio.get_running_loop())
+        limits = self._limits(received, lambda: run.control.cancelled)
+
         def prepare():
             # in a worker thread: parsing, conversion (text tokenized) and the router's parse
-            body = _json_object(raw)
+            body = _json_object(raw, self._max_values)
             self._check_model(body)
-            req = self.router.parse(convert(body), json_ids=True)
+            req = self.router.parse(convert(body, limits), json_ids=True)
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError("stream must be a boolean")
@@ -311,15 +348,19 @@ class Api:
         def open_stream(parsed, control, sent):
             return self.router.stream(parsed[1], control, received, sent)
 
-        run = request["run"] = _Run(asyncio.get_running_loop())
         self._workers.submit(functools.partial(run.work, prepare, open_stream))
         try:
             try:
-                body, req, stream = await run.parsed
+                # past the deadline the answer goes at once; the worker stops at its next check
+                body, req, stream = await asyncio.wait_for(asyncio.shield(run.parsed),
+                                                           max(0.0, limits.deadline - time.monotonic()) + 1.0)
             except _Reject as e:
                 return _error(e.status, e.message)
             except RequestError as e:
                 return _error(400, str(e))
+            except (PrepareDeadline, TimeoutError):
+                return _error(503, f"the request was not prepared within {self.config.prepare_timeout_s} s "
+                              f"(rendered, tokenized, planned); retry later", {"Retry-After": "1"})
             try:
                 return await respond(request, req, stream, body)
             except _Reject as e:
@@ -330,6 +371,8 @@ class Api:
                 return _error(503, str(e))
         finally:
             run.close()
+            if not run.parsed.done():  # answered before it was parsed (deadline, client gone): nobody reads it
+                run.parsed.cancel()
 
     async def _collect(self, request: web.Request, req) -> tuple[str, list[int], str, dict, list]:
         """The whole answer: text, token ids, finish reason, stats and per token (id, log p, top) when asked."""
@@ -413,8 +456,8 @@ class Api:
                 "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)}}
 
     async def chat(self, request):
-        def convert(body):
-            return chat_to_native(body, self.chat_template, self.router.planner.tokenizer)
+        def convert(body, limits):
+            return chat_to_native(body, self.chat_template, self.router.planner.tokenizer, limits)
 
         return await self._handle(request, convert, self._chat_respond)
 
@@ -481,7 +524,8 @@ class Api:
         return await self._sse(request, req, event)
 
     async def completions(self, request):
-        return await self._handle(request, completion_to_native, self._completion_respond)
+        return await self._handle(request, lambda body, _limits: completion_to_native(body),
+                                  self._completion_respond)
 
     async def _completion_respond(self, request, req, stream, body):
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.served_model}
@@ -511,51 +555,82 @@ class Api:
              "root": self.router.model_name, "parent": None, "max_model_len": self.router.max_model_len}]})
 
     async def tokenize(self, request):
-        """vLLM's /tokenize: {"prompt"} or {"messages"} (rendered as /v1/chat/completions renders them)."""
+        """vLLM's /tokenize: {"prompt"} or {"messages"} (rendered as /v1/chat/completions renders them).
+        Bounded as a completion is: the body's size, the characters tokenized, the chat's size before
+        it renders; the work runs off the event loop."""
         try:
-            body = await self._body(request)
-            self._check_model(body)
-            tok = self.router.planner.tokenizer
-            if "messages" in body:
-                _check_keys(body, {"model", "messages", "add_generation_prompt", "add_special_tokens", "tools"})
-                if body.get("add_generation_prompt", True) is not True:
-                    raise RequestError("add_generation_prompt must be true (the prompts served end with it)")
-                native = chat_to_native({k: body[k] for k in ("messages", "tools") if k in body},
-                                        self.chat_template, tok)
-                tokens = [t for part in (native["system"], *native["segments"], native["suffix"])
-                          for t in (tok.encode(part) if isinstance(part, str) else part)]
-            else:
-                _check_keys(body, {"model", "prompt", "add_special_tokens"})
-                prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
-                if not isinstance(prompt, str) or not isinstance(special, bool):
-                    raise RequestError("prompt must be a string and add_special_tokens a boolean")
-                tokens = tok.tok.encode(prompt, add_special_tokens=special).ids
+            # parsed in the worker too: the body's objects are made and freed there, not on the event loop
+            raw = await self._raw(request)
+            return web.Response(body=await self._off_loop(functools.partial(self._tokenize, raw)),
+                                content_type="application/json")
         except _Reject as e:
             return _error(e.status, e.message)
         except RequestError as e:
             return _error(400, str(e))
-        return web.json_response({"count": len(tokens), "max_model_len": self.router.max_model_len,
-                                  "tokens": tokens, "token_strs": None})
+        except (PrepareDeadline, TimeoutError):
+            return _error(503, f"not tokenized within {self.config.prepare_timeout_s} s; retry later",
+                          {"Retry-After": "1"})
+
+    def _tokenize(self, raw: bytes, limits: ChatLimits) -> bytes:
+        body = _json_object(raw, self._max_values)
+        self._check_model(body)
+        tok = self.router.planner.tokenizer
+        if "messages" in body:
+            _check_keys(body, {"model", "messages", "add_generation_prompt", "add_special_tokens", "tools"})
+            if body.get("add_generation_prompt", True) is not True:
+                raise RequestError("add_generation_prompt must be true (the prompts served end with it)")
+            native = chat_to_native({k: body[k] for k in ("messages", "tools") if k in body},
+                                    self.chat_template, tok, limits)
+            texts = [p for p in (native["system"], *native["segments"], native["suffix"]) if isinstance(p, str)]
+            if sum(map(len, texts)) > limits.max_chars:
+                raise RequestError(f"the messages hold more than {limits.max_chars} characters, more than could "
+                                   f"fit in the served length")
+            tokens = [t for part in (native["system"], *native["segments"], native["suffix"])
+                      for t in (tok.encode(part) if isinstance(part, str) else part)]
+        else:
+            _check_keys(body, {"model", "prompt", "add_special_tokens"})
+            prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
+            if not isinstance(prompt, str) or not isinstance(special, bool):
+                raise RequestError("prompt must be a string and add_special_tokens a boolean")
+            if len(prompt) > limits.max_chars:
+                raise RequestError(f"the prompt has {len(prompt)} characters, more than the {limits.max_chars} "
+                                   f"that could fit in the served length")
+            limits.check()
+            tokens = tok.encode_with_offsets(prompt, add_special_tokens=special).ids
+        return orjson.dumps({"count": len(tokens), "max_model_len": self.router.max_model_len,
+                             "tokens": tokens, "token_strs": None})
 
     async def detokenize(self, request):
-        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}, special tokens kept."""
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}, special tokens kept; at most the
+        served length of ids, decoded off the event loop."""
         try:
-            body = await self._body(request)
-            self._check_model(body)
-            _check_keys(body, {"model", "tokens"})
-            tokens, vocab = body.get("tokens"), self.router.planner.cfg.vocab_size
-            if not isinstance(tokens, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
-                raise RequestError(f"tokens must be a list of token ids in [0, {vocab})")
+            # parsed in the worker too: the body's objects are made and freed there, not on the event loop
+            raw = await self._raw(request)
+            return web.Response(body=await self._off_loop(functools.partial(self._detokenize, raw)),
+                                content_type="application/json")
         except _Reject as e:
             return _error(e.status, e.message)
         except RequestError as e:
             return _error(400, str(e))
-        return web.json_response({"prompt": self.router.planner.tokenizer.tok.decode(tokens,
-                                                                                     skip_special_tokens=False)})
+        except (PrepareDeadline, TimeoutError):
+            return _error(503, f"not detokenized within {self.config.prepare_timeout_s} s; retry later",
+                          {"Retry-After": "1"})
+
+    def _detokenize(self, raw: bytes, limits: ChatLimits) -> bytes:
+        body = _json_object(raw, self._max_values)
+        self._check_model(body)
+        _check_keys(body, {"model", "tokens"})
+        tokens, vocab, most = body.get("tokens"), self.router.planner.cfg.vocab_size, self.router.max_model_len
+        if isinstance(tokens, list) and len(tokens) > most:
+            raise RequestError(f"tokens holds {len(tokens)} ids, more than the served max model length ({most})")
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+            raise RequestError(f"tokens must be a list of token ids in [0, {vocab})")
+        limits.check()
+        return orjson.dumps({"prompt": self.router.planner.tokenizer.tok.decode(tokens, skip_special_tokens=False)})
 
     async def generate(self, request):
-        return await self._handle(request, sglang_to_native, self._generate_respond)
+        return await self._handle(request, lambda body, _limits: sglang_to_native(body), self._generate_respond)
 
     def _meta(self, req, n: int, finish: str | None, stats: dict, t0: float) -> dict:
         meta = {"prompt_tokens": req.prompt_len, "completion_tokens": stats.get("generated_tokens", n),

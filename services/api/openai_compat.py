@@ -14,7 +14,7 @@ import json
 import re
 import uuid
 
-from hybridcache.services.api.chat_template import ChatTemplate, mark
+from hybridcache.services.api.chat_template import ChatLimits, ChatTemplate, mark
 from hybridcache.services.runtime.sampling import MAX_TOP_LOGPROBS, RequestError
 
 # Fields clients send that this server does not implement. Each is accepted only when absent, null
@@ -132,25 +132,28 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 NO_TEMPLATE = "none: message texts concatenated without roles (the model has no chat template)"
 
 
-def chat_to_native(body: dict, template: ChatTemplate | None = None, tokenizer=None) -> dict:
+def chat_to_native(body: dict, template: ChatTemplate | None = None, tokenizer=None,
+                   limits: ChatLimits | None = None) -> dict:
     """A chat request as the engine's native request. With a chat template (and the tokenizer)
     the prompt is the rendered template in token ids (chat_template.ChatTemplate.prompt); without
-    one, system texts are the prefix, every other text part a segment, the last one the suffix."""
+    one, system texts are the prefix, every other text part a segment, the last one the suffix.
+    `limits`: the chat's size checked before it renders, the render bounded (ChatLimits)."""
     _check_fields(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                          "seed", "stop", "n", "stream", "separator", "tools", "tool_choice"} | _OPENAI_IGNORED,
                   "the request")
-    native = _chat_native(body, template, tokenizer)
+    native = _chat_native(body, template, tokenizer, limits or ChatLimits())
     top = chat_logprobs(body)
     if top is not None:
         native["sampling_params"]["logprobs"] = top
     return native
 
 
-def _chat_native(body: dict, template: ChatTemplate | None, tokenizer) -> dict:
+def _chat_native(body: dict, template: ChatTemplate | None, tokenizer, limits: ChatLimits) -> dict:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
     sep = _separator(body)
+    limits.check_body(messages, body.get("tools"), sep)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a role")
@@ -169,7 +172,7 @@ def _chat_native(body: dict, template: ChatTemplate | None, tokenizer) -> dict:
             raise RequestError("tools need a chat template, and the served model has none (--chat-template FILE)")
         return _chat_without_template(messages, sep, body)
     marked, texts = _marked_messages(messages, sep)
-    native = template.prompt(marked, texts, tokenizer, tools=tools).native()
+    native = template.prompt(marked, texts, tokenizer, tools=tools, limits=limits).native()
     native["sampling_params"] = openai_sampling(body)
     return native
 

@@ -167,6 +167,10 @@ class Planner:
         if chars > self.max_chars:
             raise RequestError(f"the request's text has {chars} characters, more than the {self.max_chars} "
                                f"that could fit in the served length")
+        # and token-id lists longer than the context, before their ids are checked one by one
+        given = sum(len(v) for v in (obj.get("system"), *segments, obj.get("suffix")) if isinstance(v, list))
+        if given > self.context_limit:
+            raise RequestError(f"prompt of {given} tokens exceeds {self._limit_name(given)}")
         seg_ids, packed = self._segments(segments, json_ids)
         for i, s in enumerate(seg_ids):
             if not s:
