@@ -265,10 +265,16 @@ class RuntimeConfig:
     # Continuous batching (services/runtime/scheduler.py): the combine worker and `hybridcache generate`
     # run their requests through one Scheduler; the scatter worker batches cold segments by the token budget.
     max_num_seqs: int = setting(16, "most requests decoding at once (one batched decode step over them all)",
-                                roles=("combine",))
+                                roles=("combine", "router"))
     max_waiting: int = setting(
         64, "requests queued for admission; one more is refused (HTTP 429 with Retry-After, gRPC "
-        "RESOURCE_EXHAUSTED)", roles=("combine",))
+        "RESOURCE_EXHAUSTED); the router refuses past it at once, counting its own requests in flight",
+        roles=("combine", "router"))
+    max_queue_wait_s: float = setting(
+        5.0, "router: the longest a request is let wait for a seat at a combine worker, as estimated when it "
+        "comes (requests waiting ahead times the mean seated time, over --max-num-seqs); one that would wait "
+        "longer is refused at once (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED), before anything is "
+        "planned or built for it", roles=("router",))
     max_num_batched_tokens: int = setting(
         8192, "prefill tokens (cold segment builds, assemblies) a scheduler step spends besides its decode "
         "step; on a scatter worker, the cold tokens of different requests built in one batched call")
@@ -317,6 +323,8 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be positive, got {self.max_queue_wait_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

@@ -60,6 +60,7 @@ class InferenceServicer(rpc.InferenceServicer):
 
     def _generate(self, request, control: StreamControl):
         try:
+            self.router.check_admission()  # a refusal costs no parsing
             req = self.router.parse(_parse_json(request.request_json), json_ids=True)
             for chunk in self.router.stream(req, control):
                 if chunk.error:

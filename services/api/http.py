@@ -326,9 +326,12 @@ class Api:
         # the response's ttft_ms counts from here: body, parsing and planning are part of the wait
         received = request["received"] = time.perf_counter()
         try:
+            self.router.check_admission()  # a refusal costs no parsing
             raw = await self._raw(request)
         except _Reject as e:
             return _error(e.status, e.message)
+        except Overloaded as e:
+            return _overloaded(e)
 
         run = request["run"] = _Run(asyncio.get_running_loop())
         limits = self._limits(received, lambda: run.control.cancelled)

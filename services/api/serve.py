@@ -133,7 +133,9 @@ def _serve(args) -> int:
         # the public door reads no message over the request limit (gRPC answers RESOURCE_EXHAUSTED)
         options = [("grpc.max_receive_message_length", config.max_request_bytes),
                    ("grpc.max_send_message_length", 1 << 30)]
-    server = grpc.server(ThreadPoolExecutor(max_workers=32), options=options, interceptors=interceptors)
+    # a combine worker's Generate holds a thread for the whole request: one for each it may take
+    threads = 32 if args.role != "combine" else max(32, config.max_num_seqs + config.max_waiting + 8)
+    server = grpc.server(ThreadPoolExecutor(max_workers=threads), options=options, interceptors=interceptors)
     # /health (the router's own HTTP API aside) is up from the start and says 503 ("starting",
     # "warming up") until the role serves
     health = {"status": "starting", "role": args.role, "address": address}

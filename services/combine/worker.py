@@ -208,7 +208,8 @@ class CombineServicer(rpc.CombineServicer):
         return pb.InfoReply(fingerprint=e.fingerprint, seam_window=e.config.seam_window, model_type=e.cfg.model_type,
                             mode=e.config.mode, dtype=self.dtype, prefill_tokens_per_second=self.prefill_tps,
                             transport_bandwidth=self.transport_bandwidth, endpoint=self.endpoint.to_msg(),
-                            scatter_same_gpu=self.scatter_same_gpu)
+                            scatter_same_gpu=self.scatter_same_gpu, max_num_seqs=self.scheduler.config.max_num_seqs,
+                            max_waiting=self.scheduler.config.max_waiting)
 
     def _tier(self, address: str) -> CacheTierClient:
         if address not in self._tiers:
@@ -407,6 +408,9 @@ class CombineServicer(rpc.CombineServicer):
         stats["reused_segments"] = sum(s["hit"] for s in stats["segments"])
         stats.update(moved)
         stats["combine_ms"] = (time.perf_counter() - t0) * 1000
+        # its wait in the scheduler's queue for a seat (what --max-queue-wait-s bounds at the router)
+        if handle.admitted_at is not None:
+            stats["queue_ms"] = (handle.admitted_at - handle.arrived) * 1000
         # this worker's share of the first token's wait (combine_ms goes on to the end of the
         # request): from the request reaching it to that token leaving its handler
         if t_first is not None:

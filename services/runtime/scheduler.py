@@ -152,6 +152,8 @@ class RequestHandle:
         self.prefill: Prefill | None = None
         self.error: BaseException | None = None
         self.finished_step = -1  # the scheduler step that ended it
+        self.arrived = time.perf_counter()
+        self.admitted_at: float | None = None  # when it first left the waiting queue (its wait for a seat ended)
 
     @property
     def cancelled(self) -> bool:
@@ -412,6 +414,8 @@ class Scheduler:
                 seq.kv_tokens, seq.reserved = tokens, tokens * self._kv_per_token
                 self._kv_reserved += seq.reserved
                 seq.admitted, self._admissions = self._admissions, self._admissions + 1
+                if seq.handle.admitted_at is None:
+                    seq.handle.admitted_at = time.perf_counter()
                 self._admitted.append(seq)
                 try:
                     seq.cold = self._cold_segments(seq)
