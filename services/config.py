@@ -160,8 +160,21 @@ class RuntimeConfig:
         "this many seconds to finish; `hybridcache up` stops the workers after the router", roles=("router",))
     api_key: str | None = setting(
         None, "router: the API key clients send as `Authorization: Bearer KEY` (HTTP and gRPC Inference; others "
-        "get 401 / UNAUTHENTICATED); /health, /livez and /metrics stay open", roles=("router",), type=str,
-        metavar="KEY", env="HYBRIDCACHE_API_KEY")
+        "get 401 / UNAUTHENTICATED); /health and /livez stay open, /metrics too with --metrics-open. Given on "
+        "the command line it shows in `ps`: prefer HYBRIDCACHE_API_KEY or --api-key-file", roles=("router",),
+        type=str, metavar="KEY", env="HYBRIDCACHE_API_KEY")
+    api_key_file: str | None = setting(
+        None, "router: a file of API keys, one a line (blank lines and # comments left out), each accepted as "
+        "--api-key is; readable by the service's user alone (the key then shows in no argument list and no "
+        "environment)", roles=("router",), type=str, metavar="PATH")
+    cache_isolation: str = setting(
+        "shared", "router: shared: every client's requests hit the same caches (a client may still keep its own "
+        "with vLLM's cache_salt field); per-key: every cache (segment entries, part chains, prefix pages, the "
+        "cache tier) is keyed by the request's API key, so no client's requests hit, or run faster for, what "
+        "another client sent", roles=("router",), choices=("shared", "per-key"))
+    metrics_open: bool = setting(
+        False, "router: serve /metrics without the API key (for a Prometheus that sends none); by default it "
+        "needs the key when one is set", roles=("router",))
     tls_certfile: str | None = setting(
         None, "router: PEM certificate (chain) to serve HTTPS and gRPC over TLS with (with --tls-keyfile)",
         roles=("router",), type=str, metavar="PATH")
@@ -307,6 +320,9 @@ class RuntimeConfig:
             raise ValueError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if self.cache_isolation == "per-key" and self.api_key is None and self.api_key_file is None:
+            raise ValueError("--cache-isolation per-key needs API keys (--api-key-file, HYBRIDCACHE_API_KEY or "
+                             "--api-key)")
         if self.max_prompt_chars is not None and self.max_prompt_chars <= 0:
             raise ValueError(f"max_prompt_chars must be positive, got {self.max_prompt_chars}")
         if self.max_model_len is not None and self.max_model_len <= 0:

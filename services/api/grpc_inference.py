@@ -15,6 +15,7 @@ import logging
 import math
 
 import grpc
+from hybridcache.services import security
 from hybridcache.services.protocol import rpc
 from hybridcache.services.router.router import Overloaded, Router, ServiceUnavailable, StreamControl
 from hybridcache.services.runtime.sampling import RequestError
@@ -37,8 +38,12 @@ def _parse_json(text: str):
 
 
 class InferenceServicer(rpc.InferenceServicer):
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, api_keys: list[str] | None = None):
         self.router = router
+        # --cache-isolation per-key: "Bearer KEY" -> the key's client (its requests' cache salt)
+        self._tenants = {}
+        if router.runtime.cache_isolation == "per-key":
+            self._tenants = {f"Bearer {k}": security.tenant_of(k) for k in api_keys or ()}
 
     def Generate(self, request, context):
         # context.abort raises a bare Exception: the status is decided first, aborted with once
@@ -46,7 +51,7 @@ class InferenceServicer(rpc.InferenceServicer):
         if not context.add_callback(control.cancel):  # the call has ended already
             control.cancel()
         try:
-            yield from self._generate(request, control)
+            yield from self._generate(request, control, self._tenant(context))
             return
         except _Status as e:
             code, message = e.code, e.message
@@ -58,10 +63,21 @@ class InferenceServicer(rpc.InferenceServicer):
             code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}"
         context.abort(code, message)
 
-    def _generate(self, request, control: StreamControl):
+    def _tenant(self, context) -> str | None:
+        """The client of the call's API key under --cache-isolation per-key (the interceptor let
+        through only calls with a key), else None."""
+        if not self._tenants:
+            return None
+        auth = dict(context.invocation_metadata() or ()).get("authorization", "")
+        return self._tenants.get(auth)
+
+    def _generate(self, request, control: StreamControl, tenant: str | None = None):
         try:
             self.router.check_admission()  # a refusal costs no parsing
-            req = self.router.parse(_parse_json(request.request_json), json_ids=True)
+            native = _parse_json(request.request_json)
+            if tenant is not None and isinstance(native, dict):
+                native["cache_salt"] = security.tenant_salt(tenant, native.get("cache_salt"))
+            req = self.router.parse(native, json_ids=True)
             for chunk in self.router.stream(req, control):
                 if chunk.error:
                     raise _Status(STATUS_CODES.get(chunk.status, grpc.StatusCode.INTERNAL), chunk.error)

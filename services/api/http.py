@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import json
 import logging
 import math
@@ -27,6 +26,7 @@ import uuid
 
 import orjson
 from aiohttp import web
+from hybridcache.services import security
 from hybridcache.services.api.chat_template import ChatLimits, ChatTemplate, PrepareDeadline
 from hybridcache.services.api.openai_compat import (
     NO_TEMPLATE,
@@ -224,23 +224,27 @@ class _Run:
 # (its user and assistant texts are segments, and the markup between them too: none could be served).
 CHAT_MESSAGES_PER_SEGMENT = 8
 
-# What a load balancer or Prometheus reads: open even with an API key.
-OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
+# What a load balancer's probes read: open even with an API key (/metrics too with --metrics-open).
+OPEN_PATHS = frozenset({"/health", "/livez"})
 
 
-def api_key_check(api_key: str):
-    """A middleware: 401 unless `Authorization: Bearer KEY` (compared in constant time), but on
-    OPEN_PATHS."""
-    expected = f"Bearer {api_key}".encode()
+def api_key_check(api_keys: str | list[str], open_paths=OPEN_PATHS):
+    """A middleware: 401 unless `Authorization: Bearer KEY` with KEY one of `api_keys` (each
+    compared in constant time), but on `open_paths`; request["tenant"] names the key's client
+    (security.tenant_of)."""
+    keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
+    expected = [f"Bearer {k}".encode() for k in keys]
+    tenants = {e: security.tenant_of(k) for e, k in zip(expected, keys)}
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if request.path not in OPEN_PATHS:
+        if request.path not in open_paths:
             got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
+            if not security.matches(got, expected):
                 metrics.UNAUTHENTICATED.labels(door="http").inc()
                 return _error(401, "missing or wrong API key (Authorization: Bearer KEY)",
                               {"WWW-Authenticate": "Bearer"})
+            request["tenant"] = tenants[got]
         return await handler(request)
 
     return check
@@ -248,18 +252,23 @@ def api_key_check(api_key: str):
 
 class Api:
     def __init__(self, router: Router, served_model: str, config: RuntimeConfig | None = None,
-                 api_key: str | None = None, chat_template: ChatTemplate | None = None):
+                 api_key: str | list[str] | None = None, chat_template: ChatTemplate | None = None):
         self.router = router
         self.served_model = served_model
         self.config = config or router.runtime
-        self.api_key = api_key
+        self.api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        # --cache-isolation per-key: every request's caches are keyed by its API key (tenant_salt)
+        self.per_key = self.config.cache_isolation == "per-key"
+        if self.per_key and not self.api_keys:
+            raise ValueError("--cache-isolation per-key needs API keys")
         # the model's chat template (None: chats are concatenated texts, as the stats say)
         self.chat_template = chat_template
         self.chat_template_source = chat_template.source if chat_template else NO_TEMPLATE
         self._workers = _Workers()
 
     def app(self) -> web.Application:
-        middlewares = [json_errors] + ([api_key_check(self.api_key)] if self.api_key else [])
+        open_paths = OPEN_PATHS | ({"/metrics"} if self.config.metrics_open else set())
+        middlewares = [json_errors] + ([api_key_check(self.api_keys, open_paths)] if self.api_keys else [])
         app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=middlewares)
         app.add_routes([
             web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
@@ -335,12 +344,16 @@ class Api:
 
         run = request["run"] = _Run(asyncio.get_running_loop())
         limits = self._limits(received, lambda: run.control.cancelled)
+        tenant = request.get("tenant")
 
         def prepare():
             # in a worker thread: parsing, conversion (text tokenized) and the router's parse
             body = _json_object(raw, self._max_values)
             self._check_model(body)
-            req = self.router.parse(convert(body, limits), json_ids=True)
+            native = convert(body, limits)
+            if self.per_key:
+                native["cache_salt"] = security.tenant_salt(tenant, native.get("cache_salt"))
+            req = self.router.parse(native, json_ids=True)
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError("stream must be a boolean")

@@ -139,12 +139,20 @@ def chat_to_native(body: dict, template: ChatTemplate | None = None, tokenizer=N
     one, system texts are the prefix, every other text part a segment, the last one the suffix.
     `limits`: the chat's size checked before it renders, the render bounded (ChatLimits)."""
     _check_fields(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-                         "seed", "stop", "n", "stream", "separator", "tools", "tool_choice"} | _OPENAI_IGNORED,
-                  "the request")
-    native = _chat_native(body, template, tokenizer, limits or ChatLimits())
+                         "seed", "stop", "n", "stream", "separator", "tools", "tool_choice", "cache_salt"}
+                  | _OPENAI_IGNORED, "the request")
+    native = _with_salt(body, _chat_native(body, template, tokenizer, limits or ChatLimits()))
     top = chat_logprobs(body)
     if top is not None:
         native["sampling_params"]["logprobs"] = top
+    return native
+
+
+def _with_salt(body: dict, native: dict) -> dict:
+    """vLLM's `cache_salt` request field, handed on (the planner checks it): the request's caches
+    are its own key space (plan.salted_key)."""
+    if body.get("cache_salt") is not None:
+        native["cache_salt"] = body["cache_salt"]
     return native
 
 
@@ -242,7 +250,7 @@ def _tool_call_for_template(call):
 
 def completion_to_native(body: dict) -> dict:
     _check_fields(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-                         "stream", "separator", "segments", "system", "logprobs"} | _OPENAI_IGNORED,
+                         "stream", "separator", "segments", "system", "logprobs", "cache_salt"} | _OPENAI_IGNORED,
                   "the request")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -264,7 +272,7 @@ def completion_to_native(body: dict) -> dict:
         native["segments"] = list(native["segments"]) + pieces[:-1]
         prompt = pieces[-1] if pieces else ""
     native["suffix"] = prompt
-    return native
+    return _with_salt(body, native)
 
 
 # SGLang sampling parameters this engine does not implement, with the value that means "off".
@@ -295,7 +303,7 @@ def sglang_sampling(sp) -> dict:
 
 def sglang_to_native(body: dict) -> dict:
     _check_fields(body, {"text", "input_ids", "sampling_params", "stream", "system", "segments", "suffix",
-                         "separator", "model", "return_logprob", "top_logprobs_num"} | _SGLANG_IGNORED,
+                         "separator", "model", "return_logprob", "top_logprobs_num", "cache_salt"} | _SGLANG_IGNORED,
                   "the request")
     native = {k: body[k] for k in ("system", "segments") if body.get(k) is not None}
     native["sampling_params"] = sglang_sampling(body.get("sampling_params"))
@@ -315,7 +323,7 @@ def sglang_to_native(body: dict) -> dict:
         native["segments"] = list(native.get("segments") or []) + pieces[:-1]
         text = pieces[-1] if pieces else ""
     native["suffix"] = text if text is not None else ""
-    return native
+    return _with_salt(body, native)
 
 
 TOOL_CALL_OPEN = "<tool_call>"

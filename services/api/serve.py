@@ -126,8 +126,10 @@ def _serve(args) -> int:
     # Workers and the cache tier answer members of the deployment only; the router's gRPC door is
     # the public Inference service.
     interceptors = [security.TokenInterceptor(secret.token)]
+    api_keys = []
     if args.role == "router":
-        interceptors = [security.ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        api_keys = security.load_api_keys(config.api_key, config.api_key_file)
+        interceptors = [security.ApiKeyInterceptor(api_keys)] if api_keys else []
     options = security.INTERNAL_GRPC_OPTIONS
     if args.role == "router":
         # the public door reads no message over the request limit (gRPC answers RESOURCE_EXHAUSTED)
@@ -173,7 +175,7 @@ def _serve(args) -> int:
         from hybridcache.services.router.router import Router, RouterConfig
 
         router = Router(args.model, directory, RouterConfig(assignment=args.assignment), config)
-        rpc.add_InferenceServicer_to_server(InferenceServicer(router), server)
+        rpc.add_InferenceServicer_to_server(InferenceServicer(router, api_keys), server)
 
     if args.role == "router" and config.tls_certfile:
         bound = server.add_secure_port(address, grpc.ssl_server_credentials([_key_and_cert(config)]))
@@ -199,7 +201,7 @@ def _serve(args) -> int:
     if args.role == "router":
         # Serve at once; /health says 503 until a combine worker has answered (pods start in any order).
         threading.Thread(target=router.connect, kwargs={"timeout_s": float("inf")}, daemon=True).start()
-        http_runner = _start_api(router, args, http_port, config)
+        http_runner = _start_api(router, args, http_port, config, api_keys)
     directory.register(args.role, address)
     stop = threading.Event()
     if args.role in ("combine", "router"):
@@ -255,7 +257,7 @@ def _tls_context(config):
     return ctx
 
 
-def _start_api(router, args, http_port: int, config):
+def _start_api(router, args, http_port: int, config, api_keys: list[str]):
     """Run the aiohttp app in its own thread; returns a function that stops it."""
     import asyncio
     from pathlib import Path
@@ -267,8 +269,7 @@ def _start_api(router, args, http_port: int, config):
 
     template = ChatTemplate.load(args.model, config.chat_template)
     api = Api(router, served_model=config.served_model_name or Path(args.model).name, config=config,
-              api_key=config.api_key,
-              chat_template=template)
+              api_key=api_keys, chat_template=template)
     runner = loop.run_until_complete(start_server(api.app(), args.host, http_port, config, _tls_context(config)))
     threading.Thread(target=loop.run_forever, name="http", daemon=True).start()
 

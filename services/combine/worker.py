@@ -76,16 +76,16 @@ def request_counters(device, store, model) -> dict[str, float]:
 
 def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]], cache_tier: str,
                        metadata=(), timeout_s: float = 120.0, receiver: Endpoint | None = None,
-                       device="cpu") -> tuple[dict[int, SegmentEntry], EntryAssembler]:
+                       device="cpu", key_salt: str = "") -> tuple[dict[int, SegmentEntry], EntryAssembler]:
     """Ask one scatter worker for entries; returns those received whole (a dead worker yields
     what arrived before it died) and the assembler (bytes, transfer seconds and path). With
     `receiver` (this worker's Endpoint) the scatter worker picks the transport; entries of the
-    device transports land on `device`."""
+    device transports land on `device`. `key_salt`: the request's cache salt (its entries' keys)."""
     channel = internal_channel(address)
     got: dict[int, SegmentEntry] = {}
     asm = EntryAssembler(device)
     req = pb.PrefillRequest(segments=[segment(i, ids, cache_tier=t) for i, ids, t in segments],
-                            cache_tier=cache_tier, transport=transport_for_address(address))
+                            cache_tier=cache_tier, transport=transport_for_address(address), key_salt=key_salt)
     if receiver is not None:
         receiver.to_pb(req.receiver)
     try:
@@ -281,7 +281,8 @@ class CombineServicer(rpc.CombineServicer):
                     jobs[address] = self._pool.submit(prefill_on_scatter, address,
                                                       [(i, segments[i], owners.get(i, "")) for i in idx],
                                                       request.cache_tier, trace_md,
-                                                      receiver=self.receiver_for(address), device=self.device)
+                                                      receiver=self.receiver_for(address), device=self.device,
+                                                      key_salt=request.cache_salt)
             retry: list[int] = []
             for address, idx in pending.items():
                 got, asm = jobs[address].result() if address in jobs else ({}, None)
@@ -341,7 +342,8 @@ class CombineServicer(rpc.CombineServicer):
             packed = [segment_array(s) for s in sorted(request.segments, key=lambda s: s.index)]
             req = self.engine.parse_request({"system": list(request.system_ids), "segments": packed,
                                              "suffix": list(request.suffix_ids), "sampling_params": sampling,
-                                             "live_segments": [s.index for s in request.segments if s.live]})
+                                             "live_segments": [s.index for s in request.segments if s.live],
+                                             "cache_salt": request.cache_salt})
             self.scheduler.check_fits(req)
         except (RequestError, ValueError) as e:
             yield pb.TokenChunk(done=True, error=str(e), status=400)

@@ -368,7 +368,7 @@ class Router:
                 request_id=uuid.uuid4().hex, system_ids=req.system_ids,
                 segments=[_segment(req, i) for i in range(len(req.segment_ids))],
                 suffix_ids=req.suffix_ids, sampling_json=json.dumps(_sampling_dict(req.sampling)), plan=plan,
-                scatter_workers=self.directory.members("scatter"),
+                scatter_workers=self.directory.members("scatter"), cache_salt=req.cache_salt,
                 cache_tier=self.directory.owner(plan[0].key) or "" if plan else (tiers[0] if tiers else ""))
             first = True
             last_t = None

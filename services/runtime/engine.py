@@ -218,27 +218,35 @@ class Engine:
             return LinearSpan(s.T.to(dt), s.S.to(dt), s.conv_tail)
         return data.attn[layer]
 
-    def build_entries(self, segments: list[list[int]], on_layer=None) -> list[SegmentEntry]:
+    def build_entries(self, segments: list[list[int]], on_layer=None, keys: list[str] | None = None
+                      ) -> list[SegmentEntry]:
         """Entries of several segments, equal to build_entry of each: prefilled together
         (ModelRunner.build_spans) in batches of similar lengths of at most `entry_batch_tokens`
         padded tokens; build time is shared out by length.
         `on_layer(indices, layer, spans)`, where streams_layers, is called as each layer of a batch
         is computed: the batch's segment indices and their spans of that layer (a LinearSpan or an
-        AttnSpan each, as the entries will hold them)."""
+        AttnSpan each, as the entries will hold them). `keys`: the entries' keys (a salted request's,
+        Planner.segment_key), else each segment's unsalted key."""
         if on_layer is not None and self.streams_layers:
             def layer_done(indices, layer, datas):
                 on_layer(indices, layer, [self._layer_span(d, layer) for d in datas])
         else:
             layer_done = None
         built = self.runner.build_spans(segments, layer_done)
-        return [self._entry(seg, data, seconds) for seg, (data, seconds) in zip(segments, built)]
+        entries = [self._entry(seg, data, seconds) for seg, (data, seconds) in zip(segments, built)]
+        for entry, key in zip(entries, keys or ()):
+            entry.key = key
+        return entries
 
-    def get_or_build_entry(self, segment_ids: list[int]) -> tuple[SegmentEntry, bool]:
-        key = self.entry_key(segment_ids)
+    def get_or_build_entry(self, segment_ids: list[int], key: str | None = None) -> tuple[SegmentEntry, bool]:
+        """The entry of a segment (under `key`: a salted request's; default its unsalted key), from the
+        store or built and stored."""
+        key = key or self.entry_key(segment_ids)
         entry = self.entries.get(key)
         if entry is not None:
             return entry, True
         entry = self.build_entry(segment_ids)
+        entry.key = key
         self.entries.put(entry)
         return entry, False
 
@@ -253,7 +261,7 @@ class Engine:
                 snap = self.prefixes.get(keys[j])
                 if snap is not None:
                     break
-        path = self.pages.match(prompt[: len(prompt) - 1], self.page_policy.usable)
+        path = self.pages.match(prompt[: len(prompt) - 1], self.page_policy.usable, req.cache_salt)
         if path and path[-1].depth * self.pages.page_size > (snap.length if snap else 0):
             self.pages.lock(path[-1])
             locked.append(path[-1])
@@ -328,7 +336,7 @@ class Engine:
                 if key not in cold and key not in pinned and key not in ahead and not self.entries.contains(key):
                     cold[key] = parts[j][1]
         built = dict(ahead)
-        built.update(zip(cold, self.build_entries(list(cold.values()))))
+        built.update(zip(cold, self.build_entries(list(cold.values()), keys=list(cold))))
         for entry in built.values():
             self.entries.put(entry)
 
@@ -345,7 +353,7 @@ class Engine:
                 elif key in pinned:
                     entry, hit = pinned[key], True
                 else:
-                    entry, hit = self.get_or_build_entry(ids)
+                    entry, hit = self.get_or_build_entry(ids, key)
                 if not hit:
                     stats.built_tokens += len(ids)
                 if w:
@@ -380,7 +388,8 @@ class Engine:
         if cfg.uses_prefix_cache and exact:
             exact_end = next((p.start for p in layout if isinstance(p, CachedSpan)), pos)
             anchor_layers = tuple(g[0] for g in self.model.linear_groups())
-            recorder = PageRecorder(self.page_policy, state.length, req.prompt_ids[:exact_end], anchor_layers)
+            recorder = PageRecorder(self.page_policy, state.length, req.prompt_ids[:exact_end], anchor_layers,
+                                    salt=req.cache_salt)
         snapshot_after = set(boundary) if cfg.uses_entries else set()
         if recorder is not None:
             is_ckpt = self.page_policy.is_checkpoint_position
@@ -406,7 +415,7 @@ class Engine:
             if exact_end < pos:
                 recorder = None  # the rest of this request is not exact: nothing more to insert
         if cfg.uses_prefix_cache:
-            tip = self.pages.match(req.prompt_ids)
+            tip = self.pages.match(req.prompt_ids, salt=req.cache_salt)
             stats.linear_state_bytes = sum(n.payload.linear_nbytes for n in tip)
         stats.segments = seg_stats
         return Prefill(state, logits, stats, started, recorder, locked)
@@ -424,7 +433,7 @@ class Engine:
             policy = self.page_policy
             if policy.stores_checkpoints and len(prompt) - 1 >= policy.checkpoint_tokens:
                 return False
-            if self.pages.match(prompt[: len(prompt) - 1], policy.usable):
+            if self.pages.match(prompt[: len(prompt) - 1], policy.usable, req.cache_salt):
                 return False
         return True
 
@@ -456,7 +465,7 @@ class Engine:
             recorder, locked = None, []
             if cfg.uses_prefix_cache:
                 stats.prefix_policy = cfg.prefix_policy
-                recorder = PageRecorder(policy, 0, req.prompt_ids[:n], anchor_layers)
+                recorder = PageRecorder(policy, 0, req.prompt_ids[:n], anchor_layers, salt=req.cache_salt)
                 recorder.add_hidden(captured, n)
                 recorder.add_checkpoint(n, state.linear, copy=True)
                 self._insert_pages(recorder, state, locked)
@@ -464,7 +473,7 @@ class Engine:
         return out
 
     def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list, last: bool = False) -> None:
-        tip = self.pages.insert(recorder.token_ids, lambda a: recorder.page_payload(state, a))
+        tip = self.pages.insert(recorder.token_ids, lambda a: recorder.page_payload(state, a), recorder.salt)
         if tip is not None:
             locked.append(tip)
             # The request holds these pages until it finishes: their anchors need not stay here too

@@ -477,7 +477,7 @@ class Scheduler:
         """(key -> entry, key -> error) of the cold segments `todo`, built as one batch; when the batch
         fails, each alone, so that only the requests of a segment that fails by itself fail."""
         try:
-            return dict(zip(todo, self.engine.build_entries(list(todo.values())))), {}
+            return dict(zip(todo, self.engine.build_entries(list(todo.values()), keys=list(todo)))), {}
         except Exception as e:  # noqa: BLE001 - retried one segment at a time below
             if len(todo) == 1:
                 return {}, {next(iter(todo)): e}
@@ -486,7 +486,7 @@ class Scheduler:
         entries, failed = {}, {}
         for key, ids in todo.items():
             try:
-                entries[key] = self.engine.build_entries([ids])[0]
+                entries[key] = self.engine.build_entries([ids], keys=[key])[0]
             except Exception as e:  # noqa: BLE001 - the requests of this segment fail
                 failed[key] = e
         return entries, failed

@@ -35,13 +35,14 @@ import queue
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import pb, rpc, segment, unpack_ids
 from hybridcache.services.runtime import graphs
 from hybridcache.services.runtime.engine import Engine
+from hybridcache.services.runtime.plan import salted_key
 from hybridcache.services.runtime.sequence import LinearSpan
 from hybridcache.services.transport import Endpoint, checksum, choose_transport, get_transport, local_endpoint
 from hybridcache.services.transport.codec import (
@@ -324,6 +325,7 @@ class ScatterServicer(rpc.ScatterServicer):
         entries: dict[str, list] = {}  # cache-tier member -> entries it owns
         owner = {seg.index: seg.cache_tier or request.cache_tier for seg in request.segments}
         tokens = {seg.index: unpack_ids(seg.ids) for seg in request.segments}
+        salt = request.key_salt  # a salted request's entries go under its keys (built once for any salt)
         kinds = self.engine.cfg.layer_types
         n_tensors = sum(len(LINEAR_FIELDS) if k == "linear_attention" else len(ATTN_FIELDS) for k in kinds)
         layered: dict[int, LayeredEntry] = {}
@@ -337,8 +339,9 @@ class ScatterServicer(rpc.ScatterServicer):
                     le = layered.get(index)
                     if le is None:
                         ids = tokens[index]
-                        le = layered[index] = LayeredEntry(index, self.engine.entry_key(ids), len(ids),
-                                                           self.engine.config.seam_window, n_tensors, transport)
+                        key = salted_key(self.engine.entry_key(ids), salt)
+                        le = layered[index] = LayeredEntry(index, key, len(ids), self.engine.config.seam_window,
+                                                           n_tensors, transport)
                         yield le.header()
                     fields = LINEAR_FIELDS if isinstance(span, LinearSpan) else ATTN_FIELDS
                     pairs.append((le, [(f, getattr(span, f)) for f in fields]))
@@ -349,6 +352,8 @@ class ScatterServicer(rpc.ScatterServicer):
                 continue
             _, index, entry, err = item
             done += 1
+            if entry is not None and salt:
+                entry = replace(entry, key=salted_key(entry.key, salt), checksum="")
             le = layered.pop(index, None)
             if entry is None:
                 yield pb.EntryChunk(segment_index=index, error=err)
