@@ -60,11 +60,7 @@ class DeploymentSecret:
 
     def write(self, path: str | Path) -> Path:
         """Write the secret to `path`, readable by its owner only."""
-        path = Path(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.secret)
-        return path
+        return write_private(path, self.secret)
 
     def _derive(self, label: bytes) -> bytes:
         return hmac.new(self.secret, b"hybridcache|" + label, hashlib.sha256).digest()
@@ -78,6 +74,17 @@ class DeploymentSecret:
     def seal_key(self) -> bytes:
         """The HMAC key of cache entries (cache/entry.py)."""
         return self._derive(b"entry-seal")
+
+
+def write_private(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` readable and writable by this process's user alone (0600, also when
+    the file was there with another mode: its mode is set before anything is written)."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(data)
+    return path
 
 
 _installed: DeploymentSecret | None = None

@@ -162,13 +162,15 @@ def _serve(args) -> int:
     elif args.role == "scatter":
         from hybridcache.services.scatter.worker import ScatterServicer
 
-        scatter = ScatterServicer(engine, config.max_num_batched_tokens, arena_bytes=config.ipc_arena_bytes)
+        scatter = ScatterServicer(engine, config.max_num_batched_tokens, arena_bytes=config.ipc_arena_bytes,
+                                  members=directory.members)
         rpc.add_ScatterServicer_to_server(scatter, server)
     elif args.role == "combine":
         from hybridcache.services.combine.worker import CombineServicer
         from hybridcache.services.runtime.scheduler import scheduler_config
 
-        combine = CombineServicer(engine, dtype=config.dtype, scheduling=scheduler_config(config, engine.model.device))
+        combine = CombineServicer(engine, dtype=config.dtype, scheduling=scheduler_config(config, engine.model.device),
+                                  members=directory.members)
         rpc.add_CombineServicer_to_server(combine, server)
     else:
         from hybridcache.services.api.grpc_inference import InferenceServicer

@@ -8,6 +8,7 @@ is dropped and reported as a miss.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from collections import OrderedDict
@@ -22,7 +23,8 @@ from hybridcache.services.transport.codec import entry_chunks, read_entries
 def write_entry_file(path: Path, entry: SegmentEntry) -> int:
     tmp = path.with_suffix(".tmp")
     n = 0
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # readable by the tier's user alone
+    with os.fdopen(fd, "wb") as f:
         for chunk in entry_chunks(entry, 0, get_transport("grpc")):
             raw = chunk.SerializeToString()
             f.write(struct.pack("<Q", len(raw)))

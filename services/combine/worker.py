@@ -105,8 +105,11 @@ def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]],
 
 class CombineServicer(rpc.CombineServicer):
     def __init__(self, engine: Engine, cache_tier: str = "", dtype: str = "float32",
-                 scheduling: SchedulerConfig | None = None):
+                 scheduling: SchedulerConfig | None = None, members=None):
+        """members(role): the deployment's members of a role (its directory): the only addresses this
+        worker dials or names to a scatter worker (None: any, for a worker used in-process)."""
         self.engine = engine
+        self._members = members
         # the worker's own entry cache: GPU memory on a CUDA worker, its process memory otherwise
         self.own_tier = "gpu" if engine.model.device.type == "cuda" else "worker"
         self.cache_tier = cache_tier
@@ -187,6 +190,9 @@ class CombineServicer(rpc.CombineServicer):
             return replace(self.endpoint, gpus=())
         return self.endpoint
 
+    def _member_set(self, role: str) -> set[str] | None:
+        return None if self._members is None else set(self._members(role))
+
     def scatter_endpoint(self, address: str) -> Endpoint | None:
         """The Endpoint of the scatter worker at `address` (ScatterEndpoints: its Describe, asked
         once; None for one that cannot describe itself, or, for PEER_RETRY_S, one that did not answer)."""
@@ -236,8 +242,13 @@ class CombineServicer(rpc.CombineServicer):
         # Only the keys of this engine's own planner count: a plan naming another key for a segment
         # (or no segment) is ignored, and the engine builds that segment itself.
         plan = [p for p in request.plan if p.key == expected.get(p.index)]
+        # Only members of the deployment are dialled: a plan naming another address builds there here.
+        tiers, scatters = self._member_set("cache-tier"), self._member_set("scatter")
+        plan = [p if _dials_member(p, tiers, scatters) else pb.SegmentPlan(index=p.index, key=p.key, source="local")
+                for p in plan]
         keys = {p.index: p.key for p in plan}
-        owners = {p.index: p.cache_tier for p in plan}
+        owners = {p.index: p.cache_tier if tiers is None or p.cache_tier in tiers else "" for p in plan}
+        request_tier = request.cache_tier if tiers is None or request.cache_tier in tiers else ""
         received: dict = {}  # key -> entry accepted from the tier or a scatter worker (rank slices on TP)
         hits = 0
         for p in plan:
@@ -267,8 +278,9 @@ class CombineServicer(rpc.CombineServicer):
                     cold.setdefault("", []).append(p.index)
         # A scatter worker on this worker's own GPU builds nothing faster than this worker does,
         # and its entries would still have to move: what was planned there is built here.
-        same_gpu = {a for a in set(cold) | set(request.scatter_workers) if a and self._on_my_gpu(a)}
-        workers = [w for w in request.scatter_workers if w not in same_gpu]
+        redispatch = [w for w in request.scatter_workers if scatters is None or w in scatters]
+        same_gpu = {a for a in set(cold) | set(redispatch) if a and self._on_my_gpu(a)}
+        workers = [w for w in redispatch if w not in same_gpu]
         moved["built_here_same_gpu"] = sum(len(cold[a]) for a in same_gpu if a in cold)
         # The pool threads do not inherit this thread's trace context: hand it over explicitly.
         trace_md = tracing.outgoing_metadata()
@@ -280,7 +292,7 @@ class CombineServicer(rpc.CombineServicer):
                 if address and address not in failed:
                     jobs[address] = self._pool.submit(prefill_on_scatter, address,
                                                       [(i, segments[i], owners.get(i, "")) for i in idx],
-                                                      request.cache_tier, trace_md,
+                                                      request_tier, trace_md,
                                                       receiver=self.receiver_for(address), device=self.device,
                                                       key_salt=request.cache_salt)
             retry: list[int] = []
@@ -424,6 +436,21 @@ class CombineServicer(rpc.CombineServicer):
         stats["trace_id"] = tracing.current_trace_id()
         metrics.CACHE_BYTES.labels(tier=self.own_tier).set(stats["entry_cache_bytes"])
         yield pb.TokenChunk(done=True, finish_reason=handle.finish_reason, stats_json=json.dumps(stats))
+
+
+def _dials_member(p: pb.SegmentPlan, tiers: set[str] | None, scatters: set[str] | None) -> bool:
+    """Whether a plan entry's address (a tier to fetch from, a scatter worker to build on) is a
+    member of the deployment (None: any address is)."""
+    if p.source == "tier":
+        ok = tiers is None or p.address in tiers
+    elif p.source == "scatter":
+        ok = scatters is None or p.address in scatters
+    else:
+        return True
+    if not ok:
+        log.warning("plan names %s %s, not a member of this deployment: the segment is built here",
+                    p.source, p.address)
+    return ok
 
 
 def _count_finished(handle: RequestHandle) -> None:

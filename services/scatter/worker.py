@@ -37,6 +37,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+import grpc
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.protocol import pb, rpc, segment, unpack_ids
@@ -91,8 +92,11 @@ TIER_WRITE_DEFER_S = 2.0  # the longest a built entry waits for an idle worker b
 
 class ScatterServicer(rpc.ScatterServicer):
     def __init__(self, engine: Engine, max_batch_tokens: int, arena_bytes: int = DEFAULT_ARENA_BYTES,
-                 tier_write_defer_s: float = TIER_WRITE_DEFER_S):
+                 tier_write_defer_s: float = TIER_WRITE_DEFER_S, members=None):
+        """members(role): the deployment's members of a role (its directory); a Prefill naming a cache
+        tier that is none of them is refused (None: any address, for a worker used in-process)."""
         self.engine = engine
+        self._members = members
         self.max_batch_tokens = max_batch_tokens
         self._pending: collections.deque[_Job] = collections.deque()
         self._cv = threading.Condition()
@@ -311,6 +315,12 @@ class ScatterServicer(rpc.ScatterServicer):
                 self._streaming -= 1
 
     def _prefill(self, request, context):
+        tiers = {seg.cache_tier or request.cache_tier for seg in request.segments} - {""}
+        if self._members is not None and not tiers <= set(self._members("cache-tier")):
+            # entries go only to the deployment's own tiers: an address from elsewhere is never dialled
+            bad = sorted(tiers - set(self._members("cache-tier")))[0]
+            log.warning("Prefill refused: cache tier %s is not a member of this deployment", bad)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"cache tier {bad} is not a member of this deployment")
         ctx = tracing.incoming_context(context)
         built: queue.Queue = queue.Queue()
         name = self.transport_for(request)
