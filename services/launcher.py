@@ -282,7 +282,7 @@ class LocalCluster:
         serve them meanwhile), then every other child."""
         routers = [s for s in self.services if s.role == "router"]
         others = [s for s in reversed(self.services) if s.role != "router"]
-        for group, grace in ((routers, self.config.drain_grace_s + 5), (others, 10)):
+        for group, grace in ((routers, self.config.drain_grace_s + 10), (others, 10)):
             for s in group:
                 if s.proc is not None and s.proc.poll() is None:
                     s.proc.send_signal(signal.SIGTERM)

@@ -219,6 +219,23 @@ class _Run:
         if not self.done:
             self.control.cancel()
 
+    def interrupt(self, error: Exception) -> None:
+        """(on the event loop) End the request with `error`: its handler answers with it (an error
+        event when its stream has begun), its work on the combine worker is cancelled."""
+        if not self.parsed.done():
+            self.parsed.set_exception(error)
+        self._q.put_nowait(error)
+        self.close()
+
+
+class Draining(ServiceUnavailable):
+    """The router is shutting down and the drain grace is over (HTTP 503, an SSE error event, gRPC
+    UNAVAILABLE)."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down and this request did not finish within its drain grace; "
+                         "retry elsewhere or later")
+
 
 # A chat of more messages than this many per segment a request may have is refused before it renders
 # (its user and assistant texts are segments, and the markup between them too: none could be served).
@@ -265,6 +282,7 @@ class Api:
         self.chat_template = chat_template
         self.chat_template_source = chat_template.source if chat_template else NO_TEMPLATE
         self._workers = _Workers()
+        self._runs: set[_Run] = set()  # requests in flight (drain ends those left with an error)
 
     def app(self) -> web.Application:
         open_paths = OPEN_PATHS | ({"/metrics"} if self.config.metrics_open else set())
@@ -343,6 +361,7 @@ class Api:
             return _overloaded(e)
 
         run = request["run"] = _Run(asyncio.get_running_loop())
+        self._runs.add(run)
         limits = self._limits(received, lambda: run.control.cancelled)
         tenant = request.get("tenant")
 
@@ -377,6 +396,8 @@ class Api:
             except (PrepareDeadline, TimeoutError):
                 return _error(503, f"the request was not prepared within {self.config.prepare_timeout_s} s "
                               f"(rendered, tokenized, planned); retry later", {"Retry-After": "1"})
+            except ServiceUnavailable as e:  # the drain grace ended while it was prepared
+                return _error(503, str(e))
             try:
                 return await respond(request, req, stream, body)
             except _Reject as e:
@@ -386,6 +407,7 @@ class Api:
             except ServiceUnavailable as e:
                 return _error(503, str(e))
         finally:
+            self._runs.discard(run)
             run.close()
             if not run.parsed.done():  # answered before it was parsed (deadline, client gone): nobody reads it
                 run.parsed.cancel()
@@ -461,6 +483,22 @@ class Api:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         return resp
+
+    async def drain(self, grace_s: float) -> int:
+        """(once the doors stopped listening) Wait up to grace_s for the requests in flight, then end
+        those left with an error their clients get (503, or an SSE error event and [DONE]) before
+        the connections close. Returns how many were ended so."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._runs and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._runs)
+        for run in left:
+            run.interrupt(Draining())
+        deadline = loop.time() + 5.0  # their answers written
+        while self._runs and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        return len(left)
 
     def _usage(self, req, completion_tokens: int, stats: dict) -> dict:
         # what the model generated (the token that stopped it included), and of the prompt what

@@ -177,7 +177,8 @@ def _serve(args) -> int:
         from hybridcache.services.router.router import Router, RouterConfig
 
         router = Router(args.model, directory, RouterConfig(assignment=args.assignment), config)
-        rpc.add_InferenceServicer_to_server(InferenceServicer(router, api_keys), server)
+        inference = InferenceServicer(router, api_keys)
+        rpc.add_InferenceServicer_to_server(inference, server)
 
     if args.role == "router" and config.tls_certfile:
         bound = server.add_secure_port(address, grpc.ssl_server_credentials([_key_and_cert(config)]))
@@ -231,9 +232,15 @@ def _serve(args) -> int:
     grace = config.drain_grace_s if args.role == "router" else 1.0
     if args.role == "router":
         log.info("draining: in-flight requests have %s s", grace)
-    stopped = server.stop(grace=grace)
-    if http_runner is not None:
+    if args.role == "router":
+        # both doors stop taking requests at once; those still running when the grace ends get an
+        # error (SSE error event, 503, gRPC UNAVAILABLE) before their connections close: the gRPC
+        # server's own end of the grace (which closes what is left) comes a moment after ours
+        stopped = server.stop(grace=grace + 3)
+        threading.Thread(target=inference.drain, args=(grace,), name="drain", daemon=True).start()
         http_runner()
+    else:
+        stopped = server.stop(grace=grace)
     stopped.wait()
     if combine is not None:
         combine.close()
@@ -275,9 +282,16 @@ def _start_api(router, args, http_port: int, config, api_keys: list[str]):
     runner = loop.run_until_complete(start_server(api.app(), args.host, http_port, config, _tls_context(config)))
     threading.Thread(target=loop.run_forever, name="http", daemon=True).start()
 
+    async def drain():
+        for site in list(runner.sites):
+            await site.stop()  # no new connections
+        ended = await api.drain(config.drain_grace_s)
+        if ended:
+            log.info("drain: %d request(s) still running at the end of the grace ended with an error", ended)
+        await runner.cleanup()  # closes the connections
+
     def stop():
-        # cleanup: stop listening, close idle connections, wait up to the drain grace for handlers
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=config.drain_grace_s + 5)
+        asyncio.run_coroutine_threadsafe(drain(), loop).result(timeout=config.drain_grace_s + 15)
         loop.call_soon_threadsafe(loop.stop)
 
     return stop
