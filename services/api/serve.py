@@ -155,8 +155,9 @@ def _serve(args) -> int:
 
     if args.role == "cache-tier":
         from hybridcache.services.cache_tier.server import CacheTierServicer
-        from hybridcache.services.cache_tier.store import TierStore
+        from hybridcache.services.cache_tier.store import TierStore, return_freed_entries
 
+        return_freed_entries()  # its resident memory follows the entries it holds (store.py)
         store = TierStore(config.tier_cache_bytes, args.spill_dir)
         rpc.add_CacheTierServicer_to_server(CacheTierServicer(store), server)
     elif args.role == "scatter":
