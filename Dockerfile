@@ -2,7 +2,9 @@
 # The one image of every HybridCache role and of the operator; the command picks what runs:
 #   hybridcache serve router|combine|scatter|cache-tier ...   (built by operator/builders.py)
 #   kopf run -m hybridcache.operator.main --all-namespaces     (manifests/operator/, the chart)
-# Build from the repository root:  docker build -t hybridcache/hybridcache:0.1.0 .
+# The image of the `hybridcache-serve` distribution. Build from the repository root, then push to
+# a registry the clusters pull from (docs/deploy.md, "The image"):
+#   docker build -t hybridcache/hybridcache-serve:0.1.0 .
 
 FROM python:3.11-slim-bookworm AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -13,11 +15,14 @@ COPY pyproject.toml README.md constraints.txt ./
 COPY kernels/ kernels/
 COPY services/ services/
 COPY operator/ operator/
+# the shipped QA model: package data of the distribution (hybridcache/models/default, what `hybridcache
+# up` and `serve` load without --model)
+COPY models/ models/
 # the project with its gpu extra (fla-core, Triton) and the operator's, at the pinned versions;
 # torch from the default index is the Linux build that carries the CUDA runtime the GPU roles need
 RUN pip install -c constraints.txt ".[gpu,operator]" \
     && hybridcache model init --arch qwen3_5_text --preset tiny --out /app/models/tiny
-# the project's trained QA model (README, "Quality"): what the CPU demo resource serves
+# the same model at the path the CPU demo resource names (manifests/examples/cpu-demo.yaml)
 COPY models/default/ /app/models/default/
 
 FROM python:3.11-slim-bookworm

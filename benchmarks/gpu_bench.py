@@ -206,9 +206,26 @@ def pic_layout(segs, entries, question):
     return layout
 
 
+_RUNNERS: dict = {}
+
+
+def runner_of(model, **settings):
+    """The ModelRunner over `model` with these RuntimeConfig settings (one per model and settings,
+    kept: its CUDA graphs of assemblies serve every section, as a worker's do)."""
+    from hybridcache.services.config import RuntimeConfig
+    from hybridcache.services.runtime.runner import ModelRunner
+
+    key = (id(model), tuple(sorted(settings.items())))
+    if key not in _RUNNERS:
+        _RUNNERS[key] = ModelRunner(model, RuntimeConfig(**settings))
+    return _RUNNERS[key]
+
+
 def ttft_figures(model, cfg, n_seg, figures, numerics):
-    from hybridcache.services.runtime.graphs import forward as graphed_forward
     from hybridcache.services.runtime.sequence import LiveRun
+
+    runner = runner_of(model)
+    graphed_forward = runner.forward
 
     gen = torch.Generator().manual_seed(n_seg)
     segs = [torch.randint(0, cfg.vocab_size, (SEG,), generator=gen) for _ in range(n_seg)]
@@ -228,19 +245,17 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
 
     def run_pic():
         state = model.empty_state()
-        logits, _ = graphed_forward(model, state, pic_layout(segs, entries, question), "last")
+        logits, _ = graphed_forward(state, pic_layout(segs, entries, question), "last")
         return logits, state
 
     # The live pass runs from CUDA graphs of its shape (services/runtime/graphs.py): captured at a
     # shape's second sighting (the first compiles and autotunes eagerly), replayed after. The timed
     # runs are replays; the eager pass and the capturing request are timed on their own.
-    from hybridcache.services.runtime.graphs import eager, layout_graphs
-
-    with eager(model):
+    with runner.eager():
         t_eager, (logits_eager, _) = timed(run_pic, repeat=5)
     run_pic()  # first sighting of the shape with graphs on (the eager runs above do not count)
     torch.cuda.synchronize()
-    graphs = layout_graphs(model)
+    graphs = runner.layout_graphs
     buffers = graphs.buffer_bytes if graphs is not None else 0
     allocated = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
@@ -269,7 +284,7 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
 
         def run():
             staged = stage(host_ents, "cuda")
-            return graphed_forward(model, model.empty_state(), pic_layout(segs, staged, question), "last")
+            return graphed_forward(model.empty_state(), pic_layout(segs, staged, question), "last")
 
         return run
 
@@ -282,7 +297,7 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
 
     def run_pic_host_per_tensor():
         on_gpu = [to_device(e, "cuda") for e in host]
-        return graphed_forward(model, model.empty_state(), pic_layout(segs, on_gpu, question), "last")
+        return graphed_forward(model.empty_state(), pic_layout(segs, on_gpu, question), "last")
 
     t_host_tensor, _ = timed(run_pic_host_per_tensor, repeat=3)
     figures[f"pic_ttft_ms_{tag}_host_per_tensor_copies"] = round(t_host_tensor, 2)
@@ -305,7 +320,7 @@ def ttft_figures(model, cfg, n_seg, figures, numerics):
         for e in entries
     ]
     t16, (logits16, _) = timed(
-        lambda: graphed_forward(model, model.empty_state(), pic_layout(segs, e16, question), "last"), repeat=5, warmup=3
+        lambda: graphed_forward(model.empty_state(), pic_layout(segs, e16, question), "last"), repeat=5, warmup=3
     )
     t16_host, _ = timed(pic_from_host(e16, "bench16"), repeat=5)
     figures[f"entry_mb_per_segment_{tag}_bf16_states"] = round(sum(map(entry_nbytes, e16)) / n_seg / 2**20, 1)
@@ -341,7 +356,6 @@ def shape_churn_figures(model, cfg, figures, n_seg=8, fresh=4, steps=16):
     and context length) is new, and decode steps (each a new context length), under torch's own
     SDPA backend choice (cuDNN included) and under the engine's default (flash, efficient, math)."""
     from hybridcache.services.runtime import backends
-    from hybridcache.services.runtime.graphs import forward as graphed_forward
     from hybridcache.services.runtime.sequence import LiveRun
 
     gen = torch.Generator().manual_seed(99)
@@ -349,6 +363,8 @@ def shape_churn_figures(model, cfg, figures, n_seg=8, fresh=4, steps=16):
     entries = build_entries(model, segs)
     base = 40
     for tag, spec in (("torch", "torch"), ("default", backends.DEFAULT_SDPA_BACKENDS)):
+        # the runner enters its own op choice for its forwards; the plain forwards below, this one
+        graphed_forward = runner_of(model, sdpa_backends=spec).forward
         with backends.dispatching(backends.OpDispatch(sdpa_backends=spec)):
             first, again = [], []
             for i in range(fresh):
@@ -356,7 +372,7 @@ def shape_churn_figures(model, cfg, figures, n_seg=8, fresh=4, steps=16):
                 for times in (first, again):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    graphed_forward(model, model.empty_state(), pic_layout(segs, entries, q), "last")
+                    graphed_forward(model.empty_state(), pic_layout(segs, entries, q), "last")
                     torch.cuda.synchronize()
                     times.append((time.perf_counter() - t0) * 1e3)
             base += fresh

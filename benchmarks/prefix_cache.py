@@ -41,6 +41,7 @@ from hybridcache.services.runtime.cache import POLICIES, PrefixPolicy, linear_st
 from hybridcache.services.runtime.cache.policies import ANCHOR_DTYPES
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.modelzoo import hf_config
 from hybridcache.services.runtime.sequence import LiveRun
@@ -126,8 +127,9 @@ def measured_bytes_per_token(model, tokenizer, policy: PrefixPolicy, length: int
         anchor_dtype=policy.anchor_dtype, prefix_cache_bytes=1 << 40))
     ids = torch.randint(0, min(model.cfg.vocab_size, 256), (length,), generator=torch.Generator().manual_seed(0))
     req = {"suffix": ids.tolist() + [1], "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}
-    eng.generate(req)
-    stat = eng.generate(req).stats.linear_state_bytes
+    with LLM(eng) as llm:
+        llm.generate(req)
+        stat = llm.generate(req).stats.linear_state_bytes
     return eng.pages.linear_bytes / length, stat / length
 
 

@@ -1,6 +1,8 @@
 """The served stack on one GPU, driven over HTTP by a streaming client; prints one JSON object.
 
-Qwen3.5-9B shape cut to --layers layers (8: 6 Gated DeltaNet + 2 attention), random bf16 weights
+Qwen3.5-9B shape (--preset; qwen3.5-35b-a3b for the MoE model, whose two served figures are also
+given as moe_served_pic_ttft_speedup_vs_prefix_32x1k and moe_cold_pic_ttft_vs_full_32x1k) cut to
+--layers layers (8: 6 Gated DeltaNet + 2 attention), random bf16 weights
 made on the GPU and written once to --model. A request is --segments documents of
 --segment-tokens random tokens, a 16-token system prompt and a --question-tokens question
 (32 x 1k + 64 by default). Phases (--phases, each optional):
@@ -146,6 +148,26 @@ def _stats(st: dict) -> dict:
     return {k: st[k] for k in keep if k in st}
 
 
+def preset_arch(preset: str) -> str | None:
+    """The model_type a preset belongs to: qwen3_5_text where several have it (tiny), else the
+    text-only model_type (qwen3_5_moe_text for qwen3.5-35b-a3b), else the only one."""
+    from hybridcache.services.runtime.modelzoo import PRESETS
+
+    archs = [a for a, p in PRESETS if p == preset]
+    for pick in ("qwen3_5_text", *[a for a in archs if a.endswith("_text")], *archs):
+        if pick in archs:
+            return pick
+    return None
+
+
+def is_moe(arch: str, preset: str) -> bool:
+    from hybridcache.services.runtime.modelzoo import hf_config
+
+    raw = hf_config(arch, preset)
+    raw = raw.get("text_config", raw)
+    return bool(raw.get("num_experts") or raw.get("num_local_experts"))
+
+
 def model_dir(args) -> Path:
     positions = f"-{args.max_position_embeddings}pos" if args.max_position_embeddings else ""
     return args.model or Path(f"/tmp/hybridcache-served-{args.arch}-{args.preset}-{args.layers or 'all'}l-"
@@ -184,27 +206,33 @@ def inproc_phase(args, work: Workload, model: Path) -> dict:
     import torch
     from hybridcache.services.config import RuntimeConfig
     from hybridcache.services.runtime.engine import Engine
+    from hybridcache.services.runtime.llm import LLM
 
     config = RuntimeConfig(device=args.device, dtype=args.dtype)
-    engine = Engine.from_dir(model, args.device, getattr(torch, args.dtype), config)
-    out = {"warmup": engine.warmup()}
+    llm = LLM(Engine.from_dir(model, args.device, getattr(torch, args.dtype), config))
+    out = {"warmup": llm.warmup()}
 
-    def ttft(eng, native) -> float:
-        req = eng.parse_request(native)
+    def ttft(llm, native) -> float:
+        req = llm.parse_request(native)
         _sync(args.device)
         t0 = time.perf_counter()
         first = None
-        for _ in eng.start(req):  # to the end, so that the request releases what it holds
+        for _ in llm.scheduler.add_request(req):  # to the end, so that the request releases what it holds
             if first is None:
                 _sync(args.device)
                 first = time.perf_counter()
         return round((first - t0) * 1000, 2)
 
-    out["cold_pic_ms"] = ttft(engine, work.cold)
-    out["warm_pic_ms"] = [ttft(engine, w) for w in work.warm]
-    full = Engine(engine.model, engine.tokenizer, replace(engine.config, mode="full"))
+    out["cold_pic_ms"] = ttft(llm, work.cold)
+    out["warm_pic_ms"] = [ttft(llm, w) for w in work.warm]
+    engine = llm.engine
+    llm.close()  # its pool of running requests' states goes before the next scheduler sizes its own
+    del llm
+    gc.collect()
+    full = LLM(Engine(engine.model, engine.tokenizer, replace(engine.config, mode="full")))
     ttft(full, work.cold2)  # the plain prefill of that length once, as a warmed-up server has
     out["full_ms"] = [ttft(full, work.cold) for _ in range(max(1, args.repeats))]
+    full.close()
     del engine, full
     gc.collect()
     if args.device == "cuda":
@@ -284,7 +312,16 @@ def _ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
 
 
-def figures(res: dict) -> dict:
+def figures(res: dict, moe: bool = False) -> dict:
+    """The run's figures; for a MoE model the issue's two served figures also under moe_ names."""
+    out = _figures(res)
+    if moe:
+        for name in ("served_pic_ttft_speedup_vs_prefix_32x1k", "cold_pic_ttft_vs_full_32x1k"):
+            out["moe_" + name] = out[name]
+    return out
+
+
+def _figures(res: dict) -> dict:
     inproc, pic, sc, sc_ipc, prefix = (res.get(p) for p in PHASES)
     warm_served = _median([r["ttft_ms"] for r in pic["warm"]]) if pic else None
     warm_inproc = _median(inproc["warm_pic_ms"]) if inproc else None
@@ -351,8 +388,9 @@ def figures(res: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--arch", default="qwen3_5_text")
-    ap.add_argument("--preset", default="qwen3.5-9b")
+    ap.add_argument("--arch", default=None, help="model_type (default: the one --preset belongs to, "
+                    "qwen3_5_text for presets several have)")
+    ap.add_argument("--preset", default="qwen3.5-9b", help="qwen3.5-9b, qwen3.5-35b-a3b (MoE), tiny, ...")
     ap.add_argument("--layers", type=int, default=8, help="layers kept of the preset (0: all)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--model", type=Path, help="model directory (written first when it holds no model)")
@@ -384,6 +422,11 @@ def main(argv=None) -> int:
         problems.append("--layers must be >= 0")
     if args.max_position_embeddings < 0:
         problems.append("--max-position-embeddings must be >= 0")
+    args.arch = args.arch or preset_arch(args.preset)
+    from hybridcache.services.runtime.modelzoo import PRESETS
+
+    if (args.arch, args.preset) not in PRESETS:
+        problems.append(f"--preset {args.preset}: no such preset" + (f" of --arch {args.arch}" if args.arch else ""))
     merged = {}
     if args.merge is not None:
         try:
@@ -420,7 +463,7 @@ def main(argv=None) -> int:
             "shape": {"arch": args.arch, "preset": args.preset, "layers": args.layers, "dtype": args.dtype,
                       "segments": args.segments, "segment_tokens": args.segment_tokens,
                       "question_tokens": args.question_tokens, "system_tokens": SYSTEM_TOKENS},
-            "figures": figures(res), "detail": res, "errors": errors,
+            "figures": figures(res, moe=is_moe(args.arch, args.preset)), "detail": res, "errors": errors,
             "merged_phases": sorted(p for p in res if p not in phases),
         }
 

@@ -285,7 +285,9 @@ class Stack:
         if not line.startswith('{"ready"'):
             self.stop()
             raise SystemExit(f"served_load: `hybridcache up` did not become ready ({shlex.join(cmd)})")
-        self.url = json.loads(line)["http"]
+        ready = json.loads(line)
+        self.url = ready["http"]
+        self.services = ready.get("services", [])  # role, grpc and http address of each process
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -1,9 +1,9 @@
 """Tensor parallelism: prefill and batched decode of one model at TP 1 and TP 2; prints one JSON object.
 
 A preset's shape (default Qwen3.5-9B) with random weights made on each rank's device, split as a
-served worker splits a checkpoint (tensor_parallel/shard.py), driven through the same broadcast
-calls (tensor_parallel/ranks.py). Figures per TP size: `full` prefill of --prefill-tokens tokens
-(seconds, tokens/s) and decode tokens/s of --streams requests stepping together (each after a
+served worker splits a checkpoint (tensor_parallel/shard.py), run by a ModelRunner on each rank
+through the same broadcast calls (tensor_parallel/ranks.py). Figures per TP size: `full` prefill
+of --prefill-tokens tokens (seconds, tokens/s) and decode tokens/s of --streams requests stepping together (each after a
 --prompt-tokens prompt); then tp2_prefill_speedup and tp2_decode_speedup when both sizes ran.
 
     python benchmarks/tensor_parallel.py --device cuda [--tp 1] [--tp 1,2] [--out results.json]
@@ -26,8 +26,10 @@ import time
 from pathlib import Path
 
 import torch
+from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.runtime import modelzoo
 from hybridcache.services.runtime.models.registry import build_model, config_from_dict
+from hybridcache.services.runtime.runner import ModelRunner
 from hybridcache.services.runtime.sequence import LiveRun
 from hybridcache.services.runtime.tensor_parallel import ranks
 from hybridcache.services.runtime.tensor_parallel.shard import shard_model
@@ -64,14 +66,20 @@ def random_model(arch: str, preset: str, dtype: str, device: str, rank: int, siz
     return model
 
 
+def random_runner(arch: str, preset: str, dtype: str, device: str, max_len: int, rank: int, size: int) -> ModelRunner:
+    """The ModelRunner of rank `rank`'s shard (random_model), its pools' tables `max_len` tokens wide."""
+    return ModelRunner(random_model(arch, preset, dtype, device, rank, size), RuntimeConfig(max_model_len=max_len))
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-def measure(model, args) -> dict:
-    """Prefill and decode figures of one model (a plain model or the Remote of rank 0's)."""
-    vocab = model.cfg.vocab_size
+def measure(runner, args) -> dict:
+    """Prefill and decode figures of one model through its runner (a ModelRunner or the Remote of
+    rank 0's)."""
+    vocab = config_from_dict(modelzoo.hf_config(args.arch, args.preset)).vocab_size
     gen = torch.Generator().manual_seed(0)
 
     def ids(n):
@@ -82,26 +90,26 @@ def measure(model, args) -> dict:
     for rep in range(args.repeat + 1):
         sync(args.device)
         t0 = time.perf_counter()
-        model.forward_layout(model.empty_state(), [LiveRun(prompt, 0)], logits_for="last")
+        runner.forward(runner.empty_state(), [LiveRun(prompt, 0)], logits_for="last")
         sync(args.device)
         if rep:  # the first run warms the kernels up
             times.append(time.perf_counter() - t0)
     prefill_s = statistics.median(times)
     states = []
     for _ in range(args.streams):
-        st = model.empty_state()
-        model.forward_layout(st, [LiveRun(ids(args.prompt_tokens), 0)], logits_for="none")
+        st = runner.empty_state()
+        runner.forward(st, [LiveRun(ids(args.prompt_tokens), 0)], logits_for="none")
         states.append(st)
     toks = ids(args.streams).tolist()
     # the streams held as the scheduler holds its running requests: linear states in slots, K/V in pages
     room = args.streams * (args.prompt_tokens + args.decode_steps + 2)
-    pool = model.new_state_pool(args.streams, room, args.prompt_tokens + args.decode_steps + 2)
+    pool = runner.new_state_pool(args.streams, room)
     slots = [pool.assign(st) for st in states]
-    model.decode_pool(pool, slots, toks)  # warm-up step
+    runner.decode(pool, slots, toks)  # warm-up step
     sync(args.device)
     t0 = time.perf_counter()
     for _ in range(args.decode_steps):
-        logits, _ = model.decode_pool(pool, slots, toks)
+        logits, _ = runner.decode(pool, slots, toks)
         toks = logits.argmax(-1).tolist()
     sync(args.device)
     decode_s = time.perf_counter() - t0
@@ -156,15 +164,16 @@ def main(argv=None) -> int:
                                   *(argv if argv is not None else sys.argv[1:])]),
            "device": device_name, "arch": args.arch, "preset": args.preset, "dtype": args.dtype, "tp": {}}
     for size in sizes:
-        build = functools.partial(random_model, args.arch, args.preset, args.dtype, args.device)
+        build = functools.partial(random_runner, args.arch, args.preset, args.dtype, args.device,
+                                  args.prompt_tokens + args.decode_steps + 2)
         if size == 1:
-            model = build(0, 1)
-            out["tp"]["1"] = measure(model, args)
-            del model
+            runner = build(0, 1)
+            out["tp"]["1"] = measure(runner, args)
+            del runner
             if args.device == "cuda":
                 torch.cuda.empty_cache()
             continue
-        group = ranks.start(size, build, ranks.MODEL_SURFACE, args.device)
+        group = ranks.start(size, build, ranks.RUNNER_SURFACE, args.device)
         try:
             out["tp"][str(size)] = measure(group.target, args)
         finally:

@@ -6,16 +6,12 @@ apply it. Every role runs the same image; the role is the first argument of `hyb
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 from hybridcache.operator.spec import HybridCacheSpec, RoleSpec
-from hybridcache.services import contract
-from hybridcache.services.config import config_fields, flag_name
+from hybridcache.services.config import config_fields, default_of, flag_name
 
 MANAGER = "hybridcache-operator"
-CONFIG_HASH_ANNOTATION = f"{contract.API_GROUP}/config-hash"
 UID = 10001
 CACHE_DIR = "/var/cache/hybridcache"
 # The deployment secret (services/security.py): one Secret per HybridCache, mounted into every pod.
@@ -90,7 +86,7 @@ def serve_args(spec: HybridCacheSpec, name: str, role: RoleSpec) -> list[str]:
     else:
         args += [
             "--seam-window", str(spec.engine.seam_window),
-            "--dtype", spec.engine.dtype,
+            "--dtype", spec.engine.dtype or ("bfloat16" if role.gpus_per_pod else default_of("dtype")),
             "--prefix-policy", spec.engine.prefix_policy,
             "--cuda-graphs", "on" if spec.engine.cuda_graphs else "off",
             "--device", "cuda" if role.gpus_per_pod else "cpu",
@@ -111,28 +107,6 @@ def serve_args(spec: HybridCacheSpec, name: str, role: RoleSpec) -> list[str]:
     return args
 
 
-def config_map(spec: HybridCacheSpec, name: str) -> Manifest:
-    """Settings shared by every role, given to the pods as environment variables."""
-    data = {
-        "HYBRIDCACHE_INSTANCE": name,
-        "HYBRIDCACHE_MODEL_ARCH": spec.model.arch,
-        "HYBRIDCACHE_MODEL_DIR": spec.model.directory,
-        "HYBRIDCACHE_DTYPE": spec.engine.dtype,
-        "HYBRIDCACHE_SEAM_WINDOW": str(spec.engine.seam_window),
-        "HYBRIDCACHE_PREFIX_POLICY": spec.engine.prefix_policy,
-        "HYBRIDCACHE_ETCD_ENDPOINTS": ",".join(spec.etcd_endpoints),
-        "HF_HUB_OFFLINE": "1",
-    }
-    if spec.observability.otlp_endpoint:
-        data["OTEL_EXPORTER_OTLP_ENDPOINT"] = spec.observability.otlp_endpoint
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": child_name(name, "config"), "labels": labels(name)},
-        "data": data,
-    }
-
-
 def deployment_secret(name: str, secret: str) -> Manifest:
     """The Secret holding the deployment secret. `secret` is made by the handler when the Secret is
     first created and never replaced afterwards (kube.Kube.create_if_absent): rotating it would
@@ -144,11 +118,6 @@ def deployment_secret(name: str, secret: str) -> Manifest:
         "type": "Opaque",
         "stringData": {SECRET_KEY: secret},
     }
-
-
-def config_hash(spec: HybridCacheSpec, name: str) -> str:
-    data = json.dumps(config_map(spec, name)["data"], sort_keys=True)
-    return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
 def _resources(spec: HybridCacheSpec, role: RoleSpec) -> dict[str, Any]:
@@ -173,10 +142,8 @@ def _container(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
     if role.name == "cache-tier":
         mounts.append({"name": "cache", "mountPath": CACHE_DIR})
     env = [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        # the address the pod listens on and registers (`--host $(POD_IP)`)
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "OTEL_SERVICE_NAME", "value": f"hybridcache-{role.name}"},
     ]
     if role.name == "router" and spec.auth.api_key_secret:
         # the router's --api-key, from the user's Secret straight into its environment
@@ -191,7 +158,6 @@ def _container(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
             {"name": "grpc", "containerPort": role.grpc_port, "protocol": "TCP"},
             {"name": "http", "containerPort": role.http_port, "protocol": "TCP"},
         ],
-        "envFrom": [{"configMapRef": {"name": child_name(name, "config")}}],
         "env": env,
         "resources": _resources(spec, role),
         "startupProbe": {**health, "periodSeconds": 10, "failureThreshold": 60},
@@ -277,10 +243,7 @@ def pod_template(spec: HybridCacheSpec, name: str, role: RoleSpec) -> Manifest:
         if spec.tolerations:
             pod_spec["tolerations"] = [t.to_manifest() for t in spec.tolerations]
     return {
-        "metadata": {
-            "labels": labels(name, role.name),
-            "annotations": {CONFIG_HASH_ANNOTATION: config_hash(spec, name)},
-        },
+        "metadata": {"labels": labels(name, role.name)},
         "spec": pod_spec,
     }
 
@@ -423,7 +386,6 @@ def service_monitor(spec: HybridCacheSpec, name: str) -> Manifest:
 def children(spec: HybridCacheSpec, name: str, scatter_replicas: int) -> list[Manifest]:
     """Every child object of one HybridCache, in the order they are applied."""
     objects = [
-        config_map(spec, name),
         *(service(spec, name, role.name) for role in spec.roles),
         cache_tier_statefulset(spec, name),
         router_deployment(spec, name),

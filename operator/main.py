@@ -31,7 +31,9 @@ METRICS_PORT = int(os.environ.get("HYBRIDCACHE_OPERATOR_METRICS_PORT", "0"))
 SCATTER_REPLICAS = prometheus_client.Gauge(
     contract.METRIC_SCATTER_REPLICAS,
     "Scatter workers the operator wants for a HybridCache",
-    ["namespace", "hybridcache"],
+    # not `namespace`: a scrape of the operator's pod gives every series that target label (the
+    # operator's own namespace), and Prometheus would rename this one's to exported_namespace
+    ["hybridcache_namespace", "hybridcache"],
 )
 
 _api: kube.Kube | None = None

@@ -3,7 +3,10 @@
 The CRD (manifests/crd/hybridcache.yaml) is the source of the schema and its defaults. The same
 defaults are repeated here because a spec may reach the operator without server-side defaulting
 (an older CRD, tests against the emulator); tests/operator/test_operator_spec.py checks that
-parsing a bare spec gives the same result as parsing it after applying the CRD's defaults.
+parsing a bare spec gives the same result as parsing it after applying the CRD's defaults. The
+engine's settings are the exception: they default to the runtime config's own defaults
+(services/config.py, the one source the `hybridcache` commands take theirs from), and the CRD
+declares none for them.
 Builders and the autoscaler take these objects, never the raw dict.
 """
 
@@ -14,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridcache.services import contract
+from hybridcache.services.config import default_of
 
-DEFAULT_IMAGE = "hybridcache/hybridcache:0.1.0"
+DEFAULT_IMAGE = "hybridcache/hybridcache-serve:0.1.0"
 AUTOSCALING_MODES = ("Operator", "External", "Disabled")
 METRICS_SOURCES = ("Router", "Prometheus")
 DTYPES = ("bfloat16", "float32")  # what `hybridcache serve --dtype` accepts
@@ -111,14 +115,15 @@ class RoleSpec:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    dtype: str = "bfloat16"
-    seam_window: int = 8
-    prefix_policy: str = "exact_replay"
-    cuda_graphs: bool = True
+    # the pods' dtype; unset: bfloat16 on GPU pods, the runtime config's default (float32) on CPU ones
+    dtype: str | None = None
+    seam_window: int = default_of("seam_window")
+    prefix_policy: str = default_of("prefix_policy")
+    cuda_graphs: bool = default_of("cuda_graphs")
     # ranks each worker splits its model over (one GPU each): a worker pod holds that many GPUs
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = default_of("tensor_parallel_size")
     # share of each GPU's memory a worker pod may use (vLLM's --gpu-memory-utilization)
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = default_of("gpu_memory_utilization")
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None) -> EngineSpec:
@@ -135,7 +140,7 @@ class EngineSpec:
             raise SpecError(f"engine.tensorParallelSize must be >= 1, got {engine.tensor_parallel_size}")
         if not 0 < engine.gpu_memory_utilization <= 1:
             raise SpecError(f"engine.gpuMemoryUtilization must be in (0, 1], got {engine.gpu_memory_utilization}")
-        if engine.dtype not in DTYPES or engine.prefix_policy not in PREFIX_POLICIES:
+        if engine.dtype not in (None, *DTYPES) or engine.prefix_policy not in PREFIX_POLICIES:
             raise SpecError(f"unknown engine.dtype or engine.prefixPolicy: {engine}")
         if not isinstance(engine.cuda_graphs, bool):
             raise SpecError(f"engine.cudaGraphs must be true or false, got {engine.cuda_graphs!r}")

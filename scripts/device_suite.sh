@@ -10,6 +10,8 @@
 #   families    the families' engine tests alone, one pytest each (fla's KDA autotuning alone has
 #               taken > 200 s); FAMILIES='kimi_linear olmo_hybrid' picks, FAMILIES_TIMEOUT (500 s) bounds
 #   bench       benchmarks/gpu_bench.py (one GPU)
+#   moe         benchmarks/moe_bench.py: the Qwen3.5-35B-A3B shape, ours against transformers + fla in
+#               turn (one GPU, ~6 min on an H100); MOE_BENCH_ARGS adds flags (--layers, --quick, --sections)
 #   served-gpu  benchmarks/served_gpu.py: router, cache tier, combine and scatter started by
 #               `hybridcache up --device cuda`, driven over HTTP against an in-process engine (one
 #               GPU); SERVED_GPU_PHASES picks the phases (default all: inproc,pic,scatter,scatter_ipc,prefix),
@@ -26,6 +28,10 @@
 #               --cuda-ipc (LOOPBACK_ENTRIES entries a request, default 32, five requests), the receiver's host
 #               work alone (benchmarks/assembler_host.py, on this machine's CPU) and the transport's gpu tests
 #               (tests/services/test_ipc_pool_gpu.py, tests/kernels/test_copy_checksum.py)
+#   decode      issue 43 on one GPU: the in-place decode step's and the sampler's kernels against their
+#               references (tests/kernels/test_recurrent_step.py, test_sampling_kernel.py, gpu tests
+#               included), then benchmarks/served_decode.py (1, 32, 128 greedy streams, 32 sampled, on
+#               the Qwen3.5-9B shape written once to $SERVED_MODEL); DECODE_ARGS adds its flags
 #   served      benchmarks/served_load.py through `hybridcache up --device cuda` on the Qwen3.5-9B
 #               shape (random bf16 weights, written once to $SERVED_MODEL, default /tmp/served-q9b):
 #               SERVED_SCENARIO=streams (default: 32 streams of 256 tokens vs 1) or rag (the RAG
@@ -51,9 +57,9 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | served-gpu | qps | profile | fold | train | transport | served) ;;
+    gpu-tests | families | bench | moe | served-gpu | qps | profile | fold | train | transport | decode | served) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, served-gpu, qps, profile, fold, train, transport, served)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, fold, train, transport, decode, served)" >&2
         exit 2 ;;
     esac
 done
@@ -118,6 +124,10 @@ for stage in "$@"; do
     bench)
         python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" > "$OUT/gpu_bench.log" 2>&1
         echo "bench rc=$?" ;;
+    moe)
+        # shellcheck disable=SC2086  # MOE_BENCH_ARGS is a list of flags
+        python3 benchmarks/moe_bench.py ${MOE_BENCH_ARGS:-} --out "$OUT/moe_bench.json" > "$OUT/moe_bench.log" 2>&1
+        echo "moe rc=$?"; grep -E "moe_bench: " "$OUT/moe_bench.log" | cut -c1-300 ;;
     served-gpu)
         merge=()
         [ -n "${SERVED_GPU_MERGE:-}" ] && merge=(--merge "$SERVED_GPU_MERGE")
@@ -153,6 +163,15 @@ for stage in "$@"; do
         TRITON_F32_DEFAULT=ieee timeout 240 python3 -P -m pytest -v -s -m gpu -p no:cacheprovider -rfE \
             tests/services/test_ipc_pool_gpu.py tests/kernels/test_copy_checksum.py > "$OUT/transport_tests.log" 2>&1
         echo "transport gpu tests rc=$?"; grep -E "cuda_ipc arena|passed|failed" "$OUT/transport_tests.log" | cut -c1-300 | tail -6 ;;
+    decode)
+        timeout 300 python3 -P -m pytest -v -s -m "gpu or not gpu" -p no:cacheprovider -rfE \
+            tests/kernels/test_recurrent_step.py tests/kernels/test_sampling_kernel.py > "$OUT/decode_kernels.log" 2>&1
+        echo "decode kernels rc=$?"; grep -E "kernel .* ms|passed|failed" "$OUT/decode_kernels.log" | tail -5
+        # shellcheck disable=SC2086  # DECODE_ARGS is a list of flags
+        timeout 540 python3 benchmarks/served_decode.py --device cuda --init-model qwen3_5_text:qwen3.5-9b \
+            --model "${SERVED_MODEL:-/tmp/served-q9b}" ${DECODE_ARGS:-} --out "$OUT/served_decode.json" \
+            > "$OUT/served_decode.log" 2>&1
+        echo "decode served rc=$?"; grep -o '"figures": {[^}]*}' "$OUT/served_decode.json" ;;
     served)
         scenario=${SERVED_SCENARIO:-streams}
         modes=${SERVED_MODES:-pic}

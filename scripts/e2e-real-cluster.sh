@@ -43,8 +43,8 @@ trap cleanup EXIT
 if $use_kind; then
     log "creating kind cluster $KIND_CLUSTER"
     kind create cluster --name "$KIND_CLUSTER" --wait 120s
-    docker build -t "hybridcache/hybridcache:$IMAGE_TAG" .
-    kind load docker-image "hybridcache/hybridcache:$IMAGE_TAG" --name "$KIND_CLUSTER"
+    docker build -t "hybridcache/hybridcache-serve:$IMAGE_TAG" .
+    kind load docker-image "hybridcache/hybridcache-serve:$IMAGE_TAG" --name "$KIND_CLUSTER"
 fi
 
 log "installing the chart (CRD, RBAC, operator) into $NS"

@@ -191,8 +191,7 @@ def env_names(root: Path = ROOT) -> dict[str, list[str]]:
 # empty cell (the table still lists it, so the docs test asks for a regeneration).
 ENV_HELP = {
     "HYBRIDCACHE_FAULT_EXIT_AFTER_ENTRIES": "tests only: a scatter worker exits after streaming this many entries",
-    "HYBRIDCACHE_HOME": "where a tiny random default model is created when none is shipped (~/.cache/hybridcache)",
-    "HYBRIDCACHE_MODEL": "the embedded default model's directory (else models/default)",
+    "HYBRIDCACHE_MODEL": "the default model's directory (else the one shipped as hybridcache/models/default)",
     "HYBRIDCACHE_OPERATOR_METRICS_PORT": "operator: port of its Prometheus metrics (0 = off)",
     "HYBRIDCACHE_RETRY_DELAY": "operator: seconds before a failed reconcile is retried (default 10)",
     "HYBRIDCACHE_SHM_DIR": "directory of the shared-memory transport (default /dev/shm)",

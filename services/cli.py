@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybridcache.services.config import add_config_flags, config_from_args
+from hybridcache.services.config import ENGINE_SECTIONS, add_config_flags, config_from_args
 
 EXIT_USAGE = 2
 
@@ -38,8 +38,11 @@ def _dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def _engine(args):
+def _llm(args):
+    """The engine the flags describe and a scheduler over it (llm.LLM): every request of these
+    commands runs the way a combine worker runs it."""
     from hybridcache.services.runtime.engine import Engine
+    from hybridcache.services.runtime.llm import LLM
     from hybridcache.services.runtime.modelzoo import default_model_dir
 
     try:
@@ -55,8 +58,8 @@ def _engine(args):
     if config.tensor_parallel_size > 1:
         from hybridcache.services.runtime.tensor_parallel.ranks import open_engine
 
-        return open_engine(model_dir, config)  # rank 0 of a group of its own (tensor_parallel/ranks.py)
-    return Engine.from_dir(model_dir, device=config.device, dtype=config.torch_dtype, config=config)
+        return LLM(open_engine(model_dir, config))  # rank 0 of a group of its own (tensor_parallel/ranks.py)
+    return LLM(Engine.from_dir(model_dir, device=config.device, dtype=config.torch_dtype, config=config))
 
 
 def _read_requests(path: str) -> list:
@@ -75,10 +78,16 @@ def _read_requests(path: str) -> list:
 
 
 def cmd_model_init(args) -> int:
-    from hybridcache.services.runtime.modelzoo import init_model_dir
+    from hybridcache.services.runtime.modelzoo import init_model_dir, parse_size
 
     try:
-        out = init_model_dir(args.arch, args.preset, args.out, seed=args.seed, dtype=_dtype(args.dtype))
+        if args.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda given but no CUDA device is available")
+        out = init_model_dir(args.arch, args.preset, args.out, seed=args.seed, dtype=_dtype(args.dtype),
+                             device=args.device, max_shard_bytes=parse_size(args.max_shard_size), progress=True)
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(json.dumps({"model_dir": str(out), "arch": args.arch, "preset": args.preset, "seed": args.seed}))
@@ -87,25 +96,19 @@ def cmd_model_init(args) -> int:
 
 def cmd_generate(args) -> int:
     reqs = _read_requests(args.request)
-    engine = _engine(args)
-    # Validate every request before running any, so a bad one fails fast and alone.
-    parsed = [engine.parse_request(r) for r in reqs]
-    if len(parsed) == 1:
-        print(json.dumps(engine.generate(parsed[0]).to_dict()), flush=True)
-        return 0
-    # Several requests run at once through the scheduler (continuous batching), as a server runs
-    # them; results are printed in the file's order, each as soon as it and those before it are done.
-    from dataclasses import replace
+    llm = _llm(args)
+    from hybridcache.services.api.openai_compat import split_native
 
-    from hybridcache.services.runtime.scheduler import Scheduler, scheduler_config
-
-    sched = Scheduler(engine, replace(scheduler_config(engine.config, engine.model.device), max_waiting=len(parsed)))
+    # Validate every request before running any, so a bad one fails fast and alone; their texts are
+    # split on the segment separator as the server splits a native request's
+    parsed = [llm.parse_request(split_native(r, llm.engine.config.segment_separator)) for r in reqs]
+    # They run at once through the scheduler (continuous batching), as a server runs them; results
+    # are printed in the file's order, each as soon as it and those before it are done.
     try:
-        handles = [sched.add_request(req) for req in parsed]
-        for h in handles:
-            print(json.dumps(h.result().to_dict()), flush=True)
+        for res in llm.results(parsed):
+            print(json.dumps(res.to_dict()), flush=True)
     finally:
-        sched.stop()
+        llm.close()
     return 0
 
 
@@ -118,18 +121,20 @@ def cmd_demo(args) -> int:
         from hybridcache.services.launcher import demo_serve
 
         return demo_serve(args, *sample_rag_request())
-    engine = _engine(args)
+    llm = _llm(args)
+    engine = llm.engine
     print(f"model: {engine.model.path} ({engine.cfg.model_type}, mode {engine.config.mode}, "
           f"seam window {engine.config.seam_window})")
     req, question, expected = sample_rag_request()
     print(f"{len(req['segments'])} documents; question: {question!r} (expected answer {expected!r})")
     for attempt, segments in (("first", req["segments"]), ("second, documents reordered", req["segments"][::-1])):
-        res = engine.generate(dict(req, segments=segments))
+        res = llm.generate(dict(req, segments=segments))
         st = res.stats
         hits = sum(s.hit for s in st.segments)
         print(f"\n[{attempt}] answer: {res.text!r}")
         print(f"  prompt {st.prompt_tokens} tokens: reused {st.reused_tokens}, live {st.live_tokens}, "
               f"built {st.built_tokens}; segments hit {hits}/{len(st.segments)}; ttft {st.ttft_ms:.1f} ms")
+    llm.close()
     return 0
 
 
@@ -143,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def engine_flags(sp, model_required: bool):
         sp.add_argument("--model", required=model_required, help="model directory (HF format)")
-        add_config_flags(sp)
+        add_config_flags(sp, sections=ENGINE_SECTIONS)
 
     m = command("model", "model directories")
     msub = m.add_subparsers(dest="model_command", required=True)
@@ -153,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--out", required=True)
     mi.add_argument("--seed", type=int, default=0)
     mi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    mi.add_argument("--max-shard-size", default="5GB",
+                    help="largest weights file; more is written as model-0000K-of-0000N.safetensors shards with "
+                    "an index, one at a time (default 5GB, as save_pretrained)")
+    mi.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the random values are drawn (cuda: faster for the real-size presets)")
     mi.set_defaults(func=cmd_model_init)
 
     g = command("generate", "run requests from a JSON file against one cache, print JSON lines")

@@ -1,11 +1,14 @@
-"""The runtime config: one frozen dataclass, one field per setting of an engine, and the flags of
-every command that builds one (`hybridcache generate | demo | eval | serve | up`) generated from
-its fields (as vLLM's `EngineArgs`): a field's default is the flag's default, its `help` the
-flag's help, its `roles` the `hybridcache serve` roles that `hybridcache up` forwards it to.
+"""The runtime config: one frozen dataclass, one field per setting, each in one section (model,
+cache, scheduler, server, security, devices), and the flags of every command that builds one
+(`hybridcache generate | demo | eval | serve | up`) generated from its fields (as vLLM's
+`EngineArgs`): a field's default is the flag's default, its `help` the flag's help, its `section`
+the group its flag is listed in and the commands that offer it (a command takes the sections it
+uses: `generate` has no server or security flags), its `roles` the `hybridcache serve` roles that
+`hybridcache up` forwards it to.
 
 To add a setting, add a field here with `setting(...)`; its flag, its forwarding and its row in
-docs/configuration.md (`python -m hybridcache.services.config_docs`) follow. Importable without
-torch (the router and the command-line parser need no tensors).
+docs/configuration.md (`python scripts/gen_config_docs.py`) follow. Importable without torch (the
+router and the command-line parser need no tensors).
 """
 
 from __future__ import annotations
@@ -47,15 +50,31 @@ def parse_warmup_shape(text: str | None) -> tuple[int, int, int, int] | None:
     return int(m.group(1) or 0), int(m.group(2)), int(m.group(3)), int(m.group(4))
 
 
-def setting(default: Any, help: str, *, roles: tuple[str, ...] = WORKERS, choices: tuple | None = None,
+# The sections of the config: what each holds. A command takes the sections it uses.
+SECTIONS = {
+    "model": "the model served and how the API names and presents it",
+    "cache": "segment entries, the prefix cache and where entries move",
+    "scheduler": "continuous batching: admission, prefill budgets, decode, warm-up",
+    "server": "the router's request limits, timeouts and draining; the servers' stats lines and request log",
+    "security": "API key, TLS and the deployment secret",
+    "devices": "where and how the model runs: device, memory share, parallelism, kernels, CUDA graphs",
+}
+# sections of the commands that run one engine in-process (generate, demo, eval)
+ENGINE_SECTIONS = ("model", "cache", "scheduler", "devices")
+
+
+def setting(default: Any, help: str, *, section: str, roles: tuple[str, ...] = WORKERS, choices: tuple | None = None,
             flag: str | None = None, metavar: str | None = None, type: type | None = None, env: str | None = None):
-    """A config field that is also a command-line flag (`--field-name` unless `flag` is given).
+    """A config field that is also a command-line flag (`--field-name` unless `flag` is given), in
+    `section` (one of SECTIONS).
     `type` parses the flag's value (default: the default's type; needed when the default is None,
     which means "unset": such a field is not forwarded, each process decides). `env` names an
     environment variable read when the flag is not given: a secret's way in, which `hybridcache up`
     uses to hand it to a service instead of an argument (argument lists are public to `ps`)."""
-    return field(default=default, metadata={"help": help, "roles": roles, "choices": choices, "flag": flag,
-                                            "metavar": metavar, "type": type, "env": env})
+    if section not in SECTIONS:
+        raise ValueError(f"unknown config section {section!r}")
+    return field(default=default, metadata={"help": help, "section": section, "roles": roles, "choices": choices,
+                                            "flag": flag, "metavar": metavar, "type": type, "env": env})
 
 
 @dataclass(frozen=True)
@@ -122,180 +141,213 @@ class PrefixPolicy:
 class RuntimeConfig:
     """Every setting of an engine. `EngineConfig` (services/runtime/engine.py) is this class."""
 
-    device: str = setting("cpu", "device the model runs on", choices=DEVICES)
-    dtype: str = setting("float32", "dtype of the model's weights and activations", choices=DTYPES)
+    device: str = setting("cpu", "device the model runs on", choices=DEVICES, section="devices")
+    dtype: str = setting("float32", "dtype of the model's weights and activations", choices=DTYPES, section="model")
     mode: str = setting(
         "pic", "full: no cache; prefix: exact prefix cache; pic: prefix cache + position-independent "
-        "segment entries; naive: pic without the transition T (an ablation)", choices=MODES)
+        "segment entries; naive: pic without the transition T (an ablation)", choices=MODES, section="cache")
     seam_window: int = setting(
-        8, "live tokens at the start of every reused segment (part of the entry key)", roles=ENGINE_ROLES)
-    max_segments: int = setting(64, "most segments a request may have", roles=ENGINE_ROLES)
+        8, "live tokens at the start of every reused segment (part of the entry key)", roles=ENGINE_ROLES,
+        section="cache")
+    max_segments: int = setting(64, "most segments a request may have", roles=ENGINE_ROLES, section="cache")
     max_model_len: int | None = setting(
         None, "router: longest prompt plus max_new_tokens accepted (default and ceiling: the model's "
-        "max_position_embeddings)", roles=("router",), type=int)
+        "max_position_embeddings)", roles=("router",), type=int, section="model")
     served_model_name: str | None = setting(
         None, "router: the model name the API serves, lists in /v1/models and answers to (default: the model "
-        "directory's name; 'default' is always an alias)", roles=("router",), type=str, metavar="NAME")
+        "directory's name; 'default' is always an alias); on a combine worker, the model_name label of its "
+        "vLLM-named metrics", roles=("router", "combine"), type=str, metavar="NAME", section="model")
     # every command refuses it (cli.main): a field so that vLLM command lines get that clear error
     trust_remote_code: bool = setting(
         False, "refused when set: the server runs only its own implementations of the supported model types, "
-        "never Python code from a model directory", roles=ENGINE_ROLES)
+        "never Python code from a model directory", roles=ENGINE_ROLES, section="model")
     chat_template: str | None = setting(
         None, "router: a Jinja chat template file for /v1/chat/completions (default: the model directory's "
         "tokenizer_config.json chat_template, else its chat_template.jinja)", roles=("router",), type=str,
-        metavar="FILE")
+        metavar="FILE", section="model")
+    segment_separator: str = setting(
+        "<<PIC_SEP>>", "router: the marker that splits every prompt text into segments (completion prompts, every "
+        "chat message's content, system and developer messages included, /generate text, native requests on HTTP "
+        "and gRPC, and `hybridcache generate`'s request files); removed before tokenizing. A request's "
+        "`separator` field overrides it; \"\" turns it off",
+        roles=("router",), metavar="TEXT", section="cache")
     max_request_bytes: int = setting(
         4 << 20, "router: largest HTTP request body and gRPC Inference message read; a larger one is refused "
-        "before it is read or parsed (HTTP 413, gRPC RESOURCE_EXHAUSTED)", roles=("router",))
+        "before it is read or parsed (HTTP 413, gRPC RESOURCE_EXHAUSTED)", roles=("router",), section="server")
     max_prompt_chars: int | None = setting(
         None, "router: most characters of text (system, segments, suffix together) tokenized for one request; "
         "more is refused before tokenizing (default: the served max length times the longest token of the "
-        "vocabulary, in characters: no request over it could fit)", roles=("router",), type=int)
+        "vocabulary, in characters: no request over it could fit)", roles=("router",), type=int, section="server")
     http_header_timeout_s: int = setting(
         10, "seconds a client has to send a request's line and headers to the router (and an idle keep-alive "
         "connection is kept) before the connection is closed; on the other roles' /health and /metrics, how "
-        "long a connection may send nothing", roles=SERVICE_ROLES)
+        "long a connection may send nothing", roles=SERVICE_ROLES, section="server")
     drain_grace_s: int = setting(
         20, "router: on SIGTERM it stops taking requests (both doors stop listening) and gives those in flight "
-        "this many seconds to finish; `hybridcache up` stops the workers after the router", roles=("router",))
+        "this many seconds to finish; `hybridcache up` stops the workers after the router", roles=("router",),
+        section="server")
     api_key: str | None = setting(
         None, "router: the API key clients send as `Authorization: Bearer KEY` (HTTP and gRPC Inference; others "
         "get 401 / UNAUTHENTICATED); /health and /livez stay open, /metrics too with --metrics-open. Given on "
         "the command line it shows in `ps`: prefer HYBRIDCACHE_API_KEY or --api-key-file", roles=("router",),
-        type=str, metavar="KEY", env="HYBRIDCACHE_API_KEY")
+        type=str, metavar="KEY", env="HYBRIDCACHE_API_KEY", section="security")
     api_key_file: str | None = setting(
         None, "router: a file of API keys, one a line (blank lines and # comments left out), each accepted as "
         "--api-key is; readable by the service's user alone (the key then shows in no argument list and no "
-        "environment)", roles=("router",), type=str, metavar="PATH")
+        "environment)", roles=("router",), type=str, metavar="PATH", section="security")
     cache_isolation: str = setting(
         "shared", "router: shared: every client's requests hit the same caches (a client may still keep its own "
         "with vLLM's cache_salt field); per-key: every cache (segment entries, part chains, prefix pages, the "
         "cache tier) is keyed by the request's API key, so no client's requests hit, or run faster for, what "
-        "another client sent", roles=("router",), choices=("shared", "per-key"))
+        "another client sent", roles=("router",), choices=("shared", "per-key"), section="security")
     metrics_open: bool = setting(
         False, "router: serve /metrics without the API key (for a Prometheus that sends none); by default it "
-        "needs the key when one is set", roles=("router",))
+        "needs the key when one is set", roles=("router",), section="security")
     tls_certfile: str | None = setting(
         None, "router: PEM certificate (chain) to serve HTTPS and gRPC over TLS with (with --tls-keyfile)",
-        roles=("router",), type=str, metavar="PATH")
+        roles=("router",), type=str, metavar="PATH", section="security")
     tls_keyfile: str | None = setting(None, "router: PEM private key of --tls-certfile", roles=("router",), type=str,
-                                      metavar="PATH")
+                                      metavar="PATH", section="security")
     prepare_timeout_s: int = setting(
         10, "router: seconds a request may take to be prepared (parsed, its chat template rendered, tokenized, "
-        "planned) before it is answered 503 with Retry-After and its preparation stopped", roles=("router",))
+        "planned) before it is answered 503 with Retry-After and its preparation stopped", roles=("router",),
+        section="server")
+    stats_interval_s: int = setting(
+        10, "combine: seconds between the lines of running statistics the worker logs, as vLLM's: prompt and "
+        "generation throughput, running and waiting requests, K/V and entry-cache use, prefix and entry cache "
+        "hit rates (an idle worker logs one line, then none until it works again; `hybridcache up` shows them); "
+        "0 = none", roles=("combine",), section="server")
+    log_requests: bool = setting(
+        False, "router: log one line per request that reached a combine worker as it ends: its id, HTTP status "
+        "and finish reason, prompt, cached and generated tokens, time to first token and in all "
+        "(`hybridcache up` shows them)", roles=("router",), section="server")
     http_body_timeout_s: int = setting(
         30, "router: seconds a client has to send a request's body once its headers are in (HTTP 408 after)",
-        roles=("router",))
+        roles=("router",), section="server")
     gpu_memory_utilization: float = setting(
         0.9, "share of its GPU's total memory a worker may use, weights included; the cache and K/V budgets "
-        "left unset are shares of what remains once the model is loaded (at most the memory free then). "
-        "`up` splits it between the workers it places on one GPU", type=float)
+        "left unset are shares of what remains once the model is loaded (at most the memory free then); a "
+        "combine worker that warms up on one GPU first measures its warm-up's activation peak and CUDA graphs "
+        "and sizes them from what is left, or refuses to start when its configuration does not fit. "
+        "`up` splits it between the workers it places on one GPU", type=float, section="devices")
     entry_cache_bytes: int | None = setting(
         None, "segment-entry cache budget (default: 1 GiB on the CPU; on CUDA a share of the worker's "
-        "memory pool (--gpu-memory-utilization), stated at start-up)", type=int)
+        "memory pool (--gpu-memory-utilization), stated at start-up)", type=int, section="cache")
     prefix_cache_bytes: int | None = setting(
         None, "prefix page-tree (and part-chain snapshot) budget (default: as --entry-cache-bytes, a smaller "
-        "share)", type=int)
+        "share)", type=int, section="cache")
     tier_cache_bytes: int = setting(CPU_CACHE_BYTES, "cache tier: its store's byte budget", roles=("cache-tier",),
-                                    flag="--cache-bytes")
+                                    flag="--cache-bytes", section="cache")
     warmup_shape: str = setting(
         "16+32x1024+64", "scatter/combine warm-up: besides the small requests that take every path, requests of "
         "this shape ([SYSTEM+]NxL+Q: N segments of L tokens, a Q-token question) cold and then warm, after new "
         "system prompts and after a cached one, through the worker's own request path, so that no such request "
         "compiles, autotunes or captures CUDA graphs on its own path "
-        "(N is cut to what the served length allows); none = only the small ones", metavar="[SYS+]NxL+Q")
+        "(N is cut to what the served length allows); none = only the small ones", metavar="[SYS+]NxL+Q",
+        section="scheduler")
     transport_bandwidth: str | None = setting(
         None, "router: starting bandwidths of the entry paths in GB/s, PATH=GB/s[,...] with PATH grpc, shm or "
         "cuda_ipc (default: the cost model's); measured transfers update them", roles=("router",), type=str,
-        metavar="PATH=GBPS,...")
+        metavar="PATH=GBPS,...", section="cache")
     ipc_arena_bytes: int = setting(
         512 << 20, "scatter: bytes of the device buffer (one per GPU, kept for the worker's life) that entries "
         "sent over CUDA IPC are written into; a combine worker maps it once, so requests open no IPC handle; "
-        "a write larger than it grows it; 0: a fresh buffer exported per layer batch", roles=("scatter",))
+        "a write larger than it grows it; 0: a fresh buffer exported per layer batch", roles=("scatter",),
+        section="cache")
     scatter_same_gpu: bool = setting(
         False, "combine: send cold segments to a scatter worker on this worker's own GPU too (default: build "
         "them here: on one GPU the scatter worker's build contends with this worker's and its entries still have "
-        "to move)", roles=("combine",))
-    entry_batch_tokens: int = setting(16384, "padded tokens per batched standalone prefill of cold segments")
-    verify_checksums: bool = setting(False, "re-hash every segment entry on every read of the entry cache")
-    prefix_policy: str = setting("exact_replay", "how prefix pages keep the linear layers' state", choices=POLICIES)
+        "to move)", roles=("combine",), section="cache")
+    entry_batch_tokens: int = setting(16384, "padded tokens per batched standalone prefill of cold segments",
+        section="scheduler")
+    verify_checksums: bool = setting(False, "re-hash every segment entry on every read of the entry cache",
+        section="cache")
+    prefix_policy: str = setting("exact_replay", "how prefix pages keep the linear layers' state", choices=POLICIES,
+        section="cache")
     checkpoint_every: int = setting(
-        4, "pages (64 tokens) between dense linear-state checkpoints (checkpoint, exact_replay)")
-    anchors_per_page: int = setting(4, "suffix_replay: hidden states kept per page at each linear-group entry (r)")
-    replay_anchors: int = setting(64, "suffix_replay: most anchors a hit replays per group (k)")
+        4, "pages (64 tokens) between dense linear-state checkpoints (checkpoint, exact_replay)", section="cache")
+    anchors_per_page: int = setting(4, "suffix_replay: hidden states kept per page at each linear-group entry (r)",
+        section="cache")
+    replay_anchors: int = setting(64, "suffix_replay: most anchors a hit replays per group (k)", section="cache")
     # Checked in __post_init__ (one error line, exit 2), not by argparse choices: it depends on prefix_policy.
     anchor_dtype: str = setting(
         "model", "suffix_replay: anchor storage; float8_e4m3fn keeps fp8 values with a per-anchor fp32 scale "
-        "(about half the bytes of bf16 anchors)", metavar="{model,float8_e4m3fn}")
+        "(about half the bytes of bf16 anchors)", metavar="{model,float8_e4m3fn}", section="cache")
     entry_policy: str = setting(
         "exact", "segment entries (pic): exact composition T S + S, or single_state (a reused segment keeps "
-        "only its own state)", choices=ENTRY_POLICIES)
+        "only its own state)", choices=ENTRY_POLICIES, section="cache")
     host_cache_bytes: int = setting(
         0, "segment entries evicted from the device cache move to a host-memory tier of this many bytes "
-        "(pinned with CUDA) and are staged back layer by layer on a hit; 0 = off")
+        "(pinned with CUDA) and are staged back layer by layer on a hit; 0 = off", section="cache")
     entry_state_dtype: str = setting(
         "float32", "storage of the segment entries' linear-layer T and S; bfloat16 halves a delta-rule entry "
-        "(composition keeps its running state in fp32)", choices=ENTRY_STATE_DTYPES)
+        "(composition keeps its running state in fp32)", choices=ENTRY_STATE_DTYPES, section="cache")
     secret_file: str | None = setting(
         None, "file holding the deployment secret (services/security.py): internal gRPC calls carry a token "
         "derived from it and cache entries are sealed with it; `hybridcache serve` needs one, `hybridcache up` "
-        "makes one per run unless given", roles=SERVICE_ROLES, type=str, metavar="PATH")
+        "makes one per run unless given", roles=SERVICE_ROLES, type=str, metavar="PATH", section="security")
     tensor_parallel_size: int = setting(
         1, "ranks one worker splits its model over by head (one GPU each, vLLM's name): the worker starts the "
-        "other ranks itself; part of the entry key, so entries of another split are misses", roles=ENGINE_ROLES)
+        "other ranks itself; part of the entry key, so entries of another split are misses", roles=ENGINE_ROLES,
+        section="devices")
     # A setting of the model: engines sharing one model share it.
     cuda_graphs: bool = setting(
         True, "on CUDA, run the live pass of assembled prompts from CUDA graphs of their shapes "
-        "(off: every forward eagerly)")
+        "(off: every forward eagerly)", section="devices")
     decode_cuda_graphs: bool = setting(
         True, "on CUDA, run batched decode steps from CUDA graphs captured per padded batch size (1, 2, 4, "
         "multiples of 8 up to --max-num-seqs), for models whose forward has no host synchronization "
         "(off: every decode step eagerly, through the same paged K/V; tests/kernels/test_decode_graphs_gpu.py "
-        "checks graph against eager steps on a GPU)")
+        "checks graph against eager steps on a GPU)", section="devices")
     batch_plain_prefills: bool = setting(
         True, "prefill the prompts admitted in one scheduler step together when each runs all live from an "
         "empty state (no segments, no system prompt, no prefix-cache hit, shorter than a prefix-cache "
         "checkpoint interval): one batched standalone forward of each prompt but its last token, which "
-        "runs in the next decode step and yields the first output token (off: each prompt's own forward)")
+        "runs in the next decode step and yields the first output token (off: each prompt's own forward)",
+        section="scheduler")
     decode_overlap: bool = setting(
-        True, "on CUDA, launch each decode step before the host handles the step before it, when every running "
-        "request samples greedily without logprobs: the picks stay on the device as the next step's inputs, "
-        "and the host emits one step's tokens while the GPU runs the next (a request that stops on a token "
-        "runs one step more, its result dropped; off: the host reads every step's tokens before the next)")
+        True, "on CUDA, launch each decode step before the host handles the step before it, when no running "
+        "request asks for logprobs: the picks (greedy or sampled on the GPU) stay on the device as the next "
+        "step's inputs, and the host emits one step's tokens while the GPU runs the next (a request that "
+        "stops on a token runs one step more, its result dropped; off: the host reads every step's tokens "
+        "before the next)",
+        section="scheduler")
     cuda_graph_shapes: int = setting(
         4, "layout shapes whose CUDA graphs are kept, least recently used dropped (each holds buffers the size "
-        "of its request's entries)")
-    # The two below choose the op implementations (services/runtime/backends.py) for the process.
+        "of its request's entries)", section="devices")
+    # The two below choose the op implementations (services/runtime/backends.py) of the engine's runner.
     kernels: str = setting(
         "auto", "auto: the fast kernels (fla, Triton) for CUDA tensors and the PyTorch references elsewhere; "
-        "reference: the references everywhere (to compare against)", choices=KERNELS)
+        "reference: the references everywhere (to compare against)", choices=KERNELS, section="devices")
     # cuDNN's attention is left out by default: it builds an execution graph for every new shape,
     # and every request has its own context length and live-token count, as does every decode step.
     sdpa_backends: str = setting(
         "flash,efficient,math", "SDPA backends allowed on CUDA: a comma list of flash, efficient, cudnn, math; "
-        "or torch (torch's own choice)")
+        "or torch (torch's own choice)", section="devices")
 
-    # Continuous batching (services/runtime/scheduler.py): the combine worker and `hybridcache generate`
-    # run their requests through one Scheduler; the scatter worker batches cold segments by the token budget.
+    # Continuous batching (services/runtime/scheduler.py): the combine worker and the in-process commands
+    # (`hybridcache generate`, `demo`, `eval`: runtime/llm.py) run every request through a Scheduler; the
+    # scatter worker batches cold segments by the token budget.
     max_num_seqs: int = setting(16, "most requests decoding at once (one batched decode step over them all)",
-                                roles=("combine", "router"))
+                                roles=("combine", "router"), section="scheduler")
     max_waiting: int = setting(
         64, "requests queued for admission; one more is refused (HTTP 429 with Retry-After, gRPC "
         "RESOURCE_EXHAUSTED); the router refuses past it at once, counting its own requests in flight",
-        roles=("combine", "router"))
+        roles=("combine", "router"), section="scheduler")
     max_queue_wait_s: float = setting(
         5.0, "router: the longest a request is let wait for a seat at a combine worker, as estimated when it "
-        "comes (requests waiting ahead times the mean seated time, over --max-num-seqs); one that would wait "
-        "longer is refused at once (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED), before anything is "
-        "planned or built for it", roles=("router",))
+        "comes (from the work the seated requests have left and a request's mean work, services/router/"
+        "admission.py); one that would wait longer is refused at once (HTTP 429 with Retry-After, gRPC "
+        "RESOURCE_EXHAUSTED), before anything is planned or built for it", roles=("router",), section="scheduler")
     max_num_batched_tokens: int = setting(
         8192, "prefill tokens (cold segment builds, assemblies) a scheduler step spends besides its decode "
-        "step; on a scatter worker, the cold tokens of different requests built in one batched call")
+        "step; on a scatter worker, the cold tokens of different requests built in one batched call",
+        section="scheduler")
     kv_cache_bytes: int | None = setting(
         None, "attention K/V the running requests may reserve, each its prompt and 256-token chunks of "
         "output as it grows; a request waits until its first chunk fits, running ones are preempted "
         "(recomputed later) when growth does not (default: 4 GiB on the CPU; on CUDA a share of the "
-        "worker's memory pool (--gpu-memory-utilization))", roles=("combine",), type=int)
+        "worker's memory pool (--gpu-memory-utilization))", roles=("combine",), type=int, section="scheduler")
 
     def __post_init__(self):
         if self.anchor_dtype is None:  # the Python spelling of "model"
@@ -316,6 +368,8 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("--tls-certfile and --tls-keyfile go together")
+        if self.stats_interval_s < 0:
+            raise ValueError(f"stats_interval_s must be >= 0 (0 = no stats lines), got {self.stats_interval_s}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key.strip():
@@ -431,16 +485,24 @@ def flag_kwargs(f) -> dict:
     return kw
 
 
-def config_fields(exclude: tuple[str, ...] = ()) -> list:
-    return [f for f in fields(RuntimeConfig) if f.name not in exclude]
+def default_of(name: str):
+    """The one default of a RuntimeConfig field (the operator and SchedulerConfig take theirs here)."""
+    return next(f.default for f in fields(RuntimeConfig) if f.name == name)
 
 
-def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """One flag per RuntimeConfig field (but `exclude`d ones), in a group of its own."""
-    group = parser.add_argument_group("runtime config (services/config.py)")
-    for f in config_fields(exclude):
-        assert f.default is not MISSING, f.name
-        group.add_argument(flag_name(f), **flag_kwargs(f))
+def config_fields(exclude: tuple[str, ...] = (), sections: tuple[str, ...] = tuple(SECTIONS)) -> list:
+    """The RuntimeConfig fields of `sections`, but the `exclude`d ones."""
+    return [f for f in fields(RuntimeConfig) if f.name not in exclude and f.metadata["section"] in sections]
+
+
+def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (),
+                     sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
+    """One flag per RuntimeConfig field of `sections` (but `exclude`d ones), a group per section."""
+    for name in sections:
+        group = parser.add_argument_group(f"{name} ({SECTIONS[name]})")
+        for f in config_fields(exclude, (name,)):
+            assert f.default is not MISSING, f.name
+            group.add_argument(flag_name(f), **flag_kwargs(f))
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> RuntimeConfig:

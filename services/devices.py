@@ -277,3 +277,80 @@ def warm_up_measured(device, utilization: float, warmup) -> dict:
         if warning:
             log.warning(warning)
     return out
+
+
+# What a worker's planned budgets leave unused of its share (allocator fragmentation, the CUDA
+# context's growth, kernels compiled later): this fraction of what is left, at least PLAN_MARGIN_MIN.
+PLAN_MARGIN_FRACTION = 0.05
+PLAN_MARGIN_MIN = 1 << 30
+# How a planned worker splits what is left between its caches: the running requests' K/V, the
+# segment entries and the prefix page tree (the proportions of the shares of an unplanned pool).
+PLAN_SPLIT = {"kv": KV_MEMORY_FRACTION, "entry": CACHE_MEMORY_FRACTION * ENTRY_SHARE,
+              "prefix": CACHE_MEMORY_FRACTION * (1 - ENTRY_SHARE)}
+
+
+class MemoryPlanError(ValueError):
+    """A worker's configuration does not fit its share of the GPU (one line: what to change)."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A worker's memory, vLLM style (its determine_available_memory): `share` (its
+    --gpu-memory-utilization of the GPU) less what it holds for good (`held`: weights, the running
+    requests' linear states, CUDA graph pools) and the transient peak of its warm-up above that
+    (`transient`: activations of its largest batches) leaves `left` bytes, less a margin, for the
+    caches: the running requests' K/V, the segment entries, the prefix pages."""
+
+    share: int
+    held: int
+    transient: int
+    left: int
+    kv: int
+    entry: int
+    prefix: int
+    how: str
+
+    def summary(self) -> dict:
+        """GiB figures for /health."""
+        names = ("share", "held", "transient", "left", "kv", "entry", "prefix")
+        return {f"{n}_gib": round(getattr(self, n) / 2**30, 2) for n in names}
+
+
+def plan_memory(share: int, held: int, transient: int, free: int, kv_min: int, entry: int | None = None,
+                prefix: int | None = None, kv: int | None = None, parts: dict[str, int] | None = None,
+                advice: str = "") -> MemoryPlan:
+    """The cache budgets of a worker that has loaded its model, run its warm-up and captured its
+    CUDA graphs (MemoryPlan says what each figure is). `free`: bytes free on the GPU without the
+    caches (other processes' share of it is not ours to take: what is left never exceeds it).
+    Budgets given stay as given and come off first; the rest splits by PLAN_SPLIT. `parts` names
+    pieces of `held` for the error line; `advice` says what to change. Raises MemoryPlanError when
+    the K/V budget would be under `kv_min` (what max_num_seqs requests need to start) or what is
+    given does not fit."""
+    gib = 2**30
+    room = min(share - held, free) - transient
+    margin = max(PLAN_MARGIN_MIN, int(PLAN_MARGIN_FRACTION * max(room, 0)))
+    left = room - margin
+    given = {n: v for n, v in (("kv", kv), ("entry", entry), ("prefix", prefix)) if v is not None}
+    for n, v in given.items():
+        if v <= 0:
+            raise MemoryPlanError(f"the {n} budget must be positive, got {v}")
+    rest = left - sum(given.values())
+    unset = [n for n in PLAN_SPLIT if n not in given]
+    weight = sum(PLAN_SPLIT[n] for n in unset)
+    out = dict(given)
+    for n in unset:
+        out[n] = int(max(rest, 0) * PLAN_SPLIT[n] / weight)
+    held_text = ", ".join(f"{name} {v / gib:.1f}" for name, v in (parts or {}).items())
+    how = (f"{share / gib:.1f} GiB share less {held / gib:.1f} held" + (f" ({held_text})" if held_text else "")
+           + f", {transient / gib:.1f} warm-up activations and a {margin / gib:.1f} margin")
+    if min(share - held, free) < share - held:
+        how += f" (cut to the {free / gib:.1f} GiB free)"
+    if rest < 0 or out["kv"] < kv_min or (unset and rest <= 0):
+        need = f"at least {kv_min / gib:.2f} GiB for the running requests' K/V"
+        if given:
+            need += " and " + ", ".join(f"{v / gib:.1f} GiB of {n} as given" for n, v in given.items())
+        raise MemoryPlanError(f"this worker does not fit its GPU memory: {how} leave {left / gib:.2f} GiB, "
+                              f"it needs {need}; {advice or 'raise --gpu-memory-utilization'}")
+    how += f" leave {left / gib:.1f} GiB: K/V {out['kv'] / gib:.1f}, entries {out['entry'] / gib:.1f}, " \
+           f"prefix pages {out['prefix'] / gib:.1f}" + (f" ({', '.join(given)} as given)" if given else "")
+    return MemoryPlan(share, held, transient, left, out["kv"], out["entry"], out["prefix"], how)

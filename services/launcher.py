@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hybridcache.services.config import RuntimeConfig, add_config_flags, config_args, config_env, config_from_args
 from hybridcache.services.devices import place_services, utilization_per_worker
+from hybridcache.services.observability.stats import FORWARDED
 from hybridcache.services.security import DeploymentSecret
 
 _HANDED_OUT: set[int] = set()
@@ -72,6 +73,26 @@ def free_port() -> int:
     raise RuntimeError("no free local port found")
 
 
+def connectable(host: str) -> str:
+    """The address a local client reaches a server listening on `host` at (a wildcard: loopback)."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def ready_timeout(device: str, model_dir: str | Path) -> tuple[float, str]:
+    """(seconds, why) a service may take to load its model, warm up and say ready: 120 s on the CPU
+    and 600 s on CUDA (kernels compile and autotune, CUDA graphs are captured: a 9B model's
+    warm-up on an H100 takes minutes), plus 30 s per GB of weights (read from disk, copied to the
+    device, and on CUDA warmed up at that size)."""
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    base = 600.0 if device == "cuda" else 120.0
+    seconds = base + 30.0 * weights / 1e9
+    where = "CUDA" if device == "cuda" else "the CPU"
+    return round(seconds), (f"{base:.0f} s on {where} plus 30 s per GB of the model's {weights / 1e9:.2f} GB of "
+                            f"weights; --ready-timeout-s sets it")
+
+
 @dataclass
 class Service:
     """One child: its role, addresses and log file; `proc` is replaced when it is restarted."""
@@ -84,11 +105,18 @@ class Service:
     env: dict = field(default_factory=dict)
     log_path: Path | None = None
     log_offset: int = 0  # where the current process's output starts in the log file
+    shown: int = 0  # how far in the log file LocalCluster.forward has read
+    last_progress: str = ""  # the current process's latest progress line (its start-up stage)
     started_at: float = 0.0
     restarts: int = 0
     backoff_s: float = 0.0
     restart_at: float | None = None  # when a dead child is started again
     ready: bool = False
+
+    @property
+    def name(self) -> str:
+        """The role and its index among the services of that role (its log file's name)."""
+        return self.log_path.stem if self.log_path is not None else self.role
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -120,11 +148,14 @@ class LocalCluster:
 
     def __init__(self, model_dir: str | Path, port: int = 8000, scatter_workers: int = 2, etcd: str | None = None,
                  config: RuntimeConfig | None = None, env: dict | None = None,
-                 extra: dict[str, list[str]] | None = None, ready_timeout_s: float = 120.0, cache_tiers: int = 1,
-                 gpus: tuple[int, ...] = (0,), log_dir: str | Path | None = None, **settings):
+                 extra: dict[str, list[str]] | None = None, ready_timeout_s: float | None = None,
+                 cache_tiers: int = 1, gpus: tuple[int, ...] = (0,), log_dir: str | Path | None = None,
+                 host: str = "127.0.0.1", **settings):
         """`config` (with `settings`: RuntimeConfig fields set over it) goes to every service, each
         role getting the fields it takes; `extra` adds flags per role. With device cuda the workers
-        take the `gpus` round robin (services/devices.py)."""
+        take the `gpus` round robin (services/devices.py). The router listens on `host` (both
+        doors), the other services on 127.0.0.1. `ready_timeout_s`: how long each service may take
+        to say ready (default: ready_timeout for the device and the model's size)."""
         if scatter_workers < 0:
             raise ValueError("scatter_workers must be >= 0")
         if cache_tiers < 1:
@@ -135,6 +166,7 @@ class LocalCluster:
         self.log_dir = Path(log_dir) if log_dir else self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.port = port
+        self.host = host
         reserve_port(port)
         self.n_scatter = scatter_workers
         self.etcd = etcd
@@ -156,7 +188,10 @@ class LocalCluster:
         self.env = {k: v for k, v in os.environ.items() if k not in secret_vars}
         self.env.update(OMP_NUM_THREADS="1", **(env or {}))
         self.extra = extra or {}
-        self.timeout = ready_timeout_s
+        self.say = None  # where forward() shows the services' progress and stats lines (`up`: stderr)
+        self.timeout, self.timeout_basis = ready_timeout(self.config.device, model_dir)
+        if ready_timeout_s is not None:
+            self.timeout, self.timeout_basis = ready_timeout_s, "as --ready-timeout-s set it"
         self.services: list[Service] = []
         # start order of the workers: the combine worker takes the first GPU
         placed = place_services(["cache-tier", "router", "combine"] + ["scatter"] * scatter_workers,
@@ -171,7 +206,7 @@ class LocalCluster:
     @property
     def url(self) -> str:
         scheme = "https" if self.config.tls_certfile else "http"
-        return f"{scheme}://127.0.0.1:{self.port}"
+        return f"{scheme}://{connectable(self.host)}:{self.port}"
 
     def _spawn(self, role: str, grpc_port: int, http_port: int, flags: list[str], env: dict | None = None,
                placement=None) -> Service:
@@ -180,15 +215,17 @@ class LocalCluster:
         config = self.config
         if placement.gpu is not None:
             config = replace(config, gpu_memory_utilization=round(self.utilization[placement.gpu], 6))
-        cmd = [sys.executable, "-m", "hybridcache.services.cli", "serve", role, "--grpc-port", str(grpc_port),
-               "--http-port", str(http_port), "--die-with-parent", str(os.getpid()), *config_args(config, role)]
+        host = self.host if role == "router" else "127.0.0.1"
+        cmd = [sys.executable, "-m", "hybridcache.services.cli", "serve", role, "--host", host,
+               "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--die-with-parent", str(os.getpid()),
+               *config_args(config, role)]
         if role != "cache-tier":
             cmd += ["--model", self.model_dir]
         if self.etcd:
             cmd += ["--etcd", self.etcd]
         cmd += flags + self.extra.get(role, [])
         n = sum(s.role == role for s in self.services)
-        svc = Service(role, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}", None, cmd=cmd,
+        svc = Service(role, f"{connectable(host)}:{grpc_port}", f"{connectable(host)}:{http_port}", None, cmd=cmd,
                       env=dict(self.env, **config_env(self.config, role), **env),
                       log_path=self.log_dir / f"{role}-{n}.log")
         self._launch(svc)
@@ -198,7 +235,8 @@ class LocalCluster:
     def _launch(self, svc: Service) -> None:
         """Start (or start again) the child's process, its output appended to its log file."""
         with open(svc.log_path, "ab") as log:
-            svc.log_offset = log.tell()
+            svc.log_offset = svc.shown = log.tell()
+            svc.last_progress = ""
             # The child's parent-death signal follows this thread: children are started from the
             # thread that runs start() and supervise() (up's main thread).
             svc.proc = subprocess.Popen(svc.cmd, stdout=log, stderr=subprocess.STDOUT, env=svc.env,
@@ -210,13 +248,44 @@ class LocalCluster:
             svc.ready = any(line.startswith('{"ready"') for line in svc.output().splitlines())
         return svc.ready
 
-    def _wait_ready(self, svc: Service) -> None:
-        deadline = time.monotonic() + self.timeout
+    def _wait_ready(self, svc: Service, deadline: float) -> None:
         while not self._is_ready(svc):
-            if svc.proc.poll() is not None or time.monotonic() > deadline:
+            self.forward()
+            if svc.proc.poll() is not None:
                 raise RuntimeError(f"{svc.role} did not become ready (exit {svc.proc.poll()}; log {svc.log_path}):\n"
                                    f"{svc.tail()}")
+            if time.monotonic() > deadline:
+                stage = f"; its last progress: {svc.last_progress}" if svc.last_progress else ""
+                raise RuntimeError(f"{svc.name} did not become ready within {self.timeout:g} s "
+                                   f"({self.timeout_basis}){stage}; log {svc.log_path}:\n{svc.tail()}")
             time.sleep(0.05)
+        self.forward()
+
+    def forward(self) -> None:
+        """Show the services' progress, stats and request-log lines (observability/stats.py) that
+        their logs gained since the last call, each as `self.say("ROLE-N: LINE")` (nothing is read
+        while `say` is None)."""
+        say = self.say
+        if say is None:
+            return
+        for svc in self.services:
+            if svc.log_path is None:
+                continue
+            try:
+                with open(svc.log_path, "rb") as f:
+                    f.seek(svc.shown)
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            whole = data.rfind(b"\n") + 1  # a line still being written waits for the next call
+            svc.shown += whole
+            for line in data[:whole].decode(errors="replace").splitlines():
+                m = FORWARDED.match(line)
+                if m is None:
+                    continue
+                if m.group(1).startswith("progress: "):
+                    svc.last_progress = m.group(1).removeprefix("progress: ")
+                say(f"{svc.name}: {m.group(1)}")
 
     def start(self, scatter_env: list[dict] | None = None) -> LocalCluster:
         try:
@@ -232,15 +301,17 @@ class LocalCluster:
             # background as they come up (ScatterEndpoints.watch), not on its first request's path
             combine = self._spawn("combine", free_port(), free_port(),
                                   [f for s in scatters for f in ("--scatter", s.grpc)] + tier_flags)
-            for s in [*tiers, *scatters, combine]:
-                self._wait_ready(s)
+            # the router starts with the workers (it asks the combine worker's Info in the
+            # background until it answers), so its start-up overlaps their model loading
             flags = ["--combine", combine.grpc]
             for t in tiers:
                 flags += ["--cache-tier", t.grpc]
             for s in scatters:
                 flags += ["--scatter", s.grpc]
             router = self._spawn("router", free_port(), self.port, flags)
-            self._wait_ready(router)
+            deadline = time.monotonic() + self.timeout  # the services start at once: one deadline
+            for s in [*tiers, *scatters, combine, router]:
+                self._wait_ready(s, deadline)
         except BaseException:
             self.stop()
             raise
@@ -314,11 +385,11 @@ def up(args) -> int:
     try:
         from hybridcache.services.devices import default_scatter_workers, idle_scatter_workers, parse_gpus
         from hybridcache.services.router.router import served_max_model_len
-        from hybridcache.services.runtime.config import ModelConfig
+        from hybridcache.services.runtime.models.registry import config_from_dir
 
         # bad values: one line, exit 2, before anything starts
         config = config_from_args(args)
-        served_max_model_len(ModelConfig.from_dir(model), config.max_model_len)
+        served_max_model_len(config_from_dir(model), config.max_model_len)
         gpus = parse_gpus(args.gpus)
         if config.device == "cuda":
             import torch
@@ -331,14 +402,14 @@ def up(args) -> int:
                 # a worker's ranks take its own GPU and the next ones of its visible list, one each
                 raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} needs that many GPUs "
                                  f"in --gpus (given: {args.gpus or '0'})")
-        if args.ready_timeout_s <= 0:
+        if args.ready_timeout_s is not None and args.ready_timeout_s <= 0:
             raise ValueError(f"--ready-timeout-s must be positive, got {args.ready_timeout_s}")
         n_scatter = args.scatter_workers
         if n_scatter is None:
             n_scatter = default_scatter_workers(config.device, gpus, config.tensor_parallel_size)
         cluster = LocalCluster(model, port=args.port, scatter_workers=n_scatter, etcd=args.etcd,
                                config=config, cache_tiers=args.cache_tiers, gpus=gpus,
-                               ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir)
+                               ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir, host=args.host)
     except ValueError as e:
         print(f"hybridcache: error: {e}", file=sys.stderr)
         return 2
@@ -362,6 +433,11 @@ def up(args) -> int:
               f"cold segments itself there (--scatter-same-gpu off), so these take a part of that GPU's memory for "
               f"no build; --scatter-workers {n_scatter - len(idle)} or more GPUs in --gpus avoid it",
               file=sys.stderr, flush=True)
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    # the services' start-up stages, then their stats and request-log lines, on this output
+    cluster.say = lambda line: say(f"hybridcache up: {line}")
     try:
         cluster.start()
     except RuntimeError as e:
@@ -370,13 +446,11 @@ def up(args) -> int:
         return 1
     print(json.dumps({"ready": True, "http": cluster.url, "services": [
         {"role": s.role, "grpc": s.grpc, "http": s.http, "pid": s.proc.pid} for s in cluster.services]}), flush=True)
-    print(f"hybridcache up: ready at {cluster.url} (OpenAI /v1, SGLang /generate, /metrics); Ctrl-C stops",
-          file=sys.stderr, flush=True)
-    def say(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
+    listening = "" if connectable(cluster.host) == cluster.host else f", listening on {cluster.host}"
+    say(f"hybridcache up: ready at {cluster.url}{listening} (OpenAI /v1, SGLang /generate, /metrics); Ctrl-C stops")
     try:
         while not stop.wait(0.25):
+            cluster.forward()
             for svc in cluster.supervise(say):
                 # one line per restarted child on stdout, like the ready line
                 print(json.dumps({"restarted": svc.role, "grpc": svc.grpc, "pid": svc.proc.pid,
@@ -398,8 +472,12 @@ def add_up_flags(p) -> None:
     p.add_argument("--cache-tiers", type=int, default=1,
                    help="cache-tier processes (entries spread over them by consistent hashing)")
     p.add_argument("--etcd", help="etcd endpoint HOST:PORT (default: in-process directory)")
-    p.add_argument("--ready-timeout-s", type=float, default=120.0,
-                   help="how long each service may take to load its model (and warm up) and say ready")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the router listens on, its HTTP API and gRPC Inference (0.0.0.0: every interface, "
+                   "as a container's published port needs); the other services listen on 127.0.0.1")
+    p.add_argument("--ready-timeout-s", type=float, default=None,
+                   help="how long the services may take to load the model, warm up and say ready (default: 120 s on "
+                   "the CPU, 600 s with --device cuda, plus 30 s per GB of the model's weights)")
     p.add_argument("--log-dir", help="directory of the services' log files, one per service (default: logs/ in "
                    "the run's temporary directory, named at start-up)")
     add_config_flags(p)  # each forwarded to the services that take it

@@ -1,11 +1,12 @@
-"""Project layout rules of DESIGN §1: the packages list is complete, no shadowing, no test packages."""
+"""Project layout rules (docs/architecture.md): the packages list is complete, no shadowing, no test packages."""
 
 from pathlib import Path
 
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPING = {"kernels": "hybridcache.kernels", "services": "hybridcache.services", "operator": "hybridcache.operator"}
+MAPPING = {"kernels": "hybridcache.kernels", "services": "hybridcache.services", "operator": "hybridcache.operator",
+           "models": "hybridcache.models"}
 
 
 def test_every_package_dir_is_listed():

@@ -180,3 +180,20 @@ def test_grpc_and_protobuf_ranges_match_the_generated_code():
     # protobuf's generated code refuses another major version of the runtime
     assert Version(f"{pb_generated.major + 1}.0.0") not in CORE["protobuf"].specifier
     assert not list(CORE["protobuf"].specifier.filter([f"{pb_generated.major + 1}.0.0"]))
+
+
+def test_docs_install_the_project_under_its_distribution_name():
+    """`hybridcache` on the public index is another project: every `pip install` of this one in
+    the README and docs/ names pyproject's distribution (or a path: `.`, a wheel)."""
+    name = canonicalize_name(PYPROJECT["name"])
+    assert name != "hybridcache"
+    seen = 0
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for line in doc.read_text().splitlines():
+            for m in re.finditer(r"pip install ([^`\n]*)", line):
+                for word in shlex.split(m.group(1).split("#")[0], posix=True):
+                    base = re.split(r"[\[ @=<>]", word, maxsplit=1)[0]
+                    if base.startswith("hybridcache"):
+                        seen += 1
+                        assert canonicalize_name(base) == name, f"{doc.name}: {line.strip()}"
+    assert seen, "no doc installs the project by its name"

@@ -50,15 +50,15 @@ def main(argv=None) -> int:
         print("gc_pause: --repeats must be >= 1", file=sys.stderr)
         return 2
     import grpc  # noqa: F401 - a worker's libraries, as serve imports them
-    from hybridcache.services.runtime.engine import Engine
+    from hybridcache.services.runtime.llm import LLM
     from hybridcache.services.runtime.modelzoo import default_model_dir
 
     model = args.model or default_model_dir()
     if not (Path(model) / "config.json").is_file():
         print(f"gc_pause: no model at {model} (a directory with config.json)", file=sys.stderr)
         return 2
-    engine = Engine.from_dir(model, device=args.device)
-    engine.warmup()
+    llm = LLM.from_dir(model, device=args.device)
+    llm.warmup()
     gc.collect()
     tracked = len(gc.get_objects())
     before = full_collection_ms(args.repeats)

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
         return 2
     torch.set_grad_enabled(False)
     from gpu_bench import build_models
-    from hybridcache.services.runtime.paged import StatePool, decode_step, set_decode_graphs
+    from hybridcache.services.config import RuntimeConfig
+    from hybridcache.services.runtime.runner import ModelRunner
     from hybridcache.services.runtime.sequence import LiveRun
     from profile_forward import sync_sites, table
 
@@ -63,9 +64,11 @@ def main(argv=None) -> int:
            "prompt_tokens": args.prompt_tokens, "steps": args.steps, "layers": cfg.num_hidden_layers}
     modes = (False,) if args.no_graphs else (False, True)
     for graphs in modes:
-        set_decode_graphs(model, graphs)
+        # the decode step's CUDA graphs are its runner's (services/runtime/runner.py)
+        runner = ModelRunner(model, RuntimeConfig(decode_cuda_graphs=graphs,
+                                                  max_model_len=args.prompt_tokens + 8 * args.steps + 64))
         for B in batches:
-            pool = StatePool(model.empty_state(), slots_max, kv_tokens, args.prompt_tokens + 8 * args.steps + 64)
+            pool = runner.new_state_pool(slots_max, kv_tokens)
             slots = []
             for _ in range(B):
                 s = model.empty_state()
@@ -74,8 +77,8 @@ def main(argv=None) -> int:
                 slots.append(pool.assign(s))
             toks = [5] * B
 
-            def step(pool=pool, slots=slots, toks=toks):
-                logits, _ = decode_step(model, pool, slots, toks)
+            def step(pool=pool, slots=slots, toks=toks, runner=runner):
+                logits, _ = runner.decode(pool, slots, toks)
                 return logits
 
             for _ in range(3):  # warm: kernels compiled, the graph of this size captured
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
                 "by_device_time": table(prof, "self_device_time_total", args.top),
             }
             if graphs:
-                g = getattr(pool, "graphs", None)
+                g = runner.decode_graphs(pool)
                 out[key]["graph_stats"] = dict(g.stats) if g is not None else None
                 out[key]["graph_failures"] = {str(k): v for k, v in g.failed.items()} if g is not None else None
             print(f"profile_decode: {key}: {out[key]['step_ms_p50']} ms a step, "

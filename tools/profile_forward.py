@@ -159,9 +159,7 @@ def main(argv=None):
     ap.add_argument("--sync-check", action="store_true", help="report host-device syncs and their call sites")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
-    from gpu_bench import SEAM, SEG, build_entries, build_models, pic_layout
-    from hybridcache.services.runtime.graphs import eager, set_cuda_graphs
-    from hybridcache.services.runtime.graphs import forward as graphed_forward
+    from gpu_bench import SEAM, SEG, build_entries, build_models, pic_layout, runner_of
     from hybridcache.services.runtime.sequence import LiveRun
 
     cfg, model, _, _ = build_models("qwen3.5-9b", False)
@@ -170,9 +168,11 @@ def main(argv=None):
     question = torch.randint(0, cfg.vocab_size, (64,), generator=gen)
     entries = build_entries(model, segs)
     out = {"segments": args.segments, "seam": SEAM}
+    runner = runner_of(model)  # the assemblies' CUDA graphs are its (services/runtime/runner.py)
+    eager = runner.eager
 
     def pic():
-        graphed_forward(model, model.empty_state(), pic_layout(segs, entries, question), "last")
+        runner.forward(model.empty_state(), pic_layout(segs, entries, question), "last")
 
     state = model.empty_state()
     model.forward_layout(state, [LiveRun(torch.cat(segs), 0)], "none")
@@ -186,7 +186,7 @@ def main(argv=None):
         shape's second sighting, so after the warm-up runs below every run is a replay)."""
 
         def fn():
-            with contextlib.nullcontext() if on else eager(model), record_function("forward"):
+            with contextlib.nullcontext() if on else eager(), record_function("forward"):
                 pic()
 
         return fn
@@ -203,11 +203,11 @@ def main(argv=None):
         or eagerly."""
 
         def fn():
-            with contextlib.nullcontext() if graphs_on else eager(model):
+            with contextlib.nullcontext() if graphs_on else eager():
                 with record_function("stage"):
                     staged = stage(hosted, "cuda")
                 with record_function("forward"):
-                    graphed_forward(model, model.empty_state(), pic_layout(segs, staged, question), "last")
+                    runner.forward(model.empty_state(), pic_layout(segs, staged, question), "last")
 
         return fn
 
@@ -248,9 +248,9 @@ def main(argv=None):
     # time the same assembly both ways (its 32 x 1k figure has been 50 ms above this script's wall)
     def pic_kept():
         state = model.empty_state()
-        return graphed_forward(model, state, pic_layout(segs, entries, question), "last"), state
+        return runner.forward(state, pic_layout(segs, entries, question), "last"), state
 
-    set_cuda_graphs(model, False)  # the eager pass, as before graphs
+    runner.layout_graphs = None  # the eager pass from here, as before graphs (their memory goes)
     for keep in (False, True):
         prev, times = pic_kept(), []
         torch.cuda.synchronize()

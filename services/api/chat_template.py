@@ -225,22 +225,25 @@ class ChatTemplate:
     def prompt(self, marked: list[dict], texts: list[str], tokenizer, tools: list | None = None,
                limits: ChatLimits | None = None) -> ChatPrompt:
         """The prompt of the messages `marked`, where mark(k) stands for texts[k] (each text that
-        may be a segment); the template sees the messages with the texts in place."""
+        may be a segment); the template sees the messages with the texts in place. A text the
+        template does not render is no part of the prompt."""
         limits = limits or ChatLimits()
         full = self.render(substitute(marked, texts), tools, limits=limits)
         rendered = self.render(marked, tools, limits=limits)
         limits.check()
-        # every marker once, in order: then each text's span in the full text follows
+        # the markers rendered, each once and in order (a text the template leaves out, a role it
+        # does not render, has none): then each text's span in the full text follows
         found = list(_MARK.finditer(rendered))
+        order = [int(m.group(1)) for m in found]
         spans: list[tuple[int, int]] | None = None
-        if [m.group(1) for m in found] == [str(k) for k in range(len(texts))]:
+        if all(a < b for a, b in zip(order, order[1:])) and all(k < len(texts) for k in order):
             spans, out, pos, length = [], [], 0, 0
-            for m, text in zip(found, texts):
+            for m, k in zip(found, order):
                 out.append(rendered[pos:m.start()])
                 start = length + m.start() - pos
-                out.append(text)
-                spans.append((start, start + len(text)))
-                length = start + len(text)
+                out.append(texts[k])
+                spans.append((start, start + len(texts[k])))
+                length = start + len(texts[k])
                 pos = m.end()
             out.append(rendered[pos:])
             if "".join(out) != full:

@@ -18,6 +18,8 @@ import time
 
 import grpc
 from hybridcache.services import security
+from hybridcache.services.api.openai_compat import split_native
+from hybridcache.services.observability import metrics
 from hybridcache.services.protocol import rpc
 from hybridcache.services.router.router import Overloaded, Router, ServiceUnavailable, StreamControl
 from hybridcache.services.runtime.sampling import RequestError
@@ -63,8 +65,12 @@ class InferenceServicer(rpc.InferenceServicer):
         try:
             yield from self._generate(request, control, self._tenant(context))
             if not (self._draining and control.cancelled):
+                metrics.grpc_answered("CANCELLED" if control.cancelled else "OK")
                 return
             code, message = grpc.StatusCode.UNAVAILABLE, DRAINING
+        except GeneratorExit:  # the client went away mid-stream
+            metrics.grpc_answered("CANCELLED")
+            raise
         except _Status as e:
             code, message = e.code, e.message
         except Overloaded as e:
@@ -76,6 +82,7 @@ class InferenceServicer(rpc.InferenceServicer):
         finally:
             with self._lock:
                 self._active.discard(control)
+        metrics.grpc_answered(code.name)
         context.abort(code, message)
 
     def drain(self, grace_s: float) -> int:
@@ -103,7 +110,7 @@ class InferenceServicer(rpc.InferenceServicer):
     def _generate(self, request, control: StreamControl, tenant: str | None = None):
         try:
             self.router.check_admission()  # a refusal costs no parsing
-            native = _parse_json(request.request_json)
+            native = split_native(_parse_json(request.request_json), self.router.runtime.segment_separator)
             if tenant is not None and isinstance(native, dict):
                 native["cache_salt"] = security.tenant_salt(tenant, native.get("cache_salt"))
             req = self.router.parse(native, json_ids=True)

@@ -30,10 +30,13 @@ from hybridcache.services import security
 from hybridcache.services.api.chat_template import ChatLimits, ChatTemplate, PrepareDeadline
 from hybridcache.services.api.openai_compat import (
     NO_TEMPLATE,
+    Fanout,
+    chat_requests,
     chat_to_native,
-    completion_to_native,
+    completion_requests,
     parse_tool_calls,
-    sglang_to_native,
+    prompt_list,
+    sglang_requests,
     streamable_prefix,
 )
 from hybridcache.services.config import RuntimeConfig
@@ -49,7 +52,7 @@ def _error(status: int, message: str, headers: dict | None = None) -> web.Respon
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             405: "invalid_request_error", 408: "request_timeout", 413: "request_too_large",
             429: "rate_limit_exceeded", 503: "service_unavailable"}.get(status, "error")
-    metrics.REQUESTS.labels(status=str(status)).inc()
+    metrics.request_answered("http", status)
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status,
                              headers=headers)
 
@@ -92,6 +95,7 @@ def _json_object(raw: bytes, max_values: int | None = None) -> dict:
         raise _Reject(400, "the request holds more JSON values than any request this server serves could "
                            "(its text and token ids past the served length)")
     body = _parse_json(raw)
+
     if not isinstance(body, dict):
         raise _Reject(400, "the request body must be a JSON object")
     return body
@@ -237,6 +241,8 @@ class Draining(ServiceUnavailable):
                          "retry elsewhere or later")
 
 
+
+
 # A chat of more messages than this many per segment a request may have is refused before it renders
 # (its user and assistant texts are segments, and the markup between them too: none could be served).
 CHAT_MESSAGES_PER_SEGMENT = 8
@@ -301,7 +307,6 @@ class Api:
 
     async def _body(self, request: web.Request) -> dict:
         return await asyncio.to_thread(_json_object, await self._raw(request))
-
     @property
     def _max_values(self) -> int:
         """More values (commas) than a servable request's body holds: its text's characters (every
@@ -327,6 +332,7 @@ class Api:
         finally:
             gone.set()
 
+
     async def _raw(self, request: web.Request) -> bytes:
         """The request's body, bounded in size and time."""
         limit = self.config.max_request_bytes
@@ -350,6 +356,9 @@ class Api:
             raise _Reject(404, f"model {model!r} is not served here (serving {self.served_model!r}, alias 'default')")
 
     async def _handle(self, request: web.Request, convert, respond):
+        """`convert(body)`: the native request, or a Fanout of several (n, best_of, prompt lists,
+        batches), each streamed by the router in a worker thread of its own (request["runs"], in
+        order); `respond(request, reqs, stream, body, fanout)` answers."""
         # the response's ttft_ms counts from here: body, parsing and planning are part of the wait
         received = request["received"] = time.perf_counter()
         try:
@@ -359,8 +368,9 @@ class Api:
             return _error(e.status, e.message)
         except Overloaded as e:
             return _overloaded(e)
-
-        run = request["run"] = _Run(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        run = _Run(loop)
+        request["runs"] = [run]
         self._runs.add(run)
         limits = self._limits(received, lambda: run.control.cancelled)
         tenant = request.get("tenant")
@@ -369,26 +379,28 @@ class Api:
             # in a worker thread: parsing, conversion (text tokenized) and the router's parse
             body = _json_object(raw, self._max_values)
             self._check_model(body)
-            native = convert(body, limits)
+            out = convert(body, limits)
+            fanout = out if isinstance(out, Fanout) else Fanout([out])
             if self.per_key:
-                native["cache_salt"] = security.tenant_salt(tenant, native.get("cache_salt"))
-            req = self.router.parse(native, json_ids=True)
+                for native in fanout.requests:
+                    native["cache_salt"] = security.tenant_salt(tenant, native.get("cache_salt"))
+            reqs = [_parse_named(self.router, native, fanout.prompt_field) for native in fanout.requests]
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError("stream must be a boolean")
-            return body, req, stream
+            return body, reqs, stream, fanout
 
-        # the same thread goes on with the router's stream of the request (its plan, the call to
-        # a combine worker); the event loop gets the parsed request once that call is made
+        # the same thread goes on with the router's stream of the first request (its plan, the call
+        # to a combine worker); the event loop gets the parsed request once that call is made
         def open_stream(parsed, control, sent):
-            return self.router.stream(parsed[1], control, received, sent)
+            return self.router.stream(parsed[1][0], control, received, sent)
 
         self._workers.submit(functools.partial(run.work, prepare, open_stream))
         try:
             try:
                 # past the deadline the answer goes at once; the worker stops at its next check
-                body, req, stream = await asyncio.wait_for(asyncio.shield(run.parsed),
-                                                           max(0.0, limits.deadline - time.monotonic()) + 1.0)
+                body, reqs, stream, fanout = await asyncio.wait_for(
+                    asyncio.shield(run.parsed), max(0.0, limits.deadline - time.monotonic()) + 1.0)
             except _Reject as e:
                 return _error(e.status, e.message)
             except RequestError as e:
@@ -398,8 +410,15 @@ class Api:
                               f"(rendered, tokenized, planned); retry later", {"Retry-After": "1"})
             except ServiceUnavailable as e:  # the drain grace ended while it was prepared
                 return _error(503, str(e))
+            for req in reqs[1:]:
+                more = _Run(loop)
+                request["runs"].append(more)
+                self._runs.add(more)
+                self._workers.submit(functools.partial(
+                    more.work, functools.partial(lambda r: r, req),
+                    lambda r, control, sent: self.router.stream(r, control, received, sent)))
             try:
-                return await respond(request, req, stream, body)
+                return await respond(request, reqs, stream, body, fanout)
             except _Reject as e:
                 return _error(e.status, e.message)
             except Overloaded as e:
@@ -407,28 +426,36 @@ class Api:
             except ServiceUnavailable as e:
                 return _error(503, str(e))
         finally:
-            self._runs.discard(run)
-            run.close()
+            for r in request["runs"]:
+                self._runs.discard(r)
+                r.close()
             if not run.parsed.done():  # answered before it was parsed (deadline, client gone): nobody reads it
                 run.parsed.cancel()
 
-    async def _collect(self, request: web.Request, req) -> tuple[str, list[int], str, dict, list]:
-        """The whole answer: text, token ids, finish reason, stats and per token (id, log p, top) when asked."""
-        text, ids, finish, stats, lps = [], [], "length", {}, []
-        async with contextlib.aclosing(request["run"].chunks()) as chunks:
+    async def _collect(self, run: _Run) -> tuple[str, list[int], str, dict, list, list]:
+        """One request's whole answer: text, token ids, finish reason, stats, per token (id, log p,
+        top) when asked, and per prompt token from where asked (log p or None, top)."""
+        text, ids, finish, stats, lps, prompt_lps = [], [], "length", {}, [], []
+        async with contextlib.aclosing(run.chunks()) as chunks:
             async for c in chunks:
                 if c.error:
                     raise _Reject(c.status or 500, c.error)
                 if c.done:
                     finish, stats = c.finish_reason, json.loads(c.stats_json or "{}")
+                    prompt_lps = _prompt_logprobs_of(c)
                 else:
                     text.append(c.text)
                     if c.token_id >= 0:
                         ids.append(c.token_id)
                         if c.has_logprob:
                             lps.append(_logprob_of(c))
-        metrics.REQUESTS.labels(status="200").inc()
-        return "".join(text), ids, finish, stats, lps
+        return "".join(text), ids, finish, stats, lps, prompt_lps
+
+    async def _collect_all(self, request: web.Request) -> list[tuple]:
+        """Every request's answer (_collect), in order; the first error ends them all."""
+        out = await asyncio.gather(*(self._collect(r) for r in request["runs"]))
+        metrics.request_answered("http", 200)
+        return out
 
     def _token_text(self, token_id: int) -> str:
         return self.router.planner.tokenizer.tok.decode([token_id], skip_special_tokens=False)
@@ -441,6 +468,21 @@ class Api:
 
         return {"content": [dict(entry(tid, lp), top_logprobs=[entry(i, v) for i, v in top]) for tid, lp, top in lps]}
 
+    def _sglang_logprobs(self, req, lps: list, prompt_lps: list, with_text: bool) -> dict:
+        """SGLang's meta_info fields: [log p, token id, text] per output token and per prompt token
+        from logprob_start_len (log p None for the prompt's first), and their top alternatives;
+        the text only with return_text_in_logprobs."""
+        def entry(lp, tid):
+            return [lp, tid, self._token_text(tid) if with_text else None]
+
+        start = len(req.prompt_ids) - len(prompt_lps)
+        prompt = [(tid, lp, top) for tid, (lp, top) in zip(req.prompt_ids[start:], prompt_lps)]
+        return {"output_token_logprobs": [entry(lp, tid) for tid, lp, _ in lps],
+                "output_top_logprobs": [[entry(v, i) for i, v in top] for _, _, top in lps],
+                "input_token_logprobs": [entry(lp, tid) for tid, lp, _ in prompt],
+                "input_top_logprobs": [None if lp is None else [entry(v, i) for i, v in top]
+                                       for _, lp, top in prompt]}
+
     def _completion_logprobs(self, lps: list, offset: int = 0) -> dict:
         """The legacy completions API's logprobs object (tokens, token_logprobs, top_logprobs, text_offset)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -448,41 +490,68 @@ class Api:
             t = self._token_text(tid)
             out["tokens"].append(t)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({self._token_text(i): v for i, v in top})
+            out["top_logprobs"].append(None if lp is None else {self._token_text(i): v for i, v in top})
             out["text_offset"].append(offset)
             offset += len(t)
         return out
 
-    async def _sse(self, request: web.Request, req, event) -> web.StreamResponse:
-        """Stream `event(chunk, n_tokens)` dicts as server-sent events, then [DONE]. The headers
-        go with the first chunk, so that a refusal (429, 503) or an error before any token is the
-        response's status."""
-        async with contextlib.aclosing(request["run"].chunks()) as chunks:
-            first = await anext(chunks, None)  # Overloaded, ServiceUnavailable: _handle answers
-            if first is not None and first.done and first.error:
+    async def _sse(self, request: web.Request, event, final=None) -> web.StreamResponse:
+        """Stream `event(i, chunk, n_tokens)` payloads (a dict, a list of them, or None) of the
+        chunks of every request i of request["runs"] as they come, as server-sent events; then
+        final()'s payloads, then [DONE]. The headers go with the first chunk, so that a refusal
+        (429, 503) or an error before any token is the response's status."""
+        runs = request["runs"]
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, run: _Run) -> None:
+            try:
+                async with contextlib.aclosing(run.chunks()) as chunks:
+                    async for c in chunks:
+                        q.put_nowait((i, c))
+            except Exception as e:  # noqa: BLE001 - raised where the chunks are read
+                q.put_nowait((i, e))
+            q.put_nowait((i, _END))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(runs)]
+        try:
+            i, first = await q.get()
+            if isinstance(first, Exception):  # Overloaded, ServiceUnavailable: _handle answers
+                raise first
+            if first is not _END and first.done and first.error:
                 return _error(first.status or 500, first.error)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
-            n = 0
+            n, ended, item = [0] * len(runs), 0, (i, first)
             try:
-                c = first
-                while c is not None:
-                    if c.error:
-                        payload = {"error": {"message": c.error, "code": c.status or 500}}
+                while True:
+                    i, c = item
+                    if c is _END:
+                        ended += 1
+                        if ended == len(runs):
+                            break
+                    elif isinstance(c, Exception):
+                        raise c
                     else:
-                        n += c.token_id >= 0 and not c.done
-                        payload = event(c, n)
-                    if payload is not None:
-                        await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
-                    c = await anext(chunks, None)
-                metrics.REQUESTS.labels(status="200").inc()
+                        if c.error:
+                            payload = {"error": {"message": c.error, "code": c.status or 500}}
+                        else:
+                            n[i] += c.token_id >= 0 and not c.done
+                            payload = event(i, c, n[i])
+                        await _write_events(resp, payload)
+                    item = await q.get()
+                if final is not None:
+                    await _write_events(resp, final())
+                metrics.request_answered("http", 200)
             except (ServiceUnavailable, Overloaded) as e:
                 code = 429 if isinstance(e, Overloaded) else 503
-                metrics.REQUESTS.labels(status=str(code)).inc()
+                metrics.request_answered("http", code)
                 await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'code': code}})}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-        return resp
+            return resp
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def drain(self, grace_s: float) -> int:
         """(once the doors stopped listening) Wait up to grace_s for the requests in flight, then end
@@ -500,108 +569,172 @@ class Api:
             await asyncio.sleep(0.01)
         return len(left)
 
-    def _usage(self, req, completion_tokens: int, stats: dict) -> dict:
-        # what the model generated (the token that stopped it included), and of the prompt what
-        # came from caches filled before this request
-        prompt = req.prompt_len
-        completion_tokens = stats.get("generated_tokens", completion_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)}}
+    def _usage(self, reqs, answers: list[tuple[int, dict]], copies: int = 1) -> dict:
+        """usage of the requests, answers[i] = (tokens streamed, stats) of reqs[i]: what the model
+        generated (the token that stopped it included), every copy's; each prompt once (its `copies`
+        share it), and of it what came from caches filled before this request."""
+        firsts = range(0, len(reqs), copies)
+        prompt = sum(reqs[k].prompt_len for k in firsts)
+        cached = sum(answers[k][1].get("cached_tokens", 0) for k in firsts)
+        completion = sum(stats.get("generated_tokens", n) for n, stats in answers)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def chat(self, request):
         def convert(body, limits):
-            return chat_to_native(body, self.chat_template, self.router.planner.tokenizer, limits)
+            return chat_requests(body, self.chat_template, self.router.planner.tokenizer,
+                                 self.config.segment_separator, limits)
 
         return await self._handle(request, convert, self._chat_respond)
 
-    async def _chat_respond(self, request, req, stream, body):
+    async def _chat_respond(self, request, reqs, stream, body, fanout):
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.served_model}
         # tool calls in the output (Qwen/Hermes <tool_call> blocks) come back as tool_calls
         tools = bool(body.get("tools")) and body.get("tool_choice") != "none" and self.chat_template is not None
+        logprobs = reqs[0].sampling.logprobs is not None
         if not stream:
-            text, ids, finish, stats, lps = await self._collect(request, req)
-            stats["chat_template"] = self.chat_template_source
-            message = {"role": "assistant", "content": text}
-            if tools:
-                content, calls = parse_tool_calls(text)
-                if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": calls}
-                    finish = "tool_calls"
-            return web.json_response(dict(base, object="chat.completion", choices=[
-                {"index": 0, "message": message, "finish_reason": finish,
-                 "logprobs": self._chat_logprobs(lps) if req.sampling.logprobs is not None else None}],
-                usage=self._usage(req, len(ids), stats), hybridcache=stats))
+            choices, all_stats = [], []
+            for i, (text, ids, finish, stats, lps, _) in enumerate(await self._collect_all(request)):
+                stats["chat_template"] = self.chat_template_source
+                message = {"role": "assistant", "content": text}
+                if tools:
+                    content, calls = parse_tool_calls(text)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
+                        finish = "tool_calls"
+                choices.append({"index": i, "message": message, "finish_reason": finish,
+                                "logprobs": self._chat_logprobs(lps) if logprobs else None})
+                all_stats.append((len(ids), stats))
+            return web.json_response(dict(base, object="chat.completion", choices=choices,
+                                          usage=self._usage(reqs, all_stats, fanout.copies),
+                                          hybridcache=_stats_field(all_stats)))
 
-        sent = {"text": "", "out": 0, "role": False}
+        # one request without stream_options.include_usage: usage and stats ride on its last chunk
+        # (as before OpenAI had include_usage); else they come in a last chunk of their own
+        own_usage_chunk = len(reqs) > 1 or _include_usage(body)
+        sent = [{"text": "", "out": 0, "role": False} for _ in reqs]
+        ended: list = [(0, {})] * len(reqs)
 
-        def delta_of(content: str) -> dict:
+        def delta_of(i: int, content: str) -> dict:
             d = {"content": content}
-            if not sent["role"]:
-                sent["role"] = True
+            if not sent[i]["role"]:
+                sent[i]["role"] = True
                 d = {"role": "assistant", **d}
             return d
 
-        def event(c, n):
+        def event(i, c, n):
             chunk = dict(base, object="chat.completion.chunk")
+            st = sent[i]
             if c.done:
                 stats = json.loads(c.stats_json or "{}")
                 stats["chat_template"] = self.chat_template_source
+                ended[i] = (n, stats)
                 finish, extra = c.finish_reason, []
                 if tools:
-                    content, calls = parse_tool_calls(sent["text"])
+                    content, calls = parse_tool_calls(st["text"])
                     if calls:
                         finish = "tool_calls"
-                        calls = [dict(call, index=i) for i, call in enumerate(calls)]
-                        extra.append({"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None})
-                    elif len(sent["text"]) > sent["out"]:  # held back, and no tool call after all
-                        extra.append({"index": 0, "delta": delta_of(sent["text"][sent["out"]:]),
+                        calls = [dict(call, index=k) for k, call in enumerate(calls)]
+                        extra.append({"index": i, "delta": {"tool_calls": calls}, "finish_reason": None})
+                    elif len(st["text"]) > st["out"]:  # held back, and no tool call after all
+                        extra.append({"index": i, "delta": delta_of(i, st["text"][st["out"]:]),
                                       "finish_reason": None})
-                chunk.update(choices=[*extra, {"index": 0, "delta": {}, "finish_reason": finish}],
-                             usage=self._usage(req, n, stats), hybridcache=stats)
+                chunk.update(choices=[*extra, {"index": i, "delta": {}, "finish_reason": finish}])
+                if not own_usage_chunk:
+                    chunk.update(usage=self._usage(reqs, [(n, stats)]), hybridcache=stats)
                 return chunk
-            sent["text"] += c.text
+            st["text"] += c.text
             if tools:
-                upto = max(streamable_prefix(sent["text"]), sent["out"])
-                piece, sent["out"] = sent["text"][sent["out"]:upto], upto
+                upto = max(streamable_prefix(st["text"]), st["out"])
+                piece, st["out"] = st["text"][st["out"]:upto], upto
                 if not piece:
                     return None
             else:
                 piece = c.text
-            choice = {"index": 0, "delta": delta_of(piece), "finish_reason": None}
+            choice = {"index": i, "delta": delta_of(i, piece), "finish_reason": None}
             if c.has_logprob:
                 choice["logprobs"] = self._chat_logprobs([_logprob_of(c)])
             chunk.update(choices=[choice])
             return chunk
 
-        return await self._sse(request, req, event)
+        def final():
+            if not own_usage_chunk:
+                return None
+            return dict(base, object="chat.completion.chunk", choices=[],
+                        usage=self._usage(reqs, ended, fanout.copies), hybridcache=_stats_field(ended))
+
+        return await self._sse(request, event, final)
 
     async def completions(self, request):
-        return await self._handle(request, lambda body, _limits: completion_to_native(body),
-                                  self._completion_respond)
+        def convert(body, _limits):
+            return completion_requests(body, self.config.segment_separator)
 
-    async def _completion_respond(self, request, req, stream, body):
+        return await self._handle(request, convert, self._completion_respond)
+
+    async def _completion_respond(self, request, reqs, stream, body, fanout):
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.served_model}
-        if not stream:
-            text, ids, finish, stats, lps = await self._collect(request, req)
-            logprobs = self._completion_logprobs(lps) if req.sampling.logprobs is not None else None
-            return web.json_response(dict(base, object="text_completion", choices=[
-                {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
-                usage=self._usage(req, len(ids), stats), hybridcache=stats))
+        # the client's logprobs (best_of > n asks for them itself, to rank the candidates)
+        logprobs = body.get("logprobs") is not None
+        n = body.get("n") or 1
+        prompts = prompt_list(body.get("prompt")) if body.get("echo") else None
 
-        def event(c, n):
+        def echoed(k: int) -> str:
+            """The prompt of request k, as echo returns it (token ids decoded)."""
+            p = prompts[k // fanout.copies]
+            return p if isinstance(p, str) else self.router.planner.tokenizer.tok.decode(p, skip_special_tokens=False)
+
+        if not stream:
+            answers = await self._collect_all(request)
+            picked = []
+            for g in range(0, len(answers), fanout.copies):
+                group = list(range(g, g + fanout.copies))
+                if fanout.copies > n:  # best_of: the n with the highest log-probability per token
+                    group.sort(key=lambda k: -_mean_logprob(answers[k][4]))
+                picked += group[:n]
+            choices = []
+            for j, k in enumerate(picked):
+                text, _, finish, _, lps, prompt_lps = answers[k]
+                head = echoed(k) if prompts else ""
+                out = None
+                if logprobs:
+                    # echo: the prompt's tokens first, the first of them without a log-probability
+                    entries = [(t, lp, top) for t, (lp, top) in zip(reqs[k].prompt_ids, prompt_lps)]
+                    out = self._completion_logprobs(entries + lps)
+                choices.append({"index": j, "text": head + text, "finish_reason": finish, "logprobs": out})
+            counted = [(len(a[1]), a[3]) for a in answers]
+            return web.json_response(dict(base, object="text_completion", choices=choices,
+                                          usage=self._usage(reqs, counted, fanout.copies),
+                                          hybridcache=_stats_field([counted[k] for k in picked])))
+
+        own_usage_chunk = len(reqs) > 1 or _include_usage(body)
+        ended: list = [(0, {})] * len(reqs)
+        started = [False] * len(reqs)
+
+        def event(i, c, n_tokens):
             chunk = dict(base, object="text_completion")
             if c.done:
                 stats = json.loads(c.stats_json or "{}")
-                chunk.update(choices=[{"index": 0, "text": "", "finish_reason": c.finish_reason, "logprobs": None}],
-                             usage=self._usage(req, n, stats), hybridcache=stats)
+                ended[i] = (n_tokens, stats)
+                chunk.update(choices=[{"index": i, "text": "", "finish_reason": c.finish_reason, "logprobs": None}])
+                if not own_usage_chunk:
+                    chunk.update(usage=self._usage(reqs, [(n_tokens, stats)]), hybridcache=stats)
             else:
-                logprobs = self._completion_logprobs([_logprob_of(c)]) if c.has_logprob else None
-                chunk.update(choices=[{"index": 0, "text": c.text, "finish_reason": None, "logprobs": logprobs}])
+                lp = self._completion_logprobs([_logprob_of(c)]) if c.has_logprob and logprobs else None
+                text = c.text
+                if prompts and not started[i]:  # echo: the prompt goes first
+                    text = echoed(i) + text
+                started[i] = True
+                chunk.update(choices=[{"index": i, "text": text, "finish_reason": None, "logprobs": lp}])
             return chunk
 
-        return await self._sse(request, req, event)
+        def final():
+            if not own_usage_chunk:
+                return None
+            return dict(base, object="text_completion", choices=[], usage=self._usage(reqs, ended, fanout.copies),
+                        hybridcache=_stats_field(ended))
+
+        return await self._sse(request, event, final)
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [
@@ -634,7 +767,7 @@ class Api:
             if body.get("add_generation_prompt", True) is not True:
                 raise RequestError("add_generation_prompt must be true (the prompts served end with it)")
             native = chat_to_native({k: body[k] for k in ("messages", "tools") if k in body},
-                                    self.chat_template, tok, limits)
+                                    self.chat_template, tok, self.config.segment_separator, limits)
             texts = [p for p in (native["system"], *native["segments"], native["suffix"]) if isinstance(p, str)]
             if sum(map(len, texts)) > limits.max_chars:
                 raise RequestError(f"the messages hold more than {limits.max_chars} characters, more than could "
@@ -684,7 +817,10 @@ class Api:
         return orjson.dumps({"prompt": self.router.planner.tokenizer.tok.decode(tokens, skip_special_tokens=False)})
 
     async def generate(self, request):
-        return await self._handle(request, lambda body, _limits: sglang_to_native(body), self._generate_respond)
+        def convert(body, _limits):
+            return sglang_requests(body, self.config.segment_separator)
+
+        return await self._handle(request, convert, self._generate_respond)
 
     def _meta(self, req, n: int, finish: str | None, stats: dict, t0: float) -> dict:
         meta = {"prompt_tokens": req.prompt_len, "completion_tokens": stats.get("generated_tokens", n),
@@ -692,37 +828,44 @@ class Api:
         meta["finish_reason"] = None if finish is None else {"type": finish}
         return meta
 
-    async def _generate_respond(self, request, req, stream, body):
+    async def _generate_respond(self, request, reqs, stream, body, fanout):
+        """SGLang's answer: one object, or a list of them in request order (a batch of texts, n > 1)."""
         t0 = time.perf_counter()
         if not stream:
-            text, ids, finish, stats, lps = await self._collect(request, req)
-            meta = self._meta(req, len(ids), finish, stats, t0)
-            if req.sampling.logprobs is not None:
-                meta.update(_sglang_logprobs(lps))
-            return web.json_response({"text": text, "output_ids": ids, "meta_info": meta,
-                                      "usage": self._usage(req, len(ids), stats), "hybridcache": stats})
-        text, ids, lps = [], [], []
+            outs = []
+            with_text = body.get("return_text_in_logprobs") is True
+            for req, (text, ids, finish, stats, lps, prompt_lps) in zip(reqs, await self._collect_all(request)):
+                meta = self._meta(req, len(ids), finish, stats, t0)
+                if req.sampling.logprobs is not None:
+                    meta.update(self._sglang_logprobs(req, lps, prompt_lps, with_text))
+                outs.append({"text": text, "output_ids": ids, "meta_info": meta,
+                             "usage": self._usage([req], [(len(ids), stats)]), "hybridcache": stats})
+            return web.json_response(outs if fanout.listed else outs[0])
+        text, ids, lps = ([[] for _ in reqs] for _ in range(3))
+        with_text = body.get("return_text_in_logprobs") is True
 
-        def event(c, n):
-            # SGLang streams the text so far in every chunk.
+        def event(i, c, n):
+            # SGLang streams the text so far in every chunk (a batch's with their index)
+            req = reqs[i]
+            index = {"index": i} if fanout.listed else {}
             if c.done:
                 stats = json.loads(c.stats_json or "{}")
                 meta = self._meta(req, n, c.finish_reason, stats, t0)
                 if req.sampling.logprobs is not None:
-                    meta.update(_sglang_logprobs(lps))
-                return {"text": "".join(text), "output_ids": ids, "usage": self._usage(req, n, stats),
-                        "meta_info": meta, "hybridcache": stats}
-            text.append(c.text)
+                    meta.update(self._sglang_logprobs(req, lps[i], _prompt_logprobs_of(c), with_text))
+                return {"text": "".join(text[i]), "output_ids": ids[i], "usage": self._usage([req], [(n, stats)]),
+                        "meta_info": meta, "hybridcache": stats, **index}
+            text[i].append(c.text)
             if c.token_id >= 0:
-                ids.append(c.token_id)
+                ids[i].append(c.token_id)
                 if c.has_logprob:
-                    lps.append(_logprob_of(c))
+                    lps[i].append(_logprob_of(c))
             meta = self._meta(req, n, None, {}, t0)
             if req.sampling.logprobs is not None:
-                meta.update(_sglang_logprobs(lps))
-            return {"text": "".join(text), "output_ids": list(ids), "meta_info": meta}
+                meta.update(self._sglang_logprobs(req, lps[i], [], with_text))
+            return {"text": "".join(text[i]), "output_ids": list(ids[i]), "meta_info": meta, **index}
 
-        return await self._sse(request, req, event)
+        return await self._sse(request, event)
 
     async def model_info(self, request):
         return web.json_response({"model_path": self.served_model, "tokenizer_path": self.served_model,
@@ -750,14 +893,59 @@ class Api:
         return web.Response(body=metrics.scrape(), content_type="text/plain", charset="utf-8")
 
 
+async def _write_events(resp: web.StreamResponse, payload) -> None:
+    """Write a payload (a dict, a list of them, or None) as server-sent events."""
+    for p in payload if isinstance(payload, list) else [] if payload is None else [payload]:
+        await resp.write(f"data: {json.dumps(p)}\n\n".encode())
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _stats_field(answers: list) -> dict | list:
+    """The `hybridcache` object: one request's stats, or the list of each request's ((n, stats) pairs)."""
+    stats = [st for _, st in answers]
+    return stats[0] if len(stats) == 1 else stats
+
+
+def _mean_logprob(lps: list) -> float:
+    """The log-probability per token of an output (best_of's ranking); 0 for an empty one."""
+    return sum(lp for _, lp, _ in lps) / len(lps) if lps else 0.0
+
+
+def _parse_named(router: Router, native: dict, prompt_field: str | None):
+    """router.parse of a native request, a refusal of its suffix naming the field the client sent."""
+    try:
+        return router.parse(native, json_ids=True)
+    except RequestError as e:
+        message = str(e)
+        if prompt_field and message.startswith("suffix "):
+            raise RequestError(prompt_field + message[len("suffix"):]) from None
+        raise
+
+
 def _logprob_of(c) -> tuple[int, float, list[tuple[int, float]]]:
     return c.token_id, c.logprob, list(zip(c.top_ids, c.top_logprobs))
 
 
-def _sglang_logprobs(lps: list) -> dict:
-    """SGLang's meta_info fields: (log p, token id, text) per output token, and the top alternatives."""
-    return {"output_token_logprobs": [[lp, tid, None] for tid, lp, _ in lps],
-            "output_top_logprobs": [[[v, i, None] for i, v in top] for _, _, top in lps]}
+def _prompt_logprobs_of(c) -> list[tuple[float | None, list[tuple[int, float]]]]:
+    """A done chunk's prompt log-probabilities: (log p, or None for the prompt's first token, and
+    the alternatives) per prompt token from where they were asked."""
+    values = list(c.prompt_logprobs)
+    if not values:
+        return []
+    known = sum(not math.isnan(v) for v in values)
+    k = len(c.prompt_top_ids) // known if known else 0
+    out, at = [], 0
+    for v in values:
+        if math.isnan(v):
+            out.append((None, []))
+            continue
+        out.append((v, list(zip(c.prompt_top_ids[at:at + k], c.prompt_top_logprobs[at:at + k]))))
+        at += k
+    return out
 
 
 def _check_keys(body: dict, known: set[str]) -> None:

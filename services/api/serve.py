@@ -7,6 +7,7 @@ with the peers given by flags), prints one `ready` line and runs until SIGINT/SI
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -16,6 +17,7 @@ import socket
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 from hybridcache.services import security
@@ -25,6 +27,7 @@ from hybridcache.services.devices import WORKER_ROLES, DeviceMemoryError, starti
 from hybridcache.services.directory import make_directory
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.observability.http import serve_health_and_metrics
+from hybridcache.services.observability.stats import stage
 from hybridcache.services.protocol import rpc
 
 log = logging.getLogger("hybridcache.serve")
@@ -71,6 +74,15 @@ def die_with_parent(parent_pid: int) -> None:
         raise SystemExit(0)
 
 
+def role_config(config, role: str):
+    """The settings a role's engine runs with: a scatter worker only builds entries (recording
+    passes, never from CUDA graphs) and decodes nothing, so its CUDA graphs of assemblies and decode
+    steps are off (they would hold its GPU memory for nothing)."""
+    if role == "scatter":
+        return dataclasses.replace(config, cuda_graphs=False, decode_cuda_graphs=False)
+    return config
+
+
 def _engine(config, model_dir: str):
     """The role's engine. Cache budgets not given are sized once the model is loaded, from the
     device memory it left free (devices.with_cache_budgets), and stated in the log."""
@@ -90,6 +102,17 @@ def _engine(config, model_dir: str):
     model = load_model(model_dir, config.device, config.torch_dtype)
     config = with_cache_budgets(config, model.device)
     return Engine(model, Tokenizer.from_dir(model_dir), config)
+
+
+def warmup_kv_bytes(engine, config) -> int:
+    """A planned worker's provisional K/V budget: room for its longest warm-up request (its warm-up
+    shape, else the small ones) and a chunk of new tokens, twice over; at most a budget given."""
+    from hybridcache.services.runtime.scheduler import KV_CHUNK_TOKENS, kv_bytes_per_token
+
+    shape = engine.warmup_shape()
+    tokens = max(shape[0] + shape[1] * shape[2] + shape[3] + 3 if shape else 0, 8 * (config.seam_window + 160))
+    need = 2 * (tokens + KV_CHUNK_TOKENS) * kv_bytes_per_token(engine.model)
+    return min(need, config.kv_cache_bytes) if config.kv_cache_bytes else need
 
 
 def serve(args) -> int:
@@ -116,6 +139,8 @@ def _serve(args) -> int:
     address = f"{args.host}:{grpc_port}"
     tracing.setup_tracing(args.role, args.otlp_endpoint)
     metrics.watch_gc()  # each collection's pause in hybridcache_gc_pause_seconds and the requests' stats
+    if args.role != "cache-tier":
+        metrics.bind_model(config.served_model_name or Path(args.model).name)  # vLLM-named series' label
     if config.secret_file is None:
         raise security.SecretError("no deployment secret: --secret-file names the file that holds it "
                                    "(`hybridcache up` and the operator make one)")
@@ -149,9 +174,13 @@ def _serve(args) -> int:
         serve_health_and_metrics(args.host, http_port, lambda: dict(health, directory=directory.backend),
                                  idle_timeout_s=config.http_header_timeout_s)
     engine = combine = scatter = None
+    # a combine worker on one GPU sizes its caches from what its warm-up measured (CombineServicer.plan_memory)
+    plans = args.role == "combine" and warm and config.device == "cuda" and config.tensor_parallel_size == 1
+    config = role_config(config, args.role)
     if args.role in WORKER_ROLES:
-        engine = starting("loading the model", config.device, config.gpu_memory_utilization,
-                          lambda: _engine(config, args.model))
+        with stage("loading the model %s on %s", args.model, config.device):
+            engine = starting("loading the model", config.device, config.gpu_memory_utilization,
+                              lambda: _engine(config, args.model))
 
     if args.role == "cache-tier":
         from hybridcache.services.cache_tier.server import CacheTierServicer
@@ -170,7 +199,11 @@ def _serve(args) -> int:
         from hybridcache.services.combine.worker import CombineServicer
         from hybridcache.services.runtime.scheduler import scheduler_config
 
-        combine = CombineServicer(engine, dtype=config.dtype, scheduling=scheduler_config(config, engine.model.device),
+        # a worker that plans its memory (CombineServicer.plan_memory) warms up over a provisional K/V
+        # budget, just enough for its warm-up requests, and sizes its caches from what that measured
+        provisional = warmup_kv_bytes(engine, config) if plans else None
+        combine = CombineServicer(engine, dtype=config.dtype,
+                                  scheduling=scheduler_config(config, engine.model.device, provisional),
                                   members=directory.members)
         rpc.add_CombineServicer_to_server(combine, server)
     else:
@@ -190,8 +223,13 @@ def _serve(args) -> int:
     if engine is not None and warm:
         # before the server starts and registers: no request comes here until the kernels are built
         health["status"] = "warming up"
-        health["warmup"] = warm_up_measured(config.device, config.gpu_memory_utilization, (combine or scatter).warmup)
+        with stage("warm-up"):
+            health["warmup"] = warm_up_measured(config.device, config.gpu_memory_utilization,
+                                                (combine or scatter).warmup)
         log.info("warm-up done: %s", health["warmup"])
+        if plans:
+            health["memory"] = starting("planning its memory", config.device, config.gpu_memory_utilization,
+                                        lambda: combine.plan_memory(config, health["warmup"]))
     # What the process holds by now (the model, its kernels and CUDA graphs, the libraries) lives
     # as long as it does: frozen out of the collector's sight, so that the full collections Python
     # runs by itself now and then, on some request's path, walk only what requests made (a warm
@@ -208,6 +246,8 @@ def _serve(args) -> int:
         http_runner = _start_api(router, args, http_port, config, api_keys)
     directory.register(args.role, address)
     stop = threading.Event()
+    if combine is not None and config.stats_interval_s > 0:
+        combine.stats.run(stop)
     if args.role in ("combine", "router"):
         # the scatter workers' Endpoints (their Describe) asked as they join, not on a request's path
         holder = combine if args.role == "combine" else router
@@ -270,7 +310,6 @@ def _tls_context(config):
 def _start_api(router, args, http_port: int, config, api_keys: list[str]):
     """Run the aiohttp app in its own thread; returns a function that stops it."""
     import asyncio
-    from pathlib import Path
 
     from hybridcache.services.api.http import Api, start_server
 

@@ -23,10 +23,12 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
+from hybridcache.services.observability.stats import StatsLog, stage, warmup_requests
 from hybridcache.services.protocol import pb, rpc, segment, segment_array
 from hybridcache.services.runtime.cache import EntryLayout, SegmentEntry
 from hybridcache.services.runtime.cache.host_tier import is_host
@@ -62,15 +64,13 @@ def memory_counters(device, store) -> dict[str, int]:
     return out
 
 
-def request_counters(device, store, model) -> dict[str, float]:
-    """memory_counters, the interpreter's collections (metrics.GC_PAUSES) and the live pass's CUDA
-    graph cache's counts (graphs.LayoutGraphs: shapes captured, replayed, run eagerly; a capture
-    runs on the request that sees a shape for the capture_after-th time): running totals whose
-    difference over a request its stats carry."""
+def request_counters(device, store, runner) -> dict[str, float]:
+    """memory_counters, the interpreter's collections (metrics.GC_PAUSES) and the counts of the
+    runner's CUDA graphs of live passes (ModelRunner.graph_stats: shapes captured, replayed, run
+    eagerly; a capture runs on the request that sees a shape for the capture_after-th time):
+    running totals whose difference over a request its stats carry."""
     out: dict[str, float] = {**memory_counters(device, store), **metrics.GC_PAUSES.counters()}
-    graphs = getattr(model, "_layout_graphs", None)
-    if graphs is not None:
-        out.update({f"graph_{k}": v for k, v in graphs.stats.items()})
+    out.update({f"graph_{k}": v for k, v in runner.graph_stats.items()})
     return out
 
 
@@ -122,9 +122,10 @@ class CombineServicer(rpc.CombineServicer):
         # Every request runs through this scheduler; its thread alone runs the model.
         self.scheduler = Scheduler(engine, scheduling, on_finish=_count_finished,
                                    on_preempt=lambda _handle: metrics.SCHEDULER_PREEMPTIONS.inc())
-        for state in ("waiting", "prefilling", "running"):
-            metrics.SCHEDULER_REQUESTS.labels(state=state).set_function(
-                lambda state=state: self.scheduler.load()[state])
+        # the scheduler's load and memory as gauges (read at each scrape) and in the stats line
+        self.stats = StatsLog(engine.config.stats_interval_s, self.gauges)
+        metrics.watch_scheduler(engine.config.served_model_name or Path(getattr(engine.model, "path", "")).name,
+                                self.scheduler.load, self.scheduler.kv_usage, self._entry_usage)
         self._tiers: dict[str, CacheTierClient] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="combine-fetch")
         self.prefill_tps = 0.0
@@ -134,6 +135,17 @@ class CombineServicer(rpc.CombineServicer):
         self.scatter_same_gpu = engine.config.scatter_same_gpu
         self._no_device_path: set[str] = set()  # scatter workers whose CUDA IPC blocks could not be opened here
         self.transport_bandwidth = measure_bandwidths(self.device)
+
+    def _entry_usage(self) -> float:
+        entries = self.engine.entries
+        return entries.used_bytes / max(entries.capacity_bytes, 1)
+
+    def gauges(self) -> dict:
+        """What the stats line states of the worker now (StatsLog)."""
+        load = self.scheduler.load()
+        return {"running": load["running"] + load["prefilling"], "waiting": load["waiting"],
+                "kv_usage": self.scheduler.kv_usage(), "entry_usage": self._entry_usage(),
+                "entry_bytes": self.engine.entries.used_bytes}
 
     def _accept(self, entry: SegmentEntry, segment: list[int]) -> SegmentEntry | list[SegmentEntry] | None:
         """A received entry (seal verified) if it has the model's layout for this segment, None
@@ -175,10 +187,75 @@ class CombineServicer(rpc.CombineServicer):
         scheduler, the path its requests take (its per-step batches of cold builds, batched decode),
         then the decode CUDA graph of every batch size the scheduler may step (captured here, not
         while a batch of that size waits)."""
-        out = self.engine.warmup(run=self.scheduler.generate)
+        import torch
+
+        cuda = self.engine.model.device.type == "cuda"
+        out = self.engine.warmup(run=warmup_requests(self.scheduler.generate))
         checksum.warm(self.engine.model.device)  # received device blocks' checksum kernels
+        if cuda:
+            # the requests' transient peak above what stays held (plan_memory's `transient`)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_reserved()
+            torch.cuda.empty_cache()
+            held = torch.cuda.memory_reserved()
+            out["activation_peak_bytes"] = max(0, peak - held)
         t0 = time.perf_counter()
-        out["decode_graphs"] = self.scheduler.warm_decode_graphs()
+        with stage("decode graphs of batch sizes up to %d", self.scheduler.config.max_num_seqs):
+            out.update(self._capture_decode_graphs())
+        out["decode_graphs_seconds"] = round(time.perf_counter() - t0, 3)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            out["decode_graphs_bytes"] = torch.cuda.memory_reserved() - held
+        return out
+
+    def _capture_decode_graphs(self) -> dict:
+        """The scheduler's decode graphs captured now, and how many its batch sizes and capture sets
+        call for where decode graphs apply (fewer captured: some size runs eagerly)."""
+        from hybridcache.services.runtime.paged import decode_batch_sizes
+
+        captured = self.scheduler.warm_decode_graphs()
+        expected = 0
+        if self.engine.runner.decode_graphs_on:
+            sizes = decode_batch_sizes(self.scheduler.config.max_num_seqs)
+            expected = len(sizes) * len(self.engine.decode_capture_sets())
+        return {"decode_graphs": captured, "decode_graphs_expected": expected}
+
+    def plan_memory(self, given, warmup: dict) -> dict:
+        """Size this worker's caches from what its warm-up measured (devices.plan_memory, vLLM's
+        determine_available_memory in kind): its share of the GPU (`given`: the worker's
+        RuntimeConfig, budgets None where unset) less what it holds now (the weights, the running
+        requests' linear states, CUDA graphs) and its warm-up's activation peak. The entry and
+        prefix stores are made anew with their budgets, the scheduler's pool with its K/V budget
+        (it was provisional, just enough for the warm-up), and the decode graphs are captured again
+        over it. Raises devices.MemoryPlanError (one line) when the configuration does not fit.
+        Returns the plan's summary for /health."""
+        import torch
+        from hybridcache.services.devices import plan_memory
+
+        model, sched = self.engine.model, self.scheduler
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        held = torch.cuda.memory_reserved()
+        pool = sched.pool
+        kv_now = pool.kv.nbytes if pool.kv is not None else 0
+        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        n = sched.config.max_num_seqs
+        parts = {"weights": weights, f"linear states of {n} requests": pool.nbytes - kv_now,
+                 "decode graphs": warmup.get("decode_graphs_bytes", 0)}
+        plan = plan_memory(
+            int(given.gpu_memory_utilization * total), held - kv_now, warmup.get("activation_peak_bytes", 0),
+            free + kv_now, kv_min=n * sched.config.kv_chunk_tokens * sched.kv_per_token,
+            entry=given.entry_cache_bytes, prefix=given.prefix_cache_bytes, kv=given.kv_cache_bytes, parts=parts,
+            advice="lower --max-num-seqs, --max-num-batched-tokens or --warmup-shape, or raise "
+                   "--gpu-memory-utilization")
+        log.info("memory plan: %s", plan.how)
+        self.engine.set_cache_budgets(plan.entry, plan.prefix)
+        sched.resize_kv(plan.kv)
+        t0 = time.perf_counter()
+        with stage("decode graphs of batch sizes up to %d over the planned pool", n):
+            out = dict(plan.summary(), how=plan.how, **self._capture_decode_graphs())
         out["decode_graphs_seconds"] = round(time.perf_counter() - t0, 3)
         return out
 
@@ -347,7 +424,7 @@ class CombineServicer(rpc.CombineServicer):
     def _generate(self, request, context):
         t0 = time.perf_counter()
         device = next(self.engine.model.parameters()).device
-        counted = request_counters(device, self.engine.entries, self.engine.model)
+        counted = request_counters(device, self.engine.entries, self.engine.runner)
         try:
             sampling = json.loads(request.sampling_json) if request.sampling_json else {}
             # int32 arrays over the packed bytes: the planner checks their range in numpy
@@ -358,7 +435,7 @@ class CombineServicer(rpc.CombineServicer):
                                              "cache_salt": request.cache_salt})
             self.scheduler.check_fits(req)
         except (RequestError, ValueError) as e:
-            yield pb.TokenChunk(done=True, error=str(e), status=400)
+            yield pb.TokenChunk(token_id=-1, done=True, error=str(e), status=400)
             return
         segments = req.segment_ids
         # the plan's keys are checked against the keys recomputed here from the tokens
@@ -393,16 +470,17 @@ class CombineServicer(rpc.CombineServicer):
                         chunk.top_ids.extend(i for i, _ in top)
                         chunk.top_logprobs.extend(v for _, v in top)
                     n += 1
+                    self.stats.generated()
                     if t_first is None:
                         t_first = time.perf_counter()
                 yield chunk
         except RequestError as e:  # what its parameters caused (the scheduler finished it alone)
-            yield pb.TokenChunk(done=True, error=str(e), status=400)
+            yield pb.TokenChunk(token_id=-1, done=True, error=str(e), status=400)
             return
         except Exception as e:  # noqa: BLE001 - the engine failed on this request: the client gets an id to report
             log.error("request %s failed", request.request_id, exc_info=e)
-            yield pb.TokenChunk(done=True, status=500, error=f"internal error ({type(e).__name__}) in request "
-                                f"{request.request_id}; the combine worker's log has its traceback")
+            yield pb.TokenChunk(token_id=-1, done=True, status=500, error=f"internal error ({type(e).__name__}) in "
+                                f"request {request.request_id}; the combine worker's log has its traceback")
             return
         if handle.finish_reason == "abort":
             return
@@ -429,13 +507,19 @@ class CombineServicer(rpc.CombineServicer):
         # request): from the request reaching it to that token leaving its handler
         if t_first is not None:
             stats["combine_ttft_ms"] = (t_first - t0) * 1000
-        now = request_counters(device, self.engine.entries, self.engine.model)
+        now = request_counters(device, self.engine.entries, self.engine.runner)
         stats.update({k: v - counted.get(k, 0) for k, v in now.items()})
         stats["gc_pause_ms"] = round(stats["gc_pause_ms"], 3)
         stats["entry_cache_bytes"] = self.engine.entries.used_bytes
         stats["trace_id"] = tracing.current_trace_id()
         metrics.CACHE_BYTES.labels(tier=self.own_tier).set(stats["entry_cache_bytes"])
-        yield pb.TokenChunk(done=True, finish_reason=handle.finish_reason, stats_json=json.dumps(stats))
+        self.stats.request_done(stats)
+        done = pb.TokenChunk(token_id=-1, done=True, finish_reason=handle.finish_reason, stats_json=json.dumps(stats))
+        for lp, top in handle.prompt_logprobs or ():
+            done.prompt_logprobs.append(lp)
+            done.prompt_top_ids.extend(i for i, _ in top)
+            done.prompt_top_logprobs.extend(v for _, v in top)
+        yield done
 
 
 def _dials_member(p: pb.SegmentPlan, tiers: set[str] | None, scatters: set[str] | None) -> bool:
@@ -455,4 +539,4 @@ def _dials_member(p: pb.SegmentPlan, tiers: set[str] | None, scatters: set[str] 
 
 def _count_finished(handle: RequestHandle) -> None:
     metrics.SCHEDULER_FINISHED.labels(reason=handle.finish_reason or "abort").inc()
-    metrics.GENERATION_TOKENS.inc(len(handle.output_ids))
+    metrics.SCHEDULER_GENERATED_TOKENS.inc(len(handle.output_ids))

@@ -1,4 +1,4 @@
-"""Fetch or recompute: the router's cost model (DESIGN §5).
+"""Fetch or recompute: the router's cost model (docs/concepts.md, "Fetch or recompute").
 
 Per warm segment the router compares the time to move its entry from the cache tier over the
 path it would take with the time to build it again where it would be built: prefill on a scatter

@@ -20,11 +20,11 @@ from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.config import DTYPES, RuntimeConfig
 from hybridcache.services.directory import Directory
 from hybridcache.services.observability import metrics, tracing
+from hybridcache.services.observability.stats import RequestRecord
 from hybridcache.services.protocol import narrow_ids, pb, rpc, segment
 from hybridcache.services.router.admission import Admission, Refused
 from hybridcache.services.router.assign import lpt_assign, round_robin_assign
 from hybridcache.services.router.cost import PATHS, CostModel, parse_bandwidths
-from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.models.registry import config_from_dir
 from hybridcache.services.runtime.plan import Planner
 from hybridcache.services.runtime.sampling import GenerationDefaults, RequestError
@@ -88,7 +88,7 @@ class RouterConfig:
             raise ValueError("assignment must be lpt or round_robin")
 
 
-def served_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
+def served_max_model_len(cfg, max_model_len: int | None) -> int:
     """The model's max_position_embeddings, or --max-model-len when that says less (more is an error)."""
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
@@ -375,6 +375,7 @@ class Router:
             t_asked = time.perf_counter()
             t_first_token = None
             answered = False
+            record = RequestRecord(creq.request_id, req.prompt_len) if self.runtime.log_requests else None
             try:
                 combine, chunks = self._open(creq, order, control, sent)
                 for chunk in chunks:
@@ -383,7 +384,7 @@ class Router:
                         self._release(plan, assigned)
                         first = False
                         if not chunk.error:
-                            metrics.TTFT.observe(now - t0)
+                            metrics.first_token(now - t0)
                     elif last_t is not None and not chunk.done:
                         metrics.INTER_TOKEN.observe(now - last_t)
                     last_t = now
@@ -394,6 +395,7 @@ class Router:
                         answered = True
                     if chunk.done and chunk.stats_json:
                         stats = json.loads(chunk.stats_json)
+                        metrics.request_finished(stats, now - t0)
                         self._learn(stats)
                         stats["engine_ttft_ms"] = stats.get("ttft_ms", 0.0)
                         stats["ttft_ms"] = ((t_first_token or now) - t0) * 1000
@@ -401,17 +403,29 @@ class Router:
                         # The combine worker's span must sit in this request's trace (context in metadata).
                         stats["trace_propagated"] = stats.get("trace_id") == tracing.current_trace_id() != ""
                         chunk.stats_json = json.dumps(stats)
+                        if record is not None:
+                            record.finished(stats, chunk.finish_reason)
+                    if chunk.error and record is not None:
+                        record.status = chunk.status or 500
                     yield chunk
             except _Cancelled:
                 return
             except grpc.RpcError as e:
                 if control is not None and control.cancelled:
                     return
+                if record is not None:
+                    record.status = 503
                 raise ServiceUnavailable(f"combine worker {combine} failed: {e.code().name}") from None
+            except (Overloaded, ServiceUnavailable) as e:
+                if record is not None:
+                    record.status = 429 if isinstance(e, Overloaded) else 503
+                raise
             finally:
                 self.admission.done(admitted, answered)
                 if first:
                     self._release(plan, assigned)
+                if record is not None:
+                    record.log(time.perf_counter() - t0)
 
     def _open(self, creq, order: list[str], control: StreamControl | None, sent=None):
         """(combine worker, its chunks) from the first of `order` that takes the request: one whose
@@ -461,4 +475,6 @@ def _segment(req, i: int) -> pb.Segment:
 def _sampling_dict(s) -> dict:
     return {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids), "seed": s.seed, "ignore_eos": s.ignore_eos,
-            "logprobs": s.logprobs}
+            "logprobs": s.logprobs, "min_new_tokens": s.min_new_tokens, "repetition_penalty": s.repetition_penalty,
+            "frequency_penalty": s.frequency_penalty, "presence_penalty": s.presence_penalty,
+            "prompt_logprobs_from": s.prompt_logprobs_from}

@@ -1,19 +1,25 @@
 """Which implementation of each op runs for a device and dtype (the model's dispatch points).
 
 CPU (and CI): the pure-PyTorch references in kernels/ops. CUDA: fla-core's chunked gated delta
-rule (with initial state) when importable, our fused entry construction for runs that record a
+rule (with initial state) when importable, MoE experts as torch's grouped GEMM (bf16 on sm90/sm100)
+or else the Triton fused-MoE kernel (kernels/ops/moe; on the CPU the grouped GEMM too, where
+torch has it), our fused entry construction for runs that record a
 cache entry, Triton causal conv, our live-token attention kernel (kernels/ops/attention) where live
 tokens sit between cached spans, and SDPA for the other attention (flash for a plain causal
 prefill, a live tail and decode).
-Which of these a process takes is one OpDispatch, chosen from the runtime config when a ModelRunner
-is built (`configure`): `--kernels reference` forces the references on any device, and
-`--sdpa-backends` names the SDPA backends allowed. Nothing here reads the environment.
+Which of these a call takes is an OpDispatch: a ModelRunner holds the one its runtime config
+chooses (`--kernels reference` forces the references on any device, `--sdpa-backends` names the
+SDPA backends allowed) and enters it for each of its calls (`dispatching`, a context variable: it
+holds for that thread's call alone, so runners of other choices can run side by side); outside a
+runner's call the default applies (fast kernels for CUDA tensors). Nothing here reads the
+environment.
 Kernel modules are imported lazily, so importing the runtime never imports Triton.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import threading
@@ -26,9 +32,12 @@ from hybridcache.kernels.ops.gated_delta_rule import chunk_gated_delta_rule, nai
 from hybridcache.kernels.ops.gla import naive_recurrent_gla
 from hybridcache.kernels.ops.kda import naive_recurrent_kda
 from hybridcache.kernels.ops.mamba2 import naive_ssd
+from hybridcache.kernels.ops.moe import grouped_experts, grouped_mm_supported, naive_experts
 from hybridcache.kernels.ops.simple_gla.naive import naive_lightning_attention, naive_recurrent_simple_gla
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.config import KERNELS, RuntimeConfig, sdpa_backend_names
+
+MOE_PATHS = ("auto", "grouped_mm", "triton", "loop")
 
 # Below this many tokens the step loop beats chunking on CPU, and fla's fused recurrent kernel
 # beats its chunked one on GPU (decode, seam windows).
@@ -37,15 +46,20 @@ SHORT_RUN = 16
 
 @dataclass(frozen=True)
 class OpDispatch:
-    """The process's choice of op implementations (RuntimeConfig.kernels and .sdpa_backends):
-    fast kernels for CUDA tensors unless kernels is "reference"; the SDPA backends allowed."""
+    """A choice of op implementations (RuntimeConfig.kernels and .sdpa_backends): fast kernels for
+    CUDA tensors unless kernels is "reference"; the SDPA backends allowed."""
 
     kernels: str = RuntimeConfig.kernels
     sdpa_backends: str = RuntimeConfig.sdpa_backends
+    # MoE experts (moe_experts): "auto" picks the fastest path that has no host synchronisation;
+    # "grouped_mm", "triton" and "loop" force one (benchmarks/moe_bench.py compares them)
+    moe: str = "auto"
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.moe not in MOE_PATHS:
+            raise ValueError(f"moe must be one of {', '.join(MOE_PATHS)}, got {self.moe!r}")
         sdpa_backend_names(self.sdpa_backends)
 
     @classmethod
@@ -53,32 +67,28 @@ class OpDispatch:
         return cls(config.kernels, config.sdpa_backends)
 
 
-_DISPATCH = OpDispatch()
-
-
-def configure(dispatch: OpDispatch) -> None:
-    """Make `dispatch` the process's op choice (runner.ModelRunner does, from its config, when it is built)."""
-    global _DISPATCH
-    _DISPATCH = dispatch
+DEFAULT_DISPATCH = OpDispatch()
+# the choice in force for this thread's (or task's) current call; the default outside any
+_DISPATCH: contextvars.ContextVar[OpDispatch] = contextvars.ContextVar("op_dispatch", default=DEFAULT_DISPATCH)
 
 
 def current_dispatch() -> OpDispatch:
-    return _DISPATCH
+    return _DISPATCH.get()
 
 
 @contextlib.contextmanager
 def dispatching(dispatch: OpDispatch):
-    """`dispatch` inside the block, the previous choice after it (benchmarks' comparisons, tests)."""
-    prev = _DISPATCH
-    configure(dispatch)
+    """`dispatch` inside the block (for this thread's calls), the previous choice after it (a
+    ModelRunner's calls; comparisons in benchmarks and tests)."""
+    token = _DISPATCH.set(dispatch)
     try:
         yield dispatch
     finally:
-        configure(prev)
+        _DISPATCH.reset(token)
 
 
 def use_fast_kernels(t: torch.Tensor) -> bool:
-    return t.is_cuda and _DISPATCH.kernels != "reference"
+    return t.is_cuda and _DISPATCH.get().kernels != "reference"
 
 
 @functools.cache
@@ -550,6 +560,63 @@ def fused_silu_mul(gate, up):
     return silu_mul(gate, up)
 
 
+def moe_path(x, gate_up, down) -> str:
+    """Which implementation moe_experts runs for these tensors: the per-expert loop under
+    `--kernels reference` (it reads the routing on the host); else the Triton fused-MoE kernel on
+    CUDA (faster than torch's grouped GEMM at every token count benchmarks/moe_bench.py measures
+    on an H100, and free of host synchronisation on every GPU and dtype), torch's grouped GEMM on
+    the CPU where it applies (grouped_mm_supported), the loop elsewhere. OpDispatch.moe forces one."""
+    dispatch = _DISPATCH.get()
+    if dispatch.moe != "auto":
+        return dispatch.moe
+    if dispatch.kernels == "reference":
+        return "loop"
+    if x.is_cuda:
+        return "triton"
+    return "grouped_mm" if grouped_mm_supported(x, gate_up, down) else "loop"
+
+
+def moe_experts(x, gate_up, down, top_i, top_w):
+    """Routed SwiGLU experts: x [n, h], gate_up [E, 2I, h], down [E, h, I], top_i / top_w [n, k]
+    (each token's experts and routing weights) -> [n, h] in x's dtype (kernels/ops/moe)."""
+    path = moe_path(x, gate_up, down)
+    if path == "grouped_mm":
+        silu_mul = fused_silu_mul if use_fast_kernels(x) else None
+        return grouped_experts(x, gate_up, down, top_i, top_w, silu_mul)
+    if path == "triton":
+        from hybridcache.kernels.ops.moe.triton import fused_experts
+
+        return fused_experts(x, gate_up, down, top_i, top_w)
+    return naive_experts(x, gate_up, down, top_i, top_w)
+
+
+def causal_conv1d_update(x, weight, bias, conv_state, slots, activation):
+    """One decode token of B requests whose conv states are rows `slots` of the pool conv_state
+    [S, D, W - 1], advanced in place: x [B, D] -> y [B, D]. CUDA: one Triton launch
+    (kernels/ops/causal_conv); elsewhere the reference."""
+    if use_fast_kernels(x):
+        from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_update as kernel
+
+        return kernel(x, weight, bias, conv_state, slots, activation)
+    from hybridcache.kernels.ops.causal_conv import naive_causal_conv1d_update
+
+    return naive_causal_conv1d_update(x, weight, bias, conv_state, slots, activation)
+
+
+def recurrent_step(q, k, v, g, beta, pool, slots, scale=None, **gates):
+    """One decode token of a linear recurrence for B requests whose states are rows `slots` of
+    `pool` [S, HV, K, V] fp32, advanced in place (kernels/ops/recurrent_step: the delta rule when
+    beta is given, per-head or per-key gates, optionally the gated delta rule's gates and q/k
+    norms from the raw projections): o [B, HV, V]. CUDA: one Triton launch; elsewhere the reference."""
+    if use_fast_kernels(v) and pool.dtype == torch.float32:
+        from hybridcache.kernels.ops.recurrent_step.triton import recurrent_step as kernel
+
+        return kernel(q, k, v, g, beta, pool, slots, scale, **gates)
+    from hybridcache.kernels.ops.recurrent_step import naive_recurrent_step
+
+    return naive_recurrent_step(q, k, v, g, beta, pool, slots, scale, **gates)
+
+
 def causal_conv1d(x, weight, bias, initial_state, activation):
     """x [B, T, D], weight [D, W], state [B, D, W - 1] -> (y [B, T, D], tail [B, D, W - 1])."""
     if use_fast_kernels(x):
@@ -563,9 +630,9 @@ DEFAULT_SDPA_BACKENDS = RuntimeConfig.sdpa_backends
 
 
 def sdpa_backends(spec: str | None = None):
-    """The torch SDPBackend list for a spec (default: the process's OpDispatch); None for "torch"
+    """The torch SDPBackend list for a spec (default: the OpDispatch in force); None for "torch"
     (no restriction)."""
-    return _sdpa_backends(spec if spec is not None else _DISPATCH.sdpa_backends)
+    return _sdpa_backends(spec if spec is not None else _DISPATCH.get().sdpa_backends)
 
 
 @functools.cache

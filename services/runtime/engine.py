@@ -1,8 +1,9 @@
-"""The engine: turns a request into a layout of live runs and cached spans, runs it, decodes.
-Execution (forwards, cold builds, decode steps, staging) is its ModelRunner's (runner.py); the
-engine keeps the caches, the layouts and the requests.
+"""The engine: turns a request into a layout of live runs and cached spans and says what its
+prefill and decode steps mean for the caches. When requests run is the Scheduler's
+(scheduler.py; llm.LLM pairs the two), how they execute is the ModelRunner's (runner.py: forwards,
+cold builds, decode steps, staging); the engine keeps the caches, the layouts and the statistics.
 
-Modes, one code path (DESIGN §3):
+Modes, one code path (docs/concepts.md, "Engine modes"):
     full    no cache: every prompt token is live.
     prefix  exact prefix cache over 64-token pages, the rest live (what every engine has).
     pic     prefix cache + position-independent segment entries: each segment's body is folded
@@ -24,8 +25,7 @@ one model, so engines share one (page_tree=) only when they run the same model.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -41,7 +41,6 @@ from hybridcache.services.runtime.cache import (
     SegmentEntry,
     cast_entry_states,
     entry_nbytes,
-    restore_state,
 )
 from hybridcache.services.runtime.cache.host_tier import TieredEntryStore, is_host
 from hybridcache.services.runtime.cache.single_state import to_single_state
@@ -49,7 +48,7 @@ from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.plan import Planner, Request
 from hybridcache.services.runtime.runner import ModelRunner
-from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams, sample_token, token_logprobs
+from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams
 from hybridcache.services.runtime.sequence import AttnState, CachedSpan, LinearSpan, LinearState, LiveRun, SequenceState
 from hybridcache.services.runtime.tokenizer import Tokenizer
 
@@ -156,6 +155,15 @@ class Engine:
         # execution: the op implementations and CUDA graphs this engine's config chooses, the
         # forwards, cold builds, decode steps and host-tier staging
         self.runner = ModelRunner(model, self.config)
+
+    def set_cache_budgets(self, entry_bytes: int, prefix_bytes: int) -> None:
+        """The entry and prefix budgets of a planned worker (devices.plan_memory), set once its
+        warm-up has measured what its requests take, before any request: the stores are made
+        anew, empty."""
+        self.config = replace(self.config, entry_cache_bytes=entry_bytes, prefix_cache_bytes=prefix_bytes)
+        self.entries = self._new_entry_store()
+        self.prefixes = PrefixStore(prefix_bytes)
+        self.pages = PageTree(prefix_bytes, self.page_policy.page_size)
 
     def _new_entry_store(self) -> EntryStore:
         cfg = self.config
@@ -266,7 +274,7 @@ class Engine:
             self.pages.lock(path[-1])
             locked.append(path[-1])
             t0 = time.perf_counter()
-            state = restore_state(self.model, self.page_policy, path)
+            state = self.runner.restore_state(self.page_policy, path)
             stats.prefix_restore_ms = (time.perf_counter() - t0) * 1000
             return state, True
         if snap is not None:
@@ -285,7 +293,7 @@ class Engine:
     @torch.no_grad()
     def prefill(self, req: Request, pinned: dict | None = None, built: dict | None = None) -> Prefill:
         """Assemble and run the prompt. The prefix pages it read or wrote stay locked until
-        finish_prefix(prefill) (a Generation calls it when iteration ends). pinned: key -> entry
+        finish_prefix(prefill) (the scheduler calls it as the request ends). pinned: key -> entry
         found for this request elsewhere (hits); built: key -> entry already built for it (the
         scheduler builds cold segments ahead, batched across requests)."""
         pinned, ahead = pinned or {}, built or {}
@@ -415,8 +423,7 @@ class Engine:
             if exact_end < pos:
                 recorder = None  # the rest of this request is not exact: nothing more to insert
         if cfg.uses_prefix_cache:
-            tip = self.pages.match(req.prompt_ids, salt=req.cache_salt)
-            stats.linear_state_bytes = sum(n.payload.linear_nbytes for n in tip)
+            stats.linear_state_bytes = self._linear_state_bytes(req.prompt_ids, req.cache_salt)
         stats.segments = seg_stats
         return Prefill(state, logits, stats, started, recorder, locked)
 
@@ -469,8 +476,40 @@ class Engine:
                 recorder.add_hidden(captured, n)
                 recorder.add_checkpoint(n, state.linear, copy=True)
                 self._insert_pages(recorder, state, locked)
+                stats.linear_state_bytes = self._linear_state_bytes(req.prompt_ids, req.cache_salt)
             out.append(Prefill(state, None, stats, started, recorder, locked))
         return out
+
+    @torch.no_grad()
+    def prompt_logprobs(self, prompt_ids: list[int], start: int, top: int, chunk: int = 512) -> list:
+        """(log p, [(id, log p) of the `top` likeliest]) of each prompt token from position `start`
+        on, under the model's distribution after the tokens before it ((nan, []) for the prompt's
+        first token, which has none): an exact forward of the prompt from an empty state, cached
+        segments left out, `chunk` tokens at a time; logits only where they are needed."""
+        n = len(prompt_ids)
+        out = [(float("nan"), [])] if start == 0 and n else []
+        lo = max(start, 1) - 1  # the logits after token p give token p + 1
+        state, pos = self.runner.empty_state(), 0
+        while pos < n - 1:
+            t = torch.tensor(prompt_ids[pos : min(pos + chunk, n - 1)], dtype=torch.long)
+            want = pos + len(t) > lo
+            logits, _ = self.runner.forward(state, [LiveRun(t, pos)], "all" if want else "none")
+            if want:
+                lp = torch.log_softmax(logits.float(), dim=-1)  # [len(t), vocab]
+                for row in range(max(lo - pos, 0), len(t)):
+                    tok = prompt_ids[pos + row + 1]
+                    alternatives = []
+                    if top:
+                        values, ids = torch.topk(lp[row], min(top, lp.shape[-1]))
+                        alternatives = list(zip(ids.tolist(), values.tolist()))
+                    out.append((float(lp[row, tok]), alternatives))
+            pos += len(t)
+        return out
+
+
+    def _linear_state_bytes(self, prompt: list[int], salt: str = "") -> int:
+        """Linear-state bytes the page tree holds for the prompt's cached pages (under its cache salt)."""
+        return sum(n.payload.linear_nbytes for n in self.pages.match(prompt, salt=salt))
 
     def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list, last: bool = False) -> None:
         tip = self.pages.insert(recorder.token_ids, lambda a: recorder.page_payload(state, a), recorder.salt)
@@ -491,19 +530,6 @@ class Engine:
             for node in pre.locked:
                 self.pages.unlock(node)
             pre.locked.clear()
-
-    @torch.no_grad()
-    def decode_one_token(
-        self, state: SequenceState, token_id: int, recorder: PageRecorder | None = None
-    ) -> torch.Tensor:
-        run = LiveRun(torch.tensor([token_id], dtype=torch.long), state.length)
-        capture = recorder.capture_layers if recorder is not None else ()
-        logits, rec = self.runner.forward(state, [run], "last", capture_hidden=capture)
-        if recorder is not None:
-            recorder.token_ids.append(token_id)
-            recorder.add_hidden(rec.hidden, 1)
-            recorder.add_checkpoint(state.length, state.linear, copy=True)
-        return logits
 
     def new_state_pool(self, slots: int, kv_tokens: int = 0):
         """A scheduler's paged.StatePool of `slots` running requests: their linear states and room
@@ -540,21 +566,6 @@ class Engine:
                 rec.add_checkpoint(pre.state.length, pre.state.linear, copy=True)
         return logits
 
-    def start(self, req: Request) -> Generation:
-        """Prefill now; iterate the returned Generation for the tokens."""
-        return Generation(self, req, self.prefill(req))
-
-    def generate(self, request) -> GenerateResult:
-        req = request if isinstance(request, Request) else self.parse_request(request)
-        gen = self.start(req)
-        ids, text = [], []
-        for tok, delta in gen:
-            if tok >= 0:
-                ids.append(tok)
-            text.append(delta)
-        logprobs = gen.logprobs if req.sampling.logprobs is not None else None
-        return GenerateResult("".join(text), ids, req.prompt_ids, gen.finish_reason, gen.prefill.stats, logprobs)
-
     def warmup_shape(self) -> tuple[int, int, int, int] | None:
         """(system, segments, segment tokens, question tokens) of the shaped warm-up requests
         (RuntimeConfig.warmup_shape), the segments cut to what max_segments and the served length
@@ -567,28 +578,28 @@ class Engine:
         n = min(n, self.config.max_segments, (limit - system - question - 3) // length)
         return (system, n, length, question) if n >= 1 else None
 
-    def warmup(self, run=None) -> dict:
-        """Send synthetic requests down every path a request can take before real traffic comes.
-        First small ones: a batch of cold entry builds (runs shorter and longer than one chunk,
-        odd and multiple-of-16 lengths), an assembly with several seams, the same segments reused
-        in another order after another prefix, a prefix-cache hit with one new segment, a plain
-        prompt, and decode steps. Then, for the configured shape (warmup_shape), one request all cold and two
-        with its segments reordered after other system prompts: the cold builds of that many
-        segments of that length in the batches the request path makes, and the assembly of that
-        shape seen three times, so that its CUDA graphs are captured here (the second time,
-        graphs.LayoutGraphs) and replayed by the third, and the allocator holds the memory such a
-        request takes; and three more after the first one's system prompt, which the prefix cache
-        then holds (new documents, the first documents reordered, new documents again): a live
-        pass that starts from the cached prompt is another shape, captured here too rather than
-        on the second such request that comes. On CUDA the first call of each Triton kernel
-        configuration compiles and autotunes (seconds to minutes: fla's KDA kernels are the
-        slowest) and a new layout shape runs eagerly before it is captured, none of which a server
-        must charge to its first requests. `run(request)` serves one request to its end (default:
-        this engine's own path; a combine worker passes its scheduler's, the path its requests
-        take). The engine's caches are swapped for throwaway ones meanwhile, so nothing of the
-        warm-up stays cached or counts against a budget. Returns {"requests": n, "shape": the
-        shaped requests' shape or None, "seconds": wall time}."""
-        t0 = time.perf_counter()
+    def swap_caches(self) -> None:
+        """Put empty caches of the same budgets (entries, part chains, page tree) in place of the
+        engine's, or, called again, the engine's back (the warm-up's throwaway caches)."""
+        saved = getattr(self, "_saved_caches", None)
+        if saved is None:
+            self._saved_caches = (self.entries, self.prefixes, self.pages)
+            self.reset_caches()
+        else:
+            self.entries, self.prefixes, self.pages = saved
+            self._saved_caches = None
+
+    def reset_caches(self) -> None:
+        """Empty caches of the same budgets (entries, part chains, page tree) in place of the
+        engine's; no request may be in flight."""
+        budget = self.config.prefix_cache_bytes
+        self.entries = self._new_entry_store()
+        self.prefixes = PrefixStore(budget)
+        self.pages = PageTree(budget, self.page_policy.page_size)
+
+    def warmup_requests(self) -> tuple[list[Request], tuple | None]:
+        """The warm-up's requests (warmup says what each is for) and the shape of its shaped ones
+        (warmup_shape), every one greedy with 3 new tokens."""
         w = self.config.seam_window
         gen = torch.Generator().manual_seed(0)
 
@@ -618,23 +629,39 @@ class Engine:
                          Request(s0, more, q, greedy),
                          Request(s0, docs[::-1], q, greedy),
                          Request(s0, [ids(length) for _ in range(n)], q, greedy)]
-        if run is None:
-            def run(req):
-                for _ in self.start(req):
-                    pass
+        return requests, shape
 
-        saved = (self.entries, self.prefixes, self.pages)
-        budget = self.config.prefix_cache_bytes
-        self.entries = self._new_entry_store()
-        self.prefixes = PrefixStore(budget)
-        self.pages = PageTree(budget, self.page_policy.page_size)
+    def warmup(self, run) -> dict:
+        """Send synthetic requests down every path a request can take before real traffic comes.
+        First small ones: a batch of cold entry builds (runs shorter and longer than one chunk,
+        odd and multiple-of-16 lengths), an assembly with several seams, the same segments reused
+        in another order after another prefix, a prefix-cache hit with one new segment, a plain
+        prompt, and decode steps. Then, for the configured shape (warmup_shape), one request all cold and two
+        with its segments reordered after other system prompts: the cold builds of that many
+        segments of that length in the batches the request path makes, and the assembly of that
+        shape seen three times, so that its CUDA graphs are captured here (the second time,
+        graphs.LayoutGraphs) and replayed by the third, and the allocator holds the memory such a
+        request takes; and three more after the first one's system prompt, which the prefix cache
+        then holds (new documents, the first documents reordered, new documents again): a live
+        pass that starts from the cached prompt is another shape, captured here too rather than
+        on the second such request that comes. On CUDA the first call of each Triton kernel
+        configuration compiles and autotunes (seconds to minutes: fla's KDA kernels are the
+        slowest) and a new layout shape runs eagerly before it is captured, none of which a server
+        must charge to its first requests. `run(request)` serves one request to its end through
+        the path real requests take (a scheduler's: llm.LLM.warmup, a combine worker's). The
+        engine's caches are swapped for throwaway ones meanwhile (swap_caches), so nothing of the
+        warm-up stays cached or counts against a budget. Returns {"requests": n, "shape": the
+        shaped requests' shape or None, "seconds": wall time}."""
+        t0 = time.perf_counter()
+        requests, shape = self.warmup_requests()
+        self.swap_caches()
         try:
             for n, req in enumerate(requests):
                 if n == 1 and isinstance(self.entries, TieredEntryStore):
                     self.entries.demote_all()  # the reuse after another prefix stages them from the host
                 run(req)
         finally:
-            self.entries, self.prefixes, self.pages = saved
+            self.swap_caches()
         if getattr(self.model, "device", torch.device("cpu")).type == "cuda":
             torch.cuda.synchronize()
         return {"requests": len(requests), "shape": shape, "seconds": round(time.perf_counter() - t0, 3)}
@@ -665,100 +692,3 @@ def coalesce_live_runs(layout: list, keep: set[int], boundary: dict[int, int]):
             out.append(piece)
         where[i] = len(out) - 1
     return out, {where[i] for i in keep}, {where[i]: j for i, j in boundary.items() if i in where}
-
-
-class TextStream:
-    """Detokenization of one request's output and its stop conditions (stop ids, EOS, stop
-    strings), shared by Generation and the scheduler. push(token) -> (events, done): events are
-    (token_id, text_delta) to emit, token_id -1 for text only. Text that could be the start of a
-    stop string is held back until it cannot be."""
-
-    def __init__(self, engine: Engine, params: SamplingParams, stats: RequestStats | None = None):
-        self.engine, self.params, self.stats = engine, params, stats
-        self.output_ids: list[int] = []
-        # per output token, when the request asks for them: (log p, [(id, log p) of the top alternatives])
-        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
-        self.finish_reason = "length"
-        self.emitted = ""
-        self.hold = max((len(s) for s in params.stop), default=0)
-
-    def push(self, tok: int, logprobs=None) -> tuple[list[tuple[int, str]], bool]:
-        params = self.params
-        if self.stats is not None:
-            self.stats.generated_tokens += 1
-        if (tok in self.engine.eos_ids and not params.ignore_eos) or tok in params.stop_token_ids:
-            self.finish_reason = "stop"
-            return self.flush(), True
-        self.output_ids.append(tok)
-        if logprobs is not None:
-            self.logprobs.append(logprobs)
-        text = self.engine.tokenizer.decode(self.output_ids)
-        cut = min((text.find(s) for s in params.stop if s in text), default=-1)
-        if cut >= 0:
-            self.finish_reason = "stop"
-            return [(tok, text[len(self.emitted) : cut] if cut > len(self.emitted) else "")], True
-        safe = max(len(text) - self.hold + 1, len(self.emitted)) if self.hold else len(text)
-        delta = text[len(self.emitted) : safe]
-        self.emitted = text[:safe]
-        return [(tok, delta)], len(self.output_ids) >= params.max_new_tokens
-
-    def flush(self) -> list[tuple[int, str]]:
-        """The text held back, once the output ends without a stop string."""
-        text = self.engine.tokenizer.decode(self.output_ids)
-        if len(text) <= len(self.emitted):
-            return []
-        rest, self.emitted = text[len(self.emitted) :], text
-        return [(-1, rest)]
-
-
-def request_generator(params: SamplingParams) -> torch.Generator | None:
-    """The sampling generator of one request: seeded by params.seed, else at random; None when greedy."""
-    if params.temperature <= 0:
-        return None
-    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-    return torch.Generator().manual_seed(seed)
-
-
-class Generation:
-    """Decoding after a prefill: iterate for (token_id, text_delta); token_id -1 flushes text only.
-
-    Text that could be the start of a stop string is held back until it cannot be.
-    """
-
-    def __init__(self, engine: Engine, req: Request, prefill: Prefill):
-        self.engine = engine
-        self.req = req
-        self.prefill = prefill
-        self.finish_reason = "length"
-        self.output_ids: list[int] = []
-        self.logprobs: list = []
-
-    def __iter__(self) -> Iterator[tuple[int, str]]:
-        try:
-            yield from self._decode()
-        finally:
-            # Also when the consumer stops early: the request's pages go into the tree and are released.
-            self.engine.finish_prefix(self.prefill)
-
-    def _decode(self) -> Iterator[tuple[int, str]]:
-        eng, params, pre = self.engine, self.req.sampling, self.prefill
-        gen = request_generator(params)
-        stream = TextStream(eng, params, pre.stats)
-        self.output_ids, self.logprobs = stream.output_ids, stream.logprobs
-        logits = pre.logits
-        if params.max_new_tokens == 0:
-            pre.stats.ttft_ms = (time.perf_counter() - pre.started) * 1000
-        for step in range(params.max_new_tokens):
-            tok = sample_token(logits, params, gen)
-            if step == 0:
-                pre.stats.ttft_ms = (time.perf_counter() - pre.started) * 1000
-            lp = None if params.logprobs is None else token_logprobs(logits, tok, params.logprobs)
-            events, done = stream.push(tok, lp)
-            yield from events
-            if done:
-                self.finish_reason = stream.finish_reason
-                if stream.finish_reason == "stop":
-                    return
-                break
-            logits = eng.decode_one_token(pre.state, tok, pre.recorder)
-        yield from stream.flush()

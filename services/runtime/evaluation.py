@@ -1,6 +1,7 @@
 """Quality harness: exact-match accuracy of cached answers on the multi-document QA task.
 
-For every question, each run gets its own engine (own caches) over one loaded model:
+Each run gets its own engine over one loaded model, its requests served by a scheduler
+(llm.LLM, the combine worker's path), its caches emptied before every question:
 
     full     no cache
     prefix   exact prefix cache
@@ -39,7 +40,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hybridcache.services.config import RuntimeConfig, add_config_flags, config_from_args
+from hybridcache.services.config import ENGINE_SECTIONS, RuntimeConfig, add_config_flags, config_from_args
 from hybridcache.services.runtime.qa_data import INSTRUCTIONS, QAExample, QAGenerator, normalize_answer
 
 # run name -> (engine mode, seam window)
@@ -145,6 +146,7 @@ def evaluate(
     """Scores of each run; `base` gives the runs their settings but RUN_FIELDS."""
     import torch
     from hybridcache.services.runtime.engine import Engine
+    from hybridcache.services.runtime.llm import LLM
     from hybridcache.services.runtime.loader import load_model
     from hybridcache.services.runtime.tokenizer import Tokenizer
     from tqdm import tqdm
@@ -155,35 +157,38 @@ def evaluate(
         raise ValueError(f"unknown run(s) {', '.join(unknown)}; known: {', '.join(ALL_RUNS)}")
     model = load_model(model_dir, device, dtype or torch.float32)
     tokenizer = Tokenizer.from_dir(model_dir)
-    configs = {r: run_config(r, base) for r in runs}
     examples = eval_examples(limit, seed, hops, min_docs, max_docs)
+    orders = [_orders(ex, random.Random(f"{seed}:{i}")) for i, ex in enumerate(examples)]
     scores = {r: RunScore() for r in runs}
 
     bar = tqdm(
         total=len(examples) * len(runs), desc="eval", unit="answer", disable=not progress, file=sys.stderr
     )
-    for i, ex in enumerate(examples):
-        warm, ask, warm_system = _orders(ex, random.Random(f"{seed}:{i}"))
-        for r in runs:
-            # Fresh caches for every question: its documents are its own, so nothing carries over,
-            # and the eval holds one question's entries at a time (engines kept across questions
-            # filled their 1 GiB entry and prefix budgets: 16.7 GB resident for eight runs).
-            engine = Engine(model, tokenizer, configs[r])
-            if r in PREFIX_POLICY_RUNS:
-                engine.generate(replace(ex, question=WARM_QUESTION).request(max_new_tokens=1, order=ask))
-            elif engine.config.uses_prefix_cache:
-                engine.generate(ex.request(max_new_tokens=1, system=warm_system, order=warm))
-            res = engine.generate(ex.request(order=ask))
-            sc = scores[r]
-            sc.n += 1
-            sc.prompt_tokens += res.stats.prompt_tokens
-            sc.reused_tokens += res.stats.reused_tokens
-            if normalize_answer(res.text) == normalize_answer(ex.answer):
-                sc.correct += 1
-            elif len(sc.wrong) < 5:
-                sc.wrong.append({"question": ex.question, "answer": ex.answer, "got": res.text})
-            bar.update(1)
-        bar.set_postfix({r: f"{s.accuracy:.2f}" for r, s in scores.items() if r in ("full", "pic", "naive")})
+    for r in runs:
+        # One engine and scheduler a run (the path a combine worker serves with), one run at a time
+        # (each scheduler holds its pool of running requests' states).
+        with LLM(Engine(model, tokenizer, run_config(r, base))) as llm:
+            engine = llm.engine
+            for ex, (warm, ask, warm_system) in zip(examples, orders):
+                # Empty caches for every question: its documents are its own, so nothing carries
+                # over, and the eval holds one question's entries at a time.
+                engine.reset_caches()
+                if r in PREFIX_POLICY_RUNS:
+                    llm.generate(replace(ex, question=WARM_QUESTION).request(max_new_tokens=1, order=ask))
+                elif engine.config.uses_prefix_cache:
+                    llm.generate(ex.request(max_new_tokens=1, system=warm_system, order=warm))
+                res = llm.generate(ex.request(order=ask))
+                sc = scores[r]
+                sc.n += 1
+                sc.prompt_tokens += res.stats.prompt_tokens
+                sc.reused_tokens += res.stats.reused_tokens
+                if normalize_answer(res.text) == normalize_answer(ex.answer):
+                    sc.correct += 1
+                elif len(sc.wrong) < 5:
+                    sc.wrong.append({"question": ex.question, "answer": ex.answer, "got": res.text})
+                bar.update(1)
+            engine.reset_caches()
+        bar.set_postfix({r: f"{s.accuracy:.2f}" for r, s in scores.items() if r in ("full", "pic", "naive") and s.n})
     bar.close()
     return scores
 
@@ -247,7 +252,7 @@ def add_eval_flags(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--max-docs", type=_positive, default=16)
     sp.add_argument("--output", help="write the JSON results here")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_config_flags(sp, exclude=RUN_FIELDS)  # the runs set the others
+    add_config_flags(sp, exclude=RUN_FIELDS, sections=ENGINE_SECTIONS)  # the runs set the others
 
 
 def cmd_eval(args) -> int:

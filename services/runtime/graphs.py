@@ -6,9 +6,9 @@ thousands of kernel launches and torch ops from Python for little GPU work each
 entries' dtypes, the state it starts from, what it records — its live pass is one fixed sequence
 of kernels, so it can be captured once and replayed.
 
-`forward(model, ...)` runs a layout from its shape's graphs where they apply, else eagerly
-(LayoutLM.forward_layout, which knows nothing of graphs); runner.ModelRunner.forward is it.
-LayoutGraphs keeps, for each shape seen `capture_after` times, one CUDA graph per layer (the
+A ModelRunner (runner.py) holds the LayoutGraphs of its model where graphs apply and runs a
+layout from its shape's graphs (LayoutGraphs.run), else eagerly (LayoutLM.forward_layout, which
+knows nothing of graphs). LayoutGraphs keeps, for each shape seen `capture_after` times, one CUDA graph per layer (the
 embedding with the first, the final norm and the head with the last) captured over *static*
 buffers: the live token ids, every cached span's tensors, the entering state. A replay
 
@@ -34,15 +34,16 @@ answer. Host-to-device copies of layout-derived index tensors inside the forward
 (backends.to_device_async) become device tensors filled once after the capture
 (backends.HostConstants), so no graph holds a memcpy node.
 
-Off with RuntimeConfig.cuda_graphs (`--cuda-graphs off`) for a model; RuntimeConfig.cuda_graph_shapes
+Off with RuntimeConfig.cuda_graphs (`--cuda-graphs off`); RuntimeConfig.cuda_graph_shapes
 (`--cuda-graph-shapes`, default 4) bounds the shapes kept. Only models that declare
 `cuda_graphs = True` (their live pass has no host synchronization) and only layouts with a cached
-span (an assembly; decode and plain prefills change shape every call) are captured.
+span (an assembly; decode and plain prefills change shape every call) are captured. The decode
+step's graphs (paged.DecodeGraphs, one per padded batch size) are the runner's too; both kinds
+are captured with CudaLayerGraph on the runner's capture stream.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 from hybridcache.services.runtime import backends
+from hybridcache.services.runtime.models.common import new_recording
 from hybridcache.services.runtime.sequence import (
     AttnSpan,
     AttnState,
@@ -72,57 +74,6 @@ DEFAULT_MAX_SHAPES = 4
 class GraphUnsupported(RuntimeError):
     """This layout cannot run from a graph (capture failed, or a request's tensors do not fit the
     graph's buffers); the caller runs the eager forward."""
-
-
-def set_cuda_graphs(model, enabled: bool, max_shapes: int = DEFAULT_MAX_SHAPES) -> None:
-    """Turn CUDA graphs of `model`'s live pass on or off (RuntimeConfig.cuda_graphs), keeping the
-    graphs of at most `max_shapes` layout shapes; off also drops the graphs it holds."""
-    if max_shapes < 1:
-        raise ValueError(f"max_shapes must be >= 1, got {max_shapes}")
-    model._cuda_graphs_enabled = bool(enabled)
-    model._cuda_graph_shapes = max_shapes
-    graphs = getattr(model, "_layout_graphs", None)
-    if graphs is not None and (not enabled or graphs.max_graphs != max_shapes):
-        graphs.clear()
-        graphs.max_graphs = max_shapes
-
-
-@contextlib.contextmanager
-def eager(model):
-    """Inside the block `model`'s live pass runs eagerly; the graphs it holds are kept (a reference
-    run beside graphed ones, in tests and benchmarks)."""
-    prev = getattr(model, "_cuda_graphs_enabled", True)
-    model._cuda_graphs_enabled = False
-    try:
-        yield
-    finally:
-        model._cuda_graphs_enabled = prev
-
-
-def layout_graphs(model) -> LayoutGraphs | None:
-    """The model's graph cache when its live pass may run from CUDA graphs here, else None."""
-    if not getattr(model, "cuda_graphs", False) or not getattr(model, "_cuda_graphs_enabled", True):
-        return None
-    if model.device.type != "cuda" or not backends.use_fast_kernels(model.lm_head.weight):
-        return None
-    graphs = getattr(model, "_layout_graphs", None)
-    if graphs is None:
-        shapes = getattr(model, "_cuda_graph_shapes", DEFAULT_MAX_SHAPES)
-        graphs = model._layout_graphs = LayoutGraphs(model, max_graphs=shapes)
-    return graphs
-
-
-@torch.no_grad()
-def forward(model, state: SequenceState, layout, logits_for="last", snapshot_after=(), capture_hidden=()):
-    """`model`'s live pass over `layout` from `state` (LayoutLM.forward_layout's arguments and
-    results): from the CUDA graphs of the layout's shape where they apply (layout_graphs), else the
-    model's eager forward. The runner's forward (runner.ModelRunner.forward) is this."""
-    graphs = layout_graphs(model)
-    if graphs is not None:
-        out = graphs.run(state, layout, logits_for, snapshot_after, capture_hidden)
-        if out is not None:
-            return out
-    return model.forward_layout(state, layout, logits_for, snapshot_after, capture_hidden)
 
 
 def peek(mapping, layer):
@@ -412,19 +363,21 @@ def _build_static(model, state: SequenceState, layout, positions: torch.Tensor, 
 
 
 class CudaLayerGraph:
-    """One layer's CUDA graph, captured on a side stream into a memory pool shared by the shape's
-    layers (they replay in capture order, never concurrently, so the pool's blocks may be shared)."""
+    """One layer's CUDA graph, captured on a side stream (`stream`: the runner's capture stream)
+    into a memory pool shared by the shape's layers (they replay in capture order, never
+    concurrently, so the pool's blocks may be shared)."""
 
-    def __init__(self, pool, device):
+    def __init__(self, pool, device, stream=None):
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
         self.device = device
+        self.stream = stream
 
     def capture(self, fn, reset=None):
         """Capture fn() (the layer's pass) and return its outputs. `reset` (point the layer's state
         back at its input buffers) is for graphs that rerun Python on replay; a CUDA graph does not."""
         main = torch.cuda.current_stream(self.device)
-        side = _capture_stream(self.device)
+        side = self.stream if self.stream is not None else torch.cuda.Stream(self.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             # thread_local: other threads' CUDA calls (a server's) neither break this capture nor
@@ -439,16 +392,6 @@ class CudaLayerGraph:
 
     def replay(self):
         self.graph.replay()
-
-
-_CAPTURE_STREAMS: dict = {}
-
-
-def _capture_stream(device):
-    s = _CAPTURE_STREAMS.get(device)
-    if s is None:
-        s = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return s
 
 
 class _NoFlaTensorCache:
@@ -531,8 +474,6 @@ class LayoutGraphs:
                     return None
                 return self._capture(key, state, layout, logits_for, snapshot_after, capture_hidden)
             self._graphs.move_to_end(key)
-            from hybridcache.services.runtime.models.common import new_recording
-
             _, ids, _, end = new_recording(state, layout, snapshot_after)
             try:
                 if static.patched:
@@ -574,8 +515,6 @@ class LayoutGraphs:
     def _capture(self, key, state, layout, logits_for, snapshot_after, capture_hidden):
         """Run this request eagerly on new static buffers, then capture and check the graphs. Returns
         the eager answer (state updated); None, before touching the state, if binding failed."""
-        from hybridcache.services.runtime.models.common import new_recording
-
         model = self.model
         _, ids, positions, end = new_recording(state, layout, snapshot_after)
         arena = backends.HostConstants()

@@ -8,7 +8,8 @@ A StatePool holds what the scheduler's running requests carry from one decode st
   of each slot in order.
 
 The last slot, and page 0, are scratch: the padded rows of a decode batch (decode CUDA graphs pad
-the batch up to a captured size) read and write there and their results are dropped.
+the batch up to a captured size) read and write there and their results are dropped (several
+padded rows update the scratch slot's states at once: what it holds is never read for a request).
 
 A request joins (assign) with its prefilled SequenceState: its linear states are copied into its
 slot and become views of it, its K/V are copied into pages and each of its AttnStates becomes a
@@ -22,8 +23,9 @@ step (decode_step) then
    lengths) to the device in one transfer;
 3. runs the model over a DecodeBatch: every attention layer writes the B new K/V rows into their
    pages in one indexed copy per tensor and attends through the block table
-   (common.decode_attention), every linear layer scans from the slots' states;
-4. writes the linear states back into their slots.
+   (common.decode_attention), every linear layer advances the states in the requests' slots in
+   place, through the slot indices (mixer.LinearMixer.decode: a one-token conv update and one
+   recurrence step, as vLLM and SGLang do): no copy of the batch's states out and back.
 
 The op count of a step depends on neither the batch size nor the context lengths; the bytes it
 moves for attention are the keys it reads, not a copy of every context. Leaving (release) frees the
@@ -258,8 +260,14 @@ class StatePool:
             self.kv.release(slot, keep)
         self.free.append(slot)
 
+    def layer_states(self) -> dict[int, LinearState]:
+        """Each linear layer's states of every slot (tensors [slots + 1, ...], not copies): what a
+        decode step advances in place at its requests' slots."""
+        return {i: LinearState(self.ssm[i], self.conv[i]) for i in self.ssm}
+
     def index(self, slots: list[int]):
-        """The linear states' index of a batch: a slice when the slots are consecutive, else a tensor."""
+        """The linear states' index of a batch: a slice when the slots are consecutive, else a tensor
+        (the gather/scatter reference step, eager_step's in_place False)."""
         if slots == list(range(slots[0], slots[0] + len(slots))):
             return slice(slots[0], slots[0] + len(slots))
         return backends.to_device_async(torch.tensor(slots), next(iter(self.ssm.values())).device)
@@ -296,50 +304,21 @@ def decode_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sizes) + (max_num_seqs,)
 
 
-def set_decode_graphs(model, enabled: bool) -> None:
-    """Turn decode CUDA graphs of `model` on or off (RuntimeConfig.decode_cuda_graphs)."""
-    model._decode_graphs_enabled = bool(enabled)
-
-
-def decode_graphs_apply(model) -> bool:
-    """Whether `model`'s decode steps run from CUDA graphs here: on CUDA with the fast kernels, one
-    rank, for a model whose forward has no host synchronization (LayoutLM.cuda_graphs), unless
-    turned off."""
-    return (getattr(model, "cuda_graphs", False) and getattr(model, "_decode_graphs_enabled", True)
-            and getattr(model, "tp_size", 1) == 1  # a tensor-parallel step's all-reduces are not captured
-            and model.device.type == "cuda" and backends.use_fast_kernels(model.lm_head.weight))
-
-
 @torch.no_grad()
-def decode_step(model, pool: StatePool, slots: list[int], tokens: list[int], capture_hidden=(), feed=None):
+def decode_step(model, pool: StatePool, slots: list[int], tokens: list[int], capture_hidden=(), feed=None,
+                graphs: DecodeGraphs | None = None):
     """One decode step of the requests in `slots` (module docstring), token ids `tokens`: their
-    states in the pool advance by one token. On CUDA the step replays the CUDA graph of its padded
-    batch size (DecodeGraphs) where decode graphs apply. `feed` = (columns, ids), two int64 tensors
-    on the model's device: the token ids of those batch columns come from `ids` (the greedy picks
-    of the step before, never brought to the host; `tokens` holds anything there). Returns
-    (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
+    states in the pool advance by one token. With `graphs` (the runner's DecodeGraphs of this pool,
+    on CUDA) the step replays the CUDA graph of its padded batch size where one covers it. `feed` =
+    (columns, ids), two int64 tensors on the model's device: the token ids of those batch columns
+    come from `ids` (the picks of the step before, never brought to the host; `tokens` holds
+    anything there). Returns (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
     host, max_pages = pool.step_inputs(slots, tokens)
-    if decode_graphs_apply(model):
-        out = _graphs_of(model, pool).run(host, tuple(capture_hidden), feed)
+    if graphs is not None:
+        out = graphs.run(host, tuple(capture_hidden), feed)
         if out is not None:
             return out
     return eager_step(model, pool, slots, host, max_pages, capture_hidden, feed)
-
-
-def warm_decode_graphs(model, pool: StatePool, capture_sets) -> int:
-    """Capture every decode graph `pool`'s steps may replay (DecodeGraphs.capture_all) where decode
-    graphs apply; returns how many were captured (0 where they do not apply)."""
-    if not decode_graphs_apply(model):
-        return 0
-    return _graphs_of(model, pool).capture_all(capture_sets)
-
-
-def _graphs_of(model, pool: StatePool) -> DecodeGraphs:
-    """The DecodeGraphs of `model` over `pool` (kept on the pool, made on first use)."""
-    graphs = getattr(pool, "graphs", None)
-    if graphs is None or graphs.model is not model:
-        graphs = pool.graphs = DecodeGraphs(model, pool)
-    return graphs
 
 
 def _feed(inputs: torch.Tensor, feed) -> None:
@@ -350,24 +329,29 @@ def _feed(inputs: torch.Tensor, feed) -> None:
 
 
 def eager_step(model, pool: StatePool, slots: list[int], host: torch.Tensor, max_pages: int, capture_hidden=(),
-               feed=None):
-    """decode_step's eager path from its inputs (StatePool.step_inputs: `host` [5, B], max_pages)."""
+               feed=None, in_place: bool = True):
+    """decode_step's eager path from its inputs (StatePool.step_inputs: `host` [5, B], max_pages).
+    in_place False: the reference path, the batch's linear states gathered out of their slots,
+    stepped as a stack and scattered back (tests compare the two)."""
     from hybridcache.services.runtime.models.common import DecodeBatch
 
     inputs = backends.to_device_async(host, model.device)  # host is this step's own: written in place on CPU
     _feed(inputs, feed)
+    batch = DecodeBatch(pool.kv, inputs[2], inputs[3], inputs[4], max_pages, states_in_pool=in_place)
+    if in_place:
+        return model.forward_decode(batch, inputs[0], inputs[1], pool.layer_states(), capture_hidden)
     idx = pool.index(slots)
     linear = pool.gather(idx)
-    batch = DecodeBatch(pool.kv, inputs[2], inputs[3], inputs[4], max_pages)
     logits, hidden = model.forward_decode(batch, inputs[0], inputs[1], linear, capture_hidden)
     pool.scatter(idx, linear)
     return logits, hidden
 
 
 class DecodeGraphs:
-    """Decode CUDA graphs of one model over one StatePool, vLLM style: for each padded batch size
-    (decode_batch_sizes) and set of captured hidden layers, the whole step (embedding, every layer,
-    head, the linear states' gather and write-back, the K/V writes) as one graph over static inputs:
+    """Decode CUDA graphs of one model over one StatePool (a ModelRunner holds them), vLLM style:
+    for each padded batch size (decode_batch_sizes) and set of captured hidden layers, the whole
+    step (embedding, every layer, head, the linear states' updates in their slots, the K/V writes)
+    as one graph over static inputs:
     one [5, max size] int64 buffer of token ids, positions, table rows, K/V rows and lengths. A step
     of B requests is padded up to the next size (padding rows: token 0 at position 0 of the scratch
     slot, its K/V row the first of scratch page 0, length 1; their results are dropped), its inputs
@@ -411,12 +395,9 @@ class DecodeGraphs:
         from hybridcache.services.runtime.models.common import DecodeBatch
 
         pool, x = self.pool, self.inputs[:, :size]
-        linear = pool.gather(x[2])
         width = pool.kv.table.shape[1] if pool.kv is not None else 0
         batch = DecodeBatch(pool.kv, x[2], x[3], x[4], width)
-        logits, hidden = self.model.forward_decode(batch, x[0], x[1], linear, capture_hidden)
-        pool.scatter(x[2], linear)
-        return logits, hidden
+        return self.model.forward_decode(batch, x[0], x[1], pool.layer_states(), capture_hidden)
 
     @torch.no_grad()
     def capture_all(self, capture_sets) -> int:

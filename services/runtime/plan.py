@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.runtime.sampling import GenerationDefaults, RequestError, SamplingParams
-from hybridcache.services.runtime.tokenizer import SPECIAL_TOKENS
 
 CACHE_FORMAT = "hc-entry-v1"
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -34,8 +33,8 @@ def packed_ids(token_ids) -> bytes:
 
 
 def segment_key(fingerprint: str, seam_window: int, token_ids, packed: bytes | None = None) -> str:
-    """hash(model fingerprint, cache format, w, token ids) (DESIGN §4). `packed`: the ids as
-    packed_ids packs them, when the caller has them so."""
+    """hash(model fingerprint, cache format, w, token ids) (docs/concepts.md, "Segment entries and
+    the seam window"). `packed`: the ids as packed_ids packs them, when the caller has them so."""
     h = hashlib.sha256()
     h.update(f"{fingerprint}|{CACHE_FORMAT}|w={seam_window}|".encode())
     h.update(packed_ids(token_ids) if packed is None else packed)
@@ -152,12 +151,9 @@ class Planner:
         self.fingerprint = fingerprint
         # the model's generation_config.json: more stop ids, and the sampling defaults
         self.generation = generation or GenerationDefaults()
-        eos = set(cfg.eos_token_ids) | set(self.generation.eos_token_ids)
-        for t in SPECIAL_TOKENS:
-            tid = tokenizer.token_id(t)
-            if tid is not None and t != "<|im_start|>":
-                eos.add(tid)
-        self.eos_ids = frozenset(eos)
+        # generation ends at the end tokens the model's config files list, as in transformers and
+        # vLLM: a chat template's end-of-turn token ends it where generation_config.json lists it
+        self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(self.generation.eos_token_ids)
         self._nbytes: dict[tuple, int] = {}  # entry_nbytes by (segment tokens, config fields)
 
     def parse(self, obj, json_ids: bool = False) -> Request:

@@ -3,21 +3,33 @@
 The split of the runtime, top to bottom:
 
     plan.Planner       what a request is (parsed, tokenized, its entry and chain keys); torch-free
+    scheduler          when requests run: admission, prefill budgets, one batched decode step a time
     engine.Engine      the caches (entries, part chains, prefix pages), the layout of a request, stats
     ModelRunner        execution: the forward of a layout, cold builds, decode steps, staging
     models/            checkpoint-compatible layers and the math (LayoutLM, the mixers)
 
-A ModelRunner is built from a model and a RuntimeConfig and settles, once, what the config
-chooses for execution: the op implementations (backends.OpDispatch: fast kernels or the
-references, the SDPA backends allowed), the CUDA graphs of assemblies (graphs.py, per layout
-shape) and of decode steps (paged.DecodeGraphs, per padded batch size). Then it runs
+A ModelRunner is built from a model and a RuntimeConfig and owns how that model executes:
+
+- the op implementations (`dispatch`, a backends.OpDispatch: fast kernels or the references, the
+  SDPA backends allowed), entered for the duration of each of its calls (backends.dispatching, a
+  context variable: another runner, or code outside any, keeps its own choice);
+- the CUDA graphs of assemblies (`layout_graphs`, a graphs.LayoutGraphs per model, per layout
+  shape) and of decode steps (a paged.DecodeGraphs per pool it made, per padded batch size), their
+  capture stream, and whether they apply (`graphs_apply`: a CUDA model whose forward has no host
+  synchronization (LayoutLM.cuda_graphs), the fast kernels, the config's switches; `eager()` turns
+  them off for a block). The model holds none of it: models are layers and math.
+
+Then it runs
 
 - `forward`: the live pass of a layout from a SequenceState (updated in place), from the CUDA
   graphs of its shape where they apply, else the model's eager forward; the same answer either way;
-- `build_span` / `build_spans`: the standalone prefill of cold segments into span data, one at a
-  time or batched by similar length (entry_batches, LayoutLM.build_span_data);
-- `new_state_pool` / `decode`: the paged states of running requests and one batched decode step
-  over them (paged.decode_step);
+- `build_span` / `build_spans` / `prompt_spans`: the standalone prefill of cold segments into span
+  data, one at a time or batched by similar length (entry_batches, LayoutLM.build_span_data), and
+  of whole prompts from empty states;
+- `new_state_pool` / `decode` / `warm_decode`: the paged states of running requests and one
+  batched decode step over them (paged.decode_step), replayed from its decode graphs;
+- `restore_state`: a page-tree hit's state rebuilt from its pages (cache/policies.restore_state,
+  which replays anchors through the model);
 - `stage`: entries of the host tier onto the model's device, layer by layer.
 
 What the results mean for a request (entry keys and policy, page recorders, statistics) is the
@@ -26,13 +38,18 @@ engine's business.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
+import weakref
 
 import torch
 from hybridcache.services.config import RuntimeConfig
-from hybridcache.services.runtime import backends, graphs
+from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.cache.host_tier import stage
-from hybridcache.services.runtime.paged import StatePool, decode_step, set_decode_graphs, warm_decode_graphs
+from hybridcache.services.runtime.cache.policies import restore_state
+from hybridcache.services.runtime.graphs import CudaLayerGraph, LayoutGraphs
+from hybridcache.services.runtime.paged import DecodeGraphs, StatePool, decode_step
 from hybridcache.services.runtime.sequence import LiveRun, SequenceState, SpanData
 
 
@@ -71,38 +88,84 @@ def entry_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return cut(lo)
 
 
+def _executes(method):
+    """A runner method that runs the model: under the runner's op choice, without autograd."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with backends.dispatching(self.dispatch), torch.no_grad():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class ModelRunner:
     """Execution of layouts, cold builds and decode steps on `model` as `config` says (module
-    docstring). Building one makes its op choice the process's (backends.configure) and sets the
-    model's CUDA-graph switches; the graphs themselves stay with the model, shared by the runners
-    of one model."""
+    docstring): the op choice, the CUDA graphs and the device state are this object's."""
 
-    def __init__(self, model, config: RuntimeConfig | None = None):
+    def __init__(self, model, config: RuntimeConfig | None = None, dispatch: backends.OpDispatch | None = None):
+        """`dispatch`: the op choice when not the config's (a benchmark or test forcing the MoE path)."""
         self.model = model
         self.config = config = config or RuntimeConfig()
-        self.dispatch = backends.OpDispatch.of(config)
-        backends.configure(self.dispatch)
-        graphs.set_cuda_graphs(model, config.cuda_graphs, config.cuda_graph_shapes)
-        set_decode_graphs(model, config.decode_cuda_graphs)
+        self.dispatch = dispatch or backends.OpDispatch.of(config)
         # the longest sequence a running request may reach (the decode pool's table width)
         self.max_len = config.max_model_len or model.cfg.max_position_embeddings
+        # CUDA graphs apply to a CUDA model whose forward has no host synchronization, run with the
+        # fast kernels, on one rank (a captured forward would replay its all-reduces outside the
+        # order in which the ranks' calls meet)
+        self.graphs_apply = (getattr(model, "cuda_graphs", False) and self.device.type == "cuda"
+                             and self.dispatch.kernels != "reference" and getattr(model, "tp_size", 1) == 1)
+        self.layout_graphs: LayoutGraphs | None = None
+        if self.graphs_apply and config.cuda_graphs:
+            self.layout_graphs = LayoutGraphs(model, max_graphs=config.cuda_graph_shapes,
+                                              graph_factory=self.graph_factory)
+        self.decode_graphs_on = self.graphs_apply and config.decode_cuda_graphs
+        self._decode_graphs: weakref.WeakKeyDictionary[StatePool, DecodeGraphs] = weakref.WeakKeyDictionary()
+        self._eager = False
+        self._capture_stream = None
 
     @property
     def device(self) -> torch.device:
         return getattr(self.model, "device", torch.device("cpu"))
 
+    def graph_factory(self, mempool, device):
+        """A CUDA graph (graphs.CudaLayerGraph) captured on this runner's side stream."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(device)
+        return CudaLayerGraph(mempool, device, self._capture_stream)
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Inside the block every forward and decode step runs eagerly; the graphs held are kept
+        (a reference run beside graphed ones, in tests and benchmarks)."""
+        prev, self._eager = self._eager, True
+        try:
+            yield
+        finally:
+            self._eager = prev
+
+    @property
+    def graph_stats(self) -> dict[str, int]:
+        """The assembly graphs' counts (LayoutGraphs.stats: shapes captured, replayed, run eagerly,
+        failed); empty where they do not apply."""
+        return dict(self.layout_graphs.stats) if self.layout_graphs is not None else {}
+
     def empty_state(self) -> SequenceState:
         return self.model.empty_state()
 
-    @torch.no_grad()
+    @_executes
     def forward(self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=(),
                 capture_hidden=()):
         """The live pass of `layout` from `state` (updated in place): LayoutLM.forward_layout's
         arguments and results. An assembly (a layout with cached spans) of a shape seen before may
         run from that shape's CUDA graphs (graphs.LayoutGraphs), with the same results."""
-        return graphs.forward(self.model, state, layout, logits_for, snapshot_after, capture_hidden)
+        if self.layout_graphs is not None and not self._eager:
+            out = self.layout_graphs.run(state, layout, logits_for, snapshot_after, capture_hidden)
+            if out is not None:
+                return out
+        return self.model.forward_layout(state, layout, logits_for, snapshot_after, capture_hidden)
 
-    @torch.no_grad()
+    @_executes
     def build_span(self, segment_ids: list[int]) -> tuple[SpanData, float]:
         """Prefill the segment on its own (positions from 0): its body after the seam window as
         span data, and the seconds that took."""
@@ -115,6 +178,7 @@ class ModelRunner:
         _, rec = self.forward(self.empty_state(), layout, logits_for="none")
         return rec.entries[len(layout) - 1], time.perf_counter() - t0
 
+    @_executes
     def build_spans(self, segments: list[list[int]], on_layer=None) -> list[tuple[SpanData, float]]:
         """(span data, build seconds) of each segment, equal to build_span of each: prefilled
         together (LayoutLM.build_span_data) in batches of similar lengths of at most
@@ -141,6 +205,7 @@ class ModelRunner:
                 out[i] = (data, seconds * len(segments[i]) / total)
         return [out[i] for i in range(len(segments))]
 
+    @_executes
     def prompt_spans(self, prompts: list[list[int]], capture_hidden=()) -> list[tuple[SpanData, dict]]:
         """Whole prompts prefilled together from empty states (LayoutLM.prompt_spans), in batches
         of similar lengths of at most `entry_batch_tokens` padded tokens (entry_batches): each
@@ -163,15 +228,33 @@ class ModelRunner:
         `kv_tokens` tokens of attention K/V in pages."""
         return StatePool(self.empty_state(), slots, kv_tokens, self.max_len)
 
+    def decode_graphs(self, pool: StatePool) -> DecodeGraphs | None:
+        """The decode CUDA graphs over `pool` (made on first use), or None where they do not apply."""
+        if not self.decode_graphs_on or self._eager:
+            return None
+        graphs = self._decode_graphs.get(pool)
+        if graphs is None:
+            graphs = self._decode_graphs[pool] = DecodeGraphs(self.model, pool, graph_factory=self.graph_factory)
+        return graphs
+
+    @_executes
     def warm_decode(self, pool: StatePool, capture_sets) -> int:
         """Capture the decode CUDA graphs of every padded batch size of `pool` for each set of
-        captured hidden layers (paged.warm_decode_graphs); the graphs captured (0 off CUDA)."""
-        return warm_decode_graphs(self.model, pool, capture_sets)
+        captured hidden layers (DecodeGraphs.capture_all); the graphs captured (0 where they do
+        not apply)."""
+        graphs = self.decode_graphs(pool)
+        return graphs.capture_all(capture_sets) if graphs is not None else 0
 
-    @torch.no_grad()
+    @_executes
     def decode(self, pool: StatePool, slots: list[int], tokens: list[int], capture_hidden=(), feed=None):
         """One decode step of the requests held in `slots` of `pool`, token ids `tokens` (or, for
         the columns `feed` names, ids already on the device): their states advance in the pool
         (paged.decode_step; from the decode CUDA graph of the padded batch size where decode
         graphs apply). Returns (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
-        return decode_step(self.model, pool, slots, tokens, capture_hidden, feed)
+        return decode_step(self.model, pool, slots, tokens, capture_hidden, feed, self.decode_graphs(pool))
+
+    @_executes
+    def restore_state(self, policy, path) -> SequenceState:
+        """The state after the page-tree prefix `path` (cache/policies.restore_state: the policy's
+        checkpoints, or its anchors replayed through the model's linear groups)."""
+        return restore_state(self.model, policy, path)

@@ -20,17 +20,19 @@ standalone forward of every such prompt admitted in the step but its last token
 (Engine.prefill_plain); that token is their input to the step's decode, which yields their first
 output token. A burst of short prompts then costs one batched pass, not an eager forward each.
 
-Overlapped decoding (SchedulerConfig.overlap; RuntimeConfig.decode_overlap, on CUDA): while every
-running request samples greedily without logprobs, a step is launched before the host handles the
-one before it, SGLang's overlap scheduler and vLLM's async scheduling in kind. The step's greedy
-picks stay on the device as the next step's inputs (paged.decode_step's `feed`) and are copied to
-the host without blocking; the host then emits them (detokenization, stop checks, the streams'
-queues) while the GPU runs the next step, and the GPU no longer idles through that host work. A
-request whose pick ends it by length sits the next step out; one that stops on a token or a stop
-string, or is cancelled or preempted meanwhile, has run one step more, whose pick is dropped (its
-state and K/V went one token further, which the page recorder records as the token it was fed: the
-pages it leaves hold what they say). A step with a request that samples or asks for logprobs runs
-synchronously, after the launched one is handled.
+Overlapped decoding (SchedulerConfig.overlap; RuntimeConfig.decode_overlap, on CUDA): while no
+running request asks for logprobs or adjusts its logits (min_new_tokens, penalties), a step is
+launched before the host handles the one before it, SGLang's overlap scheduler and vLLM's async
+scheduling in kind. The step's picks (greedy or sampled on the device, sampling.sample) stay on
+the device as the next step's inputs (paged.decode_step's `feed`) and are copied to the host
+without blocking; the host then emits them (detokenization, stop checks, the streams' queues)
+while the GPU runs the next step, and the GPU no longer idles through that host work. A request
+whose pick ends it by length sits the next step out; one that stops on a token or a stop string,
+or is cancelled or preempted meanwhile, has run one step more, whose pick is dropped (its state
+and K/V went one token further, which the page recorder records as the token it was fed: the
+pages it leaves hold what they say). A step with a request that asks for logprobs (read from the
+step's logits on the host) or adjusts its logits runs synchronously, after the launched one is
+handled.
 
 K/V is reserved as a sequence grows, as vLLM allocates it: before a decode step, a running request
 whose K/V would pass its reservation grows it by another chunk. When the budget has no room for
@@ -43,41 +45,46 @@ neither repeats nor loses a token. A request alone in the scheduler grows past t
 than preempt itself forever; one whose prompt and first chunk exceed the budget is refused
 (KVBudgetError) when it is queued.
 
-Sampling (per request: temperature, top_p, top_k, seed) and stop conditions are the single-request
-path's (sampling.sample_token, engine.TextStream). A finished request's prefix pages go into the
-page tree and are released (Engine.finish_prefix), its slot is freed.
+Sampling (per request: temperature, top_p, top_k, min_p, seed; min_new_tokens and vLLM's
+penalties on the request's logits first, sampling.LogitsAdjuster; sampling.sample over the batch's
+rows, a seeded request's own generator: request_generator) and stop conditions (TextStream) are per
+request. A request that asks for its prompt's log-probabilities gets them from
+Engine.prompt_logprobs as it is assembled. A finished request's prefix pages go into the page tree
+and are released (Engine.finish_prefix), its slot is freed.
 
 One request's failure never fails another. Its own work in a step (the cold build of its segments,
-its prefill or assembly, its sampling, stop conditions and logprobs) that raises finishes it alone
-with that error (_fail: a RequestError is what its parameters caused, answered 400; anything else
-500) and gives back what it held; a batched cold build or plain prefill that fails is done again
-one request at a time, so only a request that fails by itself fails. The batched decode forward is
-the step's one shared piece of work: when it raises, the requests of that batch fail with it.
+its prefill or assembly, the adjustment of its logits, its stop conditions and logprobs) that
+raises finishes it alone with that error (_fail: a RequestError is what its parameters caused,
+answered 400; anything else 500) and gives back what it held; a batched cold build or plain prefill
+that fails is done again one request at a time, so only a request that fails by itself fails. The
+batched decode forward (and the batch's sampling, row by row) is the step's shared work: when it
+raises, the requests of that batch fail with it.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
-from hybridcache.services.config import RuntimeConfig
+from hybridcache.services.config import default_of
 from hybridcache.services.devices import CPU_KV_BYTES, kv_cache_budget
 from hybridcache.services.runtime.backends import to_device_async
-from hybridcache.services.runtime.engine import (
-    Engine,
-    GenerateResult,
-    Prefill,
-    Request,
-    TextStream,
-    request_generator,
+from hybridcache.services.runtime.engine import Engine, GenerateResult, Prefill, Request, RequestStats
+from hybridcache.services.runtime.sampling import (
+    LogitsAdjuster,
+    RequestError,
+    SamplingParams,
+    sample,
+    sample_token,
+    token_logprobs,
 )
-from hybridcache.services.runtime.sampling import RequestError, sample_token, token_logprobs
 
 log = logging.getLogger("hybridcache.scheduler")
 
@@ -87,6 +94,60 @@ _DONE = object()
 # tokens of attention K/V a request reserves at admission beyond its prompt, and again each time
 # its sequence reaches what it holds (fewer when it has fewer new tokens left to generate)
 KV_CHUNK_TOKENS = 256
+
+
+class TextStream:
+    """Detokenization of one request's output and its stop conditions (stop ids, EOS, stop
+    strings). push(token) -> (events, done): events are (token_id, text_delta) to emit, token_id -1
+    for text only. Text that could be the start of a stop string is held back until it cannot be."""
+
+    def __init__(self, engine: Engine, params: SamplingParams, stats: RequestStats | None = None):
+        self.engine, self.params, self.stats = engine, params, stats
+        self.output_ids: list[int] = []
+        # per output token, when the request asks for them: (log p, [(id, log p) of the top alternatives])
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.finish_reason = "length"
+        self.emitted = ""
+        self.hold = max((len(s) for s in params.stop), default=0)
+
+    def push(self, tok: int, logprobs=None) -> tuple[list[tuple[int, str]], bool]:
+        params = self.params
+        if self.stats is not None:
+            self.stats.generated_tokens += 1
+        if (tok in self.engine.eos_ids and not params.ignore_eos) or tok in params.stop_token_ids:
+            self.finish_reason = "stop"
+            return self.flush(), True
+        self.output_ids.append(tok)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        text = self.engine.tokenizer.decode(self.output_ids)
+        # no stop string before min_new_tokens (vLLM's StopChecker)
+        stops = params.stop if len(self.output_ids) >= params.min_new_tokens else ()
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        if cut >= 0:
+            self.finish_reason = "stop"
+            return [(tok, text[len(self.emitted) : cut] if cut > len(self.emitted) else "")], True
+        safe = max(len(text) - self.hold + 1, len(self.emitted)) if self.hold else len(text)
+        delta = text[len(self.emitted) : safe]
+        self.emitted = text[:safe]
+        return [(tok, delta)], len(self.output_ids) >= params.max_new_tokens
+
+    def flush(self) -> list[tuple[int, str]]:
+        """The text held back, once the output ends without a stop string."""
+        text = self.engine.tokenizer.decode(self.output_ids)
+        if len(text) <= len(self.emitted):
+            return []
+        rest, self.emitted = text[len(self.emitted) :], text
+        return [(-1, rest)]
+
+
+def request_generator(params: SamplingParams) -> torch.Generator | None:
+    """The sampling generator of a seeded request (on the host): its tokens' noise is drawn from
+    it alone (sampling.sample), the same for the same seed whatever else is in the batch. None
+    when greedy or unseeded (the process's default generators draw for it)."""
+    if params.temperature <= 0 or params.seed is None:
+        return None
+    return torch.Generator().manual_seed(params.seed)
 
 
 class KVBudgetError(RequestError):
@@ -101,17 +162,13 @@ class QueueFull(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
-def _default(name: str):
-    """The setting's one default, the RuntimeConfig field's (services/config.py says what it means)."""
-    return next(f.default for f in fields(RuntimeConfig) if f.name == name)
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = _default("max_num_seqs")  # requests decoding at once (vLLM's name)
+    max_num_seqs: int = default_of("max_num_seqs")  # requests decoding at once (vLLM's name)
     # requests queued beyond the free seats; one more is refused (QueueFull)
-    max_waiting: int = _default("max_waiting")
-    max_num_batched_tokens: int = _default("max_num_batched_tokens")  # prefill tokens (cold builds, assemblies) a step
+    max_waiting: int = default_of("max_waiting")
+    # prefill tokens (cold builds, assemblies) a step
+    max_num_batched_tokens: int = default_of("max_num_batched_tokens")
     # attention K/V reserved by running requests (prompt + generated tokens, grown by chunks of
     # kv_chunk_tokens); unset in RuntimeConfig means sized for the device (scheduler_config)
     kv_cache_bytes: int = CPU_KV_BYTES
@@ -127,13 +184,22 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
 
 
-def scheduler_config(config, device) -> SchedulerConfig:
-    """The SchedulerConfig of a RuntimeConfig (services/config.py), its K/V budget sized for
-    `device` when unset (devices.kv_cache_budget)."""
+def scheduler_config(config, device, kv_cache_bytes: int | None = None) -> SchedulerConfig:
+    """The SchedulerConfig of a RuntimeConfig (services/config.py), its K/V budget `kv_cache_bytes`
+    when given (a planned worker's provisional one, Scheduler.resize_kv), else the config's, else
+    sized for `device` (devices.kv_cache_budget)."""
     overlap = config.decode_overlap and torch.device(device).type == "cuda" and config.tensor_parallel_size == 1
-    return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens,
-                           kv_cache_budget(device, config.kv_cache_bytes, config.gpu_memory_utilization),
+    kv = kv_cache_bytes if kv_cache_bytes is not None else kv_cache_budget(
+        device, config.kv_cache_bytes, config.gpu_memory_utilization)
+    return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens, kv,
                            overlap=overlap)
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of attention K/V one token of a running request holds (every attention layer's k
+    [1, H, 0, d] and v [1, H, 0, dv]; MLA: latents and the shared key part)."""
+    return sum((a.k.shape[1] * a.k.shape[3] + a.v.shape[1] * a.v.shape[3]) * a.k.element_size()
+               for a in model.empty_state().attn.values())
 
 
 class RequestHandle:
@@ -149,6 +215,7 @@ class RequestHandle:
         self.finish_reason: str | None = None
         self.output_ids: list[int] = []
         self.logprobs: list = []  # per output token, when the request asks for them (TextStream.logprobs)
+        self.prompt_logprobs: list | None = None  # Engine.prompt_logprobs, when the request asks for them
         self.prefill: Prefill | None = None
         self.error: BaseException | None = None
         self.finished_step = -1  # the scheduler step that ended it
@@ -175,7 +242,7 @@ class RequestHandle:
                 self.cancel()
 
     def result(self) -> GenerateResult:
-        """Wait for the end; the same result Engine.generate gives."""
+        """Wait for the end: the request's text, output ids, finish reason, stats (and logprobs)."""
         text = "".join(delta for _, delta in self)
         stats = self.prefill.stats if self.prefill is not None else None
         logprobs = list(self.logprobs) if self.req.sampling.logprobs is not None else None
@@ -216,12 +283,13 @@ class _Seq:
     first_pending: bool = False  # prefilled without its last prompt token: the next decode step yields token 1
     runs: int = 0  # times it entered the running list (a step launched before it left is stale for it)
     fed: bool = False  # its input of the latest launched step came from the device (its id not yet known here)
+    adjuster: LogitsAdjuster | None = None  # min_new_tokens and penalties, made on its first pick
 
 
 @dataclass(slots=True)
 class _Launched:
     """A decode step launched and not yet handled (overlapped decoding): its requests, their `runs`
-    when it was launched, and its greedy picks, on the device and copied (non-blocking) to the host."""
+    when it was launched, and its picks, on the device and copied (non-blocking) to the host."""
 
     batch: list
     runs: list
@@ -244,15 +312,11 @@ class Scheduler:
         self._running: list[_Seq] = []  # decoding, in slot order
         self._kv_reserved = 0
         self._stop = False
-        empty = engine.model.empty_state()
-        # per layer k [1, H, 0, d] and v [1, H, 0, dv] (MLA: latents and the shared key part)
-        self._kv_per_token = sum(
-            (a.k.shape[1] * a.k.shape[3] + a.v.shape[1] * a.v.shape[3]) * a.k.element_size()
-            for a in empty.attn.values()
-        )
+        self._kv_per_token = kv_bytes_per_token(engine.model)
         # the running requests' linear states and K/V pages, sized by the K/V budget
         kv_tokens = self.config.kv_cache_bytes // max(self._kv_per_token, 1)
         self.pool = engine.new_state_pool(self.config.max_num_seqs, kv_tokens)
+        self._device = torch.device(engine.model.device)
         self.steps = 0
         self.preemptions = 0  # running requests preempted (recomputed) for lack of K/V budget
         self._admissions = 0
@@ -331,9 +395,33 @@ class Scheduler:
                 raise RuntimeError("warm_decode_graphs needs an idle scheduler")
             return self.engine.runner.warm_decode(self.pool, self.engine.decode_capture_sets())
 
+    @property
+    def kv_per_token(self) -> int:
+        return self._kv_per_token
+
+    def resize_kv(self, kv_cache_bytes: int) -> None:
+        """Give the running requests' K/V `kv_cache_bytes` (a planned worker, after its warm-up:
+        devices.plan_memory): the state pool is made anew at that size, the old one (and its decode
+        graphs) freed first. Runs while the scheduler is idle; capture the decode graphs again
+        after (warm_decode_graphs)."""
+        with self._cv:
+            if self._waiting or self._admitted or self._running or self._launched is not None:
+                raise RuntimeError("resize_kv needs an idle scheduler")
+            self.config = dataclasses.replace(self.config, kv_cache_bytes=kv_cache_bytes)
+            self.pool = None
+            gc.collect()  # the old pool and its decode graphs refer to each other
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+            tokens = kv_cache_bytes // max(self._kv_per_token, 1)
+            self.pool = self.engine.new_state_pool(self.config.max_num_seqs, tokens)
+
     def load(self) -> dict:
         with self._cv:
             return {"waiting": len(self._waiting), "prefilling": len(self._admitted), "running": len(self._running)}
+
+    def kv_usage(self) -> float:
+        """Share of the K/V budget the running requests have reserved (a lone request may pass 1)."""
+        return self._kv_reserved / self.config.kv_cache_bytes
 
     def stop(self) -> None:
         with self._cv:
@@ -499,7 +587,8 @@ class Scheduler:
         page = eng.pages.page_size if eng.config.uses_prefix_cache else 0
         plain, tokens, first_pages = [], 0, set()
         for seq in self._admitted:
-            if seq.stream is not None or not eng.plain_prefill_ok(seq.req):  # a resumed one runs its prefill
+            if (seq.stream is not None or not eng.plain_prefill_ok(seq.req)  # a resumed one runs its prefill
+                    or seq.req.sampling.prompt_logprobs_from is not None):
                 continue
             prompt = seq.req.prompt_ids
             head = tuple(prompt[:page]) if page and len(prompt) > page else None
@@ -563,18 +652,26 @@ class Scheduler:
         if seq.stream is not None:
             # resumed after a preemption: the request's stats, stream and generator go on
             pre.stats = seq.stream.stats
-            tok = sample_token(pre.logits, params, seq.generator)
+            tok = self._pick(seq, pre.logits)
             if not self._push(seq, tok, pre.logits):
                 self._run(seq)
             return
         seq.stream = TextStream(eng, params, pre.stats)
         seq.handle.output_ids, seq.handle.logprobs = seq.stream.output_ids, seq.stream.logprobs
         seq.generator = request_generator(params)
+        if params.prompt_logprobs_from is not None:
+            try:
+                seq.handle.prompt_logprobs = eng.prompt_logprobs(seq.req.prompt_ids, params.prompt_logprobs_from,
+                                                                 params.logprobs or 0)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self._release(seq)
+                seq.handle._finish("error", e)
+                return
         if params.max_new_tokens == 0:
             pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
             self._end(seq, "length")
             return
-        tok = sample_token(pre.logits, params, seq.generator)
+        tok = self._pick(seq, pre.logits)
         pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
         if self._push(seq, tok, pre.logits):
             return
@@ -648,9 +745,24 @@ class Scheduler:
         return False
 
     def _overlaps(self, seq: _Seq) -> bool:
-        """Can the request's next token stay on the device (greedy, no logprobs)?"""
+        """Can the request's next token stay on the device (no logprobs, which are read from the
+        logits on the host, and no logits adjusted by its output so far)?"""
         params = seq.req.sampling
-        return params.temperature == 0.0 and params.logprobs is None
+        return params.logprobs is None and not params.adjusts_logits
+
+    def _adjusted(self, seq: _Seq, logits):
+        """The request's logits [vocab] after its LogitsAdjuster (min_new_tokens, penalties)."""
+        params = seq.req.sampling
+        if seq.adjuster is None:
+            seq.adjuster = LogitsAdjuster(params, seq.handle.req.prompt_ids, self.engine.eos_ids)
+        return seq.adjuster(logits, seq.stream.output_ids)
+
+    def _pick(self, seq: _Seq, logits) -> int:
+        """The request's next token from its logits [vocab], after its LogitsAdjuster where it has one."""
+        params = seq.req.sampling
+        if params.adjusts_logits:
+            logits = self._adjusted(seq, logits)
+        return sample_token(logits, params, seq.generator)
 
     def _decode_step(self) -> None:
         prev = self._launched
@@ -700,7 +812,7 @@ class Scheduler:
         logits = self._decode(batch, toks, feed)
         if logits is None:
             return
-        picks = logits.argmax(-1)
+        picks = sample(logits, [s.req.sampling for s in batch], [s.generator for s in batch])
         device = picks.device
         host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=device.type == "cuda")
         host.copy_(picks, non_blocking=True)
@@ -747,16 +859,25 @@ class Scheduler:
         if logits is None:
             return
         self.batch_sizes[len(batch)] += 1
-        greedy = [b for b, s in enumerate(batch) if s.req.sampling.temperature == 0.0]
-        picks = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
+        rows = logits
+        adjusted = [b for b, seq in enumerate(batch) if seq.req.sampling.adjusts_logits]
+        if adjusted:
+            rows = logits.clone()
+            for b in adjusted:
+                try:
+                    rows[b] = self._adjusted(batch[b], logits[b])
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    self._fail(batch[b], e, "logits")
+        picks = sample(rows, [s.req.sampling for s in batch], [s.generator for s in batch]).tolist()
         done = []
         for b, seq in enumerate(batch):
+            if seq.handle.done.is_set():
+                continue  # failed as its logits were adjusted
             try:
-                tok = picks[b] if b in picks else sample_token(logits[b], seq.req.sampling, seq.generator)
-                if self._push(seq, tok, logits, b):
+                if self._push(seq, picks[b], logits, b):
                     done.append(seq)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                self._fail(seq, e, "sampling")
+                self._fail(seq, e, "output")
         if done:
             self._running = [s for s in self._running if s not in done]
 

@@ -40,9 +40,10 @@ from dataclasses import dataclass, replace
 import grpc
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
+from hybridcache.services.observability.stats import warmup_requests
 from hybridcache.services.protocol import pb, rpc, segment, unpack_ids
-from hybridcache.services.runtime import graphs
 from hybridcache.services.runtime.engine import Engine
+from hybridcache.services.runtime.llm import LLM, warmup_scheduling
 from hybridcache.services.runtime.plan import salted_key
 from hybridcache.services.runtime.sequence import LinearSpan
 from hybridcache.services.transport import Endpoint, checksum, choose_transport, get_transport, local_endpoint
@@ -120,13 +121,12 @@ class ScatterServicer(rpc.ScatterServicer):
         threading.Thread(target=self._tier_writer, name="scatter-tier-write", daemon=True).start()
 
     def warmup(self) -> dict:
-        """The engine's warm-up (Engine.warmup), then the cold builds of its shaped requests'
+        """The engine's warm-up (Engine.warmup) through a scheduler made for it alone (one request
+        at a time, K/V for the longest; dropped after), then the cold builds of its shaped requests'
         segments through this worker's builder, in the batches it makes of them (max_batch_tokens),
-        so that a first request of that shape finds every build shape done before. Its live
-        passes run eagerly: a scatter worker only builds entries (recording passes, never from
-        CUDA graphs), so graphs of assemblies would hold its GPU memory for nothing."""
-        with graphs.eager(self.engine.model):
-            out = self.engine.warmup()
+        so that a first request of that shape finds every build shape done before."""
+        with LLM(self.engine, warmup_scheduling(self.engine)) as llm:
+            out = self.engine.warmup(run=warmup_requests(llm.scheduler.generate))
         checksum.warm(self.engine.model.device)  # the checksum kernels of the entries it sends
         shape = self.engine.warmup_shape()
         if shape is not None:

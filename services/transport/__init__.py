@@ -1,4 +1,4 @@
-"""Bulk-tensor transports, picked by where the two ends are (DESIGN §5), imported lazily.
+"""Bulk-tensor transports, picked by where the two ends are (docs/architecture.md), imported lazily.
 
 | the two ends | transport |
 |---|---|

@@ -1,4 +1,4 @@
-"""The bulk-tensor transport interface (DESIGN §5): where a tensor's bytes travel.
+"""The bulk-tensor transport interface (docs/architecture.md): where a tensor's bytes travel.
 
 Entries move as a stream of TensorChunk messages (dtype, shape, layer, checksum per tensor). A
 transport decides where the bytes go: inline in the message (gRPC stream, any two hosts) or into

@@ -26,6 +26,8 @@ def _mod():
     (["--segments", "0"], "--segments must be >= 1"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--layers", "-1"], "--layers must be >= 0"),
+    (["--preset", "qwen3.5-80b"], "--preset qwen3.5-80b: no such preset"),
+    (["--arch", "qwen3_5_text", "--preset", "qwen3.5-35b-a3b"], "no such preset of --arch qwen3_5_text"),
 ])
 def test_bad_arguments_exit_2_with_the_reason(bad, message):
     r = subprocess.run([sys.executable, "-P", str(SCRIPT), "--device", "cpu", *bad], capture_output=True, text=True,
@@ -105,3 +107,17 @@ def test_tiny_cpu_run(tmp_path):
     # allocator on the CPU: collector pauses only)
     pauses = f["cold_gc_pause_ms_all_with_scatter"]
     assert len(pauses) >= 2 and all(p >= 0 for p in pauses) and "cold_graph_captures_all_with_scatter" not in f
+
+
+def test_the_preset_names_its_model_type_and_moe_models_report_the_moe_figures():
+    m = _mod()
+    assert m.preset_arch("qwen3.5-9b") == "qwen3_5_text" and m.preset_arch("tiny") == "qwen3_5_text"
+    assert m.preset_arch("qwen3.5-35b-a3b") == "qwen3_5_moe_text" and m.preset_arch("nope") is None
+    assert m.is_moe("qwen3_5_moe_text", "qwen3.5-35b-a3b") and not m.is_moe("qwen3_5_text", "qwen3.5-9b")
+    res = {"inproc": {"cold_pic_ms": 30.0, "warm_pic_ms": [10.0], "full_ms": [20.0]},
+           "pic": {"cold": {"ttft_ms": 24.0, "stats": {}}, "warm": [{"ttft_ms": 2.0}]},
+           "prefix": {"cold": {"ttft_ms": 24.0, "stats": {}}, "warm": [{"ttft_ms": 40.0}]}}
+    dense, moe = m.figures(res), m.figures(res, moe=True)
+    assert "moe_cold_pic_ttft_vs_full_32x1k" not in dense
+    assert moe["moe_cold_pic_ttft_vs_full_32x1k"] == dense["cold_pic_ttft_vs_full_32x1k"] == 1.2
+    assert moe["moe_served_pic_ttft_speedup_vs_prefix_32x1k"] == dense["served_pic_ttft_speedup_vs_prefix_32x1k"] == 20

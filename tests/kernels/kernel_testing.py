@@ -21,11 +21,14 @@ else:
 from hybridcache.kernels.ops.activation.triton import sigmoid_gate_heads, silu_mul  # noqa: E402
 from hybridcache.kernels.ops.attention.paged_triton import paged_decode  # noqa: E402
 from hybridcache.kernels.ops.attention.triton import live_attention  # noqa: E402
-from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd  # noqa: E402
+from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd, causal_conv1d_update  # noqa: E402
 from hybridcache.kernels.ops.checksum.triton import checksum_sums, copy_checksum  # noqa: E402
 from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
+from hybridcache.kernels.ops.moe.triton import FusedConfig, fused_experts  # noqa: E402
 from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_heads, row_norm  # noqa: E402
+from hybridcache.kernels.ops.recurrent_step.triton import recurrent_step  # noqa: E402
 from hybridcache.kernels.ops.rope.triton import norm_rope_tokens, rope_heads  # noqa: E402
+from hybridcache.kernels.ops.sampling.triton import sample_rows  # noqa: E402
 from hybridcache.kernels.ops.transition.compose_triton import compose_states_blocks, compose_states_fwd  # noqa: E402
 
 __all__ = [
@@ -33,18 +36,23 @@ __all__ = [
     "RMS",
     "add_rms_norm",
     "causal_conv1d_fwd",
+    "causal_conv1d_update",
     "checksum_sums",
     "copy_checksum",
     "compose_states_blocks",
     "compose_states_fwd",
     "device",
+    "FusedConfig",
+    "fused_experts",
     "gdn_gates",
     "l2norm_heads",
     "live_attention",
     "norm_rope_tokens",
     "paged_decode",
+    "recurrent_step",
     "rel_rms",
     "rope_heads",
+    "sample_rows",
     "scattered_blocks",
     "sigmoid_gate_heads",
     "row_norm",

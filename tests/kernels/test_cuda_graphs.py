@@ -1,17 +1,19 @@
-"""CUDA graphs of the live pass (services/runtime/graphs.py) on a GPU: every replay against the eager
-forward on the same request, for requests of one shape with other tokens and entries."""
+"""CUDA graphs of the live pass (services/runtime/graphs.py, a ModelRunner's) on a GPU: every replay
+against the eager forward on the same request, for requests of one shape with other tokens and
+entries."""
 
 import contextlib
 
 import pytest
 import torch
+from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.cache.host_tier import stage, to_host
 from hybridcache.services.runtime.config import ModelConfig
-from hybridcache.services.runtime.graphs import eager, layout_graphs
-from hybridcache.services.runtime.graphs import forward as graphed_forward
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.modelzoo import hf_config, random_init_
+from hybridcache.services.runtime.runner import ModelRunner
 from hybridcache.services.runtime.sequence import CachedSpan, LiveRun
 
 pytestmark = pytest.mark.gpu
@@ -48,10 +50,10 @@ def pic_layout(segs, datas, question):
     return layout + [LiveRun(question, pos)]
 
 
-def run(model, layout, graphs: bool, **kw):
-    state = model.empty_state()
-    with contextlib.nullcontext() if graphs else eager(model):
-        logits, rec = graphed_forward(model, state, layout, "last", **kw)
+def run(runner, layout, graphs: bool, **kw):
+    state = runner.empty_state()
+    with contextlib.nullcontext() if graphs else runner.eager():
+        logits, rec = runner.forward(state, layout, "last", **kw)
     torch.cuda.synchronize()
     return logits, state, rec
 
@@ -73,13 +75,14 @@ def assert_close_states(a, b, tol):
 def test_replays_of_a_shape_match_the_eager_forward():
     """bf16, the served dtype (fp32 adds minutes of fla compilation; the CPU tests cover the logic)."""
     model = cuda_model(torch.bfloat16)
-    graphs = layout_graphs(model)
+    runner = ModelRunner(model, RuntimeConfig())
+    graphs = runner.layout_graphs
     assert graphs is not None
     kept = []
     for seed in (1, 2, 3, 4):  # eager, capture (answered eagerly), replay, replay
         segs, datas, q = request(model, seed)
-        ref_logits, ref_state, _ = run(model, pic_layout(segs, datas, q), graphs=False)
-        logits, state, _ = run(model, pic_layout(segs, datas, q), graphs=True)
+        ref_logits, ref_state, _ = run(runner, pic_layout(segs, datas, q), graphs=False)
+        logits, state, _ = run(runner, pic_layout(segs, datas, q), graphs=True)
         # the same kernels on the same inputs
         assert gap(logits, ref_logits) <= 1e-3 * (1 + ref_logits.abs().max().item())
         assert_close_states(state, ref_state, 1e-3)
@@ -95,16 +98,17 @@ def test_replays_of_a_shape_match_the_eager_forward():
 
 def test_replays_with_host_staged_entries_snapshots_and_hidden_states():
     model = cuda_model(torch.bfloat16)
-    graphs = layout_graphs(model)
+    runner = ModelRunner(model, RuntimeConfig())
+    graphs = runner.layout_graphs
     snaps, hidden = {1, 5}, (0, 3)
     for seed in (1, 2, 3):
         segs, datas, q = request(model, seed)
         ref_logits, ref_state, ref_rec = run(
-            model, pic_layout(segs, datas, q), graphs=False, snapshot_after=snaps, capture_hidden=hidden
+            runner, pic_layout(segs, datas, q), graphs=False, snapshot_after=snaps, capture_hidden=hidden
         )
         hosted = stage([to_host(SegmentEntry(f"s{seed}-{i}", 1, d, 0.0)) for i, d in enumerate(datas)], "cuda")
         logits, state, rec = run(
-            model, pic_layout(segs, hosted, q), graphs=True, snapshot_after=snaps, capture_hidden=hidden
+            runner, pic_layout(segs, hosted, q), graphs=True, snapshot_after=snaps, capture_hidden=hidden
         )
         assert gap(logits, ref_logits) <= 1e-3 * (1 + ref_logits.abs().max().item())
         assert_close_states(state, ref_state, 1e-3)
@@ -118,15 +122,18 @@ def test_replays_with_host_staged_entries_snapshots_and_hidden_states():
 
 
 def test_engine_answers_alike_with_and_without_graphs(tmp_path):
-    """Two engines on one model get the same RAG requests of one shape (new documents each time,
-    then the same documents after another system prompt): the same tokens with graphs on or off,
-    on the engine's whole path (entries built cold, part-chain snapshots, prefix pages, decode)."""
+    """Two engines on one model, each with its runner, get the same RAG requests of one shape (new
+    documents each time, then the same documents after another system prompt): the same tokens with
+    graphs on or off, on the engine's whole path (entries built cold, part-chain snapshots, prefix
+    pages, decode)."""
     from hybridcache.services.runtime.engine import Engine, EngineConfig
     from hybridcache.services.runtime.modelzoo import init_model_dir
 
     path = init_model_dir("qwen3_5_text", "tiny", tmp_path / "m", seed=1, std=0.08)
     graphed = Engine.from_dir(path, device="cuda", dtype=torch.bfloat16, config=EngineConfig(mode="pic"))
-    plain = Engine(graphed.model, graphed.tokenizer, EngineConfig(mode="pic"))
+    eager = EngineConfig(mode="pic", cuda_graphs=False, decode_cuda_graphs=False)
+    plain = Engine(graphed.model, graphed.tokenizer, eager)
+    assert plain.runner.layout_graphs is None and graphed.runner.layout_graphs is not None
     gen = torch.Generator().manual_seed(0)
     for n in range(3):
         docs = [torch.randint(0, 200, (120,), generator=gen).tolist() for _ in range(3)]
@@ -137,9 +144,8 @@ def test_engine_answers_alike_with_and_without_graphs(tmp_path):
             "sampling_params": {"max_new_tokens": 6, "ignore_eos": True},
         }
         for req in (cold, dict(cold, system=[4, 5, 6], segments=docs[::-1])):
-            with eager(graphed.model):
-                want = plain.generate(dict(req)).output_ids
-            got = graphed.generate(dict(req)).output_ids
+            want = LLM(plain).generate(dict(req)).output_ids
+            got = LLM(graphed).generate(dict(req)).output_ids
             assert got == want and len(want) == 6, n
-    graphs = layout_graphs(graphed.model)
+    graphs = graphed.runner.layout_graphs
     assert graphs.stats["replays"] >= 2 and not graphs.failed, (graphs.stats, graphs.failed)

@@ -1,14 +1,15 @@
-"""Decode CUDA graphs (services/runtime/paged.py DecodeGraphs) and paged decode attention on a GPU:
+"""Decode CUDA graphs (services/runtime/paged.py DecodeGraphs, a ModelRunner's) and paged decode attention on a GPU:
 graph-replayed decode steps against eager ones over the same requests while requests join and
 leave (logits, greedy tokens, the K/V in the pages); the scheduler with decode graphs on against
 off (greedy outputs of concurrent requests) and the Triton kernel on the engine's path."""
 
 import pytest
 import torch
+from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.modelzoo import hf_config, random_init_
-from hybridcache.services.runtime.paged import StatePool, decode_step, set_decode_graphs
+from hybridcache.services.runtime.runner import ModelRunner
 from hybridcache.services.runtime.sequence import LiveRun
 
 pytestmark = pytest.mark.gpu
@@ -23,6 +24,11 @@ def cuda_model(dtype, **over):
     return model
 
 
+def runners(model, max_len):
+    """An eager runner (decode graphs off) and a graphed one over the same model."""
+    return {g: ModelRunner(model, RuntimeConfig(decode_cuda_graphs=g, max_model_len=max_len)) for g in (False, True)}
+
+
 def prefilled(model, ids):
     s = model.empty_state()
     model.forward_layout(s, [LiveRun(ids, 0)], logits_for="none")
@@ -33,7 +39,8 @@ def prefilled(model, ids):
 def test_graph_decode_equals_eager_as_requests_join_and_leave(dtype):
     model = cuda_model(dtype)
     gen = torch.Generator().manual_seed(0)
-    pools = {False: StatePool(model.empty_state(), 8, 4096, 2048), True: StatePool(model.empty_state(), 8, 4096, 2048)}
+    run = runners(model, 2048)
+    pools = {g: run[g].new_state_pool(8, 4096) for g in run}
     slots, toks = {}, {}
 
     def join(r, n):
@@ -57,15 +64,15 @@ def test_graph_decode_equals_eager_as_requests_join_and_leave(dtype):
         order = sorted(slots)
         out = {}
         for g in pools:
-            set_decode_graphs(model, g)
-            out[g], _ = decode_step(model, pools[g], [slots[r][g] for r in order], [toks[r] for r in order])
+            out[g], _ = run[g].decode(pools[g], [slots[r][g] for r in order], [toks[r] for r in order])
         torch.cuda.synchronize()
         worst = max(worst, (out[True] - out[False]).abs().max().item())
         greedy = {g: out[g].argmax(-1).tolist() for g in out}
         assert greedy[True] == greedy[False], step
         for r, t in zip(order, greedy[False]):
             toks[r] = t
-    graphs = pools[True].graphs
+    assert run[False].decode_graphs(pools[False]) is None
+    graphs = run[True].decode_graphs(pools[True])
     assert graphs.stats["captures"] >= 2 and graphs.stats["replays"] > 20, graphs.stats
     assert worst <= (1e-4 if dtype == torch.float32 else 3e-2), worst
     for pair in slots.values():
@@ -78,15 +85,15 @@ def test_engine_shape_head_dim_256_graphs():
     """Head dim 256 and 4 query heads a KV head, as the Qwen3.5-9B attention: graph decode equals eager."""
     model = cuda_model(torch.bfloat16, head_dim=256, num_attention_heads=8, num_key_value_heads=2)
     gen = torch.Generator().manual_seed(1)
-    pools = {g: StatePool(model.empty_state(), 4, 8192, 4096) for g in (False, True)}
+    run = runners(model, 4096)
+    pools = {g: run[g].new_state_pool(4, 8192) for g in run}
     ids = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen) for n in (1000, 17, 2500)]
     slots = {g: [pools[g].assign(prefilled(model, x)) for x in ids] for g in pools}
     toks = [int(x[-1]) for x in ids]
     for _ in range(12):
         out = {}
         for g in pools:
-            set_decode_graphs(model, g)
-            out[g], _ = decode_step(model, pools[g], slots[g], toks)
+            out[g], _ = run[g].decode(pools[g], slots[g], toks)
         assert out[True].argmax(-1).tolist() == out[False].argmax(-1).tolist()
         assert (out[True] - out[False]).abs().max().item() <= 3e-2
         toks = out[False].argmax(-1).tolist()
@@ -116,6 +123,6 @@ def test_scheduler_with_decode_graphs_equals_without(qwen35_dir):
         finally:
             sched.stop()
         if graphs:
-            assert sched.pool.graphs.stats["replays"] > 10
+            assert eng.runner.decode_graphs(sched.pool).stats["replays"] > 10
         assert (sched.overlapped_steps > 10) == overlap
     assert outs[True, False] == outs[False, False] == outs[True, True]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from kernel_testing import rel_rms
 
 
@@ -60,7 +61,7 @@ def test_pic_assembly_with_fast_kernels_equals_reference(qwen35_dir, monkeypatch
     for fast in (False, True):
         monkeypatch.setattr(backends, "use_fast_kernels", lambda t, fast=fast: fast)
         eng = Engine.from_dir(qwen35_dir, config=EngineConfig(mode="pic", seam_window=4))
-        eng.generate(dict(req, system=[1]))  # warm the entries after another prefix
+        LLM(eng).generate(dict(req, system=[1]))  # warm the entries after another prefix
         results.append(eng.prefill(eng.parse_request(req)))
     ref, fast = results
     # the fold really ran in the Triton kernel over the entries in place, with every state out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -62,7 +63,7 @@ def test_strict_validation_catches_a_mistake():
 
 def test_children_cover_every_role_and_kind():
     kinds = sorted(o["kind"] for o in builders.children(GPU, NAME, 2))
-    assert kinds == sorted(["ConfigMap", *["Service"] * 4, "StatefulSet", *["Deployment"] * 3,
+    assert kinds == sorted([*["Service"] * 4, "StatefulSet", *["Deployment"] * 3,
                             *["PodDisruptionBudget"] * 4, "NetworkPolicy", "ServiceMonitor"])
     assert "ServiceMonitor" not in [o["kind"] for o in builders.children(CPU, NAME, 1)]
 
@@ -250,15 +251,40 @@ def test_services_per_role():
         assert [p["name"] for p in svc["spec"]["ports"]] == ["grpc", "http"]
 
 
-def test_config_map_and_rollout_hash():
-    cm = builders.config_map(GPU, NAME)
-    assert cm["data"]["HYBRIDCACHE_MODEL_ARCH"] == "qwen3_next"
-    assert cm["data"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
-    changed = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}, "engine": {"seamWindow": 4}})
-    same = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}})
-    assert builders.config_hash(changed, NAME) != builders.config_hash(same, NAME)
-    annotations = builders.router_deployment(GPU, NAME)["spec"]["template"]["metadata"]["annotations"]
-    assert annotations[builders.CONFIG_HASH_ANNOTATION] == builders.config_hash(GPU, NAME)
+def test_no_environment_variable_is_set_that_nothing_reads():
+    """Every variable a pod is given is read: by the serving processes (services/), or by the
+    kubelet in the pod's own arguments (`$(NAME)`)."""
+    import re
+
+    source = "\n".join(p.read_text() for p in (Path(__file__).resolve().parents[2] / "services").rglob("*.py"))
+    pods = [o["spec"]["template"]["spec"] for o in builders.children(GPU, NAME, 2) if "template" in o.get("spec", {})]
+    assert len(pods) == 4
+    for pod in pods:
+        for c in pod["containers"]:
+            assert "envFrom" not in c
+            args = " ".join(c["args"])
+            for var in c.get("env", []):
+                name = var["name"]
+                assert f"$({name})" in args or re.search(rf"[\"']{name}[\"']", source), (c["name"], name)
+
+
+def test_engine_defaults_come_from_the_runtime_config():
+    """One default per setting: the operator's engine settings are the runtime config's defaults
+    and the CRD states none of them."""
+    import yaml
+    from hybridcache.services.config import default_of
+
+    bare = HybridCacheSpec.parse({"model": {"arch": "qwen3_next", "path": "/m"}})
+    for field in ("seam_window", "prefix_policy", "cuda_graphs", "tensor_parallel_size", "gpu_memory_utilization"):
+        assert getattr(bare.engine, field) == default_of(field), field
+    crd = yaml.safe_load((Path(__file__).resolve().parents[2] / "manifests" / "crd" / "hybridcache.yaml").read_text())
+    engine = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
+    assert not [k for k, v in engine["properties"].items() if "default" in v]
+    # unset dtype: bfloat16 on GPU pods, the runtime config's on CPU ones
+    gpu_args = container(builders.combine_deployment(GPU, NAME))["args"]
+    cpu_args = container(builders.combine_deployment(CPU, NAME))["args"]
+    assert gpu_args[gpu_args.index("--dtype") + 1] == (GPU.engine.dtype or "bfloat16")
+    assert cpu_args[cpu_args.index("--dtype") + 1] == (CPU.engine.dtype or default_of("dtype"))
 
 
 def test_pod_disruption_budgets():

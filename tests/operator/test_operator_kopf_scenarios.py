@@ -67,7 +67,7 @@ def play_workload_controller(client, name="demo"):
 
 def test_create_builds_every_child_owned_and_reports_ready(emulator, client, operator):
     owner = create(client)
-    objs = wait_for(lambda: len(children(emulator)) == 14 and children(emulator), what="14 children")
+    objs = wait_for(lambda: len(children(emulator)) == 13 and children(emulator), what="13 children")
     for obj in objs.values():
         (ref,) = obj["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["uid"], ref["controller"]) == (contract.KIND, owner["metadata"]["uid"], True)
@@ -86,7 +86,7 @@ def test_create_builds_every_child_owned_and_reports_ready(emulator, client, ope
 
 def test_per_role_update_changes_only_that_role(emulator, client, operator):
     create(client)
-    wait_for(lambda: len(children(emulator)) == 14, what="children")
+    wait_for(lambda: len(children(emulator)) == 13, what="children")
     settled(client)
     before = {k: o["metadata"]["resourceVersion"] for k, o in children(emulator).items()}
     (secret,) = emulator.objects("/v1/secrets")
@@ -104,7 +104,7 @@ def test_node_local_transport_reaches_the_worker_pods_and_back(emulator, client,
     """spec.transport.nodeLocal through the CRD's admission and the operator into the pods that
     move entries (scatter, combine), and out of them again when turned off."""
     create(client, transport={"nodeLocal": True})
-    wait_for(lambda: len(children(emulator)) == 14, what="children")
+    wait_for(lambda: len(children(emulator)) == 13, what="children")
     settled(client)
     for role in ("combine", "scatter"):
         pod = deployment(client, role)["spec"]["template"]["spec"]
@@ -190,7 +190,7 @@ def test_external_mode_leaves_replicas_to_scale_subresource(emulator, client, op
 
 def test_delete_is_not_blocked(emulator, client, operator):
     owner = create(client)
-    wait_for(lambda: len(children(emulator)) == 14, what="children")
+    wait_for(lambda: len(children(emulator)) == 13, what="children")
     settled(client)
     client.request("DELETE", f"{HC}/demo")
     wait_for(lambda: not emulator.objects("serving.hybridcache.io/v1alpha1/hybridcaches"), what="CR gone")
@@ -202,7 +202,7 @@ def test_delete_is_not_blocked(emulator, client, operator):
 def test_restart_adopts_existing_children_without_duplicates(emulator, client):
     with running_operator():
         create(client)
-        wait_for(lambda: len(children(emulator)) == 14, what="children")
+        wait_for(lambda: len(children(emulator)) == 13, what="children")
         settled(client)
     # the deployment secret is created blind every reconcile (the operator may not read secrets):
     # an existing one answers 409 and stays as it is

@@ -3,6 +3,7 @@
 import torch
 from hybridcache.services.runtime.cache import MemoryEntryStore, SegmentEntry, expected_entry_nbytes, segment_key
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.sequence import LinearSpan, SpanData
 
 
@@ -66,7 +67,7 @@ def test_engine_cache_respects_budget(qwen35_dir):
     eng = Engine.from_dir(qwen35_dir, config=EngineConfig(entry_cache_bytes=int(2.5 * one)))
     for i in range(5):
         seg = [(i * 7 + j) % 250 for j in range(80)]
-        eng.generate({"segments": [seg], "suffix": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}})
+        LLM(eng).generate({"segments": [seg], "suffix": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}})
         assert eng.entries.used_bytes <= int(2.5 * one)
     assert len(eng.entries) == 2 and eng.entries.evictions == 3
 

@@ -165,7 +165,8 @@ def test_capture_all_captures_every_size_before_requests(model):
 
 
 def test_no_decode_graphs_are_captured_off_cuda(model):
-    from hybridcache.services.runtime.paged import warm_decode_graphs
+    from hybridcache.services.runtime.runner import ModelRunner
 
-    pool = StatePool(model.empty_state(), 2, 64, 64)
-    assert warm_decode_graphs(model, pool, [()]) == 0 and getattr(pool, "graphs", None) is None
+    runner = ModelRunner(model)
+    pool = runner.new_state_pool(2, 64)
+    assert runner.warm_decode(pool, [()]) == 0 and runner.decode_graphs(pool) is None

@@ -9,6 +9,7 @@ from hybridcache.kernels.ops.gated_delta_rule import naive_recurrent_gated_delta
 from hybridcache.kernels.ops.transition import apply_segment, compose_many
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.models import qwen3_hybrid
 from hybridcache.services.runtime.sequence import LiveRun
 
@@ -35,6 +36,11 @@ def rag_request(seed, n_docs=5, lo=90, hi=140, system_len=12):
 
 def engine(model_dir, mode="pic", w=8):
     return Engine.from_dir(model_dir, config=EngineConfig(mode=mode, seam_window=w))
+
+
+def llm(model_dir, mode="pic", w=8):
+    """An engine and the scheduler that runs its requests."""
+    return LLM(engine(model_dir, mode, w))
 
 
 def test_engine_transition_equals_reference(qwen35_dir, monkeypatch):
@@ -89,10 +95,10 @@ def test_composition_of_three_segments_equals_sequential_layer0(qwen35_dir):
 
 def test_pic_answer_does_not_depend_on_cache_contents(qwen35_dir):
     req = rag_request(1)
-    cold = engine(qwen35_dir)
+    cold = llm(qwen35_dir)
     r_cold = cold.generate(req)
     assert all(not s.hit for s in r_cold.stats.segments)
-    warm = engine(qwen35_dir)
+    warm = llm(qwen35_dir)
     warm.generate(dict(req, system=[9, 9, 9], segments=req["segments"][::-1]))
     r_warm = warm.generate(req)
     assert all(s.hit and s.source == "entry" for s in r_warm.stats.segments)
@@ -107,7 +113,7 @@ def test_pic_with_seam_covering_segments_equals_full(qwen35_dir):
     lf = full.prefill(full.parse_request(req)).logits
     lw = wide.prefill(wide.parse_request(req)).logits
     assert (lf - lw).abs().max().item() <= 1e-4
-    assert full.generate(req).output_ids == wide.generate(req).output_ids
+    assert LLM(full).generate(req).output_ids == LLM(wide).generate(req).output_ids
 
 
 def test_pic_reuse_and_kl_to_full(qwen35_dir):
@@ -127,7 +133,7 @@ def test_pic_reuse_and_kl_to_full(qwen35_dir):
         lf = full.prefill(full.parse_request(req)).logits
         for mode, out in (("pic", kls_pic), ("naive", kls_naive)):
             e = engine(qwen35_dir, mode)
-            e.generate(dict(req, system=[1, 2, 3], segments=req["segments"][::-1]))
+            LLM(e).generate(dict(req, system=[1, 2, 3], segments=req["segments"][::-1]))
             pre = e.prefill(e.parse_request(req))
             seg_tokens = sum(s.tokens for s in pre.stats.segments)
             assert all(s.hit for s in pre.stats.segments)
@@ -147,17 +153,20 @@ def test_naive_differs_from_pic(qwen35_dir):
 
 
 def test_decode_after_pic_assembly_matches_slow_recomputation(qwen35_dir, monkeypatch):
-    """Incremental decode from the assembled state equals running the same tokens in one pass
-    from a copy of that state with the step-loop reference op."""
+    """Decode steps from the assembled state (the paged decode step the scheduler runs: the state
+    moved into a pool slot, its K/V into pages) equal running the same tokens in one pass from a
+    copy of that state with the step-loop reference op."""
     eng = engine(qwen35_dir)
     req = eng.parse_request(rag_request(4))
     pre = eng.prefill(req)
     assembled = pre.state.clone()
     assert pre.stats.reused_tokens > 0
+    pool = eng.new_state_pool(1, 1024)
+    slot = pool.assign(pre.state)
     toks = [int(pre.logits.argmax())]
     fast = []
     for _ in range(5):
-        logits = eng.decode_one_token(pre.state, toks[-1])
+        logits = eng.decode_batch([pre], [toks[-1]], pool, [slot])[0]
         fast.append(logits)
         toks.append(int(logits.argmax()))
 
@@ -192,7 +201,7 @@ def test_batched_live_scan_equals_sequential(qwen35_dir, monkeypatch):
                 ),
             )
         eng = engine(qwen35_dir, w=5)
-        eng.generate(dict(req, system=[3, 3]))
+        LLM(eng).generate(dict(req, system=[3, 3]))
         results.append(eng.prefill(eng.parse_request(req)))
     fast, slow = results
     assert (fast.logits - slow.logits).abs().max().item() <= 1e-4
@@ -273,10 +282,11 @@ def test_request_builds_its_cold_segments_in_one_batch(qwen35_dir, monkeypatch):
     real = eng.model.build_span_data
     monkeypatch.setattr(eng.model, "build_span_data", lambda segs, w: calls.append(len(segs)) or real(segs, w))
     req = rag_request(8, n_docs=4)
-    res = eng.generate(req)
+    served = LLM(eng)
+    res = served.generate(req)
     assert calls == [4]
     assert [s.source for s in res.stats.segments] == ["built"] * 4
-    assert eng.generate(req).output_ids == res.output_ids
+    assert served.generate(req).output_ids == res.output_ids
 
 
 def test_single_state_entry_policy_is_a_config_option(qwen35_dir):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from hybridcache.services.runtime.cache import expected_entry_nbytes
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 
 
 def rag_request(seed, n_docs=4, lo=90, hi=140):
@@ -42,7 +43,7 @@ def test_bf16_entries_halve_the_states_and_answer_like_fp32(qwen35_dir):
         req = rag_request(seed)
         logits = []
         for eng in (fp32, bf16):
-            eng.generate(dict(req, system=[5, 6, 7], segments=req["segments"][::-1]))
+            LLM(eng).generate(dict(req, system=[5, 6, 7], segments=req["segments"][::-1]))
             pre = eng.prefill(eng.parse_request(req))
             assert all(s.hit for s in pre.stats.segments)
             logits.append(pre.logits)
@@ -84,7 +85,7 @@ def test_bf16_state_entries_answer_the_same_from_the_host_tier(qwen35_dir):
     tiered = Engine.from_dir(qwen35_dir, config=EngineConfig(host_cache_bytes=1 << 30, **cfg))
     req = rag_request(7, n_docs=3)
     for e in (plain, tiered):
-        e.generate(req)
+        LLM(e).generate(req)
     tiered.entries.demote_all()
     assert len(tiered.entries.host) == 3
     pre = [e.prefill(e.parse_request(dict(req, segments=req["segments"][::-1]))) for e in (plain, tiered)]

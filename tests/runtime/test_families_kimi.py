@@ -12,6 +12,7 @@ from hybridcache.services.runtime.cache import MemoryEntryStore, expected_entry_
 from hybridcache.services.runtime.cache.single_state import SingleStateStore
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.loader import ModelLoadError, load_model
 from hybridcache.services.runtime.models.registry import config_from_dict
 from hybridcache.services.runtime.modelzoo import hf_config, init_model_dir
@@ -133,7 +134,7 @@ def test_entry_reused_at_any_position_is_exact_without_a_prefix(kimi, kimi_dir):
     b = pic.prefill(pic.parse_request(one)).logits
     assert (a - b).abs().max().item() <= 1e-4
     shifted = dict(one, system="a system prompt")
-    res = pic.generate(pic.parse_request(shifted))
+    res = LLM(pic).generate(shifted)
     assert res.stats.reused_tokens == len(seg) and len(res.output_ids) == 2
 
 

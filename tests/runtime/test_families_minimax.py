@@ -14,6 +14,7 @@ from hybridcache.services.runtime.cache import MemoryEntryStore, expected_entry_
 from hybridcache.services.runtime.cache.single_state import SingleStateStore
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.loader import ModelLoadError, load_model
 from hybridcache.services.runtime.models.registry import config_from_dict
 from hybridcache.services.runtime.modelzoo import hf_config, init_model_dir
@@ -162,7 +163,7 @@ def test_pic_consistency(mm, mm_dir):
     # a seam window covering whole segments leaves nothing to reuse: exactly full
     whole = _engine(mm, mm_dir, mode="pic", seam_window=16)
     assert (whole.prefill(whole.parse_request(obj)).logits - ref).abs().max().item() <= 1e-4
-    res = pic.generate(pic.parse_request(obj))
+    res = LLM(pic).generate(obj)
     assert len(res.output_ids) == 3
 
 
@@ -256,7 +257,7 @@ def test_prefix_cache_hit_equals_full(mm, mm_dir, policy):
     first = {"segments": [torch.randint(0, 256, (150,), generator=g).tolist()], "suffix": [5, 6]}
     second = dict(first, suffix=[5, 6, 40, 41, 42])
     eng = _engine(mm, mm_dir, mode="prefix", prefix_policy=policy, checkpoint_every=1)
-    eng.generate(eng.parse_request(dict(first, sampling_params={"max_new_tokens": 1})))
+    LLM(eng).generate(dict(first, sampling_params={"max_new_tokens": 1}))
     hit = eng.prefill(eng.parse_request(second))
     full = _engine(mm, mm_dir, mode="full")
     assert hit.stats.prefix_reused_tokens >= 128

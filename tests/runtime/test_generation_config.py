@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.sampling import GenerationDefaults, RequestError
 
 
@@ -22,7 +23,7 @@ def _write(path, **cfg):
 
 
 def _greedy(engine, prompt, n):
-    res = engine.generate({"suffix": prompt, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}})
+    res = LLM(engine).generate({"suffix": prompt, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}})
     return res.output_ids
 
 
@@ -35,7 +36,7 @@ def test_every_eos_id_of_a_list_stops(model_dir):
     _write(model_dir, eos_token_id=[300, stop])
     engine = Engine.from_dir(model_dir)
     assert {300, stop} <= engine.eos_ids
-    res = engine.generate({"suffix": prompt, "sampling_params": {"max_new_tokens": 6}})
+    res = LLM(engine).generate({"suffix": prompt, "sampling_params": {"max_new_tokens": 6}})
     assert res.output_ids == free[:at] and res.finish_reason == "stop"
     assert res.stats.generated_tokens == at + 1  # the eos token was generated too
     # ignore_eos still runs to max_new_tokens
@@ -77,8 +78,27 @@ def test_cached_tokens_count_only_caches_filled_before(model_dir):
     engine = Engine.from_dir(model_dir, config=EngineConfig(mode="pic", seam_window=4))
     segs = [list(range(10 + i, 40 + i)) for i in range(3)]
     obj = {"segments": segs, "suffix": [7, 8, 9], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
-    cold = engine.generate(obj).stats
+    cold = LLM(engine).generate(obj).stats
     assert cold.reused_tokens > 0 and cold.built_tokens > 0 and cold.cached_tokens == 0
-    warm = engine.generate(obj).stats
+    warm = LLM(engine).generate(obj).stats
     assert warm.built_tokens == 0 and warm.cached_tokens == warm.reused_tokens > 0
     assert cold.generated_tokens == warm.generated_tokens == 2
+
+
+def test_only_the_config_files_end_tokens_end_generation(model_dir):
+    """The tokenizer's chat markers (<|im_end|>, <|endoftext|>) end generation only where
+    config.json or generation_config.json lists them, as in transformers and vLLM."""
+    from hybridcache.services.runtime.models.registry import config_from_dir
+    from hybridcache.services.runtime.plan import Planner
+    from hybridcache.services.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    im_end = tok.token_id("<|im_end|>")
+    assert im_end is not None
+    cfg = config_from_dir(model_dir)
+    _write(model_dir, eos_token_id=300)
+    planner = Planner(cfg, tok, generation=GenerationDefaults.from_dir(model_dir))
+    assert planner.eos_ids == frozenset(cfg.eos_token_ids) | {300}
+    assert im_end not in planner.eos_ids
+    _write(model_dir, eos_token_id=[300, im_end])
+    assert im_end in Planner(cfg, tok, generation=GenerationDefaults.from_dir(model_dir)).eos_ids

@@ -6,6 +6,7 @@ import torch
 from hybridcache.services.runtime.cache import MemoryEntryStore
 from hybridcache.services.runtime.cache.host_tier import TieredEntryStore, is_host, stage, to_host
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +79,12 @@ def test_requests_answer_the_same_from_the_host_tier(qwen35_dir):
     plain = Engine.from_dir(qwen35_dir)
     tiered = Engine.from_dir(qwen35_dir, config=EngineConfig(host_cache_bytes=1 << 30))
     for e in (plain, tiered):
-        e.generate(_request(segs, [5, 6, 7]))
+        LLM(e).generate(_request(segs, [5, 6, 7]))
     tiered.entries.demote_all()
     assert len(tiered.entries.device) == 0 and len(tiered.entries.host) == 3
     reordered = [segs[2], segs[0], segs[1]]
-    want = plain.generate(_request(reordered, [8, 9]))
-    got = tiered.generate(_request(reordered, [8, 9]))
+    want = LLM(plain).generate(_request(reordered, [8, 9]))
+    got = LLM(tiered).generate(_request(reordered, [8, 9]))
     assert got.output_ids == want.output_ids
     assert [s.source for s in got.stats.segments] == ["host"] * 3
     assert [s.source for s in want.stats.segments] == ["entry"] * 3
@@ -101,9 +102,9 @@ def test_small_device_budget_moves_entries_down_as_it_fills(qwen35_dir, engine):
     tiered = Engine.from_dir(qwen35_dir, config=cfg)
     gen = torch.Generator().manual_seed(6)
     segs = [torch.randint(3, 200, (40,), generator=gen).tolist() for _ in range(3)]
-    tiered.generate(_request(segs, [5]))
+    LLM(tiered).generate(_request(segs, [5]))
     assert len(tiered.entries.device) == 1 and len(tiered.entries.host) == 2
-    res = tiered.generate(_request(segs[::-1], [6]))
+    res = LLM(tiered).generate(_request(segs[::-1], [6]))
     assert sorted(s.source for s in res.stats.segments) == ["entry", "host", "host"]
 
 
@@ -121,12 +122,12 @@ def test_stage_on_cuda_matches_resident_entries(qwen35_dir):
     gen = torch.Generator().manual_seed(7)
     segs = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (70, 41, 130, 33)]
     for e in (dev, tiered):
-        e.generate(_request(segs, [5, 6, 7]))
+        LLM(e).generate(_request(segs, [5, 6, 7]))
     tiered.entries.demote_all()
     host_entry = tiered.entries.get(tiered.entries.host.keys()[0])
     assert host_entry.data.linear[0].S.device.type == "cpu" and host_entry.data.linear[0].S.is_pinned()
-    want = dev.generate(_request(segs[::-1], [8]))
-    got = tiered.generate(_request(segs[::-1], [8]))
+    want = LLM(dev).generate(_request(segs[::-1], [8]))
+    got = LLM(tiered).generate(_request(segs[::-1], [8]))
     assert got.output_ids == want.output_ids
     assert [s.source for s in got.stats.segments] == ["host"] * 4
 
@@ -144,7 +145,7 @@ def test_warmup_of_a_tiered_engine_stages_from_the_host(qwen35_dir, monkeypatch)
         return real(entries, device)
 
     monkeypatch.setattr(runner_mod, "stage", spy)
-    tiered.warmup()
+    LLM(tiered).warmup()
     assert staged and max(staged) >= 3
     assert tiered.entries is store and len(store) == 0
 
@@ -160,7 +161,7 @@ def test_other_families_answer_the_same_from_the_host_tier(arch, tmp_path):
     plain = Engine.from_dir(d)
     tiered = Engine.from_dir(d, config=EngineConfig(host_cache_bytes=1 << 30))
     for e in (plain, tiered):
-        e.generate(_request(segs, [5, 6]))
+        LLM(e).generate(_request(segs, [5, 6]))
     tiered.entries.demote_all()
     pre = [e.prefill(e.parse_request(_request(segs[::-1], [7]))) for e in (plain, tiered)]
     for e, p in zip((plain, tiered), pre):

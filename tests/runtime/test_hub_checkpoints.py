@@ -13,64 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import FAMILIES, MULTIMODAL, hf_model, reference_model, save_checkpoint
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.loader import ModelLoadError, load_model
 from hybridcache.services.runtime.modelzoo import hf_config, init_model_dir
 from hybridcache.services.runtime.sequence import LiveRun
-from hybridcache.services.runtime.tokenizer import build_byte_tokenizer
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoModelForCausalLM
 
-TEXT_FAMILIES = [
-    "qwen3_next",
-    "qwen3_5_text",
-    "qwen3_5_moe_text",
-    "kimi_linear",
-    "nemotron_h",
-    "olmo_hybrid",
-    "minimax",
-    "bamba",
-]
-MULTIMODAL = ["qwen3_5", "qwen3_5_moe"]
-FAMILIES = TEXT_FAMILIES + MULTIMODAL
 # kimi_linear's transformers forward is slow on CPU (~0.8 s at 256 tokens): shorter sequences
 SEQ_LEN = {"kimi_linear": 21}
 NEW_TOKENS = {"kimi_linear": 6}
-TINY_VISION = dict(
-    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=16
-)
-
-
-def _hf_model(arch: str, tied: bool, seed: int):
-    """A transformers model of the tiny preset, its weights drawn so that every tensor matters:
-    matrices N(0, 0.08), vectors (norms, gates, biases) perturbed around their initial values."""
-    cfg = hf_config(arch, "tiny")
-    torch.manual_seed(seed)
-    if arch in MULTIMODAL:
-        text = {k: v for k, v in cfg["text_config"].items() if k != "tie_word_embeddings"}
-        # tie_word_embeddings only at the top level, as the hub's multimodal configs set it
-        config = AutoConfig.for_model(arch, text_config=text, vision_config=TINY_VISION, tie_word_embeddings=tied)
-        model = AutoModelForImageTextToText.from_config(config)
-    else:
-        rest = {k: v for k, v in cfg.items() if k != "model_type"}
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **dict(rest, tie_word_embeddings=tied)))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
-            else:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    if tied:
-        model.tie_weights()
-    return model.eval()
-
-
-def _save(model, out: Path, dtype: torch.dtype, sharded: bool) -> Path:
-    model.to(dtype).save_pretrained(out, max_shard_size="64KB" if sharded else "1GB")
-    build_byte_tokenizer().save(str(out / "tokenizer.json"))
-    return out
 
 
 def _names(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -87,23 +42,6 @@ def _ids(n: int, seed: int = 3) -> torch.Tensor:
     return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _reference(arch: str, path: Path):
-    if arch in MULTIMODAL:
-        return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # transformers' minimax computes with the decay buffers the checkpoint stores (rounded to
-    # bf16 in a bf16 file), the runtime with exact rates: give the reference exact ones too
-    with torch.no_grad():
-        for m in model.modules():
-            if hasattr(m, "get_slope_rate"):
-                rate = m.get_slope_rate()
-                for name, value in zip(
-                    ("slope_rate", "query_decay", "key_decay", "diagonal_decay"), (rate, *m.decay_factors(rate))
-                ):
-                    getattr(m, name).copy_(value)
-    return model
-
-
 CASES = [(arch, torch.float32, False, True) for arch in FAMILIES] + [
     (arch, torch.bfloat16, True, False) for arch in FAMILIES
 ]
@@ -115,8 +53,8 @@ CASES = [(arch, torch.float32, False, True) for arch in FAMILIES] + [
     ids=[f"{a}-{str(d)[6:]}-{'tied' if t else 'untied'}-{'sharded' if s else 'one-file'}" for a, d, t, s in CASES],
 )
 def test_save_pretrained_checkpoint_loads(arch, dtype, tied, sharded, tmp_path):
-    hf = _hf_model(arch, tied, seed=11)
-    path = _save(hf, tmp_path / arch, dtype, sharded)
+    hf = hf_model(arch, tied, seed=11)
+    path = save_checkpoint(hf, tmp_path / arch, dtype, sharded)
     names = _names(path)
     assert {d for _, d in names.values()} == {"F32" if dtype == torch.float32 else "BF16"}
     assert (path / "model.safetensors.index.json").is_file() == sharded
@@ -130,7 +68,7 @@ def test_save_pretrained_checkpoint_loads(arch, dtype, tied, sharded, tmp_path):
 
     ids = _ids(SEQ_LEN.get(arch, 48))
     # the reference reads the same file upcast to fp32, so bf16 weights compare exactly too
-    ref_model = _reference(arch, path)
+    ref_model = reference_model(arch, path)
     with torch.no_grad():
         ref = ref_model(ids).logits[0]
     model = load_model(path)
@@ -148,7 +86,7 @@ def test_save_pretrained_checkpoint_loads(arch, dtype, tied, sharded, tmp_path):
             prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n_new, do_sample=False, eos_token_id=None
         )[0, 16:].tolist()
     engine = Engine.from_dir(path, config=EngineConfig(mode="full"))
-    res = engine.generate(
+    res = LLM(engine).generate(
         {"suffix": prompt[0].tolist(), "sampling_params": {"max_new_tokens": n_new, "ignore_eos": True}}
     )
     assert len(expect) == n_new and res.output_ids == expect
@@ -168,7 +106,7 @@ def test_model_init_writes_hub_names(arch, tmp_path):
     """`model init` writes what save_pretrained writes for the same config; transformers loads it
     with no missing or unexpected tensor and computes what the runtime computes."""
     ours = init_model_dir(arch, "tiny", tmp_path / "ours", seed=2, std=0.08)
-    theirs = _save(_hf_model(arch, tied=False, seed=2), tmp_path / "theirs", torch.float32, sharded=False)
+    theirs = save_checkpoint(hf_model(arch, tied=False, seed=2), tmp_path / "theirs", torch.float32, sharded=False)
     assert _comparable(arch, _names(ours)) == _comparable(arch, _names(theirs))
     if arch in MULTIMODAL:
         return  # the text model's causal-LM class loads it: checked by the names above
@@ -228,7 +166,7 @@ def test_incomplete_expert_and_conv_groups_are_named(tmp_path):
 
 def test_multimodal_tie_only_at_top_level(tmp_path):
     """text_config says untied (its default), the wrapper's config ties: the LM head is the embedding."""
-    path = _save(_hf_model("qwen3_5", tied=True, seed=4), tmp_path / "m", torch.float32, sharded=False)
+    path = save_checkpoint(hf_model("qwen3_5", tied=True, seed=4), tmp_path / "m", torch.float32, sharded=False)
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True and cfg["text_config"].get("tie_word_embeddings") is False
     model = load_model(path)

@@ -19,7 +19,6 @@ from hybridcache.services.runtime.graphs import (
     LayoutGraphs,
     clone_out,
     find_patch_sites,
-    layout_graphs,
     layout_key,
 )
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
@@ -263,9 +262,12 @@ def test_host_constants_are_device_tensors_filled_once_after_the_capture():
 
 
 def test_graphs_are_off_on_cpu(model):
-    assert layout_graphs(model) is None  # a CPU model: the eager forward
+    from hybridcache.services.runtime.runner import ModelRunner
+
+    runner = ModelRunner(model)
+    assert runner.layout_graphs is None and not runner.graphs_apply  # a CPU model: the eager forward
     moe = HybridLM(ModelConfig.from_dict(hf_config("qwen3_5_moe_text", "tiny")))
-    assert not moe.cuda_graphs and model.cuda_graphs
+    assert moe.cuda_graphs and model.cuda_graphs  # MoE blocks have no host sync (tests/runtime/test_moe.py)
 
 
 def test_patch_sites_are_the_table_entries_holding_a_buffer_address():
@@ -314,13 +316,12 @@ def test_patched_binding_rewrites_the_tables_to_the_request_s_t_and_s(model):
         static.patch_tables(pic_layout(segs, datas, q))
 
 
-def test_cuda_graphs_flag_reaches_the_model(monkeypatch, qwen35_dir):
-    """--cuda-graphs off -> EngineConfig.cuda_graphs -> the engine's model runs eagerly; the flag is
-    forwarded to the services `hybridcache up` starts."""
+def test_cuda_graphs_flag_reaches_the_runner(monkeypatch, qwen35_dir):
+    """--cuda-graphs off -> EngineConfig.cuda_graphs -> the engine's runner runs its model eagerly
+    (it holds no graphs); the flag is forwarded to the services `hybridcache up` starts."""
     import argparse
 
     from hybridcache.services.config import add_config_flags, config_args, config_from_args
-    from hybridcache.services.runtime import graphs as graphs_mod
     from hybridcache.services.runtime.engine import Engine, EngineConfig
 
     ap = argparse.ArgumentParser()
@@ -330,15 +331,17 @@ def test_cuda_graphs_flag_reaches_the_model(monkeypatch, qwen35_dir):
     assert config_from_args(ap.parse_args([])).cuda_graphs is True
     forwarded = config_args(off, "scatter")
     assert forwarded[forwarded.index("--cuda-graphs") + 1] == "off"
-    # a model that would be captured (as on a GPU): the device and the fast-kernel check stand in
+    # a model that would be captured (as on a GPU): the device stands in
     monkeypatch.setattr(HybridLM, "device", property(lambda self: torch.device("cuda")))
-    monkeypatch.setattr(graphs_mod.backends, "use_fast_kernels", lambda t: True)
     eng = Engine.from_dir(qwen35_dir, config=EngineConfig(cuda_graphs=True))
-    assert layout_graphs(eng.model) is not None
-    Engine(eng.model, eng.tokenizer, off)
-    assert layout_graphs(eng.model) is None
+    assert eng.runner.layout_graphs is not None and eng.runner.decode_graphs_on
+    assert Engine(eng.model, eng.tokenizer, off).runner.layout_graphs is None
+    # the references on a CUDA model: no graphs of either kind
+    reference = Engine(eng.model, eng.tokenizer, EngineConfig(kernels="reference")).runner
+    assert reference.layout_graphs is None and not reference.decode_graphs_on
     # --cuda-graph-shapes bounds the shapes kept
-    Engine(eng.model, eng.tokenizer, config_from_args(ap.parse_args(["--cuda-graph-shapes", "2"])))
-    assert layout_graphs(eng.model).max_graphs == 2
+    shapes = Engine(eng.model, eng.tokenizer, config_from_args(ap.parse_args(["--cuda-graph-shapes", "2"])))
+    assert shapes.runner.layout_graphs.max_graphs == 2
+    assert eng.runner.layout_graphs.max_graphs == 4  # each runner its own graphs
     with pytest.raises(ValueError, match="cuda_graph_shapes"):
         config_from_args(ap.parse_args(["--cuda-graph-shapes", "0"]))

@@ -4,6 +4,7 @@ engine and from the scheduler's batched decode alike."""
 
 import torch
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
 from hybridcache.services.runtime.sequence import LiveRun
 
@@ -20,7 +21,7 @@ def test_logprobs_are_the_models_and_the_scheduler_agrees(qwen35_dir):
     engine = Engine.from_dir(qwen35_dir, config=EngineConfig(mode="full"))
     prompt = list(range(60, 90))
     greedy = {"suffix": prompt, "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "logprobs": 3}}
-    res = engine.generate(greedy)
+    res = LLM(engine).generate(greedy)
     assert len(res.logprobs) == len(res.output_ids) == 6
     ref = _reference(engine, prompt, res.output_ids)
     for n, (tok, (lp, top)) in enumerate(zip(res.output_ids, res.logprobs)):
@@ -31,11 +32,11 @@ def test_logprobs_are_the_models_and_the_scheduler_agrees(qwen35_dir):
     # sampled tokens: still the model's log p (before temperature), 0 alternatives asked for
     sampled = dict(greedy, sampling_params={"max_new_tokens": 5, "ignore_eos": True, "logprobs": 0,
                                             "temperature": 1.5, "seed": 3})
-    res2 = engine.generate(sampled)
+    res2 = LLM(engine).generate(sampled)
     ref2 = _reference(engine, prompt, res2.output_ids)
     assert all(top == [] and abs(lp - ref2[n, t].item()) <= 1e-4
                for n, (t, (lp, top)) in enumerate(zip(res2.output_ids, res2.logprobs)))
-    assert engine.generate(dict(greedy, sampling_params={"max_new_tokens": 2})).logprobs is None
+    assert LLM(engine).generate(dict(greedy, sampling_params={"max_new_tokens": 2})).logprobs is None
 
     sched = Scheduler(engine, SchedulerConfig(max_num_seqs=4))
     try:

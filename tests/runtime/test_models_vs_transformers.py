@@ -3,6 +3,7 @@
 import pytest
 import torch
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.sequence import LiveRun
 from transformers import AutoModelForCausalLM
@@ -32,7 +33,7 @@ def test_greedy_generation_equals_transformers(arch, model_dirs):
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None
         )[0, 40:].tolist()
     engine = Engine.from_dir(model_dirs[arch], config=EngineConfig(mode="full"))
-    res = engine.generate(
+    res = LLM(engine).generate(
         {"suffix": ids[0].tolist(), "sampling_params": {"max_new_tokens": 32, "ignore_eos": True}}
     )
     assert len(ref) == 32

@@ -6,6 +6,7 @@ inside the prompt, a page-tree hit, segments) goes the usual way."""
 
 import pytest
 import torch
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
 from test_scheduler import FAMILIES, _engine, serve, tiny_dirs
 
@@ -44,10 +45,10 @@ def test_state_equals_a_prefill_of_the_prompt(arch, dirs):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_batched_plain_prompts_answer_as_one_by_one(arch, dirs):
     reqs = _prompts(2)
-    ref = [_engine(dirs(arch), mode="prefix").generate(r) for r in reqs]
+    ref = [LLM(_engine(dirs(arch), mode="prefix")).generate(r) for r in reqs]
     reqs[2]["sampling_params"].update(ignore_eos=False, stop_token_ids=[ref[2].output_ids[3]])
     reqs[4]["sampling_params"].update(temperature=0.9, top_k=20, seed=5)
-    ref = [_engine(dirs(arch), mode="prefix").generate(r) for r in reqs]
+    ref = [LLM(_engine(dirs(arch), mode="prefix")).generate(r) for r in reqs]
     eng = _engine(dirs(arch), mode="prefix")
     sched, handles, events = serve(eng, reqs, max_num_seqs=4, overlap=True)
     for a, h, ev in zip(ref, handles, events):
@@ -62,7 +63,7 @@ def test_batched_plain_prompts_answer_as_one_by_one(arch, dirs):
 def test_modes_and_logprobs(qwen35_dir, mode):
     reqs = _prompts(3)
     reqs[1]["sampling_params"].update(logprobs=2)
-    ref = [_engine(qwen35_dir, mode=mode).generate(r) for r in reqs]
+    ref = [LLM(_engine(qwen35_dir, mode=mode)).generate(r) for r in reqs]
     sched, handles, _ = serve(_engine(qwen35_dir, mode=mode), reqs, max_num_seqs=3)
     assert [h.output_ids for h in handles] == [a.output_ids for a in ref]
     assert sched.plain_prefilled == len(reqs)
@@ -83,7 +84,7 @@ def test_pages_serve_later_prompts_and_what_cannot_be_batched_runs_as_before(qwe
     # over a checkpoint interval (256 tokens): the batched pass has no state at 256, not batched
     long = {"suffix": torch.randint(0, 250, (300,), generator=gen).tolist(),
             "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
-    want = [_engine(qwen35_dir, mode="prefix").generate(r) for r in (later, long)]
+    want = [LLM(_engine(qwen35_dir, mode="prefix")).generate(r) for r in (later, long)]
     sched, handles, _ = serve(eng, [later, long], max_num_seqs=2)
     assert [h.output_ids for h in handles] == [w.output_ids for w in want]
     assert sched.plain_prefilled == 0
@@ -119,7 +120,7 @@ def test_prompts_sharing_a_page_arriving_together_reuse_it(qwen35_dir):
     head = torch.randint(0, 250, (100,), generator=gen).tolist()
     reqs = [{"suffix": head + torch.randint(0, 250, (k,), generator=gen).tolist(),
              "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}} for k in (7, 12)]
-    want = [_engine(qwen35_dir, mode="prefix").generate(r) for r in reqs]
+    want = [LLM(_engine(qwen35_dir, mode="prefix")).generate(r) for r in reqs]
     eng = _engine(qwen35_dir, mode="prefix")
     sched = Scheduler(eng, SchedulerConfig(max_num_seqs=2))
     try:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hybridcache.services.runtime.cache import PagePayload, PageTree, PrefixPolicy, restore_state
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.sequence import LiveRun
 
 P = 64
@@ -54,7 +55,7 @@ def test_exact_replay_restores_full_prefill_at_every_page(tiny_dir):
     # Checkpoints after pages 2 and 4: pages 1, 3, 5 restore by replaying anchors.
     eng = make_engine(tiny_dir, prefix_policy="exact_replay", checkpoint_every=2)
     ids = tokens(5 * P + 7)
-    eng.generate(request(ids))
+    LLM(eng).generate(request(ids))
     assert len(eng.pages) == 5
     for d in range(1, 6):
         path = eng.pages.match(ids[: d * P], eng.page_policy.usable)
@@ -66,10 +67,10 @@ def test_exact_replay_restores_full_prefill_at_every_page(tiny_dir):
 
 def test_exact_replay_hit_gives_the_cacheless_answer(tiny_dir):
     ids = tokens(5 * P + 20, seed=1)
-    cold = make_engine(tiny_dir, mode="full").generate(request(ids, new=6))
+    cold = LLM(make_engine(tiny_dir, mode="full")).generate(request(ids, new=6))
     eng = make_engine(tiny_dir, prefix_policy="exact_replay")
-    eng.generate(request(ids[: 4 * P + 30], new=1))
-    warm = eng.generate(request(ids, new=6))
+    LLM(eng).generate(request(ids[: 4 * P + 30], new=1))
+    warm = LLM(eng).generate(request(ids, new=6))
     assert warm.stats.prefix_reused_tokens == 4 * P
     assert warm.stats.prefix_policy == "exact_replay"
     assert warm.output_ids == cold.output_ids
@@ -78,10 +79,10 @@ def test_exact_replay_hit_gives_the_cacheless_answer(tiny_dir):
 def test_checkpoint_hits_only_at_its_boundaries(tiny_dir):
     eng = make_engine(tiny_dir, prefix_policy="checkpoint", checkpoint_every=2)
     ids = tokens(7 * P + 5, seed=2)
-    eng.generate(request(ids))
+    LLM(eng).generate(request(ids))
     assert len(eng.pages) == 7
     for n in (P - 1, P + 3, 2 * P + 1, 3 * P + 10, 4 * P + 1, 7 * P + 2):
-        res = eng.generate(request(ids[:n]))
+        res = LLM(eng).generate(request(ids[:n]))
         expected = ((n - 1) // (2 * P)) * 2 * P
         assert res.stats.prefix_reused_tokens == expected, n
     path = eng.pages.match(ids[: 6 * P], eng.page_policy.usable)
@@ -100,7 +101,7 @@ def test_suffix_replay_error_shrinks_as_more_anchors_replay(tiny_dir):
         if layer.kind == "linear_attention":
             layer.linear_attn.A_log.data.zero_()
     ids = tokens(4 * P, seed=3)
-    eng.generate(request(ids + [1]))
+    LLM(eng).generate(request(ids + [1]))
     path = eng.pages.match(ids)
     assert len(path) == 4
     ref = full_prefill(model, ids)
@@ -116,7 +117,7 @@ def test_suffix_replay_error_shrinks_as_more_anchors_replay(tiny_dir):
     every_token = PrefixPolicy("suffix_replay", anchors_per_page=P, replay_anchors=4 * P)
     config = EngineConfig(mode="prefix", prefix_policy="suffix_replay", anchors_per_page=P)
     eng_all = Engine(model, eng.tokenizer, config)
-    eng_all.generate(request(ids + [1]))
+    LLM(eng_all).generate(request(ids + [1]))
     got = restore_state(model, every_token, eng_all.pages.match(ids))
     assert state_error(got, ref) <= 1e-5
 
@@ -128,14 +129,14 @@ def test_three_turn_conversation_reuses_each_previous_turn(tiny_dir, policy):
     prompt = tokens(110, seed=4)
     previous_run, previous_prompt = 0, []
     for turn in range(3):
-        res = eng.generate(request(prompt, new=24))
+        res = LLM(eng).generate(request(prompt, new=24))
         assert res.stats.prefix_reused_tokens == (min(previous_run, len(prompt) - 1) // P) * P, turn
         if turn:
             # The previous turn's answer is reused too, not only its prompt.
             assert res.stats.prefix_reused_tokens > len(previous_prompt), turn
         assert res.stats.linear_state_bytes > 0
         if cold is not None:
-            assert res.output_ids == cold.generate(request(prompt, new=24)).output_ids, turn
+            assert res.output_ids == LLM(cold).generate(request(prompt, new=24)).output_ids, turn
         previous_run = len(prompt) + len(res.output_ids) - 1  # the last sampled token never ran
         previous_prompt = prompt
         prompt = prompt + res.output_ids + tokens(40, seed=10 + turn)
@@ -146,8 +147,8 @@ def test_policies_bytes_per_token_order(tiny_dir):
     per_token = {}
     for policy in ("checkpoint", "suffix_replay", "exact_replay"):
         eng = make_engine(tiny_dir, prefix_policy=policy, checkpoint_every=1)
-        eng.generate(request(ids))
-        per_token[policy] = eng.generate(request(ids)).stats.linear_state_bytes / (3 * P)
+        LLM(eng).generate(request(ids))
+        per_token[policy] = LLM(eng).generate(request(ids)).stats.linear_state_bytes / (3 * P)
         assert per_token[policy] * 3 * P == eng.pages.linear_bytes
     assert per_token["suffix_replay"] < per_token["exact_replay"]
     assert per_token["suffix_replay"] < per_token["checkpoint"]
@@ -163,13 +164,13 @@ def test_pic_mode_caches_exact_pages_only(tiny_dir):
         "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
     }
     eng = make_engine(tiny_dir, mode="pic")
-    first = eng.generate(req)
+    first = LLM(eng).generate(req)
     # Exact region: the system prompt and the first segment's seam window (8 tokens).
     assert len(eng.pages) == (len(system) + 8) // P
-    again = eng.generate(req)
+    again = LLM(eng).generate(req)
     assert again.output_ids == first.output_ids
     prefix_only = make_engine(tiny_dir, mode="prefix")
-    prefix_only.generate(req)
+    LLM(prefix_only).generate(req)
     assert len(prefix_only.pages) == (len(system) + 60 + 50 + 12 + 3) // P
 
 
@@ -211,19 +212,21 @@ def test_eviction_is_least_recently_used_leaf_first():
 
 
 def test_engine_requests_in_flight_keep_their_pages(tiny_dir):
-    """A generation not yet finished holds its pages; a later request cannot evict them."""
+    """A request not yet finished (prefilled, its pages locked until finish_prefix) holds its pages;
+    a later request cannot evict them."""
     probe = make_engine(tiny_dir)
     ids_a, ids_b = tokens(3 * P + 5, seed=11), tokens(3 * P + 5, seed=12)
-    probe.generate(request(ids_a))
+    LLM(probe).generate(request(ids_a))
     page_bytes = probe.pages.used_bytes // 3
     eng = make_engine(tiny_dir, prefix_cache_bytes=4 * page_bytes + 16)
-    gen_a = eng.start(eng.parse_request(request(ids_a, new=2)))
+    pre_a = eng.prefill(eng.parse_request(request(ids_a, new=2)))
     assert len(eng.pages.match(ids_a)) == 3
-    eng.generate(request(ids_b))
+    llm = LLM(eng)
+    llm.generate(request(ids_b))
     assert len(eng.pages.match(ids_a)) == 3  # a's pages survived while a was running
     assert len(eng.pages.match(ids_b)) == 1  # b got only the room left
-    list(gen_a)  # a finishes: its pages are released
-    eng.generate(request(ids_b + [3]))
+    eng.finish_prefix(pre_a)  # a finishes: its pages are released
+    llm.generate(request(ids_b + [3]))
     assert len(eng.pages.match(ids_b)) >= 2
     assert eng.pages.used_bytes <= eng.pages.capacity_bytes
 
@@ -266,7 +269,7 @@ def test_exact_replay_is_exact_for_every_family(arch, tmp_path):
     model_dir = init_model_dir(arch, "tiny", tmp_path / arch, seed=0, std=0.08)
     eng = make_engine(model_dir, prefix_policy="exact_replay", checkpoint_every=2)
     ids = tokens(3 * P + 5, seed=14)
-    eng.generate(request(ids))
+    LLM(eng).generate(request(ids))
     path = eng.pages.match(ids, eng.page_policy.usable)
     assert len(path) == 3  # the third page restores by replaying from the checkpoint after page 2
     got = restore_state(eng.model, eng.page_policy, path)
@@ -281,7 +284,7 @@ def test_pic_request_resumes_inside_a_segment_from_a_page_hit(tiny_dir):
     params = {"max_new_tokens": 1, "ignore_eos": True}
     prefix_eng = make_engine(tiny_dir, mode="prefix")
     # 4 pages of system + doc1
-    prefix_eng.generate({"suffix": system + doc1 + [7], "sampling_params": params})
+    LLM(prefix_eng).generate({"suffix": system + doc1 + [7], "sampling_params": params})
     pic = Engine(prefix_eng.model, prefix_eng.tokenizer, EngineConfig(mode="pic"), page_tree=prefix_eng.pages)
     req = {"system": system, "segments": [doc1, doc2], "suffix": q, "sampling_params": params}
     pre = pic.prefill(pic.parse_request(req))

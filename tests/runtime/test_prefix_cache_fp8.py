@@ -9,6 +9,7 @@ import torch
 from hybridcache.services.runtime.cache import PrefixPolicy, restore_state
 from hybridcache.services.runtime.cache.policies import dequantize_anchors, quantize_anchors
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.sequence import LiveRun
 
 P = 64
@@ -68,7 +69,7 @@ def _anchor_state_errors(model, tokenizer, anchor_dtype, ids, ks):
     per-anchor fp8 round-trip error of the anchors stored (full-precision run) on that path."""
     eng = Engine(model, tokenizer, EngineConfig(mode="prefix", prefix_policy="suffix_replay",
                                                 anchors_per_page=16, anchor_dtype=anchor_dtype))
-    eng.generate(request(ids + [1]))
+    LLM(eng).generate(request(ids + [1]))
     path = eng.pages.match(ids)
     assert len(path) == len(ids) // P
     ref = model.empty_state()
@@ -117,8 +118,8 @@ def test_stats_report_fp8_bytes(tiny_dir):
     for anchor_dtype in (None, FP8):
         eng = Engine.from_dir(tiny_dir, config=EngineConfig(
             mode="prefix", prefix_policy="suffix_replay", anchors_per_page=4, anchor_dtype=anchor_dtype))
-        eng.generate(request(ids))
-        stats = eng.generate(request(ids)).stats
+        LLM(eng).generate(request(ids))
+        stats = LLM(eng).generate(request(ids)).stats
         assert stats.prefix_reused_tokens == 3 * P
         assert stats.linear_state_bytes == eng.pages.linear_bytes
         row = eng.page_policy.anchor_row_bytes(h, 4)

@@ -6,7 +6,7 @@ each token; staging, the op choice and the graph dispatch of its forward."""
 import pytest
 import torch
 from hybridcache.services.config import RuntimeConfig
-from hybridcache.services.runtime import backends, graphs
+from hybridcache.services.runtime import backends
 from hybridcache.services.runtime import runner as runner_mod
 from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.cache.host_tier import is_host, to_host
@@ -164,22 +164,67 @@ def test_staged_host_entries_answer_as_the_device_ones(dirs):
     torch.testing.assert_close(answer(staged), answer(datas), atol=0, rtol=0)
 
 
-def test_the_config_chooses_ops_and_graphs_once(dirs):
+def test_the_config_chooses_ops_and_graphs_once(dirs, monkeypatch):
+    """The runner's op choice holds for its own calls only (entered per call, not made the
+    process's); its graphs are its fields, the model holds none; a second runner over the same model
+    with other settings changes nothing of the first."""
     model = load_model(dirs["qwen3_5_text"])
-    prev = backends.current_dispatch()
-    try:
-        runner = ModelRunner(model, RuntimeConfig(kernels="reference", cuda_graphs=False, decode_cuda_graphs=True,
-                                                  cuda_graph_shapes=3, max_model_len=300))
-        assert runner.dispatch == backends.current_dispatch() == backends.OpDispatch("reference")
-        assert model._cuda_graphs_enabled is False and model._cuda_graph_shapes == 3
-        assert model._decode_graphs_enabled is True
-        # the pool's block tables are as wide as the config's longest sequence needs (19 pages of 16)
-        assert runner.max_len == 300
-        assert runner.new_state_pool(2, 10_000).kv.table.shape[1] == 19 + 1
-        ModelRunner(model, RuntimeConfig())
-        assert backends.current_dispatch() == backends.OpDispatch() and model._cuda_graphs_enabled is True
-    finally:
-        backends.configure(prev)
+    attributes = set(vars(model))
+    runner = ModelRunner(model, RuntimeConfig(kernels="reference", sdpa_backends="math", cuda_graph_shapes=3,
+                                              max_model_len=300))
+    assert runner.dispatch == backends.OpDispatch("reference", "math")
+    assert backends.current_dispatch() == backends.OpDispatch()  # building it chose nothing for the process
+    seen = []
+    real = model.forward_layout
+
+    def spy(*a, **k):
+        seen.append(backends.current_dispatch())
+        return real(*a, **k)
+
+    monkeypatch.setattr(model, "forward_layout", spy)
+    runner.forward(model.empty_state(), [LiveRun(torch.tensor(tokens(5, 1)), 0)], "last")
+    other = ModelRunner(model, RuntimeConfig())
+    other.forward(model.empty_state(), [LiveRun(torch.tensor(tokens(5, 1)), 0)], "last")
+    assert seen == [backends.OpDispatch("reference", "math"), backends.OpDispatch()]
+    assert backends.current_dispatch() == backends.OpDispatch()
+    # on the CPU neither kind of graph applies; the model carries no execution state
+    assert runner.layout_graphs is None and not runner.decode_graphs_on and runner.graph_stats == {}
+    assert set(vars(model)) - {"forward_layout"} == attributes
+    # the pool's block tables are as wide as the config's longest sequence needs (19 pages of 16)
+    assert runner.max_len == 300
+    assert runner.new_state_pool(2, 10_000).kv.table.shape[1] == 19 + 1
+
+
+def test_a_runner_s_op_choice_is_its_thread_s(dirs, monkeypatch):
+    """Two runners of other op choices over one model, called from two threads at once: every
+    forward sees its own runner's choice."""
+    import threading
+
+    model = load_model(dirs["qwen3_5_text"])
+    runners = [ModelRunner(model, RuntimeConfig(sdpa_backends=b)) for b in ("math", "flash,math")]
+    seen: list[tuple[int, str]] = []
+    real = model.forward_layout
+
+    def spy(*a, **k):
+        seen.append((threading.get_ident(), backends.current_dispatch().sdpa_backends))
+        return real(*a, **k)
+
+    monkeypatch.setattr(model, "forward_layout", spy)
+    barrier = threading.Barrier(2)
+    idents = {}
+
+    def work(k):
+        idents[threading.get_ident()] = runners[k].dispatch.sdpa_backends
+        barrier.wait()
+        for _ in range(5):
+            runners[k].forward(model.empty_state(), [LiveRun(torch.tensor(tokens(6, k)), 0)], "last")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 10 and all(choice == idents[ident] for ident, choice in seen)
 
 
 class EagerLayerGraph:
@@ -199,14 +244,13 @@ class EagerLayerGraph:
         self.out.copy_(self.fn())
 
 
-def test_forward_runs_assemblies_from_the_layout_graphs(dirs, monkeypatch):
-    """Where graphs apply (a CUDA model; here the graph cache is handed in), the runner's forward of
+def test_forward_runs_assemblies_from_the_layout_graphs(dirs):
+    """Where graphs apply (a CUDA model; here the runner is handed a graph cache), the runner's forward of
     an assembly is captured once and then replayed, with the eager forward's answers; a plain
     prefill (no cached span) runs eagerly."""
     runner = make_runner(dirs["qwen3_5_text"])
     model = runner.model
-    cache = LayoutGraphs(model, capture_after=1, graph_factory=EagerLayerGraph)
-    monkeypatch.setattr(graphs, "layout_graphs", lambda m: cache if m is model else None)
+    cache = runner.layout_graphs = LayoutGraphs(model, capture_after=1, graph_factory=EagerLayerGraph)
     for seed in (1, 2, 3):
         segs = [tokens(n, seed * 10 + n) for n in (19, 24)]
         datas = [d for d, _ in runner.build_spans(segs)]

@@ -1,14 +1,16 @@
 """Decoding: greedy, seeded sampling, top-k/top-p, stop strings and stop ids."""
 
+import pytest
 import torch
 from hybridcache.services.runtime.engine import Engine, EngineConfig
-from hybridcache.services.runtime.sampling import SamplingParams, sample_token
+from hybridcache.services.runtime.llm import LLM
+from hybridcache.services.runtime.sampling import RequestError, SamplingParams, sample_token
 
 REQ = {"segments": [list(range(30, 100))], "suffix": [7, 8, 9]}
 
 
 def gen(engine, **sp):
-    return engine.generate(dict(REQ, sampling_params=dict({"max_new_tokens": 12, "ignore_eos": True}, **sp)))
+    return LLM(engine).generate(dict(REQ, sampling_params=dict({"max_new_tokens": 12, "ignore_eos": True}, **sp)))
 
 
 def test_seeded_sampling_is_reproducible(qwen35_dir):
@@ -46,7 +48,87 @@ def test_stop_string_and_stop_ids(qwen35_dir):
 def test_streamed_deltas_add_up_to_the_text(qwen35_dir):
     eng = Engine.from_dir(qwen35_dir, config=EngineConfig())
     req = eng.parse_request(dict(REQ, sampling_params={"max_new_tokens": 10, "ignore_eos": True}))
-    g = eng.start(req)
-    deltas = [d for _, d in g]
-    assert "".join(deltas) == eng.tokenizer.decode(g.output_ids)
+    with LLM(eng) as llm:
+        g = llm.scheduler.add_request(req)
+        deltas = [d for _, d in g]
+    assert "".join(deltas) == eng.tokenizer.decode(g.output_ids) and len(g.output_ids) == 10
     assert g.prefill.stats.ttft_ms > 0
+
+
+CASES = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_p=0.95),
+    SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_k=12, top_p=0.6),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=0.5, top_p=0.9, min_p=0.02, top_k=30),
+]
+
+
+def _logits(rows, vocab=50, seed=0):
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_batched_masks_and_probabilities_equal_the_reference():
+    """Every row of one batched sampling_probs (mixed parameters, a greedy row among them) has the
+    support and the probabilities of its request's plain reference."""
+    from hybridcache.services.runtime.sampling import reference_probs, sampling_probs
+
+    params = CASES + [SamplingParams(temperature=0.0, top_k=3)]
+    logits = _logits(len(params))
+    probs = sampling_probs(logits, params)
+    for b, p in enumerate(params[:-1]):
+        ref = reference_probs(logits[b], p)
+        assert torch.equal(probs[b] > 0, ref > 0), p
+        assert torch.allclose(probs[b], ref, atol=1e-6), p
+    assert (probs[1] > 0).sum() < 50 and (probs[2] > 0).sum() == 5  # the masks cut something
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_device_sampler_draws_the_reference_distribution(case):
+    """20k seeded draws of `sample` (one batch of 20k rows of the same logits) follow the reference
+    distribution: no token outside its support, and Pearson's chi-square within 6 sigma of its
+    degrees of freedom."""
+    from hybridcache.services.runtime.sampling import reference_probs, sample
+
+    params = CASES[case]
+    logits = _logits(1, seed=case)[0]
+    ref = reference_probs(logits, params)
+    n = 20000
+    torch.manual_seed(case)
+    picks = sample(logits.expand(n, -1), [params] * n, [None] * n)
+    counts = torch.bincount(picks, minlength=logits.numel()).double()
+    support = ref > 0
+    assert counts[~support].sum() == 0
+    expected = ref[support].double() * n
+    chi2 = ((counts[support] - expected) ** 2 / expected).sum().item()
+    df = int(support.sum()) - 1
+    assert chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
+
+
+def test_seeded_rows_draw_the_same_whatever_the_batch():
+    """A row with its own generator picks the same tokens alone or beside other rows (seeded and
+    not), step after step; another seed picks differently."""
+    from hybridcache.services.runtime.sampling import sample
+
+    logits = _logits(4, seed=9)
+    p = SamplingParams(temperature=1.0, top_p=0.9)
+
+    def draws(seed, batch):
+        g = torch.Generator().manual_seed(seed)
+        others = [torch.Generator().manual_seed(99), None, None][: batch - 1]
+        out = []
+        for _ in range(30):
+            rows = [logits[0]] + [logits[1 + i] for i in range(batch - 1)]
+            out.append(int(sample(torch.stack(rows), [p] * batch, [g] + others)[0]))
+        return out
+
+    alone = draws(5, 1)
+    assert draws(5, 3) == alone == draws(5, 2)
+    assert draws(6, 1) != alone
+
+
+def test_min_p_is_a_sampling_parameter():
+    assert SamplingParams.from_dict({"min_p": 0.1}).min_p == 0.1
+    with pytest.raises(RequestError, match="min_p"):
+        SamplingParams.from_dict({"min_p": 1.5})

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.modelzoo import init_model_dir
 from hybridcache.services.runtime.scheduler import KVBudgetError, QueueFull, Scheduler, SchedulerConfig
@@ -74,7 +75,12 @@ def _engine(path, **cfg):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_batched_decode_logits_equal_sequential(arch, dirs):
+    """Decode steps of four requests in one pool (the scheduler's: linear states in slots, K/V in
+    pages) equal each request's own one-token forward; the states copied out at the end too."""
+    from hybridcache.services.runtime.runner import ModelRunner
+
     model = load_model(dirs(arch))
+    runner = ModelRunner(model)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.tensor(_ids(gen, n)) for n in (5, 23, 11, 1)]
     seq, bat = [], []
@@ -83,14 +89,19 @@ def test_batched_decode_logits_equal_sequential(arch, dirs):
             s = model.empty_state()
             model.forward_layout(s, [LiveRun(p, 0)], logits_for="none")
             states.append(s)
+    pool = runner.new_state_pool(len(bat), 256)
+    slots = [pool.assign(s) for s in bat]
     for _ in range(3):
         toks = _ids(gen, len(prompts))
         ref = torch.stack(
             [model.forward_layout(s, [LiveRun(torch.tensor([t]), s.length)])[0] for s, t in zip(seq, toks)]
         )
-        out, _ = model.decode_batch(bat, toks)
+        out, _ = runner.decode(pool, slots, toks)
         assert ref.abs().max().item() > 0.1
         assert (out - ref).abs().max().item() <= 1e-5
+    for s, slot in zip(bat, slots):
+        pool.release(slot, keep=s)
+        s.length += 3
     for a, b in zip(seq, bat):
         assert a.length == b.length
         for i in a.linear:
@@ -104,7 +115,7 @@ def test_concurrent_greedy_equals_one_by_one(arch, dirs):
     n = 3 if arch == "kimi_linear" else 5
     reqs = _requests(n)
     one = _engine(dirs(arch))
-    ref = [one.generate(r) for r in reqs]
+    ref = [LLM(one).generate(r) for r in reqs]
     eng = _engine(dirs(arch))
     sched = Scheduler(eng, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
     try:
@@ -128,12 +139,12 @@ def test_modes_sampling_and_stops_equal_one_by_one(qwen35_dir):
     reqs[2]["sampling_params"].update(ignore_eos=False, stop_token_ids=[3, 17, 99])
     for mode in ("full", "prefix", "pic"):
         base = _engine(qwen35_dir, mode=mode)
-        ref = [base.generate(r) for r in reqs]
+        ref = [LLM(base).generate(r) for r in reqs]
         # a stop string from the middle of request 3's own greedy output
         text = ref[3].text
         stops = [dict(r) for r in reqs]
         stops[3] = dict(reqs[3], sampling_params=dict(reqs[3]["sampling_params"], stop=[text[len(text) // 2:][:3]]))
-        ref[3] = _engine(qwen35_dir, mode=mode).generate(stops[3])
+        ref[3] = LLM(_engine(qwen35_dir, mode=mode)).generate(stops[3])
         eng = _engine(qwen35_dir, mode=mode)
         sched = Scheduler(eng, SchedulerConfig(max_num_seqs=3))
         try:
@@ -275,7 +286,7 @@ def _preempting(eng, budget_requests: float, reqs, chunk=4, seqs=4):
 @pytest.mark.parametrize("mode", ["full", "prefix", "pic"])
 def test_preempted_requests_resume_with_one_by_one_outputs(qwen35_dir, mode):
     reqs = _requests(5, seed=3, max_new=(30, 17, 41, 24, 9))
-    ref = [_engine(qwen35_dir, mode=mode).generate(r) for r in reqs]
+    ref = [LLM(_engine(qwen35_dir, mode=mode)).generate(r) for r in reqs]
     eng = _engine(qwen35_dir, mode=mode)
     sched, preempted = _preempting(eng, 2, reqs)
     try:
@@ -298,7 +309,7 @@ def test_preemption_and_page_boundaries_every_family(arch, dirs):
     """Outputs long enough to cross several 16-token K/V pages, requests preempted (their K/V copied
     out of the pages into the page tree) and resumed: the answers one by one, every page back."""
     reqs = _requests(4, seed=3, max_new=(33, 20, 40, 28))
-    ref = [_engine(dirs(arch), mode="prefix").generate(r) for r in reqs]
+    ref = [LLM(_engine(dirs(arch), mode="prefix")).generate(r) for r in reqs]
     eng = _engine(dirs(arch), mode="prefix")
     sched, preempted = _preempting(eng, 2, reqs)
     try:
@@ -318,7 +329,7 @@ def test_stops_after_a_resume(qwen35_dir, tmp_path):
     model_dir = tmp_path / "m"
     shutil.copytree(qwen35_dir, model_dir)
     reqs = _requests(4, seed=8, max_new=(40, 40, 40, 40))
-    free = [_engine(model_dir, mode="prefix").generate(r) for r in reqs]
+    free = [LLM(_engine(model_dir, mode="prefix")).generate(r) for r in reqs]
     # request 3 (admitted last: the first preempted) stops at an eos id late in its free output
     stop_id = next(t for i, t in enumerate(free[3].output_ids) if i >= 20 and t not in free[3].output_ids[:i])
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop_id]}))
@@ -326,7 +337,7 @@ def test_stops_after_a_resume(qwen35_dir, tmp_path):
     # request 2 stops at a string from late in its output
     text = free[2].text
     reqs[2]["sampling_params"] = dict(reqs[2]["sampling_params"], stop=[text[3 * len(text) // 4:][:3]])
-    ref = [_engine(model_dir, mode="prefix").generate(r) for r in reqs]
+    ref = [LLM(_engine(model_dir, mode="prefix")).generate(r) for r in reqs]
     assert ref[3].finish_reason == ref[2].finish_reason == "stop"
     assert len(ref[3].output_ids) >= 20 and len(ref[2].text) < len(text)
     eng = _engine(model_dir, mode="prefix")

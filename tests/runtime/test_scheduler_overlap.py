@@ -1,10 +1,11 @@
 """Overlapped decoding (Scheduler with SchedulerConfig.overlap): each decode step is launched
-before the host handles the one before it, the greedy picks fed to the next step on the device.
-The answers are the ones given one by one, for every way a request can end (length, stop id,
-stop string, cancellation, preemption), with sampled requests in the mix, and the page tree
-built from overlapped requests serves later prompts correctly."""
+before the host handles the one before it, the picks (greedy or sampled) fed to the next step on
+the device. The answers are the ones given one by one, for every way a request can end (length,
+stop id, stop string, cancellation, preemption), with sampled and logprobs requests in the mix,
+and the page tree built from overlapped requests serves later prompts correctly."""
 
 import pytest
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
 
 # the requests and models of the scheduler's own tests (shared segments, page-tree hits, padding)
@@ -30,16 +31,16 @@ def _same(ref, handles, events):
                                           ("nemotron_h", "prefix"), ("olmo_hybrid", "pic")])
 def test_overlapped_greedy_equals_one_by_one(arch, mode, dirs):
     reqs = _requests(5, max_new=(12, 5, 9, 16, 3))
-    ref = [_engine(dirs(arch), mode=mode).generate(r) for r in reqs]
+    ref = [LLM(_engine(dirs(arch), mode=mode)).generate(r) for r in reqs]
     # a stop id and a stop string from the middle of two requests' own outputs: they end a step
     # after the step that was launched with them
     reqs[1]["sampling_params"].update(ignore_eos=False, stop_token_ids=[ref[1].output_ids[2]])
     text = ref[3].text
     for at in range(len(text) // 2, len(text) - 3):  # a 3-character string a one-by-one run stops at
         reqs[3]["sampling_params"].update(stop=[text[at:at + 3]])
-        if _engine(dirs(arch), mode=mode).generate(reqs[3]).finish_reason == "stop":
+        if LLM(_engine(dirs(arch), mode=mode)).generate(reqs[3]).finish_reason == "stop":
             break
-    ref = [_engine(dirs(arch), mode=mode).generate(r) for r in reqs]
+    ref = [LLM(_engine(dirs(arch), mode=mode)).generate(r) for r in reqs]
     assert ref[1].finish_reason == ref[3].finish_reason == "stop"
     eng = _engine(dirs(arch), mode=mode)
     sched, handles, events = _run(eng, reqs, max_num_seqs=4, max_num_batched_tokens=64)
@@ -57,7 +58,7 @@ def test_pages_of_overlapped_requests_serve_later_prompts(qwen35_dir):
     made of its prompt and output reuses them and answers as a fresh engine does."""
     base = {"system": list(range(10, 90)), "segments": [], "suffix": list(range(100, 150)),
             "sampling_params": {"max_new_tokens": 220, "ignore_eos": True}}
-    free = _engine(qwen35_dir, mode="prefix").generate(base)
+    free = LLM(_engine(qwen35_dir, mode="prefix")).generate(base)
     out = free.output_ids
     stop = next(t for i, t in enumerate(out) if i >= 140 and t not in out[:i])  # ends past 4 pages of 64
     first = dict(base, sampling_params={"max_new_tokens": 220, "ignore_eos": False, "stop_token_ids": [stop]})
@@ -67,20 +68,21 @@ def test_pages_of_overlapped_requests_serve_later_prompts(qwen35_dir):
     assert done.finish_reason == "stop" and done.output_ids == free.output_ids[:free.output_ids.index(stop)]
     later = {"system": base["system"], "segments": [], "suffix": base["suffix"] + done.output_ids + [stop] + [7, 8],
              "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
-    want = _engine(qwen35_dir, mode="prefix").generate(later)
+    want = LLM(_engine(qwen35_dir, mode="prefix")).generate(later)
     _, handles, events = _run(eng, [later], max_num_seqs=2)
     _same([want], handles, events)
     # the prompt and the first request's output up to its last whole page came from pages
     assert handles[0].prefill.stats.cached_tokens >= 256
 
 
-def test_sampled_requests_in_the_batch_step_without_overlap(qwen35_dir):
-    """A sampled request joining the running greedy ones makes those steps synchronous (its token
-    is drawn on the host); the answers stay those given one by one, seeds included."""
+def test_logprobs_requests_step_without_overlap(qwen35_dir):
+    """A request asking for logprobs joining the running ones makes those steps synchronous (its
+    logprobs are read from the logits on the host); a seeded sampled one does not. The answers
+    stay those given one by one, seeds included."""
     reqs = _requests(4, seed=5, max_new=(40, 14, 18, 9))  # request 0 runs on alone, greedy, for ~20 steps
     reqs[2]["sampling_params"].update(temperature=0.9, top_k=20, seed=3)
     reqs[3]["sampling_params"].update(logprobs=2)
-    ref = [_engine(qwen35_dir, mode="pic").generate(r) for r in reqs]
+    ref = [LLM(_engine(qwen35_dir, mode="pic")).generate(r) for r in reqs]
     eng = _engine(qwen35_dir, mode="pic")
     sched, handles, events = _run(eng, reqs, max_num_seqs=4)
     _same(ref, handles, events)
@@ -89,13 +91,34 @@ def test_sampled_requests_in_the_batch_step_without_overlap(qwen35_dir):
     for (lp, top), (want, want_top) in zip(handles[3].logprobs, ref[3].logprobs):
         assert [i for i, _ in top] == [i for i, _ in want_top]
         assert abs(lp - want) < 1e-4 and all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(top, want_top))
-    assert sched.overlapped_steps >= 10  # the greedy one overlapped once the others had ended
+    assert sched.overlapped_steps >= 10  # overlapped once the logprobs request had ended
     assert sum(sched.batch_sizes.values()) > sched.overlapped_steps
+
+
+def test_sampled_requests_take_overlapped_steps(qwen35_dir):
+    """Requests sampling on the device (temperature, top-p, top-k, min-p; seeded) decode in
+    overlapped steps, their picks fed to the next step on the device, and give the tokens their
+    seeds give one by one."""
+    reqs = _requests(4, seed=7, max_new=(16, 12, 14, 10))
+    settings = [dict(temperature=0.8, top_p=0.95), dict(temperature=1.0, top_k=20),
+                dict(temperature=0.6, min_p=0.05), dict(temperature=1.2, top_p=0.9, top_k=50)]
+    for i, (r, sp) in enumerate(zip(reqs, settings)):
+        r["sampling_params"].update(sp, seed=11 + i)
+    ref = [LLM(_engine(qwen35_dir, mode="pic")).generate(r) for r in reqs]
+    eng = _engine(qwen35_dir, mode="pic")
+    sched, handles, events = _run(eng, reqs, max_num_seqs=4)
+    _same(ref, handles, events)
+    greedy = [LLM(_engine(qwen35_dir, mode="pic")).generate(dict(r, sampling_params=dict(r["sampling_params"],
+                                                                                     temperature=0.0)))
+              for r in reqs]
+    assert any(h.output_ids != g.output_ids for h, g in zip(handles, greedy))  # they did sample
+    steps = sum(sched.batch_sizes.values())
+    assert sched.overlapped_steps >= steps - 2 and steps >= 10
 
 
 def test_cancel_and_preempt_while_overlapped(qwen35_dir):
     reqs = _requests(5, seed=3, max_new=(30, 17, 41, 24, 9))
-    ref = [_engine(qwen35_dir, mode="prefix").generate(r) for r in reqs]
+    ref = [LLM(_engine(qwen35_dir, mode="prefix")).generate(r) for r in reqs]
     eng = _engine(qwen35_dir, mode="prefix")
     longest = max(len(eng.parse_request(r).prompt_ids) for r in reqs)
     empty = eng.model.empty_state()

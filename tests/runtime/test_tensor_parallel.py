@@ -14,6 +14,7 @@ import torch
 from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.runtime.config import ModelConfigError
 from hybridcache.services.runtime.engine import Engine
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.modelzoo import init_model_dir
 from hybridcache.services.runtime.sequence import LiveRun
@@ -67,11 +68,13 @@ def test_full_logits_equal_tp1(arch, dirs, group):
     assert ref.abs().max().item() > 1e-2
     assert _close(out, ref) <= 1e-5
     assert _close(nxt, ref_next) <= 1e-5
-    # batched decode of two requests continues both
+    # a batched decode step of two requests (the runner's, over its pool) continues both
+    runner = getattr(group.target, arch).runner
     s1, s2 = model.empty_state(), model.empty_state()
     model.forward_layout(s1, [LiveRun(ids[:30], 0)], logits_for="none")
     model.forward_layout(s2, [LiveRun(ids[:-1], 0)], logits_for="none")
-    both, _ = model.decode_batch([s1, s2], [int(ids[30]), int(ids[-1])])
+    pool = runner.new_state_pool(2, 128)
+    both, _ = runner.decode(pool, [pool.assign(s1), pool.assign(s2)], [int(ids[30]), int(ids[-1])])
     assert _close(both[0], ref[30]) <= 1e-5
     assert _close(both[1], ref_next) <= 1e-5
 
@@ -79,8 +82,8 @@ def test_full_logits_equal_tp1(arch, dirs, group):
 def test_engine_generate_equals_tp1(dirs, group):
     req = {"segments": ["the first part of a prompt", " and a second one"], "suffix": " then",
            "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}}
-    ref = Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(mode="full")).generate(req)
-    out = group.target.qwen3_5_text.generate(req)
+    ref = LLM(Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(mode="full"))).generate(req)
+    out = LLM(group.target.qwen3_5_text).generate(req)
     assert out.output_ids == ref.output_ids and len(out.output_ids) == 6
 
 
@@ -210,7 +213,7 @@ def test_scheduler_batched_decode_over_ranks(dirs, group):
     reqs = [{"system": r[0], "segments": r[1], "suffix": r[2],
              "sampling_params": {"max_new_tokens": 5 + i, "temperature": 0.0, "ignore_eos": True}}
             for i, r in enumerate([r1, r3, r1])]
-    want = [tp1.generate(r).output_ids for r in reqs]
+    want = [LLM(tp1).generate(r).output_ids for r in reqs]
     sched = Scheduler(group.target.pic_qwen3_5_text)
     try:
         handles = [sched.add_request(sched.engine.parse_request(r)) for r in reqs]

@@ -39,6 +39,15 @@ def cluster(model_dir):
             security.install(None)
 
 
+@pytest.fixture(scope="session")
+def clients_cluster(model_dir):
+    """Local services of the standard-client tests (tests/services/test_clients_*.py): a router, a
+    combine worker and one cache tier, apart from `cluster`, whose placement checks want empty tiers."""
+    with LocalCluster(model_dir, port=free_port(), scatter_workers=0, entry_cache_bytes=64 << 20,
+                      max_model_len=MAX_MODEL_LEN) as c:
+        yield c
+
+
 @pytest.fixture
 def etcd(tmp_path):
     if shutil.which("etcd") is None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hybridcache.services.api.chat_template import ChatTemplate
 from hybridcache.services.api.openai_compat import NO_TEMPLATE, chat_to_native
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.modelzoo import SHIPPED_MODEL
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.runtime.tokenizer import Tokenizer
@@ -183,7 +184,7 @@ def test_served_chat_renders_the_template_multi_turn_and_streaming(chat_cluster)
     # the served answer is the engine's on the rendered prompt
     engine = Engine.from_dir(path, config=EngineConfig(mode="pic"))
     native = chat_to_native({"messages": messages, "max_tokens": 6, "temperature": 0}, template, tok)
-    assert first.choices[0].message.content == engine.generate(native).text
+    assert first.choices[0].message.content == LLM(engine).generate(native).text
     assert [s["source"] for s in stats["segments"]][:2] == ["built", "built"]
 
     # the next turn: the earlier documents hit, its prompt is the template's for the whole history
@@ -247,16 +248,14 @@ def test_tool_calls_in_the_output_become_tool_calls():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("echo", True), ("frequency_penalty", 0.5), ("presence_penalty", 1),
-    ("logit_bias", {"5": 1}), ("response_format", {"type": "json_object"}), ("best_of", 2),
+    ("echo", True), ("logit_bias", {"5": 1}), ("response_format", {"type": "json_object"}), ("best_of", 2),
 ])
 def test_unimplemented_fields_are_refused_by_name(field, value):
     body = {"messages": [{"role": "user", "content": "x"}], field: value}
     with pytest.raises(RequestError, match=f"^{field}="):
         chat_to_native(body)
     # their neutral values are accepted
-    neutral = {"echo": False, "frequency_penalty": 0, "presence_penalty": 0,
-               "logit_bias": {}, "response_format": {"type": "text"}, "best_of": 1}
+    neutral = {"echo": False, "logit_bias": {}, "response_format": {"type": "text"}, "best_of": 1}
     chat_to_native(dict(body, **{field: neutral[field]}))
 
 
@@ -282,7 +281,7 @@ def test_served_logprobs_chat_completions_and_generate(chat_cluster):
                                          logprobs=True, top_logprobs=2)
     native = chat_to_native({"messages": messages, "max_tokens": 4, "temperature": 0, "logprobs": True,
                              "top_logprobs": 2}, template, tok)
-    want = engine.generate(native)
+    want = LLM(engine).generate(native)
     content = res.choices[0].logprobs.content
     assert len(content) == len(want.output_ids) == 4
     for entry, tid, (lp, top) in zip(content, want.output_ids, want.logprobs):

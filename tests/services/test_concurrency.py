@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from hybridcache.services.contract import (
-    METRIC_GENERATION_TOKENS,
     METRIC_SCHEDULER_FINISHED,
+    METRIC_SCHEDULER_GENERATED_TOKENS,
     METRIC_SCHEDULER_REQUESTS,
 )
 from hybridcache.services.launcher import LocalCluster, free_port
@@ -97,7 +97,7 @@ def _scrape(stack) -> dict:
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name in (METRIC_SCHEDULER_REQUESTS, METRIC_SCHEDULER_FINISHED, METRIC_GENERATION_TOKENS):
+            if s.name in (METRIC_SCHEDULER_REQUESTS, METRIC_SCHEDULER_FINISHED, METRIC_SCHEDULER_GENERATED_TOKENS):
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
 
@@ -107,7 +107,7 @@ def _finished(m: dict, reason: str) -> float:
 
 
 def _tokens(m: dict) -> float:
-    return m.get((METRIC_GENERATION_TOKENS, ()), 0.0)
+    return m.get((METRIC_SCHEDULER_GENERATED_TOKENS, ()), 0.0)
 
 
 def _in_flight(m: dict, state: str) -> float:

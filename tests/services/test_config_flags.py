@@ -1,6 +1,6 @@
 """The runtime config (services/config.py) generates the flags of every command that builds an
-engine: one flag and one default per field, the same flag everywhere, and `hybridcache up`
-forwards every field to the services that take it."""
+engine: one flag and one default per field of the sections the command takes, the same flag
+everywhere, and `hybridcache up` forwards every field to the services that take it."""
 
 import argparse
 import dataclasses
@@ -11,6 +11,8 @@ import pytest
 from hybridcache.services import launcher
 from hybridcache.services.cli import build_parser
 from hybridcache.services.config import (
+    ENGINE_SECTIONS,
+    SECTIONS,
     RuntimeConfig,
     config_args,
     config_fields,
@@ -23,10 +25,13 @@ from hybridcache.services.contract import ROLES
 from hybridcache.services.runtime.evaluation import RUN_FIELDS
 
 ENGINE_COMMANDS = ("generate", "demo", "eval", "serve", "up")
+# the sections each command takes: the in-process ones no server or security settings
+COMMAND_SECTIONS = {"generate": ENGINE_SECTIONS, "demo": ENGINE_SECTIONS, "eval": ENGINE_SECTIONS,
+                    "serve": tuple(SECTIONS), "up": tuple(SECTIONS)}
 # Alternatives the generic rule below cannot find (free-form strings, values valid only with another field's).
 ALTERNATIVES = {"anchor_dtype": "float8_e4m3fn", "prefix_policy": "suffix_replay", "sdpa_backends": "flash,math",
                 "transport_bandwidth": "cuda_ipc=80", "api_key": "k3y-of-the-test",
-                "warmup_shape": "4x256+16", "gpu_memory_utilization": 0.5}
+                "warmup_shape": "4x256+16", "gpu_memory_utilization": 0.5, "segment_separator": "<doc>"}
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -73,8 +78,11 @@ def test_every_field_has_one_flag_and_one_default_in_every_engine_command():
     assert len(set(flags)) == len(flags)
     for command in ENGINE_COMMANDS:
         p = parsers[command]
-        for f in config_fields(RUN_FIELDS if command == "eval" else ()):
+        for f in config_fields():
             actions = _actions(p, f.name)
+            if f.metadata["section"] not in COMMAND_SECTIONS[command] or (command == "eval" and f.name in RUN_FIELDS):
+                assert not actions, (command, f.name)
+                continue
             assert len(actions) == 1, (command, f.name)
             assert actions[0].option_strings == [flag_name(f)], (command, f.name)
             assert actions[0].default == f.default, (command, f.name)
@@ -93,15 +101,34 @@ def test_flags_agree_across_commands():
         return repr((a.option_strings, a.default, a.type, a.choices, a.help, a.metavar))
 
     for f in config_fields():
-        seen = {spec(c, f.name) for c in ENGINE_COMMANDS if not (c == "eval" and f.name in RUN_FIELDS)}
+        seen = {spec(c, f.name) for c in ENGINE_COMMANDS
+                if f.metadata["section"] in COMMAND_SECTIONS[c] and not (c == "eval" and f.name in RUN_FIELDS)}
         assert len(seen) == 1, (f.name, seen)
+
+
+def test_each_field_is_in_one_section_and_commands_list_flags_by_section():
+    for f in config_fields():
+        assert f.metadata["section"] in SECTIONS, f.name
+    help_text = _command_parsers()["generate"].format_help()
+    for flag in ("--api-key", "--tls-certfile", "--secret-file", "--drain-grace-s"):
+        assert flag not in help_text
+    for name in ENGINE_SECTIONS:
+        assert f"{name} ({SECTIONS[name]})" in help_text
+    assert "security (" in _command_parsers()["up"].format_help()
 
 
 def test_each_flag_parses_into_its_field():
     changed = _changed()
-    for command, head in (("generate", ["--model", "m", "--request", "r"]), ("serve", ["scatter"]), ("up", [])):
+    for command, head in (("serve", ["scatter"]), ("up", [])):
         args = build_parser().parse_args([command, *head, *config_args(changed)])
         assert config_from_args(args) == changed, command
+    engine_only = dataclasses.replace(RuntimeConfig(), **{f.name: getattr(changed, f.name)
+                                                          for f in config_fields(sections=ENGINE_SECTIONS)})
+    engine_flags = {flag_name(f) for f in config_fields(sections=ENGINE_SECTIONS)}
+    pairs = config_args(engine_only)
+    argv = [x for flag, value in zip(pairs[::2], pairs[1::2]) if flag in engine_flags for x in (flag, value)]
+    args = build_parser().parse_args(["generate", "--model", "m", "--request", "r", *argv])
+    assert config_from_args(args) == engine_only
 
 
 class _FakeProc:
@@ -216,20 +243,16 @@ def test_runtime_reads_no_environment_switch():
         found = re.findall(r"(?:os\.environ(?:\.get)?[\[(]|os\.getenv\()\s*\"([A-Z_0-9]+)\"", p.read_text())
         if found:
             reads[str(p.relative_to(root))] = sorted(set(found))
-    assert reads == {"services/runtime/modelzoo.py": ["HYBRIDCACHE_HOME", "HYBRIDCACHE_MODEL"]}
+    assert reads == {"services/runtime/modelzoo.py": ["HYBRIDCACHE_MODEL"]}
 
 
 def test_engine_takes_its_op_dispatch_and_graph_bound_from_the_config(qwen35_dir):
     from hybridcache.services.runtime import backends
     from hybridcache.services.runtime.engine import Engine
 
-    prev = backends.current_dispatch()
-    try:
-        eng = Engine.from_dir(qwen35_dir, config=RuntimeConfig(kernels="reference", sdpa_backends="math",
-                                                               cuda_graph_shapes=3))
-        assert backends.current_dispatch() == backends.OpDispatch("reference", "math")
-        assert eng.model._cuda_graph_shapes == 3
-        Engine(eng.model, eng.tokenizer, RuntimeConfig())
-        assert backends.current_dispatch() == backends.OpDispatch()
-    finally:
-        backends.configure(prev)
+    eng = Engine.from_dir(qwen35_dir, config=RuntimeConfig(kernels="reference", sdpa_backends="math",
+                                                           cuda_graph_shapes=3))
+    assert eng.runner.dispatch == backends.OpDispatch("reference", "math")
+    assert backends.current_dispatch() == backends.OpDispatch()  # the runner's, for its calls only
+    other = Engine(eng.model, eng.tokenizer, RuntimeConfig())
+    assert other.runner.dispatch == backends.OpDispatch() and eng.runner.dispatch.kernels == "reference"

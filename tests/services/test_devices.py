@@ -126,7 +126,8 @@ def test_engine_flags_reach_the_roles_that_take_them():
     # and each end of the entry transport its own: the sender's arena, the receiver's same-GPU choice
     assert "--ipc-arena-bytes" not in flags("combine") and "--scatter-same-gpu" not in flags("scatter")
     scatter = {k: v for k, v in flags("scatter").items() if k != "--ipc-arena-bytes"}
-    assert scatter == {k: v for k, v in flags("combine").items() if k not in {*scheduling, "--scatter-same-gpu"}}
+    combine_only = {*scheduling, "--scatter-same-gpu", "--stats-interval-s"}
+    assert scatter == {k: v for k, v in flags("combine").items() if k not in combine_only}
     assert not set(scheduling) & (set(flags("router")) | set(flags("cache-tier")))
     assert flags("router")["--max-model-len"] == "2048" and "--device" not in flags("router")
     assert "--device" not in flags("cache-tier") and "--entry-cache-bytes" not in flags("cache-tier")

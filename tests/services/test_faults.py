@@ -8,6 +8,7 @@ import time
 import pyetcd
 import pytest
 from hybridcache.services.launcher import LocalCluster, free_port
+from hybridcache.services.runtime.llm import LLM
 from serving_helpers import Etcd, http
 
 QUESTION = "Question: what is in the documents?\nAnswer:"
@@ -42,7 +43,8 @@ def ask(cluster, segments):
 
 
 def expected(engine, segments):
-    return engine.generate({"segments": segments, "suffix": QUESTION, "sampling_params": {"max_new_tokens": 4}}).text
+    request = {"segments": segments, "suffix": QUESTION, "sampling_params": {"max_new_tokens": 4}}
+    return LLM(engine).generate(request).text
 
 
 def test_scatter_worker_killed_mid_request(faulty, engine):

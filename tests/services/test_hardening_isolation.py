@@ -12,7 +12,13 @@ from hybridcache.services.runtime import engine as engine_mod
 from hybridcache.services.runtime import scheduler as scheduler_mod
 from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.engine import Engine
-from hybridcache.services.runtime.sampling import MIN_TEMPERATURE, RequestError, SamplingParams, sample_token
+from hybridcache.services.runtime.sampling import (
+    MIN_TEMPERATURE,
+    RequestError,
+    SamplingParams,
+    sample_token,
+    sampling_probs,
+)
 from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
 from hybridcache.services.runtime.sequence import AttnSpan, LinearSpan, SpanData
 
@@ -128,17 +134,18 @@ def _inject(stage: str, monkeypatch, eng: Engine, reqs: list[dict]):
         own = reqs[VICTIM]["segments"][1]
         pinned[VICTIM] = {eng.entry_key(own): _bad_entry(eng, own)}
         boom = None  # whatever the engine raises on it
-    elif stage == "sampling":
-        reqs[VICTIM]["sampling_params"]["temperature"] = 0.8
-        real = scheduler_mod.sample_token
+    elif stage == "logits":
+        # its penalties: the per-request adjustment of its row of the step's logits
+        reqs[VICTIM]["sampling_params"]["repetition_penalty"] = 1.1
         hit = _after(2)
 
-        def sample(logits, params, gen):
-            if _victim(params) and hit():
-                raise boom
-            return real(logits, params, gen)
+        class Failing(scheduler_mod.LogitsAdjuster):
+            def __call__(self, logits, output_ids):
+                if hit():
+                    raise boom
+                return super().__call__(logits, output_ids)
 
-        monkeypatch.setattr(scheduler_mod, "sample_token", sample)
+        monkeypatch.setattr(scheduler_mod, "LogitsAdjuster", Failing)
     elif stage == "stop strings":
         real = engine_mod.TextStream.push
         hit = _after(2)
@@ -166,7 +173,7 @@ def _inject(stage: str, monkeypatch, eng: Engine, reqs: list[dict]):
     return pinned, boom
 
 
-STAGES = ["cold build", "plain prefill", "assembly", "bad entry", "sampling", "stop strings", "logprobs"]
+STAGES = ["cold build", "plain prefill", "assembly", "bad entry", "logits", "stop strings", "logprobs"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -247,12 +254,22 @@ def test_no_accepted_temperature_makes_a_step_raise(temperature, fresh, alone):
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-45, 1e-20, MIN_TEMPERATURE, 1.0, 100.0])
-def test_sample_token_is_finite_for_any_finite_logits(temperature):
-    """Directly constructed parameters too: large logits of both signs, any temperature."""
+def test_sampling_is_finite_for_any_finite_logits(temperature):
+    """Directly constructed parameters too: large logits of both signs, any temperature; the largest
+    logit wins by 1e37, whatever the temperature."""
     g = torch.Generator().manual_seed(0)
     logits = torch.tensor([3.0e38, -3.0e38, 1.0, 2.9e38, 0.0])
     for top_p, top_k in ((1.0, -1), (1e-300, -1), (0.5, 2), (1.0, 1 << 62)):
-        tok = sample_token(logits, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), g)
-        assert 0 <= tok < len(logits)
-    with pytest.raises(RuntimeError, match="not finite"):
-        sample_token(torch.tensor([0.0, float("nan")]), SamplingParams(temperature=1.0), g)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        assert sample_token(logits, params, g) == 0
+        probs = sampling_probs(logits[None], [params])
+        assert bool(torch.isfinite(probs).all()) and probs[0, 0] == 1.0
+
+
+def test_penalties_are_bounded():
+    for bad in (1e-39, 0.0, 2.5):
+        with pytest.raises(RequestError, match="repetition_penalty"):
+            SamplingParams.from_dict({"repetition_penalty": bad})
+    for bad in (-2.5, 3.0):
+        with pytest.raises(RequestError, match="frequency_penalty"):
+            SamplingParams.from_dict({"frequency_penalty": bad})

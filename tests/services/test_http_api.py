@@ -19,6 +19,7 @@ from hybridcache.services.contract import (
 )
 from hybridcache.services.directory import HashRing
 from hybridcache.services.protocol import pb, rpc
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.security import internal_channel
 from serving_helpers import MAX_MODEL_LEN, TIER_BYTES, http
 
@@ -87,7 +88,7 @@ def test_openai_client_completion_stream_and_reuse(client, engine):
     st2 = second.model_extra["hybridcache"]
     assert st2["reused_segments"] == 3 and all(s["hit"] for s in st2["segments"])
     assert second.usage.prompt_tokens_details.cached_tokens == st2["reused_tokens"] > 0
-    expected = engine.generate(chat_to_native(body)).text
+    expected = LLM(engine).generate(chat_to_native(body)).text
     assert second.choices[0].message.content == expected
 
     pieces, last = [], None
@@ -97,10 +98,11 @@ def test_openai_client_completion_stream_and_reuse(client, engine):
         last = chunk
     assert last.choices[0].finish_reason in ("stop", "length")
     assert last.usage.completion_tokens >= 1 and "hybridcache" in last.model_extra
-    assert "".join(pieces) == engine.generate(chat_to_native(chat_body(DOCS[1:]))).text
+    assert "".join(pieces) == LLM(engine).generate(chat_to_native(chat_body(DOCS[1:]))).text
 
     comp = client.completions.create(model="default", prompt=QUESTION, max_tokens=4, temperature=0.0)
-    assert comp.choices[0].text == engine.generate({"suffix": QUESTION, "sampling_params": {"max_new_tokens": 4}}).text
+    plain = {"suffix": QUESTION, "sampling_params": {"max_new_tokens": 4}}
+    assert comp.choices[0].text == LLM(engine).generate(plain).text
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="default", prompt=QUESTION, max_tokens=4, temperature=0.0, stream=True))
     assert streamed == comp.choices[0].text
@@ -131,7 +133,7 @@ def test_sglang_native_generate_and_stream(cluster, engine):
     req = {"segments": DOCS, "text": QUESTION, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
     status, res = http("POST", f"{cluster.url}/generate", req)
     assert status == 200, res
-    assert res["text"] == engine.generate({"segments": DOCS, "suffix": QUESTION,
+    assert res["text"] == LLM(engine).generate({"segments": DOCS, "suffix": QUESTION,
                                            "sampling_params": {"max_new_tokens": 6}}).text
     assert res["meta_info"]["prompt_tokens"] == res["usage"]["prompt_tokens"]
     # One trace across router and combine worker (OpenTelemetry context in gRPC metadata).
@@ -300,7 +302,7 @@ def test_metrics_after_traffic(cluster, engine):
     assert 0 < hits < queries
     inter = metric(text, r"hybridcache_inter_token_latency_seconds_count (\S+)")
     assert inter > 0
-    assert metric(text, r'hybridcache_requests_total{status="200"} (\S+)') >= 50
+    assert metric(text, r'hybridcache_requests_total{door="http",status="200"} (\S+)') >= 50
     # The operator's autoscaler reads the queue depth from this scrape: drained after the traffic.
     from hybridcache.operator.autoscaler import read_router_metrics
 
@@ -322,7 +324,7 @@ def test_grpc_inference_streams_tokens(cluster, engine):
     req = {"segments": DOCS, "suffix": QUESTION, "sampling_params": {"max_new_tokens": 5}}
     chunks = list(stub.Generate(pb.GenerateRequest(request_json=json.dumps(req)), timeout=60))
     assert chunks[-1].done and json.loads(chunks[-1].stats_json)["prompt_tokens"] > 0
-    assert "".join(c.text for c in chunks if not c.done) == engine.generate(req).text
+    assert "".join(c.text for c in chunks if not c.done) == LLM(engine).generate(req).text
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(pb.GenerateRequest(request_json="{"), timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "JSON" in err.value.details()

@@ -96,22 +96,25 @@ def test_segments_of_calls_arriving_together_are_built_in_one_batch(engine):
                 assert torch.allclose(x.S, y.S, atol=1e-5)
 
 
-def test_scatter_warmup_runs_its_live_passes_eagerly(model_dir, monkeypatch):
+def test_scatter_worker_warms_up_without_cuda_graphs(model_dir, monkeypatch):
     """A scatter worker only builds entries: its warm-up's assemblies must not leave CUDA graphs
-    (GPU memory it would hold for nothing). Every live pass asks layout_graphs; none may find the
-    model's graphs enabled, and they are enabled again afterwards."""
-    from hybridcache.services.runtime import graphs
+    (GPU memory it would hold for nothing). The scatter role's engine runs with graphs off
+    (serve.role_config): its runner holds none of either kind where a combine worker's holds both;
+    its warm-up runs its requests through a scheduler of its own."""
+    from hybridcache.services.api.serve import role_config
     from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from hybridcache.services.runtime.loader import load_model
+    from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
+    from hybridcache.services.runtime.runner import ModelRunner
 
-    own = Engine.from_dir(model_dir, config=EngineConfig(warmup_shape="4+2x64+8"))
-    asked = []
-    real = graphs.layout_graphs
-
-    def layout_graphs(model):
-        asked.append(getattr(model, "_cuda_graphs_enabled", True))
-        return real(model)
-
-    monkeypatch.setattr(graphs, "layout_graphs", layout_graphs)
-    report = ScatterServicer(own, max_batch_tokens=256).warmup()
-    assert report["requests"] > 0 and asked and not any(asked)
-    assert getattr(own.model, "_cuda_graphs_enabled", True)
+    config = EngineConfig(warmup_shape="4+2x64+8")
+    assert role_config(config, "combine") == config
+    scatter_config = role_config(config, "scatter")
+    report = ScatterServicer(Engine.from_dir(model_dir, config=scatter_config), max_batch_tokens=256).warmup()
+    assert report["requests"] > 0 and report["builds"]
+    # as on a GPU (the device stands in)
+    monkeypatch.setattr(HybridLM, "device", property(lambda self: torch.device("cuda")))
+    model = load_model(model_dir)
+    combine, scatter = ModelRunner(model, config), ModelRunner(model, scatter_config)
+    assert combine.layout_graphs is not None and combine.decode_graphs_on
+    assert scatter.layout_graphs is None and not scatter.decode_graphs_on

@@ -20,6 +20,7 @@ from hybridcache.services.launcher import LocalCluster, free_port
 from hybridcache.services.observability import metrics
 from hybridcache.services.protocol import pb, rpc
 from hybridcache.services.runtime.cache import EntryLayout, SegmentEntry
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.sequence import AttnSpan, SpanData
 from hybridcache.services.transport import get_transport
 from hybridcache.services.transport.codec import EntryAssembler, entry_chunks, read_entries
@@ -179,14 +180,15 @@ def test_poisoning_the_cache_tier_does_not_change_the_answer(model_dir, engine):
         body = {"segments": docs, "text": QUESTION, "sampling_params": {"max_new_tokens": 6}}
         status, res = http("POST", f"{c.url}/generate", body, timeout=120)
         assert status == 200, res
-        want = engine.generate({"segments": docs, "suffix": QUESTION, "sampling_params": {"max_new_tokens": 6}})
+        native = {"segments": docs, "suffix": QUESTION, "sampling_params": {"max_new_tokens": 6}}
+        want = LLM(engine).generate(native)
         assert res["text"] == want.text
         assert "tier" not in [s["source"] for s in res["hybridcache"]["segments"]]
         assert _scraped(f"http://{combine.http}", "layout") >= layout_before + 1
         # Afterwards the tier holds the real entries the scatter worker wrote: they are served from there.
         time.sleep(1.0)
         status, res = http("POST", f"{c.url}/generate", dict(body, segments=docs[::-1]), timeout=120)
-        want = engine.generate({"segments": docs[::-1], "suffix": QUESTION, "sampling_params": {"max_new_tokens": 6}})
+        want = LLM(engine).generate(dict(native, segments=docs[::-1]))
         assert status == 200 and res["text"] == want.text
 
 

@@ -224,6 +224,49 @@ def test_served_requests_of_the_warmup_shape_capture_no_graphs(model_dir):
     assert all(s["graph_replays"] >= 1 for s in stats), stats
 
 
+@pytest.fixture(scope="module")
+def model_9b(tmp_path_factory):
+    """The Qwen3.5-9B shape in bf16, random weights, written on the GPU by a process of its own
+    (whatever it cached is freed when it exits, before a worker loads the model)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("q9b") / "q9b"
+    code = ("import torch; from hybridcache.services.runtime.modelzoo import init_model_dir; "
+            f"init_model_dir('qwen3_5_text', 'qwen3.5-9b', {str(out)!r}, dtype=torch.bfloat16, device='cuda')")
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=600)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_num_seqs", [None, 128], ids=["defaults", "seqs128"])
+def test_a_9b_combine_worker_plans_its_memory_and_captures_every_decode_graph(model_9b, max_num_seqs):
+    """`hybridcache up --device cuda` of the 9B shape with its defaults, and with --max-num-seqs
+    128, on one GPU: the combine worker sizes its caches after its warm-up (their budgets and the
+    activation peak in /health's memory plan, all within its share), captures the decode graph of
+    every batch size up to max_num_seqs (none runs eagerly) and serves."""
+    from hybridcache.services.launcher import LocalCluster, free_port
+    from serving_helpers import http
+
+    settings = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
+    with LocalCluster(model_9b, port=free_port(), scatter_workers=0, device="cuda", dtype="bfloat16",
+                      ready_timeout_s=1200, **settings) as c:
+        combine = next(s for s in c.services if s.role == "combine")
+        status, health = http("GET", f"http://{combine.http}/health", timeout=30)
+        assert status == 200, health
+        mem = health["memory"]
+        print(f"memory plan (max_num_seqs {max_num_seqs or 'default'}): {mem['how']}; "
+              f"warm-up {health['warmup']}")
+        assert mem["decode_graphs"] == mem["decode_graphs_expected"] > 0, mem
+        assert min(mem["kv_gib"], mem["entry_gib"], mem["prefix_gib"]) > 0.5, mem
+        used = mem["held_gib"] + mem["transient_gib"] + mem["kv_gib"] + mem["entry_gib"] + mem["prefix_gib"]
+        assert used <= mem["share_gib"] + 0.03, mem  # each figure rounded to 0.01 GiB
+        body = {"input_ids": list(range(5, 69)), "sampling_params": {"max_new_tokens": 16, "ignore_eos": True,
+                                                                       "temperature": 0.8, "top_p": 0.95}}
+        status, out = http("POST", f"{c.url}/generate", body, timeout=300)
+        assert status == 200 and len(out["output_ids"]) == 16, out
+
+
 @pytest.mark.gpu
 def test_start_up_measurement_of_the_cuda_ipc_device_work():
     from hybridcache.services.transport import measure_bandwidths

@@ -16,6 +16,7 @@ from http.client import HTTPConnection
 
 import pytest
 from hybridcache.services.launcher import free_port
+from hybridcache.services.runtime.llm import LLM
 from serving_helpers import http
 from test_up import alive
 
@@ -85,7 +86,7 @@ def ask(u, docs=DOCS, timeout=120):
 
 
 def want(engine, docs=DOCS):
-    return engine.generate({"segments": docs, "suffix": QUESTION, "sampling_params": {"max_new_tokens": 4}}).text
+    return LLM(engine).generate({"segments": docs, "suffix": QUESTION, "sampling_params": {"max_new_tokens": 4}}).text
 
 
 def test_kill_9_of_each_child_is_restarted_and_the_rest_keeps_serving(up, engine):

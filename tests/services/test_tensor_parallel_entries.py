@@ -21,6 +21,7 @@ from hybridcache.services.observability import metrics
 from hybridcache.services.protocol import pb, rpc
 from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.engine import Engine
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.modelzoo import init_model_dir
 from hybridcache.services.runtime.tensor_parallel import ranks
 from hybridcache.services.runtime.tensor_parallel.entries import bundle, gather_entries, scatter_entries, unbundle
@@ -132,7 +133,7 @@ def test_combine_worker_takes_a_bundle_from_the_tier_and_misses_a_tp1_entry(grou
         # rank 1's half went to rank 1
         assert metrics.BYTES_MOVED.labels(path="tensor_parallel")._value.get() - before == held.nbytes // SIZE
         assert pinned[keys[0]].meta["tensor_parallel"] == "0/2"
-        want = tp1.generate(_request(segs)).output_ids
+        want = LLM(tp1).generate(_request(segs)).output_ids
         handle = combine.scheduler.add_request(eng.parse_request(_request(segs)), pinned)
         assert handle.result().output_ids == want
         stats = handle.prefill.stats
@@ -167,7 +168,7 @@ def test_a_failed_hand_over_is_a_miss_and_the_group_goes_on(group, tp1, tier, mo
         pinned, source, _ = combine._gather(request, segs)
         assert pinned == {} and source == {}
         handle = combine.scheduler.add_request(eng.parse_request(_request(segs, 94)), pinned)
-        assert handle.result().output_ids == tp1.generate(_request(segs, 94)).output_ids
+        assert handle.result().output_ids == LLM(tp1).generate(_request(segs, 94)).output_ids
         assert [s.source for s in handle.prefill.stats.segments] == ["built"]
     finally:
         combine.close()

@@ -15,6 +15,7 @@ import time
 from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.launcher import free_port
 from hybridcache.services.runtime.engine import Engine
+from hybridcache.services.runtime.llm import LLM
 from serving_helpers import http
 from test_up import _stop
 
@@ -23,10 +24,10 @@ def test_served_tp2_equals_tp1(model_dir):
     segments = ["first a retrieved passage about caches", " then a second passage on states"]
     body = {"segments": segments, "suffix": " so the answer is",
             "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}}
-    want = Engine.from_dir(model_dir, config=RuntimeConfig(mode="pic")).generate(body).output_ids
+    want = LLM(Engine.from_dir(model_dir, config=RuntimeConfig(mode="pic"))).generate(body).output_ids
     port = free_port()
     other = dict(body, system="another system prompt")
-    want_other = Engine.from_dir(model_dir, config=RuntimeConfig(mode="pic")).generate(other).output_ids
+    want_other = LLM(Engine.from_dir(model_dir, config=RuntimeConfig(mode="pic"))).generate(other).output_ids
     # an entry cache too small for any entry: the combine worker keeps none of its own
     proc = subprocess.Popen([sys.executable, "-m", "hybridcache.services.cli", "up", "--model", str(model_dir),
                              "--port", str(port), "--scatter-workers", "1", "--tensor-parallel-size", "2",

@@ -513,13 +513,14 @@ def test_request_counters_carry_the_graph_cache_counts():
     from hybridcache.services.combine.worker import request_counters
     from hybridcache.services.runtime.cache.memory import MemoryEntryStore
     from hybridcache.services.runtime.graphs import LayoutGraphs
+    from hybridcache.services.runtime.runner import ModelRunner
 
-    model = SimpleNamespace()
+    runner = ModelRunner(SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=64)))
     store = MemoryEntryStore(1 << 20)
-    plain = request_counters("cpu", store, model)
+    plain = request_counters("cpu", store, runner)
     assert set(plain) == {"entry_evictions", "gc_collections", "gc_pause_ms"}
-    model._layout_graphs = LayoutGraphs(model)
-    model._layout_graphs.stats.update(captures=2, replays=5, eager=1)
-    got = request_counters("cpu", store, model)
+    runner.layout_graphs = LayoutGraphs(runner.model)
+    runner.layout_graphs.stats.update(captures=2, replays=5, eager=1)
+    got = request_counters("cpu", store, runner)
     assert {k: got[k] for k in ("graph_captures", "graph_replays", "graph_eager", "graph_failures")} == {
         "graph_captures": 2, "graph_replays": 5, "graph_eager": 1, "graph_failures": 0}

@@ -16,18 +16,20 @@ from serving_helpers import http
 
 def test_warmup_takes_every_path_and_leaves_caches_as_they_were(model_dir, monkeypatch):
     from hybridcache.services.runtime.engine import Engine
+    from hybridcache.services.runtime.llm import LLM
     from hybridcache.services.runtime.models import qwen3_hybrid
 
     engine = Engine.from_dir(model_dir)
-    engine.generate({"segments": [list(range(3, 40)), list(range(50, 90))], "suffix": [7, 8, 9],
-                     "sampling_params": {"max_new_tokens": 2}})
+    llm = LLM(engine)
+    llm.generate({"segments": [list(range(3, 40)), list(range(50, 90))], "suffix": [7, 8, 9],
+                  "sampling_params": {"max_new_tokens": 2}})
     before = (len(engine.entries), len(engine.prefixes), len(engine.pages), engine.entries.used_bytes)
     stores = (engine.entries, engine.prefixes, engine.pages)
 
     calls = {"batched_scan": 0, "build": 0, "decode": 0}
     orig_scan = qwen3_hybrid.GatedDeltaNet.batched_scan
     orig_build = Engine.build_entries
-    orig_decode = Engine.decode_one_token
+    orig_decode = Engine.decode_batch
 
     def scan(self, *a, **k):
         calls["batched_scan"] += 1
@@ -43,15 +45,15 @@ def test_warmup_takes_every_path_and_leaves_caches_as_they_were(model_dir, monke
 
     monkeypatch.setattr(qwen3_hybrid.GatedDeltaNet, "batched_scan", scan)
     monkeypatch.setattr(Engine, "build_entries", build)
-    monkeypatch.setattr(Engine, "decode_one_token", decode)
-    report = engine.warmup()
+    monkeypatch.setattr(Engine, "decode_batch", decode)
+    report = llm.warmup()
 
     # the four small requests, and six of the default shape cut to the tiny model's 4096 positions
     assert report["shape"] == (16, 3, 1024, 64)
     assert report["requests"] == 10 and report["seconds"] > 0
     assert calls["batched_scan"] > 0, "no assembly with several seams"
     assert calls["build"] >= 3, "the cold segments were not built in a batch"
-    assert calls["decode"] >= 3 * 2, "decode steps missing"
+    assert calls["decode"] >= 10 * 2, "decode steps missing"  # the scheduler's: every request's 2nd and 3rd token
     assert (engine.entries, engine.prefixes, engine.pages) == stores
     assert (len(engine.entries), len(engine.prefixes), len(engine.pages), engine.entries.used_bytes) == before
 
@@ -86,9 +88,9 @@ def test_after_warmup_no_request_of_the_shape_captures_graphs(model_dir, monkeyp
                     events.append((phase[0], "capture" if key in captured else "eager"))
             return None  # the eager forward runs
 
-    monkeypatch.setattr(graphs, "layout_graphs", lambda model: Shapes())
     system, n, length, question = 16, 4, 64, 16
     engine = Engine.from_dir(model_dir, config=EngineConfig(warmup_shape=f"{system}+{n}x{length}+{question}"))
+    engine.runner.layout_graphs = Shapes()  # the runner's graph cache, counting shapes (the eager forward runs)
     scheduler = Scheduler(engine, scheduler_config(engine.config, "cpu"))
     try:
         engine.warmup(run=scheduler.generate)

@@ -65,3 +65,36 @@ def loop_causal_conv1d(x, weight, bias=None, initial_state=None, activation="sil
         ys.append(F.silu(y) if activation == "silu" else y)
         window = window[..., 1:]
     return torch.stack(ys, dim=1).to(x.dtype), window.to(x.dtype)
+
+
+def naive_causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One new input of each of B sequences whose conv states are rows `slots` of a pool, the
+    states updated in place (a decode step: no copy of the batch's states out and back).
+
+    Args:
+        x: [B, D] the new inputs.
+        weight: [D, W]; bias: [D] or None.
+        conv_state: [S, D, W - 1] the pool (the previous W - 1 inputs of each slot, oldest first).
+        slots: [B] int64, distinct (a padding row may share the scratch slot: its result is undefined).
+        activation: "silu" or None.
+
+    Returns:
+        y [B, D] (dtype of x); conv_state[slots] holds the last W - 1 inputs, x's included.
+    """
+    if activation not in ("silu", None):
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    window = torch.cat([conv_state[slots].float(), x.float()[..., None]], dim=-1)  # [B, D, W]
+    y = (window * weight.float()).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    if activation == "silu":
+        y = F.silu(y)
+    conv_state.index_copy_(0, slots, window[..., 1:].to(conv_state.dtype))
+    return y.to(x.dtype)

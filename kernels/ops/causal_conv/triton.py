@@ -108,3 +108,86 @@ def causal_conv1d_fwd(
         ACTIVATION=activation or "",
     )
     return y, tail
+
+
+@triton.heuristics({"USE_BIAS": lambda args: args["bias"] is not None})
+@triton.jit
+def causal_conv1d_update_kernel(
+    x,
+    weight,
+    bias,
+    state,
+    slots,
+    y,
+    stride_x,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    BD: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    USE_BIAS: tl.constexpr,
+):
+    i_b, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    slot = tl.load(slots + i_b).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    p_s = state + slot * D * (W - 1) + o_d * (W - 1)
+    b_x = tl.load(x + i_b * stride_x + o_d, mask=m_d, other=0.0)
+    b_y = b_x.to(tl.float32) * tl.load(weight + o_d * W + (W - 1), mask=m_d, other=0.0).to(tl.float32)
+    # the state's taps, oldest first; each moves one place down once all are read
+    prev = tl.load(p_s, mask=m_d, other=0.0)
+    for j in tl.static_range(W - 1):
+        b_y += prev.to(tl.float32) * tl.load(weight + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)
+        if j < W - 2:
+            nxt = tl.load(p_s + (j + 1), mask=m_d, other=0.0)
+            tl.store(p_s + j, nxt, mask=m_d)
+            prev = nxt
+    tl.store(p_s + (W - 2), b_x.to(state.dtype.element_ty), mask=m_d)
+    if USE_BIAS:
+        b_y += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if ACTIVATION == "silu":
+        b_y = b_y * tl.sigmoid(b_y)
+    tl.store(y + i_b * D + o_d, b_y.to(y.dtype.element_ty), mask=m_d)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    activation: str | None = "silu",
+    block_d: int | None = None,
+) -> torch.Tensor:
+    """naive_causal_conv1d_update's contract: x [B, D] (rows may be strided, a slice of a
+    projection's columns), weight [D, W], bias [D], conv_state [S, D, W - 1] contiguous (the pool),
+    slots [B]. Returns y [B, D] (x's dtype); the slots' states advance in place."""
+    if activation not in ("silu", None):
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    B, D = x.shape
+    if weight.dim() != 2 or weight.shape[0] != D:
+        raise ValueError(f"weight must be [{D}, W], got {tuple(weight.shape)}")
+    W = weight.shape[1]
+    if W < 2:
+        raise ValueError("a conv of width 1 keeps no state")
+    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (D, W - 1) or not conv_state.is_contiguous():
+        raise ValueError(f"conv_state must be contiguous [S, {D}, {W - 1}], got {tuple(conv_state.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(B, D, dtype=x.dtype, device=x.device)
+    if B == 0:
+        return y
+    BD = block_d or min(triton.next_power_of_2(D), 256 if x.is_cuda else 1024)
+    causal_conv1d_update_kernel[(B, triton.cdiv(D, BD))](
+        x=x,
+        weight=weight.contiguous(),
+        bias=bias,
+        state=conv_state,
+        slots=slots if slots.is_contiguous() else slots.contiguous(),
+        y=y,
+        stride_x=x.stride(0),
+        D=D,
+        W=W,
+        BD=BD,
+        ACTIVATION=activation or "",
+    )
+    return y

@@ -94,7 +94,7 @@ def naive_recurrent_gated_delta_rule(
 def naive_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """T = A_T ... A_1 as the final state of the same recurrence from S_0 = I with all values zero.
 
-    This is the definition-level reference (DESIGN §2); production paths compute T fused with the
+    This is the definition-level reference (docs/concepts.md, "The math"); production paths compute T fused with the
     prefill (naive_recurrent_gated_delta_rule(..., output_transition=True)).
 
     Args: k [B, T, H, K], g [B, T, H], beta [B, T, H].  Returns: [B, H, K, K] fp32.

@@ -4,7 +4,7 @@ Per head (S is K x V, o_t = S_t^T q_t), with a per-channel (diagonal) decay:
 
     S_t = diag(alpha_t) S_{t-1} + k_t v_t^T,   alpha_t = exp(gk_t) in (0, 1]^K
 
-A run's transition T = alpha_L * ... * alpha_1 is a K-vector (DESIGN §2, "vector" T).
+A run's transition T = alpha_L * ... * alpha_1 is a K-vector (docs/concepts.md, "The math": a "vector" T).
 """
 
 from __future__ import annotations

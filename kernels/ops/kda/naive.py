@@ -4,7 +4,7 @@ Per head (S is K x V, o_t = S_t^T q_t), a delta rule with a per-channel forget g
 
     S_t = A_t S_{t-1} + beta_t k_t v_t^T,   A_t = (I - beta_t k_t k_t^T) diag(alpha_t),   alpha_t = exp(g_t)
 
-A run's transition T = A_L ... A_1 is a dense K x K matrix (DESIGN §2).
+A run's transition T = A_L ... A_1 is a dense K x K matrix (docs/concepts.md, "The math").
 """
 
 from __future__ import annotations

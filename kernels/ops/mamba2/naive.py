@@ -6,7 +6,7 @@ value role; transformers stores its transpose [P, N]):
     S_t = exp(dt_t A_h) S_{t-1} + dt_t B_t x_t^T,   y_t = S_t^T C_t + D_h x_t
 
 A_t = exp(dt_t A_h) I, so a run's transition T = exp(A_h sum_t dt_t) is one scalar per head
-(DESIGN §2). The D skip and the output gate are stateless: D is applied here, outside the
+(docs/concepts.md, "The math"). The D skip and the output gate are stateless: D is applied here, outside the
 recurrence; the gate (and its RMSNorm) belongs to the layer.
 """
 

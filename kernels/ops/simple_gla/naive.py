@@ -6,7 +6,7 @@ Per head (S is K x V, o_t = S_t^T q_t):
 
 RetNet and Lightning attention use a fixed gamma per head (g_t = log gamma_h for every t);
 simple GLA makes it data-dependent. A run's transition T = gamma_L ... gamma_1 is a scalar per
-head (DESIGN §2, "scalar" T).
+head (docs/concepts.md, "The math": a "scalar" T).
 """
 
 from __future__ import annotations

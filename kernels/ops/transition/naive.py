@@ -1,4 +1,4 @@
-"""Transition operators and their composition, for every linear-attention family (DESIGN §2).
+"""Transition operators and their composition, for every linear-attention family (docs/concepts.md, "The math").
 
 A segment C is summarised by the pair (T_C, S(C|0)) with S_end = T_C S_start + S(C|0). T comes
 in three kinds, told apart by shape against the state S [B, H, K, V]:

@@ -1,4 +1,5 @@
-"""How a prefix page keeps the linear layers' state (DESIGN §4), and how a hit restores it.
+"""How a prefix page keeps the linear layers' state, and how a hit restores it (docs/concepts.md,
+"Prefix cache and its policies").
 
 All three policies share the page tree (radix.py) and keep full-attention K/V per page.
 

@@ -1,4 +1,4 @@
-"""A radix tree over fixed-size token pages: the private prefix pool of DESIGN §4.
+"""A radix tree over fixed-size token pages: the prefix pool of docs/concepts.md ("Prefix cache and its policies").
 
 Each node is one page (`page_size` token ids) under the page before it, and holds that page's
 payload (attention K/V, and whatever linear state the policy keeps; see policies.py). A prefix

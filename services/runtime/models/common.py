@@ -219,14 +219,19 @@ class DecodeBatch:
     attention K/V lie in pages (paged.KVPages). Layers see the B tokens as one sequence [1, B, h]
     (their per-token math is unchanged); linear layers get the B states stacked, attention layers
     write their new K/V into the pages and attend through the block table (decode_attention).
-    rows [B]: the requests' table rows; kv_rows [B]: where each new token's K/V go in the flattened
-    pools; lengths [B]: keys each request attends to, its new one included (all int64 on the
-    device); max_pages: a host bound on the pages any request spans (the CPU path's gather)."""
+    rows [B]: the requests' table rows, which are their slots in the state pool; kv_rows [B]: where
+    each new token's K/V go in the flattened pools; lengths [B]: keys each request attends to, its
+    new one included (all int64 on the device); max_pages: a host bound on the pages any request
+    spans (the CPU path's gather). states_in_pool: a linear layer's state is the pool's (tensors
+    [slots + 1, ...]) and advances in place at `rows` (LinearMixer.decode); else it is the B
+    requests' states stacked [B, ...], replaced by the step (the gather/scatter reference)."""
 
-    __slots__ = ("kv", "rows", "kv_rows", "lengths", "max_pages")
+    __slots__ = ("kv", "rows", "kv_rows", "lengths", "max_pages", "states_in_pool")
 
-    def __init__(self, kv, rows: torch.Tensor, kv_rows: torch.Tensor, lengths: torch.Tensor, max_pages: int):
+    def __init__(self, kv, rows: torch.Tensor, kv_rows: torch.Tensor, lengths: torch.Tensor, max_pages: int,
+                 states_in_pool: bool = True):
         self.kv, self.rows, self.kv_rows, self.lengths, self.max_pages = kv, rows, kv_rows, lengths, max_pages
+        self.states_in_pool = states_in_pool
 
     def write(self, pages: torch.Tensor, new: torch.Tensor) -> None:
         """Write the B new rows new [B, H, d] into pages [num_pages, P, H, d], one indexed copy."""
@@ -313,8 +318,8 @@ class LayoutLM(nn.Module):
     `forward_layout(x, layout, state, rec, layer_idx, positions) -> x`, residuals included."""
 
     norm_offset = 1.0  # modelzoo.random_init_: these models use plain RMSNorm (weight * x)
-    # Whether the live pass of an assembly may run from CUDA graphs (graphs.py): only where it has
-    # no host synchronization (a MoE layer's expert loop reads the routing on the host) and is tested so.
+    # Whether the live pass of an assembly and decode steps may run from CUDA graphs (graphs.py,
+    # paged.py): only where they have no host synchronization and are tested so on a GPU.
     cuda_graphs = False
 
     def __init__(self, cfg, backbone: nn.Module):
@@ -369,46 +374,12 @@ class LayoutLM(nn.Module):
         state.length = end
         return self.logits_of(x, logits_for), rec
 
-    @torch.no_grad()
-    def decode_batch(self, states: list[SequenceState], token_ids: list[int], capture_hidden=()):
-        """One decode step of B requests given as their own states (tests, benchmarks; the scheduler
-        keeps its running requests in a paged.StatePool and calls paged.decode_step): token_ids[b]
-        is request b's next token, at position states[b].length. The states are moved into a pool
-        for the step and out again after it, their K/V copied both ways: each state ends as it
-        would after a forward of its token. Returns (logits [B, vocab] fp32, {layer in capture_hidden:
-        entering stream [B, h]})."""
-        from hybridcache.services.runtime.paged import StatePool, decode_step
-
-        B = len(states)
-        longest = max(s.length for s in states) + 1
-        pool = StatePool(self.empty_state(), B, sum(s.length + 1 for s in states), longest)
-        slots = [pool.assign(s) for s in states]
-        logits, hidden = decode_step(self, pool, slots, token_ids, capture_hidden)
-        for s, slot in zip(states, slots):
-            pool.release(slot, keep=s)
-            s.length += 1
-        return logits, hidden
-
-    def new_state_pool(self, slots: int, kv_tokens: int, max_len: int):
-        """A paged.StatePool of `slots` running requests with room for `kv_tokens` tokens of K/V."""
-        from hybridcache.services.runtime.paged import StatePool
-
-        return StatePool(self.empty_state(), slots, kv_tokens, max_len)
-
-    @torch.no_grad()
-    def decode_pool(self, pool, slots: list[int], token_ids: list[int], capture_hidden=()):
-        """One decode step of the requests held in `slots` of `pool` (paged.decode_step): their
-        states advance in the pool (the SequenceStates assigned to it keep their own length).
-        Returns (logits [B, vocab] fp32, hidden)."""
-        from hybridcache.services.runtime.paged import decode_step
-
-        return decode_step(self, pool, slots, token_ids, capture_hidden)
-
     def forward_decode(self, batch: DecodeBatch, token_ids: torch.Tensor, positions: torch.Tensor,
                        linear: dict[int, LinearState], capture_hidden=()):
         """The layers over a decode batch: token_ids, positions [B] on the device; linear: layer ->
-        the B requests' linear states stacked [B, ...], replaced by the states after the step.
-        Returns (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
+        the pool's linear state, advanced in place at the batch's rows (batch.states_in_pool), or
+        the B requests' states stacked [B, ...], replaced by the states after the step. Returns
+        (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
         x = self.embed(token_ids)[None]  # [1, B, h]
         hidden = {}
         for i, layer in enumerate(self.layers):

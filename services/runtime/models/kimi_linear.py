@@ -2,7 +2,7 @@
 with the checkpoint's tensor names (transformers' modeling_kimi_linear.py).
 
 KDA is a delta rule with a per-channel forget gate, so a segment's transition T is a dense
-K x K matrix per head (DESIGN §2, kernels/ops/kda). The gate is g = -exp(A_log) softplus(f_b(f_a(x))
+K x K matrix per head (docs/concepts.md, "The math"; kernels/ops/kda). The gate is g = -exp(A_log) softplus(f_b(f_a(x))
 + dt_bias) per channel, beta = sigmoid(b_proj(x)); q and k are L2-normalised after a silu short
 conv; the output goes through an RMSNorm gated by sigmoid(g_b(g_a(x))).
 
@@ -258,6 +258,14 @@ class KimiDeltaAttention(LinearMixer):
 
     def pieces(self, rec):
         return backends.kda_pieces(*rec)
+
+    def recurrence_step(self, conv_out, rest, pool, slots):
+        """One launch on CUDA: q and k (views of the conv output) L2-normalized inside the kernel,
+        the per-key gate g [B, H, K] and beta [B, H] as project made them."""
+        g, beta = rest
+        B = conv_out.shape[0]
+        q, k, v = (t.view(B, self.nh, self.d) for t in torch.split(conv_out, self.qkv_dim, dim=-1))
+        return backends.recurrent_step(q, k, v, g, beta, pool, slots, l2norm_qk=True)
 
     def merge_projections(self) -> int:
         self._in_proj = merge_weights(self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.g_a_proj)

@@ -8,7 +8,7 @@ exp(-s (i + 1)) query decays and exp(-s B) block decays); that is this recurrenc
 rate of head h in layer l is s = b^(h + 1) (1 - l / (L - 1 + 1e-5) + 1e-5), b = 2^(-8 / H): the
 ALiBi base for every H (not interleaved as kernels/ops/simple_gla.lightning_slopes is for
 non-powers of two) times a per-layer factor that takes the decay to ~1 in the last layer. So a
-segment's T is a scalar per head, exp(-s n) (DESIGN §2), and there is no short conv: the conv
+segment's T is a scalar per head, exp(-s n) (docs/concepts.md, "The math"), and there is no short conv: the conv
 tail of an entry is empty.
 
 The output is RMSNorm over all heads (eps 1e-6), gated by sigmoid(output_gate(x)). Blocks are
@@ -243,6 +243,12 @@ class LightningAttention(LinearMixer):
     def pieces(self, rec):
         q, k, v, _ = rec
         return backends.simple_gla_pieces(q, k, v, self.log_decays(rec), 1.0)
+
+    def recurrence_step(self, qkv, rest, pool, slots):
+        """The plain recurrence's step (kernels/ops/recurrent_step) with the layer's fixed decays."""
+        q, k, v, _ = self.recurrence_inputs(qkv[:, None], rest)  # [B, 1, H, d] each
+        g = -self.slopes(q.device)[None, :].expand(q.shape[0], self.nh)
+        return backends.recurrent_step(q[:, 0], k[:, 0], v[:, 0], g, None, pool, slots, scale=1.0)
 
     def finish(self, o, x):
         B, n = o.shape[:2]

@@ -60,6 +60,10 @@ class LinearMixer(nn.Module):
         transitions (module docstring), so that o = o0 + u S_in.
     finish(o [B, n, H, V] in x's dtype, gate) -> the layer's output [B, n, h].
     empty_state(device) -> LinearState.
+    recurrence_step(conv_out [B, D], rest [B, ...], pool [S, ...], slots [B]) -> o [B, H, V]: one
+        decode token of B requests whose states are rows `slots` of the pool, advanced in place
+        (backends.recurrent_step). Every family here has its own; the default copies the rows
+        out, runs `recurrence` and copies them back.
     """
 
     conv_width: int = 1
@@ -84,6 +88,12 @@ class LinearMixer(nn.Module):
 
     def empty_state(self, device) -> LinearState:
         raise NotImplementedError
+
+    def recurrence_step(self, conv_out, rest, pool, slots):
+        rec = self.recurrence_inputs(conv_out[:, None], tuple(t[:, None] for t in rest))
+        o, S, _ = self.recurrence(rec, pool[slots], False)
+        pool.index_copy_(0, slots, S.to(pool.dtype))
+        return o[:, 0]
 
     def conv_weight(self):
         return self.conv1d.weight.squeeze(1), self.conv1d.bias
@@ -110,6 +120,8 @@ class LinearMixer(nn.Module):
         of one scan per run: per-run scans cost launches in proportion to the runs."""
         inputs, gate = self.project(x)
         if isinstance(layout, DecodeBatch):
+            if layout.states_in_pool:
+                return self.finish(self.decode(inputs, state, layout.rows).to(x.dtype), gate)
             return self.finish(self.sequential_scan(inputs, layout, state, rec, layer_idx, 0, 0, 0).to(x.dtype), gate)
         first_span = next((i for i, p in enumerate(layout) if isinstance(p, CachedSpan)), len(layout))
         outs, off = [], 0
@@ -129,6 +141,17 @@ class LinearMixer(nn.Module):
             off += sum(runs)
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return self.finish(o.to(x.dtype), gate)
+
+    def decode(self, inputs, pool: LinearState, slots):
+        """One token of each of B running requests (a DecodeBatch): inputs [1, B, ...] (project's),
+        `pool` the layer's states of every slot (ssm [S, ...], conv [S, D, W - 1]), of which rows
+        `slots` [B] advance in place: a one-token conv update and one recurrence step, no copy of
+        the batch's states. Returns the outputs [1, B, H, V]."""
+        x = inputs[0][0]  # [B, D]
+        if self.conv_width > 1:
+            weight, bias = self.conv_weight()
+            x = backends.causal_conv1d_update(x, weight, bias, pool.conv, slots, "silu")
+        return self.recurrence_step(x, tuple(t[0] for t in inputs[1:]), pool.ssm, slots)[None]
 
     def sequential_scan(self, inputs, layout, state, rec, layer_idx, lo, hi, off):
         """Pieces lo..hi-1 one after another (common.linear_layout); `off` is the live offset of
@@ -355,6 +378,19 @@ class DeltaRuleMixer(LinearMixer):
 
     def pieces(self, rec):
         return backends.gated_delta_rule_pieces(*rec)
+
+    beta_scale = 1.0  # beta = beta_scale sigmoid(b) (OLMo-Hybrid's negative eigenvalues: 2)
+
+    def recurrence_step(self, conv_out, rest, pool, slots):
+        """One launch on CUDA from the conv output and the raw projections b, a (rest): q and k
+        L2-normalized and the gates computed inside the recurrence kernel (qkv_gates' math)."""
+        b, a = rest
+        B = conv_out.shape[0]
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return backends.recurrent_step(
+            q.view(B, self.hk, self.dk), k.view(B, self.hk, self.dk), v.view(B, self.hv, self.dv), a, b, pool, slots,
+            A_log=self.A_log, dt_bias=self.dt_bias, beta_scale=self.beta_scale, l2norm_qk=True,
+        )
 
 
 def attention_spans(k, v, lengths, seam, datas, layer_idx):

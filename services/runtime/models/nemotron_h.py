@@ -2,7 +2,7 @@
 
 Every block is pre-norm with one mixer: Mamba2 ("linear_attention"), attention without positional
 encoding (so cached K needs no re-rotation) or a squared-ReLU MLP. The Mamba2 state S [H, N, P]
-has a scalar transition per head (DESIGN §2); the D skip and the gated RMSNorm act outside the
+has a scalar transition per head (docs/concepts.md, "The math"); the D skip and the gated RMSNorm act outside the
 recurrence, on the live tokens only. MoE blocks are not supported yet.
 """
 
@@ -200,6 +200,17 @@ class Mamba2Mixer(LinearMixer):
     def pieces(self, rec):
         x, dt, B, C = rec
         return backends.ssd_pieces(x, dt, -self.A_log.float().exp(), B, C, self.D)
+
+    def recurrence_step(self, conv_out, rest, pool, slots):
+        """SSD's step as the plain recurrence (kernels/ops/recurrent_step): q = C and k = dt B per
+        head (the one token's, [b, H, N]), v = x, g = dt A, scale 1; y = o + D x."""
+        x, dt, B, C = self.recurrence_inputs(conv_out[:, None], tuple(t[:, None] for t in rest))
+        x, dt, B, C = x[:, 0], dt[:, 0], B[:, 0], C[:, 0]  # [b, H, P], [b, H], [b, G, N] x 2
+        rep = self.h // self.g
+        q = C.float().repeat_interleave(rep, dim=1)
+        k = B.float().repeat_interleave(rep, dim=1) * dt[..., None]
+        o = backends.recurrent_step(q, k, x.float(), dt * -self.A_log.float().exp(), None, pool, slots, scale=1.0)
+        return o + self.D.float()[:, None] * x.float()
 
     def finish(self, y, gate):
         b, n = y.shape[:2]

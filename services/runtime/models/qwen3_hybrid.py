@@ -282,7 +282,9 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Expert weights fused as 3-D tensors; the loader also accepts per-expert checkpoints."""
+    """Expert weights fused as 3-D tensors; the loader also accepts per-expert checkpoints. The
+    forward is backends.moe_experts: one grouped GEMM pair over the tokens sorted by expert (or a
+    fused Triton kernel) with no host synchronisation, the per-expert loop as the reference."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -292,13 +294,7 @@ class Experts(nn.Module):
 
     def forward(self, x, top_i, top_w):
         """x [n, h]; top_i, top_w [n, k]: sum over each token's k experts of w * expert(x)."""
-        out = torch.zeros_like(x)
-        for e in torch.unique(top_i).tolist():
-            tok, slot = torch.where(top_i == e)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * top_w[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        return backends.moe_experts(x, self.gate_up_proj, self.down_proj, top_i, top_w)
 
 
 class SparseMoE(nn.Module):
@@ -316,7 +312,8 @@ class SparseMoE(nn.Module):
         logits = F.linear(x, self.gate.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         top_w, top_i = torch.topk(probs, self.cfg.num_experts_per_tok, dim=-1)
-        if self.cfg.norm_topk_prob:
+        # Qwen3.5-MoE always renormalises the top-k weights (its config has no norm_topk_prob)
+        if self.cfg.norm_topk_prob or self.cfg.family == "qwen3_5_moe":
             top_w = top_w / top_w.sum(-1, keepdim=True)
         top_w = top_w.to(x.dtype)
         out = self.experts(x, top_i, top_w)
@@ -373,10 +370,8 @@ class HybridLM(LayoutLM):
 
     norm_offset = 0.0  # modelzoo.random_init_: zero-centred RMSNorm, scale (1 + weight)
 
-    @property
-    def cuda_graphs(self) -> bool:
-        """Dense models only: the MoE block reads its routing on the host (torch.unique)."""
-        return self.cfg.num_experts == 0
+    # dense and MoE alike: the MoE block routes and runs its experts on the device (backends.moe_experts)
+    cuda_graphs = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(

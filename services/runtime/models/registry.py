@@ -1,9 +1,15 @@
 """model_type -> (config class, model class), imported lazily.
 
-Every config class has `from_dict(hf_config_dict)`, the fields the engine reads (vocab_size,
-eos_token_ids, max_position_embeddings, linear_conv_kernel_dim, layer_types, raw) and
-`entry_nbytes(body_tokens, dtype, state_dtype)`; every model class has the interface of
-qwen3_hybrid.HybridLM (cfg, device, dtype, empty_state(), forward_layout(...)).
+Every config class is a frozen dataclass with `from_dict(hf_config_dict)` and the fields the
+engine, the router's request plan (plan.py) and `hybridcache up` read (model_type, vocab_size,
+hidden_size, num_hidden_layers, eos_token_ids, max_position_embeddings, layer_types, raw); the
+configs of families whose entries differ from the Qwen layout (olmo_hybrid, nemotron_h, bamba,
+kimi_linear, minimax) also have `entry_nbytes(body_tokens, dtype, state_dtype)`, which the plan
+uses to size entries before they exist (plan.expected_entry_nbytes). Every model class is a
+models.common.LayoutLM: a backbone whose layers have a `kind` ("linear_attention",
+"full_attention" or a stateless kind such as "mlp"), `empty_state(device)` and
+`forward_layout(x, layout, state, rec, layer_idx, positions)`; its linear layers follow the mixer
+contract of models/mixer.py.
 """
 
 from __future__ import annotations

@@ -294,17 +294,17 @@ class Remote:
         return self._obj
 
 
-# An Engine's surface: what runs the model or changes a cache broadcasts, the single-request
-# decoding loops run on rank 0 over the Remote, the model, the entry store and the runner are Remotes
-MODEL_SURFACE = Surface(frozenset({"empty_state", "forward_layout", "decode_batch", "build_span_data",
-                                   "replay_linear_group", "new_state_pool", "decode_pool"}))
+# An Engine's surface: what runs the model or changes a cache broadcasts, the warm-up runs on rank
+# 0 over the Remote (its requests go through rank 0's scheduler), the model, the entry store and the
+# runner are Remotes
+MODEL_SURFACE = Surface(frozenset({"empty_state", "forward_layout", "build_span_data", "replay_linear_group"}))
 STORE_SURFACE = Surface(frozenset({"put", "get", "pop", "evict", "clear", "demote_all", "remove", "discard"}))
 RUNNER_SURFACE = Surface(frozenset({"empty_state", "forward", "build_span", "build_spans", "stage",
-                                    "new_state_pool", "decode"}))
+                                    "new_state_pool", "decode", "warm_decode", "restore_state"}))
 ENGINE_SURFACE = Surface(
     frozenset({"build_entry", "build_entries", "get_or_build_entry", "prefill", "finish_prefix",
-               "decode_one_token", "warmup", "decode_batch", "new_state_pool"}),
-    frozenset({"start", "generate"}),
+               "swap_caches", "decode_batch", "new_state_pool"}),
+    frozenset({"warmup"}),
     (("model", MODEL_SURFACE), ("entries", STORE_SURFACE), ("runner", RUNNER_SURFACE)),
 )
 

@@ -1,0 +1,300 @@
+"""Served decode against its memory-bandwidth floor, through the HTTP API; prints one JSON object.
+
+One `hybridcache up` stack (or a running server, --url) serves closed batches of N streamed
+`/generate` requests sent at once, for each N of --streams (greedy), and --sampled-streams of them
+again sampled (temperature 0.8, top-p 0.95). A batch's decode rate is measured where all N
+streams are decoding: the output tokens that arrived between the last stream's first token and
+the first stream's last token, over that window.
+
+The floor of a decode step of N requests is the bytes it must move at the GPU's device-to-device
+copy bandwidth, measured in the same run (a copy reads and writes, and so does a step): every
+weight but the token embedding's rows not looked up (read once), the running requests' linear
+states (read and written back in place), and their attention K/V up to each one's mean context in
+the window (read). `served_decode_fraction_of_floor_{N}_streams` is the measured tokens/s over the
+floor's N / step time; `served_sampled_vs_greedy_tokens_per_s_{N}_streams` compares sampled and
+greedy batches of the same size. The sampler's own cost on the device at that batch size (one
+`sampling.sample` of N rows of the vocabulary) is measured beside the copy bandwidth.
+
+    python benchmarks/served_decode.py --device cuda --init-model qwen3_5_text:qwen3.5-9b --model /tmp/q9b \\
+        --streams 1,32,128 --sampled-streams 32 --max-tokens 256 --out r.json
+
+On a GPU the model is written by a process of its own first (what it cached is freed before the
+server loads the model), and the bandwidth is measured by another, before the server starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from served_load import Result, Stack, percentiles, rand_ids, send  # noqa: E402
+
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+
+# measured in a child process on the GPU before the server starts (nothing of it stays allocated)
+_DEVICE_PROBE = r"""
+import json, sys, time, torch
+from hybridcache.services.runtime.sampling import SamplingParams, sample
+n = 1 << 30
+a = torch.empty(n, dtype=torch.uint8, device="cuda")
+b = torch.empty_like(a)
+for _ in range(3):
+    b.copy_(a)
+torch.cuda.synchronize()
+reps = 20
+t0 = time.perf_counter()
+for _ in range(reps):
+    b.copy_(a)
+torch.cuda.synchronize()
+copy_bw = 2 * n * reps / (time.perf_counter() - t0)  # bytes read + written per second
+del a, b
+vocab, sizes = int(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")]
+out = {"gpu": torch.cuda.get_device_name(0), "copy_bytes_per_s": copy_bw, "sampler_ms": {}, "argmax_ms": {}}
+for size in sizes:
+    logits = torch.randn(size, vocab, device="cuda")
+    params = [SamplingParams(**json.loads(sys.argv[3]))] * size
+    for name, fn in (("sampler_ms", lambda: sample(logits, params, [None] * size)),
+                     ("argmax_ms", lambda: logits.argmax(-1))):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        out[name][str(size)] = round((time.perf_counter() - t0) / 20 * 1000, 3)
+print(json.dumps(out))
+"""
+
+
+def model_bytes(model_dir: Path, dtype: str) -> dict:
+    """What a decode step of the model reads besides K/V, from its config (built on the meta
+    device: shapes only): weights (all but the token embedding when the head does not share it),
+    one request's linear states (ssm and conv, as the pool holds them) and K/V bytes a token."""
+    import torch
+    from hybridcache.services.runtime.models.registry import build_model, config_from_dir
+    from hybridcache.services.runtime.scheduler import kv_bytes_per_token
+
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device("meta"):
+            model = build_model(config_from_dir(model_dir))
+    finally:
+        torch.set_default_dtype(prev)
+    embed = getattr(model.model, model.model.embed_name).weight
+    tied = embed is model.lm_head.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not tied:
+        weights -= embed.numel() * embed.element_size()
+    empty = model.empty_state()
+    states = sum(t.numel() * t.element_size() for s in empty.linear.values() for t in (s.ssm, s.conv))
+    return {"weights_read": weights, "embedding_row": embed.shape[1] * embed.element_size(),
+            "linear_state_per_request": states, "kv_per_token": kv_bytes_per_token(model),
+            "vocab": model.cfg.vocab_size}
+
+
+def step_floor(shape: dict, n: int, mean_context: float, copy_bytes_per_s: float) -> dict:
+    """Bytes a decode step of n requests moves at the least, and the tokens/s that allows:
+    the weights read once, n embedding rows, the linear states read and written in place, each
+    request's K/V read over its context (the new token's K/V written)."""
+    moved = (shape["weights_read"] + n * shape["embedding_row"] + 2 * n * shape["linear_state_per_request"]
+             + n * (mean_context + 1) * shape["kv_per_token"])
+    step_s = moved / copy_bytes_per_s
+    return {"bytes_per_step": int(moved), "step_ms": round(step_s * 1000, 3), "tokens_per_s": round(n / step_s, 2)}
+
+
+def batch(host: str, port: int, args, n: int, sampling: dict, seed: int) -> dict:
+    """N requests sent at once, one thread each; their decode rate where all N are decoding."""
+    rng = random.Random(seed)
+    sp = dict({"max_new_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0}, **sampling)
+    bodies = [{"input_ids": rand_ids(rng, args.prompt_tokens, args.vocab), "sampling_params": sp} for _ in range(n)]
+    results: list[Result] = [Result() for _ in range(n)]
+
+    def one(i):
+        results[i] = send(host, port, bodies[i], args.timeout_s)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r.status == 200 and not r.error and len(r.token_times) == args.max_tokens]
+    out = {"requests": n, "completed": len(ok), "errors": sorted({r.error for r in results if r.error})[:3],
+           "wall_s": round(wall, 3)}
+    if len(ok) < n:
+        return out
+    start = max(r.token_times[0] for r in ok)
+    end = min(r.token_times[-1] for r in ok)
+    inside = [[t for t in r.token_times if start < t <= end] for r in ok]
+    tokens = sum(len(x) for x in inside)
+    out["window"] = "all streams decoding"
+    if end <= start or tokens < n:
+        # no such window (streams that finish before others start: short outputs, a fast model):
+        # every token after each stream's first, over the batch's whole decode
+        start, end = min(r.token_times[0] for r in ok), max(r.token_times[-1] for r in ok)
+        inside = [r.token_times[1:] for r in ok]
+        tokens = sum(len(x) for x in inside)
+        out["window"] = "whole batch"
+        if end <= start:
+            out["error"] = "no decode time measured: raise --max-tokens"
+            return out
+    # each request's context over the window: its prompt and the tokens it had by then, on average
+    done = [sum(1 for t in r.token_times if t <= start) for r in ok]
+    mean_context = args.prompt_tokens + sum(d + len(x) / 2 for d, x in zip(done, inside)) / n
+    out.update(window_s=round(end - start, 3), window_tokens=tokens,
+               decode_tokens_per_s=round(tokens / (end - start), 2), mean_context=round(mean_context, 1),
+               itl_ms=percentiles([b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]),
+               ttft_ms=percentiles([r.ttft for r in ok]))
+    return out
+
+
+def probe_device(args, vocab: int) -> dict:
+    sizes = sorted(set(args.sampled_streams) | set(args.streams))
+    cmd = [sys.executable, "-P", "-c", _DEVICE_PROBE, str(vocab), ",".join(map(str, sizes)), json.dumps(SAMPLED)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        raise SystemExit(f"served_decode: the device probe failed: {res.stderr.strip().splitlines()[-1:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def get_json(address: str, path: str, timeout_s: float) -> tuple[int, dict]:
+    import http.client as httplib
+
+    host, port = address.split(":")
+    conn = httplib.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    except (OSError, ValueError):
+        return 0, {}
+    finally:
+        conn.close()
+
+
+def figures_of(results: dict) -> dict:
+    out = {}
+    for n, r in results["greedy"].items():
+        if "decode_tokens_per_s" in r:
+            out[f"served_decode_fraction_of_floor_{n}_streams"] = round(
+                r["decode_tokens_per_s"] / r["floor"]["tokens_per_s"], 3)
+    for n, r in results["sampled"].items():
+        g = results["greedy"].get(n, {})
+        if "decode_tokens_per_s" in r and "decode_tokens_per_s" in g:
+            out[f"served_sampled_vs_greedy_tokens_per_s_{n}_streams"] = round(
+                r["decode_tokens_per_s"] / g["decode_tokens_per_s"], 3)
+    return out
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--url", help="a running server (http://HOST:PORT); default: start `hybridcache up`")
+    ap.add_argument("--model", type=Path, required=True, help="model directory")
+    ap.add_argument("--init-model", metavar="ARCH:PRESET", help="first write a random-weight model to --model")
+    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--up-args", default="--scatter-workers 0 --warmup-shape 16+4x256+16",
+                    help="more `hybridcache up` flags, one string (--max-num-seqs is the largest of --streams)")
+    ap.add_argument("--streams", type=ints, default=[1, 32, 128], help="greedy batch sizes (comma list)")
+    ap.add_argument("--sampled-streams", type=ints, default=[32], help="sampled batch sizes (temperature 0.8, "
+                    "top-p 0.95)")
+    ap.add_argument("--repeats", type=int, default=2, help="batches of each size and kind; the fastest counts")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=250, help="prompt ids are drawn from [5, vocab)")
+    ap.add_argument("--copy-bandwidth", type=float, help="bytes/s (read + written) instead of measuring it (CPU)")
+    ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    if args.init_model and not (args.model / "config.json").is_file():
+        arch, preset = args.init_model.split(":")
+        code = ("import torch; from hybridcache.services.runtime.modelzoo import init_model_dir; "
+                f"init_model_dir({arch!r}, {preset!r}, {str(args.model)!r}, dtype=torch.{args.dtype}, "
+                f"device={args.device!r})")
+        subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=900)
+    shape = model_bytes(args.model, args.dtype)
+    if args.device == "cuda":
+        probe = probe_device(args, shape["vocab"])
+    else:
+        probe = {"gpu": "none (CPU)", "copy_bytes_per_s": args.copy_bandwidth or 10e9}
+    if args.copy_bandwidth:
+        probe["copy_bytes_per_s"] = args.copy_bandwidth
+    print(f"served_decode: {probe}", file=sys.stderr, flush=True)
+    most = max(args.streams + args.sampled_streams)
+    if not args.port and not args.url:
+        from hybridcache.services.launcher import free_port
+
+        args.port = free_port()
+    stack = None
+    if not args.url:
+        up = argparse.Namespace(port=args.port, model=args.model, device=args.device, dtype=args.dtype,
+                                up_args=f"{args.up_args} --max-num-seqs {most}")
+        stack = Stack(up, None)
+    url = args.url or stack.url
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    results: dict = {"greedy": {}, "sampled": {}}
+    health = {}
+    try:
+        combine = next((s for s in (stack.services if stack else []) if s["role"] == "combine"), None)
+        if combine is not None:  # its warm-up and memory plan (decode graphs captured, budgets)
+            code, body = get_json(combine["http"], "/health", args.timeout_s)
+            if code == 200:
+                health = {k: body.get(k) for k in ("warmup", "memory")}
+        send(host, int(port), {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}, args.timeout_s)
+        for kind, sizes, sampling in (("greedy", args.streams, {}), ("sampled", args.sampled_streams, SAMPLED)):
+            for n in sizes:
+                runs = [batch(host, int(port), args, n, sampling, seed=100 * rep + n) for rep in range(args.repeats)]
+                for r in runs:
+                    print(f"served_decode: {kind} {n}: {json.dumps(r)}", file=sys.stderr, flush=True)
+                good = [r for r in runs if "decode_tokens_per_s" in r]
+                best = max(good, key=lambda r: r["decode_tokens_per_s"]) if good else runs[-1]
+                best["runs_tokens_per_s"] = [r.get("decode_tokens_per_s") for r in runs]
+                if good:
+                    best["floor"] = step_floor(shape, n, best["mean_context"], probe["copy_bytes_per_s"])
+                results[kind][str(n)] = best
+    finally:
+        if stack is not None:
+            stack.stop()
+    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out = {"benchmark": "served_decode", "figures": figures_of(results), "results": results,
+           "gpu": probe["gpu"], "copy_bandwidth_tb_per_s": round(probe["copy_bytes_per_s"] / 1e12, 3),
+           "sampler_ms": probe.get("sampler_ms"), "argmax_ms": probe.get("argmax_ms"), "model_bytes": shape,
+           "combine_health": health,
+           "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "host": platform.node(), "seconds": round(time.perf_counter() - t_start, 1),
+           "command": "python benchmarks/" + shlex.join([Path(__file__).name, *(argv or sys.argv[1:])]),
+           "model": str(args.model), "dtype": args.dtype, "up_args": f"{args.up_args} --max-num-seqs {most}",
+           "note": "decode rate where all N streams decode (client-side token arrival times); floor: weights, "
+                   "linear states (read + written) and the batch's K/V at the copy bandwidth measured in this run"}
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
