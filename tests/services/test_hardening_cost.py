@@ -185,13 +185,13 @@ def test_rendering_stops_at_the_deadline_when_the_client_leaves_and_past_max_cha
     template, tok = _template_and_tokenizer()
     chat = {"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(600)]}
     with pytest.raises(PrepareDeadline):
-        chat_to_native(chat, template, tok, ChatLimits(deadline=time.monotonic() - 1))
+        chat_to_native(chat, template, tok, limits=ChatLimits(deadline=time.monotonic() - 1))
     with pytest.raises(PrepareCancelled):
-        chat_to_native(chat, template, tok, ChatLimits(cancelled=lambda: True))
+        chat_to_native(chat, template, tok, limits=ChatLimits(cancelled=lambda: True))
     with pytest.raises(RequestError, match="renders these messages to more than 1000 characters"):
         template.render(chat["messages"], limits=ChatLimits(max_chars=1000))
     with pytest.raises(RequestError, match="600 messages"):
-        chat_to_native(chat, template, tok, ChatLimits(max_messages=512))
+        chat_to_native(chat, template, tok, limits=ChatLimits(max_messages=512))
     # unbounded, the same chat renders (its texts markup and segments, as before)
     native = chat_to_native(chat, template, tok)
     assert native["suffix"] and len(native["segments"]) > 600

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybridcache.services.runtime import engine as engine_mod
 from hybridcache.services.runtime import scheduler as scheduler_mod
 from hybridcache.services.runtime.cache import SegmentEntry
 from hybridcache.services.runtime.engine import Engine
@@ -147,7 +146,7 @@ def _inject(stage: str, monkeypatch, eng: Engine, reqs: list[dict]):
 
         monkeypatch.setattr(scheduler_mod, "LogitsAdjuster", Failing)
     elif stage == "stop strings":
-        real = engine_mod.TextStream.push
+        real = scheduler_mod.TextStream.push
         hit = _after(2)
 
         def push(self, tok, logprobs=None):
@@ -155,7 +154,7 @@ def _inject(stage: str, monkeypatch, eng: Engine, reqs: list[dict]):
                 raise boom
             return real(self, tok, logprobs)
 
-        monkeypatch.setattr(engine_mod.TextStream, "push", push)
+        monkeypatch.setattr(scheduler_mod.TextStream, "push", push)
     elif stage == "logprobs":
         reqs[VICTIM]["sampling_params"]["logprobs"] = 2
         boom = RequestError("injected: logprobs refused")

@@ -10,6 +10,7 @@ import random
 
 import pytest
 from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.plan import salted_key
 from hybridcache.services.runtime.sampling import RequestError
 from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
@@ -26,14 +27,14 @@ def rag(seed: int, salt: str | None = None) -> dict:
     return req
 
 
-def _stats(eng: Engine, req: dict):
-    res = eng.generate(req)
+def _stats(llm: LLM, req: dict):
+    res = llm.generate(req)
     return res, res.stats
 
 
 @pytest.mark.parametrize("mode", ["pic", "prefix"])
 def test_a_salt_hits_only_its_own_entries_chains_and_pages(model_dir, mode):
-    eng = Engine.from_dir(model_dir, config=EngineConfig(mode=mode))
+    eng = LLM.from_dir(model_dir, config=EngineConfig(mode=mode))
     first, s = _stats(eng, rag(1, "tenant-a"))
     assert s.cached_tokens == 0
     # the same documents under another salt, and with none: misses, the same answer
