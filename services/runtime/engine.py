@@ -36,20 +36,17 @@ from hybridcache.services.runtime.cache import (
     MemoryEntryStore,
     PageRecorder,
     PageTree,
-    PrefixSnapshot,
     PrefixStore,
     SegmentEntry,
-    cast_entry_states,
-    entry_nbytes,
 )
 from hybridcache.services.runtime.cache.host_tier import TieredEntryStore, is_host
-from hybridcache.services.runtime.cache.single_state import to_single_state
+from hybridcache.services.runtime.cache.single_state import mark_single_state
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.plan import Planner, Request
 from hybridcache.services.runtime.runner import ModelRunner
 from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams
-from hybridcache.services.runtime.sequence import AttnState, CachedSpan, LinearSpan, LinearState, LiveRun, SequenceState
+from hybridcache.services.runtime.sequence import CachedSpan, LinearSpan, LiveRun, SequenceState
 from hybridcache.services.runtime.tokenizer import Tokenizer
 
 # The engine's settings: one frozen config whose fields are also the command-line flags.
@@ -128,7 +125,11 @@ class Engine:
         entry_store: EntryStore | None = None,
         prefix_store: PrefixStore | None = None,
         page_tree: PageTree | None = None,
+        runner=None,
     ):
+        """`runner`: how the model executes when not this engine's own ModelRunner (rank 0's
+        tensor_parallel.ranks.RankedRunner of a model split over ranks, whose calls run on every
+        rank; `model` is then rank 0's shard, read for its structure only)."""
         self.model = model
         self.tokenizer = tokenizer
         # unset cache budgets: 1 GiB on the CPU, a share of the free memory on CUDA
@@ -142,6 +143,11 @@ class Engine:
                 f"the model is split over {size} ranks, the config says {self.config.tensor_parallel_size}"
             )
         self.tp_layout = f"{model.tp_rank}/{size}" if size > 1 else None
+        # execution: the op implementations and CUDA graphs this engine's config chooses, the
+        # forwards, cold builds, decode steps, staging and every change of a tensor the caches hold
+        self.runner = runner if runner is not None else ModelRunner(model, self.config)
+        # the tensor-parallel group of a split model (its workers hand entries' slices to the ranks)
+        self.group = getattr(runner, "group", None)
         self.entries = entry_store or self._new_entry_store()
         self.prefixes = prefix_store or PrefixStore(self.config.prefix_cache_bytes)
         self.page_policy = self.config.page_policy
@@ -152,9 +158,6 @@ class Engine:
         generation = GenerationDefaults.from_dir(path) if path else GenerationDefaults()
         self.planner = Planner(self.cfg, tokenizer, self.config, self.fingerprint, generation)
         self.eos_ids = self.planner.eos_ids
-        # execution: the op implementations and CUDA graphs this engine's config chooses, the
-        # forwards, cold builds, decode steps and host-tier staging
-        self.runner = ModelRunner(model, self.config)
 
     def set_cache_budgets(self, entry_bytes: int, prefix_bytes: int) -> None:
         """The entry and prefix budgets of a planned worker (devices.plan_memory), set once its
@@ -168,7 +171,8 @@ class Engine:
     def _new_entry_store(self) -> EntryStore:
         cfg = self.config
         if cfg.host_cache_bytes:
-            return TieredEntryStore(cfg.entry_cache_bytes, cfg.host_cache_bytes, cfg.verify_checksums)
+            return TieredEntryStore(cfg.entry_cache_bytes, cfg.host_cache_bytes, cfg.verify_checksums,
+                                    to_host_fn=self.runner.to_host)
         return MemoryEntryStore(cfg.entry_cache_bytes, cfg.verify_checksums)
 
     @classmethod
@@ -187,26 +191,23 @@ class Engine:
 
     def build_entry(self, segment_ids: list[int]) -> SegmentEntry:
         """Prefill the segment on its own (positions from 0) and keep its body as an entry."""
-        data, seconds = self.runner.build_span(segment_ids)
-        return self._entry(segment_ids, data, seconds)
+        return self._entries([segment_ids], [self.runner.build_span(segment_ids)])[0]
 
-    def _entry(self, segment_ids: list[int], data, seconds: float) -> SegmentEntry:
-        return self._apply_entry_policy(
-            SegmentEntry(key=self.entry_key(segment_ids), segment_tokens=len(segment_ids), data=data,
-                         build_seconds=seconds)
-        )
-
-    def _apply_entry_policy(self, entry: SegmentEntry) -> SegmentEntry:
-        """Entries are built exact in fp32; the single-state policy drops their T and a bf16 state
-        dtype rounds T and S as they are made, so every store (this engine's, a combine worker's, a
+    def _entries(self, segments: list[list[int]], built: list) -> list[SegmentEntry]:
+        """Entries of segments from their (span data, build seconds). Entries are built exact in
+        fp32; the single-state policy drops their T and a bf16 state dtype rounds T and S as they
+        are made (ModelRunner.as_entries), so every store (this engine's, a combine worker's, a
         cache tier) holds what the engine uses."""
-        if self.tp_layout is not None:
-            entry.meta["tensor_parallel"] = self.tp_layout
-        if self.config.entry_state_dtype != "float32":
-            cast_entry_states(entry.data, self.config.state_dtype)
-            entry.nbytes = entry_nbytes(entry.data)
-            entry.meta["entry_state_dtype"] = self.config.entry_state_dtype
-        return to_single_state(entry) if self.config.entry_policy == "single_state" else entry
+        datas = self.runner.as_entries([data for data, _ in built])
+        out = []
+        for seg, data, (_, seconds) in zip(segments, datas, built):
+            entry = SegmentEntry(key=self.entry_key(seg), segment_tokens=len(seg), data=data, build_seconds=seconds)
+            if self.tp_layout is not None:
+                entry.meta["tensor_parallel"] = self.tp_layout
+            if self.config.entry_state_dtype != "float32":
+                entry.meta["entry_state_dtype"] = self.config.entry_state_dtype
+            out.append(mark_single_state(entry) if self.config.entry_policy == "single_state" else entry)
+        return out
 
     @property
     def streams_layers(self) -> bool:
@@ -240,8 +241,7 @@ class Engine:
                 on_layer(indices, layer, [self._layer_span(d, layer) for d in datas])
         else:
             layer_done = None
-        built = self.runner.build_spans(segments, layer_done)
-        entries = [self._entry(seg, data, seconds) for seg, (data, seconds) in zip(segments, built)]
+        entries = self._entries(segments, self.runner.build_spans(segments, layer_done))
         for entry, key in zip(entries, keys or ()):
             entry.key = key
         return entries
@@ -274,12 +274,12 @@ class Engine:
             self.pages.lock(path[-1])
             locked.append(path[-1])
             t0 = time.perf_counter()
-            state = self.runner.restore_state(self.page_policy, path)
+            state = self.runner.restore_state(self.page_policy, [n.payload for n in path])
             stats.prefix_restore_ms = (time.perf_counter() - t0) * 1000
             return state, True
         if snap is not None:
-            return snap.restore(), False
-        return self.model.empty_state(), True
+            return self.runner.restore_snapshot(snap), False
+        return self.runner.empty_state(), True
 
     def _live_runs(self, t: torch.Tensor, pos: int) -> list[LiveRun]:
         """t as live runs split at the page tree's checkpoint positions (so their states can be kept)."""
@@ -311,7 +311,7 @@ class Engine:
             stats.prefix_policy = cfg.prefix_policy
             state, exact = self._lookup_prefix(req, keys, stats, locked)
         else:
-            state, exact = self.model.empty_state(), False
+            state, exact = self.runner.empty_state(), False
         stats.prefix_reused_tokens = state.length
         stats.reused_tokens = state.length
         stats.cached_tokens = state.length
@@ -410,15 +410,12 @@ class Engine:
             for idx, lin in rec.snapshots.items():
                 if idx not in boundary:
                     continue
-                end = layout[idx].end
-                attn = {i: type(a)(a.k[:, :, :end], a.v[:, :, :end]) for i, a in state.attn.items()}
-                self.prefixes.put(keys[boundary[idx]], PrefixSnapshot(end, lin, attn))
+                self.prefixes.put(keys[boundary[idx]], self.runner.snapshot(state, lin, layout[idx].end))
         if recorder is not None:
-            recorder.add_hidden(rec.hidden, exact_end - recorder.start)
-            for idx, lin in rec.snapshots.items():
-                recorder.add_checkpoint(layout[idx].end, lin, copy=idx in boundary)
+            checkpoints = [(layout[idx].end, lin, idx in boundary) for idx, lin in rec.snapshots.items()]
             if exact_end == pos:
-                recorder.add_checkpoint(pos, state.linear, copy=True)
+                checkpoints.append((pos, state, True))
+            self.runner.record(recorder, rec.hidden, exact_end - recorder.start, checkpoints)
             self._insert_pages(recorder, state, locked)
             if exact_end < pos:
                 recorder = None  # the rest of this request is not exact: nothing more to insert
@@ -434,7 +431,7 @@ class Engine:
         end only)?"""
         cfg, prompt = self.config, req.prompt_ids
         if (not cfg.batch_plain_prefills or req.system_ids or req.segment_ids or len(prompt) < 2
-                or req.sampling.max_new_tokens < 1 or cfg.tensor_parallel_size > 1):
+                or req.sampling.max_new_tokens < 1):
             return False
         if cfg.uses_prefix_cache:
             policy = self.page_policy
@@ -447,34 +444,25 @@ class Engine:
     @torch.no_grad()
     def prefill_plain(self, reqs: list[Request]) -> list[Prefill]:
         """Prefill of several requests that plain_prefill_ok accepts, together: every prompt but its
-        last token in one batched standalone forward (ModelRunner.prompt_spans), each state its
-        span data folded into an empty state (linear: S(prompt|0) and the conv tail; attention:
-        the K/V, at positions from 0 already). The last prompt token is left to the caller's
+        last token in one batched standalone forward, each state its span data folded into an
+        empty state (ModelRunner.prompt_states). The last prompt token is left to the caller's
         next decode step, which yields the first output token: Prefill.logits is None. The
         prompts' pages go into the page tree as a prefill's do."""
         cfg, policy = self.config, self.page_policy
         started = time.perf_counter()
         anchor_layers = tuple(g[0] for g in self.model.linear_groups())
         capture = anchor_layers if cfg.uses_prefix_cache and policy.anchors_kept else ()
-        spans = self.runner.prompt_spans([r.prompt_ids[:-1] for r in reqs], capture)
+        prefilled = self.runner.prompt_states([r.prompt_ids[:-1] for r in reqs], capture)
         out = []
-        for req, (data, captured) in zip(reqs, spans):
+        for req, (state, captured) in zip(reqs, prefilled):
             n = len(req.prompt_ids) - 1
-            state = self.model.empty_state()
-            for i, span in data.linear.items():
-                empty = state.linear[i]
-                state.linear[i] = LinearState(span.S.float(), span.conv_tail.to(empty.conv.dtype))
-            for i, span in data.attn.items():
-                state.attn[i] = AttnState(span.k, span.v)
-            state.length = n
             stats = RequestStats(mode=cfg.mode, seam_window=cfg.seam_window)
             stats.prompt_tokens = stats.live_tokens = n + 1
             recorder, locked = None, []
             if cfg.uses_prefix_cache:
                 stats.prefix_policy = cfg.prefix_policy
                 recorder = PageRecorder(policy, 0, req.prompt_ids[:n], anchor_layers, salt=req.cache_salt)
-                recorder.add_hidden(captured, n)
-                recorder.add_checkpoint(n, state.linear, copy=True)
+                self.runner.record(recorder, captured, n, [(n, state, True)])
                 self._insert_pages(recorder, state, locked)
                 stats.linear_state_bytes = self._linear_state_bytes(req.prompt_ids, req.cache_salt)
             out.append(Prefill(state, None, stats, started, recorder, locked))
@@ -512,13 +500,20 @@ class Engine:
         return sum(n.payload.linear_nbytes for n in self.pages.match(prompt, salt=salt))
 
     def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list, last: bool = False) -> None:
-        tip = self.pages.insert(recorder.token_ids, lambda a: recorder.page_payload(state, a), recorder.salt)
+        """The request's pages the tree lacks, their payloads made from its recorder (one runner
+        call for all: ModelRunner.page_payloads), into the tree (under its cache salt); the deepest
+        one locked."""
+        page = self.pages.page_size
+        cached = len(self.pages.match(recorder.token_ids, salt=recorder.salt))
+        starts = [i * page for i in range(cached, len(recorder.token_ids) // page)]
+        made = dict(zip(starts, self.runner.page_payloads(recorder, state, starts))) if starts else {}
+        tip = self.pages.insert(recorder.token_ids, made.get, recorder.salt)
         if tip is not None:
             locked.append(tip)
             # The request holds these pages until it finishes: their anchors need not stay here too
             # (unless this is its last insert: the recorder goes with it).
-            if not last:
-                recorder.drop_before(tip.depth * self.pages.page_size)
+            if not last and tip.depth * page > recorder.start:
+                self.runner.drop_recorded(recorder, tip.depth * page)
 
     def finish_prefix(self, pre: Prefill) -> None:
         """A request ended: add the pages its decode completed, then release its pages."""
@@ -550,20 +545,15 @@ class Engine:
                      feed=None) -> torch.Tensor:
         """One decode step of B running requests (the scheduler's): request b, prefilled as
         prefills[b] and held in slot slots[b] of `pool` (its linear states and K/V pages), takes
-        tokens[b]; its states advance there (paged.decode_step), its page recorder advances.
+        tokens[b]; its states advance there (ModelRunner.decode: paged.decode_step), its state's
+        length and its page recorder with them.
         A token None is fed from the device (`feed`, paged.decode_step's: the columns of the None
         entries and their ids there); its page recorder gets the id once the caller knows it
         (PageRecorder.token_ids). Returns logits [B, vocab] fp32."""
         recorders = [p.recorder for p in prefills]
         capture = sorted({i for r in recorders if r is not None for i in r.capture_layers})
-        logits, hidden = self.runner.decode(pool, slots, [0 if t is None else t for t in tokens], capture, feed)
-        for b, (pre, rec) in enumerate(zip(prefills, recorders)):
-            pre.state.length += 1
-            if rec is not None:
-                if tokens[b] is not None:
-                    rec.token_ids.append(tokens[b])
-                rec.add_hidden({i: hidden[i][b : b + 1] for i in rec.capture_layers}, 1)
-                rec.add_checkpoint(pre.state.length, pre.state.linear, copy=True)
+        logits, _ = self.runner.decode(pool, slots, tokens, capture, feed, [p.state for p in prefills],
+                                       recorders if any(r is not None for r in recorders) else ())
         return logits
 
     def warmup_shape(self) -> tuple[int, int, int, int] | None:

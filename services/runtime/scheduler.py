@@ -188,7 +188,7 @@ def scheduler_config(config, device, kv_cache_bytes: int | None = None) -> Sched
     """The SchedulerConfig of a RuntimeConfig (services/config.py), its K/V budget `kv_cache_bytes`
     when given (a planned worker's provisional one, Scheduler.resize_kv), else the config's, else
     sized for `device` (devices.kv_cache_budget)."""
-    overlap = config.decode_overlap and torch.device(device).type == "cuda" and config.tensor_parallel_size == 1
+    overlap = config.decode_overlap and torch.device(device).type == "cuda"
     kv = kv_cache_bytes if kv_cache_bytes is not None else kv_cache_budget(
         device, config.kv_cache_bytes, config.gpu_memory_utilization)
     return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens, kv,
@@ -304,6 +304,8 @@ class Scheduler:
         as a request is preempted (for metrics)."""
         self.engine = engine
         self.config = config or SchedulerConfig()
+        if self.config.overlap and not engine.runner.overlaps:  # a split model's (ModelRunner says why)
+            self.config = dataclasses.replace(self.config, overlap=False)
         self.on_finish = on_finish
         self.on_preempt = on_preempt
         self._cv = threading.Condition()
@@ -678,7 +680,7 @@ class Scheduler:
         self._run(seq)
 
     def _run(self, seq: _Seq) -> None:
-        seq.slot = self.pool.assign(seq.prefill.state)
+        seq.slot = self.engine.runner.assign(self.pool, seq.prefill.state)
         seq.runs += 1
         seq.fed = False
         self._running.append(seq)
@@ -923,7 +925,8 @@ class Scheduler:
         seq.reserved = 0
         if seq.slot >= 0:
             pre = seq.prefill
-            self.pool.release(seq.slot, pre.state if pre is not None and pre.recorder is not None else None)
+            keep = pre.state if pre is not None and pre.recorder is not None else None
+            self.engine.runner.release(self.pool, seq.slot, keep)
             seq.slot = -1
         if seq.prefill is not None:
             try:

@@ -26,12 +26,13 @@ from hybridcache.services.runtime.evaluation import RUN_FIELDS
 
 ENGINE_COMMANDS = ("generate", "demo", "eval", "serve", "up")
 # the sections each command takes: the in-process ones no server or security settings
-COMMAND_SECTIONS = {"generate": ENGINE_SECTIONS, "demo": ENGINE_SECTIONS, "eval": ENGINE_SECTIONS,
+COMMAND_SECTIONS = {"generate": ENGINE_SECTIONS, "demo": tuple(SECTIONS), "eval": ENGINE_SECTIONS,
                     "serve": tuple(SECTIONS), "up": tuple(SECTIONS)}
 # Alternatives the generic rule below cannot find (free-form strings, values valid only with another field's).
 ALTERNATIVES = {"anchor_dtype": "float8_e4m3fn", "prefix_policy": "suffix_replay", "sdpa_backends": "flash,math",
                 "transport_bandwidth": "cuda_ipc=80", "api_key": "k3y-of-the-test",
-                "warmup_shape": "4x256+16", "gpu_memory_utilization": 0.5, "segment_separator": "<doc>"}
+                "warmup_shape": "4x256+16", "gpu_memory_utilization": 0.5, "segment_separator": "<doc>",
+                "max_queue_wait_s": 2.5}
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
