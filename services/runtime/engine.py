@@ -116,6 +116,16 @@ class Prefill:
     locked: list = field(default_factory=list)
 
 
+
+def named_entries(keys, entries: list[SegmentEntry]) -> dict[str, SegmentEntry]:
+    """key -> entry, each entry renamed to its key: the key its request looks it up by (a salted
+    request's, Planner.segment_key), where build_entries named it by its segment alone."""
+    out = {}
+    for key, entry in zip(keys, entries):
+        entry.key = key
+        out[key] = entry
+    return out
+
 class Engine:
     def __init__(
         self,
@@ -227,24 +237,20 @@ class Engine:
             return LinearSpan(s.T.to(dt), s.S.to(dt), s.conv_tail)
         return data.attn[layer]
 
-    def build_entries(self, segments: list[list[int]], on_layer=None, keys: list[str] | None = None
-                      ) -> list[SegmentEntry]:
+    def build_entries(self, segments: list[list[int]], on_layer=None) -> list[SegmentEntry]:
         """Entries of several segments, equal to build_entry of each: prefilled together
         (ModelRunner.build_spans) in batches of similar lengths of at most `entry_batch_tokens`
         padded tokens; build time is shared out by length.
         `on_layer(indices, layer, spans)`, where streams_layers, is called as each layer of a batch
         is computed: the batch's segment indices and their spans of that layer (a LinearSpan or an
-        AttnSpan each, as the entries will hold them). `keys`: the entries' keys (a salted request's,
-        Planner.segment_key), else each segment's unsalted key."""
+        AttnSpan each, as the entries will hold them). Each entry has its segment's unsalted key: a
+        salted request's caller renames it (named_entries)."""
         if on_layer is not None and self.streams_layers:
             def layer_done(indices, layer, datas):
                 on_layer(indices, layer, [self._layer_span(d, layer) for d in datas])
         else:
             layer_done = None
-        entries = self._entries(segments, self.runner.build_spans(segments, layer_done))
-        for entry, key in zip(entries, keys or ()):
-            entry.key = key
-        return entries
+        return self._entries(segments, self.runner.build_spans(segments, layer_done))
 
     def get_or_build_entry(self, segment_ids: list[int], key: str | None = None) -> tuple[SegmentEntry, bool]:
         """The entry of a segment (under `key`: a salted request's; default its unsalted key), from the
@@ -344,7 +350,7 @@ class Engine:
                 if key not in cold and key not in pinned and key not in ahead and not self.entries.contains(key):
                     cold[key] = parts[j][1]
         built = dict(ahead)
-        built.update(zip(cold, self.build_entries(list(cold.values()), keys=list(cold))))
+        built.update(named_entries(cold, self.build_entries(list(cold.values()))))
         for entry in built.values():
             self.entries.put(entry)
 

@@ -76,7 +76,7 @@ import torch
 from hybridcache.services.config import default_of
 from hybridcache.services.devices import CPU_KV_BYTES, kv_cache_budget
 from hybridcache.services.runtime.backends import to_device_async
-from hybridcache.services.runtime.engine import Engine, GenerateResult, Prefill, Request, RequestStats
+from hybridcache.services.runtime.engine import Engine, GenerateResult, Prefill, Request, RequestStats, named_entries
 from hybridcache.services.runtime.sampling import (
     LogitsAdjuster,
     RequestError,
@@ -567,7 +567,7 @@ class Scheduler:
         """(key -> entry, key -> error) of the cold segments `todo`, built as one batch; when the batch
         fails, each alone, so that only the requests of a segment that fails by itself fail."""
         try:
-            return dict(zip(todo, self.engine.build_entries(list(todo.values()), keys=list(todo)))), {}
+            return named_entries(todo, self.engine.build_entries(list(todo.values()))), {}
         except Exception as e:  # noqa: BLE001 - retried one segment at a time below
             if len(todo) == 1:
                 return {}, {next(iter(todo)): e}
@@ -576,7 +576,7 @@ class Scheduler:
         entries, failed = {}, {}
         for key, ids in todo.items():
             try:
-                entries[key] = self.engine.build_entries([ids], keys=[key])[0]
+                entries.update(named_entries([key], self.engine.build_entries([ids])))
             except Exception as e:  # noqa: BLE001 - the requests of this segment fail
                 failed[key] = e
         return entries, failed
