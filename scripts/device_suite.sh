@@ -168,7 +168,8 @@ for stage in "$@"; do
             tests/services/test_ipc_pool_gpu.py tests/kernels/test_copy_checksum.py > "$OUT/transport_tests.log" 2>&1
         echo "transport gpu tests rc=$?"; grep -E "cuda_ipc arena|passed|failed" "$OUT/transport_tests.log" | cut -c1-300 | tail -6 ;;
     decode)
-        timeout 300 python3 -P -m pytest -v -s -m "gpu or not gpu" -p no:cacheprovider -rfE \
+        # DECODE_KERNEL_TESTS=0 leaves the kernel tests out (a call that re-measures the benchmark only)
+        [ "${DECODE_KERNEL_TESTS:-1}" = 0 ] || timeout 300 python3 -P -m pytest -v -s -m "gpu or not gpu" -p no:cacheprovider -rfE \
             tests/kernels/test_recurrent_step.py tests/kernels/test_sampling_kernel.py > "$OUT/decode_kernels.log" 2>&1
         echo "decode kernels rc=$?"; grep -E "kernel .* ms|passed|failed" "$OUT/decode_kernels.log" | tail -5
         # shellcheck disable=SC2086  # DECODE_ARGS is a list of flags
