@@ -128,7 +128,10 @@ def test_engine_flags_reach_the_roles_that_take_them():
     scatter = {k: v for k, v in flags("scatter").items() if k != "--ipc-arena-bytes"}
     combine_only = {*scheduling, "--scatter-same-gpu", "--stats-interval-s"}
     assert scatter == {k: v for k, v in flags("combine").items() if k not in combine_only}
-    assert not set(scheduling) & (set(flags("router")) | set(flags("cache-tier")))
+    # the router's admission (services/router/admission.py) estimates a request's wait from the
+    # combine workers' seats and queue, so it takes those two limits; the K/V budget stays the worker's
+    assert {k: flags("router").get(k) for k in scheduling} == {**scheduling, "--kv-cache-bytes": None}
+    assert not set(scheduling) & set(flags("cache-tier"))
     assert flags("router")["--max-model-len"] == "2048" and "--device" not in flags("router")
     assert "--device" not in flags("cache-tier") and "--entry-cache-bytes" not in flags("cache-tier")
     # unset budgets and limits are not forwarded: each process sizes its own

@@ -151,7 +151,7 @@ def _stream(port: int, n_tokens: int, first: threading.Event, out: list):
 
 
 def test_sigterm_drains_the_requests_in_flight(up):
-    n, tokens = 4, 200
+    n, tokens = 4, 500  # long enough that none ends before the last one starts on a loaded machine
     firsts = [threading.Event() for _ in range(n)]
     results: list = []
     threads = [threading.Thread(target=_stream, args=(up.port, tokens, firsts[i], results)) for i in range(n)]
