@@ -109,7 +109,8 @@ def layout_key(state: SequenceState, layout, logits_for, snapshot_after, capture
             pieces.append(("live", p.start, int(p.token_ids.numel())))
         else:
             return None
-    if not spans:
+    if not spans or any(hasattr(a, "pages") for a in state.attn.values()):
+        # (a state whose K/V lie in pages, a long prompt's chunked prefill, is not captured here)
         return None
     held = tuple(
         (i, s.ssm.dtype, tuple(s.ssm.shape), s.conv.dtype, tuple(s.conv.shape)) for i, s in state.linear.items()

@@ -20,7 +20,7 @@ else:
 
 from hybridcache.kernels.ops.activation.triton import sigmoid_gate_heads, silu_mul  # noqa: E402
 from hybridcache.kernels.ops.attention.paged_triton import paged_decode  # noqa: E402
-from hybridcache.kernels.ops.attention.triton import live_attention  # noqa: E402
+from hybridcache.kernels.ops.attention.triton import live_attention, paged_live_attention  # noqa: E402
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd, causal_conv1d_update  # noqa: E402
 from hybridcache.kernels.ops.checksum.triton import checksum_sums, copy_checksum  # noqa: E402
 from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
@@ -49,6 +49,7 @@ __all__ = [
     "live_attention",
     "norm_rope_tokens",
     "paged_decode",
+    "paged_live_attention",
     "recurrent_step",
     "rel_rms",
     "rope_heads",

@@ -5,6 +5,9 @@ layers' contract and the code built on it (batched scans and builds) are in mixe
 A linear layer supplies `scan(inputs, state, output_transition)` for one live run; the loop
 folds cached spans in with one T S + S and records entries. An attention layer supplies its
 fresh q/k/v; the loop gathers cached spans' K/V (re-rotated when the family uses RoPE).
+A state whose attention K/V lie in its request's pages (paged.PagedAttnState: a prefill that runs
+in its slot, e.g. a long prompt's chunks) gets the new K/V written into the pages, and the live
+queries attend through the block table (backends.paged_prefill_attention).
 """
 
 from __future__ import annotations
@@ -175,6 +178,7 @@ def attention_layout(
     if isinstance(layout, DecodeBatch):
         out = decode_attention(q, k, v, layout, layer_idx, scale)  # [1, Hq, B, dv]
         return out if head_major else out.transpose(1, 2).reshape(1, q.shape[2], -1)
+    paged = hasattr(state, "pages")  # a paged.PagedAttnState: the sequence's K/V are in its pages
     ks, vs, shifts, lengths, off = [], [], [], [], 0
     for idx, piece in enumerate(layout):
         if isinstance(piece, CachedSpan):
@@ -192,9 +196,9 @@ def attention_layout(
         if rec is not None and piece.record == "entry":
             rec.entries[idx].attn[layer_idx] = AttnSpan(k=ks[-1].clone(), v=vs[-1].clone())
         off += m
-    # one piece on a non-empty state (a decode step, a live tail): its keys go straight into the
-    # concatenation below, no copy of their own
-    K_new = ks[0] if len(ks) == 1 and state.k.shape[2] else torch.cat(ks, dim=2)
+    # one piece on a non-empty state (a decode step, a live tail) or in pages: its keys go straight
+    # into the concatenation or the pages below, no copy of their own
+    K_new = ks[0] if len(ks) == 1 and (paged or state.k.shape[2]) else torch.cat(ks, dim=2)
     if rotate is not None and any(shifts):
         # each key's shift depends on the layout only: built on the host once per forward and
         # shared by every attention layer (on the device, repeat_interleave syncs to size its output)
@@ -206,6 +210,18 @@ def attention_layout(
             if rec is not None:
                 rec.scratch[key] = per_pos
         K_new = rotate(K_new, per_pos)
+    if paged:
+        # the new keys go into the sequence's pages (at the rows KVPages.extend took for them), and
+        # the live queries attend to its pages where they lie: nothing of the context is copied
+        write = state.write
+        pages = state.pages
+        kp, vp = pages.k[layer_idx], pages.v[layer_idx]
+        V_new = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
+        kp.view(-1, *kp.shape[2:]).index_copy_(0, write.rows, K_new[0].transpose(0, 1).to(kp.dtype))
+        vp.view(-1, *vp.shape[2:]).index_copy_(0, write.rows, V_new[0].transpose(0, 1).to(vp.dtype))
+        out = backends.paged_prefill_attention(q, kp, vp, pages.table, write.row, live_pos, write.length, scale,
+                                                first_pos=first_live_start(layout))
+        return out if head_major else out.transpose(1, 2).reshape(1, q.shape[2], -1)
     # (an empty state, e.g. a request with nothing cached before it, takes the new K/V as they are:
     # K_new and the cat of vs are fresh tensors, not views of k or v)
     state.k = torch.cat([state.k, K_new], dim=2) if state.k.shape[2] else K_new.to(state.k.dtype)
@@ -321,6 +337,10 @@ class LayoutLM(nn.Module):
     # Whether the live pass of an assembly and decode steps may run from CUDA graphs (graphs.py,
     # paged.py): only where they have no host synchronization and are tested so on a GPU.
     cuda_graphs = False
+    # Whether the attention layers run a prefill whose K/V lie in the request's pages
+    # (attention_layout with a paged.PagedAttnState): a scheduler then prefills a long prompt in
+    # its slot, chunk after chunk, without a contiguous copy of its K/V.
+    paged_prefill = True
 
     def __init__(self, cfg, backbone: nn.Module):
         super().__init__()

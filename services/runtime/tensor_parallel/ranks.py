@@ -302,8 +302,8 @@ STORE_SURFACE = Surface(frozenset({"put", "get", "pop", "evict", "clear", "demot
 RUNNER_SURFACE = Surface(frozenset({"empty_state", "forward", "build_span", "build_spans", "stage",
                                     "new_state_pool", "decode", "warm_decode", "restore_state"}))
 ENGINE_SURFACE = Surface(
-    frozenset({"build_entry", "build_entries", "get_or_build_entry", "prefill", "finish_prefix",
-               "swap_caches", "decode_batch", "new_state_pool"}),
+    frozenset({"build_entry", "build_entries", "get_or_build_entry", "prefill", "start_prefill", "prefill_chunk",
+               "abandon_prefill", "finish_prefix", "swap_caches", "decode_batch", "new_state_pool"}),
     frozenset({"warmup"}),
     (("model", MODEL_SURFACE), ("entries", STORE_SURFACE), ("runner", RUNNER_SURFACE)),
 )
