@@ -63,9 +63,9 @@ def _pages(tokens: int, page_size: int) -> int:
 @dataclass(slots=True)
 class PagedWrite:
     """Where the forward under way writes a sequence's new K/V (KVPages.extend): `rows` [n] int64 on
-    the device, the rows of the flattened pools its n new tokens take, in position order; `row` [1]
-    int64 on the device, the sequence's table row (its slot); `length`, its tokens once they are
-    written (the keys its live queries may see)."""
+    the device, the rows of the flattened pools its n new tokens take, in position order; `row` [2]
+    int64 on the device, the sequence's table row (its slot) and `length`, its tokens once they are
+    written (the keys its live queries may see; also on the host)."""
 
     rows: torch.Tensor
     row: torch.Tensor
@@ -199,7 +199,7 @@ class KVPages:
         page_ids = torch.tensor(self.pages_of[slot], dtype=torch.long)
         rows = page_ids[pos // ps] * ps + pos % ps
         self.lengths[slot] = start + n
-        dev = backends.to_device_async(torch.cat([rows, torch.tensor([slot])]), self.device)
+        dev = backends.to_device_async(torch.cat([rows, torch.tensor([slot, start + n])]), self.device)
         write = self.writes[slot] = PagedWrite(dev[:n], dev[n:], start + n)
         return write
 

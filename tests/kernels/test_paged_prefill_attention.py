@@ -14,7 +14,8 @@ from kernel_testing import device, live_attention, paged_live_attention, rel_rms
 
 def paged_sequence(N, Hkv, dq, dv, page, gen, dtype=torch.float32, row=2):
     """A pool holding one sequence's N keys in pages taken in a random order (junk elsewhere), its
-    table row `row` of a table with other rows; returns (pools, table, row tensor, contiguous k, v)."""
+    table row `row` of a table with other rows; returns (pools, table, [row, N] on the device,
+    contiguous k, v)."""
     dev = device()
     need = -(-N // page)
     total = need + 5
@@ -29,7 +30,8 @@ def paged_sequence(N, Hkv, dq, dv, page, gen, dtype=torch.float32, row=2):
         k_pages[ids[j // page], j % page] = k[:, j]
         v_pages[ids[j // page], j % page] = v[:, j]
     cast = dict(device=dev, dtype=dtype)
-    return (k_pages.to(**cast), v_pages.to(**cast), table.to(dev), torch.tensor([row], device=dev),
+    # the row tensor holds the table row and the sequence's length, as the kernel reads them
+    return (k_pages.to(**cast), v_pages.to(**cast), table.to(dev), torch.tensor([row, N], device=dev),
             k[None].to(**cast), v[None].to(**cast))
 
 
@@ -61,6 +63,9 @@ def test_seams_over_pages_equal_the_contiguous_kernel(num_splits):
     flat = live_attention(q, k, v, pos, 0.2, num_splits=num_splits)
     assert rel_rms(got, flat) < 1e-5
     assert rel_rms(got, naive.live_attention(q, k, v, pos, 0.2)) < 1e-5
+    # the length read on the device alone (as a CUDA graph replays it): the same answer
+    unknown = paged_live_attention(q, k_pages, v_pages, table, row, pos, None, 0.2, num_splits=num_splits)
+    assert rel_rms(unknown, flat) < 1e-5
 
 
 def test_sequence_keys_gathers_the_row_s_pages_in_order():
@@ -82,6 +87,8 @@ def test_bad_arguments():
         paged_live_attention(q, k_pages, v_pages, table, row, pos[:2], 9, 1.0)
     with pytest.raises(ValueError, match="length"):
         paged_live_attention(q, k_pages, v_pages, table, row, pos, 0, 1.0)
+    with pytest.raises(ValueError, match="row"):
+        paged_live_attention(q, k_pages, v_pages, table, row[:1], pos, 9, 1.0)
 
 
 @pytest.mark.gpu

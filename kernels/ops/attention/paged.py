@@ -49,19 +49,20 @@ def gather_pages(pages: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, m
 
 
 def sequence_keys(pages: torch.Tensor, table: torch.Tensor, row, length: int) -> torch.Tensor:
-    """The first `length` keys (or values) of the sequence in table row `row` (an int or a
-    one-element tensor): pages [num_pages, P, H, d] -> [1, H, length, d] (a strided view of one
-    gather)."""
+    """The first `length` keys (or values) of the sequence in table row `row` (an int, or a device
+    tensor whose first element is the row): pages [num_pages, P, H, d] -> [1, H, length, d] (a
+    strided view of one gather)."""
     P = pages.shape[1]
     n = -(-length // P)
-    ids = (table[row, :n] if isinstance(row, int) else table.index_select(0, row.reshape(1).long())[0, :n]).long()
+    ids = (table[row, :n] if isinstance(row, int) else table.index_select(0, row.reshape(-1)[:1].long())[0, :n]).long()
     g = pages[ids].reshape(n * P, *pages.shape[2:])[:length]  # [length, H, d]
     return g.transpose(0, 1)[None]
 
 
 def paged_prefill_reference(q, k_pages, v_pages, table, row, q_pos, length: int, scale: float):
     """Live queries q [1, Hq, n, dq] at positions q_pos [n] over the first `length` keys of table
-    row `row` (module docstring) -> [1, Hq, n, dv] in q's dtype, fp32 math (naive.live_attention)."""
+    row `row` (sequence_keys' row; module docstring) -> [1, Hq, n, dv] in q's dtype, fp32 math
+    (naive.live_attention)."""
     from hybridcache.kernels.ops.attention.naive import live_attention
 
     return live_attention(q, sequence_keys(k_pages, table, row, length), sequence_keys(v_pages, table, row, length),

@@ -62,8 +62,9 @@ def live_attention_kernel(
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
     # PAGED: K and V are pools [num_pages, PAGE, Hkv, d] (strides s_kb = page, s_kn = row in page,
-    # s_kh, s_kd) and key j of the sequence lies in page TABLE[ROW, j // PAGE] at row j % PAGE
-    # (ROW: a device scalar, the sequence's table row; B is 1)
+    # s_kh, s_kd) and key j of the sequence lies in page TABLE[ROW[0], j // PAGE] at row j % PAGE;
+    # ROW[1] is the sequence's length N and the split length is computed from it here, so that
+    # neither the row nor the length is a launch argument (a CUDA graph replays for any); B is 1
     i_m = tl.program_id(0)
     i_bk = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -71,6 +72,9 @@ def live_attention_kernel(
     kv = (i_bk % HKV).to(tl.int64)
     HQ: tl.constexpr = HKV * G
 
+    if PAGED:
+        N = tl.load(ROW + 1).to(tl.int32)
+        chunk = tl.cdiv(tl.cdiv(N, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     rows = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query-major: row = i * G + g
     m_row = rows < n * G
     i = rows // G
@@ -251,17 +255,19 @@ def paged_live_attention(
     table: torch.Tensor,
     row: torch.Tensor,
     q_pos: torch.Tensor,
-    length: int,
+    length: int | None,
     scale: float,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """live_attention over one sequence's keys held in pages: q [1, Hq, n, dq], k_pages
     [num_pages, P, Hkv, dq], v_pages [num_pages, P, Hkv, dv], table [R, W] int (the sequence's
-    pages in order in row `row`, a one-element int tensor on the device, so that a CUDA graph can
-    replay it for any row), `length` (a host int, at least the keys any query sees: positions past
-    it are clamped to it) -> o [1, Hq, n, dv] contiguous, q's dtype. No K/V is gathered: each key
-    block reads its page ids from the table."""
+    pages in order in table row row[0]; row [2] int64 on the device holds that row and the
+    sequence's length N (the keys any query may see: positions past it are clamped to it), read
+    by the kernel, so that a CUDA graph replays for any row and length) -> o [1, Hq, n, dv]
+    contiguous, q's dtype. No K/V is gathered: each key block reads its page ids from the table.
+    `length`: N on the host when known (it sizes the default key splits), else None (splits from
+    the program count alone)."""
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q must be [1, Hq, n, dq], got {tuple(q.shape)}")
     if k_pages.dim() != 4 or v_pages.shape[:3] != k_pages.shape[:3] or k_pages.shape[-1] != q.shape[-1]:
@@ -273,12 +279,14 @@ def paged_live_attention(
         raise ValueError(f"GQA needs Hq % Hkv == 0, got Hq {q.shape[1]}, Hkv {Hkv}")
     if q_pos.dim() != 1 or q_pos.shape[0] != q.shape[2]:
         raise ValueError(f"q_pos must be [n] = [{q.shape[2]}], got shape {tuple(q_pos.shape)}")
-    if length < 1 and q.shape[2]:
+    if row.numel() != 2:
+        raise ValueError(f"row must hold the table row and the length (2 values), got {row.numel()}")
+    if length is not None and length < 1 and q.shape[2]:
         raise ValueError("no keys (length 0) for the live queries to attend to")
     P = k_pages.shape[1]
     s_kp, s_ks, s_kh, s_kd = k_pages.stride()
     s_vp, s_vs, s_vh, s_vd = v_pages.stride()
-    return _launch(q, k_pages, v_pages, q_pos, scale, Hkv, length, num_splits, *q.stride(),
+    return _launch(q, k_pages, v_pages, q_pos, scale, Hkv, length or 0, num_splits, *q.stride(),
                    s_kp, s_kh, s_ks, s_kd, s_vp, s_vh, s_vs, s_vd, table=table, row=row, page=P)
 
 
@@ -293,12 +301,18 @@ def _launch(q, k, v, q_pos, scale, Hkv, N, num_splits, *strides, table=None, row
         return o
     bm, bn, warps, stages = _config(dq, dv, q.dtype, n * G)
     row_blocks = triton.cdiv(n * G, bm)
+    paged = table is not None
     if num_splits is None:
-        num_splits = _num_splits(row_blocks * B * Hkv, N, bn, q.device)
+        # (a paged launch without a known length: about two programs per multiprocessor, each
+        # split at least MIN_SPLIT_KEYS of a long context; the kernel sizes the splits from the length)
+        keys = N if N else (1 << 30 if paged else N)
+        num_splits = _num_splits(row_blocks * B * Hkv, keys, bn, q.device)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    chunk = triton.cdiv(triton.cdiv(N, num_splits), bn) * bn
-    num_splits = triton.cdiv(N, chunk)  # no empty trailing split
+    chunk = 0
+    if N:  # the host knows the length: no empty trailing split (a paged kernel recomputes chunk alike)
+        chunk = triton.cdiv(triton.cdiv(N, num_splits), bn) * bn
+        num_splits = triton.cdiv(N, chunk)
     split = num_splits > 1
     if split:
         op = torch.empty(num_splits, B, Hq, n, dv, dtype=torch.float32, device=q.device)
@@ -307,7 +321,6 @@ def _launch(q, k, v, q_pos, scale, Hkv, N, num_splits, *strides, table=None, row
         op = lse = o  # unused
     BLOCK_DQ = max(16, triton.next_power_of_2(dq))
     BLOCK_DV = max(16, triton.next_power_of_2(dv))
-    paged = table is not None
     live_attention_kernel[(row_blocks, B * Hkv, num_splits)](
         q, k, v, o, op, lse, q_pos if q_pos.is_contiguous() else q_pos.contiguous(),
         table if paged else q_pos, row if paged else q_pos,
