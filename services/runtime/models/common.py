@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfigError
+from hybridcache.services.runtime.models.assembly import AssemblyBatch, finish_recording
 from hybridcache.services.runtime.sequence import (
     AttnSpan,
     AttnState,
@@ -178,6 +179,15 @@ def attention_layout(
     if isinstance(layout, DecodeBatch):
         out = decode_attention(q, k, v, layout, layer_idx, scale)  # [1, Hq, B, dv]
         return out if head_major else out.transpose(1, 2).reshape(1, q.shape[2], -1)
+    if isinstance(layout, AssemblyBatch):
+        # a planned assembly: the spans' K/V are in the pages already (AssemblyBatch.fill); the live
+        # K/V go to their rows (padding tokens to the scratch row), the queries read the pages
+        pages = state.pages
+        kp, vp = pages.k[layer_idx], pages.v[layer_idx]
+        kp.view(-1, *kp.shape[2:]).index_copy_(0, layout.kv_rows, k[0].transpose(0, 1).to(kp.dtype))
+        vp.view(-1, *vp.shape[2:]).index_copy_(0, layout.kv_rows, v[0].transpose(0, 1).to(vp.dtype))
+        out = backends.paged_prefill_attention(q, kp, vp, pages.table, layout.where, live_pos, layout.length, scale)
+        return out if head_major else out.transpose(1, 2).reshape(1, q.shape[2], -1)
     paged = hasattr(state, "pages")  # a paged.PagedAttnState: the sequence's K/V are in its pages
     ks, vs, shifts, lengths, off = [], [], [], [], 0
     for idx, piece in enumerate(layout):
@@ -287,6 +297,14 @@ def first_live_start(layout) -> int | None:
     return next((p.start for p in layout if isinstance(p, LiveRun)), None)
 
 
+def new_planned_recording(plan: AssemblyBatch) -> Recording:
+    """The Recording a planned pass fills (its kept states go through rec.scratch first)."""
+    rec = Recording()
+    for idx in plan.snapshots:
+        rec.snapshots[idx] = {}
+    return rec
+
+
 def new_recording(state: SequenceState, layout, snapshot_after):
     """Check the layout's positions; return (rec, live ids [n], live positions [n], end position)."""
     pos = state.length
@@ -393,6 +411,33 @@ class LayoutLM(nn.Module):
             x = self.run_layer(i, x, layout, state, rec, positions, capture_hidden)
         state.length = end
         return self.logits_of(x, logits_for), rec
+
+    # Whether assemblies may run planned (models/assembly.py: bucketed shapes, indices as data, the
+    # K/V in the request's pages), the form CUDA graphs of unseen layouts replay; a model that
+    # declares it gives span_rotation and conv_width.
+    planned_assemblies = False
+
+    def span_rotation(self, layer: int):
+        """How attention layer `layer` rotates cached keys by per-position shifts: rotate(k [1, H,
+        N, d], shifts [N]) -> k, or None where its keys carry no positions (planned assemblies)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def forward_planned(self, state: SequenceState, plan: AssemblyBatch):
+        """The eager pass over a planned assembly (models/assembly.py), the reference of its CUDA
+        graphs: each layer's request data bound (AssemblyBatch.fill: conv sources, fold tables,
+        the spans' K/V into the pages), then the layer, as forward_layout runs it. The state's K/V
+        are in pages (KVPages.extend ran for this pass). Returns (logits or None, Recording)."""
+        rec = new_planned_recording(plan)
+        plan.bind_rows(state)
+        x = self.embed(plan.ids)[None]  # [1, n, h]
+        for i in range(len(self.layers)):
+            plan.fill(self, i, state)
+            x = self.run_layer(i, x, plan, state, rec, plan.positions, plan.host["capture"])
+        logits = plan.logits(self, x)
+        state.length = plan.end
+        finish_recording(plan, rec)
+        return logits, rec
 
     def forward_decode(self, batch: DecodeBatch, token_ids: torch.Tensor, positions: torch.Tensor,
                        linear: dict[int, LinearState], capture_hidden=()):
