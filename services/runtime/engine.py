@@ -448,6 +448,9 @@ class Engine:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         state, layout = job.state, job.layout
         pieces, index, snapshots = [], [], set()
+        # states kept: part ends for the chain store, checkpoints while the page tree still takes pages
+        keep = {i for i in job.snapshot_after
+                if job.recorder is not None or (self.config.uses_entries and i in job.boundary)}
         take = job.live_left if max_tokens is None else max_tokens
         i, off = job.next, job.offset
         while i < len(layout) and take > 0:
@@ -465,7 +468,7 @@ class Engine:
                     off += k
                     break
                 off = 0
-            if i in job.snapshot_after:
+            if i in keep:
                 snapshots.add(len(pieces) - 1)
             index.append(i)
             i += 1
@@ -737,7 +740,7 @@ class Engine:
                          Request(s0, [ids(length) for _ in range(n)], q, greedy)]
         return requests, shape
 
-    def warmup(self, run) -> dict:
+    def warmup(self, run, shaped_only: bool = False) -> dict:
         """Send synthetic requests down every path a request can take before real traffic comes.
         First small ones: a batch of cold entry builds (runs shorter and longer than one chunk,
         odd and multiple-of-16 lengths), an assembly with several seams, the same segments reused
@@ -756,14 +759,18 @@ class Engine:
         must charge to its first requests. `run(request)` serves one request to its end through
         the path real requests take (a scheduler's: llm.LLM.warmup, a combine worker's). The
         engine's caches are swapped for throwaway ones meanwhile (swap_caches), so nothing of the
-        warm-up stays cached or counts against a budget. Returns {"requests": n, "shape": the
-        shaped requests' shape or None, "seconds": wall time}."""
+        warm-up stays cached or counts against a budget. `shaped_only`: the shaped requests alone (a
+        worker whose state pool was made anew after its first warm-up captures the assembly graphs
+        of their buckets again over the new pool, graphs.AssemblyGraphs). Returns {"requests": n,
+        "shape": the shaped requests' shape or None, "seconds": wall time}."""
         t0 = time.perf_counter()
         requests, shape = self.warmup_requests()
+        if shaped_only:
+            requests = requests[4:]  # the small ones come first (warmup_requests)
         self.swap_caches()
         try:
             for n, req in enumerate(requests):
-                if n == 1 and isinstance(self.entries, TieredEntryStore):
+                if n == 1 and not shaped_only and isinstance(self.entries, TieredEntryStore):
                     self.entries.demote_all()  # the reuse after another prefix stages them from the host
                 run(req)
         finally:

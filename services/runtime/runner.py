@@ -48,7 +48,8 @@ from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.cache.host_tier import stage
 from hybridcache.services.runtime.cache.policies import restore_state
-from hybridcache.services.runtime.graphs import CudaLayerGraph, LayoutGraphs
+from hybridcache.services.runtime.graphs import AssemblyGraphs, CudaLayerGraph, LayoutGraphs
+from hybridcache.services.runtime.models.assembly import plan_assembly
 from hybridcache.services.runtime.paged import DecodeGraphs, StatePool, decode_step
 from hybridcache.services.runtime.sequence import LiveRun, SequenceState, SpanData
 
@@ -116,9 +117,15 @@ class ModelRunner:
         self.graphs_apply = (getattr(model, "cuda_graphs", False) and self.device.type == "cuda"
                              and self.dispatch.kernels != "reference" and getattr(model, "tp_size", 1) == 1)
         self.layout_graphs: LayoutGraphs | None = None
+        self.assembly_graphs: AssemblyGraphs | None = None
         if self.graphs_apply and config.cuda_graphs:
             self.layout_graphs = LayoutGraphs(model, max_graphs=config.cuda_graph_shapes,
                                               graph_factory=self.graph_factory)
+            if getattr(model, "planned_assemblies", False):
+                self.assembly_graphs = AssemblyGraphs(model, max_graphs=config.cuda_graph_shapes,
+                                                      graph_factory=self.graph_factory)
+        # planned assemblies cut live runs into sub-runs of the seam window's length (8 at least)
+        self.run_tokens = max(8, config.seam_window)
         self.decode_graphs_on = self.graphs_apply and config.decode_cuda_graphs
         self._decode_graphs: weakref.WeakKeyDictionary[StatePool, DecodeGraphs] = weakref.WeakKeyDictionary()
         self._eager = False
@@ -146,9 +153,14 @@ class ModelRunner:
 
     @property
     def graph_stats(self) -> dict[str, int]:
-        """The assembly graphs' counts (LayoutGraphs.stats: shapes captured, replayed, run eagerly,
-        failed); empty where they do not apply."""
-        return dict(self.layout_graphs.stats) if self.layout_graphs is not None else {}
+        """The assembly graphs' counts (LayoutGraphs.stats and AssemblyGraphs.stats summed: shapes or
+        buckets captured, replayed, run eagerly, failed); empty where they do not apply."""
+        out: dict[str, int] = {}
+        for graphs in (self.layout_graphs, self.assembly_graphs):
+            if graphs is not None:
+                for k, v in graphs.stats.items():
+                    out[k] = out.get(k, 0) + v
+        return out
 
     def empty_state(self) -> SequenceState:
         return self.model.empty_state()
@@ -157,8 +169,17 @@ class ModelRunner:
     def forward(self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=(),
                 capture_hidden=()):
         """The live pass of `layout` from `state` (updated in place): LayoutLM.forward_layout's
-        arguments and results. An assembly (a layout with cached spans) of a shape seen before may
-        run from that shape's CUDA graphs (graphs.LayoutGraphs), with the same results."""
+        arguments and results. An assembly (a layout with cached spans) whose K/V lie in its
+        request's pages runs planned (models/assembly.py) from its bucket's CUDA graphs
+        (graphs.AssemblyGraphs: any layout of a bucket seen before), else eagerly over its plan;
+        one with contiguous K/V of a shape seen before may run from that shape's graphs
+        (graphs.LayoutGraphs). The same results either way."""
+        if self.assembly_graphs is not None and not self._eager:
+            plan = plan_assembly(self.model, state, layout, snapshot_after, capture_hidden, logits_for,
+                                 self.run_tokens)
+            if plan is not None:
+                out = self.assembly_graphs.run(state, plan)
+                return out if out is not None else self.model.forward_planned(state, plan)
         if self.layout_graphs is not None and not self._eager:
             out = self.layout_graphs.run(state, layout, logits_for, snapshot_after, capture_hidden)
             if out is not None:

@@ -16,11 +16,13 @@ A request's prefill is cut between steps at segment granularity (cold builds; a 
 longer than the budget is built whole) and its assembly into chunks of at most the step's budget
 of live tokens (a plain prompt, a segment that runs live, the seams and question of an
 assembly), each chunk running from the state the one before left, so running streams wait for
-at most one step's budget of prefill between their tokens. A prefill of more than one chunk runs
-in the slot it will decode in: the request gets its slot at its first chunk and every chunk
-writes its K/V into the slot's pages (paged.StatePool.assign, KVPages.extend; the attention of a
-chunk reads the pages where they lie), so a long prompt makes no copy of its K/V beyond what its
-reservation covers, and it starts decoding without moving them. Prompts that
+at most one step's budget of prefill between their tokens. A prefill runs in the slot it will
+decode in (models whose attention layers run in pages: all but MLA's): the request gets its slot
+at its first chunk and every chunk writes its K/V into the slot's pages (paged.StatePool.assign,
+KVPages.extend; a chunk's attention reads the pages where they lie, an assembly's cached spans
+are written there rotated), so a long prompt makes no copy of its K/V beyond what its reservation
+covers, and a request starts decoding without moving its K/V. On CUDA an assembly runs planned
+from its bucket's CUDA graphs (runner.ModelRunner.forward, graphs.AssemblyGraphs). Prompts that
 run all live from an empty state (Engine.plain_prefill_ok: no segments, no system prompt, no
 page-tree hit, no prefix-cache checkpoint inside) are prefilled together instead, one batched
 standalone forward of every such prompt admitted in the step but its last token
@@ -320,8 +322,8 @@ class Scheduler:
         self.batch_sizes: collections.Counter = collections.Counter()  # decode batch size -> steps
         self.overlapped_steps = 0  # decode steps launched before the step before them was handled
         self.plain_prefilled = 0  # requests prefilled together by Engine.prefill_plain
-        # a prefill that takes more than one chunk runs in its slot's pages (models whose attention
-        # layers write K/V there: common.attention_layout), so no copy of the prompt's K/V is made
+        # a prefill runs in its slot's pages (models whose attention layers write K/V there:
+        # common.attention_layout), so no copy of the prompt's K/V is made
         self._paged_prefill = bool(getattr(engine.model, "paged_prefill", False)) and self.pool.kv is not None
         # (step, prefill tokens, decode batch size) of the latest steps that did work
         self.step_log: collections.deque = collections.deque(maxlen=4096)
@@ -405,13 +407,18 @@ class Scheduler:
     def resize_kv(self, kv_cache_bytes: int) -> None:
         """Give the running requests' K/V `kv_cache_bytes` (a planned worker, after its warm-up:
         devices.plan_memory): the state pool is made anew at that size, the old one (and its decode
-        graphs) freed first. Runs while the scheduler is idle; capture the decode graphs again
-        after (warm_decode_graphs)."""
+        and assembly graphs) freed first. Runs while the scheduler is idle; capture the decode
+        graphs again after (warm_decode_graphs), and the assembly graphs (Engine.warmup with
+        shaped_only)."""
         with self._cv:
             if self._waiting or self._admitted or self._running or self._launched is not None:
                 raise RuntimeError("resize_kv needs an idle scheduler")
             self.config = dataclasses.replace(self.config, kv_cache_bytes=kv_cache_bytes)
             self.pool = None
+            # the assembly graphs hold the old pool's tensors (warm up again to capture them anew)
+            graphs = getattr(self.engine.runner, "assembly_graphs", None)
+            if graphs is not None:
+                graphs.clear()
             gc.collect()  # the old pool and its decode graphs refer to each other
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -612,15 +619,15 @@ class Scheduler:
 
     def _prefill_chunk(self, seq: _Seq, tokens: int) -> int:
         """Run the next chunk of at most `tokens` live tokens of the request's prefill (started here
-        on its first chunk: Engine.start_prefill; a prefill that needs more than one chunk gets its
-        slot now and runs in its pages); the request starts decoding after its last chunk. Returns
-        the live tokens run."""
+        on its first chunk: Engine.start_prefill; where the model's attention runs in pages, the
+        request gets its slot now and its prefill runs in the slot's pages); the request starts
+        decoding after its last chunk. Returns the live tokens run."""
         eng = self.engine
         try:
             if seq.job is None:
                 seq.job = eng.start_prefill(seq.req, pinned=seq.pinned, built=seq.built)
                 seq.pinned, seq.built = {}, {}
-                if self._paged_prefill and seq.job.live_left > tokens:
+                if self._paged_prefill:
                     seq.slot = self.pool.assign(seq.job.state)
             before = seq.job.live_left
             pre = eng.prefill_chunk(seq.job, tokens)

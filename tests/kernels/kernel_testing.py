@@ -29,7 +29,11 @@ from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_he
 from hybridcache.kernels.ops.recurrent_step.triton import recurrent_step  # noqa: E402
 from hybridcache.kernels.ops.rope.triton import norm_rope_tokens, rope_heads  # noqa: E402
 from hybridcache.kernels.ops.sampling.triton import sample_rows  # noqa: E402
-from hybridcache.kernels.ops.transition.compose_triton import compose_states_blocks, compose_states_fwd  # noqa: E402
+from hybridcache.kernels.ops.transition.compose_triton import (  # noqa: E402
+    compose_states_blocks,
+    compose_states_fwd,
+    compose_states_table,
+)
 
 __all__ = [
     "L2",
@@ -41,6 +45,7 @@ __all__ = [
     "copy_checksum",
     "compose_states_blocks",
     "compose_states_fwd",
+    "compose_states_table",
     "device",
     "FusedConfig",
     "fused_experts",

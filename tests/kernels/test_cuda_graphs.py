@@ -147,5 +147,6 @@ def test_engine_answers_alike_with_and_without_graphs(tmp_path):
             want = LLM(plain).generate(dict(req)).output_ids
             got = LLM(graphed).generate(dict(req)).output_ids
             assert got == want and len(want) == 6, n
-    graphs = graphed.runner.layout_graphs
-    assert graphs.stats["replays"] >= 2 and not graphs.failed, (graphs.stats, graphs.failed)
+    # the scheduler's assemblies run in their pages, planned: from the assembly graphs of their buckets
+    stats = graphed.runner.graph_stats
+    assert stats["replays"] >= 2 and not stats["failures"], (stats, graphed.runner.assembly_graphs.failed)

@@ -147,18 +147,44 @@ class AssemblyBatch:
 
     # -- per-layer binding (outside any graph) --------------------------------------------------
 
-    def bind_rows(self, state) -> None:
+    def bind_rows(self, state, req: AssemblyBatch | None = None) -> None:
         """The live tokens' K/V rows and the table row/length pair, from the request's PagedWrite
-        (KVPages.extend ran for this pass): kv_rows [n] (padding: the scratch row 0)."""
+        (KVPages.extend ran for this pass): kv_rows [n] (padding: the scratch row 0); and the
+        spans' rows for `req` (by default this plan; a graph's static plan binds a request's)."""
+        req = req or self
         write = next(iter(state.attn.values())).write
         rows = torch.cat([write.rows, write.rows.new_zeros(1)])
-        kv_rows = rows.index_select(0, self.live_off)
+        kv_rows = rows.index_select(0, req.live_off)
         if self.kv_rows is None:
-            self.kv_rows, self.where = kv_rows, write.row
+            self.kv_rows, self.where = kv_rows, write.row.clone()
         else:  # a graph's static plan: into its buffers
             self.kv_rows.copy_(kv_rows)
             self.where.copy_(write.row)
-        self._span_rows = write.rows.index_select(0, self.span_off) if self.span_off.numel() else None
+        req._span_rows = write.rows.index_select(0, req.span_off) if req.span_off.numel() else None
+        self.bind_tables(state, req)
+
+    def static_copy(self) -> AssemblyBatch:
+        """A plan of the same key whose device data are buffers of its own (a CUDA graph's inputs):
+        bind a request into it with load, bind_rows and fill."""
+        other = object.__new__(AssemblyBatch)
+        other.__dict__.update(self.__dict__)
+        other.packed = self.packed.clone()
+        other.index = _views(other.packed, self.sizes_of())
+        other.conv_src, other.span_T, other.span_S = {}, {}, {}
+        other.kv_rows = other.where = other._tables = None
+        other.tables = False
+        return other
+
+    def load(self, req: AssemblyBatch) -> None:
+        """Take the request plan's index data (one copy) and host length into this static plan."""
+        if req.key != self.key:
+            raise ValueError("the request's plan is of another key")
+        self.packed.copy_(req.packed)
+        self.host = dict(self.host, start=req.host["start"], end=req.host["end"], n_new=req.host["n_new"])
+        # the request's host data (what an eager pass over this plan reads: a graph's replay does not)
+        for name in ("real", "spans", "runs", "snapshots", "pairs", "_pieces"):
+            setattr(self, name, getattr(req, name))
+        self.length = req.length if self.packed.device.type != "cuda" else None
 
     def fill(self, model, layer: int, state, req: AssemblyBatch | None = None) -> None:
         """Bind layer `layer`'s request data (module docstring), from `req` (the request's plan; by
@@ -189,36 +215,45 @@ class AssemblyBatch:
             self.conv_src[layer] = src
         else:
             torch._foreach_copy_([dst[j : j + 1] for j in range(len(sources))], [t.to(dt) for t in sources])
-        span_T = [req.span_data(idx).linear[layer].T for _, idx in req.pairs_of("span")]
-        if span_T and span_T[0].dim() == 4 and backends.use_fast_kernels(lin.ssm):
-            self._fill_tables(layer, req)
 
-    def _fill_tables(self, layer: int, req: AssemblyBatch) -> None:
-        """The fold's span addresses of layer `layer`: the span pairs' T and S blocks where they lie,
-        0 for the sub-runs' pairs (the pass points those at its own stack), the padding blocks for
-        padding pairs."""
-        first = req.span_data(req.spans[0][0]).linear[layer]
-        T0, S0 = first.T, first.S
+    def bind_tables(self, state, req: AssemblyBatch | None = None) -> None:
+        """The fold's address tables of every linear layer (CUDA, matrix T), from `req` (by default
+        this plan) in one host-to-device copy: per layer the span pairs' T and S blocks where they
+        lie, 0 for the sub-runs' pairs (the pass points those at its own stack), the padding
+        blocks for padding pairs. Read without waiting for arriving layers (the addresses are
+        known; each layer's fill waits for its own)."""
+        req = req or self
+        self.tables = False
+        first = _peek(req.span_data(req.spans[0][0]).linear)
+        layers = list(first)
+        if not layers:
+            return
+        T0, S0 = first[layers[0]].T, first[layers[0]].S
+        lin = next(iter(state.linear.values()))
+        if T0.dim() != 4 or not backends.use_fast_kernels(lin.ssm):
+            return
         G, K, V = S0.shape[-3:]
         eye, zero = padding_pair(T0.dtype, G, K, V, T0.device)
-        t_addr, s_addr = [eye.data_ptr()] * self.p, [zero.data_ptr()] * self.p
+        host = torch.empty(len(layers), 2, self.p, dtype=torch.int64)
+        host[:, 0], host[:, 1] = eye.data_ptr(), zero.data_ptr()
         for k, pair in enumerate(req.pairs):
-            if pair[0] == "span":
-                span = req.span_data(pair[1]).linear[layer]
+            if pair[0] != "span":
+                host[:, :, k] = 0
+                continue
+            spans = _peek(req.span_data(pair[1]).linear)
+            for li, layer in enumerate(layers):
+                span = spans[layer]
                 if span.T.dtype != T0.dtype or span.S.dtype != S0.dtype or not (
                         span.T.is_contiguous() and span.S.is_contiguous()):
                     raise ValueError("the spans' T and S must share dtypes and be contiguous to fold from a table")
-                t_addr[k], s_addr[k] = span.T.data_ptr(), span.S.data_ptr()
-            else:
-                t_addr[k] = s_addr[k] = 0
-        host = torch.tensor([t_addr, s_addr], dtype=torch.int64)
-        dst = self.span_T.get(layer)
+                host[li, 0, k], host[li, 1, k] = span.T.data_ptr(), span.S.data_ptr()
+        dst = getattr(self, "_tables", None)
         if dst is None:
-            table = backends.to_device_async(host, T0.device)
-            self.span_T[layer], self.span_S[layer] = table[0], table[1]
+            dst = self._tables = backends.to_device_async(host, T0.device)
         else:
-            dst.copy_(backends.pin(host[0]), non_blocking=True)
-            self.span_S[layer].copy_(backends.pin(host[1]), non_blocking=True)
+            dst.copy_(backends.pin(host), non_blocking=True)
+        for li, layer in enumerate(layers):
+            self.span_T[layer], self.span_S[layer] = dst[li, 0], dst[li, 1]
         self.tables = True
 
     def write_span_kv(self, model, layer: int, state) -> None:
@@ -243,9 +278,6 @@ class AssemblyBatch:
     def span_data(self, idx: int):
         return self._pieces[idx].data
 
-    def pairs_of(self, kind: str):
-        return [(k, p[1]) for k, p in enumerate(self.pairs) if p[0] == kind]
-
     # -- inside the pass -------------------------------------------------------------------------
 
     def logits(self, model, x):
@@ -254,6 +286,12 @@ class AssemblyBatch:
         if self.host["logits_for"] == "none":
             return None
         return model.head(x[0].index_select(0, self.last_tok))[0].float()
+
+
+def _peek(mapping):
+    """A layer mapping without waiting for its tensors to arrive (sequence.ArrivingLayers waits
+    when indexed)."""
+    return getattr(mapping, "_spans", mapping)
 
 
 def _views(packed: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -292,7 +330,7 @@ def plan_assembly(model, state, layout, snapshot_after=(), capture_hidden=(), lo
     L = max(1, run_tokens)
     base = state.length
     ids, positions, live_off = [], [], []
-    span_off, span_shift = [], []
+    span_runs = []  # (offset among the new tokens, tokens, shift) of each span
     runs: list[tuple] = []  # conv source per sub-run
     run_rows: list[list[int]] = []  # live-token indices of each sub-run
     pairs: list[tuple] = []
@@ -309,8 +347,7 @@ def plan_assembly(model, state, layout, snapshot_after=(), capture_hidden=(), lo
         if isinstance(piece, CachedSpan):
             n = piece.data.num_tokens
             spans.append((idx, piece))
-            span_off += range(piece.start - base, piece.end - base)
-            span_shift += [piece.shift] * n
+            span_runs.append((piece.start - base, n, piece.shift))
             pairs.append(("span", idx))
             prev_kind, last_span = "span", idx
             if idx in snapshot_after:
@@ -395,8 +432,12 @@ def plan_assembly(model, state, layout, snapshot_after=(), capture_hidden=(), lo
     packed = torch.tensor([v for name in AssemblyBatch.NAMES for v in index[name]], dtype=torch.long)
     device = model.device
     packed = backends.to_device_async(packed, device)
-    offs = backends.to_device_async(torch.tensor(span_off + span_shift, dtype=torch.long), device)
-    S = len(span_off)
+    # the spans' token offsets and shifts, built as tensors (a 128k-token assembly has 128k of them)
+    starts, counts, shifts = (torch.tensor(c, dtype=torch.long) for c in zip(*span_runs))
+    S = int(counts.sum())
+    first = torch.repeat_interleave(starts - torch.cumsum(counts, 0) + counts, counts)
+    offs = torch.cat([torch.arange(S) + first, torch.repeat_interleave(shifts, counts)])
+    offs = backends.to_device_async(offs, device)
     span_dt = spans[0][1].data.linear[next(iter(spans[0][1].data.linear))].T.dtype if spans[0][1].data.linear else None
     held = tuple((i, s_.ssm.dtype, s_.conv.dtype) for i, s_ in state.linear.items())
     key = ("assembly", n, m, L, p, s, W1, span_dt, held, logits_for, tuple(sorted(capture_hidden)),

@@ -48,7 +48,7 @@ log = logging.getLogger("hybridcache.tensor_parallel")
 # weak-referenceable is named as a whole, without looking inside (a page node, a recorder)
 _WALK = {
     "SequenceState", "LinearState", "AttnState", "SpanData", "LinearSpan", "AttnSpan", "SegmentEntry",
-    "Prefill", "Recording",
+    "Prefill", "PrefillJob", "Recording",
 }
 # results rank 0 gets back as Remotes (their methods change per-rank state, so they broadcast)
 _REMOTE = {"StatePool"}
