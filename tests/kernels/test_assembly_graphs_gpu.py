@@ -69,8 +69,10 @@ def test_a_trace_of_new_layouts_through_the_scheduler_captures_once(tmp_path):
     sys_ids = torch.randint(0, 200, (70,), generator=gen).tolist()
     reqs = [{"system": sys_ids, "segments": docs[4 * i : 4 * i + 4], "suffix": [5, 6, 7, 8, 9, 10, 11, 12, 13],
              "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}} for i in range(8)]
-    want = [LLM(plain).generate(dict(r)).output_ids for r in reqs]
-    got = [LLM(graphed).generate(dict(r)).output_ids for r in reqs]
+    with LLM(plain) as llm:
+        want = [llm.generate(dict(r)).output_ids for r in reqs]
+    with LLM(graphed) as llm:  # one scheduler, one pool: its graphs serve every request
+        got = [llm.generate(dict(r)).output_ids for r in reqs]
     assert got == want
     stats = graphed.runner.graph_stats
     assert stats["captures"] <= 2 and stats["replays"] >= 5 and not stats["failures"], stats

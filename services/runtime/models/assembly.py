@@ -213,8 +213,8 @@ class AssemblyBatch:
             if pad_rows:
                 src = torch.cat([src, src.new_zeros(pad_rows, *src.shape[1:])], dim=0)
             self.conv_src[layer] = src
-        else:
-            torch._foreach_copy_([dst[j : j + 1] for j in range(len(sources))], [t.to(dt) for t in sources])
+        else:  # one launch into the static buffer's first rows
+            torch.cat([t.to(dt) for t in sources], dim=0, out=dst[: len(sources)])
 
     def bind_tables(self, state, req: AssemblyBatch | None = None) -> None:
         """The fold's address tables of every linear layer (CUDA, matrix T), from `req` (by default
@@ -230,23 +230,25 @@ class AssemblyBatch:
             return
         T0, S0 = first[layers[0]].T, first[layers[0]].S
         lin = next(iter(state.linear.values()))
-        if T0.dim() != 4 or not backends.use_fast_kernels(lin.ssm):
+        if T0.dim() != 4 or not tables_apply(lin.ssm):
             return
         G, K, V = S0.shape[-3:]
         eye, zero = padding_pair(T0.dtype, G, K, V, T0.device)
-        host = torch.empty(len(layers), 2, self.p, dtype=torch.int64)
-        host[:, 0], host[:, 1] = eye.data_ptr(), zero.data_ptr()
+        # [layer][T or S][pair], built as lists (one tensor made at the end: a few thousand entries)
+        rows = [[[eye.data_ptr()] * self.p, [zero.data_ptr()] * self.p] for _ in layers]
         for k, pair in enumerate(req.pairs):
             if pair[0] != "span":
-                host[:, :, k] = 0
+                for t_row, s_row in rows:
+                    t_row[k] = s_row[k] = 0
                 continue
             spans = _peek(req.span_data(pair[1]).linear)
-            for li, layer in enumerate(layers):
+            for (t_row, s_row), layer in zip(rows, layers):
                 span = spans[layer]
-                if span.T.dtype != T0.dtype or span.S.dtype != S0.dtype or not (
-                        span.T.is_contiguous() and span.S.is_contiguous()):
+                T, S = span.T, span.S
+                if T.dtype != T0.dtype or S.dtype != S0.dtype or not (T.is_contiguous() and S.is_contiguous()):
                     raise ValueError("the spans' T and S must share dtypes and be contiguous to fold from a table")
-                host[li, 0, k], host[li, 1, k] = span.T.data_ptr(), span.S.data_ptr()
+                t_row[k], s_row[k] = T.data_ptr(), S.data_ptr()
+        host = torch.tensor(rows, dtype=torch.int64)
         dst = getattr(self, "_tables", None)
         if dst is None:
             dst = self._tables = backends.to_device_async(host, T0.device)
@@ -286,6 +288,12 @@ class AssemblyBatch:
         if self.host["logits_for"] == "none":
             return None
         return model.head(x[0].index_select(0, self.last_tok))[0].float()
+
+
+def tables_apply(state: torch.Tensor) -> bool:
+    """Whether the fold of a planned assembly reads address tables (compose_states_table): the fast
+    kernels' device (a matrix T is required besides)."""
+    return backends.use_fast_kernels(state)
 
 
 def _peek(mapping):
