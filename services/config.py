@@ -296,8 +296,8 @@ class RuntimeConfig:
         "before the next)",
         section="scheduler")
     cuda_graph_shapes: int = setting(
-        4, "layout shapes whose CUDA graphs are kept, least recently used dropped (each holds buffers the size "
-        "of its request's entries)", section="devices")
+        4, "assembly buckets (and exact layout shapes of forwards outside the scheduler) whose CUDA graphs are "
+        "kept, least recently used dropped", section="devices")
     # The two below choose the op implementations (services/runtime/backends.py) of the engine's runner.
     kernels: str = setting(
         "auto", "auto: the fast kernels (fla, Triton) for CUDA tensors and the PyTorch references elsewhere; "
@@ -318,8 +318,10 @@ class RuntimeConfig:
         "RESOURCE_EXHAUSTED)", roles=("combine",), section="scheduler")
     max_num_batched_tokens: int = setting(
         8192, "prefill tokens (cold segment builds, assemblies) a scheduler step spends besides its decode "
-        "step; on a scatter worker, the cold tokens of different requests built in one batched call",
-        section="scheduler")
+        "step: a longer prompt or assembly is prefilled in chunks of this many live tokens, one a step, so "
+        "running streams wait at most one chunk between tokens (smaller: steadier inter-token latency, a "
+        "long prompt's first token later); on a scatter worker, the cold tokens of different requests built "
+        "in one batched call", section="scheduler")
     kv_cache_bytes: int | None = setting(
         None, "attention K/V the running requests may reserve, each its prompt and 256-token chunks of "
         "output as it grows; a request waits until its first chunk fits, running ones are preempted "
