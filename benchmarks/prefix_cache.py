@@ -11,8 +11,12 @@ Random weights on a real shape, built directly on the device (no checkpoint is w
 
 --anchor-dtype float8_e4m3fn stores suffix_replay's anchors in fp8 with a per-anchor fp32 scale.
 --bytes-only computes each policy's linear-state bytes per token from the shape alone (the model
-is built on the meta device, so a 9B shape needs no memory), then checks that figure against
-what an engine on the tiny preset (CPU, same dtype) actually keeps in its page tree.
+is built on the meta device, so a 9B shape needs no memory), against (a) a dense checkpoint every
+64-token page and (b) SGLang's default grid (a dense state every --sglang-interval tokens: its
+mamba radix cache, with the default no_buffer strategy, keeps a state where chunked prefill
+ends a chunk, chunked_prefill_size 8,192 on H100/H200 — besides one at the end of every finished
+request, which no grid models), and as the checkpoint policy at that interval; then checks each
+figure against what an engine on the tiny preset (CPU, same dtype) keeps in its page tree.
 
 Each prompt of L tokens is prefilled once per policy (pages inserted); then the state after
 H = L - 64 tokens (one page before a checkpoint-grid position) is rebuilt from the tree and
@@ -105,22 +109,29 @@ def build_model(cfg: ModelConfig, dtype, device) -> HybridLM:
         torch.set_default_dtype(torch.float32)
 
 
-def analytic_bytes_per_token(model: HybridLM, policies: dict[str, PrefixPolicy], page: int) -> dict:
-    """Linear-state bytes per cached token of each policy, and of a dense checkpoint after every
-    page, from the model's state shapes alone (works on a meta-device model)."""
+def analytic_bytes_per_token(model: HybridLM, policies: dict[str, PrefixPolicy], page: int,
+                             sglang_interval: int = 8192) -> dict:
+    """Linear-state bytes per cached token of each policy, of a dense checkpoint after every page
+    and of one every `sglang_interval` tokens, from the model's state shapes alone (works on a
+    meta-device model)."""
     dense = dense_state_bytes(model)
     groups = len(model.linear_groups())
     itemsize = torch.empty((), dtype=model.dtype).element_size()
     hidden = model.cfg.hidden_size
-    out = {"dense_checkpoint_every_page": dense / page}
+    out = {"dense_checkpoint_every_page": dense / page, "dense_checkpoint_sglang_grid": dense / sglang_interval}
+    # every policy also keeps the attention layers' K and V of each cached token
+    cfg = model.cfg
+    out["attention_kv"] = (sum(t == "full_attention" for t in cfg.layer_types) * 2 * cfg.num_key_value_heads
+                           * cfg.head_dim * itemsize)
     for name, pol in policies.items():
         out[name] = linear_state_bytes_per_token(pol, dense, groups * pol.anchor_row_bytes(hidden, itemsize))
     return out
 
 
-def measured_bytes_per_token(model, tokenizer, policy: PrefixPolicy, length: int) -> tuple[float, float]:
-    """(page tree linear bytes, a warm request's linear_state_bytes stat) per token after one
-    prompt of `length` tokens (a multiple of the checkpoint grid) went through an engine."""
+def measured_bytes_per_token(model, tokenizer, policy: PrefixPolicy, length: int) -> tuple[float, float, float]:
+    """(page tree linear bytes, a warm request's linear_state_bytes stat, page tree bytes with the
+    attention K/V) per token after one prompt of `length` tokens (a multiple of the checkpoint
+    grid) went through an engine."""
     eng = Engine(model, tokenizer, EngineConfig(
         mode="prefix", prefix_policy=policy.name, checkpoint_every=policy.checkpoint_every,
         anchors_per_page=policy.anchors_per_page, replay_anchors=policy.replay_anchors,
@@ -130,7 +141,7 @@ def measured_bytes_per_token(model, tokenizer, policy: PrefixPolicy, length: int
     with LLM(eng) as llm:
         llm.generate(req)
         stat = llm.generate(req).stats.linear_state_bytes
-    return eng.pages.linear_bytes / length, stat / length
+    return eng.pages.linear_bytes / length, stat / length, eng.pages.used_bytes / length
 
 
 def continuation_agreement(model, ref_state, got_state, cont_ids) -> tuple[float, float]:
@@ -164,6 +175,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--anchor-dtype", default="model", choices=["model", *ANCHOR_DTYPES],
                     help="suffix_replay anchor storage (model: the model's dtype)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--sglang-interval", type=int, default=8192,
+                    help="tokens between SGLang's default dense states (its chunked_prefill_size on H100/H200)")
     ap.add_argument("--bytes-only", action="store_true",
                     help="analytic bytes per token for --preset, checked against an engine on the tiny preset (CPU)")
     ap.add_argument("--continuation", type=int, default=32, help="tokens teacher-forced after the prefix")
@@ -193,7 +206,12 @@ def main(argv=None) -> dict:
     if args.bytes_only and anchor_dtype and "suffix_replay" in policies:
         # The same policy with anchors in the model's dtype, for comparison.
         policies["suffix_replay_model_anchors"] = dataclasses.replace(policies["suffix_replay"], anchor_dtype=None)
-    analytic = analytic_bytes_per_token(model, policies, P)
+    if args.bytes_only and "checkpoint" in policies:
+        if args.sglang_interval % P:
+            raise SystemExit(f"--sglang-interval must be a multiple of {P}")
+        # the checkpoint policy on SGLang's grid: what the engine keeps for it
+        policies["checkpoint_sglang_grid"] = PrefixPolicy("checkpoint", checkpoint_every=args.sglang_interval // P)
+    analytic = analytic_bytes_per_token(model, policies, P, args.sglang_interval)
     dense_per_page = analytic["dense_checkpoint_every_page"]
     result = {
         "benchmark": "prefix_cache",
@@ -208,6 +226,7 @@ def main(argv=None) -> dict:
             "anchors_per_page": args.anchors_per_page,
             "replay_anchors": args.replay_anchors,
             "anchor_dtype": args.anchor_dtype,
+            "sglang_interval": args.sglang_interval,
             "fla_kernels": device.type == "cuda" and backends.fla_available(),
         },
         "analytic_bytes_per_token": analytic,
@@ -299,20 +318,29 @@ def _finish(args, result: dict, figures: dict) -> dict:
 
 
 def _dtype_tag(policy: PrefixPolicy) -> str:
-    return "_fp8" if policy.anchor_dtype else ""
+    return {"float8_e4m3fn": "_fp8", "bfloat16": "_bf16"}.get(policy.anchor_dtype, "")
 
 
 def _analytic_figures(result: dict, policies: dict[str, PrefixPolicy]) -> dict:
     """Flat figures: each policy's analytic bytes per token and its fraction of a dense
-    checkpoint per page (also as 1 / x, the form the issue states its goal in)."""
+    checkpoint per page (also as 1 / x) and of SGLang's default grid; the named
+    `suffix_replay_bytes_vs_sglang_grid` (suffix_replay as configured, anchors at the end of every
+    64-token page: 8192 / 64 = 128x finer hits than the grid)."""
     analytic = result["analytic_bytes_per_token"]
     dense = analytic["dense_checkpoint_every_page"]
-    figures = {"analytic_dense_checkpoint_every_page_bytes_per_token": dense}
+    grid = analytic["dense_checkpoint_sglang_grid"]
+    figures = {"analytic_dense_checkpoint_every_page_bytes_per_token": dense,
+               "analytic_sglang_grid_bytes_per_token": grid,
+               "analytic_attention_kv_bytes_per_token": analytic["attention_kv"]}
     for name, pol in policies.items():
         key = f"analytic_{name}{_dtype_tag(pol)}"
         figures[f"{key}_bytes_per_token"] = analytic[name]
         figures[f"{key}_vs_dense_checkpoint_per_page"] = analytic[name] / dense
         figures[f"{key}_dense_checkpoint_per_page_over_it"] = dense / analytic[name]
+        figures[f"{key}_vs_sglang_grid"] = analytic[name] / grid
+    if "suffix_replay" in analytic:
+        figures["suffix_replay_bytes_vs_sglang_grid"] = analytic["suffix_replay"] / grid
+        figures["suffix_replay_granularity_vs_sglang_grid"] = result["config"]["sglang_interval"] / 64
     return figures
 
 
@@ -321,26 +349,47 @@ def _bytes_only(args, result: dict, policies: dict[str, PrefixPolicy], dtype, to
     the tiny preset keeps (CPU, --dtype, prompts of one checkpoint grid per length)."""
     result["benchmark"] = "prefix_cache_bytes"
     figures = _analytic_figures(result, policies)
-    tiny_cfg = ModelConfig.from_dict(hf_config(args.arch, "tiny"))
+    # room for a prompt of SGLang's grid (the tiny preset's context is 4k)
+    tiny_dict = hf_config(args.arch, "tiny")
+    tiny_dict["max_position_embeddings"] = max(tiny_dict.get("max_position_embeddings", 0), 2 * args.sglang_interval)
+    tiny_cfg = ModelConfig.from_dict(tiny_dict)
     tiny = build_model(tiny_cfg, dtype, "cpu")
     init_on_device_(tiny, args.seed)
     tiny.eval()
-    tiny_analytic = analytic_bytes_per_token(tiny, policies, 64)
+    tiny_analytic = analytic_bytes_per_token(tiny, policies, 64, args.sglang_interval)
     check = {"preset": "tiny", "rows": []}
     for L in args.lengths:
         grid = 64 * args.checkpoint_every
         if L % grid:
             raise SystemExit(f"--lengths must be multiples of {grid} (the checkpoint grid): {L}")
         for name, pol in policies.items():
-            tree, stat = measured_bytes_per_token(tiny, tokenizer, pol, L)
+            if pol.stores_checkpoints and L % pol.checkpoint_tokens:
+                continue  # a coarser grid (SGLang's) is checked at its own length below
+            tree, stat, total = measured_bytes_per_token(tiny, tokenizer, pol, L)
             key = f"tiny_{name}{_dtype_tag(pol)}"
-            equal = tree == stat == tiny_analytic[name]
+            equal = tree == stat == tiny_analytic[name] and total == tree + tiny_analytic["attention_kv"]
             check["rows"].append({"policy": name, "anchor_dtype": pol.anchor_dtype, "prompt_tokens": L,
                                   "analytic": tiny_analytic[name], "page_tree": tree,
-                                  "linear_state_bytes_stat": stat, "equal": equal})
+                                  "linear_state_bytes_stat": stat, "page_tree_with_attention": total,
+                                  "analytic_with_attention": tiny_analytic[name] + tiny_analytic["attention_kv"],
+                                  "equal": equal})
             figures[f"{key}_measured_bytes_per_token_{L}"] = stat
             figures[f"{key}_analytic_bytes_per_token"] = tiny_analytic[name]
             figures[f"{key}_measured_equals_analytic_{L}"] = equal
+    coarse = {n: p for n, p in policies.items() if p.stores_checkpoints
+              and not any(L % p.checkpoint_tokens == 0 for L in args.lengths)}
+    for name, pol in coarse.items():
+        L = pol.checkpoint_tokens
+        tree, stat, total = measured_bytes_per_token(tiny, tokenizer, pol, L)
+        equal = tree == stat == tiny_analytic[name] and total == tree + tiny_analytic["attention_kv"]
+        check["rows"].append({"policy": name, "anchor_dtype": None, "prompt_tokens": L,
+                              "analytic": tiny_analytic[name], "page_tree": tree,
+                              "linear_state_bytes_stat": stat, "page_tree_with_attention": total,
+                              "analytic_with_attention": tiny_analytic[name] + tiny_analytic["attention_kv"],
+                              "equal": equal})
+        figures[f"tiny_{name}_measured_bytes_per_token_{L}"] = stat
+        figures[f"tiny_{name}_analytic_bytes_per_token"] = tiny_analytic[name]
+        figures[f"tiny_{name}_measured_equals_analytic_{L}"] = equal
     result["engine_check"] = check
     result["figures"] = figures
     if not all(r["equal"] for r in check["rows"]):

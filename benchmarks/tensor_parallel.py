@@ -77,8 +77,8 @@ def sync(device: str) -> None:
 
 
 def measure(runner, args) -> dict:
-    """Prefill and decode figures of one model through its runner (a ModelRunner or the Remote of
-    rank 0's)."""
+    """Prefill and decode figures of one model through its runner (a ModelRunner, or rank 0's
+    RankedRunner, whose calls run on every rank)."""
     vocab = config_from_dict(modelzoo.hf_config(args.arch, args.preset)).vocab_size
     gen = torch.Generator().manual_seed(0)
 
@@ -104,7 +104,7 @@ def measure(runner, args) -> dict:
     # the streams held as the scheduler holds its running requests: linear states in slots, K/V in pages
     room = args.streams * (args.prompt_tokens + args.decode_steps + 2)
     pool = runner.new_state_pool(args.streams, room)
-    slots = [pool.assign(st) for st in states]
+    slots = [runner.assign(pool, st) for st in states]
     runner.decode(pool, slots, toks)  # warm-up step
     sync(args.device)
     t0 = time.perf_counter()
@@ -173,9 +173,9 @@ def main(argv=None) -> int:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
             continue
-        group = ranks.start(size, build, ranks.RUNNER_SURFACE, args.device)
+        group = ranks.start(size, build, args.device)
         try:
-            out["tp"][str(size)] = measure(group.target, args)
+            out["tp"][str(size)] = measure(group.runner(), args)
         finally:
             group.shutdown()
     if "1" in out["tp"] and "2" in out["tp"]:

@@ -45,6 +45,10 @@
 #               sweep, Poisson arrivals, of SERVED_MODES, default pic: one mode a call keeps a call
 #               inside 10 minutes); SERVED_ARGS adds flags, SERVED_UP_ARGS `hybridcache up` flags. Merge the calls' JSONs with
 #               python benchmarks/served_load.py --combine A.json B.json ... --out FILE
+#   multiturn   benchmarks/multiturn.py on the Qwen3.5-9B shape (the model written first, in its own
+#               process, to $SERVED_MODEL): checkpoint, exact_replay, suffix_replay (fp8 anchors) and the
+#               checkpoint policy on SGLang's 8,192-token grid, one `hybridcache up --mode prefix` each at
+#               one page-tree budget; MULTITURN_ARGS adds flags, MULTITURN_UP_ARGS `hybridcache up` flags
 # Timing stages should run alone on the machine: CPU-heavy neighbours slow launch-bound work.
 #
 # Triton's cache (compiled kernels and, with fla's cache_results, its autotuning results) is
@@ -65,9 +69,9 @@ shift
 for stage in "$@"; do
     case $stage in
     gpu-tests | families | bench | moe | served-gpu | qps | profile | fold | train | transport | decode | layouts | long \
-        | served) ;;
+        | served | multiturn) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, fold, train, transport, decode, layouts, long, served)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, fold, train, transport, decode, layouts, long, served, multiturn)" >&2
         exit 2 ;;
     esac
 done
@@ -172,7 +176,8 @@ for stage in "$@"; do
             tests/services/test_ipc_pool_gpu.py tests/kernels/test_copy_checksum.py > "$OUT/transport_tests.log" 2>&1
         echo "transport gpu tests rc=$?"; grep -E "cuda_ipc arena|passed|failed" "$OUT/transport_tests.log" | cut -c1-300 | tail -6 ;;
     decode)
-        timeout 300 python3 -P -m pytest -v -s -m "gpu or not gpu" -p no:cacheprovider -rfE \
+        # DECODE_KERNEL_TESTS=0 leaves the kernel tests out (a call that re-measures the benchmark only)
+        [ "${DECODE_KERNEL_TESTS:-1}" = 0 ] || timeout 300 python3 -P -m pytest -v -s -m "gpu or not gpu" -p no:cacheprovider -rfE \
             tests/kernels/test_recurrent_step.py tests/kernels/test_sampling_kernel.py > "$OUT/decode_kernels.log" 2>&1
         echo "decode kernels rc=$?"; grep -E "kernel .* ms|passed|failed" "$OUT/decode_kernels.log" | tail -5
         # shellcheck disable=SC2086  # DECODE_ARGS is a list of flags
@@ -217,5 +222,21 @@ for stage in "$@"; do
             --model "${SERVED_MODEL:-/tmp/served-q9b}" --up-args "$up" "${args[@]}" ${SERVED_ARGS:-} \
             --out "$OUT/served_$name.json" > "$OUT/served_$name.log" 2>&1
         echo "served $name rc=$?"; grep -E "served_load:" "$OUT/served_$name.log" | cut -c1-240 | tail -8 ;;
+    multiturn)
+        model=${SERVED_MODEL:-/tmp/served-q9b}
+        # written in a process of its own: a writer that stays alive keeps its GPU memory from the server
+        if [ ! -f "$model/config.json" ]; then
+            python3 -P -c "import sys, torch; from hybridcache.services.runtime.modelzoo import init_model_dir; \
+init_model_dir('qwen3_5_text', 'qwen3.5-9b', sys.argv[1], seed=0, dtype=torch.bfloat16, device='cuda')" "$model" \
+                || { echo "multiturn: writing the model failed" >&2; continue; }
+        fi
+        up="--scatter-workers 0 --max-num-seqs 32 --ready-timeout-s 300 --warmup-shape none --cuda-graphs off"
+        up="$up --decode-cuda-graphs off ${MULTITURN_UP_ARGS:-}"
+        # shellcheck disable=SC2086  # MULTITURN_ARGS is a list of flags
+        timeout 540 python3 benchmarks/multiturn.py --device cuda --dtype bfloat16 --model "$model" --up-args "$up" \
+            --conversations 24 --rate 2 --systems 4 --system-tokens 2048 --user-tokens 64,256 --output-tokens 32 \
+            --vocab 150000 ${MULTITURN_ARGS:-} --out "$OUT/multiturn.json" > "$OUT/multiturn.log" 2>&1
+        echo "multiturn rc=$?"; grep -E "multiturn:" "$OUT/multiturn.log" | cut -c1-240 | tail -6
+        grep -o '"figures": {[^}]*}' "$OUT/multiturn.json" | cut -c1-900 ;;
     esac
 done

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybridcache.services.config import ENGINE_SECTIONS, add_config_flags, config_from_args
+from hybridcache.services.config import ENGINE_SECTIONS, SECTIONS, add_config_flags, config_from_args
 
 EXIT_USAGE = 2
 
@@ -146,9 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str, parent=subs) -> argparse.ArgumentParser:
         return parent.add_parser(name, help=help, allow_abbrev=False)
 
-    def engine_flags(sp, model_required: bool):
+    def engine_flags(sp, model_required: bool, sections=ENGINE_SECTIONS):
         sp.add_argument("--model", required=model_required, help="model directory (HF format)")
-        add_config_flags(sp, sections=ENGINE_SECTIONS)
+        add_config_flags(sp, sections=sections)
 
     m = command("model", "model directories")
     msub = m.add_subparsers(dest="model_command", required=True)
@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     d = command("demo", "send a sample RAG request twice to the embedded default model")
-    engine_flags(d, model_required=False)
+    # `demo --serve` starts the services: it takes their sections too
+    engine_flags(d, model_required=False, sections=tuple(SECTIONS))
     d.add_argument("--serve", action="store_true", help="run it through `hybridcache up` over HTTP instead")
     d.set_defaults(func=cmd_demo)
 

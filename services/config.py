@@ -24,7 +24,7 @@ MODES = ("full", "prefix", "pic", "naive")
 ENTRY_POLICIES = ("exact", "single_state")
 ENTRY_STATE_DTYPES = ("float32", "bfloat16")
 POLICIES = ("checkpoint", "suffix_replay", "exact_replay")
-ANCHOR_DTYPES = ("float8_e4m3fn",)  # besides "model" (the model's dtype)
+ANCHOR_DTYPES = ("bfloat16", "float8_e4m3fn")  # besides "model" (the model's dtype)
 DEVICES = ("cpu", "cuda")
 KERNELS = ("auto", "reference")
 SDPA_BACKEND_NAMES = ("flash", "efficient", "cudnn", "math")
@@ -59,7 +59,7 @@ SECTIONS = {
     "security": "API key, TLS and the deployment secret",
     "devices": "where and how the model runs: device, memory share, parallelism, kernels, CUDA graphs",
 }
-# sections of the commands that run one engine in-process (generate, demo, eval)
+# sections of the commands that run one engine in-process only (generate, eval)
 ENGINE_SECTIONS = ("model", "cache", "scheduler", "devices")
 
 
@@ -86,7 +86,8 @@ class PrefixPolicy:
     checkpoint_every: int = 4  # pages between dense checkpoints (checkpoint, exact_replay); 4 = 256 tokens
     anchors_per_page: int = 4  # r: anchors kept per page by suffix_replay (the page's last r tokens)
     replay_anchors: int = 64  # k: most anchors a suffix_replay hit replays per group
-    # None: anchors in the model's dtype; "float8_e4m3fn": fp8 with a per-row fp32 scale (suffix_replay only)
+    # None: anchors in the model's dtype; "bfloat16": bf16 whatever the model's dtype; "float8_e4m3fn": fp8
+    # with a per-row fp32 scale (suffix_replay only)
     anchor_dtype: str | None = None
 
     def __post_init__(self):
@@ -123,6 +124,8 @@ class PrefixPolicy:
         """Bytes one token's anchor takes at one group entry, as stored."""
         if self.anchor_dtype == "float8_e4m3fn":
             return hidden_size + 4  # fp8 values and one fp32 scale per row
+        if self.anchor_dtype == "bfloat16":
+            return hidden_size * 2
         return hidden_size * model_itemsize
 
     @property
@@ -254,8 +257,9 @@ class RuntimeConfig:
     replay_anchors: int = setting(64, "suffix_replay: most anchors a hit replays per group (k)", section="cache")
     # Checked in __post_init__ (one error line, exit 2), not by argparse choices: it depends on prefix_policy.
     anchor_dtype: str = setting(
-        "model", "suffix_replay: anchor storage; float8_e4m3fn keeps fp8 values with a per-anchor fp32 scale "
-        "(about half the bytes of bf16 anchors)", metavar="{model,float8_e4m3fn}", section="cache")
+        "model", "suffix_replay: anchor storage; model: the model's dtype; bfloat16; float8_e4m3fn keeps fp8 values "
+        "with a per-anchor fp32 scale (about half the bytes of bf16 anchors)", metavar="{model,bfloat16,float8_e4m3fn}",
+        section="cache")
     entry_policy: str = setting(
         "exact", "segment entries (pic): exact composition T S + S, or single_state (a reused segment keeps "
         "only its own state)", choices=ENTRY_POLICIES, section="cache")

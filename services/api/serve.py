@@ -97,7 +97,7 @@ def _engine(config, model_dir: str):
     if config.tensor_parallel_size > 1:
         from hybridcache.services.runtime.tensor_parallel.ranks import open_engine
 
-        # rank 0 of a group this process starts (tensor_parallel/ranks.py): the Remote of its Engine
+        # rank 0 of a group this process starts (tensor_parallel/ranks.py): its Engine over every rank's runner
         return open_engine(model_dir, config)
     model = load_model(model_dir, config.device, config.torch_dtype)
     config = with_cache_budgets(config, model.device)

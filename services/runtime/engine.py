@@ -36,21 +36,17 @@ from hybridcache.services.runtime.cache import (
     MemoryEntryStore,
     PageRecorder,
     PageTree,
-    PrefixSnapshot,
     PrefixStore,
     SegmentEntry,
-    cast_entry_states,
-    entry_nbytes,
 )
 from hybridcache.services.runtime.cache.host_tier import TieredEntryStore, is_host
-from hybridcache.services.runtime.cache.single_state import to_single_state
+from hybridcache.services.runtime.cache.single_state import mark_single_state
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
-from hybridcache.services.runtime.paged import extend_pages
 from hybridcache.services.runtime.plan import Planner, Request
 from hybridcache.services.runtime.runner import ModelRunner
 from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams
-from hybridcache.services.runtime.sequence import AttnState, CachedSpan, LinearSpan, LinearState, LiveRun, SequenceState
+from hybridcache.services.runtime.sequence import CachedSpan, LinearSpan, LiveRun, SequenceState
 from hybridcache.services.runtime.tokenizer import Tokenizer
 
 # The engine's settings: one frozen config whose fields are also the command-line flags.
@@ -151,7 +147,11 @@ class Engine:
         entry_store: EntryStore | None = None,
         prefix_store: PrefixStore | None = None,
         page_tree: PageTree | None = None,
+        runner=None,
     ):
+        """`runner`: how the model executes when not this engine's own ModelRunner (rank 0's
+        tensor_parallel.ranks.RankedRunner of a model split over ranks, whose calls run on every
+        rank; `model` is then rank 0's shard, read for its structure only)."""
         self.model = model
         self.tokenizer = tokenizer
         # unset cache budgets: 1 GiB on the CPU, a share of the free memory on CUDA
@@ -165,6 +165,11 @@ class Engine:
                 f"the model is split over {size} ranks, the config says {self.config.tensor_parallel_size}"
             )
         self.tp_layout = f"{model.tp_rank}/{size}" if size > 1 else None
+        # execution: the op implementations and CUDA graphs this engine's config chooses, the
+        # forwards, cold builds, decode steps, staging and every change of a tensor the caches hold
+        self.runner = runner if runner is not None else ModelRunner(model, self.config)
+        # the tensor-parallel group of a split model (its workers hand entries' slices to the ranks)
+        self.group = getattr(runner, "group", None)
         self.entries = entry_store or self._new_entry_store()
         self.prefixes = prefix_store or PrefixStore(self.config.prefix_cache_bytes)
         self.page_policy = self.config.page_policy
@@ -175,9 +180,6 @@ class Engine:
         generation = GenerationDefaults.from_dir(path) if path else GenerationDefaults()
         self.planner = Planner(self.cfg, tokenizer, self.config, self.fingerprint, generation)
         self.eos_ids = self.planner.eos_ids
-        # execution: the op implementations and CUDA graphs this engine's config chooses, the
-        # forwards, cold builds, decode steps and host-tier staging
-        self.runner = ModelRunner(model, self.config)
 
     def set_cache_budgets(self, entry_bytes: int, prefix_bytes: int) -> None:
         """The entry and prefix budgets of a planned worker (devices.plan_memory), set once its
@@ -191,7 +193,8 @@ class Engine:
     def _new_entry_store(self) -> EntryStore:
         cfg = self.config
         if cfg.host_cache_bytes:
-            return TieredEntryStore(cfg.entry_cache_bytes, cfg.host_cache_bytes, cfg.verify_checksums)
+            return TieredEntryStore(cfg.entry_cache_bytes, cfg.host_cache_bytes, cfg.verify_checksums,
+                                    to_host_fn=self.runner.to_host)
         return MemoryEntryStore(cfg.entry_cache_bytes, cfg.verify_checksums)
 
     @classmethod
@@ -210,26 +213,23 @@ class Engine:
 
     def build_entry(self, segment_ids: list[int]) -> SegmentEntry:
         """Prefill the segment on its own (positions from 0) and keep its body as an entry."""
-        data, seconds = self.runner.build_span(segment_ids)
-        return self._entry(segment_ids, data, seconds)
+        return self._entries([segment_ids], [self.runner.build_span(segment_ids)])[0]
 
-    def _entry(self, segment_ids: list[int], data, seconds: float) -> SegmentEntry:
-        return self._apply_entry_policy(
-            SegmentEntry(key=self.entry_key(segment_ids), segment_tokens=len(segment_ids), data=data,
-                         build_seconds=seconds)
-        )
-
-    def _apply_entry_policy(self, entry: SegmentEntry) -> SegmentEntry:
-        """Entries are built exact in fp32; the single-state policy drops their T and a bf16 state
-        dtype rounds T and S as they are made, so every store (this engine's, a combine worker's, a
+    def _entries(self, segments: list[list[int]], built: list) -> list[SegmentEntry]:
+        """Entries of segments from their (span data, build seconds). Entries are built exact in
+        fp32; the single-state policy drops their T and a bf16 state dtype rounds T and S as they
+        are made (ModelRunner.as_entries), so every store (this engine's, a combine worker's, a
         cache tier) holds what the engine uses."""
-        if self.tp_layout is not None:
-            entry.meta["tensor_parallel"] = self.tp_layout
-        if self.config.entry_state_dtype != "float32":
-            cast_entry_states(entry.data, self.config.state_dtype)
-            entry.nbytes = entry_nbytes(entry.data)
-            entry.meta["entry_state_dtype"] = self.config.entry_state_dtype
-        return to_single_state(entry) if self.config.entry_policy == "single_state" else entry
+        datas = self.runner.as_entries([data for data, _ in built])
+        out = []
+        for seg, data, (_, seconds) in zip(segments, datas, built):
+            entry = SegmentEntry(key=self.entry_key(seg), segment_tokens=len(seg), data=data, build_seconds=seconds)
+            if self.tp_layout is not None:
+                entry.meta["tensor_parallel"] = self.tp_layout
+            if self.config.entry_state_dtype != "float32":
+                entry.meta["entry_state_dtype"] = self.config.entry_state_dtype
+            out.append(mark_single_state(entry) if self.config.entry_policy == "single_state" else entry)
+        return out
 
     @property
     def streams_layers(self) -> bool:
@@ -261,8 +261,7 @@ class Engine:
                 on_layer(indices, layer, [self._layer_span(d, layer) for d in datas])
         else:
             layer_done = None
-        built = self.runner.build_spans(segments, layer_done)
-        return [self._entry(seg, data, seconds) for seg, (data, seconds) in zip(segments, built)]
+        return self._entries(segments, self.runner.build_spans(segments, layer_done))
 
     def get_or_build_entry(self, segment_ids: list[int]) -> tuple[SegmentEntry, bool]:
         key = self.entry_key(segment_ids)
@@ -289,12 +288,12 @@ class Engine:
             self.pages.lock(path[-1])
             locked.append(path[-1])
             t0 = time.perf_counter()
-            state = self.runner.restore_state(self.page_policy, path)
+            state = self.runner.restore_state(self.page_policy, [n.payload for n in path])
             stats.prefix_restore_ms = (time.perf_counter() - t0) * 1000
             return state, True
         if snap is not None:
-            return snap.restore(), False
-        return self.model.empty_state(), True
+            return self.runner.restore_snapshot(snap), False
+        return self.runner.empty_state(), True
 
     def _live_runs(self, t: torch.Tensor, pos: int) -> list[LiveRun]:
         """t as live runs split at the page tree's checkpoint positions (so their states can be kept)."""
@@ -335,7 +334,7 @@ class Engine:
             stats.prefix_policy = cfg.prefix_policy
             state, exact = self._lookup_prefix(req, keys, stats, locked)
         else:
-            state, exact = self.model.empty_state(), False
+            state, exact = self.runner.empty_state(), False
         stats.prefix_reused_tokens = state.length
         stats.reused_tokens = state.length
         stats.cached_tokens = state.length
@@ -478,19 +477,19 @@ class Engine:
         done = job.next >= len(layout)
         recorder = job.recorder
         capture = recorder.capture_layers if recorder is not None and chunk_start < job.exact_end else ()
-        extend_pages(state, chunk_end - chunk_start)
+        self.runner.extend_pages(state, chunk_end - chunk_start)
         logits, rec = self.runner.forward(state, pieces, "last" if done else "none", snapshots, capture)
+        checkpoints = []
         for j, lin in rec.snapshots.items():
             idx = index[j]
             if self.config.uses_entries and idx in job.boundary:
                 job.chain.append((idx, layout[idx].end, lin))
-            if recorder is not None:
-                recorder.add_checkpoint(layout[idx].end, lin, copy=idx in job.boundary)
+            checkpoints.append((layout[idx].end, lin, idx in job.boundary))
         if recorder is not None:
-            if chunk_start < job.exact_end:
-                recorder.add_hidden(rec.hidden, min(job.exact_end, chunk_end) - chunk_start)
             if done and job.exact_end == chunk_end:
-                recorder.add_checkpoint(chunk_end, state.linear, copy=True)
+                checkpoints.append((chunk_end, state, True))
+            rows = max(0, min(job.exact_end, chunk_end) - chunk_start)
+            self.runner.record(recorder, rec.hidden if rows else {}, rows, checkpoints)
             computed = min(job.exact_end, chunk_end)
             tip = self._insert_pages(recorder, state, job.locked)
             page = self.pages.page_size
@@ -508,21 +507,16 @@ class Engine:
 
     def _keep_chains(self, job: PrefillJob) -> None:
         """The part-chain snapshots of a finished prefill into the chain store: the linear states
-        after each part and views of the prompt's K/V up to there (read out of the pages once, when
-        they lie in pages and fit the store's budget)."""
+        after each part and views of the prompt's K/V up to there (ModelRunner.snapshots: read out
+        of the pages once where they lie in pages, when that fits the store's budget)."""
         if not job.chain:
             return
-        attn = job.state.attn
-        if any(hasattr(a, "pages") for a in attn.values()):
-            end = max(e for _, e, _ in job.chain)
-            pages = next(iter(attn.values())).pages
-            per_token = sum(t[0, 0].numel() * t.element_size() for d in (pages.k, pages.v) for t in d.values())
-            if per_token * end > self.prefixes.capacity:
-                return
-            attn = {i: AttnState(*a.span(0, end)) for i, a in attn.items()}
-        for idx, end, lin in job.chain:
-            views = {i: type(a)(a.k[:, :, :end], a.v[:, :, :end]) for i, a in attn.items()}
-            self.prefixes.put(job.keys[job.boundary[idx]], PrefixSnapshot(end, lin, views))
+        end = max(e for _, e, _ in job.chain)
+        if self.runner.kv_bytes(job.state, end) > self.prefixes.capacity:
+            return
+        snaps = self.runner.snapshots(job.state, [(lin, e) for _, e, lin in job.chain])
+        for (idx, _, _), snap in zip(job.chain, snaps):
+            self.prefixes.put(job.keys[job.boundary[idx]], snap)
 
     def abandon_prefill(self, job: PrefillJob) -> None:
         """A started prefill that will not finish (its request was cancelled, preempted or failed):
@@ -539,7 +533,7 @@ class Engine:
         end only)?"""
         cfg, prompt = self.config, req.prompt_ids
         if (not cfg.batch_plain_prefills or req.system_ids or req.segment_ids or len(prompt) < 2
-                or req.sampling.max_new_tokens < 1 or cfg.tensor_parallel_size > 1):
+                or req.sampling.max_new_tokens < 1):
             return False
         if cfg.uses_prefix_cache:
             policy = self.page_policy
@@ -552,34 +546,25 @@ class Engine:
     @torch.no_grad()
     def prefill_plain(self, reqs: list[Request]) -> list[Prefill]:
         """Prefill of several requests that plain_prefill_ok accepts, together: every prompt but its
-        last token in one batched standalone forward (ModelRunner.prompt_spans), each state its
-        span data folded into an empty state (linear: S(prompt|0) and the conv tail; attention:
-        the K/V, at positions from 0 already). The last prompt token is left to the caller's
+        last token in one batched standalone forward, each state its span data folded into an
+        empty state (ModelRunner.prompt_states). The last prompt token is left to the caller's
         next decode step, which yields the first output token: Prefill.logits is None. The
         prompts' pages go into the page tree as a prefill's do."""
         cfg, policy = self.config, self.page_policy
         started = time.perf_counter()
         anchor_layers = tuple(g[0] for g in self.model.linear_groups())
         capture = anchor_layers if cfg.uses_prefix_cache and policy.anchors_kept else ()
-        spans = self.runner.prompt_spans([r.prompt_ids[:-1] for r in reqs], capture)
+        prefilled = self.runner.prompt_states([r.prompt_ids[:-1] for r in reqs], capture)
         out = []
-        for req, (data, captured) in zip(reqs, spans):
+        for req, (state, captured) in zip(reqs, prefilled):
             n = len(req.prompt_ids) - 1
-            state = self.model.empty_state()
-            for i, span in data.linear.items():
-                empty = state.linear[i]
-                state.linear[i] = LinearState(span.S.float(), span.conv_tail.to(empty.conv.dtype))
-            for i, span in data.attn.items():
-                state.attn[i] = AttnState(span.k, span.v)
-            state.length = n
             stats = RequestStats(mode=cfg.mode, seam_window=cfg.seam_window)
             stats.prompt_tokens = stats.live_tokens = n + 1
             recorder, locked = None, []
             if cfg.uses_prefix_cache:
                 stats.prefix_policy = cfg.prefix_policy
                 recorder = PageRecorder(policy, 0, req.prompt_ids[:n], anchor_layers)
-                recorder.add_hidden(captured, n)
-                recorder.add_checkpoint(n, state.linear, copy=True)
+                self.runner.record(recorder, captured, n, [(n, state, True)])
                 self._insert_pages(recorder, state, locked)
                 stats.linear_state_bytes = self._linear_state_bytes(req.prompt_ids)
             out.append(Prefill(state, None, stats, started, recorder, locked))
@@ -617,17 +602,22 @@ class Engine:
         return sum(n.payload.linear_nbytes for n in self.pages.match(prompt))
 
     def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list, last: bool = False) -> int:
-        """Insert the recorded pages the tree lacks; returns the tokens of the prompt it now holds."""
-        tip = self.pages.insert(recorder.token_ids, lambda a: recorder.page_payload(state, a))
+        """The request's pages the tree lacks, their payloads made from its recorder (one runner
+        call for all: ModelRunner.page_payloads), into the tree; the deepest one locked. Returns the
+        tokens of the prompt the tree holds now (0: none)."""
+        page = self.pages.page_size
+        cached = len(self.pages.match(recorder.token_ids))
+        starts = [i * page for i in range(cached, len(recorder.token_ids) // page)]
+        made = dict(zip(starts, self.runner.page_payloads(recorder, state, starts))) if starts else {}
+        tip = self.pages.insert(recorder.token_ids, made.get)
         if tip is None:
             return 0
         locked.append(tip)
         # The request holds these pages until it finishes: their anchors need not stay here too
         # (unless this is its last insert: the recorder goes with it).
-        end = tip.depth * self.pages.page_size
-        if not last:
-            recorder.drop_before(end)
-        return end
+        if not last and tip.depth * page > recorder.start:
+            self.runner.drop_recorded(recorder, tip.depth * page)
+        return tip.depth * page
 
     def finish_prefix(self, pre: Prefill) -> None:
         """A request ended: add the pages its decode completed, then release its pages."""
@@ -659,20 +649,15 @@ class Engine:
                      feed=None) -> torch.Tensor:
         """One decode step of B running requests (the scheduler's): request b, prefilled as
         prefills[b] and held in slot slots[b] of `pool` (its linear states and K/V pages), takes
-        tokens[b]; its states advance there (paged.decode_step), its page recorder advances.
+        tokens[b]; its states advance there (ModelRunner.decode: paged.decode_step), its state's
+        length and its page recorder with them.
         A token None is fed from the device (`feed`, paged.decode_step's: the columns of the None
         entries and their ids there); its page recorder gets the id once the caller knows it
         (PageRecorder.token_ids). Returns logits [B, vocab] fp32."""
         recorders = [p.recorder for p in prefills]
         capture = sorted({i for r in recorders if r is not None for i in r.capture_layers})
-        logits, hidden = self.runner.decode(pool, slots, [0 if t is None else t for t in tokens], capture, feed)
-        for b, (pre, rec) in enumerate(zip(prefills, recorders)):
-            pre.state.length += 1
-            if rec is not None:
-                if tokens[b] is not None:
-                    rec.token_ids.append(tokens[b])
-                rec.add_hidden({i: hidden[i][b : b + 1] for i in rec.capture_layers}, 1)
-                rec.add_checkpoint(pre.state.length, pre.state.linear, copy=True)
+        logits, _ = self.runner.decode(pool, slots, tokens, capture, feed, [p.state for p in prefills],
+                                       recorders if any(r is not None for r in recorders) else ())
         return logits
 
     def warmup_shape(self) -> tuple[int, int, int, int] | None:

@@ -343,3 +343,173 @@ def corpus_text(n_prompts: int, seed: int = 0) -> Iterator[str]:
         yield exs[0].system + "".join(exs[0].documents)
         for ex in exs:
             yield ex.suffix + answer_text(ex.answer)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request of a conversation: the history of turn `parent` (that turn's own history, its
+    question and its gold answer), then `example`'s question. parent None: no history."""
+
+    example: QAExample
+    parent: int | None
+    line: int  # 0: the main line; b >= 1: the b-th branch
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Turns over one set of documents: a main line, and branches that each leave it after one of
+    its turns with other questions (a user editing or re-asking), in the order they are sent."""
+
+    instruction: str
+    documents: tuple[str, ...]
+    turns: tuple[Turn, ...]
+
+    @property
+    def system(self) -> str:
+        return self.instruction + "\n\n"
+
+    def chain(self, t: int) -> list[int]:
+        """The turns whose questions and answers make turn t's history, oldest first."""
+        out, i = [], self.turns[t].parent
+        while i is not None:
+            out.append(i)
+            i = self.turns[i].parent
+        return out[::-1]
+
+    def suffix_ids(self, t: int, encode) -> list[int]:
+        """Turn t's suffix: its history (each question and gold answer, encoded part by part as
+        training encodes them) and its own question."""
+        ids: list[int] = []
+        for i in self.chain(t):
+            ex = self.turns[i].example
+            ids += encode(ex.suffix) + encode(answer_text(ex.answer))
+        return ids + encode(self.turns[t].example.suffix)
+
+    def prompt_ids(self, t: int, encode) -> list[int]:
+        return encode(self.system) + [i for d in self.documents for i in encode(d)] + self.suffix_ids(t, encode)
+
+    def request(self, t: int, encode, max_new_tokens: int = 8) -> dict:
+        """Turn t as an engine request (greedy, stops at the end of the line)."""
+        return {
+            "system": self.system,
+            "segments": list(self.documents),
+            "suffix": self.suffix_ids(t, encode),
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "stop": ["\n"]},
+        }
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def restore_bounds(prompts: list[list[int]], answers: list[list[int]], t: int) -> tuple[int, int]:
+    """Where a prefix cache of exact pages can resume request t at the earliest and the latest,
+    in tokens (before rounding down to a page): the longest prefix of its prompt but the last token
+    that an earlier request's prompt holds (always cached), and that its prompt plus its answer but
+    the last token holds (cached when the model wrote the gold answer: the token that stops
+    generation is sampled, never fed). answers[r]: request r's gold answer tokens, stop included."""
+    target = prompts[t][:-1]
+    lo = max((_lcp(target, prompts[r]) for r in range(t)), default=0)
+    hi = max((_lcp(target, prompts[r] + answers[r][:-1]) for r in range(t)), default=0)
+    return lo, hi
+
+
+def restore_point(prompts, answers, t: int, page: int) -> int | None:
+    """The page boundary (tokens) where a prefix cache of whole pages resumes request t whatever
+    the model answered before it; None when that depends on the answers (a page ends inside one)."""
+    lo, hi = restore_bounds(prompts, answers, t)
+    return lo // page * page if lo // page == hi // page else None
+
+
+def conversation(
+    gen: QAGenerator,
+    encode,
+    turns: int = 6,
+    branches: int = 2,
+    branch_turns: int = 2,
+    hops: int | None = None,
+    page: int = 64,
+    grid_pages: int = 4,
+    attempts: int = 100,
+) -> Conversation:
+    """A conversation over one prompt's documents: `turns` turns on the main line, then `branches`
+    branches of `branch_turns` turns, each leaving the main line after one of its turns but the
+    last (the branch's first turn is another question after the same history). Questions (no
+    repeats) and branch points are chosen so that every request but the first resumes, in a cache
+    of `page`-token pages, at a page boundary that (a) does not depend on what the model answered
+    before and (b) is off the grid of a dense checkpoint every `grid_pages` pages, so a checkpoint
+    policy must fall back and a replay policy must replay. Documents where no choice does that for
+    every request are set aside and others drawn (at most `attempts` times)."""
+    if turns < 2 or branches < 0 or branch_turns < 1 or grid_pages < 2:
+        raise ValueError("need turns >= 2, branches >= 0, branch_turns >= 1, grid_pages >= 2")
+    for _ in range(attempts):
+        conv = _try_conversation(gen, encode, turns, branches, branch_turns, hops, page, grid_pages)
+        if conv is not None:
+            return conv
+    raise RuntimeError(f"no conversation of {turns} + {branches} x {branch_turns} turns met the page "
+                       f"conditions in {attempts} draws of documents")
+
+
+def _try_conversation(gen, encode, turns, branches, branch_turns, hops, page, grid_pages) -> Conversation | None:
+    pool, seen = [], set()
+    for ex in gen.prompt(4 * (turns + branches * branch_turns) + 8, hops):
+        if ex.question not in seen:
+            seen.add(ex.question)
+            pool.append(ex)
+    first = pool[0]
+    base = len(encode(first.system)) + sum(len(encode(d)) for d in first.documents)
+    # Every prompt starts with the same system prompt and documents: compare what follows them.
+    chosen: list[Turn] = []
+    suffixes: list[list[int]] = []
+    answers: list[list[int]] = []
+    encoded: dict[str, list[int]] = {}
+
+    def enc(text: str) -> list[int]:
+        if text not in encoded:
+            encoded[text] = encode(text)
+        return encoded[text]
+
+    def fits(turn: Turn) -> tuple[list[int], list[int]] | None:
+        history = [] if turn.parent is None else suffixes[turn.parent] + answers[turn.parent]
+        suffix = history + enc(turn.example.suffix)
+        answer = enc(answer_text(turn.example.answer))
+        if chosen:
+            lo, hi = restore_bounds(suffixes + [suffix], answers + [answer], len(suffixes))
+            p, q = (base + lo) // page, (base + hi) // page
+            if p != q or p == 0 or p % grid_pages == 0:
+                return None
+        # a later turn that continues this one resumes at this prompt's last page boundary: the
+        # answer must not cross a page boundary, and that boundary must be off the grid
+        end = base + len(suffix)
+        p = end // page
+        if p != (end + len(answer) - 1) // page or p % grid_pages == 0:
+            return None
+        return suffix, answer
+
+    def add(options) -> bool:
+        for turn in options:
+            got = fits(turn)
+            if got is not None:
+                chosen.append(turn)
+                suffixes.append(got[0])
+                answers.append(got[1])
+                pool.remove(turn.example)
+                return True
+        return False
+
+    for t in range(turns):
+        if not add(Turn(ex, t - 1 if t else None, 0) for ex in list(pool)):
+            return None
+    for b in range(1, branches + 1):
+        points = list(range(turns - 1))
+        gen.rng.shuffle(points)
+        if not add(Turn(ex, j, b) for j in points for ex in list(pool)):
+            return None
+        for _ in range(branch_turns - 1):
+            if not add(Turn(ex, len(chosen) - 1, b) for ex in list(pool)):
+                return None
+    return Conversation(first.instruction, first.documents, tuple(chosen))

@@ -30,10 +30,17 @@ Then it runs
   batched decode step over them (paged.decode_step), replayed from its decode graphs;
 - `restore_state`: a page-tree hit's state rebuilt from its pages (cache/policies.restore_state,
   which replays anchors through the model);
-- `stage`: entries of the host tier onto the model's device, layer by layer.
+- `stage`: entries of the host tier onto the model's device, layer by layer;
+- every change of a tensor the engine's caches hold: `as_entries` (an entry's state dtype and
+  policy), `snapshot` / `restore_snapshot` (the part-chain store's states), `record` /
+  `page_payloads` / `drop_recorded` (a request's page recorder and the payloads of its pages),
+  `to_host` (the host tier's demotion), `assign` / `release` (a request's slot in a pool).
 
-What the results mean for a request (entry keys and policy, page recorders, statistics) is the
-engine's business.
+What the results mean for a request (entry keys and policy, which pages, statistics) is the
+engine's business. Under tensor parallelism every rank holds a runner over its shard and rank 0's
+is a tensor_parallel.ranks.RankedRunner: each of its calls runs on every rank, so the engine on
+rank 0 keeps the bookkeeping and each rank holds its slices of the tensors it names. That is why
+the engine never changes such a tensor itself.
 """
 
 from __future__ import annotations
@@ -46,12 +53,16 @@ import weakref
 import torch
 from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.runtime import backends
-from hybridcache.services.runtime.cache.host_tier import stage
-from hybridcache.services.runtime.cache.policies import restore_state
+from hybridcache.services.runtime.cache.entry import SegmentEntry, cast_entry_states
+from hybridcache.services.runtime.cache.host_tier import stage, to_host
+from hybridcache.services.runtime.cache.policies import PageRecorder, restore_pages
+from hybridcache.services.runtime.cache.prefix import PrefixSnapshot
+from hybridcache.services.runtime.cache.radix import PagePayload
+from hybridcache.services.runtime.cache.single_state import single_state_view
 from hybridcache.services.runtime.graphs import AssemblyGraphs, CudaLayerGraph, LayoutGraphs
 from hybridcache.services.runtime.models.assembly import plan_assembly
-from hybridcache.services.runtime.paged import DecodeGraphs, StatePool, decode_step
-from hybridcache.services.runtime.sequence import LiveRun, SequenceState, SpanData
+from hybridcache.services.runtime.paged import DecodeGraphs, StatePool, decode_step, extend_pages
+from hybridcache.services.runtime.sequence import AttnState, LinearState, LiveRun, SequenceState, SpanData
 
 
 def entry_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -111,11 +122,20 @@ class ModelRunner:
         self.dispatch = dispatch or backends.OpDispatch.of(config)
         # the longest sequence a running request may reach (the decode pool's table width)
         self.max_len = config.max_model_len or model.cfg.max_position_embeddings
+        # What tensor parallelism (a shard of the model, tp_size > 1; tensor_parallel/ranks.py runs
+        # this runner's calls on every rank) turns off, here alone:
+        # - CUDA graphs: a rank's capture or replay would have to meet the other ranks' in their
+        #   all-reduces, and a capture that fails on one rank alone would leave the ranks on
+        #   different paths (one waiting in a collective the other never reaches);
+        # - overlapped decode steps (`overlaps`, the scheduler's): a step's picks stay on rank 0's
+        #   device as the next step's inputs, which the other ranks cannot read.
+        # Batched prefills of plain prompts and batched cold builds run on every rank alike.
+        single = getattr(model, "tp_size", 1) == 1
         # CUDA graphs apply to a CUDA model whose forward has no host synchronization, run with the
-        # fast kernels, on one rank (a captured forward would replay its all-reduces outside the
-        # order in which the ranks' calls meet)
-        self.graphs_apply = (getattr(model, "cuda_graphs", False) and self.device.type == "cuda"
-                             and self.dispatch.kernels != "reference" and getattr(model, "tp_size", 1) == 1)
+        # fast kernels
+        self.graphs_apply = (single and getattr(model, "cuda_graphs", False) and self.device.type == "cuda"
+                             and self.dispatch.kernels != "reference")
+        self.overlaps = single
         self.layout_graphs: LayoutGraphs | None = None
         self.assembly_graphs: AssemblyGraphs | None = None
         if self.graphs_apply and config.cuda_graphs:
@@ -239,6 +259,91 @@ class ModelRunner:
                 out[i] = (datas[j], {layer: c[j, :n].clone() for layer, c in captured.items()})
         return [out[i] for i in range(len(prompts))]
 
+    @_executes
+    def prompt_states(self, prompts: list[list[int]], capture_hidden=()) -> list[tuple[SequenceState, dict]]:
+        """Whole prompts prefilled together from empty states (prompt_spans), each as the state
+        after it (its span data folded into an empty state: linear S(prompt|0) and the conv tail,
+        attention K/V at positions from 0) and {layer in capture_hidden: the stream entering it}."""
+        out = []
+        for prompt, (data, captured) in zip(prompts, self.prompt_spans(prompts, capture_hidden)):
+            state = self.model.empty_state()
+            for i, span in data.linear.items():
+                state.linear[i] = LinearState(span.S.float(), span.conv_tail.to(state.linear[i].conv.dtype))
+            for i, span in data.attn.items():
+                state.attn[i] = AttnState(span.k, span.v)
+            state.length = len(prompt)
+            out.append((state, captured))
+        return out
+
+    def as_entries(self, datas: list[SpanData]) -> list[SpanData]:
+        """Span data as segment entries keep it (in place; returned): T and S in the entry state
+        dtype (RuntimeConfig.entry_state_dtype), T dropped under the single-state entry policy."""
+        for data in datas:
+            if self.config.entry_state_dtype != "float32":
+                cast_entry_states(data, self.config.state_dtype)
+            if self.config.entry_policy == "single_state":
+                single_state_view(data)
+        return datas
+
+    def to_host(self, entry: SegmentEntry) -> SegmentEntry:
+        """The entry moved to host memory (host_tier.to_host: the host tier's demotion)."""
+        return to_host(entry)
+
+    def snapshot(self, state: SequenceState, linear: dict, end: int) -> PrefixSnapshot:
+        """The state after its first `end` tokens as the part-chain store keeps it: `linear` (the
+        forward's snapshot there) and views of the first `end` positions of the K/V."""
+        attn = {i: type(a)(a.k[:, :, :end], a.v[:, :, :end]) for i, a in state.attn.items()}
+        return PrefixSnapshot(end, linear, attn)
+
+    def snapshots(self, state: SequenceState, chain: list[tuple[dict, int]]) -> list[PrefixSnapshot]:
+        """snapshot of each (linear states, end) of `chain` over one state: where its K/V lie in
+        pages they are read out once, up to the largest end, and every snapshot views that copy."""
+        if any(not isinstance(a, AttnState) for a in state.attn.values()):
+            end = max(e for _, e in chain)
+            state = SequenceState(end, state.linear, {i: AttnState(*a.span(0, end)) for i, a in state.attn.items()})
+        return [self.snapshot(state, linear, end) for linear, end in chain]
+
+    def kv_bytes(self, state: SequenceState, tokens: int) -> int:
+        """Bytes of `tokens` tokens of the state's attention K/V (what a snapshot of them copies out
+        of pages)."""
+        per_token = 0
+        for a in state.attn.values():
+            pages = getattr(a, "pages", None)
+            if pages is not None:  # a row of a page: [Hkv, d]
+                pair = (pages.k[a.layer][0, 0], pages.v[a.layer][0, 0])
+            else:  # one position: [Hkv, d]
+                pair = (a.k[0, :, 0], a.v[0, :, 0]) if a.k.shape[2] else ()
+            per_token += sum(t.numel() * t.element_size() for t in pair)
+        return per_token * tokens
+
+    def restore_snapshot(self, snap: PrefixSnapshot) -> SequenceState:
+        """A fresh SequenceState of a part-chain snapshot (PrefixSnapshot.restore)."""
+        return snap.restore()
+
+    def record(self, recorder: PageRecorder, hidden: dict, n: int, checkpoints=()) -> None:
+        """A prefill's share of a request's page recorder: the first `n` rows of the hidden streams
+        it captured, and the linear states at positions where the page tree keeps them
+        (`checkpoints`: (position, the states there: a forward's snapshot or a SequenceState,
+        whether to copy them))."""
+        if n:
+            recorder.add_hidden(hidden, n)
+        for pos, linear, copy in checkpoints:
+            recorder.add_checkpoint(pos, linear.linear if isinstance(linear, SequenceState) else linear, copy)
+
+    def page_payloads(self, recorder: PageRecorder, state: SequenceState, starts: list[int]) -> list:
+        """The payloads of the pages at `starts` (PageRecorder.page_payload), up to the first one
+        the recorder cannot make (None, the last in the list)."""
+        out: list[PagePayload | None] = []
+        for a in starts:
+            out.append(recorder.page_payload(state, a))
+            if out[-1] is None:
+                break
+        return out
+
+    def drop_recorded(self, recorder: PageRecorder, pos: int) -> None:
+        """Forget what the recorder kept for pages ending by `pos` (PageRecorder.drop_before)."""
+        recorder.drop_before(pos)
+
     def stage(self, entries: list) -> list[SpanData]:
         """The span data of host-tier entries on the model's device, copied together layer by
         layer (host_tier.stage): a forward waits for a layer's copies only when it gets to it."""
@@ -246,8 +351,26 @@ class ModelRunner:
 
     def new_state_pool(self, slots: int, kv_tokens: int = 0) -> StatePool:
         """A paged.StatePool of `slots` running requests: their linear states and room for
-        `kv_tokens` tokens of attention K/V in pages."""
+        `kv_tokens` tokens of attention K/V in pages. It changes through this runner's calls
+        (assign, release, decode)."""
         return StatePool(self.empty_state(), slots, kv_tokens, self.max_len)
+
+    def assign(self, pool: StatePool, state: SequenceState) -> int:
+        """Move a prefilled state into a free slot of `pool` (StatePool.assign); its slot."""
+        return pool.assign(state)
+
+    def release(self, pool: StatePool, slot: int, keep: SequenceState | None = None) -> None:
+        """Free a slot of `pool` (StatePool.release: `keep` gets its K/V copied out first)."""
+        pool.release(slot, keep)
+
+    def adopt(self, pool: StatePool, slot: int, state: SequenceState) -> None:
+        """Make `slot` of `pool` hold a state prefilled in its pages (StatePool.adopt)."""
+        pool.adopt(slot, state)
+
+    def extend_pages(self, state: SequenceState, n: int) -> None:
+        """Before a forward of n new tokens of a state whose K/V lie in pages: their pages and rows
+        (paged.extend_pages; a state with contiguous K/V is left alone)."""
+        extend_pages(state, n)
 
     def decode_graphs(self, pool: StatePool) -> DecodeGraphs | None:
         """The decode CUDA graphs over `pool` (made on first use), or None where they do not apply."""
@@ -267,15 +390,27 @@ class ModelRunner:
         return graphs.capture_all(capture_sets) if graphs is not None else 0
 
     @_executes
-    def decode(self, pool: StatePool, slots: list[int], tokens: list[int], capture_hidden=(), feed=None):
-        """One decode step of the requests held in `slots` of `pool`, token ids `tokens` (or, for
-        the columns `feed` names, ids already on the device): their states advance in the pool
+    def decode(self, pool: StatePool, slots: list[int], tokens: list, capture_hidden=(), feed=None, states=(),
+               recorders=()):
+        """One decode step of the requests held in `slots` of `pool`, token ids `tokens` (None, for
+        the columns `feed` names: ids already on the device): their states advance in the pool
         (paged.decode_step; from the decode CUDA graph of the padded batch size where decode
-        graphs apply). Returns (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
-        return decode_step(self.model, pool, slots, tokens, capture_hidden, feed, self.decode_graphs(pool))
+        graphs apply). `states`, the SequenceStates held in those slots, advance their length;
+        `recorders`, their page recorders (None where a request records no pages), take the step
+        (PageRecorder.add_step). Returns (logits [B, vocab] fp32, {layer in capture_hidden:
+        entering stream [B, h]})."""
+        ids = [0 if t is None else t for t in tokens]
+        logits, hidden = decode_step(self.model, pool, slots, ids, capture_hidden, feed, self.decode_graphs(pool))
+        for b, state in enumerate(states):
+            state.length += 1
+            rec = recorders[b] if recorders else None
+            if rec is not None:
+                rec.add_step(tokens[b], {i: hidden[i][b : b + 1] for i in rec.capture_layers}, state)
+        return logits, hidden
 
     @_executes
-    def restore_state(self, policy, path) -> SequenceState:
-        """The state after the page-tree prefix `path` (cache/policies.restore_state: the policy's
-        checkpoints, or its anchors replayed through the model's linear groups)."""
-        return restore_state(self.model, policy, path)
+    def restore_state(self, policy, pages: list[PagePayload]) -> SequenceState:
+        """The state after a page-tree prefix from its pages' payloads, the root's child first
+        (cache/policies.restore_pages: the policy's checkpoints, or its anchors replayed through
+        the model's linear groups)."""
+        return restore_pages(self.model, policy, pages)

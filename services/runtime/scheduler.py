@@ -189,7 +189,7 @@ def scheduler_config(config, device, kv_cache_bytes: int | None = None) -> Sched
     """The SchedulerConfig of a RuntimeConfig (services/config.py), its K/V budget `kv_cache_bytes`
     when given (a planned worker's provisional one, Scheduler.resize_kv), else the config's, else
     sized for `device` (devices.kv_cache_budget)."""
-    overlap = config.decode_overlap and torch.device(device).type == "cuda" and config.tensor_parallel_size == 1
+    overlap = config.decode_overlap and torch.device(device).type == "cuda"
     kv = kv_cache_bytes if kv_cache_bytes is not None else kv_cache_budget(
         device, config.kv_cache_bytes, config.gpu_memory_utilization)
     return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens, kv,
@@ -303,6 +303,8 @@ class Scheduler:
         as a request is preempted (for metrics)."""
         self.engine = engine
         self.config = config or SchedulerConfig()
+        if self.config.overlap and not engine.runner.overlaps:  # a split model's (ModelRunner says why)
+            self.config = dataclasses.replace(self.config, overlap=False)
         self.on_finish = on_finish
         self.on_preempt = on_preempt
         self._cv = threading.Condition()
@@ -628,7 +630,7 @@ class Scheduler:
                 seq.job = eng.start_prefill(seq.req, pinned=seq.pinned, built=seq.built)
                 seq.pinned, seq.built = {}, {}
                 if self._paged_prefill:
-                    seq.slot = self.pool.assign(seq.job.state)
+                    seq.slot = eng.runner.assign(self.pool, seq.job.state)
             before = seq.job.live_left
             pre = eng.prefill_chunk(seq.job, tokens)
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
@@ -675,10 +677,11 @@ class Scheduler:
         self._run(seq)
 
     def _run(self, seq: _Seq) -> None:
+        runner = self.engine.runner
         if seq.slot >= 0:  # prefilled in its slot's pages
-            self.pool.adopt(seq.slot, seq.prefill.state)
+            runner.adopt(self.pool, seq.slot, seq.prefill.state)
         else:
-            seq.slot = self.pool.assign(seq.prefill.state)
+            seq.slot = runner.assign(self.pool, seq.prefill.state)
         seq.runs += 1
         seq.fed = False
         self._running.append(seq)
@@ -889,6 +892,6 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - a page insert that fails costs the cache, not the answer
                 log.exception("finish_prefix failed")
         if seq.slot >= 0:
-            self.pool.release(seq.slot)
+            self.engine.runner.release(self.pool, seq.slot)
             seq.slot = -1
         seq.pinned, seq.built = {}, {}

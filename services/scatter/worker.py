@@ -100,7 +100,7 @@ class ScatterServicer(rpc.ScatterServicer):
         self.streamed = 0
         self.builds: list[int] = []  # segments per batched build, in order
         self.endpoint = local_endpoint(engine.model.device)
-        # the tensor-parallel group of a worker split over ranks (its engine is rank 0's Remote)
+        # the tensor-parallel group of a worker split over ranks (its engine is rank 0's, over the ranks' runners)
         self.group = engine.group if engine.config.tensor_parallel_size > 1 else None
         # cuda_ipc's arenas (0: none, a fresh buffer exported per layer batch)
         self.arenas = ArenaPool(arena_bytes, owner=self.endpoint.process) if arena_bytes > 0 else None

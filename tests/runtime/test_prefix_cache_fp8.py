@@ -111,11 +111,26 @@ def test_fp8_anchors_restore_nearly_as_well_as_full_precision(decaying_model):
     assert fp8[3] < 0.1 * fp8[0], fp8
 
 
+def test_bf16_anchors_restore_about_as_well_as_full_precision(decaying_model):
+    """bf16 anchors of an fp32 model: rounding to 8 mantissa bits (relative error <= 2^-9 per
+    value) adds at most a small absolute floor to the replay's error, below fp8's."""
+    model, tokenizer = decaying_model
+    ids = tokens(4 * P, seed=3)
+    ks = (4, 16, 32)
+    full, _ = _anchor_state_errors(model, tokenizer, None, ids, ks)
+    bf16, _ = _anchor_state_errors(model, tokenizer, "bfloat16", ids, ks)
+    fp8, _ = _anchor_state_errors(model, tokenizer, FP8, ids, ks)
+    assert bf16 != full  # the anchors really were rounded
+    for a, b in zip(full, bf16):
+        assert b <= a + 0.02, (full, bf16)
+    assert bf16[-1] < fp8[-1], (bf16, fp8)
+
+
 def test_stats_report_fp8_bytes(tiny_dir):
     ids = tokens(3 * P + 1, seed=6)
     h, groups = 64, 2  # the tiny model: hidden 64, two linear groups; fp32 weights
     per_policy = {}
-    for anchor_dtype in (None, FP8):
+    for anchor_dtype in (None, "bfloat16", FP8):
         eng = Engine.from_dir(tiny_dir, config=EngineConfig(
             mode="prefix", prefix_policy="suffix_replay", anchors_per_page=4, anchor_dtype=anchor_dtype))
         LLM(eng).generate(request(ids))
@@ -125,6 +140,10 @@ def test_stats_report_fp8_bytes(tiny_dir):
         row = eng.page_policy.anchor_row_bytes(h, 4)
         assert stats.linear_state_bytes == 3 * 4 * groups * row
         per_policy[anchor_dtype] = stats.linear_state_bytes
+        stored = {a.dtype for n in eng.pages.match(ids) for a in n.payload.anchors.values()}
+        assert stored == {{None: torch.float32, "bfloat16": torch.bfloat16, FP8: torch.uint8}[anchor_dtype]}
+    # bf16 anchors of an fp32 model: half the bytes
+    assert per_policy["bfloat16"] == 3 * 4 * groups * h * 2
     # fp8 values plus one fp32 scale per anchor row, against fp32 anchors.
     assert per_policy[FP8] == 3 * 4 * groups * (h + 4)
     assert per_policy[FP8] * 4 < per_policy[None] * 1.1
@@ -156,7 +175,8 @@ def test_cli_anchor_dtype_flag(tiny_dir, tmp_path, capsys):
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert lines[1]["stats"]["linear_state_bytes"] == 2 * 8 * 2 * 64 * 4
     for bad in (["--prefix-policy", "suffix_replay", "--anchor-dtype", "fp4"],
-                ["--prefix-policy", "exact_replay", "--anchor-dtype", FP8]):
+                ["--prefix-policy", "exact_replay", "--anchor-dtype", FP8],
+                ["--prefix-policy", "checkpoint", "--anchor-dtype", "bfloat16"]):
         assert main(base + bad) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("hybridcache: error: anchor_dtype"), err
@@ -164,7 +184,10 @@ def test_cli_anchor_dtype_flag(tiny_dir, tmp_path, capsys):
 
 def test_bytes_only_benchmark_matches_the_engine_and_meets_the_goal(capsys):
     """benchmarks/prefix_cache.py --bytes-only: the 9B shape's analytic fp8 figure (built on the
-    meta device) beats the 1/250 goal, and a tiny engine keeps exactly the analytic bytes."""
+    meta device) beats the 1/250 goal against a dense checkpoint per page and stores at most 0.36x
+    of SGLang's default grid (a dense state every 8,192 tokens) at 128x its granularity, and a tiny
+    engine keeps exactly the analytic bytes of every policy, the checkpoint policy on SGLang's
+    grid included (one 8,192-token prompt)."""
     import importlib.util
     from pathlib import Path
 
@@ -173,11 +196,23 @@ def test_bytes_only_benchmark_matches_the_engine_and_meets_the_goal(capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     result = bench.main(["--preset", "qwen3.5-9b", "--dtype", "bfloat16", "--anchor-dtype", FP8,
-                         "--bytes-only", "--lengths", "256", "--policies", "suffix_replay", "exact_replay"])
+                         "--bytes-only", "--lengths", "256", "--policies", "suffix_replay", "exact_replay",
+                         "checkpoint"])
     capsys.readouterr()
     fig = result["figures"]
     assert 250 < fig["analytic_suffix_replay_fp8_dense_checkpoint_per_page_over_it"] < 400
     assert fig["analytic_suffix_replay_model_anchors_dense_checkpoint_per_page_over_it"] < 250
+    # the 9B shape: 24 Gated DeltaNet layers, 8 groups, hidden 4096
+    analytic = result["analytic_bytes_per_token"]
+    assert analytic["dense_checkpoint_sglang_grid"] == analytic["dense_checkpoint_every_page"] / 128
+    assert analytic["checkpoint_sglang_grid"] == analytic["dense_checkpoint_sglang_grid"]
+    assert analytic["suffix_replay"] == 8 * (4096 + 4) * 4 / 64
+    assert 0.3 < fig["suffix_replay_bytes_vs_sglang_grid"] <= 0.36
+    assert fig["suffix_replay_granularity_vs_sglang_grid"] == 128
+    assert fig["analytic_suffix_replay_model_anchors_vs_sglang_grid"] > 0.6  # bf16 anchors: not enough
+    assert fig["analytic_exact_replay_vs_sglang_grid"] > 40
     rows = result["engine_check"]["rows"]
-    assert {r["policy"] for r in rows} == {"suffix_replay", "suffix_replay_model_anchors", "exact_replay"}
+    assert {r["policy"] for r in rows} == {"suffix_replay", "suffix_replay_model_anchors", "exact_replay",
+                                           "checkpoint", "checkpoint_sglang_grid"}
+    assert {r["prompt_tokens"] for r in rows if r["policy"] == "checkpoint_sglang_grid"} == {8192}
     assert all(r["equal"] and r["analytic"] > 0 for r in rows), rows

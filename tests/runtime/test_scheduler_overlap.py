@@ -144,12 +144,22 @@ def test_cancel_and_preempt_while_overlapped(qwen35_dir):
     assert sched._kv_reserved == 0 and sorted(sched.pool.free) == list(range(4))
 
 
-def test_overlap_follows_the_config():
+def test_overlap_follows_the_config_and_the_runner(qwen35_dir):
     from hybridcache.services.config import RuntimeConfig
     from hybridcache.services.runtime.scheduler import scheduler_config
 
     assert scheduler_config(RuntimeConfig(), "cuda").overlap
     assert not scheduler_config(RuntimeConfig(decode_overlap=False), "cuda").overlap
     assert not scheduler_config(RuntimeConfig(), "cpu").overlap
-    # tensor-parallel ranks decode through rank 0's broadcast calls: the picks would stay on rank 0's GPU
-    assert not scheduler_config(RuntimeConfig(tensor_parallel_size=2), "cuda").overlap
+    # a runner that cannot overlap its steps (a split model's: the picks would stay on rank 0's GPU,
+    # ModelRunner.__init__) turns it off whatever the config asks
+    eng = _engine(qwen35_dir, mode="pic")
+    assert eng.runner.overlaps
+    asked = SchedulerConfig(overlap=True)
+    for overlaps in (True, False):
+        eng.runner.overlaps = overlaps
+        sched = Scheduler(eng, asked)
+        try:
+            assert sched.config.overlap is overlaps
+        finally:
+            sched.stop()

@@ -1,13 +1,18 @@
 """Tensor parallelism on the CPU: two ranks as two processes (gloo), one group for the module.
 
-TP = 2 `full` logits equal TP = 1 for every family (tiny random models); in pic, TP = 2 entries
-are built per rank, reused after another prefix, and warm equals cold equals TP = 1; the
-scheduler's batched decode runs over the ranks; the handles that name per-rank objects across the
-ranks refuse what would carry rank 0's slice to the others. Each rank reads only its slices of the
-checkpoint: about half of it at TP = 2, the same weights as a whole load split afterwards.
+Every rank holds a ModelRunner over its shard; rank 0 holds the engines (their caches, the
+scheduler) and every runner call reaches both ranks. TP = 2 `full` logits equal TP = 1 for every
+family (tiny random models); greedy outputs through the one path (llm.LLM: the scheduler, batched
+plain prefills, the paged decode) equal TP = 1 in modes prefix and pic, with page-tree hits,
+entries reused after another prefix and entries staged from the host tier; in pic, TP = 2 entries
+are built per rank, and warm equals cold equals TP = 1; the handles that name per-rank objects
+across the ranks refuse what would carry rank 0's slice to the others, and a pool's methods refuse
+to run on rank 0 alone. Each rank reads only its slices of the checkpoint: about half of it at
+TP = 2, the same weights as a whole load split afterwards.
 """
 
 import functools
+import types
 
 import pytest
 import torch
@@ -17,7 +22,7 @@ from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.llm import LLM
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.modelzoo import init_model_dir
-from hybridcache.services.runtime.sequence import LiveRun
+from hybridcache.services.runtime.sequence import LinearState, LiveRun, SequenceState
 from hybridcache.services.runtime.tensor_parallel import ranks
 from hybridcache.services.runtime.tensor_parallel.shard import shard_model
 
@@ -40,15 +45,28 @@ def dirs(tmp_path_factory):
     return {a: str(init_model_dir(a, "tiny", root / a, seed=1, std=0.08)) for a in ARCHS}
 
 
-@pytest.fixture(scope="module")
-def group(dirs):
-    """One group of two ranks holding a `full` engine per family and a `pic` engine of some."""
+def _named(dirs) -> dict:
+    """The runners of the group: a `full` one per family, `pic` and `prefix` ones of some, a pic one
+    with a host tier."""
     named = {a: (p, RuntimeConfig(mode="full")) for a, p in dirs.items()}
     named.update({f"pic_{a}": (dirs[a], RuntimeConfig(mode="pic")) for a in PIC_ARCHS})
-    surface = ranks.Surface(frozenset(), children=tuple((a, ranks.ENGINE_SURFACE) for a in named))
-    g = ranks.start(SIZE, functools.partial(ranks.build_engines, named), surface)
+    named.update({f"prefix_{a}": (dirs[a], RuntimeConfig(mode="prefix")) for a in PIC_ARCHS})
+    named["tiered"] = (dirs["qwen3_5_text"], RuntimeConfig(mode="pic", host_cache_bytes=1 << 30))
+    return named
+
+
+@pytest.fixture(scope="module")
+def group(dirs):
+    """One group of two ranks holding the runners of _named."""
+    g = ranks.start(SIZE, functools.partial(ranks.build_runners, _named(dirs)))
     yield g
     g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(dirs, group):
+    """Rank 0's engine over each of the group's runners."""
+    return types.SimpleNamespace(**{n: ranks.engine_of(group, p, n) for n, (p, _) in _named(dirs).items()})
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -58,51 +76,116 @@ def test_full_logits_equal_tp1(arch, dirs, group):
     ref_state = ref_model.empty_state()
     ref, _ = ref_model.forward_layout(ref_state, [LiveRun(ids[:-1], 0)], logits_for="all")
     ref_next, _ = ref_model.forward_layout(ref_state, [LiveRun(ids[-1:], 60)])
-    model = getattr(group.target, arch).model
-    state = model.empty_state()
-    out, _ = model.forward_layout(state, [LiveRun(ids[:-1], 0)], logits_for="all")
+    runner = group.runner(arch)
+    state = runner.empty_state()
+    out, _ = runner.forward(state, [LiveRun(ids[:-1], 0)], logits_for="all")
     # the state left behind is rank 0's share: half the linear heads, half the key/value heads
     lin = next(iter(state.linear.values())).ssm
     assert lin.shape[1] * SIZE == next(iter(ref_state.linear.values())).ssm.shape[1]
-    nxt, _ = model.forward_layout(state, [LiveRun(ids[-1:], 60)])
+    nxt, _ = runner.forward(state, [LiveRun(ids[-1:], 60)])
     assert ref.abs().max().item() > 1e-2
     assert _close(out, ref) <= 1e-5
     assert _close(nxt, ref_next) <= 1e-5
     # a batched decode step of two requests (the runner's, over its pool) continues both
-    runner = getattr(group.target, arch).runner
-    s1, s2 = model.empty_state(), model.empty_state()
-    model.forward_layout(s1, [LiveRun(ids[:30], 0)], logits_for="none")
-    model.forward_layout(s2, [LiveRun(ids[:-1], 0)], logits_for="none")
+    s1, s2 = runner.empty_state(), runner.empty_state()
+    runner.forward(s1, [LiveRun(ids[:30], 0)], logits_for="none")
+    runner.forward(s2, [LiveRun(ids[:-1], 0)], logits_for="none")
     pool = runner.new_state_pool(2, 128)
-    both, _ = runner.decode(pool, [pool.assign(s1), pool.assign(s2)], [int(ids[30]), int(ids[-1])])
+    both, _ = runner.decode(pool, [runner.assign(pool, s1), runner.assign(pool, s2)], [int(ids[30]), int(ids[-1])])
     assert _close(both[0], ref[30]) <= 1e-5
     assert _close(both[1], ref_next) <= 1e-5
 
 
-def test_engine_generate_equals_tp1(dirs, group):
-    req = {"segments": ["the first part of a prompt", " and a second one"], "suffix": " then",
+def test_generate_through_llm_equals_tp1(dirs, engines):
+    req = {"segments": [list(range(40, 90))], "suffix": [5, 6, 7],
            "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}}
     ref = LLM(Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(mode="full"))).generate(req)
-    out = LLM(group.target.qwen3_5_text).generate(req)
+    out = LLM(engines.qwen3_5_text).generate(req)
     assert out.output_ids == ref.output_ids and len(out.output_ids) == 6
 
 
+def _conversation(seed: int) -> list[dict]:
+    """Requests of every path, run in this order as two batches: plain prompts (prefilled
+    together), a RAG request, and after them the same documents reordered after another system
+    prompt, a second turn that extends the first plain prompt (a page-tree hit), another plain
+    prompt."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n):
+        return torch.randint(0, 256, (n,), generator=g).tolist()
+
+    sp = {"max_new_tokens": 7, "temperature": 0.0, "ignore_eos": True}
+    docs, plain = [ids(45), ids(37), ids(52)], ids(150)
+    first = [{"suffix": plain, "sampling_params": sp}, {"suffix": ids(23), "sampling_params": sp},
+             {"system": ids(6), "segments": docs, "suffix": ids(9), "sampling_params": sp}]
+    second = [{"system": ids(7), "segments": docs[::-1], "suffix": ids(8), "sampling_params": sp},
+              {"suffix": plain + ids(30), "sampling_params": sp}, {"suffix": ids(19), "sampling_params": sp}]
+    return [first, second]
+
+
+@pytest.mark.parametrize("mode", ["prefix", "pic"])
+@pytest.mark.parametrize("arch", PIC_ARCHS)
+def test_greedy_through_the_one_path_equals_tp1(arch, mode, dirs, engines):
+    """The same requests through llm.LLM at TP = 1 and TP = 2 (the scheduler over rank 0's engine,
+    every runner call on both ranks): the same greedy tokens, the same cache hits; plain prompts
+    are prefilled batched on both ranks, and the page tree's hits restore the state on both."""
+    tp1 = LLM(Engine.from_dir(dirs[arch], config=RuntimeConfig(mode=mode)))
+    tp2 = LLM(getattr(engines, f"{mode}_{arch}"))
+    try:
+        for batch in _conversation(7):
+            want, got = tp1.generate(batch), tp2.generate(batch)
+            assert [r.output_ids for r in got] == [r.output_ids for r in want]
+            assert [r.stats.prefix_reused_tokens for r in got] == [r.stats.prefix_reused_tokens for r in want]
+            assert [[s.source for s in r.stats.segments] for r in got] == [
+                [s.source for s in r.stats.segments] for r in want]
+        assert tp2.scheduler.plain_prefilled >= 2 and tp2.scheduler.plain_prefilled == tp1.scheduler.plain_prefilled
+        assert max(tp2.scheduler.batch_sizes) >= 2
+        if mode == "prefix":
+            assert want[1].stats.prefix_reused_tokens > 0  # the second turn hit the page tree
+    finally:
+        tp1.close()
+        tp2.close()
+
+
+def test_host_tier_entries_stage_on_every_rank(dirs, engines):
+    """A TP = 2 engine with a host tier: its entries move to host memory on both ranks
+    (ModelRunner.to_host) and a request after another prefix stages them back on both; the TP = 1
+    answer."""
+    tp1 = Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(mode="pic", host_cache_bytes=1 << 30))
+    tp2 = engines.tiered
+    first, second = _conversation(8)
+    rag, again = first[2], second[0]
+    for eng in (tp1, tp2):
+        LLM(eng).generate(rag)
+        eng.entries.demote_all()
+    want, got = LLM(tp1).generate(again), LLM(tp2).generate(again)
+    assert [s.source for s in got.stats.segments] == ["host"] * 3
+    assert got.output_ids == want.output_ids
+
+
 def test_unnamed_float_tensor_is_refused(group):
-    """A tensor rank 0 made on its own holds its slice only: passing it to a broadcast call fails."""
-    model = group.target.qwen3_5_text.model
-    state = model.empty_state()
-    mine = state.linear[0].ssm.clone()  # made outside a broadcast call
-    with pytest.raises(ranks.TPError, match="outside the broadcast calls"):
-        model.replay_linear_group((0, 1), mine.new_zeros(3, 64), state)
+    """A tensor rank 0 made on its own holds its slice only: passing it to a runner call fails; the
+    model is not reached from rank 0, and a pool's methods refuse to run on rank 0 alone."""
+    runner = group.runner("qwen3_5_text")
+    state = runner.empty_state()
+    mine = state.linear[0].ssm.clone()  # made outside a runner call
+    bad = SequenceState(state.length, {**state.linear, 0: LinearState(mine, state.linear[0].conv)}, dict(state.attn))
+    with pytest.raises(ranks.TPError, match="outside the runner's calls"):
+        runner.forward(bad, [LiveRun(torch.arange(3), 0)])
     with pytest.raises(ranks.TPError, match="module of rank 0 only"):
-        group.target.qwen3_5_text.model.model  # noqa: B018 - reading it is what fails
+        runner.model  # noqa: B018 - reading it is what fails
+    pool = runner.new_state_pool(1, 16)
+    assert isinstance(pool, ranks.RankObject) and pool.slots == 1  # its attributes read rank 0's
+    with pytest.raises(ranks.TPError, match="rank 0 alone"):
+        pool.assign(state)
+    assert runner.assign(pool, state) == 0  # through the runner: on every rank
 
 
 def test_an_error_on_every_rank_reaches_the_caller_and_the_group_goes_on(group):
-    model = group.target.qwen3_5_text.model
+    runner = group.runner("qwen3_5_text")
     with pytest.raises(ValueError, match="starts at 5"):
-        model.forward_layout(model.empty_state(), [LiveRun(torch.arange(4), 5)])
-    logits, _ = model.forward_layout(model.empty_state(), [LiveRun(torch.arange(4), 0)])
+        runner.forward(runner.empty_state(), [LiveRun(torch.arange(4), 5)])
+    logits, _ = runner.forward(runner.empty_state(), [LiveRun(torch.arange(4), 0)])
     assert logits.shape == (320,)
 
 
@@ -153,9 +236,9 @@ def _requests():
 
 
 @pytest.mark.parametrize("arch", PIC_ARCHS)
-def test_pic_warm_equals_cold_and_tp1(arch, dirs, group):
+def test_pic_warm_equals_cold_and_tp1(arch, dirs, engines):
     tp1 = Engine.from_dir(dirs[arch], config=RuntimeConfig(mode="pic"))
-    tp2 = getattr(group.target, f"pic_{arch}")
+    tp2 = getattr(engines, f"pic_{arch}")
     r1, _, r3 = _requests()
     sampling = {"max_new_tokens": 0}
     reqs = [r1, r1, r3]
@@ -203,7 +286,7 @@ def test_entry_of_another_split_is_a_miss(dirs):
     assert torch.allclose(pre.logits, ref.logits, atol=1e-6)
 
 
-def test_scheduler_batched_decode_over_ranks(dirs, group):
+def test_scheduler_batched_decode_over_ranks(dirs, engines):
     """Concurrent requests through a Scheduler over the TP = 2 engine: batched decode steps over
     both ranks, the outputs those of TP = 1 one by one."""
     from hybridcache.services.runtime.scheduler import Scheduler
@@ -214,7 +297,7 @@ def test_scheduler_batched_decode_over_ranks(dirs, group):
              "sampling_params": {"max_new_tokens": 5 + i, "temperature": 0.0, "ignore_eos": True}}
             for i, r in enumerate([r1, r3, r1])]
     want = [LLM(tp1).generate(r).output_ids for r in reqs]
-    sched = Scheduler(group.target.pic_qwen3_5_text)
+    sched = Scheduler(engines.pic_qwen3_5_text)
     try:
         handles = [sched.add_request(sched.engine.parse_request(r)) for r in reqs]
         got = [h.result().output_ids for h in handles]
@@ -224,21 +307,22 @@ def test_scheduler_batched_decode_over_ranks(dirs, group):
     assert max(sched.batch_sizes) >= 2  # decode steps ran over several requests at once
 
 
-def test_the_runner_of_a_tp_engine_runs_on_every_rank(dirs, group):
-    """An engine's ModelRunner is reached as a Remote: its forward and its pool's decode step run
-    over both ranks (a call on rank 0 alone would wait for the other forever) and equal TP = 1."""
+def test_the_runner_of_a_tp_engine_runs_on_every_rank(dirs, engines):
+    """An engine's runner is rank 0's RankedRunner: its forward and its pool's decode step run over
+    both ranks (a call on rank 0 alone would wait for the other forever) and equal TP = 1."""
     ids = torch.randint(0, 256, (41,), generator=torch.Generator().manual_seed(6))
     tp1 = Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(mode="full")).runner
     ref_state = tp1.empty_state()
     ref, _ = tp1.forward(ref_state, [LiveRun(ids[:-1], 0)], logits_for="last")
     ref_pool = tp1.new_state_pool(2, 128)
     ref_next, _ = tp1.decode(ref_pool, [ref_pool.assign(ref_state)], [int(ids[-1])])
-    runner = group.target.qwen3_5_text.runner
-    assert isinstance(runner, ranks.Remote)
+    runner = engines.qwen3_5_text.runner
+    assert isinstance(runner, ranks.RankedRunner) and engines.qwen3_5_text.group is runner.group
+    assert not runner.graphs_apply and not runner.overlaps  # what a split model runs otherwise
     state = runner.empty_state()
     out, _ = runner.forward(state, [LiveRun(ids[:-1], 0)], logits_for="last")
     pool = runner.new_state_pool(2, 128)
-    nxt, _ = runner.decode(pool, [pool.assign(state)], [int(ids[-1])])
+    nxt, _ = runner.decode(pool, [runner.assign(pool, state)], [int(ids[-1])])
     assert ref.abs().max().item() > 1e-2
     assert _close(out, ref) <= 1e-5
     assert _close(nxt[0], ref_next[0]) <= 1e-5

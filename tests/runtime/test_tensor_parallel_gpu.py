@@ -31,21 +31,20 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_gpu")
     dirs = {a: str(init_model_dir(a, "tiny", root / a, seed=1, std=0.08)) for a in ARCHS}
     cfg = RuntimeConfig(device="cuda", mode="pic", cuda_graphs=False)
-    surface = ranks.Surface(frozenset(), children=tuple((a, ranks.ENGINE_SURFACE) for a in ARCHS))
-    g = ranks.start(2, functools.partial(ranks.build_engines, {a: (p, cfg) for a, p in dirs.items()}), surface,
-                    device="cuda")
-    yield dirs, cfg, g
+    g = ranks.start(2, functools.partial(ranks.build_runners, {a: (p, cfg) for a, p in dirs.items()}), device="cuda")
+    engines = {a: ranks.engine_of(g, dirs[a], a) for a in ARCHS}
+    yield dirs, cfg, g, engines
     g.shutdown()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_over_nccl_equals_tp1(arch, setup):
-    dirs, cfg, g = setup
+    dirs, cfg, g, engines = setup
     ref = Engine.from_dir(dirs[arch], device="cuda", config=cfg)
-    tp2 = getattr(g.target, arch)
+    tp2 = engines[arch]
     ids = torch.randint(0, 256, (97,), generator=torch.Generator().manual_seed(3))
     a, _ = ref.model.forward_layout(ref.model.empty_state(), [LiveRun(ids, 0)], logits_for="all")
-    b, _ = tp2.model.forward_layout(tp2.model.empty_state(), [LiveRun(ids, 0)], logits_for="all")
+    b, _ = tp2.runner.forward(tp2.runner.empty_state(), [LiveRun(ids, 0)], logits_for="all")
     assert _rel(b, a) < 2e-3
     gen = torch.Generator().manual_seed(5)
     segs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (40, 70, 33)]
@@ -63,8 +62,8 @@ def test_entry_slices_travel_as_one_bundle_over_nccl_ranks(setup):
     handed back out, each rank folds its own slice in: the TP = 1 logits, nothing rebuilt."""
     from hybridcache.services.runtime.tensor_parallel.entries import gather_entries, scatter_entries, unbundle
 
-    dirs, cfg, g = setup
-    eng = g.target.qwen3_5_text
+    dirs, cfg, g, engines = setup
+    eng = engines["qwen3_5_text"]
     tp1 = Engine.from_dir(dirs["qwen3_5_text"], device="cuda", config=cfg)
     gen = torch.Generator().manual_seed(11)
     segs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (70, 45)]

@@ -26,7 +26,7 @@ from hybridcache.services.runtime.evaluation import RUN_FIELDS
 
 ENGINE_COMMANDS = ("generate", "demo", "eval", "serve", "up")
 # the sections each command takes: the in-process ones no server or security settings
-COMMAND_SECTIONS = {"generate": ENGINE_SECTIONS, "demo": ENGINE_SECTIONS, "eval": ENGINE_SECTIONS,
+COMMAND_SECTIONS = {"generate": ENGINE_SECTIONS, "demo": tuple(SECTIONS), "eval": ENGINE_SECTIONS,
                     "serve": tuple(SECTIONS), "up": tuple(SECTIONS)}
 # Alternatives the generic rule below cannot find (free-form strings, values valid only with another field's).
 ALTERNATIVES = {"anchor_dtype": "float8_e4m3fn", "prefix_policy": "suffix_replay", "sdpa_backends": "flash,math",

@@ -101,3 +101,19 @@ def test_served_gpu_stage_runs_the_benchmark_with_its_phases(tmp_path):
     assert "served-gpu rc=0" in r.stdout and "inproc done" in r.stdout, r.stdout + r.stderr
     log = (tmp_path / "out" / "served_gpu.log").read_text()
     assert "'--phases', 'inproc,pic', '--merge', 'prev.json', '--out'" in log
+
+
+def test_multiturn_stage_writes_the_model_first_then_runs(tmp_path):
+    """The multiturn stage writes the 9B model in a process of its own unless $SERVED_MODEL holds
+    one; a failed write skips the stage, a written model goes to benchmarks/multiturn.py."""
+    r = _run("abc123", "multiturn", tmp_path=tmp_path)  # no hybridcache here: the write fails at once
+    assert "multiturn: writing the model failed" in r.stderr and "multiturn rc=" not in r.stdout, r.stdout + r.stderr
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "device_suite.sh"), "abc123", "multiturn"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "SERVED_MODEL": str(model)},
+    )
+    assert "writing the model failed" not in r.stderr and "multiturn rc=" in r.stdout, r.stdout + r.stderr

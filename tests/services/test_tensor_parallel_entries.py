@@ -37,11 +37,15 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def group(model):
-    named = {"pic": (model, RuntimeConfig(mode="pic"))}
-    surface = ranks.Surface(frozenset(), children=(("pic", ranks.ENGINE_SURFACE),))
-    g = ranks.start(SIZE, functools.partial(ranks.build_engines, named), surface)
+    g = ranks.start(SIZE, functools.partial(ranks.build_runners, {"pic": (model, RuntimeConfig(mode="pic"))}))
     yield g
     g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def eng(group, model):
+    """Rank 0's engine over the group's runners."""
+    return ranks.engine_of(group, model, "pic")
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +62,11 @@ def _request(segments, system: int = 90):
             "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}}
 
 
-def test_gathered_slices_are_the_tp1_entry_head_for_head(group, tp1):
+def test_gathered_slices_are_the_tp1_entry_head_for_head(group, eng, tp1):
     seg = _ids(1, 37)
-    [b] = gather_entries(group, group.target.pic.build_entries([seg]))
+    [b] = gather_entries(group, eng.build_entries([seg]))
     ref = tp1.build_entry(seg)
-    assert b.key == group.target.pic.entry_key(seg) != ref.key  # the key carries the split
+    assert b.key == eng.entry_key(seg) != ref.key  # the key carries the split
     for i, s in ref.data.linear.items():
         got = b.data.linear[i]
         assert got.S.shape[0] == SIZE and got.S.shape[1] * SIZE == s.S.shape[1]
@@ -79,8 +83,7 @@ def test_gathered_slices_are_the_tp1_entry_head_for_head(group, tp1):
     assert "holds no 2 rank slices" in unbundle(ref, SIZE)
 
 
-def test_scattered_slices_are_folded_in_on_every_rank(group, tp1):
-    eng = group.target.pic
+def test_scattered_slices_are_folded_in_on_every_rank(group, eng, tp1):
     segs = [_ids(2, 41), _ids(3, 29)]
     bundles = gather_entries(group, [eng.build_entry(s) for s in segs])
     assert not any(eng.entries.contains(b.key) for b in bundles)
@@ -111,9 +114,8 @@ def tier():
     server.stop(0)
 
 
-def test_combine_worker_takes_a_bundle_from_the_tier_and_misses_a_tp1_entry(group, tp1, tier):
+def test_combine_worker_takes_a_bundle_from_the_tier_and_misses_a_tp1_entry(group, eng, tp1, tier):
     store, address = tier
-    eng = group.target.pic
     combine = CombineServicer(eng)
     try:
         segs = [_ids(4, 45), _ids(5, 33)]
@@ -142,7 +144,7 @@ def test_combine_worker_takes_a_bundle_from_the_tier_and_misses_a_tp1_entry(grou
         combine.close()
 
 
-def test_a_failed_hand_over_is_a_miss_and_the_group_goes_on(group, tp1, tier, monkeypatch):
+def test_a_failed_hand_over_is_a_miss_and_the_group_goes_on(group, eng, tp1, tier, monkeypatch):
     """Slices that cannot be sent (here: not serialisable) fail the hand-over on every rank alike,
     a follower's object that cannot be sent fails a gather on rank 0: the group still works, and
     the combine worker rebuilds the segments it could not hand out, with TP = 1's answer."""
@@ -150,12 +152,11 @@ def test_a_failed_hand_over_is_a_miss_and_the_group_goes_on(group, tp1, tier, mo
 
     with pytest.raises(Exception):  # noqa: B017 - pickle's own error: a lambda cannot be serialised
         group.scatter([lambda: 0, lambda: 1])
-    # a follower's counterpart that cannot be sent (its engines hold locks): rank 0 hears of it
+    # a follower's counterpart that cannot be sent (its runners hold weak references): rank 0 hears of it
     with pytest.raises(ranks.TPError, match="could not send"):
-        group.gather(group.target)
-    assert len(gather_entries(group, group.target.pic.build_entries([_ids(7, 20)]))) == 1
+        group.gather(group.local)
+    assert len(gather_entries(group, eng.build_entries([_ids(7, 20)]))) == 1
     store, address = tier
-    eng = group.target.pic
     combine = CombineServicer(eng)
     try:
         segs = [_ids(6, 39)]

@@ -15,10 +15,11 @@ All three policies share the page tree (radix.py) and keep full-attention K/V pe
 Anchors are exact inputs of a group because they were captured from the true run; a group's
 layers need nothing else (no attention inside a group), so groups replay independently.
 
-suffix_replay may store its anchors in fp8 (`anchor_dtype="float8_e4m3fn"`, like fp8 KV caches in
-vLLM/SGLang): each anchor row (one token at one group entry) keeps x / s in e4m3 and its fp32 scale
-s = amax|x| / 448, packed as one uint8 row [h + 4] so every byte-count sees both. exact_replay
-and checkpoint refuse it: they must stay exact.
+suffix_replay may store its anchors in bf16 (`anchor_dtype="bfloat16"`, whatever the model's dtype)
+or in fp8 (`anchor_dtype="float8_e4m3fn"`, like fp8 KV caches in vLLM/SGLang): each fp8 anchor row
+(one token at one group entry) keeps x / s in e4m3 and its fp32 scale s = amax|x| / 448, packed as
+one uint8 row [h + 4] so every byte-count sees both. exact_replay and checkpoint refuse both: they
+must stay exact.
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ def dequantize_anchors(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return (q * scale).to(dtype)
 
 
-def _page_anchors(node: PageNode, layer: int, dtype: torch.dtype) -> torch.Tensor:
-    """A page's anchors at a group entry [r, h]; packed fp8 ones (uint8) are dequantized, whatever
-    the reading policy says, so a policy built without anchor_dtype still reads them right."""
-    anchors = node.payload.anchors[layer]
-    return dequantize_anchors(anchors, dtype) if anchors.dtype == torch.uint8 else anchors
+def _page_anchors(payload: PagePayload, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    """A page's anchors at a group entry [r, h] in `dtype`; packed fp8 ones (uint8) are dequantized,
+    bf16 ones cast, whatever the reading policy says, so a policy built without anchor_dtype still
+    reads them right."""
+    anchors = payload.anchors[layer]
+    return dequantize_anchors(anchors, dtype) if anchors.dtype == torch.uint8 else anchors.to(dtype)
 
 
 def _copy_linear(linear: dict[int, LinearState]) -> dict[int, LinearState]:
@@ -75,36 +77,42 @@ def _copy_linear(linear: dict[int, LinearState]) -> dict[int, LinearState]:
 
 
 def restore_state(model, policy: PrefixPolicy, path: list[PageNode]) -> SequenceState:
-    """The state after the prefix `path` (root's child first), rebuilt from the pages' payloads.
+    """The state after the prefix `path` (root's child first), rebuilt from the pages' payloads
+    (restore_pages)."""
+    return restore_pages(model, policy, [n.payload for n in path])
+
+
+def restore_pages(model, policy: PrefixPolicy, pages: list[PagePayload]) -> SequenceState:
+    """The state after a prefix of whole pages, from their payloads (the first page's first).
     Reads the pages only; the returned state shares no tensor that it will write in place."""
-    if not path:
+    if not pages:
         raise ValueError("restore_state needs at least one page")
     attn = {
-        i: AttnState(*(torch.cat([n.payload.attn[i][kv] for n in path], dim=2) for kv in (0, 1)))
-        for i in path[0].payload.attn
+        i: AttnState(*(torch.cat([p.attn[i][kv] for p in pages], dim=2) for kv in (0, 1)))
+        for i in pages[0].attn
     }
-    state = SequenceState(length=path[-1].depth * policy.page_size, linear={}, attn=attn)
+    state = SequenceState(length=len(pages) * policy.page_size, linear={}, attn=attn)
     if policy.name == "checkpoint":
-        state.linear = _copy_linear(path[-1].payload.checkpoint)
+        state.linear = _copy_linear(pages[-1].checkpoint)
         return state
     if policy.name == "exact_replay":
-        base = max((j for j, n in enumerate(path) if n.payload.checkpoint is not None), default=-1)
-        replay = path[base + 1 :]
+        base = max((j for j, p in enumerate(pages) if p.checkpoint is not None), default=-1)
+        replay = pages[base + 1 :]
         if base >= 0:
-            state.linear = _copy_linear(path[base].payload.checkpoint)
+            state.linear = _copy_linear(pages[base].checkpoint)
         else:
             state.linear = model.empty_state().linear
         for group in model.linear_groups():
             if replay:
-                hidden = torch.cat([n.payload.anchors[group[0]] for n in replay])  # [m, h]
+                hidden = torch.cat([p.anchors[group[0]] for p in replay])  # [m, h]
                 model.replay_linear_group(group, hidden, state)
         return state
     # suffix_replay: the last k anchors of the path, from a zero state.
     k = policy.replay_anchors
-    pages = path[-math.ceil(k / policy.anchors_per_page) :]
+    last = pages[-math.ceil(k / policy.anchors_per_page) :]
     state.linear = model.empty_state().linear
     for group in model.linear_groups():
-        hidden = torch.cat([_page_anchors(n, group[0], model.dtype) for n in pages])[-k:]
+        hidden = torch.cat([_page_anchors(p, group[0], model.dtype) for p in last])[-k:]
         model.replay_linear_group(group, hidden, state)
     return state
 
@@ -136,6 +144,15 @@ class PageRecorder:
     def add_checkpoint(self, pos: int, linear: dict[int, LinearState], copy: bool) -> None:
         if self.policy.is_checkpoint_position(pos) and pos not in self.checkpoints:
             self.checkpoints[pos] = _copy_linear(linear) if copy else linear
+
+    def add_step(self, token: int | None, captured: dict[int, torch.Tensor], state: SequenceState) -> None:
+        """One decode step of the request, `state` after it: its input token (None: fed on the
+        device, appended to token_ids once known), its captured hidden rows, a checkpoint of its
+        linear state where one is due."""
+        if token is not None:
+            self.token_ids.append(token)
+        self.add_hidden(captured, 1)
+        self.add_checkpoint(state.length, state.linear, copy=True)
 
     def drop_before(self, pos: int) -> None:
         """Forget what pages ending at or before `pos` needed (they are cached); later pages are
@@ -172,6 +189,8 @@ class PageRecorder:
         if r:
             lo = end - self.start - r
             anchors = {i: self._anchors(i)[lo : end - self.start].clone() for i in self.capture_layers}
-            if self.policy.anchor_dtype:
+            if self.policy.anchor_dtype == "float8_e4m3fn":
                 anchors = {i: quantize_anchors(a) for i, a in anchors.items()}
+            elif self.policy.anchor_dtype == "bfloat16":
+                anchors = {i: a.to(torch.bfloat16) for i, a in anchors.items()}
         return PagePayload(attn=attn, checkpoint=checkpoint, anchors=anchors)

@@ -26,6 +26,11 @@ def single_state_view(data: SpanData) -> SpanData:
 def to_single_state(entry: SegmentEntry) -> SegmentEntry:
     """`entry` turned single-state in place (T dropped; bytes, checksum and meta updated); returned."""
     single_state_view(entry.data)
+    return mark_single_state(entry)
+
+
+def mark_single_state(entry: SegmentEntry) -> SegmentEntry:
+    """The bytes, checksum and meta of an entry whose data is single-state already (single_state_view)."""
     entry.nbytes = entry_nbytes(entry.data)
     if entry.checksum:
         entry.seal()

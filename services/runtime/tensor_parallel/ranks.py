@@ -1,20 +1,32 @@
 """The processes of a tensor-parallel worker: rank 0 and the N - 1 followers it starts.
 
-Rank 0 runs everything a worker runs (engine, scheduler, servers); the followers only mirror its
-engine. `start(size, build, device)` spawns the followers (torch.multiprocessing, spawn), joins
-them in one torch.distributed group (NCCL on CUDA, one GPU a rank; gloo on the CPU) and calls
-`build(rank, size)` on every rank: each builds its own target (an Engine over its shard of the
-model, build_engine). Rank 0 gets a Remote of its target.
+Rank 0 runs everything a worker runs (scheduler, engine, servers) and keeps all the bookkeeping:
+the request queue, the page tree, the entry and prefix stores. Every rank holds a ModelRunner over
+its shard of the model (its slices of every layer's heads), and its slices of the tensors those
+caches name. The followers run nothing but the runner calls rank 0 makes, nano-vllm's
+ModelRunner.call: rank 0's runner is a RankedRunner, and each of its method calls is one call
+that reaches every rank, in the order rank 0 makes them. Rank 0 pickles (method, arguments),
+broadcasts them on a gloo group and runs the method on its own runner; each follower runs the
+same method on its own. There is no list of methods that cross: every method of the runner does,
+and the objects a call returns that carry methods of their own (a state pool) come back to rank 0
+as RankObjects, whose methods refuse to run (they would change rank 0's object alone): they
+change through the runner's methods. Every model forward thus runs on all ranks in the same order
+and its all-reduces meet.
 
-A Remote forwards the calls that touch the model or the caches (Remote.broadcast names them) to
-every rank: rank 0 pickles the call, broadcasts it on a gloo group, and then runs it itself;
-each follower runs the same call on its own target. Every model forward thus runs on all ranks
-in the same order, and its all-reduces meet. What rank 0 passes in and gets back holds that
-rank's tensors (states, entries, K/V), so objects are named across ranks by handle: every
-object a broadcast call returns (walked through the runtime's dataclasses, lists and dicts) gets
-the next handle on every rank in the same order, a handle in a later call's arguments stands for
-the follower's own object, and a handle whose object rank 0 has dropped is dropped on the
-followers with the next call. A floating-point tensor without a handle is refused (TPError): it
+`start(size, build, device)` spawns the followers (torch.multiprocessing, spawn), joins them in
+one torch.distributed group (NCCL on CUDA, one GPU a rank; gloo on the CPU) and calls
+`build(rank, size)` on every rank: each builds its target, a runner (build_runner) or a namespace
+of runners (build_runners, tests). `open_engine` is a worker's: rank 0's Engine over the group.
+
+Objects are named across ranks by handle: what rank 0 passes to a call and gets back holds that
+rank's tensors (states, entries, K/V, page payloads), and each follower holds its own
+counterparts. After every call every rank walks the call's arguments and result in the same order
+(lists, tuples, dict values, the fields of dataclasses; a list of ints is token ids, not entered)
+and gives each object that has no handle yet the next one; a handle in a later call's arguments
+stands for the follower's own object, and a handle whose object rank 0 has dropped is dropped on
+the followers with the next call. An object rank 0 made itself and passes for the first time (a
+page recorder, a layout's live runs) travels by value and is named alike from then on. A tensor
+without a handle is refused (TPError) unless it is a CPU integer tensor (token ids, positions): it
 would carry rank 0's slice to the other ranks, a wrong answer instead of an error.
 
 Per-rank objects also move between rank 0 and the followers as a whole, point to point on the
@@ -22,6 +34,9 @@ gloo group (torch.save bytes, tensors landing on the receiving rank's device): `
 hands rank 0 every rank's counterpart of a named object (a scatter worker collects the ranks'
 slices of the entries it built), `scatter(objs)` gives rank r objs[r] and names them alike on
 every rank (a combine worker hands each rank its slice of a received entry).
+
+What runs otherwise at tensor-parallel size > 1 is decided by the ModelRunner in one place
+(ModelRunner.__init__): no CUDA graphs, no overlapped decode steps.
 """
 
 from __future__ import annotations
@@ -44,18 +59,12 @@ from torch import nn
 
 log = logging.getLogger("hybridcache.tensor_parallel")
 
-# classes whose fields the handle walk enters (the runtime's per-request data); anything else
-# weak-referenceable is named as a whole, without looking inside (a page node, a recorder)
-_WALK = {
-    "SequenceState", "LinearState", "AttnState", "SpanData", "LinearSpan", "AttnSpan", "SegmentEntry",
-    "Prefill", "PrefillJob", "Recording",
-}
-# results rank 0 gets back as Remotes (their methods change per-rank state, so they broadcast)
-_REMOTE = {"StatePool"}
 _CPU_GROUP = None  # the gloo group of the control messages and the calls' outcomes
 _DEVICE = torch.device("cpu")  # this rank's device: where the objects it receives land
 _OP = -1  # the handle of a group operation (gather, scatter) in a control message
 _PLAIN = (int, float, str, bool, bytes, complex, slice, type(None), torch.dtype, torch.device, type)
+# the tensors rank 0 may pass without a handle: the same on every rank (token ids, positions)
+_SHARED_DTYPES = (torch.int64, torch.int32)
 
 
 class TPError(RuntimeError):
@@ -81,19 +90,16 @@ class _Handles:
         h = self.of.get(id(obj))
         if h is not None:
             return h
-        if handle is not None or self.strong:
+        try:
+            ref = weakref.ref(obj)
+        except TypeError:
+            if handle is None:
+                return None
+            ref = None
+        if self.strong or handle is not None:
             ref = obj
         else:
-            try:
-                ref = weakref.ref(obj)
-            except TypeError:
-                return None
             weakref.finalize(obj, self._gone, id(obj))
-        if handle is None and self.strong:
-            try:
-                weakref.ref(obj)
-            except TypeError:
-                return None
         h = self.next if handle is None else handle
         self.next = max(self.next, h + 1)
         self.of[id(obj)] = h
@@ -126,13 +132,15 @@ class _Handles:
 
     def walk(self, obj, seen=None) -> None:
         """Name every object reachable from `obj` through lists, tuples, dict values and the fields
-        of the runtime's data classes (_WALK), in a fixed order, so that every rank names its own
-        counterparts with the same handles."""
+        of dataclasses, in a fixed order, so that every rank names its own counterparts with the
+        same handles. A list whose first item is an int (token ids) is not entered."""
         seen = set() if seen is None else seen
-        if isinstance(obj, _PLAIN) or id(obj) in seen or isinstance(obj, nn.Module):
+        if isinstance(obj, _PLAIN) or id(obj) in seen or isinstance(obj, (nn.Module, RankObject)):
             return
         seen.add(id(obj))
         if isinstance(obj, (list, tuple)):
+            if isinstance(obj, list) and obj and type(obj[0]) is int:
+                return
             for x in obj:
                 self.walk(x, seen)
             return
@@ -141,9 +149,7 @@ class _Handles:
                 self.walk(x, seen)
             return
         self.name(obj)
-        if type(obj).__name__ not in _WALK:
-            return
-        if dataclasses.is_dataclass(obj):
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             for f in dataclasses.fields(obj):
                 self.walk(getattr(obj, f.name), seen)
 
@@ -156,16 +162,18 @@ class _Pickler(pickle.Pickler):
     def persistent_id(self, obj):
         if isinstance(obj, _PLAIN) or isinstance(obj, (list, tuple, dict)):
             return None
+        if isinstance(obj, RankObject):
+            return obj._handle
         h = self.handles.of.get(id(obj))
         if h is not None:
             return h
-        if isinstance(obj, Remote):
-            return obj._handle
-        if isinstance(obj, torch.Tensor) and (obj.is_floating_point() or obj.is_complex()):
+        if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu" or obj.dtype not in _SHARED_DTYPES):
             raise TPError(
-                f"a {tuple(obj.shape)} {obj.dtype} tensor made outside the broadcast calls was passed to one: "
-                "it holds rank 0's slice only (make it inside a broadcast call)"
+                f"a {tuple(obj.shape)} {obj.dtype} tensor on {obj.device} made outside the runner's calls was passed "
+                "to one: it holds rank 0's data only (make it inside a runner call)"
             )
+        if isinstance(obj, nn.Module):
+            raise TPError(f"a {type(obj).__name__} module of rank 0 was passed to a runner call")
         return None
 
 
@@ -242,51 +250,35 @@ def _op_scatter():
 _OPS = {"gather": _op_gather, "scatter": _op_scatter}
 
 
-@dataclasses.dataclass(frozen=True)
-class Surface:
-    """What of an object a Remote forwards: `broadcast` methods run on every rank (None: every
-    method), `drive` methods run on rank 0 with the Remote as self (so the calls they make
-    broadcast), `children` are members reached as Remotes of their own Surface."""
+def _resolve(root, path: tuple):
+    """root.path[0].path[1]...: a target's method (names starting with "_" are not reachable)."""
+    obj = root
+    for name in path:
+        if name.startswith("_"):
+            raise TPError(f"{name!r} is not a runner call")
+        obj = getattr(obj, name)
+    return obj
 
-    broadcast: frozenset | None = None
-    drive: frozenset = frozenset()
-    children: tuple[tuple[str, Surface], ...] = ()
 
+class RankObject:
+    """Rank 0's view of an object a runner call returned that has methods of its own (a state
+    pool): its attributes read rank 0's object; its methods refuse to run, since they would change
+    rank 0's object alone (change it through the runner's calls). Passed back to a call, each rank
+    finds its own counterpart."""
 
-class Remote:
-    """Rank 0's view of an object every rank holds: reading a plain attribute reads rank 0's, a
-    method runs as its Surface says. A module or a member that the Surface does not name is
-    refused: a forward on rank 0 alone would wait for the other ranks forever."""
-
-    def __init__(self, group: TPGroup, handle: int, obj, surface: Surface = Surface(), path=()):
-        self._group, self._handle, self._obj, self._surface, self._path = group, handle, obj, surface, tuple(path)
+    def __init__(self, handle: int, obj):
+        object.__setattr__(self, "_handle", handle)
+        object.__setattr__(self, "_obj", obj)
 
     def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        surface = self._surface
-        for child, sub in surface.children:
-            if child == name:
-                return Remote(self._group, self._handle, getattr(self._obj, name), sub, (*self._path, name))
         value = getattr(self._obj, name)
-        if name in surface.drive:
-            fn = getattr(type(self._obj), name)
-            return lambda *a, **k: fn(self, *a, **k)
-        if callable(value) and (surface.broadcast is None or name in surface.broadcast):
-            return lambda *a, **k: self._group.call(self._handle, (*self._path, name), a, k)
-        if isinstance(value, nn.Module):
-            raise TPError(f"{name!r} is a module of rank 0 only: reach it through a Remote")
+        if callable(value) and not isinstance(value, (type, nn.Module)):
+            raise TPError(f"{type(self._obj).__name__}.{name} would run on rank 0 alone: change it through the runner")
         return value
 
     def __setattr__(self, name, value):
-        if name.startswith("_"):
-            object.__setattr__(self, name, value)
-        else:
-            raise TPError(f"setting {name!r} on rank 0 alone would leave the other ranks behind")
-
-    @property
-    def group(self) -> TPGroup:
-        return self._group
+        raise TPError(f"setting {name!r} on rank 0's {type(self._obj).__name__} alone would leave the other "
+                      "ranks behind")
 
     @property
     def local(self):
@@ -294,55 +286,95 @@ class Remote:
         return self._obj
 
 
-# An Engine's surface: what runs the model or changes a cache broadcasts, the warm-up runs on rank
-# 0 over the Remote (its requests go through rank 0's scheduler), the model, the entry store and the
-# runner are Remotes
-MODEL_SURFACE = Surface(frozenset({"empty_state", "forward_layout", "build_span_data", "replay_linear_group"}))
-STORE_SURFACE = Surface(frozenset({"put", "get", "pop", "evict", "clear", "demote_all", "remove", "discard"}))
-RUNNER_SURFACE = Surface(frozenset({"empty_state", "forward", "build_span", "build_spans", "stage",
-                                    "new_state_pool", "decode", "warm_decode", "restore_state"}))
-ENGINE_SURFACE = Surface(
-    frozenset({"build_entry", "build_entries", "get_or_build_entry", "prefill", "start_prefill", "prefill_chunk",
-               "abandon_prefill", "finish_prefix", "swap_caches", "decode_batch", "new_state_pool"}),
-    frozenset({"warmup"}),
-    (("model", MODEL_SURFACE), ("entries", STORE_SURFACE), ("runner", RUNNER_SURFACE)),
-)
+def _returned(handles: _Handles, out):
+    """What rank 0's caller gets back: objects with methods of their own as RankObjects."""
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return tuple(_returned(handles, x) for x in out)
+    if isinstance(out, list):
+        return [_returned(handles, x) for x in out]
+    if (isinstance(out, _PLAIN) or isinstance(out, (dict, torch.Tensor, nn.Module))
+            or dataclasses.is_dataclass(out) or not _has_methods(out)):
+        return out
+    h = handles.of.get(id(out))
+    return RankObject(h, out) if h is not None else out
+
+
+@functools.cache
+def _methods_of(cls) -> bool:
+    return any(callable(v) and not k.startswith("__") for c in cls.__mro__[:-1] for k, v in vars(c).items())
+
+
+def _has_methods(obj) -> bool:
+    return _methods_of(type(obj))
+
+
+def _local(x):
+    """x with every RankObject in it (through lists, tuples and dict values) replaced by its object."""
+    if isinstance(x, RankObject):
+        return x._obj
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_local(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _local(v) for k, v in x.items()}
+    return x
+
+
+class RankedRunner:
+    """Rank 0's ModelRunner under tensor parallelism (module docstring): every method call is one
+    call on every rank (TPGroup.call); a plain attribute (the config, the device, whether graphs
+    apply) reads rank 0's runner. `group` is the group; `local` rank 0's own runner."""
+
+    def __init__(self, group: TPGroup, path: tuple, runner):
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "_path", tuple(path))
+        object.__setattr__(self, "local", runner)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        value = getattr(self.local, name)
+        if isinstance(value, nn.Module):
+            raise TPError(f"{name!r} is a module of rank 0 only: run it through the runner's calls")
+        if callable(value) and not isinstance(value, type):
+            return functools.partial(self.group.call, (*self._path, name))
+        return value
+
+    def __setattr__(self, name, value):
+        raise TPError(f"setting {name!r} on rank 0's runner alone would leave the other ranks behind")
 
 
 class TPGroup:
-    """Rank 0's side of a started group: `target` is the Remote of rank 0's built object."""
+    """Rank 0's side of a started group: `local` is rank 0's built target (runner(...) reaches a
+    runner of it)."""
 
-    def __init__(self, size: int, procs: list, channel: Channel, target_obj, surface: Surface):
+    def __init__(self, size: int, procs: list, channel: Channel, target):
         self.size, self.procs, self.channel = size, procs, channel
         self.handles = _Handles(strong=False)
         self._lock = threading.RLock()
         self._closed = self._shut = self._diverged = False
-        self.handles.name(target_obj, 0)
-        self.target = Remote(self, 0, target_obj, surface)
+        self.handles.name(target, 0)
+        self.local = target
 
-    def call(self, handle: int, path: tuple, args: tuple, kwargs: dict):
-        """Run target[handle].path(*args, **kwargs) on every rank; rank 0's result."""
+    def runner(self, *path: str) -> RankedRunner:
+        """The RankedRunner of the runner at attribute `path` of the target (none: the target)."""
+        return RankedRunner(self, path, _resolve(self.local, path))
+
+    def call(self, path: tuple, *args, **kwargs):
+        """Run target.path(*args, **kwargs) on every rank; rank 0's result."""
         with self._lock:
             if self._closed:
                 raise TPError("the tensor-parallel group is shut down")
-            self._send_call(handle, path, args, kwargs)
-            fn = self.handles.get(handle)
-            for name in path:
-                fn = getattr(fn, name)
-            # rank 0 runs the call on its own objects: a Remote among the arguments is its local
-            # object here (a call through it would broadcast again, inside this call)
+            self._send_call(0, path, args, kwargs)
             try:
-                out = fn(*_local(args), **_local(kwargs))
+                out = _resolve(self.local, path)(*_local(args), **_local(kwargs))
             except Exception:
                 if self._outcome(True) != self.size:
                     self._broken("rank 0 failed where the other ranks did not")
                 raise  # every rank failed alike: the caller's error, the group goes on
             if self._outcome(False):
                 self._broken(f"{'.'.join(path)} failed on another rank (its log says why)")
-            self.handles.walk(out)
-            if type(out).__name__ in _REMOTE:
-                return Remote(self, self.handles.of[id(out)], out)
-            return out
+            self.handles.walk((args, kwargs, out))
+            return _returned(self.handles, out)
 
     def _send_call(self, handle: int, path: tuple, args: tuple, kwargs: dict) -> None:
         buf = io.BytesIO()
@@ -388,9 +420,9 @@ class TPGroup:
 
     def scatter(self, objs: list):
         """Give rank r objs[r] (len(objs) == size, alike in structure) and name each rank's
-        alike, as a broadcast call's result is: rank 0's object (objs[0]) can then be passed to
-        broadcast calls, where each follower finds its own. A follower's tensors land on its
-        device; rank 0's object is its own, as given."""
+        alike, as a call's result is: rank 0's object (objs[0]) can then be passed to runner
+        calls, where each follower finds its own. A follower's tensors land on its device; rank 0's
+        object is its own, as given."""
         if len(objs) != self.size:
             raise ValueError(f"scatter of {len(objs)} objects over {self.size} ranks")
 
@@ -438,17 +470,6 @@ class TPGroup:
                 dist.destroy_process_group()
 
 
-def _local(x):
-    """x with every Remote in it (through lists, tuples and dict values) replaced by its object."""
-    if isinstance(x, Remote):
-        return x._obj
-    if isinstance(x, (list, tuple)):
-        return type(x)(_local(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _local(v) for k, v in x.items()}
-    return x
-
-
 def _init(rank: int, size: int, init_method: str, device: str, timeout_s: float) -> Channel:
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -481,7 +502,8 @@ def _follow(rank: int, size: int, init_method: str, device: str, timeout_s: floa
     os.environ.setdefault("PYTHONSAFEPATH", "1")
     channel = _init(rank, size, init_method, device, timeout_s)
     handles = _Handles(strong=True)
-    handles.name(build(rank, size), 0)
+    target = build(rank, size)
+    handles.name(target, 0)
     while True:
         payload = channel.recv()
         if not payload:
@@ -493,12 +515,7 @@ def _follow(rank: int, size: int, init_method: str, device: str, timeout_s: floa
             counter, handle, path, args, kwargs = _Unpickler(io.BytesIO(call), handles).load()
             if counter != handles.next:
                 raise TPError(f"handle counter {handles.next}, rank 0's {counter}")
-            if handle == _OP:
-                fn = _OPS[path[0]]
-            else:
-                fn = handles.get(handle)
-                for name in path:
-                    fn = getattr(fn, name)
+            fn = _OPS[path[0]] if handle == _OP else _resolve(target, path)
             out = fn(*args, **kwargs)
         except Exception:  # noqa: BLE001 - rank 0 hears of it through _outcome
             log.warning("rank %d: %s failed", rank, ".".join(path), exc_info=True)
@@ -512,15 +529,16 @@ def _follow(rank: int, size: int, init_method: str, device: str, timeout_s: floa
             continue
         if _outcome(False, size):
             break
-        handles.walk(out)
+        # name what the call made as rank 0 does (TPGroup.call walks its arguments and result;
+        # a scatter, its result)
+        handles.walk(out if handle == _OP else (args, kwargs, out))
     dist.destroy_process_group()
 
 
-def start(size: int, build: Callable, surface: Surface = ENGINE_SURFACE, device: str = "cpu",
-          timeout_s: float = 600.0) -> TPGroup:
+def start(size: int, build: Callable, device: str = "cpu", timeout_s: float = 600.0) -> TPGroup:
     """Start a group of `size` ranks (this process is rank 0): spawn the followers, build every
-    rank's target with build(rank, size) (a picklable callable) and return the group, whose
-    `target` is the Remote of rank 0's, forwarding as `surface` says."""
+    rank's target with build(rank, size) (a picklable callable: a runner, or a namespace of them)
+    and return the group (group.runner(...) is rank 0's RankedRunner of a target's runner)."""
     if size < 2:
         raise ValueError("a tensor-parallel group needs at least 2 ranks")
     if device == "cuda" and torch.cuda.device_count() < size:
@@ -540,38 +558,44 @@ def start(size: int, build: Callable, surface: Surface = ENGINE_SURFACE, device:
         for p in procs:
             p.kill()
         raise
-    return TPGroup(size, procs, channel, target, surface)
+    return TPGroup(size, procs, channel, target)
 
 
-def build_engine(path: str, config, rank: int, size: int):
-    """An Engine over rank `rank`'s shard of the model in `path` (config: a RuntimeConfig). The
-    cache budgets are the smallest any rank would pick, so every rank evicts alike."""
+def build_runner(path: str, config, rank: int, size: int):
+    """A ModelRunner over rank `rank`'s shard of the model in `path` (config: a RuntimeConfig). Its
+    config's cache budgets are the smallest any rank would pick: rank 0's engine sizes its stores
+    by them, and every rank holds its slice of what they hold."""
     from hybridcache.services.devices import with_cache_budgets
-    from hybridcache.services.runtime.engine import Engine
     from hybridcache.services.runtime.loader import load_model
-    from hybridcache.services.runtime.tokenizer import Tokenizer
+    from hybridcache.services.runtime.runner import ModelRunner
 
-    # CUDA graphs stay off: a captured forward would replay its all-reduces outside the order
-    # in which the ranks' broadcast calls meet
-    config = dataclasses.replace(config, tensor_parallel_size=size, cuda_graphs=config.cuda_graphs and size == 1)
-    grouped = dist.is_initialized() and dist.get_world_size() > 1
+    config = dataclasses.replace(config, tensor_parallel_size=size)
     # every rank at once: each reads only its slices of the checkpoint (loader.load_model)
     model = load_model(path, config.device, config.torch_dtype, tp_rank=rank, tp_size=size)
     config = with_cache_budgets(config, model.device)
-    if grouped:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         budgets = torch.tensor([config.entry_cache_bytes, config.prefix_cache_bytes], dtype=torch.int64)
         dist.all_reduce(budgets, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
         config = dataclasses.replace(config, entry_cache_bytes=int(budgets[0]), prefix_cache_bytes=int(budgets[1]))
-    return Engine(model, Tokenizer.from_dir(path), config)
+    return ModelRunner(model, config)
 
 
-def build_engines(named: dict, rank: int, size: int):
-    """A namespace of engines, one per name: named = {name: (path, config)} (tests start one group
+def build_runners(named: dict, rank: int, size: int):
+    """A namespace of runners, one per name: named = {name: (path, config)} (tests start one group
     for several models)."""
     import types
 
-    return types.SimpleNamespace(**{n: build_engine(p, c, rank, size) for n, (p, c) in named.items()})
+    return types.SimpleNamespace(**{n: build_runner(p, c, rank, size) for n, (p, c) in named.items()})
 
+
+def engine_of(group: TPGroup, model_dir: str, *path: str):
+    """Rank 0's Engine over the group's runner at `path` (of the model in `model_dir`): its caches and
+    requests on rank 0, its runner's calls on every rank."""
+    from hybridcache.services.runtime.engine import Engine
+    from hybridcache.services.runtime.tokenizer import Tokenizer
+
+    runner = group.runner(*path)
+    return Engine(runner.local.model, Tokenizer.from_dir(model_dir), runner.config, runner=runner)
 
 
 def check_split(path: str, size: int) -> None:
@@ -585,12 +609,14 @@ def check_split(path: str, size: int) -> None:
 
 
 def open_engine(path: str, config):
-    """The engine a worker serves with: an Engine for tensor_parallel_size 1, else the Remote of
-    rank 0's Engine in a started group (its `.group` shuts the followers down)."""
+    """The engine a worker serves with: an Engine for tensor_parallel_size 1, else rank 0's Engine
+    over a started group (its `group` shuts the followers down)."""
+    from hybridcache.services.runtime.engine import Engine
+
     size = config.tensor_parallel_size
     if size == 1:
-        return build_engine(path, config, 0, 1)
+        return Engine.from_dir(path, config.device, config.torch_dtype, config)
     check_split(str(path), size)
-    group = start(size, functools.partial(build_engine, str(path), config), ENGINE_SURFACE, config.device)
+    group = start(size, functools.partial(build_runner, str(path), config), config.device)
     atexit.register(group.shutdown)  # a command that returns without shutting it down
-    return group.target
+    return engine_of(group, str(path))
