@@ -698,11 +698,14 @@ class AssemblyGraphs:
     def _replay(self, static: dict, state, plan):
         sp = static["plan"]
         sp.load(plan)
-        sp.bind_rows(state, plan)
-        for i, graph in enumerate(static["graphs"]):
-            self._bind(static, state, plan, i)
-            graph.replay()
-        return self._collect(static, state, plan)
+        try:
+            sp.bind_rows(state, plan)
+            for i, graph in enumerate(static["graphs"]):
+                self._bind(static, state, plan, i)
+                graph.replay()
+            return self._collect(static, state, plan)
+        finally:
+            sp.forget_request()
 
     def _collect(self, static: dict, state, plan):
         """Clone what the request keeps out of the graphs' memory into `state` and a Recording."""
@@ -801,6 +804,7 @@ class AssemblyGraphs:
             self.stats["captures"] += 1
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
+        sp.forget_request()
         state.linear.update(answer_state.linear)
         state.length = answer_state.length
         return answer

@@ -173,6 +173,7 @@ class AssemblyBatch:
         other.conv_src, other.span_T, other.span_S = {}, {}, {}
         other.kv_rows = other.where = other._tables = None
         other.tables = False
+        other.forget_request()
         return other
 
     def load(self, req: AssemblyBatch) -> None:
@@ -185,6 +186,11 @@ class AssemblyBatch:
         for name in ("real", "spans", "runs", "snapshots", "pairs", "_pieces"):
             setattr(self, name, getattr(req, name))
         self.length = req.length if self.packed.device.type != "cuda" else None
+
+    def forget_request(self) -> None:
+        """Drop what a static plan holds of the last request it ran (its entries' span data, so
+        that a graph kept for later requests does not keep evicted entries alive)."""
+        self.spans, self.runs, self.pairs, self.snapshots, self._pieces = [], [], [], [], {}
 
     def fill(self, model, layer: int, state, req: AssemblyBatch | None = None) -> None:
         """Bind layer `layer`'s request data (module docstring), from `req` (the request's plan; by
