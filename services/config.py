@@ -292,6 +292,12 @@ class RuntimeConfig:
         "checkpoint interval): one batched standalone forward of each prompt but its last token, which "
         "runs in the next decode step and yields the first output token (off: each prompt's own forward)",
         section="scheduler")
+    paged_prefill: bool = setting(
+        True, "prefill each request in the slot it decodes in, its attention K/V written into the slot's pages "
+        "chunk by chunk and read there (no contiguous copy of a long prompt's K/V; on CUDA an assembly then "
+        "runs planned, from one CUDA graph per bucket of layouts); off: K/V kept contiguous while prefilling "
+        "and moved into pages when the request starts decoding, assemblies graphed per exact layout shape",
+        section="scheduler")
     decode_overlap: bool = setting(
         True, "on CUDA, launch each decode step before the host handles the step before it, when no running "
         "request asks for logprobs: the picks (greedy or sampled on the GPU) stay on the device as the next "

@@ -326,7 +326,8 @@ class Scheduler:
         self.plain_prefilled = 0  # requests prefilled together by Engine.prefill_plain
         # a prefill runs in its slot's pages (models whose attention layers write K/V there:
         # common.attention_layout), so no copy of the prompt's K/V is made
-        self._paged_prefill = bool(getattr(engine.model, "paged_prefill", False)) and self.pool.kv is not None
+        self._paged_prefill = (engine.config.paged_prefill and bool(getattr(engine.model, "paged_prefill", False))
+                               and self.pool.kv is not None)
         # (step, prefill tokens, decode batch size) of the latest steps that did work
         self.step_log: collections.deque = collections.deque(maxlen=4096)
         self._step_tokens = 0

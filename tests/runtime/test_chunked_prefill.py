@@ -76,6 +76,29 @@ def test_greedy_outputs_equal_the_one_unit_prefill(arch, mode, dirs):
     assert len(prefill_steps) >= 7 + 2
 
 
+def test_paged_prefill_off_keeps_k_v_contiguous_with_the_same_answers(qwen35_dir):
+    """--paged-prefill off: chunks run on contiguous K/V (moved into pages at decode start), the
+    answers those of paged chunks."""
+    reqs = _requests(seed=2)
+    _, paged = _serve(_engine(qwen35_dir, mode="pic"), reqs, max_num_seqs=1, max_num_batched_tokens=24)
+    eng = _engine(qwen35_dir, mode="pic", paged_prefill=False)
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=24))
+    seen = []
+    forward = eng.runner.forward
+
+    def spy(state, layout, *a, **k):
+        seen.append(all(not isinstance(x, PagedAttnState) for x in state.attn.values()))
+        return forward(state, layout, *a, **k)
+
+    eng.runner.forward = spy
+    try:
+        out = [h.result() for h in [sched.add_request(eng.parse_request(r)) for r in reqs]]
+    finally:
+        sched.stop()
+    assert [r.output_ids for r in out] == [r.output_ids for r in paged]
+    assert len(seen) > 3 and all(seen)
+
+
 def test_a_long_prompt_interleaves_with_decode_steps(qwen35_dir):
     """While a long prompt prefills a chunk a step, the running request decodes in every one of
     those steps: its tokens keep coming between the chunks."""
