@@ -199,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     from hybridcache.services.runtime.loader import ModelLoadError
     from hybridcache.services.runtime.sampling import RequestError
 
+    raw = sys.argv[1:] if argv is None else argv
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in raw):
+        # vLLM takes the key this way too; its docs, and this one, prefer the environment or a file
+        print("hybridcache: warning: --api-key on the command line shows in `ps` and the shell's history; give it "
+              "in HYBRIDCACHE_API_KEY or in a file readable by you alone (--api-key-file)", file=sys.stderr)
     if getattr(args, "trust_remote_code", False):
         print("hybridcache: error: --trust-remote-code is not supported: HybridCache runs only its own "
               "implementations of the supported model types, never Python code shipped with a model", file=sys.stderr)

@@ -191,13 +191,30 @@ class RuntimeConfig:
         section="server")
     api_key: str | None = setting(
         None, "router: the API key clients send as `Authorization: Bearer KEY` (HTTP and gRPC Inference; others "
-        "get 401 / UNAUTHENTICATED); /health, /livez and /metrics stay open", roles=("router",), type=str,
-        metavar="KEY", env="HYBRIDCACHE_API_KEY", section="security")
+        "get 401 / UNAUTHENTICATED); /health and /livez stay open, /metrics too with --metrics-open. Given on "
+        "the command line it shows in `ps`: prefer HYBRIDCACHE_API_KEY or --api-key-file", roles=("router",),
+        type=str, metavar="KEY", env="HYBRIDCACHE_API_KEY", section="security")
+    api_key_file: str | None = setting(
+        None, "router: a file of API keys, one a line (blank lines and # comments left out), each accepted as "
+        "--api-key is; readable by the service's user alone (the key then shows in no argument list and no "
+        "environment)", roles=("router",), type=str, metavar="PATH", section="security")
+    cache_isolation: str = setting(
+        "shared", "router: shared: every client's requests hit the same caches (a client may still keep its own "
+        "with vLLM's cache_salt field); per-key: every cache (segment entries, part chains, prefix pages, the "
+        "cache tier) is keyed by the request's API key, so no client's requests hit, or run faster for, what "
+        "another client sent", roles=("router",), choices=("shared", "per-key"), section="security")
+    metrics_open: bool = setting(
+        False, "router: serve /metrics without the API key (for a Prometheus that sends none); by default it "
+        "needs the key when one is set", roles=("router",), section="security")
     tls_certfile: str | None = setting(
         None, "router: PEM certificate (chain) to serve HTTPS and gRPC over TLS with (with --tls-keyfile)",
         roles=("router",), type=str, metavar="PATH", section="security")
     tls_keyfile: str | None = setting(None, "router: PEM private key of --tls-certfile", roles=("router",), type=str,
                                       metavar="PATH", section="security")
+    prepare_timeout_s: int = setting(
+        10, "router: seconds a request may take to be prepared (parsed, its chat template rendered, tokenized, "
+        "planned) before it is answered 503 with Retry-After and its preparation stopped", roles=("router",),
+        section="server")
     stats_interval_s: int = setting(
         10, "combine: seconds between the lines of running statistics the worker logs, as vLLM's: prompt and "
         "generation throughput, running and waiting requests, K/V and entry-cache use, prefix and entry cache "
@@ -322,10 +339,16 @@ class RuntimeConfig:
     # (`hybridcache generate`, `demo`, `eval`: runtime/llm.py) run every request through a Scheduler; the
     # scatter worker batches cold segments by the token budget.
     max_num_seqs: int = setting(16, "most requests decoding at once (one batched decode step over them all)",
-                                roles=("combine",), section="scheduler")
+                                roles=("combine", "router"), section="scheduler")
     max_waiting: int = setting(
         64, "requests queued for admission; one more is refused (HTTP 429 with Retry-After, gRPC "
-        "RESOURCE_EXHAUSTED)", roles=("combine",), section="scheduler")
+        "RESOURCE_EXHAUSTED); the router refuses past it at once, counting its own requests in flight",
+        roles=("combine", "router"), section="scheduler")
+    max_queue_wait_s: float = setting(
+        5.0, "router: the longest a request is let wait for a seat at a combine worker, as estimated when it "
+        "comes (from the work the seated requests have left and a request's mean work, services/router/"
+        "admission.py); one that would wait longer is refused at once (HTTP 429 with Retry-After, gRPC "
+        "RESOURCE_EXHAUSTED), before anything is planned or built for it", roles=("router",), section="scheduler")
     max_num_batched_tokens: int = setting(
         8192, "prefill tokens (cold segment builds, assemblies) a scheduler step spends besides its decode "
         "step: a longer prompt or assembly is prefilled in chunks of this many live tokens, one a step, so "
@@ -351,7 +374,8 @@ class RuntimeConfig:
             raise ValueError("ipc_arena_bytes must be >= 0")
         if self.max_segments < 1:
             raise ValueError("max_segments must be >= 1")
-        for name in ("max_request_bytes", "http_header_timeout_s", "http_body_timeout_s", "drain_grace_s"):
+        for name in ("max_request_bytes", "http_header_timeout_s", "http_body_timeout_s", "drain_grace_s",
+                     "prepare_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
@@ -362,6 +386,9 @@ class RuntimeConfig:
             raise ValueError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if self.cache_isolation == "per-key" and self.api_key is None and self.api_key_file is None:
+            raise ValueError("--cache-isolation per-key needs API keys (--api-key-file, HYBRIDCACHE_API_KEY or "
+                             "--api-key)")
         if self.max_prompt_chars is not None and self.max_prompt_chars <= 0:
             raise ValueError(f"max_prompt_chars must be positive, got {self.max_prompt_chars}")
         if self.max_model_len is not None and self.max_model_len <= 0:
@@ -378,6 +405,8 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be positive, got {self.max_queue_wait_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from hybridcache.services.config import RuntimeConfig, add_config_flags, config_args, config_env, config_from_args
@@ -182,7 +182,11 @@ class LocalCluster:
                 self.config.secret_file).is_file() else None
             self._own_secret = False
         # Several torch processes share the cores: one intra-op thread each avoids oversubscription.
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+        # The variables that carry a secret setting (the API key) are left out: a child gets those of
+        # the settings it takes alone (config_env), so the key reaches the router and no other child.
+        secret_vars = {f.metadata["env"] for f in fields(RuntimeConfig) if f.metadata.get("env")}
+        self.env = {k: v for k, v in os.environ.items() if k not in secret_vars}
+        self.env.update(OMP_NUM_THREADS="1", **(env or {}))
         self.extra = extra or {}
         self.say = None  # where forward() shows the services' progress and stats lines (`up`: stderr)
         self.timeout, self.timeout_basis = ready_timeout(self.config.device, model_dir)
@@ -286,14 +290,17 @@ class LocalCluster:
     def start(self, scatter_env: list[dict] | None = None) -> LocalCluster:
         try:
             tiers = [self._spawn("cache-tier", free_port(), free_port(), []) for _ in range(self.n_tiers)]
-            scatters = [self._spawn("scatter", free_port(), free_port(), [],
+            # workers dial only members of the deployment: they are told the tiers (and the combine
+            # worker the scatter workers) as the router is
+            tier_flags = [f for t in tiers for f in ("--cache-tier", t.grpc)]
+            scatters = [self._spawn("scatter", free_port(), free_port(), tier_flags,
                                     env=(scatter_env or [{}] * self.n_scatter)[i] if scatter_env else None,
                                     placement=self.scatter_placement[i])
                         for i in range(self.n_scatter)]
             # the combine worker is told the scatter workers too: it asks each one's Describe in the
             # background as they come up (ScatterEndpoints.watch), not on its first request's path
             combine = self._spawn("combine", free_port(), free_port(),
-                                  [f for s in scatters for f in ("--scatter", s.grpc)])
+                                  [f for s in scatters for f in ("--scatter", s.grpc)] + tier_flags)
             # the router starts with the workers (it asks the combine worker's Info in the
             # background until it answers), so its start-up overlaps their model loading
             flags = ["--combine", combine.grpc]
@@ -346,7 +353,7 @@ class LocalCluster:
         serve them meanwhile), then every other child."""
         routers = [s for s in self.services if s.role == "router"]
         others = [s for s in reversed(self.services) if s.role != "router"]
-        for group, grace in ((routers, self.config.drain_grace_s + 5), (others, 10)):
+        for group, grace in ((routers, self.config.drain_grace_s + 10), (others, 10)):
             for s in group:
                 if s.proc is not None and s.proc.poll() is None:
                     s.proc.send_signal(signal.SIGTERM)

@@ -60,11 +60,7 @@ class DeploymentSecret:
 
     def write(self, path: str | Path) -> Path:
         """Write the secret to `path`, readable by its owner only."""
-        path = Path(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.secret)
-        return path
+        return write_private(path, self.secret)
 
     def _derive(self, label: bytes) -> bytes:
         return hmac.new(self.secret, b"hybridcache|" + label, hashlib.sha256).digest()
@@ -78,6 +74,17 @@ class DeploymentSecret:
     def seal_key(self) -> bytes:
         """The HMAC key of cache entries (cache/entry.py)."""
         return self._derive(b"entry-seal")
+
+
+def write_private(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` readable and writable by this process's user alone (0600, also when
+    the file was there with another mode: its mode is set before anything is written)."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(data)
+    return path
 
 
 _installed: DeploymentSecret | None = None
@@ -162,11 +169,12 @@ def _abort_handler(handler, code: grpc.StatusCode, message: str):
 
 
 class MetadataCheckInterceptor(grpc.ServerInterceptor):
-    """Ends with UNAUTHENTICATED every call whose `header` metadata is not `expected` (compared in
-    constant time) before the service sees its request."""
+    """Ends with UNAUTHENTICATED every call whose `header` metadata is none of `expected` (each
+    compared in constant time) before the service sees its request."""
 
-    def __init__(self, header: str, expected: str, message: str):
-        self._header, self._expected, self._message = header, expected.encode(), message
+    def __init__(self, header: str, expected: str | list[str], message: str):
+        expected = [expected] if isinstance(expected, str) else expected
+        self._header, self._expected, self._message = header, [e.encode() for e in expected], message
 
     def intercept_service(self, continuation, handler_call_details):
         got = ""
@@ -174,7 +182,7 @@ class MetadataCheckInterceptor(grpc.ServerInterceptor):
             if k == self._header:
                 got = v
         handler = continuation(handler_call_details)
-        if handler is None or hmac.compare_digest(got.encode(), self._expected):
+        if handler is None or matches(got.encode(), self._expected):
             return handler
         from hybridcache.services.observability import metrics
 
@@ -187,7 +195,50 @@ def TokenInterceptor(token: str) -> MetadataCheckInterceptor:  # noqa: N802 - re
     return MetadataCheckInterceptor(TOKEN_METADATA, token, "internal call without this deployment's token")
 
 
-def ApiKeyInterceptor(api_key: str) -> MetadataCheckInterceptor:  # noqa: N802 - reads as a class
-    """The router's public gRPC door with --api-key: calls must carry `authorization: Bearer KEY`."""
-    return MetadataCheckInterceptor("authorization", f"Bearer {api_key}", "missing or wrong API key "
+def ApiKeyInterceptor(api_keys: str | list[str]) -> MetadataCheckInterceptor:  # noqa: N802 - reads as a class
+    """The router's public gRPC door with API keys: calls must carry `authorization: Bearer KEY`, KEY one of them."""
+    keys = [api_keys] if isinstance(api_keys, str) else api_keys
+    return MetadataCheckInterceptor("authorization", [f"Bearer {k}" for k in keys], "missing or wrong API key "
                                     "(metadata authorization: Bearer KEY)")
+
+
+def matches(got: bytes, expected: list[bytes]) -> bool:
+    """Whether `got` is one of `expected`, every one compared in constant time (how many there are
+    and which one matched do not show in the time taken)."""
+    found = False
+    for e in expected:
+        found |= hmac.compare_digest(got, e)
+    return found
+
+
+def load_api_keys(api_key: str | None, api_key_file: str | None) -> list[str]:
+    """The API keys a router accepts: --api-key (or HYBRIDCACHE_API_KEY) and every line of
+    --api-key-file (blank lines and lines starting with # left out). SecretError when the file
+    cannot be read or holds no key."""
+    keys = [api_key] if api_key else []
+    if api_key_file:
+        try:
+            lines = Path(api_key_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SecretError(f"cannot read the API key file {api_key_file}: {getattr(e, 'strerror', e)}") from None
+        found = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not found:
+            raise SecretError(f"the API key file {api_key_file} holds no key (one a line)")
+        keys += found
+    return keys
+
+
+def tenant_of(api_key: str) -> str:
+    """The name a key's requests have in the caches (--cache-isolation per-key): a hash of the key,
+    which names it without disclosing it."""
+    return hashlib.sha256(b"hybridcache-tenant|" + api_key.encode()).hexdigest()[:32]
+
+
+def tenant_salt(tenant: str, salt) -> str:
+    """The cache salt of a request of `tenant` (tenant_of) that asked for `salt` (vLLM's cache_salt,
+    or None): its own key space within the tenant's."""
+    if salt is not None and not isinstance(salt, str):
+        from hybridcache.services.runtime.sampling import RequestError
+
+        raise RequestError("cache_salt must be a string")
+    return hashlib.sha256(f"{tenant}|{salt or ''}".encode()).hexdigest()

@@ -15,12 +15,20 @@ every text lands, and each token of the rendered prompt goes to the text it lies
 markup around. Markup before the first text (system prompt included) is the prefix, markup
 between texts runs live, and the last text with the markup after it (the generation prompt) is
 the suffix. A template that rewrites the texts (the two renders disagree) gives one live prompt.
+
+What a chat costs is bounded before it renders (ChatLimits.check_body: message, text and
+character counts) and while it renders (the rendered text's length, a deadline, the client gone):
+finding and replacing the markers is linear in the rendered text, whatever the number of texts.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -83,6 +91,75 @@ class ChatPrompt:
         return {"system": self.system, "segments": self.segments, "live_segments": self.live, "suffix": self.suffix}
 
 
+class PrepareDeadline(RuntimeError):
+    """A request's preparation (rendering, tokenizing) ran past its deadline (HTTP 503)."""
+
+
+class PrepareCancelled(RuntimeError):
+    """The client went away while its request was prepared: the work stops, nobody is answered."""
+
+
+@dataclass(frozen=True)
+class ChatLimits:
+    """What a chat may cost the router: checked on the request body before anything renders, and
+    while the template renders (check, between its output chunks)."""
+
+    max_messages: int = 1 << 30
+    max_texts: int = 1 << 30  # text parts that may become segments (a separator's pieces counted)
+    max_chars: int = 1 << 62  # characters of the messages and tools together, and of the rendered prompt
+    deadline: float = math.inf  # time.monotonic() by which the preparation must be done
+    cancelled: Callable[[], bool] = field(default=lambda: False, compare=False)
+
+    def check(self) -> None:
+        """Raise when the client went away or the deadline passed."""
+        if self.cancelled():
+            raise PrepareCancelled("the client went away")
+        if time.monotonic() > self.deadline:
+            raise PrepareDeadline("the request took too long to prepare (render and tokenize); retry later")
+
+    def check_body(self, messages: list, tools, separator: str | None) -> None:
+        """Counts and characters of a chat, in one pass over its JSON that stops at the first bound
+        passed (no rendering): RequestError when over a bound."""
+        if len(messages) > self.max_messages:
+            raise RequestError(f"the chat has {len(messages)} messages, more than the {self.max_messages} served")
+        texts = 0
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") in ("system", "developer"):
+                continue  # not segments (their form is checked as the chat is converted)
+            content = m.get("content")
+            parts = content if isinstance(content, list) else [content] if isinstance(content, str) else []
+            texts += len(parts)
+            if separator:
+                texts += sum(p.count(separator) for p in parts if isinstance(p, str))
+                texts += sum(p["text"].count(separator) for p in parts
+                             if isinstance(p, dict) and isinstance(p.get("text"), str))
+            if texts > self.max_texts:
+                raise RequestError(f"the chat has more than {self.max_texts} text parts (the most segments a "
+                                   f"request may have)")
+        if _chars([messages, tools], self.max_chars) > self.max_chars:
+            raise RequestError(f"the chat's messages and tools hold more than {self.max_chars} characters, more "
+                               f"than could fit in the served length")
+
+
+def _chars(obj, limit: int) -> int:
+    """Characters of every string (keys included) in a JSON value, containers and other values one
+    each; the walk stops once past `limit`."""
+    n, stack = 0, [obj]
+    while stack and n <= limit:
+        x = stack.pop()
+        if isinstance(x, str):
+            n += len(x)
+        elif isinstance(x, dict):
+            n += 1 + sum(len(k) for k in x if isinstance(k, str))
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            n += 1
+            stack.extend(x)
+        else:
+            n += 1
+    return n
+
+
 class ChatTemplate:
     def __init__(self, source: str, text: str, special: dict[str, str] | None = None):
         self.source = source  # where the template came from (response stats)
@@ -121,37 +198,57 @@ class ChatTemplate:
             text, source = p.read_text(), str(p)
         return None if text is None else cls(source, text, special)
 
-    def render(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
+               limits: ChatLimits | None = None) -> str:
+        """The template's text for the messages; with `limits`, RequestError once the text passes
+        limits.max_chars, and the deadline and the client checked between the template's output chunks."""
         kwargs = dict(self.special, messages=messages, add_generation_prompt=add_generation_prompt)
         if tools is not None:
             kwargs["tools"] = tools
+        limits = limits or ChatLimits()
+        out, n = [], 0
         try:
-            return self._template.render(**kwargs)
+            for i, piece in enumerate(self._template.generate(**kwargs)):
+                out.append(piece)
+                n += len(piece)
+                if n > limits.max_chars:
+                    raise RequestError(f"the chat template renders these messages to more than {limits.max_chars} "
+                                       f"characters, more than could fit in the served length")
+                if i % 256 == 255:
+                    limits.check()
+            return "".join(out)
         except jinja2.TemplateError as e:
             raise RequestError(f"the chat template refused the messages: {e}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
 
-    def prompt(self, marked: list[dict], texts: list[str], tokenizer, tools: list | None = None) -> ChatPrompt:
+    def prompt(self, marked: list[dict], texts: list[str], tokenizer, tools: list | None = None,
+               limits: ChatLimits | None = None) -> ChatPrompt:
         """The prompt of the messages `marked`, where mark(k) stands for texts[k] (each text that
         may be a segment); the template sees the messages with the texts in place. A text the
         template does not render is no part of the prompt."""
-        full = self.render(substitute(marked, texts), tools)
-        rendered = self.render(marked, tools)
-        spans, out, pos = [], [], 0
-        for k, text in enumerate(texts):
-            if mark(k) not in rendered:
-                continue  # a text the template leaves out (a role it does not render)
-            at = rendered.find(mark(k), pos)
-            if at < 0 or rendered.count(mark(k)) != 1:
+        limits = limits or ChatLimits()
+        full = self.render(substitute(marked, texts), tools, limits=limits)
+        rendered = self.render(marked, tools, limits=limits)
+        limits.check()
+        # the markers rendered, each once and in order (a text the template leaves out, a role it
+        # does not render, has none): then each text's span in the full text follows
+        found = list(_MARK.finditer(rendered))
+        order = [int(m.group(1)) for m in found]
+        spans: list[tuple[int, int]] | None = None
+        if all(a < b for a, b in zip(order, order[1:])) and all(k < len(texts) for k in order):
+            spans, out, pos, length = [], [], 0, 0
+            for m, k in zip(found, order):
+                out.append(rendered[pos:m.start()])
+                start = length + m.start() - pos
+                out.append(texts[k])
+                spans.append((start, start + len(texts[k])))
+                length = start + len(texts[k])
+                pos = m.end()
+            out.append(rendered[pos:])
+            if "".join(out) != full:
                 spans = None
-                break
-            out.append(rendered[pos:at])
-            start = sum(map(len, out))
-            out.append(text)
-            spans.append((start, start + len(text)))
-            pos = at + len(mark(k))
-        if spans is None or "".join(out) + rendered[pos:] != full:
+        if spans is None:
             # the template changes, drops or repeats a text: no reusable parts
             return ChatPrompt([], [], [], tokenizer.encode(full))
         enc = tokenizer.encode_with_offsets(full)
@@ -188,12 +285,15 @@ def mark(k: int) -> str:
     return f"\ue000{k}\ue001"
 
 
+_MARK = re.compile("\ue000([0-9]{1,9})\ue001")
+
+
 def substitute(obj, texts: list[str]):
-    """obj with every mark(k) in its strings replaced by texts[k]."""
+    """obj with every mark(k) in its strings replaced by texts[k] (one pass over each string)."""
     if isinstance(obj, str):
-        for k, text in enumerate(texts):
-            obj = obj.replace(mark(k), text)
-        return obj
+        if "\ue000" not in obj:
+            return obj
+        return _MARK.sub(lambda m: texts[int(m.group(1))] if int(m.group(1)) < len(texts) else m.group(0), obj)
     if isinstance(obj, list):
         return [substitute(x, texts) for x in obj]
     if isinstance(obj, dict):

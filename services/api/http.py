@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import json
 import logging
 import math
@@ -27,7 +26,8 @@ import uuid
 
 import orjson
 from aiohttp import web
-from hybridcache.services.api.chat_template import ChatTemplate
+from hybridcache.services import security
+from hybridcache.services.api.chat_template import ChatLimits, ChatTemplate, PrepareDeadline
 from hybridcache.services.api.openai_compat import (
     NO_TEMPLATE,
     Fanout,
@@ -88,8 +88,14 @@ def _parse_json(raw: bytes):
         raise _Reject(400, f"malformed JSON: {e}") from None
 
 
-def _json_object(raw: bytes) -> dict:
+def _json_object(raw: bytes, max_values: int | None = None) -> dict:
+    """The body's JSON object; with `max_values`, a body with more commas than that (more values
+    than any request served here holds) is refused before it is parsed."""
+    if max_values is not None and raw.count(b",") > max_values:
+        raise _Reject(400, "the request holds more JSON values than any request this server serves could "
+                           "(its text and token ids past the served length)")
     body = _parse_json(raw)
+
     if not isinstance(body, dict):
         raise _Reject(400, "the request body must be a JSON object")
     return body
@@ -217,24 +223,51 @@ class _Run:
         if not self.done:
             self.control.cancel()
 
+    def interrupt(self, error: Exception) -> None:
+        """(on the event loop) End the request with `error`: its handler answers with it (an error
+        event when its stream has begun), its work on the combine worker is cancelled."""
+        if not self.parsed.done():
+            self.parsed.set_exception(error)
+        self._q.put_nowait(error)
+        self.close()
 
-# What a load balancer or Prometheus reads: open even with an API key.
-OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
+
+class Draining(ServiceUnavailable):
+    """The router is shutting down and the drain grace is over (HTTP 503, an SSE error event, gRPC
+    UNAVAILABLE)."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down and this request did not finish within its drain grace; "
+                         "retry elsewhere or later")
 
 
-def api_key_check(api_key: str):
-    """A middleware: 401 unless `Authorization: Bearer KEY` (compared in constant time), but on
-    OPEN_PATHS."""
-    expected = f"Bearer {api_key}".encode()
+
+
+# A chat of more messages than this many per segment a request may have is refused before it renders
+# (its user and assistant texts are segments, and the markup between them too: none could be served).
+CHAT_MESSAGES_PER_SEGMENT = 8
+
+# What a load balancer's probes read: open even with an API key (/metrics too with --metrics-open).
+OPEN_PATHS = frozenset({"/health", "/livez"})
+
+
+def api_key_check(api_keys: str | list[str], open_paths=OPEN_PATHS):
+    """A middleware: 401 unless `Authorization: Bearer KEY` with KEY one of `api_keys` (each
+    compared in constant time), but on `open_paths`; request["tenant"] names the key's client
+    (security.tenant_of)."""
+    keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
+    expected = [f"Bearer {k}".encode() for k in keys]
+    tenants = {e: security.tenant_of(k) for e, k in zip(expected, keys)}
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if request.path not in OPEN_PATHS:
+        if request.path not in open_paths:
             got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
+            if not security.matches(got, expected):
                 metrics.UNAUTHENTICATED.labels(door="http").inc()
                 return _error(401, "missing or wrong API key (Authorization: Bearer KEY)",
                               {"WWW-Authenticate": "Bearer"})
+            request["tenant"] = tenants[got]
         return await handler(request)
 
     return check
@@ -242,18 +275,24 @@ def api_key_check(api_key: str):
 
 class Api:
     def __init__(self, router: Router, served_model: str, config: RuntimeConfig | None = None,
-                 api_key: str | None = None, chat_template: ChatTemplate | None = None):
+                 api_key: str | list[str] | None = None, chat_template: ChatTemplate | None = None):
         self.router = router
         self.served_model = served_model
         self.config = config or router.runtime
-        self.api_key = api_key
+        self.api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        # --cache-isolation per-key: every request's caches are keyed by its API key (tenant_salt)
+        self.per_key = self.config.cache_isolation == "per-key"
+        if self.per_key and not self.api_keys:
+            raise ValueError("--cache-isolation per-key needs API keys")
         # the model's chat template (None: chats are concatenated texts, as the stats say)
         self.chat_template = chat_template
         self.chat_template_source = chat_template.source if chat_template else NO_TEMPLATE
         self._workers = _Workers()
+        self._runs: set[_Run] = set()  # requests in flight (drain ends those left with an error)
 
     def app(self) -> web.Application:
-        middlewares = [json_errors] + ([api_key_check(self.api_key)] if self.api_key else [])
+        open_paths = OPEN_PATHS | ({"/metrics"} if self.config.metrics_open else set())
+        middlewares = [json_errors] + ([api_key_check(self.api_keys, open_paths)] if self.api_keys else [])
         app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=middlewares)
         app.add_routes([
             web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
@@ -268,6 +307,31 @@ class Api:
 
     async def _body(self, request: web.Request) -> dict:
         return await asyncio.to_thread(_json_object, await self._raw(request))
+    @property
+    def _max_values(self) -> int:
+        """More values (commas) than a servable request's body holds: its text's characters (every
+        value and key of a chat counts at least one, ChatLimits), its token ids, twice over."""
+        return 2 * (self.router.planner.max_chars + self.router.max_model_len) + 4096
+
+    def _limits(self, received: float, cancelled) -> ChatLimits:
+        """What one request may cost to prepare: the chat bounds (checked before its template renders;
+        none could be served over them) and its deadline (from `received`, time.perf_counter())."""
+        planner = self.router.planner
+        deadline = time.monotonic() + self.config.prepare_timeout_s - (time.perf_counter() - received)
+        return ChatLimits(max_messages=CHAT_MESSAGES_PER_SEGMENT * planner.config.max_segments,
+                          max_texts=planner.config.max_segments + 1, max_chars=planner.max_chars,
+                          deadline=deadline, cancelled=cancelled)
+
+    async def _off_loop(self, work):
+        """work(limits) in a worker thread, bounded by the prepare deadline; cancelled (the client
+        gone, the handler cancelled) at its next check."""
+        gone = threading.Event()
+        limits = self._limits(time.perf_counter(), gone.is_set)
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(work, limits), self.config.prepare_timeout_s)
+        finally:
+            gone.set()
+
 
     async def _raw(self, request: web.Request) -> bytes:
         """The request's body, bounded in size and time."""
@@ -298,16 +362,28 @@ class Api:
         # the response's ttft_ms counts from here: body, parsing and planning are part of the wait
         received = request["received"] = time.perf_counter()
         try:
+            self.router.check_admission()  # a refusal costs no parsing
             raw = await self._raw(request)
         except _Reject as e:
             return _error(e.status, e.message)
+        except Overloaded as e:
+            return _overloaded(e)
+        loop = asyncio.get_running_loop()
+        run = _Run(loop)
+        request["runs"] = [run]
+        self._runs.add(run)
+        limits = self._limits(received, lambda: run.control.cancelled)
+        tenant = request.get("tenant")
 
         def prepare():
             # in a worker thread: parsing, conversion (text tokenized) and the router's parse
-            body = _json_object(raw)
+            body = _json_object(raw, self._max_values)
             self._check_model(body)
-            out = convert(body)
+            out = convert(body, limits)
             fanout = out if isinstance(out, Fanout) else Fanout([out])
+            if self.per_key:
+                for native in fanout.requests:
+                    native["cache_salt"] = security.tenant_salt(tenant, native.get("cache_salt"))
             reqs = [_parse_named(self.router, native, fanout.prompt_field) for native in fanout.requests]
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
@@ -319,20 +395,25 @@ class Api:
         def open_stream(parsed, control, sent):
             return self.router.stream(parsed[1][0], control, received, sent)
 
-        loop = asyncio.get_running_loop()
-        run = _Run(loop)
-        request["runs"] = [run]
         self._workers.submit(functools.partial(run.work, prepare, open_stream))
         try:
             try:
-                body, reqs, stream, fanout = await run.parsed
+                # past the deadline the answer goes at once; the worker stops at its next check
+                body, reqs, stream, fanout = await asyncio.wait_for(
+                    asyncio.shield(run.parsed), max(0.0, limits.deadline - time.monotonic()) + 1.0)
             except _Reject as e:
                 return _error(e.status, e.message)
             except RequestError as e:
                 return _error(400, str(e))
+            except (PrepareDeadline, TimeoutError):
+                return _error(503, f"the request was not prepared within {self.config.prepare_timeout_s} s "
+                              f"(rendered, tokenized, planned); retry later", {"Retry-After": "1"})
+            except ServiceUnavailable as e:  # the drain grace ended while it was prepared
+                return _error(503, str(e))
             for req in reqs[1:]:
                 more = _Run(loop)
                 request["runs"].append(more)
+                self._runs.add(more)
                 self._workers.submit(functools.partial(
                     more.work, functools.partial(lambda r: r, req),
                     lambda r, control, sent: self.router.stream(r, control, received, sent)))
@@ -346,7 +427,10 @@ class Api:
                 return _error(503, str(e))
         finally:
             for r in request["runs"]:
+                self._runs.discard(r)
                 r.close()
+            if not run.parsed.done():  # answered before it was parsed (deadline, client gone): nobody reads it
+                run.parsed.cancel()
 
     async def _collect(self, run: _Run) -> tuple[str, list[int], str, dict, list, list]:
         """One request's whole answer: text, token ids, finish reason, stats, per token (id, log p,
@@ -469,6 +553,22 @@ class Api:
             for t in tasks:
                 t.cancel()
 
+    async def drain(self, grace_s: float) -> int:
+        """(once the doors stopped listening) Wait up to grace_s for the requests in flight, then end
+        those left with an error their clients get (503, or an SSE error event and [DONE]) before
+        the connections close. Returns how many were ended so."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._runs and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._runs)
+        for run in left:
+            run.interrupt(Draining())
+        deadline = loop.time() + 5.0  # their answers written
+        while self._runs and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        return len(left)
+
     def _usage(self, reqs, answers: list[tuple[int, dict]], copies: int = 1) -> dict:
         """usage of the requests, answers[i] = (tokens streamed, stats) of reqs[i]: what the model
         generated (the token that stopped it included), every copy's; each prompt once (its `copies`
@@ -481,9 +581,9 @@ class Api:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def chat(self, request):
-        def convert(body):
+        def convert(body, limits):
             return chat_requests(body, self.chat_template, self.router.planner.tokenizer,
-                                 self.config.segment_separator)
+                                 self.config.segment_separator, limits)
 
         return await self._handle(request, convert, self._chat_respond)
 
@@ -567,7 +667,9 @@ class Api:
         return await self._sse(request, event, final)
 
     async def completions(self, request):
-        convert = functools.partial(completion_requests, separator=self.config.segment_separator)
+        def convert(body, _limits):
+            return completion_requests(body, self.config.segment_separator)
+
         return await self._handle(request, convert, self._completion_respond)
 
     async def _completion_respond(self, request, reqs, stream, body, fanout):
@@ -640,51 +742,84 @@ class Api:
              "root": self.router.model_name, "parent": None, "max_model_len": self.router.max_model_len}]})
 
     async def tokenize(self, request):
-        """vLLM's /tokenize: {"prompt"} or {"messages"} (rendered as /v1/chat/completions renders them)."""
+        """vLLM's /tokenize: {"prompt"} or {"messages"} (rendered as /v1/chat/completions renders them).
+        Bounded as a completion is: the body's size, the characters tokenized, the chat's size before
+        it renders; the work runs off the event loop."""
         try:
-            body = await self._body(request)
-            self._check_model(body)
-            tok = self.router.planner.tokenizer
-            if "messages" in body:
-                _check_keys(body, {"model", "messages", "add_generation_prompt", "add_special_tokens", "tools"})
-                if body.get("add_generation_prompt", True) is not True:
-                    raise RequestError("add_generation_prompt must be true (the prompts served end with it)")
-                native = chat_to_native({k: body[k] for k in ("messages", "tools") if k in body},
-                                        self.chat_template, tok, self.config.segment_separator)
-                tokens = [t for part in (native["system"], *native["segments"], native["suffix"])
-                          for t in (tok.encode(part) if isinstance(part, str) else part)]
-            else:
-                _check_keys(body, {"model", "prompt", "add_special_tokens"})
-                prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
-                if not isinstance(prompt, str) or not isinstance(special, bool):
-                    raise RequestError("prompt must be a string and add_special_tokens a boolean")
-                tokens = tok.tok.encode(prompt, add_special_tokens=special).ids
+            # parsed in the worker too: the body's objects are made and freed there, not on the event loop
+            raw = await self._raw(request)
+            return web.Response(body=await self._off_loop(functools.partial(self._tokenize, raw)),
+                                content_type="application/json")
         except _Reject as e:
             return _error(e.status, e.message)
         except RequestError as e:
             return _error(400, str(e))
-        return web.json_response({"count": len(tokens), "max_model_len": self.router.max_model_len,
-                                  "tokens": tokens, "token_strs": None})
+        except (PrepareDeadline, TimeoutError):
+            return _error(503, f"not tokenized within {self.config.prepare_timeout_s} s; retry later",
+                          {"Retry-After": "1"})
+
+    def _tokenize(self, raw: bytes, limits: ChatLimits) -> bytes:
+        body = _json_object(raw, self._max_values)
+        self._check_model(body)
+        tok = self.router.planner.tokenizer
+        if "messages" in body:
+            _check_keys(body, {"model", "messages", "add_generation_prompt", "add_special_tokens", "tools"})
+            if body.get("add_generation_prompt", True) is not True:
+                raise RequestError("add_generation_prompt must be true (the prompts served end with it)")
+            native = chat_to_native({k: body[k] for k in ("messages", "tools") if k in body},
+                                    self.chat_template, tok, self.config.segment_separator, limits)
+            texts = [p for p in (native["system"], *native["segments"], native["suffix"]) if isinstance(p, str)]
+            if sum(map(len, texts)) > limits.max_chars:
+                raise RequestError(f"the messages hold more than {limits.max_chars} characters, more than could "
+                                   f"fit in the served length")
+            tokens = [t for part in (native["system"], *native["segments"], native["suffix"])
+                      for t in (tok.encode(part) if isinstance(part, str) else part)]
+        else:
+            _check_keys(body, {"model", "prompt", "add_special_tokens"})
+            prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
+            if not isinstance(prompt, str) or not isinstance(special, bool):
+                raise RequestError("prompt must be a string and add_special_tokens a boolean")
+            if len(prompt) > limits.max_chars:
+                raise RequestError(f"the prompt has {len(prompt)} characters, more than the {limits.max_chars} "
+                                   f"that could fit in the served length")
+            limits.check()
+            tokens = tok.encode_with_offsets(prompt, add_special_tokens=special).ids
+        return orjson.dumps({"count": len(tokens), "max_model_len": self.router.max_model_len,
+                             "tokens": tokens, "token_strs": None})
 
     async def detokenize(self, request):
-        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}, special tokens kept."""
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}, special tokens kept; at most the
+        served length of ids, decoded off the event loop."""
         try:
-            body = await self._body(request)
-            self._check_model(body)
-            _check_keys(body, {"model", "tokens"})
-            tokens, vocab = body.get("tokens"), self.router.planner.cfg.vocab_size
-            if not isinstance(tokens, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
-                raise RequestError(f"tokens must be a list of token ids in [0, {vocab})")
+            # parsed in the worker too: the body's objects are made and freed there, not on the event loop
+            raw = await self._raw(request)
+            return web.Response(body=await self._off_loop(functools.partial(self._detokenize, raw)),
+                                content_type="application/json")
         except _Reject as e:
             return _error(e.status, e.message)
         except RequestError as e:
             return _error(400, str(e))
-        return web.json_response({"prompt": self.router.planner.tokenizer.tok.decode(tokens,
-                                                                                     skip_special_tokens=False)})
+        except (PrepareDeadline, TimeoutError):
+            return _error(503, f"not detokenized within {self.config.prepare_timeout_s} s; retry later",
+                          {"Retry-After": "1"})
+
+    def _detokenize(self, raw: bytes, limits: ChatLimits) -> bytes:
+        body = _json_object(raw, self._max_values)
+        self._check_model(body)
+        _check_keys(body, {"model", "tokens"})
+        tokens, vocab, most = body.get("tokens"), self.router.planner.cfg.vocab_size, self.router.max_model_len
+        if isinstance(tokens, list) and len(tokens) > most:
+            raise RequestError(f"tokens holds {len(tokens)} ids, more than the served max model length ({most})")
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+            raise RequestError(f"tokens must be a list of token ids in [0, {vocab})")
+        limits.check()
+        return orjson.dumps({"prompt": self.router.planner.tokenizer.tok.decode(tokens, skip_special_tokens=False)})
 
     async def generate(self, request):
-        convert = functools.partial(sglang_requests, separator=self.config.segment_separator)
+        def convert(body, _limits):
+            return sglang_requests(body, self.config.segment_separator)
+
         return await self._handle(request, convert, self._generate_respond)
 
     def _meta(self, req, n: int, finish: str | None, stats: dict, t0: float) -> dict:

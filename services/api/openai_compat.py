@@ -20,7 +20,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from hybridcache.services.api.chat_template import ChatTemplate, mark
+from hybridcache.services.api.chat_template import ChatLimits, ChatTemplate, mark
 from hybridcache.services.runtime.sampling import MAX_TOP_LOGPROBS, RequestError
 
 # Fields clients send that this server does not implement. Each is accepted only when absent, null
@@ -185,10 +185,21 @@ def copies(native: dict, n: int) -> list[dict]:
     return out
 
 
-def _fanout(requests: list[dict], n: int, **kw) -> Fanout:
-    if len(requests) > MAX_CHOICES:
-        raise RequestError(f"the request asks for {len(requests)} completions (prompts times n or best_of); "
+def _check_choices(count: int) -> None:
+    """Refuse a request for more than MAX_CHOICES completions before any of them is made (n of a
+    billion would otherwise be a billion copies first)."""
+    if count > MAX_CHOICES:
+        raise RequestError(f"the request asks for {count} completions (prompts times n or best_of); "
                            f"at most {MAX_CHOICES}")
+
+
+def _is_prompt_list(prompt) -> bool:
+    """A completions prompt that is a list of prompts (not one list of token ids)."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+
+
+def _fanout(requests: list[dict], n: int, **kw) -> Fanout:
+    _check_choices(len(requests))
     return Fanout(requests, n, **kw)
 
 
@@ -244,32 +255,46 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 NO_TEMPLATE = "none: message texts concatenated without roles (the model has no chat template)"
 
 
-def chat_to_native(body: dict, template: ChatTemplate | None = None, tokenizer=None, separator: str = "") -> dict:
+def chat_to_native(body: dict, template: ChatTemplate | None = None, tokenizer=None, separator: str = "",
+                   limits: ChatLimits | None = None) -> dict:
     """A chat request as the engine's native request. With a chat template (and the tokenizer)
     the prompt is the rendered template in token ids (chat_template.ChatTemplate.prompt); without
     one, system texts are the prefix, every other text part a segment, the last one the suffix.
-    `separator`: the server's segment separator (the request's `separator` overrides it)."""
+    `separator`: the server's segment separator (the request's `separator` overrides it).
+    `limits`: the chat's size checked before it renders, the render bounded (ChatLimits)."""
     _check_fields(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-                         "seed", "stop", "n", "stream", "separator", "tools", "tool_choice"} | _OPENAI_IGNORED
-                  | _OPENAI_SAMPLING, "the request")
-    native = _chat_native(body, template, tokenizer, _separator(body, separator))
+                         "seed", "stop", "n", "stream", "separator", "tools", "tool_choice", "cache_salt"}
+                  | _OPENAI_IGNORED | _OPENAI_SAMPLING, "the request")
+    native = _with_salt(body, _chat_native(body, template, tokenizer, _separator(body, separator),
+                                           limits or ChatLimits()))
     top = chat_logprobs(body)
     if top is not None:
         native["sampling_params"]["logprobs"] = top
     return native
 
 
-def chat_requests(body: dict, template: ChatTemplate | None = None, tokenizer=None, separator: str = "") -> Fanout:
+def chat_requests(body: dict, template: ChatTemplate | None = None, tokenizer=None, separator: str = "",
+                  limits: ChatLimits | None = None) -> Fanout:
     """A chat request as its native requests: n copies (choices) of chat_to_native's."""
     n = _count(body, "n")
-    native = chat_to_native(body, template, tokenizer, separator)
+    _check_choices(n)
+    native = chat_to_native(body, template, tokenizer, separator, limits)
     return _fanout(copies(native, n), n)
 
 
-def _chat_native(body: dict, template: ChatTemplate | None, tokenizer, sep: str) -> dict:
+def _with_salt(body: dict, native: dict) -> dict:
+    """vLLM's `cache_salt` request field, handed on (the planner checks it): the request's caches
+    are its own key space (plan.salted_key)."""
+    if body.get("cache_salt") is not None:
+        native["cache_salt"] = body["cache_salt"]
+    return native
+
+
+def _chat_native(body: dict, template: ChatTemplate | None, tokenizer, sep: str, limits: ChatLimits) -> dict:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
+    limits.check_body(messages, body.get("tools"), sep)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a role")
@@ -288,7 +313,7 @@ def _chat_native(body: dict, template: ChatTemplate | None, tokenizer, sep: str)
             raise RequestError("tools need a chat template, and the served model has none (--chat-template FILE)")
         return _chat_without_template(messages, sep, body)
     marked, texts = _marked_messages(messages, sep)
-    native = template.prompt(marked, texts, tokenizer, tools=tools).native()
+    native = template.prompt(marked, texts, tokenizer, tools=tools, limits=limits).native()
     native["sampling_params"] = openai_sampling(body)
     return native
 
@@ -377,11 +402,13 @@ def prompt_list(prompt) -> list:
 def completion_requests(body: dict, separator: str = "") -> Fanout:
     """A completions request as its native requests: for each prompt of a prompt list, best_of (else
     n) copies; best_of > n asks for the sampled tokens' log-probabilities, to rank the candidates."""
-    prompts = prompt_list(body.get("prompt"))
     n = _count(body, "n")
     best_of = _count(body, "best_of", n)
     if best_of < n:
         raise RequestError(f"best_of must be >= n ({n})")
+    prompt = body.get("prompt")
+    _check_choices(best_of * (len(prompt) if _is_prompt_list(prompt) else 1))
+    prompts = prompt_list(prompt)
     if best_of > n and body.get("stream"):
         raise RequestError("best_of > n cannot be streamed: the best are known only at the end")
     out = []
@@ -395,8 +422,8 @@ def completion_requests(body: dict, separator: str = "") -> Fanout:
 
 def completion_to_native(body: dict, separator: str = "") -> dict:
     _check_fields(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-                         "stream", "separator", "segments", "system", "logprobs"} | _OPENAI_IGNORED | _OPENAI_SAMPLING,
-                  "the request", implemented=frozenset({"best_of", "echo"}))
+                         "stream", "separator", "segments", "system", "logprobs", "cache_salt"} | _OPENAI_IGNORED
+                  | _OPENAI_SAMPLING, "the request", implemented=frozenset({"best_of", "echo"}))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -455,6 +482,7 @@ def sglang_requests(body: dict, separator: str = "") -> Fanout:
                                                          or all(isinstance(t, list) for t in text))
     sp = body.get("sampling_params")
     n = _count(sp, "n") if isinstance(sp, dict) else 1
+    _check_choices(n * (len(text) if batched else 1))
     field = "text" if "text" in body else "input_ids" if "input_ids" in body else "suffix"
     out = []
     for t in text if batched else [text]:
@@ -467,7 +495,7 @@ def sglang_requests(body: dict, separator: str = "") -> Fanout:
 
 def sglang_to_native(body: dict, separator: str = "") -> dict:
     _check_fields(body, {"text", "input_ids", "sampling_params", "stream", "system", "segments", "suffix",
-                         "separator", "model", "return_logprob", "top_logprobs_num"} | _SGLANG_IGNORED,
+                         "separator", "model", "return_logprob", "top_logprobs_num", "cache_salt"} | _SGLANG_IGNORED,
                   "the request")
     native = {k: body[k] for k in ("system", "segments") if body.get(k) is not None}
     native["sampling_params"] = sglang_sampling(body.get("sampling_params"))
@@ -486,7 +514,7 @@ def sglang_to_native(body: dict, separator: str = "") -> dict:
     if isinstance(text, list) and text and all(isinstance(t, (str, list)) for t in text):
         raise RequestError("a batch of texts goes through sglang_requests")
     native["suffix"] = text if text is not None else ""
-    return split_native(native, _separator(body, separator))
+    return _with_salt(body, split_native(native, _separator(body, separator)))
 
 
 TOOL_CALL_OPEN = "<tool_call>"

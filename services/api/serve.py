@@ -151,14 +151,18 @@ def _serve(args) -> int:
     # Workers and the cache tier answer members of the deployment only; the router's gRPC door is
     # the public Inference service.
     interceptors = [security.TokenInterceptor(secret.token)]
+    api_keys = []
     if args.role == "router":
-        interceptors = [security.ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        api_keys = security.load_api_keys(config.api_key, config.api_key_file)
+        interceptors = [security.ApiKeyInterceptor(api_keys)] if api_keys else []
     options = security.INTERNAL_GRPC_OPTIONS
     if args.role == "router":
         # the public door reads no message over the request limit (gRPC answers RESOURCE_EXHAUSTED)
         options = [("grpc.max_receive_message_length", config.max_request_bytes),
                    ("grpc.max_send_message_length", 1 << 30)]
-    server = grpc.server(ThreadPoolExecutor(max_workers=32), options=options, interceptors=interceptors)
+    # a combine worker's Generate holds a thread for the whole request: one for each it may take
+    threads = 32 if args.role != "combine" else max(32, config.max_num_seqs + config.max_waiting + 8)
+    server = grpc.server(ThreadPoolExecutor(max_workers=threads), options=options, interceptors=interceptors)
     # /health (the router's own HTTP API aside) is up from the start and says 503 ("starting",
     # "warming up") until the role serves
     health = {"status": "starting", "role": args.role, "address": address}
@@ -180,14 +184,16 @@ def _serve(args) -> int:
 
     if args.role == "cache-tier":
         from hybridcache.services.cache_tier.server import CacheTierServicer
-        from hybridcache.services.cache_tier.store import TierStore
+        from hybridcache.services.cache_tier.store import TierStore, return_freed_entries
 
+        return_freed_entries()  # its resident memory follows the entries it holds (store.py)
         store = TierStore(config.tier_cache_bytes, args.spill_dir)
         rpc.add_CacheTierServicer_to_server(CacheTierServicer(store), server)
     elif args.role == "scatter":
         from hybridcache.services.scatter.worker import ScatterServicer
 
-        scatter = ScatterServicer(engine, config.max_num_batched_tokens, arena_bytes=config.ipc_arena_bytes)
+        scatter = ScatterServicer(engine, config.max_num_batched_tokens, arena_bytes=config.ipc_arena_bytes,
+                                  members=directory.members)
         rpc.add_ScatterServicer_to_server(scatter, server)
     elif args.role == "combine":
         from hybridcache.services.combine.worker import CombineServicer
@@ -197,14 +203,16 @@ def _serve(args) -> int:
         # budget, just enough for its warm-up requests, and sizes its caches from what that measured
         provisional = warmup_kv_bytes(engine, config) if plans else None
         combine = CombineServicer(engine, dtype=config.dtype,
-                                  scheduling=scheduler_config(config, engine.model.device, provisional))
+                                  scheduling=scheduler_config(config, engine.model.device, provisional),
+                                  members=directory.members)
         rpc.add_CombineServicer_to_server(combine, server)
     else:
         from hybridcache.services.api.grpc_inference import InferenceServicer
         from hybridcache.services.router.router import Router, RouterConfig
 
         router = Router(args.model, directory, RouterConfig(assignment=args.assignment), config)
-        rpc.add_InferenceServicer_to_server(InferenceServicer(router), server)
+        inference = InferenceServicer(router, api_keys)
+        rpc.add_InferenceServicer_to_server(inference, server)
 
     if args.role == "router" and config.tls_certfile:
         bound = server.add_secure_port(address, grpc.ssl_server_credentials([_key_and_cert(config)]))
@@ -235,7 +243,7 @@ def _serve(args) -> int:
     if args.role == "router":
         # Serve at once; /health says 503 until a combine worker has answered (pods start in any order).
         threading.Thread(target=router.connect, kwargs={"timeout_s": float("inf")}, daemon=True).start()
-        http_runner = _start_api(router, args, http_port, config)
+        http_runner = _start_api(router, args, http_port, config, api_keys)
     directory.register(args.role, address)
     stop = threading.Event()
     if combine is not None and config.stats_interval_s > 0:
@@ -265,9 +273,15 @@ def _serve(args) -> int:
     grace = config.drain_grace_s if args.role == "router" else 1.0
     if args.role == "router":
         log.info("draining: in-flight requests have %s s", grace)
-    stopped = server.stop(grace=grace)
-    if http_runner is not None:
+    if args.role == "router":
+        # both doors stop taking requests at once; those still running when the grace ends get an
+        # error (SSE error event, 503, gRPC UNAVAILABLE) before their connections close: the gRPC
+        # server's own end of the grace (which closes what is left) comes a moment after ours
+        stopped = server.stop(grace=grace + 3)
+        threading.Thread(target=inference.drain, args=(grace,), name="drain", daemon=True).start()
         http_runner()
+    else:
+        stopped = server.stop(grace=grace)
     stopped.wait()
     if combine is not None:
         combine.close()
@@ -293,7 +307,7 @@ def _tls_context(config):
     return ctx
 
 
-def _start_api(router, args, http_port: int, config):
+def _start_api(router, args, http_port: int, config, api_keys: list[str]):
     """Run the aiohttp app in its own thread; returns a function that stops it."""
     import asyncio
 
@@ -304,14 +318,20 @@ def _start_api(router, args, http_port: int, config):
 
     template = ChatTemplate.load(args.model, config.chat_template)
     api = Api(router, served_model=config.served_model_name or Path(args.model).name, config=config,
-              api_key=config.api_key,
-              chat_template=template)
+              api_key=api_keys, chat_template=template)
     runner = loop.run_until_complete(start_server(api.app(), args.host, http_port, config, _tls_context(config)))
     threading.Thread(target=loop.run_forever, name="http", daemon=True).start()
 
+    async def drain():
+        for site in list(runner.sites):
+            await site.stop()  # no new connections
+        ended = await api.drain(config.drain_grace_s)
+        if ended:
+            log.info("drain: %d request(s) still running at the end of the grace ended with an error", ended)
+        await runner.cleanup()  # closes the connections
+
     def stop():
-        # cleanup: stop listening, close idle connections, wait up to the drain grace for handlers
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=config.drain_grace_s + 5)
+        asyncio.run_coroutine_threadsafe(drain(), loop).result(timeout=config.drain_grace_s + 15)
         loop.call_soon_threadsafe(loop.stop)
 
     return stop

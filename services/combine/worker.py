@@ -76,16 +76,16 @@ def request_counters(device, store, runner) -> dict[str, float]:
 
 def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]], cache_tier: str,
                        metadata=(), timeout_s: float = 120.0, receiver: Endpoint | None = None,
-                       device="cpu") -> tuple[dict[int, SegmentEntry], EntryAssembler]:
+                       device="cpu", key_salt: str = "") -> tuple[dict[int, SegmentEntry], EntryAssembler]:
     """Ask one scatter worker for entries; returns those received whole (a dead worker yields
     what arrived before it died) and the assembler (bytes, transfer seconds and path). With
     `receiver` (this worker's Endpoint) the scatter worker picks the transport; entries of the
-    device transports land on `device`."""
+    device transports land on `device`. `key_salt`: the request's cache salt (its entries' keys)."""
     channel = internal_channel(address)
     got: dict[int, SegmentEntry] = {}
     asm = EntryAssembler(device)
     req = pb.PrefillRequest(segments=[segment(i, ids, cache_tier=t) for i, ids, t in segments],
-                            cache_tier=cache_tier, transport=transport_for_address(address))
+                            cache_tier=cache_tier, transport=transport_for_address(address), key_salt=key_salt)
     if receiver is not None:
         receiver.to_pb(req.receiver)
     try:
@@ -105,8 +105,11 @@ def prefill_on_scatter(address: str, segments: list[tuple[int, list[int], str]],
 
 class CombineServicer(rpc.CombineServicer):
     def __init__(self, engine: Engine, cache_tier: str = "", dtype: str = "float32",
-                 scheduling: SchedulerConfig | None = None):
+                 scheduling: SchedulerConfig | None = None, members=None):
+        """members(role): the deployment's members of a role (its directory): the only addresses this
+        worker dials or names to a scatter worker (None: any, for a worker used in-process)."""
         self.engine = engine
+        self._members = members
         # the worker's own entry cache: GPU memory on a CUDA worker, its process memory otherwise
         self.own_tier = "gpu" if engine.model.device.type == "cuda" else "worker"
         self.cache_tier = cache_tier
@@ -268,6 +271,9 @@ class CombineServicer(rpc.CombineServicer):
             return replace(self.endpoint, gpus=())
         return self.endpoint
 
+    def _member_set(self, role: str) -> set[str] | None:
+        return None if self._members is None else set(self._members(role))
+
     def scatter_endpoint(self, address: str) -> Endpoint | None:
         """The Endpoint of the scatter worker at `address` (ScatterEndpoints: its Describe, asked
         once; None for one that cannot describe itself, or, for PEER_RETRY_S, one that did not answer)."""
@@ -289,7 +295,8 @@ class CombineServicer(rpc.CombineServicer):
         return pb.InfoReply(fingerprint=e.fingerprint, seam_window=e.config.seam_window, model_type=e.cfg.model_type,
                             mode=e.config.mode, dtype=self.dtype, prefill_tokens_per_second=self.prefill_tps,
                             transport_bandwidth=self.transport_bandwidth, endpoint=self.endpoint.to_msg(),
-                            scatter_same_gpu=self.scatter_same_gpu)
+                            scatter_same_gpu=self.scatter_same_gpu, max_num_seqs=self.scheduler.config.max_num_seqs,
+                            max_waiting=self.scheduler.config.max_waiting)
 
     def _tier(self, address: str) -> CacheTierClient:
         if address not in self._tiers:
@@ -316,8 +323,13 @@ class CombineServicer(rpc.CombineServicer):
         # Only the keys of this engine's own planner count: a plan naming another key for a segment
         # (or no segment) is ignored, and the engine builds that segment itself.
         plan = [p for p in request.plan if p.key == expected.get(p.index)]
+        # Only members of the deployment are dialled: a plan naming another address builds there here.
+        tiers, scatters = self._member_set("cache-tier"), self._member_set("scatter")
+        plan = [p if _dials_member(p, tiers, scatters) else pb.SegmentPlan(index=p.index, key=p.key, source="local")
+                for p in plan]
         keys = {p.index: p.key for p in plan}
-        owners = {p.index: p.cache_tier for p in plan}
+        owners = {p.index: p.cache_tier if tiers is None or p.cache_tier in tiers else "" for p in plan}
+        request_tier = request.cache_tier if tiers is None or request.cache_tier in tiers else ""
         received: dict = {}  # key -> entry accepted from the tier or a scatter worker (rank slices on TP)
         hits = 0
         for p in plan:
@@ -347,8 +359,9 @@ class CombineServicer(rpc.CombineServicer):
                     cold.setdefault("", []).append(p.index)
         # A scatter worker on this worker's own GPU builds nothing faster than this worker does,
         # and its entries would still have to move: what was planned there is built here.
-        same_gpu = {a for a in set(cold) | set(request.scatter_workers) if a and self._on_my_gpu(a)}
-        workers = [w for w in request.scatter_workers if w not in same_gpu]
+        redispatch = [w for w in request.scatter_workers if scatters is None or w in scatters]
+        same_gpu = {a for a in set(cold) | set(redispatch) if a and self._on_my_gpu(a)}
+        workers = [w for w in redispatch if w not in same_gpu]
         moved["built_here_same_gpu"] = sum(len(cold[a]) for a in same_gpu if a in cold)
         # The pool threads do not inherit this thread's trace context: hand it over explicitly.
         trace_md = tracing.outgoing_metadata()
@@ -360,8 +373,9 @@ class CombineServicer(rpc.CombineServicer):
                 if address and address not in failed:
                     jobs[address] = self._pool.submit(prefill_on_scatter, address,
                                                       [(i, segments[i], owners.get(i, "")) for i in idx],
-                                                      request.cache_tier, trace_md,
-                                                      receiver=self.receiver_for(address), device=self.device)
+                                                      request_tier, trace_md,
+                                                      receiver=self.receiver_for(address), device=self.device,
+                                                      key_salt=request.cache_salt)
             retry: list[int] = []
             for address, idx in pending.items():
                 got, asm = jobs[address].result() if address in jobs else ({}, None)
@@ -421,7 +435,8 @@ class CombineServicer(rpc.CombineServicer):
             packed = [segment_array(s) for s in sorted(request.segments, key=lambda s: s.index)]
             req = self.engine.parse_request({"system": list(request.system_ids), "segments": packed,
                                              "suffix": list(request.suffix_ids), "sampling_params": sampling,
-                                             "live_segments": [s.index for s in request.segments if s.live]})
+                                             "live_segments": [s.index for s in request.segments if s.live],
+                                             "cache_salt": request.cache_salt})
             self.scheduler.check_fits(req)
         except (RequestError, ValueError) as e:
             yield pb.TokenChunk(token_id=-1, done=True, error=str(e), status=400)
@@ -463,9 +478,13 @@ class CombineServicer(rpc.CombineServicer):
                     if t_first is None:
                         t_first = time.perf_counter()
                 yield chunk
-        except Exception as e:  # noqa: BLE001 - the engine failed on this request: the client gets the error
-            log.exception("request failed")
-            yield pb.TokenChunk(token_id=-1, done=True, error=f"{type(e).__name__}: {e}", status=500)
+        except RequestError as e:  # what its parameters caused (the scheduler finished it alone)
+            yield pb.TokenChunk(token_id=-1, done=True, error=str(e), status=400)
+            return
+        except Exception as e:  # noqa: BLE001 - the engine failed on this request: the client gets an id to report
+            log.error("request %s failed", request.request_id, exc_info=e)
+            yield pb.TokenChunk(token_id=-1, done=True, status=500, error=f"internal error ({type(e).__name__}) in "
+                                f"request {request.request_id}; the combine worker's log has its traceback")
             return
         if handle.finish_reason == "abort":
             return
@@ -485,6 +504,9 @@ class CombineServicer(rpc.CombineServicer):
         stats["reused_segments"] = sum(s["hit"] for s in stats["segments"])
         stats.update(moved)
         stats["combine_ms"] = (time.perf_counter() - t0) * 1000
+        # its wait in the scheduler's queue for a seat (what --max-queue-wait-s bounds at the router)
+        if handle.admitted_at is not None:
+            stats["queue_ms"] = (handle.admitted_at - handle.arrived) * 1000
         # this worker's share of the first token's wait (combine_ms goes on to the end of the
         # request): from the request reaching it to that token leaving its handler
         if t_first is not None:
@@ -502,6 +524,21 @@ class CombineServicer(rpc.CombineServicer):
             done.prompt_top_ids.extend(i for i, _ in top)
             done.prompt_top_logprobs.extend(v for _, v in top)
         yield done
+
+
+def _dials_member(p: pb.SegmentPlan, tiers: set[str] | None, scatters: set[str] | None) -> bool:
+    """Whether a plan entry's address (a tier to fetch from, a scatter worker to build on) is a
+    member of the deployment (None: any address is)."""
+    if p.source == "tier":
+        ok = tiers is None or p.address in tiers
+    elif p.source == "scatter":
+        ok = scatters is None or p.address in scatters
+    else:
+        return True
+    if not ok:
+        log.warning("plan names %s %s, not a member of this deployment: the segment is built here",
+                    p.source, p.address)
+    return ok
 
 
 def _count_finished(handle: RequestHandle) -> None:

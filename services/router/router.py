@@ -22,6 +22,7 @@ from hybridcache.services.directory import Directory
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.observability.stats import RequestRecord
 from hybridcache.services.protocol import narrow_ids, pb, rpc, segment
+from hybridcache.services.router.admission import Admission, Refused
 from hybridcache.services.router.assign import lpt_assign, round_robin_assign
 from hybridcache.services.router.cost import PATHS, CostModel, parse_bandwidths
 from hybridcache.services.runtime.models.registry import config_from_dir
@@ -112,6 +113,8 @@ class Router:
         self.planner = Planner(cfg, Tokenizer.from_dir(model_dir), self.runtime, fingerprint="",
                                generation=GenerationDefaults.from_dir(model_dir))
         self.cost = CostModel()
+        # requests in flight per combine worker, refused at once past its seats, queue or wait bound
+        self.admission = Admission(self.runtime.max_queue_wait_s, self.runtime.max_num_seqs, self.runtime.max_waiting)
         self.cost.bandwidth.update(parse_bandwidths(self.runtime.transport_bandwidth))
         self._queued: dict[str, float] = {}  # scatter worker -> outstanding estimated seconds
         self._depth: dict[str, int] = {}
@@ -169,6 +172,7 @@ class Router:
         self.info = info
         if address and info.HasField("endpoint"):
             self._combine_endpoints[address] = (Endpoint.from_pb(info.endpoint), info.scatter_same_gpu)
+        self.admission.configure(address, info.max_num_seqs, info.max_waiting)
         served = {"seam_window": info.seam_window, "mode": info.mode or "pic"}
         if info.dtype in DTYPES:
             served["dtype"] = info.dtype
@@ -187,6 +191,14 @@ class Router:
     def cold_queue_depth(self) -> int:
         with self._lock:
             return sum(self._depth.values())
+
+    def check_admission(self) -> None:
+        """Overloaded when no combine worker would take a request now: asked before a request is
+        parsed (its admission proper comes in stream(), before it is planned)."""
+        try:
+            self.admission.check(self.directory.members("combine"))
+        except Refused as e:
+            raise Overloaded(str(e), e.retry_after_s) from None
 
     def parse(self, obj: dict, json_ids: bool = False):
         """The request (Planner.parse; `json_ids`: obj's lists of ids are a JSON parser's)."""
@@ -341,17 +353,28 @@ class Router:
                 raise ServiceUnavailable("no combine worker is registered")
             start = next(self._rr)
             order = [combines[(start + k) % len(combines)] for k in range(len(combines))]
-            plan, assigned, tiers = self.plan(req, order[0])
+            # admitted (or refused) before anything is planned, fetched or built for it
+            try:
+                admitted = self.admission.admit(order)
+            except Refused as e:
+                raise Overloaded(str(e), e.retry_after_s) from None
+            order = [admitted.address] + [c for c in order if c != admitted.address]
+            try:
+                plan, assigned, tiers = self.plan(req, order[0])
+            except BaseException:
+                self.admission.done(admitted, False)
+                raise
             creq = pb.CombineRequest(
                 request_id=uuid.uuid4().hex, system_ids=req.system_ids,
                 segments=[_segment(req, i) for i in range(len(req.segment_ids))],
                 suffix_ids=req.suffix_ids, sampling_json=json.dumps(_sampling_dict(req.sampling)), plan=plan,
-                scatter_workers=self.directory.members("scatter"),
+                scatter_workers=self.directory.members("scatter"), cache_salt=req.cache_salt,
                 cache_tier=self.directory.owner(plan[0].key) or "" if plan else (tiers[0] if tiers else ""))
             first = True
             last_t = None
             t_asked = time.perf_counter()
             t_first_token = None
+            answered = False
             record = RequestRecord(creq.request_id, req.prompt_len) if self.runtime.log_requests else None
             try:
                 combine, chunks = self._open(creq, order, control, sent)
@@ -369,6 +392,7 @@ class Router:
                         t_first_token = now
                     if chunk.done and not chunk.error:
                         self._remember(combine, plan)
+                        answered = True
                     if chunk.done and chunk.stats_json:
                         stats = json.loads(chunk.stats_json)
                         metrics.request_finished(stats, now - t0)
@@ -397,6 +421,7 @@ class Router:
                     record.status = 429 if isinstance(e, Overloaded) else 503
                 raise
             finally:
+                self.admission.done(admitted, answered)
                 if first:
                     self._release(plan, assigned)
                 if record is not None:

@@ -138,6 +138,16 @@ class Prefill:
     locked: list = field(default_factory=list)
 
 
+
+def named_entries(keys, entries: list[SegmentEntry]) -> dict[str, SegmentEntry]:
+    """key -> entry, each entry renamed to its key: the key its request looks it up by (a salted
+    request's, Planner.segment_key), where build_entries named it by its segment alone."""
+    out = {}
+    for key, entry in zip(keys, entries):
+        entry.key = key
+        out[key] = entry
+    return out
+
 class Engine:
     def __init__(
         self,
@@ -255,7 +265,8 @@ class Engine:
         padded tokens; build time is shared out by length.
         `on_layer(indices, layer, spans)`, where streams_layers, is called as each layer of a batch
         is computed: the batch's segment indices and their spans of that layer (a LinearSpan or an
-        AttnSpan each, as the entries will hold them)."""
+        AttnSpan each, as the entries will hold them). Each entry has its segment's unsalted key: a
+        salted request's caller renames it (named_entries)."""
         if on_layer is not None and self.streams_layers:
             def layer_done(indices, layer, datas):
                 on_layer(indices, layer, [self._layer_span(d, layer) for d in datas])
@@ -263,12 +274,15 @@ class Engine:
             layer_done = None
         return self._entries(segments, self.runner.build_spans(segments, layer_done))
 
-    def get_or_build_entry(self, segment_ids: list[int]) -> tuple[SegmentEntry, bool]:
-        key = self.entry_key(segment_ids)
+    def get_or_build_entry(self, segment_ids: list[int], key: str | None = None) -> tuple[SegmentEntry, bool]:
+        """The entry of a segment (under `key`: a salted request's; default its unsalted key), from the
+        store or built and stored."""
+        key = key or self.entry_key(segment_ids)
         entry = self.entries.get(key)
         if entry is not None:
             return entry, True
         entry = self.build_entry(segment_ids)
+        entry.key = key
         self.entries.put(entry)
         return entry, False
 
@@ -283,7 +297,7 @@ class Engine:
                 snap = self.prefixes.get(keys[j])
                 if snap is not None:
                     break
-        path = self.pages.match(prompt[: len(prompt) - 1], self.page_policy.usable)
+        path = self.pages.match(prompt[: len(prompt) - 1], self.page_policy.usable, req.cache_salt)
         if path and path[-1].depth * self.pages.page_size > (snap.length if snap else 0):
             self.pages.lock(path[-1])
             locked.append(path[-1])
@@ -367,7 +381,7 @@ class Engine:
                 if key not in cold and key not in pinned and key not in ahead and not self.entries.contains(key):
                     cold[key] = parts[j][1]
         built = dict(ahead)
-        built.update(zip(cold, self.build_entries(list(cold.values()))))
+        built.update(named_entries(cold, self.build_entries(list(cold.values()))))
         for entry in built.values():
             self.entries.put(entry)
 
@@ -384,7 +398,7 @@ class Engine:
                 elif key in pinned:
                     entry, hit = pinned[key], True
                 else:
-                    entry, hit = self.get_or_build_entry(ids)
+                    entry, hit = self.get_or_build_entry(ids, key)
                 if not hit:
                     stats.built_tokens += len(ids)
                 if w:
@@ -419,7 +433,8 @@ class Engine:
         if cfg.uses_prefix_cache and exact:
             exact_end = next((p.start for p in layout if isinstance(p, CachedSpan)), pos)
             anchor_layers = tuple(g[0] for g in self.model.linear_groups())
-            recorder = PageRecorder(self.page_policy, state.length, req.prompt_ids[:exact_end], anchor_layers)
+            recorder = PageRecorder(self.page_policy, state.length, req.prompt_ids[:exact_end], anchor_layers,
+                                    salt=req.cache_salt)
         snapshot_after = set(boundary) if cfg.uses_entries else set()
         if recorder is not None:
             is_ckpt = self.page_policy.is_checkpoint_position
@@ -502,7 +517,7 @@ class Engine:
         self._keep_chains(job)
         stats = job.stats
         if self.config.uses_prefix_cache:
-            stats.linear_state_bytes = self._linear_state_bytes(job.req.prompt_ids)
+            stats.linear_state_bytes = self._linear_state_bytes(job.req.prompt_ids, job.req.cache_salt)
         return Prefill(state, logits, stats, job.started, job.recorder, job.locked)
 
     def _keep_chains(self, job: PrefillJob) -> None:
@@ -539,7 +554,7 @@ class Engine:
             policy = self.page_policy
             if policy.stores_checkpoints and len(prompt) - 1 >= policy.checkpoint_tokens:
                 return False
-            if self.pages.match(prompt[: len(prompt) - 1], policy.usable):
+            if self.pages.match(prompt[: len(prompt) - 1], policy.usable, req.cache_salt):
                 return False
         return True
 
@@ -563,10 +578,10 @@ class Engine:
             recorder, locked = None, []
             if cfg.uses_prefix_cache:
                 stats.prefix_policy = cfg.prefix_policy
-                recorder = PageRecorder(policy, 0, req.prompt_ids[:n], anchor_layers)
+                recorder = PageRecorder(policy, 0, req.prompt_ids[:n], anchor_layers, salt=req.cache_salt)
                 self.runner.record(recorder, captured, n, [(n, state, True)])
                 self._insert_pages(recorder, state, locked)
-                stats.linear_state_bytes = self._linear_state_bytes(req.prompt_ids)
+                stats.linear_state_bytes = self._linear_state_bytes(req.prompt_ids, req.cache_salt)
             out.append(Prefill(state, None, stats, started, recorder, locked))
         return out
 
@@ -597,19 +612,19 @@ class Engine:
         return out
 
 
-    def _linear_state_bytes(self, prompt: list[int]) -> int:
-        """Linear-state bytes the page tree holds for the prompt's cached pages."""
-        return sum(n.payload.linear_nbytes for n in self.pages.match(prompt))
+    def _linear_state_bytes(self, prompt: list[int], salt: str = "") -> int:
+        """Linear-state bytes the page tree holds for the prompt's cached pages (under its cache salt)."""
+        return sum(n.payload.linear_nbytes for n in self.pages.match(prompt, salt=salt))
 
     def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list, last: bool = False) -> int:
         """The request's pages the tree lacks, their payloads made from its recorder (one runner
-        call for all: ModelRunner.page_payloads), into the tree; the deepest one locked. Returns the
-        tokens of the prompt the tree holds now (0: none)."""
+        call for all: ModelRunner.page_payloads), into the tree (under its cache salt); the deepest
+        one locked. Returns the tokens of the prompt the tree holds now (0: none)."""
         page = self.pages.page_size
-        cached = len(self.pages.match(recorder.token_ids))
+        cached = len(self.pages.match(recorder.token_ids, salt=recorder.salt))
         starts = [i * page for i in range(cached, len(recorder.token_ids) // page)]
         made = dict(zip(starts, self.runner.page_payloads(recorder, state, starts))) if starts else {}
-        tip = self.pages.insert(recorder.token_ids, made.get)
+        tip = self.pages.insert(recorder.token_ids, made.get, recorder.salt)
         if tip is None:
             return 0
         locked.append(tip)

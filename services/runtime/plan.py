@@ -41,6 +41,19 @@ def segment_key(fingerprint: str, seam_window: int, token_ids, packed: bytes | N
     return h.hexdigest()
 
 
+# longest cache_salt accepted (vLLM takes any string; a key of a tenant fits in far less)
+MAX_CACHE_SALT_CHARS = 256
+
+
+def salted_key(key: str, salt: str) -> str:
+    """The key of an entry or of a part chain in the key space of a cache salt (vLLM's
+    `cache_salt`): a request with a salt hits only what requests with the same salt stored, and
+    one without only what those without stored."""
+    if not salt:
+        return key
+    return hashlib.sha256(f"salt|{len(salt)}|{salt}|{key}".encode()).hexdigest()
+
+
 def chain_key(parent: str, kind: str, token_ids, packed: bytes | None = None) -> str:
     """The key of a part after the chain `parent` (the part-chain snapshots, cache/prefix.py)."""
     h = hashlib.sha256(f"{parent}|{kind}|".encode())
@@ -86,6 +99,9 @@ class Request:
     # (entry tag, seam window, segment index) -> its entry key, computed once (Planner.segment_key);
     # a request's segments never change (a preempted request's copy shares them and these)
     keys: dict[tuple, str] = field(default_factory=dict, compare=False, repr=False)
+    # the request's cache salt (vLLM's cache_salt): its entries, part chains and prefix pages live
+    # in a key space of their own (salted_key); "" shares the unsalted one
+    cache_salt: str = ""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -148,9 +164,14 @@ class Planner:
         is kept as it is rather than copied (the same checks; a request body's lists are its own)."""
         if not isinstance(obj, dict):
             raise RequestError("a request must be a JSON object")
-        unknown = sorted(set(obj) - {"system", "segments", "suffix", "sampling_params", "id", "mode", "live_segments"})
+        unknown = sorted(set(obj) - {"system", "segments", "suffix", "sampling_params", "id", "mode", "live_segments",
+                                     "cache_salt"})
         if unknown:
             raise RequestError(f"unknown request field(s): {', '.join(unknown)}")
+        salt = obj.get("cache_salt")
+        salt = "" if salt is None else salt
+        if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS:
+            raise RequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
         segments = obj.get("segments", [])
         if segments is None:
             segments = []
@@ -163,6 +184,10 @@ class Planner:
         if chars > self.max_chars:
             raise RequestError(f"the request's text has {chars} characters, more than the {self.max_chars} "
                                f"that could fit in the served length")
+        # and token-id lists longer than the context, before their ids are checked one by one
+        given = sum(len(v) for v in (obj.get("system"), *segments, obj.get("suffix")) if isinstance(v, list))
+        if given > self.context_limit:
+            raise RequestError(f"prompt of {given} tokens exceeds {self._limit_name(given)}")
         seg_ids, packed = self._segments(segments, json_ids)
         for i, s in enumerate(seg_ids):
             if not s:
@@ -187,7 +212,7 @@ class Planner:
         ):
             raise RequestError("live_segments must be a list of segment indices")
         req = Request(system_ids, seg_ids, suffix_ids, sampling, frozenset(live),
-                      {i: b for i, b in packed.items() if b is not None})
+                      {i: b for i, b in packed.items() if b is not None}, cache_salt=salt)
         if n + sampling.max_new_tokens > limit:
             raise RequestError(
                 f"prompt of {n} tokens plus max_new_tokens {sampling.max_new_tokens} exceeds "
@@ -336,7 +361,8 @@ class Planner:
         memo = (self.entry_tag, self.config.seam_window, index)
         key = req.keys.get(memo)
         if key is None:
-            key = req.keys[memo] = segment_key(memo[0], memo[1], req.segment_ids[index], req.packed.get(index))
+            key = segment_key(memo[0], memo[1], req.segment_ids[index], req.packed.get(index))
+            key = req.keys[memo] = salted_key(key, req.cache_salt)
         return key
 
     def cacheable(self, segment_ids: list[int]) -> bool:
@@ -365,8 +391,8 @@ class Planner:
         return chain_key(self.entry_tag if mode != "prefix" else self.fingerprint, tag, [])
 
     def chain_keys(self, req: Request) -> list[str]:
-        """The part-chain key after each part of the request."""
-        keys, k = [], self.prefix_root()
+        """The part-chain key after each part of the request (from the root of its cache salt)."""
+        keys, k = [], salted_key(self.prefix_root(), req.cache_salt)
         first_segment = 1 if req.system_ids else 0
         for j, (kind, ids) in enumerate(req.parts()):
             packed = req.packed.get(j - first_segment) if kind in ("segment", "live") else None

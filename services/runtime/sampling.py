@@ -139,6 +139,10 @@ class SamplingParams:
         temperature = num("temperature", float, 0.0)
         if not 0.0 <= temperature <= 100.0:
             raise RequestError("sampling_params.temperature must be between 0 and 100")
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            # vLLM's rule: a temperature this close to 0 is raised to MIN_TEMPERATURE (a nearly greedy
+            # draw either way), so that no accepted value scales finite logits to inf
+            temperature = MIN_TEMPERATURE
         top_p = num("top_p", float, 1.0)
         if not 0.0 < top_p <= 1.0:
             raise RequestError("sampling_params.top_p must be in (0, 1]")
@@ -171,8 +175,9 @@ class SamplingParams:
         if not 0 <= min_new <= max_new_tokens_limit:
             raise RequestError(f"sampling_params.min_new_tokens must be between 0 and {max_new_tokens_limit}")
         repetition = num("repetition_penalty", float, 1.0)
-        if not repetition > 0.0:
-            raise RequestError("sampling_params.repetition_penalty must be greater than 0")
+        # SGLang's upper bound; the lower one keeps a positive logit divided by it finite (1e-39 made it inf)
+        if not MIN_REPETITION_PENALTY <= repetition <= 2.0:
+            raise RequestError(f"sampling_params.repetition_penalty must be between {MIN_REPETITION_PENALTY} and 2")
         frequency, presence = num("frequency_penalty", float, 0.0), num("presence_penalty", float, 0.0)
         for name, v in (("frequency_penalty", frequency), ("presence_penalty", presence)):
             if not -2.0 <= v <= 2.0:
@@ -185,6 +190,9 @@ class SamplingParams:
 
 
 MAX_TOP_LOGPROBS = 20
+# the lowest temperature sampled at (vLLM's _MAX_TEMP): a request's (0, MIN_TEMPERATURE) is raised to it
+MIN_TEMPERATURE = 1e-2
+MIN_REPETITION_PENALTY = 1e-2
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -293,7 +301,7 @@ def _sample_kernel(logits: torch.Tensor, params: list[SamplingParams], generator
         if g is not None:
             seeds[b] = int(torch.randint(0, 1 << 62, (1,), generator=g))
     ks = [p.top_k if p.temperature > 0 and p.top_k > 0 else 0 for p in params]
-    table = _to(torch.tensor([[p.temperature if p.temperature > 0 else 1.0 for p in params],
+    table = _to(torch.tensor([[_temperature(p) for p in params],
                               [p.top_p if p.top_p < 1.0 else 2.0 for p in params],
                               [p.min_p for p in params], [float(k) for k in ks]]), logits.device)
     kth = torch.full_like(table[3], float("-inf"))
@@ -314,10 +322,13 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     B, V = logits.shape
     sampled = [p for p in params if p.temperature > 0]
     ks = [p.top_k if p.temperature > 0 and p.top_k > 0 else 0 for p in params]
-    table = _to(torch.tensor([[p.temperature if p.temperature > 0 else 1.0 for p in params],
+    table = _to(torch.tensor([[_temperature(p) for p in params],
                               [p.top_p if p.top_p < 1.0 else 2.0 for p in params],
                               [p.min_p for p in params], [float(k) for k in ks]]), logits.device)
-    x = logits.float() / table[0, :, None]
+    # shifted by each row's largest logit first: every value is <= 0 before the division, so no
+    # temperature scales a finite logit to +inf (whose softmax is NaN); the largest stays 0
+    x = logits.float()
+    x = (x - x.amax(-1, keepdim=True)) / table[0, :, None]
     if any(ks):
         kmax = min(max(ks), V)
         kth = torch.topk(x, kmax, dim=-1).values.gather(1, (table[3].long().clamp(1, kmax) - 1)[:, None])
@@ -341,6 +352,12 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
     return naive_sampling_probs(logits, params.temperature if params.temperature > 0 else 1.0, params.top_k,
                                 params.top_p, params.min_p)
+
+
+def _temperature(p: SamplingParams) -> float:
+    """The temperature a row is divided by: 1 for a greedy row (its pick is the argmax anyway), at
+    least MIN_TEMPERATURE for a sampled one (also where parameters were made without from_dict)."""
+    return max(p.temperature, MIN_TEMPERATURE) if p.temperature > 0 else 1.0
 
 
 def _to(t: torch.Tensor, device) -> torch.Tensor:

@@ -60,6 +60,14 @@ rows, a seeded request's own generator: request_generator) and stop conditions (
 request. A request that asks for its prompt's log-probabilities gets them from
 Engine.prompt_logprobs as it is assembled. A finished request's prefix pages go into the page tree
 and are released (Engine.finish_prefix), its slot is freed.
+
+One request's failure never fails another. Its own work in a step (the cold build of its segments,
+its prefill or assembly, the adjustment of its logits, its stop conditions and logprobs) that
+raises finishes it alone with that error (_fail: a RequestError is what its parameters caused,
+answered 400; anything else 500) and gives back what it held; a batched cold build or plain prefill
+that fails is done again one request at a time, so only a request that fails by itself fails. The
+batched decode forward (and the batch's sampling, row by row) is the step's shared work: when it
+raises, the requests of that batch fail with it.
 """
 
 from __future__ import annotations
@@ -77,7 +85,15 @@ import torch
 from hybridcache.services.config import default_of
 from hybridcache.services.devices import CPU_KV_BYTES, kv_cache_budget
 from hybridcache.services.runtime.backends import to_device_async
-from hybridcache.services.runtime.engine import Engine, GenerateResult, Prefill, PrefillJob, Request, RequestStats
+from hybridcache.services.runtime.engine import (
+    Engine,
+    GenerateResult,
+    Prefill,
+    PrefillJob,
+    Request,
+    RequestStats,
+    named_entries,
+)
 from hybridcache.services.runtime.sampling import (
     LogitsAdjuster,
     RequestError,
@@ -220,6 +236,8 @@ class RequestHandle:
         self.prefill: Prefill | None = None
         self.error: BaseException | None = None
         self.finished_step = -1  # the scheduler step that ended it
+        self.arrived = time.perf_counter()
+        self.admitted_at: float | None = None  # when it first left the waiting queue (its wait for a seat ended)
 
     @property
     def cancelled(self) -> bool:
@@ -456,7 +474,7 @@ class Scheduler:
                     break
             try:
                 self.step()
-            except Exception as e:  # noqa: BLE001 - every request in flight gets the error, the loop goes on
+            except Exception as e:  # noqa: BLE001 - a fault outside any one request's work: those in flight get it
                 log.exception("scheduler step failed")
                 self._launched = None
                 for seq in self._admitted + self._running:
@@ -517,8 +535,13 @@ class Scheduler:
                 seq.kv_tokens, seq.reserved = tokens, tokens * self._kv_per_token
                 self._kv_reserved += seq.reserved
                 seq.admitted, self._admissions = self._admissions, self._admissions + 1
+                if seq.handle.admitted_at is None:
+                    seq.handle.admitted_at = time.perf_counter()
                 self._admitted.append(seq)
-                seq.cold = self._cold_segments(seq)
+                try:
+                    seq.cold = self._cold_segments(seq)
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    self._fail(seq, e, "admission")
 
     def _cold_segments(self, seq: _Seq) -> dict:
         eng = self.engine
@@ -547,7 +570,9 @@ class Scheduler:
                 break
         if todo:
             self._step_tokens += sum(map(len, todo.values()))
-            entries = dict(zip(todo, self.engine.build_entries(list(todo.values()))))
+            entries, failed = self._build(todo)
+            for seq in [s for s in self._admitted if failed.keys() & s.cold.keys()]:
+                self._fail(seq, next(failed[k] for k in seq.cold if k in failed), "cold build")
             # An entry is built for the first request that needed it; to the others it is a hit.
             claimed = set()
             for seq in self._admitted:
@@ -572,6 +597,24 @@ class Scheduler:
             if seq.job is not None:
                 still.append(seq)
         self._admitted = still
+
+    def _build(self, todo: dict[str, list[int]]) -> tuple[dict, dict]:
+        """(key -> entry, key -> error) of the cold segments `todo`, built as one batch; when the batch
+        fails, each alone, so that only the requests of a segment that fails by itself fail."""
+        try:
+            return named_entries(todo, self.engine.build_entries(list(todo.values()))), {}
+        except Exception as e:  # noqa: BLE001 - retried one segment at a time below
+            if len(todo) == 1:
+                return {}, {next(iter(todo)): e}
+            log.warning("batched build of %d cold segments failed; building them one by one", len(todo),
+                        exc_info=True)
+        entries, failed = {}, {}
+        for key, ids in todo.items():
+            try:
+                entries.update(named_entries([key], self.engine.build_entries([ids])))
+            except Exception as e:  # noqa: BLE001 - the requests of this segment fail
+                failed[key] = e
+        return entries, failed
 
     def _plain_prefills(self, budget: int) -> int:
         """The admitted requests whose prompts run all live from an empty state (Engine.plain_prefill_ok),
@@ -601,30 +644,33 @@ class Scheduler:
         self._admitted = [s for s in self._admitted if s not in plain]
         try:
             pres = eng.prefill_plain([s.req for s in plain])
-        except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
-            log.exception("batched prefill failed")
-            for seq in plain:
-                self._release(seq)
-                seq.handle._finish("error", e)
-            return budget - tokens
-        self.plain_prefilled += len(plain)
+        except Exception as e:  # noqa: BLE001 - each prompt again alone: only one that fails by itself fails
+            pres = [e] if len(plain) == 1 else self._prefill_alone(plain)
         for seq, pre in zip(plain, pres):
-            params = seq.req.sampling
-            seq.prefill = seq.handle.prefill = pre
-            pre.started = seq.arrived
-            seq.stream = TextStream(eng, params, pre.stats)
-            seq.handle.output_ids, seq.handle.logprobs = seq.stream.output_ids, seq.stream.logprobs
-            seq.generator = request_generator(params)
-            seq.last_token = seq.req.prompt_ids[-1]
-            seq.first_pending = True
-            self._run(seq)
+            if isinstance(pre, BaseException):
+                self._fail(seq, pre, "prefill")
+                continue
+            self.plain_prefilled += 1
+            try:
+                params = seq.req.sampling
+                seq.prefill = seq.handle.prefill = pre
+                pre.started = seq.arrived
+                seq.stream = TextStream(eng, params, pre.stats)
+                seq.handle.output_ids, seq.handle.logprobs = seq.stream.output_ids, seq.stream.logprobs
+                seq.generator = request_generator(params)
+                seq.last_token = seq.req.prompt_ids[-1]
+                seq.first_pending = True
+                self._run(seq)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self._fail(seq, e, "prefill")
         return budget - tokens
 
     def _prefill_chunk(self, seq: _Seq, tokens: int) -> int:
         """Run the next chunk of at most `tokens` live tokens of the request's prefill (started here
         on its first chunk: Engine.start_prefill; where the model's attention runs in pages, the
         request gets its slot now and its prefill runs in the slot's pages); the request starts
-        decoding after its last chunk. Returns the live tokens run."""
+        decoding after its last chunk. Returns the live tokens run (a request whose prefill fails
+        fails alone)."""
         eng = self.engine
         try:
             if seq.job is None:
@@ -635,8 +681,7 @@ class Scheduler:
             before = seq.job.live_left
             pre = eng.prefill_chunk(seq.job, tokens)
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-            self._release(seq)
-            seq.handle._finish("error", e)
+            self._fail(seq, e, "assembly")
             return 0
         spent = before - seq.job.live_left
         if pre is not None:
@@ -644,7 +689,24 @@ class Scheduler:
             self._assemble(seq, pre)
         return spent
 
+    def _prefill_alone(self, plain: list) -> list:
+        """Each request's Prefill by its own plain prefill, or the error it failed with."""
+        log.warning("batched prefill of %d prompts failed; prefilling them one by one", len(plain), exc_info=True)
+        out = []
+        for seq in plain:
+            try:
+                out.append(self.engine.prefill_plain([seq.req])[0])
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                out.append(e)
+        return out
+
     def _assemble(self, seq: _Seq, pre: Prefill) -> None:
+        try:
+            self._assemble_one(seq, pre)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            self._fail(seq, e, "assembly")
+
+    def _assemble_one(self, seq: _Seq, pre: Prefill) -> None:
         """A request whose prefill ran: its first token, then it decodes (or ends)."""
         eng, params = self.engine, seq.req.sampling
         seq.prefill = seq.handle.prefill = pre
@@ -813,7 +875,9 @@ class Scheduler:
             else:
                 idx = to_device_async(torch.tensor([fed_cols, fed_src], dtype=torch.long), prev.picks.device)
                 feed = (idx[0], prev.picks.index_select(0, idx[1]))
-        logits = self.engine.decode_batch([s.prefill for s in batch], toks, self.pool, [s.slot for s in batch], feed)
+        logits = self._decode(batch, toks, feed)
+        if logits is None:
+            return
         picks = sample(logits, [s.req.sampling for s in batch], [s.generator for s in batch])
         device = picks.device
         host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=device.type == "cuda")
@@ -844,31 +908,72 @@ class Scheduler:
         for seq, runs, tok in zip(launched.batch, launched.runs, launched.host.tolist()):
             if seq.runs != runs or seq.slot < 0 or seq.handle.done.is_set():
                 continue
-            if seq.fed and self._launched is not None:
-                seq.fed = False
-                rec = seq.prefill.recorder
-                if rec is not None:
-                    rec.token_ids.append(tok)
-            self._push(seq, tok, None)  # a request it ends leaves the running list (_end)
+            try:
+                if seq.fed and self._launched is not None:
+                    seq.fed = False
+                    rec = seq.prefill.recorder
+                    if rec is not None:
+                        rec.token_ids.append(tok)
+                self._push(seq, tok, None)  # a request it ends leaves the running list (_end)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self._fail(seq, e, "output")
 
     def _sync_step(self) -> None:
         batch = self._running
         toks = [s.last_token for s in batch]
-        logits = self.engine.decode_batch([s.prefill for s in batch], toks, self.pool, [s.slot for s in batch])
+        logits = self._decode(batch, toks)
+        if logits is None:
+            return
         self.batch_sizes[len(batch)] += 1
         rows = logits
         adjusted = [b for b, seq in enumerate(batch) if seq.req.sampling.adjusts_logits]
         if adjusted:
             rows = logits.clone()
             for b in adjusted:
-                rows[b] = self._adjusted(batch[b], logits[b])
+                try:
+                    rows[b] = self._adjusted(batch[b], logits[b])
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    self._fail(batch[b], e, "logits")
         picks = sample(rows, [s.req.sampling for s in batch], [s.generator for s in batch]).tolist()
         done = []
         for b, seq in enumerate(batch):
-            if self._push(seq, picks[b], logits, b):
-                done.append(seq)
+            if seq.handle.done.is_set():
+                continue  # failed as its logits were adjusted
+            try:
+                if self._push(seq, picks[b], logits, b):
+                    done.append(seq)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self._fail(seq, e, "output")
         if done:
             self._running = [s for s in self._running if s not in done]
+
+    def _decode(self, batch: list, toks: list, feed=None):
+        """The batched decode forward of `batch` (the step's one shared piece of work): its logits,
+        or None when it failed, every request of the batch then finished with the error."""
+        try:
+            return self.engine.decode_batch([s.prefill for s in batch], toks, self.pool, [s.slot for s in batch], feed)
+        except Exception as e:  # noqa: BLE001 - a fault of the shared forward: its batch fails, the queue goes on
+            log.exception("decode step of %d requests failed", len(batch))
+            for seq in batch:
+                self._fail(seq, e, None)
+            return None
+
+    def _fail(self, seq: _Seq, error: BaseException, stage: str | None) -> None:
+        """Finish one request with its own error (RequestError: what its parameters caused, answered
+        4xx; anything else 500), out of the lists, what it holds given back; the others go on."""
+        if stage is not None:
+            if isinstance(error, RequestError):
+                log.warning("request failed in its %s: %s", stage, error)
+            else:
+                log.error("request failed in its %s", stage, exc_info=error)
+        self._running = [s for s in self._running if s is not seq]
+        self._admitted = [s for s in self._admitted if s is not seq]
+        try:
+            self._release(seq)
+        except Exception:  # noqa: BLE001 - what it held may be lost, the answer is the error below
+            log.exception("releasing a failed request failed")
+        if not seq.handle.done.is_set():
+            seq.handle._finish("error", error)
 
     def _end(self, seq: _Seq, reason: str) -> None:
         self._release(seq)

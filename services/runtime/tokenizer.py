@@ -36,6 +36,10 @@ def _byte_of(ch: str) -> int:
     return inverse[ch]
 
 
+# texts longer than this many characters are tokenized without holding the GIL (encode_with_offsets)
+LONG_TEXT_CHARS = 8192
+
+
 class Tokenizer:
     """Thin wrapper: encode/decode without special-token surprises, and the vocabulary size."""
 
@@ -62,11 +66,16 @@ class Tokenizer:
         return max(map(len, self.tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self.encode_with_offsets(text).ids
 
-    def encode_with_offsets(self, text: str):
-        """The `tokenizers` Encoding of text: .ids and .offsets (character spans of each token)."""
-        return self.tok.encode(text, add_special_tokens=False)
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = False):
+        """The `tokenizers` Encoding of text: .ids and .offsets (character spans of each token).
+        A long text goes through encode_batch, which lets go of the GIL while it runs (encode holds
+        it: 100 ms of 100k characters during which no other thread of the process, the router's
+        event loop included, runs); the same ids and offsets."""
+        if len(text) > LONG_TEXT_CHARS:
+            return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)

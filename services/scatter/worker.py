@@ -35,14 +35,16 @@ import queue
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import grpc
 from hybridcache.services.cache_tier.client import CacheTierClient
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.observability.stats import warmup_requests
 from hybridcache.services.protocol import pb, rpc, segment, unpack_ids
 from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.llm import LLM, warmup_scheduling
+from hybridcache.services.runtime.plan import salted_key
 from hybridcache.services.runtime.sequence import LinearSpan
 from hybridcache.services.transport import Endpoint, checksum, choose_transport, get_transport, local_endpoint
 from hybridcache.services.transport.codec import (
@@ -91,8 +93,11 @@ TIER_WRITE_DEFER_S = 2.0  # the longest a built entry waits for an idle worker b
 
 class ScatterServicer(rpc.ScatterServicer):
     def __init__(self, engine: Engine, max_batch_tokens: int, arena_bytes: int = DEFAULT_ARENA_BYTES,
-                 tier_write_defer_s: float = TIER_WRITE_DEFER_S):
+                 tier_write_defer_s: float = TIER_WRITE_DEFER_S, members=None):
+        """members(role): the deployment's members of a role (its directory); a Prefill naming a cache
+        tier that is none of them is refused (None: any address, for a worker used in-process)."""
         self.engine = engine
+        self._members = members
         self.max_batch_tokens = max_batch_tokens
         self._pending: collections.deque[_Job] = collections.deque()
         self._cv = threading.Condition()
@@ -310,6 +315,12 @@ class ScatterServicer(rpc.ScatterServicer):
                 self._streaming -= 1
 
     def _prefill(self, request, context):
+        tiers = {seg.cache_tier or request.cache_tier for seg in request.segments} - {""}
+        if self._members is not None and not tiers <= set(self._members("cache-tier")):
+            # entries go only to the deployment's own tiers: an address from elsewhere is never dialled
+            bad = sorted(tiers - set(self._members("cache-tier")))[0]
+            log.warning("Prefill refused: cache tier %s is not a member of this deployment", bad)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"cache tier {bad} is not a member of this deployment")
         ctx = tracing.incoming_context(context)
         built: queue.Queue = queue.Queue()
         name = self.transport_for(request)
@@ -324,6 +335,7 @@ class ScatterServicer(rpc.ScatterServicer):
         entries: dict[str, list] = {}  # cache-tier member -> entries it owns
         owner = {seg.index: seg.cache_tier or request.cache_tier for seg in request.segments}
         tokens = {seg.index: unpack_ids(seg.ids) for seg in request.segments}
+        salt = request.key_salt  # a salted request's entries go under its keys (built once for any salt)
         kinds = self.engine.cfg.layer_types
         n_tensors = sum(len(LINEAR_FIELDS) if k == "linear_attention" else len(ATTN_FIELDS) for k in kinds)
         layered: dict[int, LayeredEntry] = {}
@@ -337,8 +349,9 @@ class ScatterServicer(rpc.ScatterServicer):
                     le = layered.get(index)
                     if le is None:
                         ids = tokens[index]
-                        le = layered[index] = LayeredEntry(index, self.engine.entry_key(ids), len(ids),
-                                                           self.engine.config.seam_window, n_tensors, transport)
+                        key = salted_key(self.engine.entry_key(ids), salt)
+                        le = layered[index] = LayeredEntry(index, key, len(ids), self.engine.config.seam_window,
+                                                           n_tensors, transport)
                         yield le.header()
                     fields = LINEAR_FIELDS if isinstance(span, LinearSpan) else ATTN_FIELDS
                     pairs.append((le, [(f, getattr(span, f)) for f in fields]))
@@ -349,6 +362,8 @@ class ScatterServicer(rpc.ScatterServicer):
                 continue
             _, index, entry, err = item
             done += 1
+            if entry is not None and salt:
+                entry = replace(entry, key=salted_key(entry.key, salt), checksum="")
             le = layered.pop(index, None)
             if entry is None:
                 yield pb.EntryChunk(segment_index=index, error=err)

@@ -31,7 +31,9 @@ class ShmTransport(TensorTransport):
             chunk.data = b""
             return
         name = f"{PREFIX}{uuid.uuid4().hex}"
-        with open(SHM_DIR / name, "wb") as f:
+        # readable by this user alone (the receiver runs as the same user): a new file, never one there
+        fd = os.open(SHM_DIR / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.write(memoryview(c.view(torch.uint8).reshape(-1).numpy()))
         chunk.shm_name = name
         chunk.shm_offset = 0

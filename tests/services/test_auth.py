@@ -1,6 +1,6 @@
 """Authentication of users on a real router: --api-key (given to `up` in HYBRIDCACHE_API_KEY,
 handed to the router in its environment, never its arguments), 401 / UNAUTHENTICATED without it,
-/health, /livez and /metrics open; HTTPS and gRPC over TLS with --tls-certfile/--tls-keyfile."""
+/health and /livez open, /metrics behind the key; HTTPS and gRPC over TLS with --tls-certfile/--tls-keyfile."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_key_is_in_the_environment_not_the_arguments(guarded):
         assert f"HYBRIDCACHE_API_KEY={KEY}".encode() in f.read().split(b"\0")
 
 
-def test_http_needs_the_key_but_health_and_metrics_are_open(guarded, cert):
+def test_http_needs_the_key_but_health_is_open(guarded, cert):
     for path, body in (("/generate", BODY), ("/v1/models", None), ("/v1/completions", {"prompt": "Hi"})):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             status, res, h = https(guarded, cert, "POST" if body else "GET", path, body, headers)
@@ -63,12 +63,18 @@ def test_http_needs_the_key_but_health_and_metrics_are_open(guarded, cert):
             assert h["WWW-Authenticate"] == "Bearer"
     status, res, _ = https(guarded, cert, "POST", "/generate", BODY, {"Authorization": f"Bearer {KEY}"})
     assert status == 200 and res["meta_info"]["completion_tokens"] >= 1, res
-    for path in ("/health", "/livez", "/metrics"):
+    for path in ("/health", "/livez"):
         ctx = ssl.create_default_context(cafile=str(cert[0]))
         with urllib.request.urlopen(f"https://127.0.0.1:{guarded.port}{path}", timeout=30, context=ctx) as r:
             assert r.status == 200
-            if path == "/metrics":
-                assert b'hybridcache_unauthenticated_requests_total{door="http"}' in r.read()
+    # /metrics (cache hit counters: what other clients' requests found) needs the key without --metrics-open
+    status, _, _ = https(guarded, cert, "GET", "/metrics")
+    assert status == 401
+    ctx = ssl.create_default_context(cafile=str(cert[0]))
+    req = urllib.request.Request(f"https://127.0.0.1:{guarded.port}/metrics",
+                                 headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
+        assert r.status == 200 and b'hybridcache_unauthenticated_requests_total{door="http"}' in r.read()
 
 
 def test_plain_http_is_not_served_with_tls(guarded):

@@ -31,7 +31,8 @@ COMMAND_SECTIONS = {"generate": ENGINE_SECTIONS, "demo": tuple(SECTIONS), "eval"
 # Alternatives the generic rule below cannot find (free-form strings, values valid only with another field's).
 ALTERNATIVES = {"anchor_dtype": "float8_e4m3fn", "prefix_policy": "suffix_replay", "sdpa_backends": "flash,math",
                 "transport_bandwidth": "cuda_ipc=80", "api_key": "k3y-of-the-test",
-                "warmup_shape": "4x256+16", "gpu_memory_utilization": 0.5, "segment_separator": "<doc>"}
+                "warmup_shape": "4x256+16", "gpu_memory_utilization": 0.5, "segment_separator": "<doc>",
+                "max_queue_wait_s": 2.5}
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

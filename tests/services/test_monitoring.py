@@ -158,12 +158,19 @@ def live(tmp_path_factory):
         chunks = _grpc_generate(services["router"]["grpc"], dict(req, sampling_params={"max_new_tokens": 3}))
         time.sleep(1.5)  # a stats line covers the requests
         scrapes = {role: _scrape(s["http"]) for role, s in services.items()}
-        # a fault: with no combine worker the router answers 503 / UNAVAILABLE on both doors
-        os.kill(services["combine"]["pid"], signal.SIGKILL)
-        failed = http("POST", f"{url}/v1/completions", {"prompt": "Hello", "max_tokens": 3})
-        with pytest.raises(grpc.RpcError) as grpc_failed:
-            _grpc_generate(services["router"]["grpc"], {"suffix": "Hello"})
-        router_after = _scrape(services["router"]["http"])
+        # a fault: with no combine worker the router answers 503 / UNAVAILABLE on both doors. `up`
+        # is held stopped meanwhile, so that its supervisor cannot restart the worker (after 1 s)
+        # before both requests are answered on a slow machine
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            os.kill(services["combine"]["pid"], signal.SIGKILL)
+            failed = http("POST", f"{url}/v1/completions", {"prompt": "Hello", "max_tokens": 3})
+            with pytest.raises(grpc.RpcError) as grpc_failed:
+                _grpc_generate(services["router"]["grpc"],
+                               {"suffix": "Hello", "sampling_params": {"max_new_tokens": 3}})
+            router_after = _scrape(services["router"]["http"])
+        finally:
+            proc.send_signal(signal.SIGCONT)
         # the router listens on every interface: 127.0.0.2 reaches it, not the workers (127.0.0.1 only)
         host_check = {"router": http("GET", f"http://127.0.0.2:{port}/livez")[0]}
         try:

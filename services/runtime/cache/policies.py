@@ -128,6 +128,7 @@ class PageRecorder:
     token_ids: list[int]
     anchor_layers: tuple[int, ...]
     hidden: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> chunks [n, h]
+    salt: str = ""  # the request's cache salt: its pages go under that salt's root (radix.PageTree)
     checkpoints: dict[int, dict[int, LinearState]] = field(default_factory=dict)  # position -> state
     _hidden_cat: dict[int, torch.Tensor] = field(default_factory=dict)
 

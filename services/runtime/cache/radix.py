@@ -6,6 +6,9 @@ hits at any node the policy can restore from. Requests lock the path they read o
 (reference counts along the path to the root); eviction removes only unreferenced leaves,
 least recently used first, so a page in use is never freed and every cached node keeps all its
 ancestors (which replay policies read).
+
+Pages of requests with a cache salt (vLLM's `cache_salt`) live under a root of that salt: a
+prompt matches only pages a request of the same salt inserted.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class PageTree:
         self.page_size = page_size
         self._capacity = capacity_bytes
         self.root = PageNode(tokens=(), parent=None, depth=0, payload=None)
+        self._salted: dict[str, PageNode] = {}  # cache salt -> the root of its pages (none: self.root)
         self._used = 0
         self._linear_used = 0
         self._pages = 0
@@ -85,19 +89,31 @@ class PageTree:
         for a in range(0, len(token_ids) - p + 1, p):
             yield tuple(int(t) for t in token_ids[a : a + p])
 
-    def match(self, token_ids: Sequence[int],
-              usable: Callable[[PageNode], bool] | None = None) -> list[PageNode]:
+    def _root(self, salt: str, make: bool = False) -> PageNode | None:
+        if not salt:
+            return self.root
+        root = self._salted.get(salt)
+        if root is None and make:
+            root = self._salted[salt] = PageNode(tokens=(), parent=None, depth=0, payload=None)
+        return root
+
+    def match(self, token_ids: Sequence[int], usable: Callable[[PageNode], bool] | None = None,
+              salt: str = "") -> list[PageNode]:
         """The path to the deepest cached page of `token_ids`' whole pages that `usable` accepts
-        ([] on a miss). Marks the path as recently used; reference counts are not changed."""
+        ([] on a miss), among the pages of cache salt `salt`. Marks the path as recently used;
+        reference counts are not changed."""
         with self._lock:
-            node, best = self.root, self.root
+            root = self._root(salt)
+            if root is None:
+                return []
+            node, best = root, root
             for page in self._pages_of(token_ids):
                 node = node.children.get(page)
                 if node is None:
                     break
                 if usable is None or usable(node):
                     best = node
-            if best is self.root:
+            if best is root:
                 return []
             path = best.path()
             t = next(self._clock)
@@ -121,14 +137,15 @@ class PageTree:
                 node = node.parent
 
     def insert(
-        self, token_ids: Sequence[int], make_payload: Callable[[int], PagePayload | None]
+        self, token_ids: Sequence[int], make_payload: Callable[[int], PagePayload | None], salt: str = ""
     ) -> PageNode | None:
-        """Add the whole pages of `token_ids` that are not cached yet. make_payload(page_start)
-        builds a missing page's payload, or returns None when it cannot (insertion stops there).
-        Evicts unreferenced leaves to make room. Returns the deepest node of the prefix now
-        cached, locked (the caller unlocks it), or None when not even the first page is cached."""
+        """Add the whole pages of `token_ids` that are not cached yet (under cache salt `salt`).
+        make_payload(page_start) builds a missing page's payload, or returns None when it cannot
+        (insertion stops there). Evicts unreferenced leaves to make room. Returns the deepest node of
+        the prefix now cached, locked (the caller unlocks it), or None when not even the first page
+        is cached."""
         with self._lock:
-            node = self.root
+            root = node = self._root(salt, make=True)
             self.lock(node)
             try:
                 for i, page in enumerate(self._pages_of(token_ids)):
@@ -153,8 +170,10 @@ class PageTree:
             except BaseException:
                 node.ref_count -= 1
                 raise
-            if node is self.root:
+            if node is root:
                 self.unlock(node)
+                if root is not self.root and not root.children:
+                    self._salted.pop(salt, None)
                 return None
             # `node` holds one reference; give its ancestors theirs.
             anc = node.parent
@@ -166,11 +185,11 @@ class PageTree:
     def _evict(self, need: int) -> bool:
         """Free at least `need` bytes from unreferenced leaves, least recently used first."""
         heap = []
-        stack = [self.root]
+        stack = [self.root, *self._salted.values()]
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            if n is not self.root and not n.children and n.ref_count == 0:
+            if n.parent is not None and not n.children and n.ref_count == 0:
                 heap.append((n.last_access, id(n), n))
         heapq.heapify(heap)
         freed = 0
@@ -183,8 +202,11 @@ class PageTree:
             self._linear_used -= leaf.payload.linear_nbytes
             self._pages -= 1
             leaf.parent = None
-            if parent is not self.root and not parent.children and parent.ref_count == 0:
+            if parent.parent is not None and not parent.children and parent.ref_count == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        # a salt's root left without pages goes too (a client's many salts leave nothing behind)
+        for salt in [k for k, r in self._salted.items() if not r.children and r.ref_count == 0]:
+            del self._salted[salt]
         return freed >= need
 
     def evict(self, nbytes: int) -> int:
