@@ -32,6 +32,13 @@
 #               references (tests/kernels/test_recurrent_step.py, test_sampling_kernel.py, gpu tests
 #               included), then benchmarks/served_decode.py (1, 32, 128 greedy streams, 32 sampled, on
 #               the Qwen3.5-9B shape written once to $SERVED_MODEL); DECODE_ARGS adds its flags
+#   layouts     issue 44 on one GPU: the planned assemblies' and paged prefill's gpu tests
+#               (tests/kernels/test_assembly_graphs_gpu.py, test_paged_prefill_attention.py, test_cuda_graphs.py),
+#               then benchmarks/served_pic_layouts.py (warm pic of unseen vs repeated layouts, 32 x 1k
+#               against its floor) on the Qwen3.5-9B shape written once to $SERVED_MODEL; LAYOUTS_ARGS adds flags
+#   long        benchmarks/served_long_prompt.py on that model: LONG_PHASES (default itl) of itl, pic,
+#               prefix, full, merged into $OUT/served_long_prompt.json with a carried long.json when
+#               there (one or two phases a call keep it inside 10 minutes); LONG_ARGS adds flags
 #   served      benchmarks/served_load.py through `hybridcache up --device cuda` on the Qwen3.5-9B
 #               shape (random bf16 weights, written once to $SERVED_MODEL, default /tmp/served-q9b):
 #               SERVED_SCENARIO=streams (default: 32 streams of 256 tokens vs 1) or rag (the RAG
@@ -61,9 +68,10 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | moe | served-gpu | qps | profile | fold | train | transport | decode | served | multiturn) ;;
+    gpu-tests | families | bench | moe | served-gpu | qps | profile | fold | train | transport | decode | layouts | long \
+        | served | multiturn) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, fold, train, transport, decode, served, multiturn)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, fold, train, transport, decode, layouts, long, served, multiturn)" >&2
         exit 2 ;;
     esac
 done
@@ -177,6 +185,24 @@ for stage in "$@"; do
             --model "${SERVED_MODEL:-/tmp/served-q9b}" ${DECODE_ARGS:-} --out "$OUT/served_decode.json" \
             > "$OUT/served_decode.log" 2>&1
         echo "decode served rc=$?"; grep -o '"figures": {[^}]*}' "$OUT/served_decode.json" ;;
+    layouts)
+        TRITON_F32_DEFAULT=ieee timeout 300 python3 -P -m pytest -v -s -m gpu -p no:cacheprovider -rfE \
+            tests/kernels/test_assembly_graphs_gpu.py tests/kernels/test_paged_prefill_attention.py \
+            tests/kernels/test_cuda_graphs.py > "$OUT/layouts_tests.log" 2>&1
+        echo "layouts gpu tests rc=$?"; grep -E "passed|failed" "$OUT/layouts_tests.log" | tail -3
+        # shellcheck disable=SC2086  # LAYOUTS_ARGS is a list of flags
+        timeout 480 python3 benchmarks/served_pic_layouts.py --device cuda --init-model qwen3_5_text:qwen3.5-9b \
+            --model "${SERVED_MODEL:-/tmp/served-q9b}" ${LAYOUTS_ARGS:-} --out "$OUT/served_pic_layouts.json" \
+            > "$OUT/served_pic_layouts.log" 2>&1
+        echo "layouts served rc=$?"; grep -o '"figures": {[^}]*}' "$OUT/served_pic_layouts.json" ;;
+    long)
+        merge=()
+        if [ -f long.json ]; then cp long.json "$OUT/served_long_prompt.json"; merge=(--merge); fi
+        # shellcheck disable=SC2086  # LONG_ARGS is a list of flags
+        timeout 560 python3 benchmarks/served_long_prompt.py --device cuda --init-model qwen3_5_text:qwen3.5-9b \
+            --model "${SERVED_MODEL:-/tmp/served-q9b}" --phases "${LONG_PHASES:-itl}" "${merge[@]}" ${LONG_ARGS:-} \
+            --out "$OUT/served_long_prompt.json" > "$OUT/served_long_prompt.log" 2>&1
+        echo "long rc=$?"; grep -o '"figures": {[^}]*}' "$OUT/served_long_prompt.json" ;;
     served)
         scenario=${SERVED_SCENARIO:-streams}
         modes=${SERVED_MODES:-pic}

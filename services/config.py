@@ -309,6 +309,12 @@ class RuntimeConfig:
         "checkpoint interval): one batched standalone forward of each prompt but its last token, which "
         "runs in the next decode step and yields the first output token (off: each prompt's own forward)",
         section="scheduler")
+    paged_prefill: bool = setting(
+        True, "prefill each request in the slot it decodes in, its attention K/V written into the slot's pages "
+        "chunk by chunk and read there (no contiguous copy of a long prompt's K/V; on CUDA an assembly then "
+        "runs planned, from one CUDA graph per bucket of layouts); off: K/V kept contiguous while prefilling "
+        "and moved into pages when the request starts decoding, assemblies graphed per exact layout shape",
+        section="scheduler")
     decode_overlap: bool = setting(
         True, "on CUDA, launch each decode step before the host handles the step before it, when no running "
         "request asks for logprobs: the picks (greedy or sampled on the GPU) stay on the device as the next "
@@ -317,8 +323,8 @@ class RuntimeConfig:
         "before the next)",
         section="scheduler")
     cuda_graph_shapes: int = setting(
-        4, "layout shapes whose CUDA graphs are kept, least recently used dropped (each holds buffers the size "
-        "of its request's entries)", section="devices")
+        4, "assembly buckets (and exact layout shapes of forwards outside the scheduler) whose CUDA graphs are "
+        "kept, least recently used dropped", section="devices")
     # The two below choose the op implementations (services/runtime/backends.py) of the engine's runner.
     kernels: str = setting(
         "auto", "auto: the fast kernels (fla, Triton) for CUDA tensors and the PyTorch references elsewhere; "
@@ -345,8 +351,10 @@ class RuntimeConfig:
         "RESOURCE_EXHAUSTED), before anything is planned or built for it", roles=("router",), section="scheduler")
     max_num_batched_tokens: int = setting(
         8192, "prefill tokens (cold segment builds, assemblies) a scheduler step spends besides its decode "
-        "step; on a scatter worker, the cold tokens of different requests built in one batched call",
-        section="scheduler")
+        "step: a longer prompt or assembly is prefilled in chunks of this many live tokens, one a step, so "
+        "running streams wait at most one chunk between tokens (smaller: steadier inter-token latency, a "
+        "long prompt's first token later); on a scatter worker, the cold tokens of different requests built "
+        "in one batched call", section="scheduler")
     kv_cache_bytes: int | None = setting(
         None, "attention K/V the running requests may reserve, each its prompt and 256-token chunks of "
         "output as it grows; a request waits until its first chunk fits, running ones are preempted "

@@ -227,9 +227,10 @@ class CombineServicer(rpc.CombineServicer):
         RuntimeConfig, budgets None where unset) less what it holds now (the weights, the running
         requests' linear states, CUDA graphs) and its warm-up's activation peak. The entry and
         prefix stores are made anew with their budgets, the scheduler's pool with its K/V budget
-        (it was provisional, just enough for the warm-up), and the decode graphs are captured again
-        over it. Raises devices.MemoryPlanError (one line) when the configuration does not fit.
-        Returns the plan's summary for /health."""
+        (it was provisional, just enough for the warm-up), and the decode graphs (and the assembly
+        graphs of the warm-up's shaped requests) are captured again over it. Raises
+        devices.MemoryPlanError (one line) when the configuration does not fit. Returns the plan's
+        summary for /health."""
         import torch
         from hybridcache.services.devices import plan_memory
 
@@ -253,6 +254,9 @@ class CombineServicer(rpc.CombineServicer):
         log.info("memory plan: %s", plan.how)
         self.engine.set_cache_budgets(plan.entry, plan.prefix)
         sched.resize_kv(plan.kv)
+        if getattr(self.engine.runner, "assembly_graphs", None) is not None:
+            with stage("assembly graphs of the warm-up's buckets over the planned pool"):
+                self.engine.warmup(run=warmup_requests(sched.generate), shaped_only=True)
         t0 = time.perf_counter()
         with stage("decode graphs of batch sizes up to %d over the planned pool", n):
             out = dict(plan.summary(), how=plan.how, **self._capture_decode_graphs())

@@ -677,6 +677,24 @@ def paged_decode_attention(q, k_pages, v_pages, table, rows, lengths, scale: flo
     return paged_decode_reference(q, k_pages, v_pages, table, rows, lengths, scale, max_pages)
 
 
+def paged_prefill_attention(q, k_pages, v_pages, table, row, live_pos, length: int, scale: float,
+                            first_pos: int | None = None):
+    """Live queries q [1, Hq, n, d] at absolute positions live_pos [n] over the first `length` keys
+    of the sequence in table row `row` (a one-element device tensor) of the pools [num_pages, P,
+    Hkv, d] (kernels/ops/attention/paged.py) -> [1, Hq, n, dv]. CUDA (head dims up to 256): the
+    live-attention kernel reading the pages through the table, no K/V gathered; elsewhere the
+    sequence's keys gathered and `attention` (the CPU path, and the reference)."""
+    if use_fast_kernels(q) and max(q.shape[-1], v_pages.shape[-1]) <= 256 and q.dtype == k_pages.dtype:
+        from hybridcache.kernels.ops.attention.triton import paged_live_attention
+
+        return paged_live_attention(q, k_pages, v_pages, table, row, live_pos, length, scale)
+    from hybridcache.kernels.ops.attention.paged import sequence_keys
+
+    k = sequence_keys(k_pages, table, row, length).to(q.dtype)
+    v = sequence_keys(v_pages, table, row, length).to(q.dtype)
+    return attention(q, k, v, live_pos, scale, first_pos)
+
+
 # Largest mask (query rows x keys) for which GQA folds a KV head's query heads into its query rows
 # instead of repeating the KV heads: 64M booleans.
 GQA_FOLD_MAX_MASK = 1 << 26

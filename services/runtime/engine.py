@@ -105,6 +105,28 @@ class GenerateResult:
         }
 
 
+@dataclass(eq=False)
+class PrefillJob:
+    """A prefill under way (Engine.start_prefill): the layout it runs from `state`, in chunks
+    (Engine.prefill_chunk), and what it records for the prefix caches as it goes."""
+
+    req: Request
+    state: SequenceState
+    layout: list  # live runs and cached spans in position order
+    snapshot_after: set  # layout indices whose linear states are kept (part ends, checkpoints)
+    boundary: dict  # layout index -> the part it ends
+    keys: list  # the request's chain keys
+    recorder: PageRecorder | None  # the exact pages' recorder (None: nothing goes into the page tree)
+    exact_end: int  # the position where exactly computed tokens end (the first reused body)
+    locked: list  # page-tree nodes held
+    stats: RequestStats
+    started: float
+    live_left: int = 0  # live tokens not run yet
+    next: int = 0  # the next layout piece to run
+    offset: int = 0  # its tokens already run (a live run cut at a chunk's end)
+    chain: list = field(default_factory=list)  # (layout index, end, linear states) of part ends
+
+
 @dataclass
 class Prefill:
     state: SequenceState
@@ -298,10 +320,19 @@ class Engine:
 
     @torch.no_grad()
     def prefill(self, req: Request, pinned: dict | None = None, built: dict | None = None) -> Prefill:
-        """Assemble and run the prompt. The prefix pages it read or wrote stay locked until
-        finish_prefix(prefill) (the scheduler calls it as the request ends). pinned: key -> entry
-        found for this request elsewhere (hits); built: key -> entry already built for it (the
-        scheduler builds cold segments ahead, batched across requests)."""
+        """Assemble and run the prompt in one forward (start_prefill, then prefill_chunk without a
+        budget). The prefix pages it read or wrote stay locked until finish_prefix(prefill) (the
+        scheduler calls it as the request ends). pinned: key -> entry found for this request
+        elsewhere (hits); built: key -> entry already built for it (the scheduler builds cold
+        segments ahead, batched across requests)."""
+        return self.prefill_chunk(self.start_prefill(req, pinned, built))
+
+    @torch.no_grad()
+    def start_prefill(self, req: Request, pinned: dict | None = None, built: dict | None = None) -> PrefillJob:
+        """Everything of a prefill before its forward: the prefix-cache lookup (the state the
+        prompt resumes from), the cold segments' entries (those not built ahead), the layout of
+        live runs and cached spans, what to record for the prefix caches. The forward runs in
+        prefill_chunk, all at once or a budget of live tokens at a time. Arguments as prefill's."""
         pinned, ahead = pinned or {}, built or {}
         # an entry of another tensor-parallel rank or split holds other heads: a miss, rebuilt here
         pinned = {k: e for k, e in pinned.items() if e.meta.get("tensor_parallel") == self.tp_layout}
@@ -410,25 +441,105 @@ class Engine:
             snapshot_after |= {i for i, p in enumerate(layout) if p.end <= exact_end and is_ckpt(p.end)}
         snapshot_after.discard(len(layout) - 1)
         layout, snapshot_after, boundary = coalesce_live_runs(layout, snapshot_after, boundary)
-        capture = recorder.capture_layers if recorder is not None else ()
-        logits, rec = self.runner.forward(state, layout, "last", snapshot_after, capture)
-        if cfg.uses_entries:
-            for idx, lin in rec.snapshots.items():
-                if idx not in boundary:
-                    continue
-                self.prefixes.put(keys[boundary[idx]], self.runner.snapshot(state, lin, layout[idx].end))
-        if recorder is not None:
-            checkpoints = [(layout[idx].end, lin, idx in boundary) for idx, lin in rec.snapshots.items()]
-            if exact_end == pos:
-                checkpoints.append((pos, state, True))
-            self.runner.record(recorder, rec.hidden, exact_end - recorder.start, checkpoints)
-            self._insert_pages(recorder, state, locked)
-            if exact_end < pos:
-                recorder = None  # the rest of this request is not exact: nothing more to insert
-        if cfg.uses_prefix_cache:
-            stats.linear_state_bytes = self._linear_state_bytes(req.prompt_ids, req.cache_salt)
         stats.segments = seg_stats
-        return Prefill(state, logits, stats, started, recorder, locked)
+        return PrefillJob(req, state, layout, snapshot_after, boundary, keys, recorder, exact_end, locked, stats,
+                          started, live_left=sum(p.token_ids.numel() for p in layout if isinstance(p, LiveRun)))
+
+    @torch.no_grad()
+    def prefill_chunk(self, job: PrefillJob, max_tokens: int | None = None) -> Prefill | None:
+        """Run the next at most `max_tokens` live tokens of a started prefill (all of them when None)
+        from the state the previous chunk left: the layout's pieces in order, a live run cut where
+        the budget ends (its rest starts the next chunk; linear states and K/V resume from any
+        position), cached spans taken as they come. Returns the Prefill once the last chunk ran
+        (its logits after the prompt), else None. A state whose attention K/V lie in pages
+        (paged.PagedAttnState: the scheduler ran paged.StatePool.assign on it) gets each chunk's
+        K/V written into them (KVPages.extend), so no copy of the whole prompt's K/V is made. Pages
+        of the prefix tree are inserted after each chunk (their anchors and checkpoints are not
+        kept for the whole prompt); a greedy prefill equals its one-forward run."""
+        if job.next >= len(job.layout):
+            raise ValueError("this prefill has run to its end")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        state, layout = job.state, job.layout
+        pieces, index, snapshots = [], [], set()
+        # states kept: part ends for the chain store, checkpoints while the page tree still takes pages
+        keep = {i for i in job.snapshot_after
+                if job.recorder is not None or (self.config.uses_entries and i in job.boundary)}
+        take = job.live_left if max_tokens is None else max_tokens
+        i, off = job.next, job.offset
+        while i < len(layout) and take > 0:
+            piece = layout[i]
+            if isinstance(piece, CachedSpan):
+                pieces.append(piece)
+            else:
+                n = piece.token_ids.numel() - off
+                k = min(n, take)
+                run = piece if off == 0 and k == n else LiveRun(piece.token_ids[off : off + k], piece.start + off)
+                pieces.append(run)
+                take -= k
+                if k < n:  # the rest of this run starts the next chunk
+                    index.append(None)
+                    off += k
+                    break
+                off = 0
+            if i in keep:
+                snapshots.add(len(pieces) - 1)
+            index.append(i)
+            i += 1
+        chunk_start, chunk_end = state.length, pieces[-1].end
+        job.next, job.offset = i, off
+        job.live_left -= sum(p.token_ids.numel() for p in pieces if isinstance(p, LiveRun))
+        done = job.next >= len(layout)
+        recorder = job.recorder
+        capture = recorder.capture_layers if recorder is not None and chunk_start < job.exact_end else ()
+        self.runner.extend_pages(state, chunk_end - chunk_start)
+        logits, rec = self.runner.forward(state, pieces, "last" if done else "none", snapshots, capture)
+        checkpoints = []
+        for j, lin in rec.snapshots.items():
+            idx = index[j]
+            if self.config.uses_entries and idx in job.boundary:
+                job.chain.append((idx, layout[idx].end, lin))
+            checkpoints.append((layout[idx].end, lin, idx in job.boundary))
+        if recorder is not None:
+            if done and job.exact_end == chunk_end:
+                checkpoints.append((chunk_end, state, True))
+            rows = max(0, min(job.exact_end, chunk_end) - chunk_start)
+            self.runner.record(recorder, rec.hidden if rows else {}, rows, checkpoints)
+            computed = min(job.exact_end, chunk_end)
+            tip = self._insert_pages(recorder, state, job.locked)
+            page = self.pages.page_size
+            if tip < computed // page * page or (done and job.exact_end < chunk_end):
+                # the tree took no more (its budget), or the rest of the request is not exact: nothing
+                # more of this request goes in, and nothing more is recorded for it
+                job.recorder = None
+        if not done:
+            return None
+        self._keep_chains(job)
+        stats = job.stats
+        if self.config.uses_prefix_cache:
+            stats.linear_state_bytes = self._linear_state_bytes(job.req.prompt_ids, job.req.cache_salt)
+        return Prefill(state, logits, stats, job.started, job.recorder, job.locked)
+
+    def _keep_chains(self, job: PrefillJob) -> None:
+        """The part-chain snapshots of a finished prefill into the chain store: the linear states
+        after each part and views of the prompt's K/V up to there (ModelRunner.snapshots: read out
+        of the pages once where they lie in pages, when that fits the store's budget)."""
+        if not job.chain:
+            return
+        end = max(e for _, e, _ in job.chain)
+        if self.runner.kv_bytes(job.state, end) > self.prefixes.capacity:
+            return
+        snaps = self.runner.snapshots(job.state, [(lin, e) for _, e, lin in job.chain])
+        for (idx, _, _), snap in zip(job.chain, snaps):
+            self.prefixes.put(job.keys[job.boundary[idx]], snap)
+
+    def abandon_prefill(self, job: PrefillJob) -> None:
+        """A started prefill that will not finish (its request was cancelled, preempted or failed):
+        release the prefix pages it holds."""
+        for node in job.locked:
+            self.pages.unlock(node)
+        job.locked.clear()
+        job.recorder = None
 
     def plain_prefill_ok(self, req: Request) -> bool:
         """Can the request's prompt be prefilled by prefill_plain: all live from an empty state (no
@@ -505,21 +616,23 @@ class Engine:
         """Linear-state bytes the page tree holds for the prompt's cached pages (under its cache salt)."""
         return sum(n.payload.linear_nbytes for n in self.pages.match(prompt, salt=salt))
 
-    def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list, last: bool = False) -> None:
+    def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list, last: bool = False) -> int:
         """The request's pages the tree lacks, their payloads made from its recorder (one runner
         call for all: ModelRunner.page_payloads), into the tree (under its cache salt); the deepest
-        one locked."""
+        one locked. Returns the tokens of the prompt the tree holds now (0: none)."""
         page = self.pages.page_size
         cached = len(self.pages.match(recorder.token_ids, salt=recorder.salt))
         starts = [i * page for i in range(cached, len(recorder.token_ids) // page)]
         made = dict(zip(starts, self.runner.page_payloads(recorder, state, starts))) if starts else {}
         tip = self.pages.insert(recorder.token_ids, made.get, recorder.salt)
-        if tip is not None:
-            locked.append(tip)
-            # The request holds these pages until it finishes: their anchors need not stay here too
-            # (unless this is its last insert: the recorder goes with it).
-            if not last and tip.depth * page > recorder.start:
-                self.runner.drop_recorded(recorder, tip.depth * page)
+        if tip is None:
+            return 0
+        locked.append(tip)
+        # The request holds these pages until it finishes: their anchors need not stay here too
+        # (unless this is its last insert: the recorder goes with it).
+        if not last and tip.depth * page > recorder.start:
+            self.runner.drop_recorded(recorder, tip.depth * page)
+        return tip.depth * page
 
     def finish_prefix(self, pre: Prefill) -> None:
         """A request ended: add the pages its decode completed, then release its pages."""
@@ -627,7 +740,7 @@ class Engine:
                          Request(s0, [ids(length) for _ in range(n)], q, greedy)]
         return requests, shape
 
-    def warmup(self, run) -> dict:
+    def warmup(self, run, shaped_only: bool = False) -> dict:
         """Send synthetic requests down every path a request can take before real traffic comes.
         First small ones: a batch of cold entry builds (runs shorter and longer than one chunk,
         odd and multiple-of-16 lengths), an assembly with several seams, the same segments reused
@@ -646,14 +759,18 @@ class Engine:
         must charge to its first requests. `run(request)` serves one request to its end through
         the path real requests take (a scheduler's: llm.LLM.warmup, a combine worker's). The
         engine's caches are swapped for throwaway ones meanwhile (swap_caches), so nothing of the
-        warm-up stays cached or counts against a budget. Returns {"requests": n, "shape": the
-        shaped requests' shape or None, "seconds": wall time}."""
+        warm-up stays cached or counts against a budget. `shaped_only`: the shaped requests alone (a
+        worker whose state pool was made anew after its first warm-up captures the assembly graphs
+        of their buckets again over the new pool, graphs.AssemblyGraphs). Returns {"requests": n,
+        "shape": the shaped requests' shape or None, "seconds": wall time}."""
         t0 = time.perf_counter()
         requests, shape = self.warmup_requests()
+        if shaped_only:
+            requests = requests[4:]  # the small ones come first (warmup_requests)
         self.swap_caches()
         try:
             for n, req in enumerate(requests):
-                if n == 1 and isinstance(self.entries, TieredEntryStore):
+                if n == 1 and not shaped_only and isinstance(self.entries, TieredEntryStore):
                     self.entries.demote_all()  # the reuse after another prefix stages them from the host
                 run(req)
         finally:

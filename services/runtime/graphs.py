@@ -109,7 +109,8 @@ def layout_key(state: SequenceState, layout, logits_for, snapshot_after, capture
             pieces.append(("live", p.start, int(p.token_ids.numel())))
         else:
             return None
-    if not spans:
+    if not spans or any(hasattr(a, "pages") for a in state.attn.values()):
+        # (a state whose K/V lie in pages, a long prompt's chunked prefill, is not captured here)
         return None
     held = tuple(
         (i, s.ssm.dtype, tuple(s.ssm.shape), s.conv.dtype, tuple(s.conv.shape)) for i, s in state.linear.items()
@@ -604,3 +605,207 @@ def _check_same(eager: SequenceState, eager_logits, graphed: SequenceState, grap
         scale = float(a.float().abs().max()) if a.numel() else 0.0
         if not gap <= 1e-3 * (scale + 1.0):
             raise GraphUnsupported(f"the replayed graphs' {name} differs from the eager pass's by {gap:.3g}")
+
+
+class AssemblyGraphs:
+    """CUDA graphs of planned assemblies (models/assembly.py), one set per plan key (a bucket of
+    live structures), not per exact layout: a RAG request of any documents' lengths replays the
+    graphs its bucket captured. Per key, one graph per layer (the embedding with the first, the
+    head with the last) over a static plan (AssemblyBatch.static_copy: the index block, each
+    layer's conv sources and fold tables, the K/V rows) and static linear-state inputs; the K/V
+    are the request's pages, read through the table row in the static plan. A run
+
+    1. copies the request's index block into the static plan (one copy) and its K/V rows;
+    2. per layer: binds the layer's request data (AssemblyBatch.fill: conv sources, fold tables,
+       the spans' K/V into the pages) and its entering linear state, then replays the layer;
+    3. clones what the request keeps out of the graphs' memory (states, logits, kept states,
+       captured hidden states).
+
+    A key is captured the `capture_after`-th time it is seen (the first runs eagerly over the plan,
+    compiling and autotuning its kernels), then replayed once and checked against that eager
+    answer; a capture that fails or differs leaves the key eager. `max_graphs` keys are kept, least
+    recently used dropped. The pool's tensors are part of the key (a pool reallocated by growth,
+    paged.KVPages.generation, is another key)."""
+
+    def __init__(self, model, max_graphs: int = 8, capture_after: int = 2, graph_factory=None):
+        if max_graphs < 1 or capture_after < 1:
+            raise ValueError("max_graphs and capture_after must be >= 1")
+        self.model = model
+        self.max_graphs = max_graphs
+        self.capture_after = capture_after
+        self._graph_factory = graph_factory or CudaLayerGraph
+        self._graphs: OrderedDict[tuple, dict] = OrderedDict()
+        self._seen: dict[tuple, int] = {}
+        self.failed: dict[tuple, str] = {}
+        self._lock = threading.Lock()
+        self.stats = {"captures": 0, "replays": 0, "eager": 0, "failures": 0}
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._graphs.clear()
+            self._seen.clear()
+            self.failed.clear()
+
+    @staticmethod
+    def _key(state, plan) -> tuple:
+        pages = next(iter(state.attn.values())).pages
+        return (*plan.key, id(pages), pages.generation)
+
+    @torch.no_grad()
+    def run(self, state: SequenceState, plan):
+        """(logits, rec) of the planned pass from its key's graphs, updating `state` as
+        LayoutLM.forward_planned does; None when the caller should run that eager pass instead."""
+        key = self._key(state, plan)
+        if key in self.failed or _capturing():
+            return None
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            static = self._graphs.get(key)
+            if static is None:
+                self._seen[key] = self._seen.get(key, 0) + 1
+                if len(self._seen) > 4096:
+                    self._seen = {key: self._seen[key]}
+                if self._seen[key] < self.capture_after:
+                    self.stats["eager"] += 1
+                    return None
+                return self._capture(key, state, plan)
+            self._graphs.move_to_end(key)
+            self.stats["replays"] += 1
+            return self._replay(static, state, plan)
+        finally:
+            self._lock.release()
+
+    def _bind(self, static: dict, state, plan, layer: int) -> None:
+        """Layer `layer`'s request data and entering state (state.linear, the request's) into the
+        static buffers; what the static state holds is left alone (after a capture, the tensors
+        the layer's graph writes)."""
+        static["plan"].fill(self.model, layer, state, plan)
+        if layer in state.linear:
+            s = state.linear[layer]
+            torch._foreach_copy_(list(static["inputs"][layer]), [s.ssm, s.conv])
+
+    def _reset(self, static: dict, layer: int | None = None) -> None:
+        """Point the static state's layer (every layer by default) at its input buffers: before a
+        pass over the static buffers, and before a graph double reruns a layer on replay."""
+        for i, pair in static["inputs"].items():
+            if layer is None or i == layer:
+                static["state"].linear[i] = LinearState(*pair)
+
+    def _replay(self, static: dict, state, plan):
+        sp = static["plan"]
+        sp.load(plan)
+        try:
+            sp.bind_rows(state, plan)
+            for i, graph in enumerate(static["graphs"]):
+                self._bind(static, state, plan, i)
+                graph.replay()
+            return self._collect(static, state, plan)
+        finally:
+            sp.forget_request()
+
+    def _collect(self, static: dict, state, plan):
+        """Clone what the request keeps out of the graphs' memory into `state` and a Recording."""
+        from hybridcache.services.runtime.models.assembly import PLANNED_SNAPSHOTS, finish_recording
+
+        st, rec = static["state"], static["rec"]
+        order = sorted(st.linear)
+        flat = [t for i in order for t in (st.linear[i].ssm, st.linear[i].conv)]
+        snaps = sorted(k for k in rec.scratch if isinstance(k, tuple) and k[0] == PLANNED_SNAPSHOTS)
+        flat += [t for k in snaps for t in rec.scratch[k]]
+        hidden = sorted(rec.hidden)
+        flat += [rec.hidden[i] for i in hidden]
+        logits = static["logits"]
+        if logits is not None:
+            flat.append(logits)
+        out = iter(clone_out(flat))
+        for i in order:
+            state.linear[i] = LinearState(next(out), next(out))
+        mine = Recording()
+        for k in snaps:
+            mine.scratch[k] = (next(out), next(out))
+        for i in hidden:
+            mine.hidden[i] = next(out)
+        logits = next(out) if logits is not None else None
+        for idx in plan.snapshots:
+            mine.snapshots[idx] = {}
+        finish_recording(plan, mine)
+        state.length = plan.end
+        return logits, mine
+
+    def _capture(self, key, state, plan):
+        """This request eagerly on new static buffers (its answer, every kernel warm), then each
+        layer captured, then one replay that must give that answer; the eager answer stands
+        either way. None (before touching the state) when binding fails."""
+        from hybridcache.services.runtime.models.common import new_planned_recording
+
+        model = self.model
+        sp = plan.static_copy()
+        inputs = {i: (_static_copy(s.ssm), _static_copy(s.conv)) for i, s in state.linear.items()}
+        st = SequenceState(state.length, {}, dict(state.attn))
+        static = {"plan": sp, "inputs": inputs, "state": st, "graphs": [], "logits": None, "rec": None}
+        n_layers = len(model.layers)
+
+        def live_pass(rec, i, x):
+            if i == 0:
+                x = model.embed(sp.ids)[None]
+            x = model.run_layer(i, x, sp, st, rec, sp.positions, plan.host["capture"])
+            if i == n_layers - 1:
+                static["logits"] = sp.logits(model, x)
+            return x
+
+        try:
+            sp.load(plan)
+            sp.bind_rows(state, plan)
+            # 1. this request, eagerly on the static buffers
+            backends.clear_kept()
+            static["rec"] = new_planned_recording(plan)
+            self._reset(static)
+            x = None
+            for i in range(n_layers):
+                self._bind(static, state, plan, i)
+                x = live_pass(static["rec"], i, x)
+            answer_state = SequenceState(state.length, dict(state.linear), dict(state.attn))
+            answer = self._collect(static, answer_state, plan)
+        except Exception as e:  # noqa: BLE001 - binding or the pass failed: the caller runs eagerly
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            self.stats["failures"] += 1
+            log.warning("planned assembly not run on static buffers, runs eagerly: %s", self.failed[key])
+            return None
+        try:
+            # 2. capture, layer by layer (each layer's request data bound before it, outside the graph)
+            static["rec"] = new_planned_recording(plan)
+            static["logits"] = None
+            backends.clear_kept()
+            pool = torch.cuda.graph_pool_handle() if model.device.type == "cuda" else None
+            self._reset(static)
+            x = None
+            with _NoFlaTensorCache():
+                for i in range(n_layers):
+                    self._bind(static, state, plan, i)
+                    graph = self._graph_factory(pool, model.device)
+                    x = graph.capture(lambda i=i, x=x: live_pass(static["rec"], i, x),
+                                      reset=lambda i=i: self._reset(static, i))
+                    static["graphs"].append(graph)
+            backends.clear_kept()
+            # 3. one replay on the same request must give the eager answer
+            check = SequenceState(state.length, dict(state.linear), dict(state.attn))
+            logits, _ = self._replay(static, check, plan)
+            _check_same(answer_state, answer[0], check, logits)
+        except Exception as e:  # noqa: BLE001 (whatever fails here, the key runs eagerly)
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            self.stats["failures"] += 1
+            log.warning("planned assembly of a bucket not captured, runs eagerly: %s", self.failed[key])
+        else:
+            self._graphs[key] = static
+            self.stats["captures"] += 1
+            while len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)
+        sp.forget_request()
+        state.linear.update(answer_state.linear)
+        state.length = answer_state.length
+        return answer
+

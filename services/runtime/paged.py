@@ -43,6 +43,7 @@ whatever holds its tensors' addresses (a decode CUDA graph) must be built again.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from hybridcache.services.runtime import backends
@@ -57,6 +58,18 @@ MAX_TABLE_WIDTH = 1 << 15  # pages a request's table row starts with at most (it
 
 def _pages(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
+
+
+@dataclass(slots=True)
+class PagedWrite:
+    """Where the forward under way writes a sequence's new K/V (KVPages.extend): `rows` [n] int64 on
+    the device, the rows of the flattened pools its n new tokens take, in position order; `row` [2]
+    int64 on the device, the sequence's table row (its slot) and `length`, its tokens once they are
+    written (the keys its live queries may see; also on the host)."""
+
+    rows: torch.Tensor
+    row: torch.Tensor
+    length: int
 
 
 class KVPages:
@@ -83,6 +96,8 @@ class KVPages:
         self.epoch = [0] * (slots + 1)  # bumped as a slot is released: its PagedAttnStates then refuse reads
         self.free = list(range(n_pages - 1, 0, -1))  # pop() takes the lowest page
         self.generation = 0  # bumped whenever the pool's or the table's tensors are reallocated
+        # slot -> the PagedWrite of the forward under way for it (a prefill that runs in its pages)
+        self.writes: dict[int, PagedWrite] = {}
 
     @property
     def num_pages(self) -> int:
@@ -169,13 +184,39 @@ class KVPages:
             need.append(n // ps + 1)
         return rows, lengths, max(need)
 
-    def read(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slot's K/V of one layer, contiguous [1, H, N, d] (a copy out of the pages)."""
+    def extend(self, slot: int, n: int) -> PagedWrite:
+        """Room for n more tokens of `slot` (a forward of a prefill that runs in the slot's pages):
+        pages where they start new ones, the slot's length advanced. Returns (and keeps in
+        `writes` for the attention layers to find) the PagedWrite of those tokens."""
+        ps, start = self.page_size, self.lengths[slot]
+        have = len(self.pages_of[slot])
+        need = _pages(start + n, ps) - have
+        if need > 0:
+            pages = self._take(need)
+            self.pages_of[slot] += pages
+            self._set_entries([slot] * need, list(range(have, have + need)), pages)
+        pos = torch.arange(start, start + n)
+        page_ids = torch.tensor(self.pages_of[slot], dtype=torch.long)
+        rows = page_ids[pos // ps] * ps + pos % ps
+        self.lengths[slot] = start + n
+        dev = backends.to_device_async(torch.cat([rows, torch.tensor([slot, start + n])]), self.device)
+        write = self.writes[slot] = PagedWrite(dev[:n], dev[n:], start + n)
+        return write
+
+    def read(self, slot: int, layer: int, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's K/V of one layer at positions lo..hi-1 (default: all), contiguous [1, H, n, d]
+        (a copy out of the pages it spans, not of the whole sequence)."""
         n = self.lengths[slot]
-        idx = torch.tensor(self.pages_of[slot], dtype=torch.long, device=self.device)
+        hi = n if hi is None else min(hi, n)
+        if hi <= lo:
+            a, b = self.k[layer], self.v[layer]
+            return a.new_zeros(1, a.shape[2], 0, a.shape[3]), b.new_zeros(1, b.shape[2], 0, b.shape[3])
+        ps = self.page_size
+        first = lo // ps
+        idx = torch.tensor(self.pages_of[slot][first : _pages(hi, ps)], dtype=torch.long, device=self.device)
         out = []
         for pool in (self.k[layer], self.v[layer]):
-            t = pool[idx].reshape(-1, *pool.shape[2:])[:n]  # [N, H, d]
+            t = pool[idx].reshape(-1, *pool.shape[2:])[lo - first * ps : hi - first * ps]  # [n, H, d]
             out.append(t.transpose(0, 1)[None].contiguous())
         return out[0], out[1]
 
@@ -191,6 +232,7 @@ class KVPages:
         self.pages_of[slot] = []
         self.lengths[slot] = 0
         self.epoch[slot] += 1
+        self.writes.pop(slot, None)
 
 
 class PagedAttnState:
@@ -204,9 +246,23 @@ class PagedAttnState:
         self.pages, self.slot, self.layer, self.epoch = pages, slot, layer, epoch
 
     def _read(self, which: int) -> torch.Tensor:
+        return self.span(0, None)[which]
+
+    def span(self, lo: int, hi: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) at positions lo..hi-1 [1, H, n, d], copied out of the pages they lie in (a page-tree
+        insert reads a page at a time: never the whole sequence per page)."""
         if self.pages.epoch[self.slot] != self.epoch:
             raise RuntimeError(f"the K/V of layer {self.layer} were in slot {self.slot}, released since")
-        return self.pages.read(self.slot, self.layer)[which]
+        return self.pages.read(self.slot, self.layer, lo, hi)
+
+    @property
+    def write(self) -> PagedWrite:
+        """Where the forward under way writes this sequence's new K/V (KVPages.extend)."""
+        return self.pages.writes[self.slot]
+
+    @property
+    def length(self) -> int:
+        return self.pages.lengths[self.slot]
 
     @property
     def k(self) -> torch.Tensor:
@@ -215,6 +271,17 @@ class PagedAttnState:
     @property
     def v(self) -> torch.Tensor:
         return self._read(1)
+
+
+def extend_pages(state: SequenceState, n: int) -> None:
+    """Before a forward of n new tokens of a state whose attention K/V lie in pages (PagedAttnState):
+    the pages and rows they take (KVPages.extend), where the attention layers write them. A state
+    with contiguous K/V (AttnState) is left alone."""
+    a = next(iter(state.attn.values()), None)
+    if isinstance(a, PagedAttnState):
+        if a.length != state.length:
+            raise ValueError(f"slot {a.slot} holds {a.length} tokens of K/V, the state {state.length}")
+        a.pages.extend(a.slot, n)
 
 
 class StatePool:
@@ -253,6 +320,26 @@ class StatePool:
         if self.kv is not None:
             self.kv.store(slot, state)
         return slot
+
+    def adopt(self, slot: int, state: SequenceState) -> None:
+        """Make `slot` hold `state`, which a prefill ran in its pages (assign made its K/V paged
+        there; its linear states may have been replaced since): the linear states are copied into
+        the slot and become views of it again."""
+        for i, s in state.linear.items():
+            view = self.ssm[i][slot : slot + 1]
+            if s.ssm.data_ptr() != view.data_ptr():
+                view.copy_(s.ssm)
+            conv = self.conv[i][slot : slot + 1]
+            if s.conv.data_ptr() != conv.data_ptr():
+                conv.copy_(s.conv)
+            state.linear[i] = LinearState(view, conv)
+        if self.kv is not None:
+            for i, a in state.attn.items():
+                if not isinstance(a, PagedAttnState) or a.slot != slot:
+                    raise ValueError(f"layer {i}'s K/V are not in slot {slot}'s pages")
+            if self.kv.lengths[slot] != state.length:
+                raise ValueError(f"slot {slot} holds {self.kv.lengths[slot]} tokens of K/V, the state {state.length}")
+            self.kv.writes.pop(slot, None)
 
     def release(self, slot: int, keep: SequenceState | None = None) -> None:
         """Free the slot and its pages (KVPages.release: `keep` gets its K/V copied out first)."""

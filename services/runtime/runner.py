@@ -59,8 +59,9 @@ from hybridcache.services.runtime.cache.policies import PageRecorder, restore_pa
 from hybridcache.services.runtime.cache.prefix import PrefixSnapshot
 from hybridcache.services.runtime.cache.radix import PagePayload
 from hybridcache.services.runtime.cache.single_state import single_state_view
-from hybridcache.services.runtime.graphs import CudaLayerGraph, LayoutGraphs
-from hybridcache.services.runtime.paged import DecodeGraphs, StatePool, decode_step
+from hybridcache.services.runtime.graphs import AssemblyGraphs, CudaLayerGraph, LayoutGraphs
+from hybridcache.services.runtime.models.assembly import plan_assembly
+from hybridcache.services.runtime.paged import DecodeGraphs, StatePool, decode_step, extend_pages
 from hybridcache.services.runtime.sequence import AttnState, LinearState, LiveRun, SequenceState, SpanData
 
 
@@ -136,9 +137,15 @@ class ModelRunner:
                              and self.dispatch.kernels != "reference")
         self.overlaps = single
         self.layout_graphs: LayoutGraphs | None = None
+        self.assembly_graphs: AssemblyGraphs | None = None
         if self.graphs_apply and config.cuda_graphs:
             self.layout_graphs = LayoutGraphs(model, max_graphs=config.cuda_graph_shapes,
                                               graph_factory=self.graph_factory)
+            if getattr(model, "planned_assemblies", False):
+                self.assembly_graphs = AssemblyGraphs(model, max_graphs=config.cuda_graph_shapes,
+                                                      graph_factory=self.graph_factory)
+        # planned assemblies cut live runs into sub-runs of the seam window's length (8 at least)
+        self.run_tokens = max(8, config.seam_window)
         self.decode_graphs_on = self.graphs_apply and config.decode_cuda_graphs
         self._decode_graphs: weakref.WeakKeyDictionary[StatePool, DecodeGraphs] = weakref.WeakKeyDictionary()
         self._eager = False
@@ -166,9 +173,14 @@ class ModelRunner:
 
     @property
     def graph_stats(self) -> dict[str, int]:
-        """The assembly graphs' counts (LayoutGraphs.stats: shapes captured, replayed, run eagerly,
-        failed); empty where they do not apply."""
-        return dict(self.layout_graphs.stats) if self.layout_graphs is not None else {}
+        """The assembly graphs' counts (LayoutGraphs.stats and AssemblyGraphs.stats summed: shapes or
+        buckets captured, replayed, run eagerly, failed); empty where they do not apply."""
+        out: dict[str, int] = {}
+        for graphs in (self.layout_graphs, self.assembly_graphs):
+            if graphs is not None:
+                for k, v in graphs.stats.items():
+                    out[k] = out.get(k, 0) + v
+        return out
 
     def empty_state(self) -> SequenceState:
         return self.model.empty_state()
@@ -177,8 +189,17 @@ class ModelRunner:
     def forward(self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=(),
                 capture_hidden=()):
         """The live pass of `layout` from `state` (updated in place): LayoutLM.forward_layout's
-        arguments and results. An assembly (a layout with cached spans) of a shape seen before may
-        run from that shape's CUDA graphs (graphs.LayoutGraphs), with the same results."""
+        arguments and results. An assembly (a layout with cached spans) whose K/V lie in its
+        request's pages runs planned (models/assembly.py) from its bucket's CUDA graphs
+        (graphs.AssemblyGraphs: any layout of a bucket seen before), else eagerly over its plan;
+        one with contiguous K/V of a shape seen before may run from that shape's graphs
+        (graphs.LayoutGraphs). The same results either way."""
+        if self.assembly_graphs is not None and not self._eager:
+            plan = plan_assembly(self.model, state, layout, snapshot_after, capture_hidden, logits_for,
+                                 self.run_tokens)
+            if plan is not None:
+                out = self.assembly_graphs.run(state, plan)
+                return out if out is not None else self.model.forward_planned(state, plan)
         if self.layout_graphs is not None and not self._eager:
             out = self.layout_graphs.run(state, layout, logits_for, snapshot_after, capture_hidden)
             if out is not None:
@@ -274,6 +295,27 @@ class ModelRunner:
         attn = {i: type(a)(a.k[:, :, :end], a.v[:, :, :end]) for i, a in state.attn.items()}
         return PrefixSnapshot(end, linear, attn)
 
+    def snapshots(self, state: SequenceState, chain: list[tuple[dict, int]]) -> list[PrefixSnapshot]:
+        """snapshot of each (linear states, end) of `chain` over one state: where its K/V lie in
+        pages they are read out once, up to the largest end, and every snapshot views that copy."""
+        if any(not isinstance(a, AttnState) for a in state.attn.values()):
+            end = max(e for _, e in chain)
+            state = SequenceState(end, state.linear, {i: AttnState(*a.span(0, end)) for i, a in state.attn.items()})
+        return [self.snapshot(state, linear, end) for linear, end in chain]
+
+    def kv_bytes(self, state: SequenceState, tokens: int) -> int:
+        """Bytes of `tokens` tokens of the state's attention K/V (what a snapshot of them copies out
+        of pages)."""
+        per_token = 0
+        for a in state.attn.values():
+            pages = getattr(a, "pages", None)
+            if pages is not None:  # a row of a page: [Hkv, d]
+                pair = (pages.k[a.layer][0, 0], pages.v[a.layer][0, 0])
+            else:  # one position: [Hkv, d]
+                pair = (a.k[0, :, 0], a.v[0, :, 0]) if a.k.shape[2] else ()
+            per_token += sum(t.numel() * t.element_size() for t in pair)
+        return per_token * tokens
+
     def restore_snapshot(self, snap: PrefixSnapshot) -> SequenceState:
         """A fresh SequenceState of a part-chain snapshot (PrefixSnapshot.restore)."""
         return snap.restore()
@@ -283,7 +325,8 @@ class ModelRunner:
         it captured, and the linear states at positions where the page tree keeps them
         (`checkpoints`: (position, the states there: a forward's snapshot or a SequenceState,
         whether to copy them))."""
-        recorder.add_hidden(hidden, n)
+        if n:
+            recorder.add_hidden(hidden, n)
         for pos, linear, copy in checkpoints:
             recorder.add_checkpoint(pos, linear.linear if isinstance(linear, SequenceState) else linear, copy)
 
@@ -319,6 +362,15 @@ class ModelRunner:
     def release(self, pool: StatePool, slot: int, keep: SequenceState | None = None) -> None:
         """Free a slot of `pool` (StatePool.release: `keep` gets its K/V copied out first)."""
         pool.release(slot, keep)
+
+    def adopt(self, pool: StatePool, slot: int, state: SequenceState) -> None:
+        """Make `slot` of `pool` hold a state prefilled in its pages (StatePool.adopt)."""
+        pool.adopt(slot, state)
+
+    def extend_pages(self, state: SequenceState, n: int) -> None:
+        """Before a forward of n new tokens of a state whose K/V lie in pages: their pages and rows
+        (paged.extend_pages; a state with contiguous K/V is left alone)."""
+        extend_pages(state, n)
 
     def decode_graphs(self, pool: StatePool) -> DecodeGraphs | None:
         """The decode CUDA graphs over `pool` (made on first use), or None where they do not apply."""

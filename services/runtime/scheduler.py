@@ -7,13 +7,22 @@ A Scheduler owns an Engine and runs a loop in its own thread. Each step it
        max_new_tokens is smaller), reserved at admission;
     3. spends up to `max_num_batched_tokens` on admitted requests' prefill: first their cold
        segments, built as one batched standalone prefill across requests (Engine.build_entries),
-       then their assemblies (Engine.prefill over warm entries), each request's first token
-       sampled from it;
+       then a chunk of each assembly (Engine.start_prefill, Engine.prefill_chunk over warm
+       entries), each request's first token sampled from its last chunk;
     4. runs ONE decode step over every running request (Engine.decode_batch, paged.decode_step):
        B tokens in one forward over the requests' states in a preallocated pool (paged.StatePool):
        linear-layer states in slots, attention K/V in pages read through a block table.
-A request's prefill is cut between steps at segment granularity (cold builds) and the assembly
-runs as one unit, so running streams wait for at most one step's budget of prefill. Prompts that
+A request's prefill is cut between steps at segment granularity (cold builds; a cold segment
+longer than the budget is built whole) and its assembly into chunks of at most the step's budget
+of live tokens (a plain prompt, a segment that runs live, the seams and question of an
+assembly), each chunk running from the state the one before left, so running streams wait for
+at most one step's budget of prefill between their tokens. A prefill runs in the slot it will
+decode in (models whose attention layers run in pages: all but MLA's): the request gets its slot
+at its first chunk and every chunk writes its K/V into the slot's pages (paged.StatePool.assign,
+KVPages.extend; a chunk's attention reads the pages where they lie, an assembly's cached spans
+are written there rotated), so a long prompt makes no copy of its K/V beyond what its reservation
+covers, and a request starts decoding without moving its K/V. On CUDA an assembly runs planned
+from its bucket's CUDA graphs (runner.ModelRunner.forward, graphs.AssemblyGraphs). Prompts that
 run all live from an empty state (Engine.plain_prefill_ok: no segments, no system prompt, no
 page-tree hit, no prefix-cache checkpoint inside) are prefilled together instead, one batched
 standalone forward of every such prompt admitted in the step but its last token
@@ -76,7 +85,15 @@ import torch
 from hybridcache.services.config import default_of
 from hybridcache.services.devices import CPU_KV_BYTES, kv_cache_budget
 from hybridcache.services.runtime.backends import to_device_async
-from hybridcache.services.runtime.engine import Engine, GenerateResult, Prefill, Request, RequestStats, named_entries
+from hybridcache.services.runtime.engine import (
+    Engine,
+    GenerateResult,
+    Prefill,
+    PrefillJob,
+    Request,
+    RequestStats,
+    named_entries,
+)
 from hybridcache.services.runtime.sampling import (
     LogitsAdjuster,
     RequestError,
@@ -268,10 +285,10 @@ class _Seq:
     req: Request
     arrived: float
     pinned: dict
-    cost: int = 0  # prefill tokens the assembly runs (estimate)
     reused: list = field(default_factory=list)  # the planner's reused_segments of req
     cold: dict = field(default_factory=dict)  # key -> token ids still to build
     built: dict = field(default_factory=dict)  # key -> entry built ahead for it
+    job: PrefillJob | None = None  # its prefill under way (run a chunk a step)
     prefill: Prefill | None = None
     stream: TextStream | None = None
     generator: torch.Generator | None = None
@@ -325,6 +342,13 @@ class Scheduler:
         self.batch_sizes: collections.Counter = collections.Counter()  # decode batch size -> steps
         self.overlapped_steps = 0  # decode steps launched before the step before them was handled
         self.plain_prefilled = 0  # requests prefilled together by Engine.prefill_plain
+        # a prefill runs in its slot's pages (models whose attention layers write K/V there:
+        # common.attention_layout), so no copy of the prompt's K/V is made
+        self._paged_prefill = (engine.config.paged_prefill and bool(getattr(engine.model, "paged_prefill", False))
+                               and self.pool.kv is not None)
+        # (step, prefill tokens, decode batch size) of the latest steps that did work
+        self.step_log: collections.deque = collections.deque(maxlen=4096)
+        self._step_tokens = 0
         self._launched: _Launched | None = None
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self._thread.start()
@@ -404,13 +428,18 @@ class Scheduler:
     def resize_kv(self, kv_cache_bytes: int) -> None:
         """Give the running requests' K/V `kv_cache_bytes` (a planned worker, after its warm-up:
         devices.plan_memory): the state pool is made anew at that size, the old one (and its decode
-        graphs) freed first. Runs while the scheduler is idle; capture the decode graphs again
-        after (warm_decode_graphs)."""
+        and assembly graphs) freed first. Runs while the scheduler is idle; capture the decode
+        graphs again after (warm_decode_graphs), and the assembly graphs (Engine.warmup with
+        shaped_only)."""
         with self._cv:
             if self._waiting or self._admitted or self._running or self._launched is not None:
                 raise RuntimeError("resize_kv needs an idle scheduler")
             self.config = dataclasses.replace(self.config, kv_cache_bytes=kv_cache_bytes)
             self.pool = None
+            # the assembly graphs hold the old pool's tensors (warm up again to capture them anew)
+            graphs = getattr(self.engine.runner, "assembly_graphs", None)
+            if graphs is not None:
+                graphs.clear()
             gc.collect()  # the old pool and its decode graphs refer to each other
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -460,21 +489,23 @@ class Scheduler:
     def step(self) -> None:
         self._reap_cancelled()
         self._admit()
+        self._step_tokens = 0
         self._prefill_step()
         self._grow()
+        batch = 0
         if self._running:
+            batch = len(self._running)
             self._decode_step()
         elif self._launched is not None:
             self._handle(self._launched)
+        if self._step_tokens or batch:
+            self.step_log.append((self.steps, self._step_tokens, batch))
         self.steps += 1
 
     def _plan(self, seq: _Seq) -> None:
         """The segments the request folds in from entries (planned once, and again when a
-        preemption changed the request) and the tokens its assembly runs live: every prompt
-        token but those segments' bodies."""
+        preemption changed the request)."""
         seq.reused = self.engine.planner.reused_segments(seq.req)
-        w = self.engine.config.seam_window
-        seq.cost = max(seq.req.prompt_len - sum(len(seg.token_ids) - w for seg in seq.reused), 1)
 
     def _reap_cancelled(self) -> None:
         with self._cv:
@@ -538,6 +569,7 @@ class Scheduler:
             if budget <= 0:
                 break
         if todo:
+            self._step_tokens += sum(map(len, todo.values()))
             entries, failed = self._build(todo)
             for seq in [s for s in self._admitted if failed.keys() & s.cold.keys()]:
                 self._fail(seq, next(failed[k] for k in seq.cold if k in failed), "cold build")
@@ -551,16 +583,19 @@ class Scheduler:
                         seq.built[key] = entries[key]
                         claimed.add(key)
                     del seq.cold[key]
-        # assemblies of the requests whose entries are all there, while the budget lasts (at least
-        # one a step when no cold build ran: an assembly longer than the budget still gets its turn)
+        # assemblies of the requests whose entries are all there, a chunk of each while the budget
+        # lasts (the oldest first; one a step when no cold build ran, even past a spent budget)
         still, progressed = [], bool(todo)
         for seq in self._admitted:
             if seq.cold or (budget <= 0 and progressed):
                 still.append(seq)
                 continue
-            budget -= seq.cost
+            spent = self._prefill_chunk(seq, budget if budget > 0 else self.config.max_num_batched_tokens)
+            budget -= spent
+            self._step_tokens += spent
             progressed = True
-            self._assemble(seq)
+            if seq.job is not None:
+                still.append(seq)
         self._admitted = still
 
     def _build(self, todo: dict[str, list[int]]) -> tuple[dict, dict]:
@@ -590,7 +625,8 @@ class Scheduler:
         plain, tokens, first_pages = [], 0, set()
         for seq in self._admitted:
             if (seq.stream is not None or not eng.plain_prefill_ok(seq.req)  # a resumed one runs its prefill
-                    or seq.req.sampling.prompt_logprobs_from is not None):
+                    or seq.req.sampling.prompt_logprobs_from is not None or seq.job is not None
+                    or seq.req.prompt_len > self.config.max_num_batched_tokens):  # a long one runs in chunks
                 continue
             prompt = seq.req.prompt_ids
             head = tuple(prompt[:page]) if page and len(prompt) > page else None
@@ -604,6 +640,7 @@ class Scheduler:
                 first_pages.add(head)
         if not plain:
             return budget
+        self._step_tokens += tokens
         self._admitted = [s for s in self._admitted if s not in plain]
         try:
             pres = eng.prefill_plain([s.req for s in plain])
@@ -628,6 +665,30 @@ class Scheduler:
                 self._fail(seq, e, "prefill")
         return budget - tokens
 
+    def _prefill_chunk(self, seq: _Seq, tokens: int) -> int:
+        """Run the next chunk of at most `tokens` live tokens of the request's prefill (started here
+        on its first chunk: Engine.start_prefill; where the model's attention runs in pages, the
+        request gets its slot now and its prefill runs in the slot's pages); the request starts
+        decoding after its last chunk. Returns the live tokens run (a request whose prefill fails
+        fails alone)."""
+        eng = self.engine
+        try:
+            if seq.job is None:
+                seq.job = eng.start_prefill(seq.req, pinned=seq.pinned, built=seq.built)
+                seq.pinned, seq.built = {}, {}
+                if self._paged_prefill:
+                    seq.slot = eng.runner.assign(self.pool, seq.job.state)
+            before = seq.job.live_left
+            pre = eng.prefill_chunk(seq.job, tokens)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            self._fail(seq, e, "assembly")
+            return 0
+        spent = before - seq.job.live_left
+        if pre is not None:
+            seq.job = None
+            self._assemble(seq, pre)
+        return spent
+
     def _prefill_alone(self, plain: list) -> list:
         """Each request's Prefill by its own plain prefill, or the error it failed with."""
         log.warning("batched prefill of %d prompts failed; prefilling them one by one", len(plain), exc_info=True)
@@ -639,16 +700,15 @@ class Scheduler:
                 out.append(e)
         return out
 
-    def _assemble(self, seq: _Seq) -> None:
+    def _assemble(self, seq: _Seq, pre: Prefill) -> None:
         try:
-            self._assemble_one(seq)
+            self._assemble_one(seq, pre)
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             self._fail(seq, e, "assembly")
 
-    def _assemble_one(self, seq: _Seq) -> None:
+    def _assemble_one(self, seq: _Seq, pre: Prefill) -> None:
+        """A request whose prefill ran: its first token, then it decodes (or ends)."""
         eng, params = self.engine, seq.req.sampling
-        pre = eng.prefill(seq.req, pinned=seq.pinned, built=seq.built)
-        seq.pinned, seq.built = {}, {}
         seq.prefill = seq.handle.prefill = pre
         pre.started = seq.arrived  # TTFT counts the time in the queue
         if seq.stream is not None:
@@ -680,7 +740,11 @@ class Scheduler:
         self._run(seq)
 
     def _run(self, seq: _Seq) -> None:
-        seq.slot = self.engine.runner.assign(self.pool, seq.prefill.state)
+        runner = self.engine.runner
+        if seq.slot >= 0:  # prefilled in its slot's pages
+            runner.adopt(self.pool, seq.slot, seq.prefill.state)
+        else:
+            seq.slot = runner.assign(self.pool, seq.prefill.state)
         seq.runs += 1
         seq.fed = False
         self._running.append(seq)
@@ -923,14 +987,17 @@ class Scheduler:
         pages still go into the page tree), its prefix pages (finish_prefix), its K/V reservation."""
         self._kv_reserved -= seq.reserved
         seq.reserved = 0
-        if seq.slot >= 0:
-            pre = seq.prefill
-            keep = pre.state if pre is not None and pre.recorder is not None else None
-            self.engine.runner.release(self.pool, seq.slot, keep)
-            seq.slot = -1
+        if seq.job is not None:
+            self.engine.abandon_prefill(seq.job)
+            seq.job = None
+        # its last pages go into the page tree before its slot goes: they are read page by page
+        # out of the slot's pages (no copy of the whole sequence's K/V)
         if seq.prefill is not None:
             try:
                 self.engine.finish_prefix(seq.prefill)
             except Exception:  # noqa: BLE001 - a page insert that fails costs the cache, not the answer
                 log.exception("finish_prefix failed")
+        if seq.slot >= 0:
+            self.engine.runner.release(self.pool, seq.slot)
+            seq.slot = -1
         seq.pinned, seq.built = {}, {}

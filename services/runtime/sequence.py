@@ -102,6 +102,10 @@ class AttnState:
     k: torch.Tensor  # [1, Hkv, N, d], rotated at absolute positions
     v: torch.Tensor  # [1, Hkv, N, d]
 
+    def span(self, lo: int, hi: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) at positions lo..hi-1 (views); paged.PagedAttnState reads them out of its pages."""
+        return self.k[:, :, lo:hi], self.v[:, :, lo:hi]
+
 
 @dataclass(slots=True, weakref_slot=True)
 class SequenceState:

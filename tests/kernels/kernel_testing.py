@@ -20,7 +20,7 @@ else:
 
 from hybridcache.kernels.ops.activation.triton import sigmoid_gate_heads, silu_mul  # noqa: E402
 from hybridcache.kernels.ops.attention.paged_triton import paged_decode  # noqa: E402
-from hybridcache.kernels.ops.attention.triton import live_attention  # noqa: E402
+from hybridcache.kernels.ops.attention.triton import live_attention, paged_live_attention  # noqa: E402
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd, causal_conv1d_update  # noqa: E402
 from hybridcache.kernels.ops.checksum.triton import checksum_sums, copy_checksum  # noqa: E402
 from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
@@ -29,7 +29,11 @@ from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_he
 from hybridcache.kernels.ops.recurrent_step.triton import recurrent_step  # noqa: E402
 from hybridcache.kernels.ops.rope.triton import norm_rope_tokens, rope_heads  # noqa: E402
 from hybridcache.kernels.ops.sampling.triton import sample_rows  # noqa: E402
-from hybridcache.kernels.ops.transition.compose_triton import compose_states_blocks, compose_states_fwd  # noqa: E402
+from hybridcache.kernels.ops.transition.compose_triton import (  # noqa: E402
+    compose_states_blocks,
+    compose_states_fwd,
+    compose_states_table,
+)
 
 __all__ = [
     "L2",
@@ -41,6 +45,7 @@ __all__ = [
     "copy_checksum",
     "compose_states_blocks",
     "compose_states_fwd",
+    "compose_states_table",
     "device",
     "FusedConfig",
     "fused_experts",
@@ -49,6 +54,7 @@ __all__ = [
     "live_attention",
     "norm_rope_tokens",
     "paged_decode",
+    "paged_live_attention",
     "recurrent_step",
     "rel_rms",
     "rope_heads",

@@ -3,7 +3,14 @@
 import pytest
 import torch
 from hybridcache.kernels.ops.transition import apply_segment
-from kernel_testing import compose_states_blocks, compose_states_fwd, device, rel_rms, scattered_blocks
+from kernel_testing import (
+    compose_states_blocks,
+    compose_states_fwd,
+    compose_states_table,
+    device,
+    rel_rms,
+    scattered_blocks,
+)
 
 
 def make_segments(N, G, K, V, dtype, seed=42):
@@ -135,6 +142,33 @@ def test_compose_blocks_reads_entries_in_place(dtype, with_init, prefetch):
     # the order of the table is the order of the fold
     rev = compose_states_blocks(Ts[::-1], Ss[::-1], h0, prefetch_addresses=prefetch)
     assert rel_rms(rev, ref_final) > 1e-2
+
+
+def test_compose_table_made_on_the_device():
+    """The planned assembly's fold: a device table mixing rows of one stack (addresses computed on
+    the device from the stack's base, as inside a CUDA graph) with blocks stored apart, then
+    identity padding pairs; every real state equals the reference and the padding leaves the last
+    real state unchanged."""
+    T, S = make_segments(5, 3, 20, 12, torch.float32)
+    h0 = torch.randn(3, 20, 12, device=device())
+    stack_T, stack_S = T[0::2].clone(), S[0::2].clone()  # pairs 0, 2, 4
+    apart = [(T[i : i + 1].clone(), S[i : i + 1].clone()) for i in (1, 3)]
+    run = torch.tensor([0, -1, 1, -1, 2, -1, -1], device=device())  # stack row, or -1
+    eye = torch.eye(20, device=device()).expand(3, 20, 20).contiguous()
+    zero = torch.zeros(3, 20, 12, device=device())
+    span_T = [0, apart[0][0].data_ptr(), 0, apart[1][0].data_ptr(), 0, eye.data_ptr(), eye.data_ptr()]
+    span_S = [0, apart[0][1].data_ptr(), 0, apart[1][1].data_ptr(), 0, zero.data_ptr(), zero.data_ptr()]
+    j = run.clamp(min=0)
+    t_tab = torch.where(run >= 0, stack_T.data_ptr() + j * stack_T[0].numel() * 4,
+                        torch.tensor(span_T, device=device()))
+    s_tab = torch.where(run >= 0, stack_S.data_ptr() + j * stack_S[0].numel() * 4,
+                        torch.tensor(span_S, device=device()))
+    final, states = compose_states_table(t_tab, s_tab, stack_T, stack_S, h0, output_all=True)
+    for i in range(5):
+        assert rel_rms(states[i], reference(T[: i + 1], S[: i + 1], h0)) < 1e-5
+    assert rel_rms(states[6], states[4]) < 1e-6 and torch.equal(final, states[6])
+    with pytest.raises(ValueError, match="int64"):
+        compose_states_table(t_tab.int(), s_tab, stack_T, stack_S, h0)
 
 
 def test_compose_blocks_rejects_bad_blocks():

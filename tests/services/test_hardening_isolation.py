@@ -119,7 +119,8 @@ def _inject(stage: str, monkeypatch, eng: Engine, reqs: list[dict]):
 
         monkeypatch.setattr(eng, "build_entries", build)
     elif stage in ("assembly", "plain prefill"):
-        name = "prefill" if stage == "assembly" else "prefill_plain"
+        # an assembly's prefill starts in start_prefill (the scheduler runs it in chunks after)
+        name = "start_prefill" if stage == "assembly" else "prefill_plain"
         real = getattr(eng, name)
 
         def prefill(arg, *a, **k):

@@ -116,5 +116,5 @@ def test_scatter_worker_warms_up_without_cuda_graphs(model_dir, monkeypatch):
     monkeypatch.setattr(HybridLM, "device", property(lambda self: torch.device("cuda")))
     model = load_model(model_dir)
     combine, scatter = ModelRunner(model, config), ModelRunner(model, scatter_config)
-    assert combine.layout_graphs is not None and combine.decode_graphs_on
-    assert scatter.layout_graphs is None and not scatter.decode_graphs_on
+    assert combine.layout_graphs is not None and combine.decode_graphs_on and combine.assembly_graphs is not None
+    assert scatter.layout_graphs is None and not scatter.decode_graphs_on and scatter.assembly_graphs is None

@@ -62,11 +62,11 @@ def test_after_warmup_no_request_of_the_shape_captures_graphs(model_dir, monkeyp
     """The live-pass shapes of the warm-up's request shape are all captured during the warm-up:
     requests of that shape after it (a first cold one, warm ones after other system prompts, cold
     ones after the same, now cached, system prompt: served_gpu.py's sequence) only replay. Graphs
-    run on CUDA only; here the shape cache (graphs.LayoutGraphs' counting by layout_key, capture
-    on the second sighting) is followed on the CPU with the engine's real layouts."""
+    run on CUDA only; here the bucket cache (graphs.AssemblyGraphs' counting by plan key, capture
+    on the second sighting) is followed on the CPU with the engine's real plans (the runner runs
+    each planned pass eagerly)."""
     import random
 
-    from hybridcache.services.runtime import graphs
     from hybridcache.services.runtime.engine import Engine, EngineConfig
     from hybridcache.services.runtime.scheduler import Scheduler, scheduler_config
 
@@ -76,8 +76,8 @@ def test_after_warmup_no_request_of_the_shape_captures_graphs(model_dir, monkeyp
     phase = ["warmup"]
 
     class Shapes:
-        def run(self, state, layout, logits_for, snapshot_after, capture_hidden):
-            key = graphs.layout_key(state, layout, logits_for, snapshot_after, capture_hidden)
+        def run(self, state, plan):
+            key = plan.key
             if key is not None:
                 if key in captured:
                     events.append((phase[0], "replay"))
@@ -90,7 +90,7 @@ def test_after_warmup_no_request_of_the_shape_captures_graphs(model_dir, monkeyp
 
     system, n, length, question = 16, 4, 64, 16
     engine = Engine.from_dir(model_dir, config=EngineConfig(warmup_shape=f"{system}+{n}x{length}+{question}"))
-    engine.runner.layout_graphs = Shapes()  # the runner's graph cache, counting shapes (the eager forward runs)
+    engine.runner.assembly_graphs = Shapes()  # the runner's graph cache, counting buckets (the eager pass runs)
     scheduler = Scheduler(engine, scheduler_config(engine.config, "cpu"))
     try:
         engine.warmup(run=scheduler.generate)
@@ -173,18 +173,21 @@ def test_scatter_worker_warms_up_before_it_is_ready(model_dir, tmp_path):
 
 
 def _shape_recorder(engine, monkeypatch):
-    """Counts of the assembly shapes (graphs.layout_key) and build batches ((segments, longest))
-    the engine's model runs: what a CUDA worker compiles, autotunes or captures per shape."""
+    """Counts of the assembly buckets (the planned assembly's key, models/assembly.py) and build
+    batches ((segments, longest)) the engine's model runs: what a CUDA worker compiles, autotunes
+    or captures per shape."""
     from collections import Counter
 
-    from hybridcache.services.runtime.graphs import layout_key
+    from hybridcache.services.runtime.models.assembly import plan_assembly
 
     seen = {"layout": Counter(), "build": Counter()}
     model = engine.model
     forward, build = model.forward_layout, model.build_span_data
 
     def forward_layout(state, layout, logits_for="last", snapshot_after=(), capture_hidden=()):
-        key = layout_key(state, layout, logits_for, snapshot_after, capture_hidden)
+        plan = plan_assembly(model, state, layout, snapshot_after, capture_hidden, logits_for,
+                             engine.runner.run_tokens)
+        key = plan.key if plan is not None else None
         if key is not None:
             seen["layout"][key] += 1
         return forward(state, layout, logits_for, snapshot_after, capture_hidden)

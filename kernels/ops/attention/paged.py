@@ -25,6 +25,12 @@ the batch size or page count changes, and its decode path still wants the pages 
 only on the head dims, dtype, G and the split count (a function of B and Hkv, see `num_splits`),
 never on the lengths, which it reads on the device: a CUDA graph captured once per batch size
 replays for any context lengths.
+
+Prefill over paged K/V (a chunk of a long prompt, the live tokens of an assembly): the n live
+queries of one sequence at absolute positions q_pos see keys 0..q_pos[i] of that sequence, held
+in the pages of its table row. `sequence_keys` gathers them (the reference and the CPU path,
+then `naive.live_attention` / SDPA); on CUDA `triton.paged_live_attention` reads them where they
+lie, as the decode kernel does, so a long prompt's chunk copies no context.
 """
 
 from __future__ import annotations
@@ -40,6 +46,27 @@ def gather_pages(pages: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, m
     g = pages[idx]  # [B, max_pages, P, H, d]
     B, n, P, H, d = g.shape
     return g.reshape(B, n * P, H, d).transpose(1, 2)
+
+
+def sequence_keys(pages: torch.Tensor, table: torch.Tensor, row, length: int) -> torch.Tensor:
+    """The first `length` keys (or values) of the sequence in table row `row` (an int, or a device
+    tensor whose first element is the row): pages [num_pages, P, H, d] -> [1, H, length, d] (a
+    strided view of one gather)."""
+    P = pages.shape[1]
+    n = -(-length // P)
+    ids = (table[row, :n] if isinstance(row, int) else table.index_select(0, row.reshape(-1)[:1].long())[0, :n]).long()
+    g = pages[ids].reshape(n * P, *pages.shape[2:])[:length]  # [length, H, d]
+    return g.transpose(0, 1)[None]
+
+
+def paged_prefill_reference(q, k_pages, v_pages, table, row, q_pos, length: int, scale: float):
+    """Live queries q [1, Hq, n, dq] at positions q_pos [n] over the first `length` keys of table
+    row `row` (sequence_keys' row; module docstring) -> [1, Hq, n, dv] in q's dtype, fp32 math
+    (naive.live_attention)."""
+    from hybridcache.kernels.ops.attention.naive import live_attention
+
+    return live_attention(q, sequence_keys(k_pages, table, row, length), sequence_keys(v_pages, table, row, length),
+                          q_pos, scale)
 
 
 def paged_decode_reference(q, k_pages, v_pages, table, rows, lengths, scale: float, max_pages: int):
@@ -78,4 +105,5 @@ def paged_decode_attention(q, k_pages, v_pages, table, rows, lengths, scale: flo
     return paged_decode(q, k_pages, v_pages, table, rows, lengths, scale, splits)
 
 
-__all__ = ["gather_pages", "num_splits", "paged_decode_attention", "paged_decode_reference"]
+__all__ = ["gather_pages", "num_splits", "paged_decode_attention", "paged_decode_reference", "paged_prefill_reference",
+           "sequence_keys"]

@@ -33,6 +33,11 @@ ascending (that keeps a row block's positions close, hence its masked key blocks
 each row reads its own position and any order gives the right result. Its values are not checked
 (that would sync with the device): a position past N - 1 is clamped to it, and a query at a
 negative position sees no key and gets zeros.
+
+`paged_live_attention` runs the same kernel (PAGED) over one sequence whose keys lie in the pages
+of a pool [num_pages, P, Hkv, d] (paged.py): each key block reads its keys' page ids from the
+sequence's table row, a device scalar, as the paged decode kernel does; nothing is gathered. A
+long prompt's chunks and assemblies whose K/V are in their request's pages attend this way.
 """
 
 from __future__ import annotations
@@ -47,14 +52,19 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit(do_not_specialize=["n", "N", "chunk"])
 def live_attention_kernel(
-    Q, K, V, O, OP, LSE, QPOS, qk_scale, n, N, chunk,
+    Q, K, V, O, OP, LSE, QPOS, TABLE, ROW, qk_scale, n, N, chunk,
     s_qb, s_qh, s_qn, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
+    s_tr, s_tc,
     HKV: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
+    # PAGED: K and V are pools [num_pages, PAGE, Hkv, d] (strides s_kb = page, s_kn = row in page,
+    # s_kh, s_kd) and key j of the sequence lies in page TABLE[ROW[0], j // PAGE] at row j % PAGE;
+    # ROW[1] is the sequence's length N and the split length is computed from it here, so that
+    # neither the row nor the length is a launch argument (a CUDA graph replays for any); B is 1
     i_m = tl.program_id(0)
     i_bk = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -62,6 +72,9 @@ def live_attention_kernel(
     kv = (i_bk % HKV).to(tl.int64)
     HQ: tl.constexpr = HKV * G
 
+    if PAGED:
+        N = tl.load(ROW + 1).to(tl.int32)
+        chunk = tl.cdiv(tl.cdiv(N, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     rows = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query-major: row = i * G + g
     m_row = rows < n * G
     i = rows // G
@@ -84,6 +97,8 @@ def live_attention_kernel(
     # K is read transposed: [BLOCK_DQ, BLOCK_N]
     p_k = K + b * s_kb + kv * s_kh + lo.to(tl.int64) * s_kn + o_n[None, :] * s_kn + o_dq[:, None] * s_kd
     p_v = V + b * s_vb + kv * s_vh + lo.to(tl.int64) * s_vn + o_n[:, None] * s_vn + o_dv[None, :] * s_vd
+    if PAGED:
+        p_row = TABLE + tl.load(ROW).to(tl.int64) * s_tr
 
     # a finite floor, not -inf: a row that sees no key of a block (or a padded row) keeps alpha = 1
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -93,6 +108,12 @@ def live_attention_kernel(
     # key j is seen by row r iff j <= pos[r]; every block is masked (see the module docstring)
     for start in range(lo, hi_s, BLOCK_N):
         cols = start + o_n
+        if PAGED:
+            # each key's page from the table (keys past hi read page 0, masked)
+            page = tl.load(p_row + (cols // PAGE).to(tl.int64) * s_tc, mask=cols < hi, other=0).to(tl.int64)
+            in_page = (cols % PAGE).to(tl.int64)
+            p_k = K + page[None, :] * s_kb + in_page[None, :] * s_kn + kv * s_kh + o_dq[:, None] * s_kd
+            p_v = V + page[:, None] * s_vb + in_page[:, None] * s_vn + kv * s_vh + o_dv[None, :] * s_vd
         b_k = tl.load(p_k, mask=m_dq[:, None] & (cols < hi)[None, :], other=0.0)
         s = tl.dot(b_q, b_k, input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
@@ -103,8 +124,9 @@ def live_attention_kernel(
         b_v = tl.load(p_v, mask=(cols < hi)[:, None] & m_dv[None, :], other=0.0)
         acc = tl.dot(p.to(b_v.dtype), b_v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
-        p_k += BLOCK_N * s_kn
-        p_v += BLOCK_N * s_vn
+        if not PAGED:
+            p_k += BLOCK_N * s_kn
+            p_v += BLOCK_N * s_vn
 
     seen = l_i > 0.0
     b_o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -222,20 +244,75 @@ def live_attention(
     i at absolute position q_pos[i] sees keys 0..q_pos[i]) -> o [B, Hq, n, dv] contiguous, q's dtype.
     `num_splits`: key splits (default: enough to fill the GPU; 1 off CUDA)."""
     _check(q, k, v, q_pos)
+    return _launch(q, k, v, q_pos, scale, k.shape[1], k.shape[2], num_splits, *q.stride(), *k.stride(),
+                   *v.stride())
+
+
+def paged_live_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    table: torch.Tensor,
+    row: torch.Tensor,
+    q_pos: torch.Tensor,
+    length: int | None,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """live_attention over one sequence's keys held in pages: q [1, Hq, n, dq], k_pages
+    [num_pages, P, Hkv, dq], v_pages [num_pages, P, Hkv, dv], table [R, W] int (the sequence's
+    pages in order in table row row[0]; row [2] int64 on the device holds that row and the
+    sequence's length N (the keys any query may see: positions past it are clamped to it), read
+    by the kernel, so that a CUDA graph replays for any row and length) -> o [1, Hq, n, dv]
+    contiguous, q's dtype. No K/V is gathered: each key block reads its page ids from the table.
+    `length`: N on the host when known (it sizes the default key splits), else None (splits from
+    the program count alone)."""
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"q must be [1, Hq, n, dq], got {tuple(q.shape)}")
+    if k_pages.dim() != 4 or v_pages.shape[:3] != k_pages.shape[:3] or k_pages.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pages {tuple(k_pages.shape)}, {tuple(v_pages.shape)}")
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(f"q and the pages must share a dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    Hkv = k_pages.shape[2]
+    if q.shape[1] % Hkv:
+        raise ValueError(f"GQA needs Hq % Hkv == 0, got Hq {q.shape[1]}, Hkv {Hkv}")
+    if q_pos.dim() != 1 or q_pos.shape[0] != q.shape[2]:
+        raise ValueError(f"q_pos must be [n] = [{q.shape[2]}], got shape {tuple(q_pos.shape)}")
+    if row.numel() != 2:
+        raise ValueError(f"row must hold the table row and the length (2 values), got {row.numel()}")
+    if length is not None and length < 1 and q.shape[2]:
+        raise ValueError("no keys (length 0) for the live queries to attend to")
+    P = k_pages.shape[1]
+    s_kp, s_ks, s_kh, s_kd = k_pages.stride()
+    s_vp, s_vs, s_vh, s_vd = v_pages.stride()
+    return _launch(q, k_pages, v_pages, q_pos, scale, Hkv, length or 0, num_splits, *q.stride(),
+                   s_kp, s_kh, s_ks, s_kd, s_vp, s_vh, s_vs, s_vd, table=table, row=row, page=P)
+
+
+def _launch(q, k, v, q_pos, scale, Hkv, N, num_splits, *strides, table=None, row=None, page=1):
+    """One launch of live_attention_kernel (and the merge of its key splits); strides: q's, k's,
+    v's as [B, H, tokens, d] (for pages: page, head, row in page, d)."""
     B, Hq, n, dq = q.shape
-    Hkv, N, dv = k.shape[1], k.shape[2], v.shape[-1]
+    dv = v.shape[-1]
     G = Hq // Hkv
     o = torch.empty(B, Hq, n, dv, dtype=q.dtype, device=q.device)
     if o.numel() == 0:
         return o
     bm, bn, warps, stages = _config(dq, dv, q.dtype, n * G)
     row_blocks = triton.cdiv(n * G, bm)
+    paged = table is not None
     if num_splits is None:
-        num_splits = _num_splits(row_blocks * B * Hkv, N, bn, q.device)
+        # (a paged launch without a known length: about two programs per multiprocessor, each
+        # split at least MIN_SPLIT_KEYS of a long context; the kernel sizes the splits from the length)
+        keys = N if N else (1 << 30 if paged else N)
+        num_splits = _num_splits(row_blocks * B * Hkv, keys, bn, q.device)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    chunk = triton.cdiv(triton.cdiv(N, num_splits), bn) * bn
-    num_splits = triton.cdiv(N, chunk)  # no empty trailing split
+    chunk = 0
+    if N:  # the host knows the length: no empty trailing split (a paged kernel recomputes chunk alike)
+        chunk = triton.cdiv(triton.cdiv(N, num_splits), bn) * bn
+        num_splits = triton.cdiv(N, chunk)
     split = num_splits > 1
     if split:
         op = torch.empty(num_splits, B, Hq, n, dv, dtype=torch.float32, device=q.device)
@@ -246,10 +323,11 @@ def live_attention(
     BLOCK_DV = max(16, triton.next_power_of_2(dv))
     live_attention_kernel[(row_blocks, B * Hkv, num_splits)](
         q, k, v, o, op, lse, q_pos if q_pos.is_contiguous() else q_pos.contiguous(),
+        table if paged else q_pos, row if paged else q_pos,
         float(scale) * _LOG2E, n, N, chunk,
-        *q.stride(), *k.stride(), *v.stride(),
+        *strides, *(table.stride() if paged else (0, 0)),
         HKV=Hkv, G=G, DQ=dq, DV=dv, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQ=BLOCK_DQ, BLOCK_DV=BLOCK_DV,
-        SPLIT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SPLIT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PAGED=paged, PAGE=page,
         num_warps=warps, num_stages=stages,
     )
     if split:
@@ -261,4 +339,4 @@ def live_attention(
     return o
 
 
-__all__ = ["live_attention", "live_attention_kernel", "merge_splits_kernel"]
+__all__ = ["live_attention", "live_attention_kernel", "merge_splits_kernel", "paged_live_attention"]

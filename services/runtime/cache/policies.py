@@ -179,7 +179,7 @@ class PageRecorder:
         if page_start < self.start or end > len(self.token_ids) or end > state.length:
             return None
         sl = slice(page_start, end)
-        attn = {i: (a.k[:, :, sl].clone(), a.v[:, :, sl].clone()) for i, a in state.attn.items()}
+        attn = {i: tuple(t.clone() for t in a.span(sl.start, sl.stop)) for i, a in state.attn.items()}
         checkpoint = None
         if self.policy.is_checkpoint_position(end):
             checkpoint = self.checkpoints.get(end)

@@ -57,6 +57,10 @@ class PrefixStore:
         self._used = 0
         self._lock = threading.Lock()
 
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
     def get(self, key: str) -> PrefixSnapshot | None:
         with self._lock:
             snap = self._items.get(key)

@@ -5,6 +5,9 @@ layers' contract and the code built on it (batched scans and builds) are in mixe
 A linear layer supplies `scan(inputs, state, output_transition)` for one live run; the loop
 folds cached spans in with one T S + S and records entries. An attention layer supplies its
 fresh q/k/v; the loop gathers cached spans' K/V (re-rotated when the family uses RoPE).
+A state whose attention K/V lie in its request's pages (paged.PagedAttnState: a prefill that runs
+in its slot, e.g. a long prompt's chunks) gets the new K/V written into the pages, and the live
+queries attend through the block table (backends.paged_prefill_attention).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfigError
+from hybridcache.services.runtime.models.assembly import AssemblyBatch, finish_recording
 from hybridcache.services.runtime.sequence import (
     AttnSpan,
     AttnState,
@@ -175,6 +179,16 @@ def attention_layout(
     if isinstance(layout, DecodeBatch):
         out = decode_attention(q, k, v, layout, layer_idx, scale)  # [1, Hq, B, dv]
         return out if head_major else out.transpose(1, 2).reshape(1, q.shape[2], -1)
+    if isinstance(layout, AssemblyBatch):
+        # a planned assembly: the spans' K/V are in the pages already (AssemblyBatch.fill); the live
+        # K/V go to their rows (padding tokens to the scratch row), the queries read the pages
+        pages = state.pages
+        kp, vp = pages.k[layer_idx], pages.v[layer_idx]
+        kp.view(-1, *kp.shape[2:]).index_copy_(0, layout.kv_rows, k[0].transpose(0, 1).to(kp.dtype))
+        vp.view(-1, *vp.shape[2:]).index_copy_(0, layout.kv_rows, v[0].transpose(0, 1).to(vp.dtype))
+        out = backends.paged_prefill_attention(q, kp, vp, pages.table, layout.where, live_pos, layout.length, scale)
+        return out if head_major else out.transpose(1, 2).reshape(1, q.shape[2], -1)
+    paged = hasattr(state, "pages")  # a paged.PagedAttnState: the sequence's K/V are in its pages
     ks, vs, shifts, lengths, off = [], [], [], [], 0
     for idx, piece in enumerate(layout):
         if isinstance(piece, CachedSpan):
@@ -192,9 +206,9 @@ def attention_layout(
         if rec is not None and piece.record == "entry":
             rec.entries[idx].attn[layer_idx] = AttnSpan(k=ks[-1].clone(), v=vs[-1].clone())
         off += m
-    # one piece on a non-empty state (a decode step, a live tail): its keys go straight into the
-    # concatenation below, no copy of their own
-    K_new = ks[0] if len(ks) == 1 and state.k.shape[2] else torch.cat(ks, dim=2)
+    # one piece on a non-empty state (a decode step, a live tail) or in pages: its keys go straight
+    # into the concatenation or the pages below, no copy of their own
+    K_new = ks[0] if len(ks) == 1 and (paged or state.k.shape[2]) else torch.cat(ks, dim=2)
     if rotate is not None and any(shifts):
         # each key's shift depends on the layout only: built on the host once per forward and
         # shared by every attention layer (on the device, repeat_interleave syncs to size its output)
@@ -206,6 +220,18 @@ def attention_layout(
             if rec is not None:
                 rec.scratch[key] = per_pos
         K_new = rotate(K_new, per_pos)
+    if paged:
+        # the new keys go into the sequence's pages (at the rows KVPages.extend took for them), and
+        # the live queries attend to its pages where they lie: nothing of the context is copied
+        write = state.write
+        pages = state.pages
+        kp, vp = pages.k[layer_idx], pages.v[layer_idx]
+        V_new = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
+        kp.view(-1, *kp.shape[2:]).index_copy_(0, write.rows, K_new[0].transpose(0, 1).to(kp.dtype))
+        vp.view(-1, *vp.shape[2:]).index_copy_(0, write.rows, V_new[0].transpose(0, 1).to(vp.dtype))
+        out = backends.paged_prefill_attention(q, kp, vp, pages.table, write.row, live_pos, write.length, scale,
+                                                first_pos=first_live_start(layout))
+        return out if head_major else out.transpose(1, 2).reshape(1, q.shape[2], -1)
     # (an empty state, e.g. a request with nothing cached before it, takes the new K/V as they are:
     # K_new and the cat of vs are fresh tensors, not views of k or v)
     state.k = torch.cat([state.k, K_new], dim=2) if state.k.shape[2] else K_new.to(state.k.dtype)
@@ -271,6 +297,14 @@ def first_live_start(layout) -> int | None:
     return next((p.start for p in layout if isinstance(p, LiveRun)), None)
 
 
+def new_planned_recording(plan: AssemblyBatch) -> Recording:
+    """The Recording a planned pass fills (its kept states go through rec.scratch first)."""
+    rec = Recording()
+    for idx in plan.snapshots:
+        rec.snapshots[idx] = {}
+    return rec
+
+
 def new_recording(state: SequenceState, layout, snapshot_after):
     """Check the layout's positions; return (rec, live ids [n], live positions [n], end position)."""
     pos = state.length
@@ -321,6 +355,10 @@ class LayoutLM(nn.Module):
     # Whether the live pass of an assembly and decode steps may run from CUDA graphs (graphs.py,
     # paged.py): only where they have no host synchronization and are tested so on a GPU.
     cuda_graphs = False
+    # Whether the attention layers run a prefill whose K/V lie in the request's pages
+    # (attention_layout with a paged.PagedAttnState): a scheduler then prefills a long prompt in
+    # its slot, chunk after chunk, without a contiguous copy of its K/V.
+    paged_prefill = True
 
     def __init__(self, cfg, backbone: nn.Module):
         super().__init__()
@@ -373,6 +411,33 @@ class LayoutLM(nn.Module):
             x = self.run_layer(i, x, layout, state, rec, positions, capture_hidden)
         state.length = end
         return self.logits_of(x, logits_for), rec
+
+    # Whether assemblies may run planned (models/assembly.py: bucketed shapes, indices as data, the
+    # K/V in the request's pages), the form CUDA graphs of unseen layouts replay; a model that
+    # declares it gives span_rotation and conv_width.
+    planned_assemblies = False
+
+    def span_rotation(self, layer: int):
+        """How attention layer `layer` rotates cached keys by per-position shifts: rotate(k [1, H,
+        N, d], shifts [N]) -> k, or None where its keys carry no positions (planned assemblies)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def forward_planned(self, state: SequenceState, plan: AssemblyBatch):
+        """The eager pass over a planned assembly (models/assembly.py), the reference of its CUDA
+        graphs: each layer's request data bound (AssemblyBatch.fill: conv sources, fold tables,
+        the spans' K/V into the pages), then the layer, as forward_layout runs it. The state's K/V
+        are in pages (KVPages.extend ran for this pass). Returns (logits or None, Recording)."""
+        rec = new_planned_recording(plan)
+        plan.bind_rows(state)
+        x = self.embed(plan.ids)[None]  # [1, n, h]
+        for i in range(len(self.layers)):
+            plan.fill(self, i, state)
+            x = self.run_layer(i, x, plan, state, rec, plan.positions, plan.host["capture"])
+        logits = plan.logits(self, x)
+        state.length = plan.end
+        finish_recording(plan, rec)
+        return logits, rec
 
     def forward_decode(self, batch: DecodeBatch, token_ids: torch.Tensor, positions: torch.Tensor,
                        linear: dict[int, LinearState], capture_hidden=()):

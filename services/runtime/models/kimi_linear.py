@@ -440,6 +440,9 @@ class KimiDecoderLayer(BlockLayer):
 
 
 class KimiLinearLM(LayoutLM):
+    # its MLA layers gather their latents themselves (gather_latents): a prefill keeps them contiguous
+    paged_prefill = False
+
     def __init__(self, cfg):
         super().__init__(
             cfg,

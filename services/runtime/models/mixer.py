@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 from hybridcache.services.runtime import backends
+from hybridcache.services.runtime.models.assembly import PLANNED_SNAPSHOTS, AssemblyBatch
 from hybridcache.services.runtime.models.common import DecodeBatch, linear_layout
 from hybridcache.services.runtime.sequence import AttnSpan, CachedSpan, LinearSpan, LinearState
 from torch import nn
@@ -119,6 +120,8 @@ class LinearMixer(nn.Module):
         spans). A region with two or more live runs runs them all at once (batched_scan) instead
         of one scan per run: per-run scans cost launches in proportion to the runs."""
         inputs, gate = self.project(x)
+        if isinstance(layout, AssemblyBatch):
+            return self.finish(self.planned_scan(inputs, layout, state, rec, layer_idx).to(x.dtype), gate)
         if isinstance(layout, DecodeBatch):
             if layout.states_in_pool:
                 return self.finish(self.decode(inputs, state, layout.rows).to(x.dtype), gate)
@@ -309,6 +312,81 @@ class LinearMixer(nn.Module):
         o_pad = (o0.float() + backends.run_outputs_from_states(u, s_in)).to(o0.dtype)
         o_runs = o_pad.reshape(m * L, *o_pad.shape[2:])[flat]  # gather, no host sync
         return o_runs.unsqueeze(0)
+
+    def planned_scan(self, inputs, plan: AssemblyBatch, state, rec, layer_idx):
+        """batched_scan over a planned assembly (models/assembly.py): the same three steps, every
+        shape a bucket's and every index the plan's device data, so that a CUDA graph of it serves
+        any layout of the bucket. The sub-runs [m, L] come from the plan's rows, each one's conv
+        source from its bound tail or the tail of the sub-run before it; the fold reads the spans'
+        T and S through the plan's address tables (CUDA) or as blocks; the kept states go to
+        rec.scratch (assembly.finish_recording). Returns the outputs [1, n, H, V]."""
+        mixed, rest = inputs[0], inputs[1:]
+        m, L, W1 = plan.m, plan.L, plan.W1
+        dt = mixed.dtype
+
+        def padded(t):  # [1, n, ...] -> [m, L, ...]: each live token at its row, zeros elsewhere
+            rows = t[0]
+            out = rows.new_zeros(m * L + 1, *rows.shape[1:]).index_copy_(0, plan.flat, rows)
+            return out[: m * L].view(m, L, *rows.shape[1:])
+
+        if W1:
+            tails = mixed[0].index_select(0, plan.tail_rows).view(m, W1, -1).transpose(1, 2)  # [m, D, W1]
+            src = plan.conv_src[layer_idx].to(dt)
+            conv_in = torch.where(plan.prev_src.view(m, 1, 1) > 0, torch.roll(tails, 1, 0), src)
+            conv_out, _ = self.conv(padded(mixed), conv_in.contiguous())
+        else:
+            tails = conv_in = None
+            conv_out = padded(mixed)
+        pad = plan.pad.view(m, L) > 0
+        rec_in = self.identity_steps(self.recurrence_inputs(conv_out, tuple(padded(t) for t in rest)), pad)
+        o0, T_runs, S0_runs, u = self.pieces(rec_in)
+        states = self._planned_fold(plan, layer_idx, T_runs, S0_runs, state.ssm)  # [p, 1, H, K, V]
+        enter = plan.enter
+        picked = states.index_select(0, (enter - 1).clamp(min=0))[:, 0]
+        s_in = torch.where((enter == 0).view(m, 1, 1, 1), state.ssm.float(), picked.float())  # [m, H, K, V]
+        o_pad = (o0.float() + backends.run_outputs_from_states(u, s_in)).to(o0.dtype)  # [m, L, H, V]
+        o_runs = o_pad.reshape(m * L, *o_pad.shape[2:]).index_select(0, plan.flat.clamp(max=m * L - 1))
+        if rec is not None and plan.s:
+            kept = states.index_select(0, plan.snap_rows)
+            kept_tails = torch.cat([tails, conv_in]).index_select(0, plan.snap_tails) if W1 else None
+            rec.scratch[(PLANNED_SNAPSHOTS, layer_idx)] = (kept, kept_tails)
+        state.ssm = states.index_select(0, plan.final)[0]
+        if W1:
+            state.conv = tails.index_select(0, plan.last_run)
+        return o_runs.unsqueeze(0)
+
+    def _planned_fold(self, plan: AssemblyBatch, layer_idx, T_runs, S0_runs, state_in):
+        """The states after each fold pair of a planned assembly, [p, 1, H, K, V]: on CUDA with a
+        matrix T one launch over the plan's address tables (the sub-runs' pairs where this pass
+        holds them, the spans' where they lie, identity pairs after the last real one); else the
+        real pairs as blocks (backends.fold_states)."""
+        if plan.tables:
+            from hybridcache.kernels.ops.transition.compose_triton import compose_states_table
+
+            span_dt = plan.key[7]
+            if span_dt is not None and span_dt != T_runs.dtype:
+                T_runs, S0_runs = T_runs.to(span_dt), S0_runs.to(span_dt)
+            T_runs, S0_runs = T_runs.contiguous(), S0_runs.contiguous()
+            run = plan.pair_run
+            on_run = run >= 0
+            j = run.clamp(min=0)
+            t_tab = torch.where(on_run, T_runs.data_ptr() + j * (T_runs[0].numel() * T_runs.element_size()),
+                                plan.span_T[layer_idx])
+            s_tab = torch.where(on_run, S0_runs.data_ptr() + j * (S0_runs[0].numel() * S0_runs.element_size()),
+                                plan.span_S[layer_idx])
+            _, states = compose_states_table(t_tab, s_tab, T_runs, S0_runs, state_in[0], output_all=True)
+            return states[:, None]
+        Ts, Ss = [], []
+        for kind, ref in plan.pairs:
+            if kind == "run":
+                Ts.append((T_runs, ref))
+                Ss.append((S0_runs, ref))
+            else:
+                span = plan.span_data(ref).linear[layer_idx]
+                Ts.append(span.T)
+                Ss.append(span.S)
+        states = backends.fold_states(Ts, Ss, state_in, [True] * len(Ts))
+        return states if isinstance(states, torch.Tensor) else torch.stack(states)
 
     def build_spans(self, x, lengths, seam, datas, layer_idx):
         """Standalone prefill of B segments at once (x [B, L, h] normed, segment j real for its

@@ -372,6 +372,15 @@ class HybridLM(LayoutLM):
 
     # dense and MoE alike: the MoE block routes and runs its experts on the device (backends.moe_experts)
     cuda_graphs = True
+    planned_assemblies = True
+
+    def span_rotation(self, layer: int):
+        return self.layers[layer].self_attn.rotate
+
+    @property
+    def conv_width(self) -> int:
+        """The short conv's width of the linear layers (planned assemblies: their tails' length)."""
+        return next(layer.linear_attn.conv_width for layer in self.layers if layer.kind == "linear_attention")
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(

@@ -1,0 +1,314 @@
+"""128k-token prompts through the HTTP API: running streams' inter-token latency while a long prompt
+prefills, and PIC's time to first token at 128k against the prefix and full peers; prints one JSON
+object.
+
+Phases (--phases, any of them; each starts its own `hybridcache up` stack):
+
+- itl: a pic stack with --itl-budget as --max-num-batched-tokens. --streams streamed requests
+  (a --stream-prompt-tokens prompt, greedy, up to --stream-tokens new tokens) decode; their
+  inter-token gaps over --steady-s seconds are the steady state; then one cold prompt of
+  --long-tokens tokens (no segments: all live, prefilled a budget of tokens a step, in chunks) is
+  sent and the streams' gaps between its sending and its first token are the gaps during the long
+  prefill. `itl_p99_during_long_prefill_vs_steady` = their p99 over the steady p50 (target <= 3).
+- pic: a pic stack serves a cold request of --docs documents of --doc-tokens tokens after a
+  --system-tokens system prompt and a --question-tokens question (first another cold one of the
+  same shape, not timed: kernels compile), then --repeats warm ones: the same documents in
+  another order after a new system prompt (every document folded in from its entry).
+- prefix: a prefix-mode stack serves the cold request (not timed), then the same warm ones: its
+  prefix cache holds none of their prefix, so each prefills all its tokens.
+- full: a full-mode stack serves the cold request twice (the first not timed).
+
+`warm_pic_ttft_speedup_vs_prefix_128k` = prefix's p50 warm TTFT over pic's (target >= 30);
+`cold_pic_ttft_vs_full_128k` = pic's cold TTFT over full's (target <= 1.0). Phases run in separate
+invocations merge into --out when it holds an earlier run's results (--merge), so that each stays
+within a device call's time:
+
+    python benchmarks/served_long_prompt.py --device cuda --init-model qwen3_5_text:qwen3.5-9b \\
+        --model /tmp/q9b --phases itl --out long.json
+    python benchmarks/served_long_prompt.py --device cuda --model /tmp/q9b --phases pic,prefix,full \\
+        --out long.json --merge
+
+TTFT is the client's, from sending the request to its first streamed token. Each response's
+statistics (engine TTFT, prompt, cached and built tokens) are kept beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.client as httplib
+import json
+import os
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from served_load import Result, Stack, percentiles, rand_ids, send  # noqa: E402
+from served_pic_layouts import stream  # noqa: E402
+
+PHASES = ("itl", "pic", "prefix", "full")
+
+
+def start(args, mode: str, extra: str) -> Stack:
+    up = argparse.Namespace(port=args.port, model=args.model, device=args.device, dtype=args.dtype,
+                            up_args=f"{args.up_args} {extra}")
+    return Stack(up, mode)
+
+
+def address(stack: Stack) -> tuple[str, int]:
+    host, port = stack.url.removeprefix("http://").rstrip("/").split(":")
+    return host, int(port)
+
+
+def stream_until(host: str, port: int, body: dict, stop: threading.Event, res: Result, timeout_s: float) -> None:
+    """A streamed /generate whose token arrival times go into `res`, read until its end or until
+    `stop` is set (then the connection is closed, and the server cancels the request)."""
+    conn = httplib.HTTPConnection(host, port, timeout=timeout_s)
+    res.sent = time.perf_counter()
+    try:
+        conn.request("POST", "/generate", json.dumps(dict(body, stream=True)), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        res.status = resp.status
+        if resp.status != 200:
+            res.error = resp.read().decode()[:300]
+            return
+        n = 0
+        for line in resp:
+            if stop.is_set():
+                break
+            if not line.startswith(b"data: {"):
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                res.error = json.dumps(ev["error"])[:300]
+                break
+            ids = ev.get("output_ids") or []
+            now = time.perf_counter()
+            res.token_times += [now] * (len(ids) - n)
+            n = len(ids)
+    except OSError as e:
+        if not stop.is_set():
+            res.error = f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+
+
+def run_itl(args, rng: random.Random) -> dict:
+    """The itl phase (module docstring)."""
+    stack = start(args, "pic", f"--max-num-batched-tokens {args.itl_budget} --max-num-seqs {args.streams + 1} "
+                               f"--warmup-shape {args.itl_warmup_shape}")
+    host, port = address(stack)
+    results: list[Result] = [Result() for _ in range(args.streams)]
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    long: dict = {}
+    try:
+        send(host, port, {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}, args.timeout_s)
+        sp = {"max_new_tokens": args.stream_tokens, "ignore_eos": True, "temperature": 0.0}
+        bodies = [{"input_ids": rand_ids(rng, args.stream_prompt_tokens, args.vocab), "sampling_params": sp}
+                  for _ in range(args.streams)]
+        threads = [threading.Thread(target=stream_until, args=(host, port, bodies[i], stop, results[i], args.timeout_s),
+                                    daemon=True) for i in range(args.streams)]
+        for t in threads:
+            t.start()
+        # every stream decoding, then the steady window
+        deadline = time.perf_counter() + args.timeout_s
+        while time.perf_counter() < deadline and not all(r.token_times or r.error for r in results):
+            time.sleep(0.05)
+        steady_from = time.perf_counter()
+        time.sleep(args.steady_s)
+        long_body = {"suffix": rand_ids(rng, args.long_tokens, args.vocab),
+                     "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}}
+        long_sent = time.perf_counter()
+        long = stream(host, port, long_body, args.timeout_s)
+        long_first = long_sent + long["ttft_ms"] / 1000 if "ttft_ms" in long else time.perf_counter()
+        time.sleep(min(1.0, args.steady_s))  # the streams' next tokens after it
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        stack.stop()
+
+    def gaps(lo, hi):
+        out = []
+        for r in results:
+            t = r.token_times
+            out += [b - a for a, b in zip(t, t[1:]) if lo <= a and b <= hi]
+        return out
+
+    steady = gaps(steady_from, long_sent)
+    during = gaps(long_sent, long_first)
+    # a gap across the long prompt's sending or its end counts as during too
+    spanning = [b - a for r in results for a, b in zip(r.token_times, r.token_times[1:])
+                if (a < long_sent < b) or (a < long_first < b)]
+    return {"streams": args.streams, "errors": sorted({r.error for r in results if r.error})[:3],
+            "streams_decoding": sum(1 for r in results if r.token_times), "budget_tokens": args.itl_budget,
+            "long_tokens": args.long_tokens, "long": long,
+            "long_prefill_s": round(long_first - long_sent, 3),
+            "long_prefill_tokens_per_s": round(args.long_tokens / max(long_first - long_sent, 1e-9), 1),
+            "steady_itl_ms": percentiles(steady), "during_itl_ms": percentiles(during + spanning),
+            "steady_gaps": len(steady), "during_gaps": len(during) + len(spanning)}
+
+
+def long_requests(args, rng: random.Random) -> dict:
+    """The 128k requests of the pic, prefix and full phases (the same in each phase)."""
+    sp = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+    docs = [rand_ids(rng, args.doc_tokens, args.vocab) for _ in range(args.docs)]
+    other = [rand_ids(rng, args.doc_tokens, args.vocab) for _ in range(args.docs)]
+    question = rand_ids(rng, args.question_tokens, args.vocab)
+    system = rand_ids(rng, args.system_tokens, args.vocab)
+    cold = {"system": system, "segments": docs, "suffix": question, "sampling_params": sp}
+    warm = []
+    for _ in range(args.repeats):
+        order = list(range(args.docs))
+        rng.shuffle(order)
+        warm.append({"system": rand_ids(rng, args.system_tokens, args.vocab), "segments": [docs[i] for i in order],
+                     "suffix": question, "sampling_params": sp})
+    return {"compile": dict(cold, segments=other, system=rand_ids(rng, args.system_tokens, args.vocab)), "cold": cold,
+            "warm": warm}
+
+
+def timed(host, port, bodies, timeout_s) -> dict:
+    runs = [stream(host, port, b, timeout_s) for b in bodies]
+    ok = [r for r in runs if "ttft_ms" in r]
+    keep = ("engine_ttft_ms", "prompt_tokens", "cached_tokens", "built_tokens", "live_tokens")
+    errors = sorted({r["error"] for r in runs if "error" in r})[:3]
+    return {"requests": len(bodies), "completed": len(ok), "errors": errors,
+            "ttft_ms_each": [r["ttft_ms"] for r in ok],
+            "ttft_ms_p50": round(statistics.median([r["ttft_ms"] for r in ok]), 2) if ok else None,
+            "stats": [{k: r["stats"][k] for k in keep if k in r["stats"]} for r in ok]}
+
+
+def run_long(args, mode: str, reqs: dict) -> dict:
+    """The pic, prefix or full phase (module docstring)."""
+    extra = f"--warmup-shape {args.warmup_shape}" if mode == "pic" else "--warmup-shape none"
+    stack = start(args, mode, f"{extra} --max-num-batched-tokens {args.budget}")
+    host, port = address(stack)
+    out: dict = {"mode": mode}
+    try:
+        out["compile"] = timed(host, port, [reqs["compile"]], args.timeout_s)
+        out["cold"] = timed(host, port, [reqs["cold"]], args.timeout_s)
+        if mode != "full":
+            out["warm"] = timed(host, port, reqs["warm"], args.timeout_s)
+    finally:
+        stack.stop()
+    return out
+
+
+def figures_of(results: dict) -> dict:
+    out = {}
+    itl = results.get("itl", {})
+    steady, during = itl.get("steady_itl_ms", {}).get("p50"), itl.get("during_itl_ms", {}).get("p99")
+    if steady and during:
+        out["itl_p99_during_long_prefill_vs_steady"] = round(during / steady, 3)
+    pic, prefix, full = (results.get(m, {}) for m in ("pic", "prefix", "full"))
+    warm_pic, warm_prefix = pic.get("warm", {}).get("ttft_ms_p50"), prefix.get("warm", {}).get("ttft_ms_p50")
+    if warm_pic and warm_prefix:
+        out["warm_pic_ttft_speedup_vs_prefix_128k"] = round(warm_prefix / warm_pic, 2)
+    cold_pic, cold_full = pic.get("cold", {}).get("ttft_ms_p50"), full.get("cold", {}).get("ttft_ms_p50")
+    if cold_pic and cold_full:
+        out["cold_pic_ttft_vs_full_128k"] = round(cold_pic / cold_full, 3)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, required=True, help="model directory")
+    ap.add_argument("--init-model", metavar="ARCH:PRESET", help="first write a random-weight model to --model")
+    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--phases", default="itl,pic,prefix,full", help=f"comma list of {', '.join(PHASES)}")
+    ap.add_argument("--up-args", default="--scatter-workers 0", help="more `hybridcache up` flags of every stack")
+    # itl
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--stream-prompt-tokens", type=int, default=64)
+    ap.add_argument("--stream-tokens", type=int, default=4096, help="the streams' max_new_tokens (they outlast the "
+                    "long prefill; closed when it is done)")
+    ap.add_argument("--steady-s", type=float, default=3.0)
+    ap.add_argument("--long-tokens", type=int, default=131072)
+    ap.add_argument("--itl-budget", type=int, default=512, help="--max-num-batched-tokens of the itl stack")
+    ap.add_argument("--itl-warmup-shape", default="16+4x256+16")
+    # pic, prefix, full
+    ap.add_argument("--docs", type=int, default=64)
+    ap.add_argument("--doc-tokens", type=int, default=2048)
+    ap.add_argument("--system-tokens", type=int, default=16)
+    ap.add_argument("--question-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget", type=int, default=8192, help="--max-num-batched-tokens of the pic/prefix/full stacks")
+    ap.add_argument("--warmup-shape", default="16+64x2048+64", help="the pic stack's --warmup-shape")
+    ap.add_argument("--vocab", type=int, default=250, help="prompt ids are drawn from [5, vocab)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=900.0)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--merge", action="store_true", help="keep the phases of --out that this run does not redo")
+    args = ap.parse_args(argv)
+    phases = [p for p in args.phases.split(",") if p]
+    bad = [p for p in phases if p not in PHASES]
+    if bad:
+        ap.error(f"unknown phase {bad[0]!r} (choose from {', '.join(PHASES)})")
+    t_start = time.perf_counter()
+    if args.init_model and not (args.model / "config.json").is_file():
+        arch, preset = args.init_model.split(":")
+        code = ("import torch; from hybridcache.services.runtime.modelzoo import init_model_dir; "
+                f"init_model_dir({arch!r}, {preset!r}, {str(args.model)!r}, dtype=torch.{args.dtype}, "
+                f"device={args.device!r})")
+        subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=900)
+    if not args.port:
+        from hybridcache.services.launcher import free_port
+
+        args.port = free_port()
+    previous = {}
+    if args.merge and args.out and args.out.is_file():
+        previous = json.loads(args.out.read_text())
+    results = dict(previous.get("results", {}))
+    runs = dict(previous.get("runs", {}))
+    reqs = long_requests(args, random.Random(args.seed))
+    for phase in phases:
+        t0 = time.perf_counter()
+        if phase == "itl":
+            results["itl"] = run_itl(args, random.Random(args.seed + 1))
+        else:
+            results[phase] = run_long(args, phase, reqs)
+        print(f"served_long_prompt: {phase}: {json.dumps(results[phase])[:2000]}", file=sys.stderr, flush=True)
+        runs[phase] = {"seconds": round(time.perf_counter() - t0, 1)}
+    gpu = "none (CPU)"
+    if args.device == "cuda":
+        probe = subprocess.run([sys.executable, "-P", "-c", "import torch; print(torch.cuda.get_device_name(0))"],
+                               capture_output=True, text=True, timeout=120)
+        gpu = probe.stdout.strip() or "unknown"
+    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    command = "python benchmarks/" + shlex.join([Path(__file__).name, *(argv or sys.argv[1:])])
+    for phase in phases:
+        runs[phase].update(commit=commit, date=date, gpu=gpu, command=command)
+    out = {"benchmark": "served_long_prompt", "figures": figures_of(results),
+           "targets": {"itl_p99_during_long_prefill_vs_steady": "<= 3", "warm_pic_ttft_speedup_vs_prefix_128k": ">= 30",
+                       "cold_pic_ttft_vs_full_128k": "<= 1.0"},
+           "results": results, "runs": runs, "gpu": gpu, "commit": commit, "date": date, "host": platform.node(),
+           "seconds": round(time.perf_counter() - t_start, 1), "command": command, "model": str(args.model),
+           "dtype": args.dtype, "up_args": args.up_args,
+           "floors": "a prefill's floor is its FLOPs: pic's warm request runs its live tokens only (seams and the "
+                     "question), the prefix and full peers all of the prompt; see benchmarks/served_pic_layouts.py "
+                     "for a warm request against its byte and FLOP floor",
+           "note": "TTFT from sending the request to its first streamed token; ITL from the streams' token arrival "
+                   "times (steady: before the long prompt is sent; during: between its sending and its first token)"}
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

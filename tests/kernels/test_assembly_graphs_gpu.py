@@ -1,0 +1,78 @@
+"""CUDA graphs of planned assemblies (graphs.AssemblyGraphs, a ModelRunner's) on a GPU: layouts
+never seen before (other document lengths, another question length) replay their bucket's graphs
+with no new capture, and every replay answers as the exact eager pass over its layout (contiguous
+K/V, forward_layout), logits, linear states and the K/V left in the request's pages; and through
+the scheduler, a trace of new layouts captures once per bucket."""
+
+import pytest
+import torch
+from hybridcache.services.config import RuntimeConfig
+from hybridcache.services.runtime.paged import extend_pages
+from hybridcache.services.runtime.runner import ModelRunner
+from test_cuda_graphs import SEAM, cuda_model, gap, pic_layout, request
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+
+def planned(runner, pool, layout):
+    """The runner's pass over `layout` from an empty state whose K/V are in a slot's pages."""
+    state = runner.empty_state()
+    slot = pool.assign(state)
+    extend_pages(state, layout[-1].end)
+    logits, rec = runner.forward(state, layout, "last")
+    torch.cuda.synchronize()
+    return logits, state, slot
+
+
+def test_unseen_layouts_replay_one_bucket_s_graphs():
+    model = cuda_model(torch.bfloat16)
+    runner = ModelRunner(model, RuntimeConfig(seam_window=SEAM))
+    graphs = runner.assembly_graphs
+    assert graphs is not None
+    pool = runner.new_state_pool(2, 8192)
+    lengths = [(150, 203, 97, 150), (301, 40, 97, 220), (64, 90, 333, 18), (120, 120, 120, 120)]
+    questions = [16, 16, 13, 15]
+    for n, (ls, q) in enumerate(zip(lengths, questions)):
+        segs, datas, question = request(model, seed=n, lengths=ls, question=q)
+        layout = pic_layout(segs, datas, question)
+        logits, state, slot = planned(runner, pool, layout)
+        ref_state = runner.empty_state()
+        with runner.eager():
+            ref_logits, _ = runner.forward(ref_state, layout, "last")  # contiguous K/V: the exact pass
+        torch.cuda.synchronize()
+        tol = 2e-2
+        assert gap(logits, ref_logits) <= tol * (1 + ref_logits.abs().max().item()), n
+        for i, s in ref_state.linear.items():
+            assert gap(state.linear[i].ssm, s.ssm) <= tol * (1 + s.ssm.abs().max().item()), (n, i)
+        for i, a in ref_state.attn.items():
+            assert gap(state.attn[i].k, a.k) <= tol * (1 + a.k.abs().max().item()), (n, i)
+            assert gap(state.attn[i].v, a.v) <= tol * (1 + a.v.abs().max().item()), (n, i)
+        pool.release(slot)
+    # first seen eagerly, captured on the second, replayed by two layouts it never saw
+    assert graphs.stats == {"captures": 1, "replays": 2, "eager": 1, "failures": 0}, graphs.failed
+
+
+def test_a_trace_of_new_layouts_through_the_scheduler_captures_once(tmp_path):
+    """Served requests, each a new layout (a cached system prompt, new documents of random lengths,
+    a question): one capture per bucket (the first request's live system prompt is another bucket),
+    the rest replays, greedy tokens equal to an engine with graphs off."""
+    from hybridcache.services.runtime.engine import Engine, EngineConfig
+    from hybridcache.services.runtime.llm import LLM
+    from hybridcache.services.runtime.modelzoo import init_model_dir
+
+    path = init_model_dir("qwen3_5_text", "tiny", tmp_path / "m", seed=1, std=0.08)
+    graphed = Engine.from_dir(path, device="cuda", dtype=torch.bfloat16, config=EngineConfig(mode="pic"))
+    plain = Engine(graphed.model, graphed.tokenizer, EngineConfig(mode="pic", cuda_graphs=False))
+    gen = torch.Generator().manual_seed(5)
+    sizes = torch.randint(40, 300, (40,), generator=gen).tolist()
+    docs = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in sizes]
+    sys_ids = torch.randint(0, 200, (70,), generator=gen).tolist()
+    reqs = [{"system": sys_ids, "segments": docs[4 * i : 4 * i + 4], "suffix": [5, 6, 7, 8, 9, 10, 11, 12, 13],
+             "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}} for i in range(8)]
+    with LLM(plain) as llm:
+        want = [llm.generate(dict(r)).output_ids for r in reqs]
+    with LLM(graphed) as llm:  # one scheduler, one pool: its graphs serve every request
+        got = [llm.generate(dict(r)).output_ids for r in reqs]
+    assert got == want
+    stats = graphed.runner.graph_stats
+    assert stats["captures"] <= 2 and stats["replays"] >= 5 and not stats["failures"], stats

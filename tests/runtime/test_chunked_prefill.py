@@ -1,0 +1,218 @@
+"""Chunked prefill (Engine.start_prefill / prefill_chunk, the scheduler's per-step token budget):
+a prompt, a segment's live part or an assembly runs a budget of live tokens a step, from the
+state the previous chunk left, its K/V in the request's pages; greedy outputs equal the one-unit
+run for several families and modes, a long prompt's chunks interleave with the decode steps of
+running requests, and a request that leaves mid-prefill gives back its slot, pages and locks."""
+
+import pytest
+import torch
+from hybridcache.services.runtime.engine import Engine, EngineConfig
+from hybridcache.services.runtime.loader import load_model
+from hybridcache.services.runtime.modelzoo import init_model_dir
+from hybridcache.services.runtime.paged import PagedAttnState
+from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
+from hybridcache.services.runtime.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chunk_models")
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = init_model_dir(arch, "tiny", root / arch, seed=1, std=0.08)
+        return cache[arch]
+
+    return get
+
+
+def _engine(path, **cfg):
+    return Engine(load_model(path), Tokenizer.from_dir(path), EngineConfig(**cfg))
+
+
+def _ids(gen, n):
+    return torch.randint(0, 250, (n,), generator=gen).tolist()
+
+
+def _requests(seed=0, max_new=6):
+    """A plain prompt, an assembly of three segments (one longer than a chunk) after a system
+    prompt, and a prompt of several live parts: each longer than the test's budget."""
+    gen = torch.Generator().manual_seed(seed)
+    params = {"max_new_tokens": max_new, "ignore_eos": True}
+    return [
+        {"suffix": _ids(gen, 150), "sampling_params": params},
+        {"system": _ids(gen, 30), "segments": [_ids(gen, 40), _ids(gen, 90), _ids(gen, 25)],
+         "suffix": _ids(gen, 35), "sampling_params": params},
+        {"system": _ids(gen, 70), "segments": [_ids(gen, 12)], "suffix": _ids(gen, 60), "sampling_params": params},
+    ]
+
+
+def _serve(eng, reqs, **cfg):
+    sched = Scheduler(eng, SchedulerConfig(**cfg))
+    try:
+        out = [h.result() for h in [sched.add_request(eng.parse_request(r)) for r in reqs]]
+    finally:
+        sched.stop()
+    return sched, out
+
+
+@pytest.mark.parametrize("arch,mode", [("qwen3_5_text", "pic"), ("qwen3_5_text", "prefix"), ("qwen3_5_text", "full"),
+                                       ("nemotron_h", "pic"), ("olmo_hybrid", "prefix"), ("kimi_linear", "pic"),
+                                       ("minimax", "pic")])
+def test_greedy_outputs_equal_the_one_unit_prefill(arch, mode, dirs):
+    """Every request longer than a 24-token budget runs in several chunks (the step log shows
+    steps of at most the budget each, but for the build of a cold segment longer than the budget,
+    which runs whole), with the answers of a budget that runs each in one unit."""
+    reqs = _requests()
+    _, ref = _serve(_engine(dirs(arch), mode=mode), reqs, max_num_seqs=1, max_num_batched_tokens=8192)
+    sched, out = _serve(_engine(dirs(arch), mode=mode), reqs, max_num_seqs=1, max_num_batched_tokens=24)
+    for a, b in zip(ref, out):
+        assert b.output_ids == a.output_ids
+        assert b.stats.prompt_tokens == a.stats.prompt_tokens and b.stats.live_tokens == a.stats.live_tokens
+    prefill_steps = [t for _, t, _ in sched.step_log if t]
+    assert max(prefill_steps) <= (90 if mode == "pic" else 24)
+    # the plain prompt alone takes ceil(150 / 24) chunks
+    assert len(prefill_steps) >= 7 + 2
+
+
+def test_paged_prefill_off_keeps_k_v_contiguous_with_the_same_answers(qwen35_dir):
+    """--paged-prefill off: chunks run on contiguous K/V (moved into pages at decode start), the
+    answers those of paged chunks."""
+    reqs = _requests(seed=2)
+    _, paged = _serve(_engine(qwen35_dir, mode="pic"), reqs, max_num_seqs=1, max_num_batched_tokens=24)
+    eng = _engine(qwen35_dir, mode="pic", paged_prefill=False)
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=24))
+    seen = []
+    forward = eng.runner.forward
+
+    def spy(state, layout, *a, **k):
+        seen.append(all(not isinstance(x, PagedAttnState) for x in state.attn.values()))
+        return forward(state, layout, *a, **k)
+
+    eng.runner.forward = spy
+    try:
+        out = [h.result() for h in [sched.add_request(eng.parse_request(r)) for r in reqs]]
+    finally:
+        sched.stop()
+    assert [r.output_ids for r in out] == [r.output_ids for r in paged]
+    assert len(seen) > 3 and all(seen)
+
+
+def test_a_long_prompt_interleaves_with_decode_steps(qwen35_dir):
+    """While a long prompt prefills a chunk a step, the running request decodes in every one of
+    those steps: its tokens keep coming between the chunks."""
+    eng = _engine(qwen35_dir, mode="prefix")
+    gen = torch.Generator().manual_seed(3)
+    running = {"suffix": _ids(gen, 20), "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+    long = {"suffix": _ids(gen, 300), "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32))
+    try:
+        first = sched.add_request(eng.parse_request(running))
+        it = iter(first)
+        next(it)  # decoding
+        h = sched.add_request(eng.parse_request(long))
+        out = h.result()
+        rest = first.result()
+    finally:
+        sched.stop()
+    assert len(out.output_ids) == 3 and len(rest.output_ids) == 60
+    chunks = [(tokens, batch) for _, tokens, batch in sched.step_log if tokens]
+    # 300 tokens at 32 a step: at least 10 chunk steps, each with the running request's decode step
+    assert len(chunks) >= 10
+    assert all(tokens <= 32 for tokens, _ in chunks)
+    assert sum(1 for tokens, batch in chunks if batch >= 1) >= 9
+    # and its answer is the one it gives alone
+    alone = _serve(_engine(qwen35_dir, mode="prefix"), [long], max_num_batched_tokens=8192)[1][0]
+    assert out.output_ids == alone.output_ids
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "nemotron_h", "bamba"])
+def test_chunks_in_pages_equal_one_contiguous_forward(arch, dirs):
+    """Engine level: a prefill run chunk by chunk in a slot's pages (the scheduler's long-prompt
+    path) leaves the logits, linear states and K/V of the one-forward prefill; its K/V never leave
+    the pages."""
+    eng = _engine(dirs(arch), mode="pic")
+    req = eng.parse_request(_requests(seed=4)[1])
+    ref = eng.prefill(req)
+    eng.finish_prefix(ref)
+    eng.reset_caches()
+    pool = eng.new_state_pool(2, 4096)
+    job = eng.start_prefill(req)
+    slot = pool.assign(job.state)
+    chunks = 0
+    while (pre := eng.prefill_chunk(job, 17)) is None:
+        chunks += 1
+        assert all(isinstance(a, PagedAttnState) for a in job.state.attn.values())
+    assert chunks >= 3
+    torch.testing.assert_close(pre.logits, ref.logits, rtol=1e-4, atol=1e-4)
+    for i, s in ref.state.linear.items():
+        torch.testing.assert_close(pre.state.linear[i].ssm, s.ssm, rtol=1e-4, atol=1e-4)
+    for i, a in ref.state.attn.items():
+        assert isinstance(pre.state.attn[i], PagedAttnState)
+        torch.testing.assert_close(pre.state.attn[i].k, a.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pre.state.attn[i].v, a.v, rtol=1e-5, atol=1e-5)
+    pool.adopt(slot, pre.state)
+    eng.finish_prefix(pre)
+    pool.release(slot)
+    assert sorted(pool.free) == [0, 1]
+
+
+def test_chunk_bounds_and_a_finished_prefill(qwen35_dir):
+    eng = _engine(qwen35_dir, mode="full")
+    job = eng.start_prefill(eng.parse_request({"suffix": list(range(5, 45))}))
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.prefill_chunk(job, 0)
+    assert eng.prefill_chunk(job, 39) is None and job.live_left == 1
+    pre = eng.prefill_chunk(job, 39)
+    assert pre is not None and pre.state.length == 40
+    with pytest.raises(ValueError, match="run to its end"):
+        eng.prefill_chunk(job, 5)
+
+
+def test_a_request_cancelled_mid_prefill_gives_back_its_slot_and_pages(qwen35_dir):
+    eng = _engine(qwen35_dir, mode="prefix")
+    gen = torch.Generator().manual_seed(5)
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16))
+    try:
+        free_pages = len(sched.pool.kv.free)
+        h = sched.add_request(eng.parse_request({"suffix": _ids(gen, 400),
+                                                 "sampling_params": {"max_new_tokens": 4}}))
+        # wait until its prefill holds its slot (25 chunks of 16 tokens), then cancel it
+        caught = False
+        for _ in range(5000):
+            if any(s.job is not None and s.slot >= 0 for s in list(sched._admitted)):
+                caught = True
+                break
+            h.done.wait(0.001)
+        h.cancel()
+        assert caught
+        assert h.done.wait(10) and h.finish_reason == "abort"
+        done = sched.add_request(eng.parse_request({"suffix": _ids(gen, 40), "sampling_params": {"max_new_tokens": 2}}))
+        assert len(done.result().output_ids) == 2
+        assert sorted(sched.pool.free) == [0, 1] and len(sched.pool.kv.free) == free_pages
+        assert sched._kv_reserved == 0
+        nodes, todo = [], [eng.pages.root]
+        while todo:
+            node = todo.pop()
+            nodes.append(node)
+            todo += node.children.values()
+        assert all(node.ref_count == 0 for node in nodes)
+    finally:
+        sched.stop()
+
+
+def test_prefix_pages_go_into_the_tree_chunk_by_chunk(qwen35_dir):
+    """A long prompt in prefix mode (checkpoints every 256 tokens) inserts its pages as its chunks
+    complete them; the same prompt again is a page-tree hit with the same answer."""
+    eng = _engine(qwen35_dir, mode="prefix")
+    gen = torch.Generator().manual_seed(6)
+    req = {"suffix": _ids(gen, 600), "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=100))
+    try:
+        a = sched.add_request(eng.parse_request(req)).result()
+        b = sched.add_request(eng.parse_request(req)).result()
+    finally:
+        sched.stop()
+    assert b.output_ids == a.output_ids
+    assert b.stats.prefix_reused_tokens >= 512
