@@ -6,6 +6,14 @@ again sampled (temperature 0.8, top-p 0.95). A batch's decode rate is measured w
 streams are decoding: the output tokens that arrived between the last stream's first token and
 the first stream's last token, over that window.
 
+Each batch also says where its time went: the server's own split of the time to first token
+(`server_ttft_ms`: the router's parse and plan, the combine worker's receipt to the first token,
+the wait in the scheduler's queue) and the CPU seconds each process spent over the batch
+(`cpu_s`: router, combine worker, the client's processes; a process of Python near one CPU second
+a second is saturated). The client spreads its streams over processes of --client-streams-per-process
+streams each (one thread a stream), so that parsing 128 streams' events in one interpreter does
+not delay the token times it records.
+
 The floor of a decode step of N requests is the bytes it must move at the GPU's device-to-device
 copy bandwidth, measured in the same run (a copy reads and writes, and so does a step): every
 weight but the token embedding's rows not looked up (read once), the running requests' linear
@@ -25,8 +33,10 @@ server loads the model), and the bandwidth is measured by another, before the se
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -40,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served_load import Result, Stack, percentiles, rand_ids, send  # noqa: E402
+from served_load import SERVER_STATS, Result, Stack, percentiles, rand_ids, send  # noqa: E402
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
@@ -117,26 +127,93 @@ def step_floor(shape: dict, n: int, mean_context: float, copy_bytes_per_s: float
     return {"bytes_per_step": int(moved), "step_ms": round(step_s * 1000, 3), "tokens_per_s": round(n / step_s, 2)}
 
 
-def batch(host: str, port: int, args, n: int, sampling: dict, seed: int) -> dict:
-    """N requests sent at once, one thread each; their decode rate where all N are decoding."""
-    rng = random.Random(seed)
-    sp = dict({"max_new_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0}, **sampling)
-    bodies = [{"input_ids": rand_ids(rng, args.prompt_tokens, args.vocab), "sampling_params": sp} for _ in range(n)]
-    results: list[Result] = [Result() for _ in range(n)]
+def send_all(host: str, port: int, bodies: list[dict], timeout_s: float, start_at: float | None = None
+             ) -> list[Result]:
+    """Every body sent at once (at time.perf_counter() `start_at` when given), one thread each."""
+    results: list[Result] = [Result() for _ in bodies]
 
     def one(i):
-        results[i] = send(host, port, bodies[i], args.timeout_s)
+        results[i] = send(host, port, bodies[i], timeout_s)
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    if start_at is not None and start_at > time.perf_counter():
+        time.sleep(start_at - time.perf_counter())
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return results
+
+
+def client_main() -> int:
+    """A client process (--client-worker): the job on stdin ({host, port, bodies, timeout_s,
+    start_at}), its Results on stdout. time.perf_counter is CLOCK_MONOTONIC on Linux, one clock for
+    every process of the machine: the processes' times compare."""
+    job = json.loads(sys.stdin.read())
+    results = send_all(job["host"], job["port"], job["bodies"], job["timeout_s"], job["start_at"])
+    print(json.dumps([dataclasses.asdict(r) for r in results]))
+    return 0
+
+
+def client_processes(host: str, port: int, bodies: list[dict], timeout_s: float, procs: int) -> list[Result]:
+    """The bodies sent at once from `procs` processes (client_main), each a share of them."""
+    start_at = time.perf_counter() + 1.0 + 0.1 * procs  # time for every process to start
+    shares = [list(range(k, len(bodies), procs)) for k in range(procs)]
+    children = []
+    for share in shares:
+        child = subprocess.Popen([sys.executable, "-P", str(Path(__file__).resolve()), "--client-worker"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child.stdin.write(json.dumps({"host": host, "port": port, "bodies": [bodies[i] for i in share],
+                                      "timeout_s": timeout_s, "start_at": start_at}))
+        child.stdin.close()
+        children.append(child)
+    results: list[Result] = [Result(error="client process failed") for _ in bodies]
+    for share, child in zip(shares, children):
+        text = child.stdout.read()
+        if child.wait() == 0:
+            for i, r in zip(share, json.loads(text)):
+                results[i] = Result(**r)
+    return results
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (Linux /proc; None where unreadable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def batch(host: str, port: int, args, n: int, sampling: dict, seed: int, pids: dict | None = None) -> dict:
+    """N requests sent at once, one thread each (over client processes of
+    --client-streams-per-process streams); their decode rate where all N are decoding. `pids`:
+    role -> process id of the server's processes whose CPU seconds over the batch are reported."""
+    import resource
+
+    rng = random.Random(seed)
+    sp = dict({"max_new_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0}, **sampling)
+    bodies = [{"input_ids": rand_ids(rng, args.prompt_tokens, args.vocab), "sampling_params": sp} for _ in range(n)]
+    procs = max(1, math.ceil(n / args.client_streams_per_process)) if args.client_streams_per_process else 1
+    pids = dict(pids or {})
+    cpu0 = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    own0 = resource.getrusage(resource.RUSAGE_SELF if procs == 1 else resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    if procs == 1:
+        results = send_all(host, port, bodies, args.timeout_s)
+    else:
+        results = client_processes(host, port, bodies, args.timeout_s, procs)
+        t0 = min(r.sent for r in results if r.sent) if any(r.sent for r in results) else t0
     wall = time.perf_counter() - t0
+    own = resource.getrusage(resource.RUSAGE_SELF if procs == 1 else resource.RUSAGE_CHILDREN)
+    cpu = {role: round(cpu_seconds(pid) - cpu0[role], 2) for role, pid in pids.items()
+           if cpu0[role] is not None and cpu_seconds(pid) is not None}
+    cpu["client"] = round(own.ru_utime + own.ru_stime - own0.ru_utime - own0.ru_stime, 2)
     ok = [r for r in results if r.status == 200 and not r.error and len(r.token_times) == args.max_tokens]
     out = {"requests": n, "completed": len(ok), "errors": sorted({r.error for r in results if r.error})[:3],
-           "wall_s": round(wall, 3)}
+           "wall_s": round(wall, 3), "client_processes": procs, "cpu_s": cpu,
+           "server_ttft_ms": {k: percentiles([r.server[k] for r in ok if k in r.server], scale=1.0)
+                              for k in SERVER_STATS}}
     if len(ok) < n:
         return out
     start = max(r.token_times[0] for r in ok)
@@ -225,8 +302,12 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=250, help="prompt ids are drawn from [5, vocab)")
     ap.add_argument("--copy-bandwidth", type=float, help="bytes/s (read + written) instead of measuring it (CPU)")
     ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--client-streams-per-process", type=int, default=32,
+                    help="streams a client process sends (one thread each); 0: every stream from this process")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.client_streams_per_process < 0:
+        ap.error("--client-streams-per-process must be >= 0")
     t_start = time.perf_counter()
     if args.init_model and not (args.model / "config.json").is_file():
         arch, preset = args.init_model.split(":")
@@ -257,6 +338,8 @@ def main(argv=None) -> int:
     results: dict = {"greedy": {}, "sampled": {}}
     health = {}
     try:
+        pids = {s["role"]: s["pid"] for s in (stack.services if stack else []) if s.get("pid")
+                and s["role"] in ("router", "combine")}
         combine = next((s for s in (stack.services if stack else []) if s["role"] == "combine"), None)
         if combine is not None:  # its warm-up and memory plan (decode graphs captured, budgets)
             code, body = get_json(combine["http"], "/health", args.timeout_s)
@@ -265,7 +348,8 @@ def main(argv=None) -> int:
         send(host, int(port), {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}, args.timeout_s)
         for kind, sizes, sampling in (("greedy", args.streams, {}), ("sampled", args.sampled_streams, SAMPLED)):
             for n in sizes:
-                runs = [batch(host, int(port), args, n, sampling, seed=100 * rep + n) for rep in range(args.repeats)]
+                runs = [batch(host, int(port), args, n, sampling, seed=100 * rep + n, pids=pids)
+                        for rep in range(args.repeats)]
                 for r in runs:
                     print(f"served_decode: {kind} {n}: {json.dumps(r)}", file=sys.stderr, flush=True)
                 good = [r for r in runs if "decode_tokens_per_s" in r]
@@ -297,4 +381,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(client_main() if sys.argv[1:] == ["--client-worker"] else main())

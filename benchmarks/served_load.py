@@ -71,8 +71,9 @@ class Result:
 
 # The server's own split of a request's time to its first token (router.py, combine/worker.py):
 # ttft_ms from the router's receipt, router_ms its parse and plan, combine_ttft_ms from the combine
-# worker's receipt, engine_ttft_ms from the scheduler's queue (waiting included) to the first token.
-SERVER_STATS = ("ttft_ms", "router_ms", "combine_ttft_ms", "engine_ttft_ms")
+# worker's receipt, engine_ttft_ms from the scheduler's queue (waiting included) to the first token,
+# queue_ms its wait in that queue for a seat.
+SERVER_STATS = ("ttft_ms", "router_ms", "combine_ttft_ms", "engine_ttft_ms", "queue_ms")
 
 
 def send(host: str, port: int, body: dict, timeout_s: float) -> Result:

@@ -83,6 +83,24 @@ def role_config(config, role: str):
     return config
 
 
+# combine workers' worth of seats and queues the router's gRPC door holds threads for
+ROUTER_DOOR_COMBINES = 4
+
+
+def grpc_threads(role: str, config) -> int:
+    """Threads of a role's gRPC server. A streamed Generate holds one for its whole request, and a
+    call that finds none waits, unseen, for one to free: a combine worker gets one for every
+    request it may hold (--max-num-seqs running, --max-waiting queued), the router's door as many
+    for each of ROUTER_DOOR_COMBINES combine workers (its admission refuses past their seats and
+    queues: a refusal needs a thread too, hence the margin); the other roles answer short calls."""
+    held = config.max_num_seqs + config.max_waiting
+    if role == "combine":
+        return max(32, held + 8)
+    if role == "router":
+        return max(32, ROUTER_DOOR_COMBINES * held + 8)
+    return 32
+
+
 def _engine(config, model_dir: str):
     """The role's engine. Cache budgets not given are sized once the model is loaded, from the
     device memory it left free (devices.with_cache_budgets), and stated in the log."""
@@ -160,9 +178,8 @@ def _serve(args) -> int:
         # the public door reads no message over the request limit (gRPC answers RESOURCE_EXHAUSTED)
         options = [("grpc.max_receive_message_length", config.max_request_bytes),
                    ("grpc.max_send_message_length", 1 << 30)]
-    # a combine worker's Generate holds a thread for the whole request: one for each it may take
-    threads = 32 if args.role != "combine" else max(32, config.max_num_seqs + config.max_waiting + 8)
-    server = grpc.server(ThreadPoolExecutor(max_workers=threads), options=options, interceptors=interceptors)
+    server = grpc.server(ThreadPoolExecutor(max_workers=grpc_threads(args.role, config)), options=options,
+                         interceptors=interceptors)
     # /health (the router's own HTTP API aside) is up from the start and says 503 ("starting",
     # "warming up") until the role serves
     health = {"status": "starting", "role": args.role, "address": address}

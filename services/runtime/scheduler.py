@@ -555,7 +555,8 @@ class Scheduler:
 
     def _prefill_step(self) -> None:
         budget = self.config.max_num_batched_tokens
-        budget = self._plain_prefills(budget)
+        left = self._plain_prefills(budget)
+        plain_ran, budget = left < budget, left
         # cold segments of the admitted requests, oldest first, as one batched build
         todo: dict[str, list[int]] = {}
         for seq in self._admitted:
@@ -584,8 +585,9 @@ class Scheduler:
                         claimed.add(key)
                     del seq.cold[key]
         # assemblies of the requests whose entries are all there, a chunk of each while the budget
-        # lasts (the oldest first; one a step when no cold build ran, even past a spent budget)
-        still, progressed = [], bool(todo)
+        # lasts (the oldest first; one a step when no plain prefill or cold build ran, even past a
+        # spent budget)
+        still, progressed = [], plain_ran or bool(todo)
         for seq in self._admitted:
             if seq.cold or (budget <= 0 and progressed):
                 still.append(seq)

@@ -43,11 +43,18 @@ def test_served_decode_on_cpu(qwen35_dir, tmp_path, capsys):
     out = tmp_path / "r.json"
     assert sd.main(["--model", str(qwen35_dir), "--device", "cpu", "--dtype", "float32", "--streams", "1,3",
                     "--sampled-streams", "3", "--repeats", "1", "--max-tokens", "40", "--prompt-tokens", "12",
-                    "--copy-bandwidth", "1e10", "--up-args", "--scatter-workers 0", "--out", str(out)]) == 0
+                    "--copy-bandwidth", "1e10", "--up-args", "--scatter-workers 0", "--client-streams-per-process", "2",
+                    "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == res
     g, s = res["results"]["greedy"], res["results"]["sampled"]
     assert g["1"]["completed"] == 1 and g["3"]["completed"] == 3 == s["3"]["completed"]
+    # 3 streams from 2 client processes (their token times on one clock), 1 from this one
+    assert g["3"]["client_processes"] == 2 and g["1"]["client_processes"] == 1
+    for r in (g["1"], g["3"]):
+        assert set(r["cpu_s"]) == {"router", "combine", "client"} and r["cpu_s"]["combine"] > 0
+        assert r["server_ttft_ms"]["engine_ttft_ms"]["p50"] > 0 and "p50" in r["server_ttft_ms"]["queue_ms"]
+        assert r["server_ttft_ms"]["ttft_ms"]["p90"] <= r["ttft_ms"]["p90"] + 1
     f = res["figures"]
     assert f["served_decode_fraction_of_floor_3_streams"] == round(
         g["3"]["decode_tokens_per_s"] / g["3"]["floor"]["tokens_per_s"], 3) > 0
