@@ -15,18 +15,23 @@ budget: attention K/V and linear state together):
     checkpoint      a dense linear state every --checkpoint-every pages (256 tokens)
     exact_replay    anchors for every token and that checkpoint grid (exact)
     suffix_replay   --anchors-per-page anchors per page, replay of --replay-anchors, --anchor-dtype
-    sglang_grid     the checkpoint policy on SGLang's default grid: a dense state every
-                    --sglang-interval tokens (8,192: its chunked-prefill chunk on H100/H200, where its
-                    mamba radix cache keeps states under the default no_buffer strategy)
+    sglang_peer     SGLang's mamba radix cache under its default (no_buffer) strategy, as the
+                    checkpoint policy keeps it: a dense state every --sglang-interval tokens (8,192:
+                    its chunked-prefill chunk on H100/H200, where it keeps a chunk's state) and the
+                    state where every finished request (prompt and output) ended
+                    (--checkpoint-request-ends), at its last 64-token page boundary (SGLang's tree is
+                    token-granular there: it resumes up to 63 tokens later than SGLang would)
+    sglang_grid     the grid alone, without the request-end states
 
-SGLang also keeps the state at the end of every finished request, which no grid models: the JSON
-gives, from the trace alone (no budget, no eviction), the prompt tokens that grid plus those
-request-end states would have served (`sglang_request_end_states_hit_fraction_upper_bound`).
+The JSON also gives, from the trace alone (no budget, no eviction), the prompt tokens that the grid
+plus token-exact request-end states would have served
+(`sglang_request_end_states_hit_fraction_upper_bound`).
 
 Per policy: prefix hit tokens (the server's prefix_reused_tokens) and their share of prompt
 tokens, client TTFT percentiles (all requests, and follow-up turns alone), the server's restore
-time. Figures: `multiturn_ttft_p50_suffix_replay_vs_sglang_grid_checkpoint` (and against the
-others), `multiturn_hit_fraction_<policy>`.
+time. Figures: `multiturn_ttft_p50_suffix_replay_vs_sglang_grid_checkpoint`, against sglang_peer
+(also named `multiturn_ttft_p50_suffix_replay_vs_sglang_peer`), `..._vs_sglang_bare_grid` against
+sglang_grid, against the others, and `multiturn_hit_fraction_<policy>`.
 
     python benchmarks/multiturn.py                                   # CPU, the shipped model
     python benchmarks/multiturn.py --device cuda --dtype bfloat16 --model /tmp/served-q9b \\
@@ -53,7 +58,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ("checkpoint", "exact_replay", "suffix_replay", "sglang_grid")
+POLICIES = ("checkpoint", "exact_replay", "suffix_replay", "sglang_peer", "sglang_grid")
 
 
 def _served_load():
@@ -271,8 +276,9 @@ def prefix_policy(name: str, args):
     if name == "suffix_replay":
         return PrefixPolicy(name, anchors_per_page=args.anchors_per_page, replay_anchors=args.replay_anchors,
                             anchor_dtype=None if args.anchor_dtype == "model" else args.anchor_dtype)
-    if name == "sglang_grid":
-        return PrefixPolicy("checkpoint", checkpoint_every=args.sglang_interval // 64)
+    if name in ("sglang_peer", "sglang_grid"):
+        return PrefixPolicy("checkpoint", checkpoint_every=args.sglang_interval // 64,
+                            request_end_checkpoints=name == "sglang_peer")
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
@@ -280,12 +286,15 @@ def policy_flags(policy) -> list[str]:
     """`hybridcache up` flags of a PrefixPolicy (the byte budget is added by the caller)."""
     return ["--prefix-policy", policy.name, "--checkpoint-every", str(policy.checkpoint_every),
             "--anchors-per-page", str(policy.anchors_per_page), "--replay-anchors", str(policy.replay_anchors),
-            "--anchor-dtype", policy.anchor_dtype or "model"]
+            "--anchor-dtype", policy.anchor_dtype or "model",
+            "--checkpoint-request-ends", "on" if policy.request_end_checkpoints else "off"]
 
 
 def bytes_per_token(model_dir: Path, dtype: str, policies: dict) -> dict:
     """Each policy's page-tree bytes per cached token (attention K/V and linear state) from the
-    model's shape (built on the meta device: no memory)."""
+    model's shape (built on the meta device: no memory), and one dense state's bytes
+    (`dense_state`: what a request-end state adds, per finished request, to a policy that keeps
+    them; its per-token figures leave those out)."""
     import torch
     from hybridcache.services.runtime.cache import linear_state_bytes_per_token
     from hybridcache.services.runtime.config import ModelConfig
@@ -304,7 +313,7 @@ def bytes_per_token(model_dir: Path, dtype: str, policies: dict) -> dict:
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     kv = sum(t == "full_attention" for t in cfg.layer_types) * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
     groups = len(model.linear_groups())
-    out: dict = {"attention_kv": kv}
+    out: dict = {"attention_kv": kv, "dense_state": dense}
     for name, pol in policies.items():
         linear = linear_state_bytes_per_token(pol, dense, groups * pol.anchor_row_bytes(cfg.hidden_size, itemsize))
         out[name] = {"linear": linear, "total": linear + kv}
@@ -319,7 +328,9 @@ def figures_of(results: dict, sglang_end: dict | None) -> dict:
         figures[f"multiturn_ttft_p50_ms_{p}"] = p50[p]
         figures[f"multiturn_hit_fraction_{p}"] = r["prefix_hit_fraction"]
     if "suffix_replay" in p50 and p50["suffix_replay"]:
-        for other, name in (("sglang_grid", "sglang_grid_checkpoint"), ("checkpoint", "checkpoint"),
+        # the issue's figure is against SGLang's peer (grid and request-end states); the bare grid apart
+        for other, name in (("sglang_peer", "sglang_grid_checkpoint"), ("sglang_peer", "sglang_peer"),
+                            ("sglang_grid", "sglang_bare_grid"), ("checkpoint", "checkpoint"),
                             ("exact_replay", "exact_replay")):
             if p50.get(other):
                 figures[f"multiturn_ttft_p50_suffix_replay_vs_{name}"] = round(p50["suffix_replay"] / p50[other], 3)
@@ -403,8 +414,8 @@ def main(argv=None) -> dict:
     results, sent_of = {}, {}
 
     def record() -> dict:
-        # the SGLang bound from the trace as the SGLang-grid run (else the first run) sent it
-        ref = sent_of.get("sglang_grid") or next(iter(sent_of.values()), [])
+        # the SGLang bound from the trace as SGLang's peer (else the grid, else the first run) sent it
+        ref = sent_of.get("sglang_peer") or sent_of.get("sglang_grid") or next(iter(sent_of.values()), [])
         sglang_end = sglang_request_end_hits(ref, args.sglang_interval)
         return {
             "benchmark": "multiturn", "machine": machine, "gpu": machine if args.device == "cuda" else "none (CPU)",
@@ -422,7 +433,7 @@ def main(argv=None) -> dict:
                                             for c in trace.conversations for i, t in enumerate(c.turns)),
                       "unique_tokens": unique},
             "prefix_cache_bytes": budget,
-            "bytes_per_token": {p: per_token[p] for p in ("attention_kv", *args.policies)},
+            "bytes_per_token": {p: per_token[p] for p in ("attention_kv", "dense_state", *args.policies)},
             "policies": {p: policy_flags(pol) for p, pol in policies.items()},
             "sglang_interval": args.sglang_interval,
             "sglang_request_end_states_upper_bound": sglang_end,
@@ -431,7 +442,8 @@ def main(argv=None) -> dict:
             "note": "client TTFT from sending a streamed /generate to its first token; prefix hit tokens are the "
                     "server's prefix_reused_tokens (where the page tree resumed the request); every policy ran the "
                     "same trace (same arrivals, prompts built from each server's own answers) on its own server "
-                    "with the same page-tree budget",
+                    "with the same page-tree budget; capacity_tokens is the budget over a policy's bytes per token, "
+                    "which for sglang_peer leaves out its request-end states (dense_state bytes each)",
         }
 
     for policy in args.policies:

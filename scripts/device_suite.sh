@@ -46,9 +46,12 @@
 #               inside 10 minutes); SERVED_ARGS adds flags, SERVED_UP_ARGS `hybridcache up` flags. Merge the calls' JSONs with
 #               python benchmarks/served_load.py --combine A.json B.json ... --out FILE
 #   multiturn   benchmarks/multiturn.py on the Qwen3.5-9B shape (the model written first, in its own
-#               process, to $SERVED_MODEL): checkpoint, exact_replay, suffix_replay (fp8 anchors) and the
-#               checkpoint policy on SGLang's 8,192-token grid, one `hybridcache up --mode prefix` each at
-#               one page-tree budget; MULTITURN_ARGS adds flags, MULTITURN_UP_ARGS `hybridcache up` flags
+#               process, to $SERVED_MODEL): checkpoint, exact_replay, suffix_replay (fp8 anchors), SGLang's
+#               peer (the checkpoint policy on its 8,192-token grid with every finished request's end
+#               state) and that grid alone, one `hybridcache up --mode prefix` each at one page-tree
+#               budget, in that order (each policy's result is written as it ends: a run cut short keeps
+#               the ones before); MULTITURN_ARGS adds flags (--policies suffix_replay,sglang_peer,sglang_grid:
+#               the figure's three alone), MULTITURN_UP_ARGS `hybridcache up` flags
 # Timing stages should run alone on the machine: CPU-heavy neighbours slow launch-bound work.
 #
 # Triton's cache (compiled kernels and, with fla's cache_results, its autotuning results) is

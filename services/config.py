@@ -89,6 +89,9 @@ class PrefixPolicy:
     # None: anchors in the model's dtype; "bfloat16": bf16 whatever the model's dtype; "float8_e4m3fn": fp8
     # with a per-row fp32 scale (suffix_replay only)
     anchor_dtype: str | None = None
+    # checkpoint only: also the dense state at the last page boundary a finished request (prompt and
+    # output) reached, as SGLang's mamba radix cache keeps each finished request's final state
+    request_end_checkpoints: bool = False
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -109,6 +112,9 @@ class PrefixPolicy:
         if self.anchor_dtype is not None and self.name != "suffix_replay":
             raise ValueError(f"anchor_dtype {self.anchor_dtype} is only allowed with suffix_replay "
                              f"({self.name} must stay exact)")
+        if self.request_end_checkpoints and self.name != "checkpoint":
+            raise ValueError(f"checkpoint_request_ends (request-end states) is a setting of the checkpoint policy, "
+                             f"not of {self.name}")
 
     @property
     def stores_checkpoints(self) -> bool:
@@ -134,6 +140,11 @@ class PrefixPolicy:
 
     def is_checkpoint_position(self, pos: int) -> bool:
         return self.stores_checkpoints and pos > 0 and pos % self.checkpoint_tokens == 0
+
+    def request_end_position(self, length: int) -> int:
+        """Where a request whose state reached `length` tokens keeps its request-end state: the last
+        page boundary at or before it (0: none, or the policy keeps no request ends)."""
+        return length // self.page_size * self.page_size if self.request_end_checkpoints else 0
 
     def usable(self, node) -> bool:
         """Can a hit end at this node (a cache/radix.py PageNode)?"""
@@ -272,6 +283,11 @@ class RuntimeConfig:
     anchors_per_page: int = setting(4, "suffix_replay: hidden states kept per page at each linear-group entry (r)",
         section="cache")
     replay_anchors: int = setting(64, "suffix_replay: most anchors a hit replays per group (k)", section="cache")
+    checkpoint_request_ends: bool = setting(
+        False, "checkpoint: also keep the dense linear state where each finished request (prompt and output) "
+        "ended, at its last page boundary, as SGLang's mamba radix cache keeps every finished request's final "
+        "state: the next turn of a conversation resumes there (its bytes count in --prefix-cache-bytes)",
+        section="cache")
     # Checked in __post_init__ (one error line, exit 2), not by argparse choices: it depends on prefix_policy.
     anchor_dtype: str = setting(
         "model", "suffix_replay: anchor storage; model: the model's dtype; bfloat16; float8_e4m3fn keeps fp8 values "
@@ -430,6 +446,8 @@ class RuntimeConfig:
             anchors_per_page=self.anchors_per_page,
             replay_anchors=self.replay_anchors,
             anchor_dtype=None if self.anchor_dtype == "model" else self.anchor_dtype,
+            # a setting of the checkpoint policy, ignored by the others (as they ignore each other's)
+            request_end_checkpoints=self.checkpoint_request_ends and self.prefix_policy == "checkpoint",
         )
 
     @property

@@ -309,14 +309,33 @@ class Engine:
             return self.runner.restore_snapshot(snap), False
         return self.runner.empty_state(), True
 
-    def _live_runs(self, t: torch.Tensor, pos: int) -> list[LiveRun]:
-        """t as live runs split at the page tree's checkpoint positions (so their states can be kept)."""
+    def _live_runs(self, t: torch.Tensor, pos: int, end_cut: int = 0) -> list[LiveRun]:
+        """t as live runs split at the page tree's checkpoint positions and at `end_cut` (a request-end
+        candidate, _request_end_cut), so that their states can be kept."""
         step = self.page_policy.checkpoint_tokens
         cuts = list(range((pos // step + 1) * step, pos + len(t), step))
         if not self.page_policy.stores_checkpoints:
             cuts = []
+        if pos < end_cut < pos + len(t) and end_cut not in cuts:
+            cuts = sorted([*cuts, end_cut])
         bounds = [pos, *cuts, pos + len(t)]
         return [LiveRun(t[a - pos : b - pos], a) for a, b in zip(bounds, bounds[1:])]
+
+    def _request_end_cut(self, req: Request, start: int) -> int:
+        """Where a prefill of `req` from position `start` keeps the linear state for the request-end
+        checkpoint (PrefixPolicy.request_end_checkpoints): the prompt's last page boundary, if it
+        lies inside what runs and the decode may stop before the next page boundary (a request sure
+        to decode past it keeps its state there, from the decode step); 0: none."""
+        policy, n = self.page_policy, len(req.prompt_ids)
+        cut = policy.request_end_position(n)
+        if not start < cut < n:
+            return 0
+        s = req.sampling
+        # output tokens the request surely yields; the last one never runs, so its state reaches n + sure - 1
+        sure = s.min_new_tokens
+        if s.ignore_eos and not s.stop and not s.stop_token_ids and s.max_new_tokens:
+            sure = max(sure, s.max_new_tokens)
+        return 0 if n + sure - 1 >= cut + policy.page_size else cut
 
     @torch.no_grad()
     def prefill(self, req: Request, pinned: dict | None = None, built: dict | None = None) -> Prefill:
@@ -351,6 +370,7 @@ class Engine:
             state, exact = self.runner.empty_state(), False
         stats.prefix_reused_tokens = state.length
         stats.reused_tokens = state.length
+        end_cut = self._request_end_cut(req, state.length) if cfg.uses_prefix_cache and exact else 0
         stats.cached_tokens = state.length
 
         # Parts wholly inside the hit are reused; the part the hit ends in runs live from there.
@@ -402,7 +422,7 @@ class Engine:
                 if not hit:
                     stats.built_tokens += len(ids)
                 if w:
-                    layout += self._live_runs(t[:w], pos)
+                    layout += self._live_runs(t[:w], pos, end_cut)
                 if is_host(entry):
                     staged.append((len(layout), entry))
                 layout.append(CachedSpan(entry.data, pos + w, use_transition=cfg.mode == "pic"))
@@ -413,7 +433,7 @@ class Engine:
                 source = ("host" if is_host(entry) else "entry") if hit else "built"
                 seg_stats.append(SegmentStat(len(ids), hit, source))
             else:
-                layout += self._live_runs(t, pos)
+                layout += self._live_runs(t, pos, end_cut)
                 stats.live_tokens += len(t)
                 if kind in ("segment", "live"):
                     seg_stats.append(SegmentStat(len(ids), False, "live"))
@@ -438,7 +458,8 @@ class Engine:
         snapshot_after = set(boundary) if cfg.uses_entries else set()
         if recorder is not None:
             is_ckpt = self.page_policy.is_checkpoint_position
-            snapshot_after |= {i for i, p in enumerate(layout) if p.end <= exact_end and is_ckpt(p.end)}
+            snapshot_after |= {i for i, p in enumerate(layout)
+                               if p.end <= exact_end and (is_ckpt(p.end) or p.end == end_cut)}
         snapshot_after.discard(len(layout) - 1)
         layout, snapshot_after, boundary = coalesce_live_runs(layout, snapshot_after, boundary)
         stats.segments = seg_stats
@@ -544,8 +565,8 @@ class Engine:
     def plain_prefill_ok(self, req: Request) -> bool:
         """Can the request's prompt be prefilled by prefill_plain: all live from an empty state (no
         system prompt or segments, no page-tree hit), at least two tokens, at least one new token
-        asked, and no prefix-cache checkpoint inside it (the batched pass yields the state at its
-        end only)?"""
+        asked, and no prefix-cache checkpoint or request-end cut inside it (the batched pass yields
+        the state at its end only)?"""
         cfg, prompt = self.config, req.prompt_ids
         if (not cfg.batch_plain_prefills or req.system_ids or req.segment_ids or len(prompt) < 2
                 or req.sampling.max_new_tokens < 1):
@@ -553,6 +574,8 @@ class Engine:
         if cfg.uses_prefix_cache:
             policy = self.page_policy
             if policy.stores_checkpoints and len(prompt) - 1 >= policy.checkpoint_tokens:
+                return False
+            if self._request_end_cut(req, 0) not in (0, len(prompt) - 1):
                 return False
             if self.pages.match(prompt[: len(prompt) - 1], policy.usable, req.cache_salt):
                 return False
@@ -628,11 +651,23 @@ class Engine:
         if tip is None:
             return 0
         locked.append(tip)
+        if last and recorder.end_state is not None:
+            self._keep_request_end(recorder, tip)
         # The request holds these pages until it finishes: their anchors need not stay here too
         # (unless this is its last insert: the recorder goes with it).
         if not last and tip.depth * page > recorder.start:
             self.runner.drop_recorded(recorder, tip.depth * page)
         return tip.depth * page
+
+    def _keep_request_end(self, recorder: PageRecorder, tip) -> None:
+        """A request that ends keeps its request-end state (the recorder's candidate) as the
+        checkpoint of the page ending there, on the locked path to `tip`, if that page has none
+        and the budget makes room (PageTree.replace_payload)."""
+        end, node = recorder.end_state[0], tip
+        while node.depth * self.pages.page_size > end:
+            node = node.parent
+        if node.depth * self.pages.page_size == end and node.payload.checkpoint is None:
+            self.pages.replace_payload(node, self.runner.request_end_payload(recorder, node.payload))
 
     def finish_prefix(self, pre: Prefill) -> None:
         """A request ended: add the pages its decode completed, then release its pages."""

@@ -33,7 +33,8 @@ Then it runs
 - `stage`: entries of the host tier onto the model's device, layer by layer;
 - every change of a tensor the engine's caches hold: `as_entries` (an entry's state dtype and
   policy), `snapshot` / `restore_snapshot` (the part-chain store's states), `record` /
-  `page_payloads` / `drop_recorded` (a request's page recorder and the payloads of its pages),
+  `page_payloads` / `request_end_payload` / `drop_recorded` (a request's page recorder and the
+  payloads of its pages),
   `to_host` (the host tier's demotion), `assign` / `release` (a request's slot in a pool).
 
 What the results mean for a request (entry keys and policy, which pages, statistics) is the
@@ -339,6 +340,11 @@ class ModelRunner:
             if out[-1] is None:
                 break
         return out
+
+    def request_end_payload(self, recorder: PageRecorder, payload: PagePayload) -> PagePayload:
+        """A page's payload with the recorder's request-end state as its checkpoint
+        (PageRecorder.request_end_payload)."""
+        return recorder.request_end_payload(payload)
 
     def drop_recorded(self, recorder: PageRecorder, pos: int) -> None:
         """Forget what the recorder kept for pages ending by `pos` (PageRecorder.drop_before)."""

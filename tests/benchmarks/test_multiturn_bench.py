@@ -1,6 +1,6 @@
 """benchmarks/multiturn.py: its trace (seeded, branching, Poisson arrivals), the SGLang
 request-end bound, the shape's bytes per token against an engine's, and a tiny served run on CPU
-that starts `hybridcache up` per policy."""
+that starts `hybridcache up` per policy (SGLang's peer, with its request-end states, among them)."""
 
 import importlib.util
 import json
@@ -59,7 +59,9 @@ def test_sglang_bound_counts_request_ends_and_grid_states():
 
 def test_bytes_per_token_from_the_shape_match_an_engine(qwen35_dir):
     """The trace's per-policy bytes (the capacity it reports at a budget) are what the engine's
-    page tree keeps: a 256-token prompt under each policy."""
+    page tree keeps: a 256-token prompt under each policy (sglang_peer's request ends at its grid's
+    second state, which it keeps once); past its grid, sglang_peer keeps one dense state more, where
+    the request ended."""
     from hybridcache.services.runtime.engine import Engine, EngineConfig
     from hybridcache.services.runtime.llm import LLM
 
@@ -68,38 +70,57 @@ def test_bytes_per_token_from_the_shape_match_an_engine(qwen35_dir):
                            sglang_interval=128)
     policies = {p: mt.prefix_policy(p, args) for p in mt.POLICIES}
     per_token = mt.bytes_per_token(qwen35_dir, "float32", policies)
-    for name, pol in policies.items():
+    assert policies["sglang_peer"].request_end_checkpoints and not policies["sglang_grid"].request_end_checkpoints
+
+    def kept(pol, n):
         eng = Engine.from_dir(qwen35_dir, config=EngineConfig(
             mode="prefix", prefix_policy=pol.name, checkpoint_every=pol.checkpoint_every,
             anchors_per_page=pol.anchors_per_page, replay_anchors=pol.replay_anchors,
-            anchor_dtype=pol.anchor_dtype, prefix_cache_bytes=1 << 30))
+            anchor_dtype=pol.anchor_dtype, checkpoint_request_ends=pol.request_end_checkpoints,
+            prefix_cache_bytes=1 << 30))
         with LLM(eng) as llm:
-            llm.generate({"suffix": [7 + i % 50 for i in range(257)],
+            llm.generate({"suffix": [7 + i % 50 for i in range(n)],
                           "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}})
-        assert eng.pages.used_bytes / 256 == per_token[name]["total"], name
-        assert eng.pages.linear_bytes / 256 == per_token[name]["linear"], name
+        return eng.pages.used_bytes, eng.pages.linear_bytes
+
+    for name, pol in policies.items():
+        used, linear = kept(pol, 257)
+        assert used / 256 == per_token[name]["total"], name
+        assert linear / 256 == per_token[name]["linear"], name
+    used, linear = kept(policies["sglang_peer"], 321)  # 5 pages: grid states at 128 and 256, the end at 320
+    assert linear == 256 * per_token["sglang_peer"]["linear"] + per_token["dense_state"]
+    assert used == 320 * per_token["attention_kv"] + linear
 
 
 def test_tiny_served_run(qwen35_dir, tmp_path, capsys):
     mt = _bench()
     out = tmp_path / "mt.json"
-    res = mt.main(["--model", str(qwen35_dir), "--policies", "suffix_replay,sglang_grid", "--conversations", "2",
+    res = mt.main(["--model", str(qwen35_dir), "--policies", "suffix_replay,sglang_peer,sglang_grid",
+                   "--conversations", "2",
                    "--turns", "3,3", "--systems", "1", "--system-tokens", "70", "--user-tokens", "4,8",
                    "--output-tokens", "3", "--think-s", "0", "--rate", "20", "--vocab", "200",
                    "--prefix-cache-bytes", str(64 << 20), "--out", str(out)])
     assert json.loads(out.read_text()) == res == json.loads(capsys.readouterr().out)
-    sr, grid = res["results"]["suffix_replay"], res["results"]["sglang_grid"]
-    assert sr["completed"] == grid["completed"] == 6 and not sr["errors"]
+    sr, peer, grid = (res["results"][p] for p in ("suffix_replay", "sglang_peer", "sglang_grid"))
+    assert sr["completed"] == peer["completed"] == grid["completed"] == 6 and not sr["errors"]
     # every follow-up turn (and the second conversation, after the shared system prompt) resumes
-    # at a page of the tree under suffix_replay; SGLang's 8,192-token grid never fits these prompts
+    # at a page of the tree under suffix_replay; under SGLang's peer every follow-up resumes where
+    # the turn before it ended (its last page boundary: 64 in these prompts); its 8,192-token grid
+    # alone never fits these prompts
     assert sr["requests_with_a_hit"] >= 4 and sr["prefix_hit_tokens"] >= 4 * 64
+    assert peer["requests_with_a_hit"] >= 4 and peer["prefix_hit_tokens"] >= 4 * 64
     assert grid["prefix_hit_tokens"] == 0
     f = res["figures"]
     assert f["multiturn_ttft_p50_suffix_replay_vs_sglang_grid_checkpoint"] == round(
+        sr["ttft_ms"]["p50"] / peer["ttft_ms"]["p50"], 3) == f["multiturn_ttft_p50_suffix_replay_vs_sglang_peer"]
+    assert f["multiturn_ttft_p50_suffix_replay_vs_sglang_bare_grid"] == round(
         sr["ttft_ms"]["p50"] / grid["ttft_ms"]["p50"], 3)
     assert f["multiturn_hit_fraction_suffix_replay"] == sr["prefix_hit_fraction"] > 0
     assert res["prefix_cache_bytes"] == 64 << 20 and res["trace"]["requests"] == 6
     assert res["policies"]["sglang_grid"][:4] == ["--prefix-policy", "checkpoint", "--checkpoint-every", "128"]
+    assert res["policies"]["sglang_peer"][:4] == res["policies"]["sglang_grid"][:4]
+    assert res["policies"]["sglang_peer"][-2:] == ["--checkpoint-request-ends", "on"]
+    assert res["policies"]["sglang_grid"][-2:] == ["--checkpoint-request-ends", "off"]
     assert res["machine"] == "cpu" and res["command"].startswith("python benchmarks/multiturn.py")
 
 

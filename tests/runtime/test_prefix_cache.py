@@ -295,3 +295,98 @@ def test_pic_request_resumes_inside_a_segment_from_a_page_hit(tiny_dir):
     ref = same.prefill(same.parse_request({"system": system + doc1, "segments": [doc2], "suffix": q,
                                            "sampling_params": params}))
     assert rel(pre.logits, ref.logits) <= 1e-4
+
+
+def peer_engine(model_dir, **kw):
+    """The checkpoint policy as SGLang's mamba radix cache keeps states: a dense state every
+    8,192 tokens (its chunked-prefill chunk: never inside these prompts) and where each finished
+    request ended."""
+    return make_engine(model_dir, prefix_policy="checkpoint", checkpoint_every=128, checkpoint_request_ends=True,
+                       **kw)
+
+
+def dense_state_bytes(model):
+    return sum(t.numel() * t.element_size() for s in model.empty_state().linear.values() for t in (s.ssm, s.conv))
+
+
+def tree_bytes(tree):
+    """(all, linear) bytes of the pages reachable in `tree`, summed from their payloads."""
+    total = linear = 0
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.payload is not None:
+            total, linear = total + node.payload.nbytes, linear + node.payload.linear_nbytes
+    return total, linear
+
+
+# (prompt tokens, new tokens, where the request-end state is, whether the scheduler's batched plain
+# prefill runs the prompt): the last page boundary reached in decode (the prompt needs no cut);
+# in the prompt, from a prefill cut there (4 new tokens cannot reach the next boundary); at the
+# prompt's last token but one, where the batched plain prefill's pass ends
+@pytest.mark.parametrize("n, new, end, plain", [(100, 40, 2 * P, True), (150, 4, 2 * P, False),
+                                                (2 * P + 1, 3, 2 * P, True)], ids=["decode", "prefill-cut", "plain"])
+def test_request_end_state_resumes_the_next_turn_exactly(tiny_dir, n, new, end, plain):
+    eng = peer_engine(tiny_dir)
+    ids = tokens(n, seed=20)
+    assert eng.plain_prefill_ok(eng.parse_request(request(ids, new=new))) == plain
+    llm = LLM(eng)
+    first = llm.generate(request(ids, new=new))
+    assert llm.scheduler.plain_prefilled == plain
+    ran = ids + first.output_ids[:-1]  # the last sampled token never ran
+    path = eng.pages.match(ran, eng.page_policy.usable)
+    assert len(path) * P == end
+    assert state_error(restore_state(eng.model, eng.page_policy, path), full_prefill(eng.model, ran[:end])) <= 1e-5
+    # the one dense state is counted in the tree's bytes, beside the pages' K/V
+    assert eng.pages.linear_bytes == dense_state_bytes(eng.model)
+    assert (eng.pages.used_bytes, eng.pages.linear_bytes) == tree_bytes(eng.pages)
+
+    follow = ids + first.output_ids + tokens(20, seed=21)  # the next turn: history and a new message
+    pre = eng.prefill(eng.parse_request(request(follow)))
+    eng.finish_prefix(pre)
+    assert pre.stats.prefix_reused_tokens == end
+    cold = make_engine(tiny_dir, mode="full")
+    ref = cold.prefill(cold.parse_request(request(follow)))
+    assert rel(pre.logits, ref.logits) <= 1e-5
+
+    # the grid alone (SGLang's chunk ends) keeps nothing inside these prompts: no hit
+    grid = make_engine(tiny_dir, prefix_policy="checkpoint", checkpoint_every=128)
+    LLM(grid).generate(request(ids, new=new))
+    assert grid.prefill(grid.parse_request(request(follow))).stats.prefix_reused_tokens == 0
+    assert grid.pages.linear_bytes == 0
+
+
+def test_request_end_states_share_the_budget_and_its_eviction(tiny_dir):
+    probe = make_engine(tiny_dir, prefix_policy="checkpoint", checkpoint_every=128)
+    LLM(probe).generate(request(tokens(2 * P + 1, seed=22)))
+    page = probe.pages.used_bytes // 2  # one page's K/V
+    dense = dense_state_bytes(probe.model)
+    a, b = tokens(100, seed=23), tokens(100, seed=24)  # each ends at 2 pages, its state in decode
+
+    # one byte short of a's two pages and its state: a keeps its pages, not its state
+    short = peer_engine(tiny_dir, prefix_cache_bytes=2 * page + dense - 1)
+    out = LLM(short).generate(request(a, new=40)).output_ids
+    assert len(short.pages) == 2 and short.pages.linear_bytes == 0
+    assert short.prefill(short.parse_request(request(a + out + [5]))).stats.prefix_reused_tokens == 0
+
+    eng = peer_engine(tiny_dir, prefix_cache_bytes=2 * page + dense)
+    llm = LLM(eng)
+    out_a = llm.generate(request(a, new=40)).output_ids
+    assert eng.pages.used_bytes == eng.pages.capacity_bytes and eng.pages.linear_bytes == dense
+    # b needs room: a's least recently used leaf goes, its state with it
+    llm.generate(request(b, new=40))
+    assert len(eng.pages.match(a + out_a)) < 2
+    assert eng.pages.used_bytes <= eng.pages.capacity_bytes
+    assert (eng.pages.used_bytes, eng.pages.linear_bytes) == tree_bytes(eng.pages)
+    assert eng.pages.linear_bytes in (0, dense)
+
+
+def test_request_end_checkpoints_are_a_checkpoint_setting():
+    with pytest.raises(ValueError, match="checkpoint_request_ends"):
+        PrefixPolicy("suffix_replay", request_end_checkpoints=True)
+    assert EngineConfig(prefix_policy="checkpoint", checkpoint_request_ends=True).page_policy.request_end_checkpoints
+    # the other policies ignore it, as they ignore each other's settings
+    for other in ("exact_replay", "suffix_replay"):
+        policy = EngineConfig(prefix_policy=other, checkpoint_request_ends=True).page_policy
+        assert not policy.request_end_checkpoints and policy.request_end_position(3 * P) == 0

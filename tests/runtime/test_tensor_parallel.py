@@ -45,6 +45,11 @@ def dirs(tmp_path_factory):
     return {a: str(init_model_dir(a, "tiny", root / a, seed=1, std=0.08)) for a in ARCHS}
 
 
+# the checkpoint policy keeping each finished request's end state (SGLang's peer in benchmarks/multiturn.py)
+REQUEST_ENDS = RuntimeConfig(mode="prefix", prefix_policy="checkpoint", checkpoint_every=128,
+                             checkpoint_request_ends=True)
+
+
 def _named(dirs) -> dict:
     """The runners of the group: a `full` one per family, `pic` and `prefix` ones of some, a pic one
     with a host tier."""
@@ -52,6 +57,7 @@ def _named(dirs) -> dict:
     named.update({f"pic_{a}": (dirs[a], RuntimeConfig(mode="pic")) for a in PIC_ARCHS})
     named.update({f"prefix_{a}": (dirs[a], RuntimeConfig(mode="prefix")) for a in PIC_ARCHS})
     named["tiered"] = (dirs["qwen3_5_text"], RuntimeConfig(mode="pic", host_cache_bytes=1 << 30))
+    named["request_ends"] = (dirs["qwen3_5_text"], REQUEST_ENDS)
     return named
 
 
@@ -326,3 +332,25 @@ def test_the_runner_of_a_tp_engine_runs_on_every_rank(dirs, engines):
     assert ref.abs().max().item() > 1e-2
     assert _close(out, ref) <= 1e-5
     assert _close(nxt[0], ref_next[0]) <= 1e-5
+
+
+def test_request_end_states_are_kept_on_every_rank(dirs, engines):
+    """A finished request's end state (a prefill cut, then the page's payload replaced) is kept on
+    both ranks: the next turn resumes there and answers as at TP = 1."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 256, (150,), generator=g).tolist()
+    sp = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    tp1 = LLM(Engine.from_dir(dirs["qwen3_5_text"], config=REQUEST_ENDS))
+    tp2 = LLM(engines.request_ends)
+    try:
+        turns = []
+        for llm in (tp1, tp2):
+            first = llm.generate({"suffix": prompt, "sampling_params": sp})
+            follow = {"suffix": prompt + first.output_ids + [9, 8, 7], "sampling_params": sp}
+            turns.append((first.output_ids, llm.generate(follow)))
+        (want_first, want), (got_first, got) = turns
+        assert got_first == want_first and got.output_ids == want.output_ids
+        assert got.stats.prefix_reused_tokens == want.stats.prefix_reused_tokens == 128
+    finally:
+        tp1.close()
+        tp2.close()

@@ -4,7 +4,10 @@
 All three policies share the page tree (radix.py) and keep full-attention K/V per page.
 
     checkpoint     the dense state of every linear layer (S and conv tail) after every N-th page;
-                   a prefix hits only at those pages (what today's engines do).
+                   a prefix hits only at those pages (what today's engines do). With
+                   request_end_checkpoints also the state at the last page boundary each finished
+                   request reached (prompt and output: where the next turn resumes), as SGLang's
+                   mamba radix cache keeps every finished request's final state.
     suffix_replay  at the entry of each group of consecutive linear layers, the residual stream
                    of the last r tokens of each page (the anchors). A hit replays the last k
                    anchors through each group from a zero state: approximate, the error shrinks
@@ -120,8 +123,10 @@ def restore_pages(model, policy: PrefixPolicy, pages: list[PagePayload]) -> Sequ
 @dataclass
 class PageRecorder:
     """Collects, while a request runs exactly from position `start`, what new pages need: the
-    residual stream at each group entry (anchor policies) and the linear state at checkpoint
-    positions. `token_ids` are the tokens run so far from position 0."""
+    residual stream at each group entry (anchor policies), the linear state at checkpoint
+    positions, and (policy.request_end_checkpoints) the linear state at the last page boundary the
+    request has reached, which its page gets as a checkpoint when the request ends
+    (request_end_payload). `token_ids` are the tokens run so far from position 0."""
 
     policy: PrefixPolicy
     start: int
@@ -130,6 +135,8 @@ class PageRecorder:
     hidden: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> chunks [n, h]
     salt: str = ""  # the request's cache salt: its pages go under that salt's root (radix.PageTree)
     checkpoints: dict[int, dict[int, LinearState]] = field(default_factory=dict)  # position -> state
+    # (position, state) at the last page boundary reached, for the request-end checkpoint
+    end_state: tuple[int, dict[int, LinearState]] | None = None
     _hidden_cat: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -143,8 +150,19 @@ class PageRecorder:
         self._hidden_cat.clear()
 
     def add_checkpoint(self, pos: int, linear: dict[int, LinearState], copy: bool) -> None:
-        if self.policy.is_checkpoint_position(pos) and pos not in self.checkpoints:
-            self.checkpoints[pos] = _copy_linear(linear) if copy else linear
+        """The linear state after `pos` tokens (copied when `copy`: `linear` changes in place later),
+        kept where the policy keeps one: a checkpoint position, or a page boundary past the
+        request-end candidate (which it replaces: only the request's last one is kept)."""
+        grid = self.policy.is_checkpoint_position(pos) and pos not in self.checkpoints
+        end = pos > 0 and self.policy.request_end_position(pos) == pos and (
+            self.end_state is None or pos > self.end_state[0])
+        if not (grid or end):
+            return
+        kept = _copy_linear(linear) if copy else linear
+        if grid:
+            self.checkpoints[pos] = kept
+        if end:
+            self.end_state = (pos, kept)
 
     def add_step(self, token: int | None, captured: dict[int, torch.Tensor], state: SequenceState) -> None:
         """One decode step of the request, `state` after it: its input token (None: fed on the
@@ -155,9 +173,15 @@ class PageRecorder:
         self.add_hidden(captured, 1)
         self.add_checkpoint(state.length, state.linear, copy=True)
 
+    def request_end_payload(self, payload: PagePayload) -> PagePayload:
+        """`payload`, of the page that ends at the request-end candidate's position, with that state
+        as its checkpoint (the page's K/V and anchors shared, not copied)."""
+        return PagePayload(attn=payload.attn, checkpoint=self.end_state[1], anchors=payload.anchors)
+
     def drop_before(self, pos: int) -> None:
         """Forget what pages ending at or before `pos` needed (they are cached); later pages are
-        still buildable. pos is a page boundary."""
+        still buildable. pos is a page boundary. The request-end candidate stays (its page gets it
+        when the request ends)."""
         if pos <= self.start:
             return
         for i in self.capture_layers:

@@ -182,6 +182,23 @@ class PageTree:
                 anc = anc.parent
             return node
 
+    def replace_payload(self, node: PageNode, payload: PagePayload) -> bool:
+        """Give a cached page another payload (the same page with more state kept: a request-end
+        checkpoint), its bytes counted in the budget; evicts unreferenced leaves to make room.
+        The caller holds `node` locked (eviction must not take it). False: no room, the page
+        keeps its payload."""
+        with self._lock:
+            if node.ref_count <= 0:
+                raise RuntimeError("replace_payload of a page that is not locked")
+            extra = payload.nbytes - node.payload.nbytes
+            over = extra - (self._capacity - self._used)
+            if over > 0 and not self._evict(over):
+                return False
+            self._used += extra
+            self._linear_used += payload.linear_nbytes - node.payload.linear_nbytes
+            node.payload = payload
+            return True
+
     def _evict(self, need: int) -> bool:
         """Free at least `need` bytes from unreferenced leaves, least recently used first."""
         heap = []
