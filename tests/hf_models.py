@@ -37,6 +37,29 @@ VARIED = {
     "bamba": dict(num_attention_heads=6, num_key_value_heads=3, mamba_n_groups=4),
     "kimi_linear": dict(num_attention_heads=3, num_key_value_heads=3, linear_num_heads=3),
     "minimax": dict(num_attention_heads=6, num_key_value_heads=3, num_local_experts=5, num_experts_per_tok=3),
+    "qwen3_5": dict(num_attention_heads=3, num_key_value_heads=1, linear_num_key_heads=1, linear_num_value_heads=2),
+    "qwen3_5_moe": dict(num_attention_heads=6, num_key_value_heads=3, linear_num_key_heads=3,
+                        linear_num_value_heads=6, num_experts=5, num_experts_per_tok=3),
+}
+# Structures as varied whose head, group and channel counts 2 divides, for tensor parallelism over two
+# ranks (VARIED's odd counts cannot be split in two): uneven query/key-value and key/value linear head
+# ratios, a single key/value head (replicated on both ranks), MLP-only layers among MoE ones, two SSM
+# groups a rank, five experts
+VARIED_TP2 = {
+    "qwen3_next": dict(num_attention_heads=6, num_key_value_heads=2, linear_num_key_heads=2,
+                       linear_num_value_heads=6, mlp_only_layers=[0, 2]),
+    "qwen3_5_text": dict(num_attention_heads=6, num_key_value_heads=2, linear_num_key_heads=2,
+                         linear_num_value_heads=6, intermediate_size=96),
+    "qwen3_5_moe_text": dict(num_attention_heads=10, num_key_value_heads=1, linear_num_key_heads=2,
+                             linear_num_value_heads=6),
+    "olmo_hybrid": dict(num_attention_heads=6, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=6),
+    "nemotron_h": dict(num_attention_heads=6, num_key_value_heads=2, mamba_num_heads=8, n_groups=4),
+    "bamba": dict(num_attention_heads=6, num_key_value_heads=1, mamba_n_groups=4),
+    "kimi_linear": dict(num_attention_heads=6, num_key_value_heads=6, linear_num_heads=6),
+    "minimax": dict(num_attention_heads=6, num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=3),
+    "qwen3_5": dict(num_attention_heads=6, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4),
+    "qwen3_5_moe": dict(num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=2,
+                        linear_num_value_heads=2, num_experts=5, num_experts_per_tok=3),
 }
 TINY_VISION = dict(
     depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=16
@@ -104,4 +127,15 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
         nxt = int(model(ids).logits[0, -1].argmax())
         out.append(nxt)
         ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+@torch.no_grad()
+def greedy_generate(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy `generate` of `prompt` with its cache, n tokens whatever they are (no
+    end token, as a request with ignore_eos): the decode path of transformers' recurrent and
+    attention caches, a fraction of greedy_reference's cost (one full forward a token)."""
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+    assert len(out) == n
     return out
