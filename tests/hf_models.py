@@ -68,8 +68,8 @@ TINY_VISION = dict(
 
 def hf_model(arch: str, tied: bool, seed: int, overrides: dict | None = None):
     """A transformers model of the tiny preset (with `overrides` of its config), its weights drawn
-    so that every tensor matters: matrices N(0, 0.08), vectors (norms, gates, biases) perturbed
-    around their initial values."""
+    so that every tensor matters: matrices N(0, 0.08), time-step biases U(-1, 1), other vectors
+    (norms, gates, biases) perturbed around their initial values."""
     cfg = hf_config(arch, "tiny", overrides)
     torch.manual_seed(seed)
     if arch in MULTIMODAL:
@@ -82,8 +82,13 @@ def hf_model(arch: str, tied: bool, seed: int, overrides: dict | None = None):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **dict(rest, tie_word_embeddings=tied)))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
+        for name, p in model.named_parameters():
+            if name.endswith("dt_bias"):
+                # softplus(dt_bias) of order 1, as modelzoo draws it: the Mamba-style init some
+                # families use (dt in [0.001, 0.1]) leaves an SSM's state so small a part of the
+                # output that a wrong head or group would go unseen
+                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
+            elif p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
             else:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)
