@@ -37,6 +37,29 @@ VARIED = {
     "bamba": dict(num_attention_heads=6, num_key_value_heads=3, mamba_n_groups=4),
     "kimi_linear": dict(num_attention_heads=3, num_key_value_heads=3, linear_num_heads=3),
     "minimax": dict(num_attention_heads=6, num_key_value_heads=3, num_local_experts=5, num_experts_per_tok=3),
+    "qwen3_5": dict(num_attention_heads=3, num_key_value_heads=1, linear_num_key_heads=1, linear_num_value_heads=2),
+    "qwen3_5_moe": dict(num_attention_heads=6, num_key_value_heads=3, linear_num_key_heads=3,
+                        linear_num_value_heads=6, num_experts=5, num_experts_per_tok=3),
+}
+# Structures as varied whose head, group and channel counts 2 divides, for tensor parallelism over two
+# ranks (VARIED's odd counts cannot be split in two): uneven query/key-value and key/value linear head
+# ratios, a single key/value head (replicated on both ranks), MLP-only layers among MoE ones, two SSM
+# groups a rank, five experts
+VARIED_TP2 = {
+    "qwen3_next": dict(num_attention_heads=6, num_key_value_heads=2, linear_num_key_heads=2,
+                       linear_num_value_heads=6, mlp_only_layers=[0, 2]),
+    "qwen3_5_text": dict(num_attention_heads=6, num_key_value_heads=2, linear_num_key_heads=2,
+                         linear_num_value_heads=6, intermediate_size=96),
+    "qwen3_5_moe_text": dict(num_attention_heads=10, num_key_value_heads=1, linear_num_key_heads=2,
+                             linear_num_value_heads=6),
+    "olmo_hybrid": dict(num_attention_heads=6, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=6),
+    "nemotron_h": dict(num_attention_heads=6, num_key_value_heads=2, mamba_num_heads=8, n_groups=4),
+    "bamba": dict(num_attention_heads=6, num_key_value_heads=1, mamba_n_groups=4),
+    "kimi_linear": dict(num_attention_heads=6, num_key_value_heads=6, linear_num_heads=6),
+    "minimax": dict(num_attention_heads=6, num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=3),
+    "qwen3_5": dict(num_attention_heads=6, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4),
+    "qwen3_5_moe": dict(num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=2,
+                        linear_num_value_heads=2, num_experts=5, num_experts_per_tok=3),
 }
 TINY_VISION = dict(
     depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=16
@@ -45,8 +68,8 @@ TINY_VISION = dict(
 
 def hf_model(arch: str, tied: bool, seed: int, overrides: dict | None = None):
     """A transformers model of the tiny preset (with `overrides` of its config), its weights drawn
-    so that every tensor matters: matrices N(0, 0.08), vectors (norms, gates, biases) perturbed
-    around their initial values."""
+    so that every tensor matters: matrices N(0, 0.08), time-step biases U(-1, 1), other vectors
+    (norms, gates, biases) perturbed around their initial values."""
     cfg = hf_config(arch, "tiny", overrides)
     torch.manual_seed(seed)
     if arch in MULTIMODAL:
@@ -59,8 +82,13 @@ def hf_model(arch: str, tied: bool, seed: int, overrides: dict | None = None):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **dict(rest, tie_word_embeddings=tied)))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
+        for name, p in model.named_parameters():
+            if name.endswith("dt_bias"):
+                # softplus(dt_bias) of order 1, as modelzoo draws it: the Mamba-style init some
+                # families use (dt in [0.001, 0.1]) leaves an SSM's state so small a part of the
+                # output that a wrong head or group would go unseen
+                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
+            elif p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
             else:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)
@@ -104,4 +132,15 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
         nxt = int(model(ids).logits[0, -1].argmax())
         out.append(nxt)
         ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+@torch.no_grad()
+def greedy_generate(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy `generate` of `prompt` with its cache, n tokens whatever they are (no
+    end token, as a request with ignore_eos): the decode path of transformers' recurrent and
+    attention caches, a fraction of greedy_reference's cost (one full forward a token)."""
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+    assert len(out) == n
     return out
