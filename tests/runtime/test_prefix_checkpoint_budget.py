@@ -133,3 +133,28 @@ def test_reserve_evicts_unused_pages_and_refuses_past_locked_ones():
     with pytest.raises(RuntimeError, match="unreserve"):
         tree.unreserve(1)
     tree.unlock(a)
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_a_prefill_request_end_state_is_held_in_the_budget_or_dropped(tiny_dir, room):
+    """A prefill cut at the prompt's last page boundary keeps the request-end state there (4 new
+    tokens cannot reach the next one) until the request ends: reserved beside its two locked pages
+    when the budget has room, dropped at once when it has not (no hit at the next turn)."""
+    probe = Engine.from_dir(tiny_dir, config=EngineConfig(mode="prefix", prefix_policy="checkpoint"))
+    dense = sum(t.numel() * t.element_size() for s in probe.model.empty_state().linear.values()
+                for t in (s.ssm, s.conv))
+    ids = tokens(150, seed=7)
+    LLM(probe).generate(request(ids[:2 * P + 1], 1))
+    kv_page = probe.pages.used_bytes // 2
+    budget = 2 * kv_page + dense - (0 if room else 1)
+    eng = Engine.from_dir(tiny_dir, config=EngineConfig(mode="prefix", prefix_policy="checkpoint", checkpoint_every=128,
+                                                         checkpoint_request_ends=True, prefix_cache_bytes=budget))
+    pre = eng.prefill(eng.parse_request(request(ids, 4)))
+    assert len(eng.pages) == 2
+    assert eng.pages.reserved_bytes == (dense if room else 0)
+    assert (pre.recorder.end_state is not None) == room
+    eng.finish_prefix(pre)
+    assert eng.pages.reserved_bytes == 0
+    follow = eng.prefill(eng.parse_request(request(ids + [1, 2, 3], 1)))
+    eng.finish_prefix(follow)
+    assert follow.stats.prefix_reused_tokens == (2 * P if room else 0)

@@ -174,12 +174,17 @@ class PageRecorder:
         return any(self._due(pos))
 
     def held_bytes(self) -> int:
-        """Bytes of the linear states held for pages not inserted yet (each state once: a checkpoint
-        that is also the request-end candidate is one)."""
-        states = {id(c): c for c in self.checkpoints.values()}
-        if self.end_state is not None:
-            states[id(self.end_state[1])] = self.end_state[1]
-        return sum(linear_state_nbytes(c) for c in states.values())
+        """Bytes of memory the linear states held for pages not inserted yet keep alive: their
+        storages, each once (a checkpoint that is also the request-end candidate is one; a
+        forward's snapshots may be views of one buffer, which a view keeps whole)."""
+        states = list(self.checkpoints.values()) + ([self.end_state[1]] if self.end_state is not None else [])
+        storages = {}
+        for linear in states:
+            for s in linear.values():
+                for t in (s.ssm, s.conv):
+                    st = t.untyped_storage()
+                    storages[st.data_ptr()] = st.nbytes()
+        return sum(storages.values())
 
     def add_checkpoint(self, pos: int, linear: dict[int, LinearState], copy: bool, keep: bool = True) -> None:
         """The linear state after `pos` tokens (copied when `copy`: `linear` changes in place later),
