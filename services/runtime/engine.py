@@ -40,6 +40,7 @@ from hybridcache.services.runtime.cache import (
     SegmentEntry,
 )
 from hybridcache.services.runtime.cache.host_tier import TieredEntryStore, is_host
+from hybridcache.services.runtime.cache.policies import linear_state_nbytes
 from hybridcache.services.runtime.cache.single_state import mark_single_state
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
@@ -532,6 +533,7 @@ class Engine:
             if tip < computed // page * page or (done and job.exact_end < chunk_end):
                 # the tree took no more (its budget), or the rest of the request is not exact: nothing
                 # more of this request goes in, and nothing more is recorded for it
+                self._release_recorded(recorder)
                 job.recorder = None
         if not done:
             return None
@@ -560,6 +562,8 @@ class Engine:
         for node in job.locked:
             self.pages.unlock(node)
         job.locked.clear()
+        if job.recorder is not None:
+            self._release_recorded(job.recorder)
         job.recorder = None
 
     def plain_prefill_ok(self, req: Request) -> bool:
@@ -642,39 +646,72 @@ class Engine:
     def _insert_pages(self, recorder: PageRecorder, state: SequenceState, locked: list, last: bool = False) -> int:
         """The request's pages the tree lacks, their payloads made from its recorder (one runner
         call for all: ModelRunner.page_payloads), into the tree (under its cache salt); the deepest
-        one locked. Returns the tokens of the prompt the tree holds now (0: none)."""
+        one locked. The states the recorder holds leave its reservation: into pages, or (not `last`)
+        reserved again while it keeps them (_hold_recorded). Returns the tokens of the prompt the
+        tree holds now (0: none)."""
         page = self.pages.page_size
+        self._release_recorded(recorder)
         cached = len(self.pages.match(recorder.token_ids, salt=recorder.salt))
         starts = [i * page for i in range(cached, len(recorder.token_ids) // page)]
         made = dict(zip(starts, self.runner.page_payloads(recorder, state, starts))) if starts else {}
         tip = self.pages.insert(recorder.token_ids, made.get, recorder.salt)
-        if tip is None:
-            return 0
-        locked.append(tip)
-        if last and recorder.end_state is not None:
-            self._keep_request_end(recorder, tip)
-        # The request holds these pages until it finishes: their anchors need not stay here too
-        # (unless this is its last insert: the recorder goes with it).
-        if not last and tip.depth * page > recorder.start:
-            self.runner.drop_recorded(recorder, tip.depth * page)
-        return tip.depth * page
+        if tip is not None:
+            locked.append(tip)
+            self._fill_checkpoints(recorder, tip, last)
+            # The request holds these pages until it finishes: their anchors need not stay here too
+            # (unless this is its last insert: the recorder goes with it).
+            if not last and tip.depth * page > recorder.start:
+                self.runner.drop_recorded(recorder, tip.depth * page)
+        if not last:
+            self._hold_recorded(recorder)
+        return 0 if tip is None else tip.depth * page
 
-    def _keep_request_end(self, recorder: PageRecorder, tip) -> None:
-        """A request that ends keeps its request-end state (the recorder's candidate) as the
-        checkpoint of the page ending there, on the locked path to `tip`, if that page has none
-        and the budget makes room (PageTree.replace_payload)."""
-        end, node = recorder.end_state[0], tip
-        while node.depth * self.pages.page_size > end:
+    def _fill_checkpoints(self, recorder: PageRecorder, tip, last: bool) -> None:
+        """Pages on the locked path to `tip` that end where the recorder holds a state and have no
+        checkpoint get it, where the budget makes room (PageTree.replace_payload): a checkpoint
+        position cached earlier without one (its state had no room then), and, as the request ends
+        (`last`), the page of its request-end candidate."""
+        ends = set(recorder.checkpoints)
+        if last and recorder.end_state is not None:
+            ends.add(recorder.end_state[0])
+        if not ends:
+            return
+        page, lowest, node = self.pages.page_size, min(ends), tip
+        while node.parent is not None and node.depth * page >= lowest:
+            end = node.depth * page
+            if end in ends and node.payload.checkpoint is None:
+                self.pages.replace_payload(node, self.runner.checkpoint_payload(recorder, node.payload, end))
             node = node.parent
-        if node.depth * self.pages.page_size == end and node.payload.checkpoint is None:
-            self.pages.replace_payload(node, self.runner.request_end_payload(recorder, node.payload))
+
+    def _hold_recorded(self, recorder: PageRecorder) -> None:
+        """Reserve the page-tree bytes of the states the recorder still holds (PageTree.reserve), or,
+        with no room for them, drop those states."""
+        n = recorder.held_bytes()
+        if n and not self.pages.reserve(n):
+            self.runner.forget_recorded(recorder)
+            n = 0
+        recorder.reserved = n
+
+    def _release_recorded(self, recorder: PageRecorder) -> None:
+        """Give back the page-tree bytes reserved for the recorder's states."""
+        self.pages.unreserve(recorder.reserved)
+        recorder.reserved = 0
+
+    def _may_keep(self, recorder: PageRecorder, state: SequenceState) -> bool:
+        """Before a decode step in which the recorder keeps the state it reaches (from `state`):
+        whether the page tree reserves the bytes of that state's copy."""
+        n = linear_state_nbytes(state.linear)
+        if not self.pages.reserve(n):
+            return False
+        recorder.reserved += n
+        return True
 
     def finish_prefix(self, pre: Prefill) -> None:
         """A request ended: add the pages its decode completed, then release its pages."""
         try:
             if pre.recorder is not None:
-                self._insert_pages(pre.recorder, pre.state, pre.locked, last=True)
-                pre.recorder = None
+                recorder, pre.recorder = pre.recorder, None
+                self._insert_pages(recorder, pre.state, pre.locked, last=True)
         finally:
             for node in pre.locked:
                 self.pages.unlock(node)
@@ -703,11 +740,28 @@ class Engine:
         length and its page recorder with them.
         A token None is fed from the device (`feed`, paged.decode_step's: the columns of the None
         entries and their ids there); its page recorder gets the id once the caller knows it
-        (PageRecorder.token_ids). Returns logits [B, vocab] fp32."""
+        (PageRecorder.token_ids). A recorder keeps the state a step reaches (a checkpoint, a
+        request-end candidate) only where the page tree's budget reserves its bytes first
+        (_may_keep): what running requests hold for their pages stays inside the prefix budget.
+        Returns logits [B, vocab] fp32."""
         recorders = [p.recorder for p in prefills]
         capture = sorted({i for r in recorders if r is not None for i in r.capture_layers})
+        keep, due = [], []
+        if any(r is not None for r in recorders):
+            for r, p in zip(recorders, prefills):
+                if r is not None and r.keeps_state_at(p.state.length + 1):
+                    due.append(r)
+                    keep.append(self._may_keep(r, p.state))
+                else:
+                    keep.append(True)
         logits, _ = self.runner.decode(pool, slots, tokens, capture, feed, [p.state for p in prefills],
-                                       recorders if any(r is not None for r in recorders) else ())
+                                       recorders if keep else (), keep)
+        for r in due:
+            # a state the step replaced (an earlier request-end candidate) gives its bytes back
+            held = r.held_bytes()
+            if held < r.reserved:
+                self.pages.unreserve(r.reserved - held)
+                r.reserved = held
         return logits
 
     def warmup_shape(self) -> tuple[int, int, int, int] | None:

@@ -33,8 +33,8 @@ Then it runs
 - `stage`: entries of the host tier onto the model's device, layer by layer;
 - every change of a tensor the engine's caches hold: `as_entries` (an entry's state dtype and
   policy), `snapshot` / `restore_snapshot` (the part-chain store's states), `record` /
-  `page_payloads` / `request_end_payload` / `drop_recorded` (a request's page recorder and the
-  payloads of its pages),
+  `page_payloads` / `checkpoint_payload` / `drop_recorded` / `forget_recorded` (a request's page
+  recorder and the payloads of its pages),
   `to_host` (the host tier's demotion), `assign` / `release` (a request's slot in a pool).
 
 What the results mean for a request (entry keys and policy, which pages, statistics) is the
@@ -341,14 +341,18 @@ class ModelRunner:
                 break
         return out
 
-    def request_end_payload(self, recorder: PageRecorder, payload: PagePayload) -> PagePayload:
-        """A page's payload with the recorder's request-end state as its checkpoint
-        (PageRecorder.request_end_payload)."""
-        return recorder.request_end_payload(payload)
+    def checkpoint_payload(self, recorder: PageRecorder, payload: PagePayload, pos: int) -> PagePayload:
+        """A page's payload with the recorder's state after `pos` tokens as its checkpoint
+        (PageRecorder.checkpoint_payload)."""
+        return recorder.checkpoint_payload(payload, pos)
 
     def drop_recorded(self, recorder: PageRecorder, pos: int) -> None:
         """Forget what the recorder kept for pages ending by `pos` (PageRecorder.drop_before)."""
         recorder.drop_before(pos)
+
+    def forget_recorded(self, recorder: PageRecorder) -> None:
+        """Drop the linear states the recorder holds (PageRecorder.forget_states)."""
+        recorder.forget_states()
 
     def stage(self, entries: list) -> list[SpanData]:
         """The span data of host-tier entries on the model's device, copied together layer by
@@ -397,13 +401,14 @@ class ModelRunner:
 
     @_executes
     def decode(self, pool: StatePool, slots: list[int], tokens: list, capture_hidden=(), feed=None, states=(),
-               recorders=()):
+               recorders=(), keep=()):
         """One decode step of the requests held in `slots` of `pool`, token ids `tokens` (None, for
         the columns `feed` names: ids already on the device): their states advance in the pool
         (paged.decode_step; from the decode CUDA graph of the padded batch size where decode
         graphs apply). `states`, the SequenceStates held in those slots, advance their length;
         `recorders`, their page recorders (None where a request records no pages), take the step
-        (PageRecorder.add_step). Returns (logits [B, vocab] fp32, {layer in capture_hidden:
+        (PageRecorder.add_step; `keep`, per request, whether its recorder may keep a state this step:
+        default yes). Returns (logits [B, vocab] fp32, {layer in capture_hidden:
         entering stream [B, h]})."""
         ids = [0 if t is None else t for t in tokens]
         logits, hidden = decode_step(self.model, pool, slots, ids, capture_hidden, feed, self.decode_graphs(pool))
@@ -411,7 +416,8 @@ class ModelRunner:
             state.length += 1
             rec = recorders[b] if recorders else None
             if rec is not None:
-                rec.add_step(tokens[b], {i: hidden[i][b : b + 1] for i in rec.capture_layers}, state)
+                rec.add_step(tokens[b], {i: hidden[i][b : b + 1] for i in rec.capture_layers}, state,
+                             keep[b] if keep else True)
         return logits, hidden
 
     @_executes

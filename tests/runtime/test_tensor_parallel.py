@@ -49,6 +49,10 @@ def dirs(tmp_path_factory):
 REQUEST_ENDS = RuntimeConfig(mode="prefix", prefix_policy="checkpoint", checkpoint_every=128,
                              checkpoint_request_ends=True)
 
+# a prefix budget (per rank) too small for every decode checkpoint of six streams
+HELD_BUDGET = RuntimeConfig(mode="prefix", prefix_policy="exact_replay", checkpoint_every=1,
+                            prefix_cache_bytes=100_000)
+
 
 def _named(dirs) -> dict:
     """The runners of the group: a `full` one per family, `pic` and `prefix` ones of some, a pic one
@@ -58,6 +62,7 @@ def _named(dirs) -> dict:
     named.update({f"prefix_{a}": (dirs[a], RuntimeConfig(mode="prefix")) for a in PIC_ARCHS})
     named["tiered"] = (dirs["qwen3_5_text"], RuntimeConfig(mode="pic", host_cache_bytes=1 << 30))
     named["request_ends"] = (dirs["qwen3_5_text"], REQUEST_ENDS)
+    named["held_budget"] = (dirs["qwen3_5_text"], HELD_BUDGET)
     return named
 
 
@@ -351,6 +356,36 @@ def test_request_end_states_are_kept_on_every_rank(dirs, engines):
         (want_first, want), (got_first, got) = turns
         assert got_first == want_first and got.output_ids == want.output_ids
         assert got.stats.prefix_reused_tokens == want.stats.prefix_reused_tokens == 128
+    finally:
+        tp1.close()
+        tp2.close()
+
+
+def test_checkpoints_without_room_are_declined_on_every_rank(dirs, engines):
+    """Six streams decoding under a small prefix budget: the checkpoints rank 0's page tree has no
+    room for are not kept on any rank, so every rank's page lacks its state alike; outputs, and the
+    next turn that replays through such a page, are those of TP = 1 with no budget."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (40,), generator=g).tolist() for _ in range(6)]
+    sp = {"max_new_tokens": 100, "temperature": 0.0, "ignore_eos": True}
+    tp1 = LLM(Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(
+        mode="prefix", prefix_policy="exact_replay", checkpoint_every=1)))
+    eng = engines.held_budget
+    tp2 = LLM(eng)
+    try:
+        want = tp1.generate([{"suffix": p, "sampling_params": sp} for p in prompts])
+        got = tp2.generate([{"suffix": p, "sampling_params": sp} for p in prompts])
+        assert [r.output_ids for r in got] == [r.output_ids for r in want]
+        assert eng.pages.reserved_bytes == 0
+        runs = [p + r.output_ids for p, r in zip(prompts, got)]
+        bare = [i for i, run in enumerate(runs)
+                if any(n.payload.checkpoint is None for n in eng.pages.match(run[:-1]))]
+        assert bare
+        follow = {"suffix": runs[bare[-1]] + [9, 8, 7], "sampling_params": dict(sp, max_new_tokens=5)}
+        hit = len(eng.pages.match(runs[bare[-1]][:-1])) * 64
+        a, b = tp1.generate(follow), tp2.generate(follow)
+        assert b.output_ids == a.output_ids
+        assert b.stats.prefix_reused_tokens == hit > 0
     finally:
         tp1.close()
         tp2.close()

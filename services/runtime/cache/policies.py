@@ -75,6 +75,11 @@ def _page_anchors(payload: PagePayload, layer: int, dtype: torch.dtype) -> torch
     return dequantize_anchors(anchors, dtype) if anchors.dtype == torch.uint8 else anchors.to(dtype)
 
 
+def linear_state_nbytes(linear: dict[int, LinearState]) -> int:
+    """Bytes of a dense linear state (every layer's S and conv tail), as a copy of it takes."""
+    return sum(t.numel() * t.element_size() for s in linear.values() for t in (s.ssm, s.conv))
+
+
 def _copy_linear(linear: dict[int, LinearState]) -> dict[int, LinearState]:
     return {i: LinearState(s.ssm.clone(), s.conv.clone()) for i, s in linear.items()}
 
@@ -126,7 +131,13 @@ class PageRecorder:
     residual stream at each group entry (anchor policies), the linear state at checkpoint
     positions, and (policy.request_end_checkpoints) the linear state at the last page boundary the
     request has reached, which its page gets as a checkpoint when the request ends
-    (request_end_payload). `token_ids` are the tokens run so far from position 0."""
+    (checkpoint_payload). `token_ids` are the tokens run so far from position 0.
+
+    The states it holds count in the page tree's budget (radix.PageTree.reserve; held_bytes): the
+    engine says, before each state is kept, whether there is room (add_checkpoint's `keep`). A
+    checkpoint position without room is `declined`: its page is made without a checkpoint (an
+    exact_replay hit replays its anchors from an earlier checkpoint; a checkpoint hit ends at an
+    earlier page that has one); a request-end candidate without room leaves the earlier one."""
 
     policy: PrefixPolicy
     start: int
@@ -137,6 +148,8 @@ class PageRecorder:
     checkpoints: dict[int, dict[int, LinearState]] = field(default_factory=dict)  # position -> state
     # (position, state) at the last page boundary reached, for the request-end checkpoint
     end_state: tuple[int, dict[int, LinearState]] | None = None
+    declined: set[int] = field(default_factory=set)  # checkpoint positions whose state was not kept
+    reserved: int = 0  # page-tree bytes the engine reserved for the held states (rank 0's bookkeeping)
     _hidden_cat: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -149,14 +162,41 @@ class PageRecorder:
             self.hidden.setdefault(i, []).append(captured[i][:n])
         self._hidden_cat.clear()
 
-    def add_checkpoint(self, pos: int, linear: dict[int, LinearState], copy: bool) -> None:
-        """The linear state after `pos` tokens (copied when `copy`: `linear` changes in place later),
-        kept where the policy keeps one: a checkpoint position, or a page boundary past the
-        request-end candidate (which it replaces: only the request's last one is kept)."""
-        grid = self.policy.is_checkpoint_position(pos) and pos not in self.checkpoints
+    def _due(self, pos: int) -> tuple[bool, bool]:
+        """(a checkpoint position without its state, a page boundary past the request-end candidate)."""
+        grid = self.policy.is_checkpoint_position(pos) and pos not in self.checkpoints and pos not in self.declined
         end = pos > 0 and self.policy.request_end_position(pos) == pos and (
             self.end_state is None or pos > self.end_state[0])
+        return grid, end
+
+    def keeps_state_at(self, pos: int) -> bool:
+        """Would add_checkpoint keep the state after `pos` tokens (one new state held)?"""
+        return any(self._due(pos))
+
+    def held_bytes(self) -> int:
+        """Bytes of memory the linear states held for pages not inserted yet keep alive: their
+        storages, each once (a checkpoint that is also the request-end candidate is one; a
+        forward's snapshots may be views of one buffer, which a view keeps whole)."""
+        states = list(self.checkpoints.values()) + ([self.end_state[1]] if self.end_state is not None else [])
+        storages = {}
+        for linear in states:
+            for s in linear.values():
+                for t in (s.ssm, s.conv):
+                    st = t.untyped_storage()
+                    storages[st.data_ptr()] = st.nbytes()
+        return sum(storages.values())
+
+    def add_checkpoint(self, pos: int, linear: dict[int, LinearState], copy: bool, keep: bool = True) -> None:
+        """The linear state after `pos` tokens (copied when `copy`: `linear` changes in place later),
+        kept where the policy keeps one: a checkpoint position, or a page boundary past the
+        request-end candidate (which it replaces: only the request's last one is kept). Not `keep`
+        (the page tree has no room for it): nothing is copied, a checkpoint position is declined."""
+        grid, end = self._due(pos)
         if not (grid or end):
+            return
+        if not keep:
+            if grid:
+                self.declined.add(pos)
             return
         kept = _copy_linear(linear) if copy else linear
         if grid:
@@ -164,19 +204,35 @@ class PageRecorder:
         if end:
             self.end_state = (pos, kept)
 
-    def add_step(self, token: int | None, captured: dict[int, torch.Tensor], state: SequenceState) -> None:
+    def add_step(self, token: int | None, captured: dict[int, torch.Tensor], state: SequenceState,
+                 keep: bool = True) -> None:
         """One decode step of the request, `state` after it: its input token (None: fed on the
         device, appended to token_ids once known), its captured hidden rows, a checkpoint of its
-        linear state where one is due."""
+        linear state where one is due and `keep` says there is room."""
         if token is not None:
             self.token_ids.append(token)
         self.add_hidden(captured, 1)
-        self.add_checkpoint(state.length, state.linear, copy=True)
+        self.add_checkpoint(state.length, state.linear, copy=True, keep=keep)
 
-    def request_end_payload(self, payload: PagePayload) -> PagePayload:
-        """`payload`, of the page that ends at the request-end candidate's position, with that state
-        as its checkpoint (the page's K/V and anchors shared, not copied)."""
-        return PagePayload(attn=payload.attn, checkpoint=self.end_state[1], anchors=payload.anchors)
+    def state_at(self, pos: int) -> dict[int, LinearState] | None:
+        """The held state after `pos` tokens (a checkpoint or the request-end candidate), or None."""
+        if pos in self.checkpoints:
+            return self.checkpoints[pos]
+        if self.end_state is not None and self.end_state[0] == pos:
+            return self.end_state[1]
+        return None
+
+    def checkpoint_payload(self, payload: PagePayload, pos: int) -> PagePayload:
+        """`payload`, of the page that ends at `pos`, with the state held there as its checkpoint
+        (the page's K/V and anchors shared, not copied)."""
+        return PagePayload(attn=payload.attn, checkpoint=self.state_at(pos), anchors=payload.anchors)
+
+    def forget_states(self) -> None:
+        """Drop every held state (the page tree has no room for them): their checkpoint positions
+        are declined, the request-end candidate goes."""
+        self.declined.update(self.checkpoints)
+        self.checkpoints = {}
+        self.end_state = None
 
     def drop_before(self, pos: int) -> None:
         """Forget what pages ending at or before `pos` needed (they are cached); later pages are
@@ -188,6 +244,7 @@ class PageRecorder:
             self.hidden[i] = [self._anchors(i)[pos - self.start :].clone()]
         self._hidden_cat.clear()
         self.checkpoints = {p: c for p, c in self.checkpoints.items() if p > pos}
+        self.declined = {p for p in self.declined if p > pos}
         self.start = pos
 
     def _anchors(self, layer: int) -> torch.Tensor:
@@ -207,7 +264,7 @@ class PageRecorder:
         checkpoint = None
         if self.policy.is_checkpoint_position(end):
             checkpoint = self.checkpoints.get(end)
-            if checkpoint is None:
+            if checkpoint is None and end not in self.declined:
                 return None
         anchors = None
         r = self.policy.anchors_kept

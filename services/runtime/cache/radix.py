@@ -7,6 +7,13 @@ hits at any node the policy can restore from. Requests lock the path they read o
 least recently used first, so a page in use is never freed and every cached node keeps all its
 ancestors (which replay policies read).
 
+The budget also covers the linear states that running requests' page recorders hold for pages
+not inserted yet (checkpoints taken during decode, request-end candidates): the engine reserves
+their bytes before a state is copied (`reserve`, which evicts as an insert does) and gives them
+back when the state goes into a page or is dropped (`unreserve`), so pages and held states
+together never pass `capacity_bytes`; a state without room is not copied (SGLang's mamba radix
+cache skips tracking a state when its pool has no free slot).
+
 Pages of requests with a cache salt (vLLM's `cache_salt`) live under a root of that salt: a
 prompt matches only pages a request of the same salt inserted.
 """
@@ -80,6 +87,7 @@ class PageTree:
         self._salted: dict[str, PageNode] = {}  # cache salt -> the root of its pages (none: self.root)
         self._used = 0
         self._linear_used = 0
+        self._reserved = 0  # bytes held for states not in a page yet (reserve)
         self._pages = 0
         self._clock = itertools.count(1)
         self._lock = threading.RLock()
@@ -154,7 +162,7 @@ class PageTree:
                         payload = make_payload(i * self.page_size)
                         if payload is None:
                             break
-                        over = payload.nbytes - (self._capacity - self._used)
+                        over = payload.nbytes - self._free()
                         if over > 0 and not self._evict(over):
                             break
                         child = PageNode(page, node, node.depth + 1, payload)
@@ -191,13 +199,34 @@ class PageTree:
             if node.ref_count <= 0:
                 raise RuntimeError("replace_payload of a page that is not locked")
             extra = payload.nbytes - node.payload.nbytes
-            over = extra - (self._capacity - self._used)
+            over = extra - self._free()
             if over > 0 and not self._evict(over):
                 return False
             self._used += extra
             self._linear_used += payload.linear_nbytes - node.payload.linear_nbytes
             node.payload = payload
             return True
+
+    def _free(self) -> int:
+        return self._capacity - self._used - self._reserved
+
+    def reserve(self, nbytes: int) -> bool:
+        """Hold `nbytes` of the budget for a state a running request keeps until it goes into a
+        page (its recorder's checkpoints), evicting unreferenced leaves to make room as an insert
+        does. False: no room (nothing held)."""
+        with self._lock:
+            over = nbytes - self._free()
+            if over > 0 and not self._evict(over):
+                return False
+            self._reserved += nbytes
+            return True
+
+    def unreserve(self, nbytes: int) -> None:
+        """Give back `nbytes` that reserve held."""
+        with self._lock:
+            if not 0 <= nbytes <= self._reserved:
+                raise RuntimeError(f"unreserve of {nbytes} bytes, {self._reserved} reserved")
+            self._reserved -= nbytes
 
     def _evict(self, need: int) -> bool:
         """Free at least `need` bytes from unreferenced leaves, least recently used first."""
@@ -239,6 +268,12 @@ class PageTree:
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes held for states not in a page yet (reserve); used_bytes + reserved_bytes never
+        passes capacity_bytes."""
+        return self._reserved
 
     @property
     def linear_bytes(self) -> int:
