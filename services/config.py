@@ -248,8 +248,9 @@ class RuntimeConfig:
         None, "segment-entry cache budget (default: 1 GiB on the CPU; on CUDA a share of the worker's "
         "memory pool (--gpu-memory-utilization), stated at start-up)", type=int, section="cache")
     prefix_cache_bytes: int | None = setting(
-        None, "prefix page-tree (and part-chain snapshot) budget (default: as --entry-cache-bytes, a smaller "
-        "share)", type=int, section="cache")
+        None, "prefix page-tree (and part-chain snapshot) budget, which also holds the linear-state checkpoints "
+        "running requests keep for their pages until they finish (a checkpoint with no room is not kept) "
+        "(default: as --entry-cache-bytes, a smaller share)", type=int, section="cache")
     tier_cache_bytes: int = setting(CPU_CACHE_BYTES, "cache tier: its store's byte budget", roles=("cache-tier",),
                                     flag="--cache-bytes", section="cache")
     warmup_shape: str = setting(
