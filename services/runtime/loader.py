@@ -8,6 +8,7 @@ are skipped, per-expert MoE tensors are fused into the 3-D expert tensors.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -102,6 +103,25 @@ def model_fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor | Source
     return h.hexdigest()[:16]
 
 
+_INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
+          "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def _no_weight_init():
+    """torch.nn.init's initialisers as no-ops while a model is built on the meta device: every
+    weight is replaced from the checkpoint, and initialising meta tensors runs torch's reference
+    decompositions, whose first use imports torch._dynamo (about a second of every load)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITS if hasattr(torch.nn.init, name)}
+    try:
+        for name in saved:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def load_model(
     path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, tp_rank: int = 0, tp_size: int = 1
 ) -> HybridLM:
@@ -117,7 +137,7 @@ def load_model(
         raise ModelLoadError(str(e)) from None
     reads = Reads()
     tensors, source = read_checkpoint(path, cfg.model_type, reads if tp_size > 1 else None)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_weight_init():
         model = build_model(cfg)
     expected = dict(model.state_dict())
     if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:

@@ -171,3 +171,30 @@ def test_multimodal_tie_only_at_top_level(tmp_path):
     assert cfg["tie_word_embeddings"] is True and cfg["text_config"].get("tie_word_embeddings") is False
     model = load_model(path)
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_loading_builds_without_initialising_and_leaves_torch_init_as_it_was(tmp_path, monkeypatch):
+    # the loader builds on the meta device with torch.nn.init's initialisers off (every weight
+    # comes from the checkpoint); they are torch's own again afterwards, after a failed build too
+    from hybridcache.services.runtime import loader
+
+    inits = {name: getattr(torch.nn.init, name) for name in ("normal_", "uniform_", "kaiming_uniform_", "zeros_")}
+    path = init_model_dir("qwen3_5_text", "tiny", tmp_path / "m", seed=0)
+    model = load_model(path)
+    weights = load_file(str(path / "model.safetensors"))
+    state = model.state_dict()
+    shared = [k for k in weights if k in state]
+    assert len(shared) > len(weights) // 2 and all(torch.equal(state[k], weights[k]) for k in shared)
+    assert {name: getattr(torch.nn.init, name) for name in inits} == inits
+
+    def failing_build(cfg):
+        assert torch.nn.init.normal_ is not inits["normal_"]  # off while building
+        raise RuntimeError("build failed")
+
+    monkeypatch.setattr(loader, "build_model", failing_build)
+    with pytest.raises(RuntimeError, match="build failed"):
+        load_model(path)
+    assert {name: getattr(torch.nn.init, name) for name in inits} == inits
+    w = torch.empty(64, 64)
+    torch.nn.init.normal_(w)
+    assert w.std() > 0.5
