@@ -421,20 +421,19 @@ def _max_abs_gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 
-class LayoutGraphs:
-    """Per-shape CUDA graphs of a model's live pass (module docstring). `max_graphs` shapes are
-    kept, least recently used dropped first; a shape is captured the `capture_after`-th time it is
-    seen (its first run compiles and autotunes kernels on the eager path). `graph_factory(pool,
-    device)` makes a layer's graph (CudaLayerGraph)."""
+class _KeyedGraphs:
+    """What LayoutGraphs and AssemblyGraphs keep alike: graphs per key, `max_graphs` of them, least
+    recently used dropped first; a key captured the `capture_after`-th time it is seen (the first
+    runs eagerly, compiling and autotuning its kernels); keys whose capture failed stay eager."""
 
-    def __init__(self, model, max_graphs: int = 4, capture_after: int = 2, graph_factory=None):
+    def __init__(self, model, max_graphs: int, capture_after: int, graph_factory=None):
         if max_graphs < 1 or capture_after < 1:
             raise ValueError("max_graphs and capture_after must be >= 1")
         self.model = model
         self.max_graphs = max_graphs
         self.capture_after = capture_after
         self._graph_factory = graph_factory or CudaLayerGraph
-        self._graphs: OrderedDict[tuple, _Static] = OrderedDict()
+        self._graphs: OrderedDict[tuple, object] = OrderedDict()
         self._seen: dict[tuple, int] = {}
         self.failed: dict[tuple, str] = {}
         self._lock = threading.Lock()
@@ -443,17 +442,49 @@ class LayoutGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    @property
-    def buffer_bytes(self) -> int:
-        """Bytes of the static entry buffers of the shapes kept (their graphs' pools come on top)."""
-        return sum(s.nbytes for s in self._graphs.values())
-
     def clear(self) -> None:
-        """Drop every graph (and what is known of shapes); needed after the weights change."""
+        """Drop every graph (and what is known of keys); needed after the weights change."""
         with self._lock:
             self._graphs.clear()
             self._seen.clear()
             self.failed.clear()
+
+    def _due(self, key) -> bool:
+        """Count a sighting of `key`, which has no graphs: is it its capture's turn (else it runs
+        eagerly this time)?"""
+        self._seen[key] = self._seen.get(key, 0) + 1
+        if len(self._seen) > 4096:  # keys seen once each, e.g. decode-like traffic: forget them
+            self._seen = {key: self._seen[key]}
+        if self._seen[key] < self.capture_after:
+            self.stats["eager"] += 1
+            return False
+        return True
+
+    def _fail(self, key, error: Exception, what: str) -> None:
+        self.failed[key] = f"{type(error).__name__}: {error}"
+        self.stats["failures"] += 1
+        log.warning("%s, runs eagerly: %s", what, self.failed[key])
+
+    def _keep(self, key, static) -> None:
+        self._graphs[key] = static
+        self.stats["captures"] += 1
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+
+
+class LayoutGraphs(_KeyedGraphs):
+    """Per-shape CUDA graphs of a model's live pass (module docstring). `max_graphs` shapes are
+    kept, least recently used dropped first; a shape is captured the `capture_after`-th time it is
+    seen (its first run compiles and autotunes kernels on the eager path). `graph_factory(pool,
+    device)` makes a layer's graph (CudaLayerGraph)."""
+
+    def __init__(self, model, max_graphs: int = 4, capture_after: int = 2, graph_factory=None):
+        super().__init__(model, max_graphs, capture_after, graph_factory)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the static entry buffers of the shapes kept (their graphs' pools come on top)."""
+        return sum(s.nbytes for s in self._graphs.values())
 
     @torch.no_grad()
     def run(self, state: SequenceState, layout, logits_for, snapshot_after, capture_hidden):
@@ -467,11 +498,7 @@ class LayoutGraphs:
         try:
             static = self._graphs.get(key)
             if static is None:
-                self._seen[key] = self._seen.get(key, 0) + 1
-                if len(self._seen) > 4096:  # shapes seen once each, e.g. decode-like traffic: forget them
-                    self._seen = {key: self._seen[key]}
-                if self._seen[key] < self.capture_after:
-                    self.stats["eager"] += 1
+                if not self._due(key):
                     return None
                 return self._capture(key, state, layout, logits_for, snapshot_after, capture_hidden)
             self._graphs.move_to_end(key)
@@ -570,14 +597,9 @@ class LayoutGraphs:
             _check_same(result, answer[0], graphed, logits)
             self._try_patching(static, state, layout, result, answer[0], end)
         except Exception as e:  # noqa: BLE001 (whatever fails here, the shape runs eagerly)
-            self.failed[key] = f"{type(e).__name__}: {e}"
-            self.stats["failures"] += 1
-            log.warning("live pass of a layout shape not captured, runs eagerly: %s", self.failed[key])
+            self._fail(key, e, "live pass of a layout shape not captured")
         else:
-            self._graphs[key] = static
-            self.stats["captures"] += 1
-            while len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
+            self._keep(key, static)
         # the eager answer stands either way
         state.linear.update(result.linear)
         state.attn.update(result.attn)
@@ -607,7 +629,7 @@ def _check_same(eager: SequenceState, eager_logits, graphed: SequenceState, grap
             raise GraphUnsupported(f"the replayed graphs' {name} differs from the eager pass's by {gap:.3g}")
 
 
-class AssemblyGraphs:
+class AssemblyGraphs(_KeyedGraphs):
     """CUDA graphs of planned assemblies (models/assembly.py), one set per plan key (a bucket of
     live structures), not per exact layout: a RAG request of any documents' lengths replays the
     graphs its bucket captured. Per key, one graph per layer (the embedding with the first, the
@@ -628,26 +650,7 @@ class AssemblyGraphs:
     paged.KVPages.generation, is another key)."""
 
     def __init__(self, model, max_graphs: int = 8, capture_after: int = 2, graph_factory=None):
-        if max_graphs < 1 or capture_after < 1:
-            raise ValueError("max_graphs and capture_after must be >= 1")
-        self.model = model
-        self.max_graphs = max_graphs
-        self.capture_after = capture_after
-        self._graph_factory = graph_factory or CudaLayerGraph
-        self._graphs: OrderedDict[tuple, dict] = OrderedDict()
-        self._seen: dict[tuple, int] = {}
-        self.failed: dict[tuple, str] = {}
-        self._lock = threading.Lock()
-        self.stats = {"captures": 0, "replays": 0, "eager": 0, "failures": 0}
-
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._graphs.clear()
-            self._seen.clear()
-            self.failed.clear()
+        super().__init__(model, max_graphs, capture_after, graph_factory)
 
     @staticmethod
     def _key(state, plan) -> tuple:
@@ -666,11 +669,7 @@ class AssemblyGraphs:
         try:
             static = self._graphs.get(key)
             if static is None:
-                self._seen[key] = self._seen.get(key, 0) + 1
-                if len(self._seen) > 4096:
-                    self._seen = {key: self._seen[key]}
-                if self._seen[key] < self.capture_after:
-                    self.stats["eager"] += 1
+                if not self._due(key):
                     return None
                 return self._capture(key, state, plan)
             self._graphs.move_to_end(key)
@@ -771,9 +770,7 @@ class AssemblyGraphs:
             answer_state = SequenceState(state.length, dict(state.linear), dict(state.attn))
             answer = self._collect(static, answer_state, plan)
         except Exception as e:  # noqa: BLE001 - binding or the pass failed: the caller runs eagerly
-            self.failed[key] = f"{type(e).__name__}: {e}"
-            self.stats["failures"] += 1
-            log.warning("planned assembly not run on static buffers, runs eagerly: %s", self.failed[key])
+            self._fail(key, e, "planned assembly not run on static buffers")
             return None
         try:
             # 2. capture, layer by layer (each layer's request data bound before it, outside the graph)
@@ -796,14 +793,9 @@ class AssemblyGraphs:
             logits, _ = self._replay(static, check, plan)
             _check_same(answer_state, answer[0], check, logits)
         except Exception as e:  # noqa: BLE001 (whatever fails here, the key runs eagerly)
-            self.failed[key] = f"{type(e).__name__}: {e}"
-            self.stats["failures"] += 1
-            log.warning("planned assembly of a bucket not captured, runs eagerly: %s", self.failed[key])
+            self._fail(key, e, "planned assembly of a bucket not captured")
         else:
-            self._graphs[key] = static
-            self.stats["captures"] += 1
-            while len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
+            self._keep(key, static)
         sp.forget_request()
         state.linear.update(answer_state.linear)
         state.length = answer_state.length
