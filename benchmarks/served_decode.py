@@ -34,13 +34,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
-import platform
 import random
-import shlex
 import subprocess
 import sys
 import threading
@@ -50,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served_load import SERVER_STATS, Result, Stack, percentiles, rand_ids, send  # noqa: E402
+from served_load import SERVER_STATS, Result, Stack, emit, percentiles, rand_ids, run_facts, send  # noqa: E402
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
@@ -361,23 +358,15 @@ def main(argv=None) -> int:
     finally:
         if stack is not None:
             stack.stop()
-    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     out = {"benchmark": "served_decode", "figures": figures_of(results), "results": results,
            "gpu": probe["gpu"], "copy_bandwidth_tb_per_s": round(probe["copy_bytes_per_s"] / 1e12, 3),
            "sampler_ms": probe.get("sampler_ms"), "argmax_ms": probe.get("argmax_ms"), "model_bytes": shape,
            "combine_health": health,
-           "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "host": platform.node(), "seconds": round(time.perf_counter() - t_start, 1),
-           "command": "python benchmarks/" + shlex.join([Path(__file__).name, *(argv or sys.argv[1:])]),
+           **run_facts(__file__, argv), "seconds": round(time.perf_counter() - t_start, 1),
            "model": str(args.model), "dtype": args.dtype, "up_args": f"{args.up_args} --max-num-seqs {most}",
            "note": "decode rate where all N streams decode (client-side token arrival times); floor: weights, "
                    "linear states (read + written) and the batch's K/V at the copy bandwidth measured in this run"}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0
+    return emit(out, args.out)
 
 
 if __name__ == "__main__":

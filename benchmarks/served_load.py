@@ -350,10 +350,25 @@ def combine(paths: list[Path], out_path: Path | None) -> int:
     merged.update(commit=commits[0] if len(commits) == 1 else ",".join(commits),
                   date=max(r["date"] for r in runs), figures=figures_of(merged["results"]),
                   command=" && ".join(merged["commands"]))
-    text = json.dumps(merged, indent=2)
+    return emit(merged, out_path)
+
+
+def run_facts(script: str, argv=None) -> dict:
+    """The commit (the device machine's copy of the tree has no git: scripts/device_suite.sh names
+    it in HYBRIDCACHE_COMMIT), UTC date, host and command line of a run of benchmarks/`script`."""
+    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "host": platform.node(),
+            "command": "python benchmarks/" + shlex.join([Path(script).name, *(argv or sys.argv[1:])])}
+
+
+def emit(out: dict, path: Path | None) -> int:
+    """Print a result as JSON, and write it to `path` when given."""
+    text = json.dumps(out, indent=2)
     print(text)
-    if out_path:
-        out_path.write_text(text + "\n")
+    if path:
+        path.write_text(text + "\n")
     return 0
 
 
@@ -443,23 +458,15 @@ def main(argv=None) -> int:
         import torch
 
         machine = torch.cuda.get_device_name(0)
-    # the device machine's copy of the tree has no git: scripts/device_suite.sh names the commit
-    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    out.update(machine=machine, gpu=machine if args.device == "cuda" else "none (CPU)", commit=commit.strip(),
-               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               host=platform.node(), cpus=os.cpu_count(),
-               command="python benchmarks/" + shlex.join([Path(__file__).name, *(argv or sys.argv[1:])]),
+    facts = run_facts(__file__, argv)
+    out.update(machine=machine, gpu=machine if args.device == "cuda" else "none (CPU)", commit=facts["commit"],
+               date=facts["date"], host=facts["host"], cpus=os.cpu_count(), command=facts["command"],
                model=str(args.model), device=args.device, dtype=args.dtype, up_args=args.up_args,
                note="client-side times of streamed /generate requests: TTFT from sending to the first token's "
                     "event, inter-token latency between token events; closed-loop streams send back to back, the "
                     "RAG sweep sends Poisson arrivals open loop; a rate meets the SLO when every request completed "
                     "and the p50 TTFT is within it")
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0
+    return emit(out, args.out)
 
 
 if __name__ == "__main__":

@@ -35,13 +35,9 @@ statistics (engine TTFT, prompt, cached and built tokens) are kept beside it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import http.client as httplib
 import json
-import os
-import platform
 import random
-import shlex
 import statistics
 import subprocess
 import sys
@@ -52,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served_load import Result, Stack, percentiles, rand_ids, send  # noqa: E402
+from served_load import Result, Stack, emit, percentiles, rand_ids, run_facts, send  # noqa: E402
 from served_pic_layouts import stream  # noqa: E402
 
 PHASES = ("itl", "pic", "prefix", "full")
@@ -286,16 +282,14 @@ def main(argv=None) -> int:
         probe = subprocess.run([sys.executable, "-P", "-c", "import torch; print(torch.cuda.get_device_name(0))"],
                                capture_output=True, text=True, timeout=120)
         gpu = probe.stdout.strip() or "unknown"
-    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    command = "python benchmarks/" + shlex.join([Path(__file__).name, *(argv or sys.argv[1:])])
+    facts = run_facts(__file__, argv)
+    commit, date, command = facts["commit"], facts["date"], facts["command"]
     for phase in phases:
         runs[phase].update(commit=commit, date=date, gpu=gpu, command=command)
     out = {"benchmark": "served_long_prompt", "figures": figures_of(results),
            "targets": {"itl_p99_during_long_prefill_vs_steady": "<= 3", "warm_pic_ttft_speedup_vs_prefix_128k": ">= 30",
                        "cold_pic_ttft_vs_full_128k": "<= 1.0"},
-           "results": results, "runs": runs, "gpu": gpu, "commit": commit, "date": date, "host": platform.node(),
+           "results": results, "runs": runs, "gpu": gpu, "commit": commit, "date": date, "host": facts["host"],
            "seconds": round(time.perf_counter() - t_start, 1), "command": command, "model": str(args.model),
            "dtype": args.dtype, "up_args": args.up_args,
            "floors": "a prefill's floor is its FLOPs: pic's warm request runs its live tokens only (seams and the "
@@ -303,11 +297,7 @@ def main(argv=None) -> int:
                      "for a warm request against its byte and FLOP floor",
            "note": "TTFT from sending the request to its first streamed token; ITL from the streams' token arrival "
                    "times (steady: before the long prompt is sent; during: between its sending and its first token)"}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0
+    return emit(out, args.out)
 
 
 if __name__ == "__main__":

@@ -33,13 +33,9 @@ are measured by another, before the server starts.
 from __future__ import annotations
 
 import argparse
-import datetime
 import http.client as httplib
 import json
-import os
-import platform
 import random
-import shlex
 import statistics
 import subprocess
 import sys
@@ -49,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served_load import Stack, percentiles, rand_ids  # noqa: E402
+from served_load import Stack, emit, percentiles, rand_ids, run_facts  # noqa: E402
 
 # measured in a child process on the GPU before the server starts (nothing of it stays allocated)
 DEVICE_PROBE = r"""
@@ -295,26 +291,18 @@ def main(argv=None) -> int:
     if fl:
         figures["warm_pic_ttft_fraction_of_floor_32x1k"] = round(floor["floor_ms"] / fl, 3)
     figures["warm_pic_unseen_layouts_graph_captures"] = results["unseen"].get("graph_captures")
-    commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     targets = {"warm_pic_ttft_unseen_layouts_vs_repeated": "<= 1.2", "warm_pic_ttft_fraction_of_floor_32x1k": ">= 0.25"}
     out = {"benchmark": "served_pic_layouts", "figures": figures, "targets": targets,
            "results": results, "floor_32x1k": floor, "model_shape": shape,
            "gpu": probe["gpu"], "copy_bandwidth_tb_per_s": round(probe["copy_bytes_per_s"] / 1e12, 3),
            "bf16_tflops": round(probe["bf16_flops_per_s"] / 1e12, 1),
-           "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "host": platform.node(), "seconds": round(time.perf_counter() - t_start, 1),
-           "command": "python benchmarks/" + shlex.join([Path(__file__).name, *(argv or sys.argv[1:])]),
+           **run_facts(__file__, argv), "seconds": round(time.perf_counter() - t_start, 1),
            "model": str(args.model), "dtype": args.dtype, "up_args": up_args,
            "note": "TTFT from sending the request to its first streamed token, one request at a time, each with "
                    "a new system prompt; unseen: every request a new document order and lengths; floor: max of the "
                    "bytes a warm request reads at the measured copy bandwidth and its FLOPs at the measured bf16 "
                    "matmul rate"}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0
+    return emit(out, args.out)
 
 
 if __name__ == "__main__":
