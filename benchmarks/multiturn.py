@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+from hybridcache.services.runtime.qa_data import common_prefix_len
+
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("checkpoint", "exact_replay", "suffix_replay", "sglang_peer", "sglang_grid")
 
@@ -250,21 +252,13 @@ def sglang_request_end_hits(sent: list[Sent], interval: int) -> dict:
                 continue
             if len(seq) > best and seq == target[: len(seq)]:
                 best = len(seq)
-            shared = _lcp(target, prompt + seq[len(prompt):])
+            shared = common_prefix_len(target, prompt + seq[len(prompt):])
             best = max(best, shared // interval * interval)
         hit += best
         prompt_tokens += len(s.prompt)
         done.append((s.done, s.prompt, s.prompt + s.output_ids[:-1]))
     return {"hit_tokens": hit, "prompt_tokens": prompt_tokens,
             "hit_fraction": round(hit / prompt_tokens, 4) if prompt_tokens else 0.0}
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def prefix_policy(name: str, args):

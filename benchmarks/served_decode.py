@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served_load import SERVER_STATS, Result, Stack, emit, percentiles, rand_ids, run_facts, send  # noqa: E402
+from served_load import SERVER_STATS, Result, Stack, emit, init_model_apart, percentiles, rand_ids, run_facts, send  # noqa: E402
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
@@ -306,12 +306,8 @@ def main(argv=None) -> int:
     if args.client_streams_per_process < 0:
         ap.error("--client-streams-per-process must be >= 0")
     t_start = time.perf_counter()
-    if args.init_model and not (args.model / "config.json").is_file():
-        arch, preset = args.init_model.split(":")
-        code = ("import torch; from hybridcache.services.runtime.modelzoo import init_model_dir; "
-                f"init_model_dir({arch!r}, {preset!r}, {str(args.model)!r}, dtype=torch.{args.dtype}, "
-                f"device={args.device!r})")
-        subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=900)
+    if args.init_model:
+        init_model_apart(args.init_model, args.model, args.device, args.dtype)
     shape = model_bytes(args.model, args.dtype)
     if args.device == "cuda":
         probe = probe_device(args, shape["vocab"])

@@ -312,6 +312,17 @@ def init_model(spec: str, out: Path, device: str, dtype: str) -> None:
     init_model_dir(arch, preset, out, seed=0, dtype=getattr(torch, dtype), device=device)
 
 
+def init_model_apart(spec: str, out: Path, device: str, dtype: str) -> None:
+    """A random-weight model directory of ARCH:PRESET written by a process of its own (what it
+    cached on the GPU is freed before a server loads the model); nothing when `out` holds one."""
+    if (out / "config.json").is_file():
+        return
+    arch, preset = spec.split(":")
+    code = ("import torch; from hybridcache.services.runtime.modelzoo import init_model_dir; "
+            f"init_model_dir({arch!r}, {preset!r}, {str(out)!r}, dtype=torch.{dtype}, device={device!r})")
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=900)
+
+
 def figures_of(results: dict) -> dict:
     """The named figures of a run's results: the largest stream count against 1, pic's QPS at the
     SLO against the other modes'."""

@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served_load import Result, Stack, emit, percentiles, rand_ids, run_facts, send  # noqa: E402
+from served_load import Result, Stack, emit, init_model_apart, percentiles, rand_ids, run_facts, send  # noqa: E402
 from served_pic_layouts import stream  # noqa: E402
 
 PHASES = ("itl", "pic", "prefix", "full")
@@ -253,12 +253,8 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"unknown phase {bad[0]!r} (choose from {', '.join(PHASES)})")
     t_start = time.perf_counter()
-    if args.init_model and not (args.model / "config.json").is_file():
-        arch, preset = args.init_model.split(":")
-        code = ("import torch; from hybridcache.services.runtime.modelzoo import init_model_dir; "
-                f"init_model_dir({arch!r}, {preset!r}, {str(args.model)!r}, dtype=torch.{args.dtype}, "
-                f"device={args.device!r})")
-        subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=900)
+    if args.init_model:
+        init_model_apart(args.init_model, args.model, args.device, args.dtype)
     if not args.port:
         from hybridcache.services.launcher import free_port
 

@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served_load import Stack, emit, percentiles, rand_ids, run_facts  # noqa: E402
+from served_load import Stack, emit, init_model_apart, percentiles, rand_ids, run_facts  # noqa: E402
 
 # measured in a child process on the GPU before the server starts (nothing of it stays allocated)
 DEVICE_PROBE = r"""
@@ -214,12 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    if args.init_model and not (args.model / "config.json").is_file():
-        arch, preset = args.init_model.split(":")
-        code = ("import torch; from hybridcache.services.runtime.modelzoo import init_model_dir; "
-                f"init_model_dir({arch!r}, {preset!r}, {str(args.model)!r}, dtype=torch.{args.dtype}, "
-                f"device={args.device!r})")
-        subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=900)
+    if args.init_model:
+        init_model_apart(args.init_model, args.model, args.device, args.dtype)
     shape = model_shape(args.model, args.dtype)
     probe = probe_device() if args.device == "cuda" else {"gpu": "none (CPU)", "copy_bytes_per_s": 10e9,
                                                           "bf16_flops_per_s": 1e12}

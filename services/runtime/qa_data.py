@@ -398,7 +398,8 @@ class Conversation:
         }
 
 
-def _lcp(a: list[int], b: list[int]) -> int:
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -413,8 +414,8 @@ def restore_bounds(prompts: list[list[int]], answers: list[list[int]], t: int) -
     the last token holds (cached when the model wrote the gold answer: the token that stops
     generation is sampled, never fed). answers[r]: request r's gold answer tokens, stop included."""
     target = prompts[t][:-1]
-    lo = max((_lcp(target, prompts[r]) for r in range(t)), default=0)
-    hi = max((_lcp(target, prompts[r] + answers[r][:-1]) for r in range(t)), default=0)
+    lo = max((common_prefix_len(target, prompts[r]) for r in range(t)), default=0)
+    hi = max((common_prefix_len(target, prompts[r] + answers[r][:-1]) for r in range(t)), default=0)
     return lo, hi
 
 
