@@ -741,22 +741,26 @@ class Api:
             {"id": self.served_model, "object": "model", "created": 0, "owned_by": "hybridcache",
              "root": self.router.model_name, "parent": None, "max_model_len": self.router.max_model_len}]})
 
-    async def tokenize(self, request):
-        """vLLM's /tokenize: {"prompt"} or {"messages"} (rendered as /v1/chat/completions renders them).
-        Bounded as a completion is: the body's size, the characters tokenized, the chat's size before
-        it renders; the work runs off the event loop."""
+    async def _token_utility(self, request, work, verb: str):
+        """/tokenize and /detokenize: `work(raw, limits)` off the event loop (the body parsed there
+        too: its objects are made and freed in the worker), its errors as HTTP answers."""
         try:
-            # parsed in the worker too: the body's objects are made and freed there, not on the event loop
             raw = await self._raw(request)
-            return web.Response(body=await self._off_loop(functools.partial(self._tokenize, raw)),
+            return web.Response(body=await self._off_loop(functools.partial(work, raw)),
                                 content_type="application/json")
         except _Reject as e:
             return _error(e.status, e.message)
         except RequestError as e:
             return _error(400, str(e))
         except (PrepareDeadline, TimeoutError):
-            return _error(503, f"not tokenized within {self.config.prepare_timeout_s} s; retry later",
+            return _error(503, f"not {verb} within {self.config.prepare_timeout_s} s; retry later",
                           {"Retry-After": "1"})
+
+    async def tokenize(self, request):
+        """vLLM's /tokenize: {"prompt"} or {"messages"} (rendered as /v1/chat/completions renders them).
+        Bounded as a completion is: the body's size, the characters tokenized, the chat's size before
+        it renders; the work runs off the event loop."""
+        return await self._token_utility(request, self._tokenize, "tokenized")
 
     def _tokenize(self, raw: bytes, limits: ChatLimits) -> bytes:
         body = _json_object(raw, self._max_values)
@@ -790,18 +794,7 @@ class Api:
     async def detokenize(self, request):
         """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}, special tokens kept; at most the
         served length of ids, decoded off the event loop."""
-        try:
-            # parsed in the worker too: the body's objects are made and freed there, not on the event loop
-            raw = await self._raw(request)
-            return web.Response(body=await self._off_loop(functools.partial(self._detokenize, raw)),
-                                content_type="application/json")
-        except _Reject as e:
-            return _error(e.status, e.message)
-        except RequestError as e:
-            return _error(400, str(e))
-        except (PrepareDeadline, TimeoutError):
-            return _error(503, f"not detokenized within {self.config.prepare_timeout_s} s; retry later",
-                          {"Retry-After": "1"})
+        return await self._token_utility(request, self._detokenize, "detokenized")
 
     def _detokenize(self, raw: bytes, limits: ChatLimits) -> bytes:
         body = _json_object(raw, self._max_values)
