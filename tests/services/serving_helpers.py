@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 import subprocess
 import time
 import urllib.error
 import urllib.request
 
 from hybridcache.services.launcher import free_port
+
+
+def stop_up(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Stop a `hybridcache up` process: SIGTERM first, so that it stops the services it started
+    (SIGKILL would leave them running), then SIGKILL if it has not exited within `timeout`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
 
 TIER_BYTES = 300_000  # two cache-tier members of ~5 tiny-model entries each: the load test evicts
 MAX_MODEL_LEN = 3000  # the cluster's --max-model-len, under the tiny model's max_position_embeddings

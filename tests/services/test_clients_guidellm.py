@@ -12,13 +12,13 @@ import importlib.metadata as md
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hybridcache.services.launcher import free_port
+from serving_helpers import stop_up
 from tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,12 +45,7 @@ def up_url():
         assert ready["ready"], ready
         yield ready["http"]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_up(proc)
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])

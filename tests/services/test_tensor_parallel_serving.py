@@ -16,8 +16,7 @@ from hybridcache.services.config import RuntimeConfig
 from hybridcache.services.launcher import free_port
 from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.llm import LLM
-from serving_helpers import http
-from test_up import _stop
+from serving_helpers import http, stop_up
 
 
 def test_served_tp2_equals_tp1(model_dir):
@@ -63,7 +62,7 @@ def test_served_tp2_equals_tp1(model_dir):
             time.sleep(0.25)
         assert sources == ["tier", "tier"] and res["hybridcache"]["tier_bytes"] > 0
     finally:
-        _stop(proc)
+        stop_up(proc)
 
 
 def test_a_size_that_does_not_divide_the_heads_is_one_error_line(model_dir, tmp_path):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from hybridcache.services.launcher import free_port
-from serving_helpers import http
+from serving_helpers import http, stop_up
 
 
 def alive(pid: int) -> bool:
@@ -23,18 +23,6 @@ def alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
-
-
-def _stop(proc):
-    """After a failed assertion: SIGTERM first, so `up` stops the services it started (SIGKILL
-    would leave them running), then SIGKILL if it does not exit."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_up_serves_and_stops_everything_on_sigterm(model_dir):
@@ -53,7 +41,7 @@ def test_up_serves_and_stops_everything_on_sigterm(model_dir):
         assert proc.wait(timeout=30) == 0
         assert not any(alive(p) for p in pids)
     finally:
-        _stop(proc)
+        stop_up(proc)
 
 
 def test_up_and_serve_reject_bad_flags_in_one_line(tmp_path, model_dir):
@@ -102,4 +90,4 @@ def test_up_forwards_the_cache_policies_to_its_services(model_dir):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
-        _stop(proc)
+        stop_up(proc)

@@ -7,7 +7,6 @@ after another prefix are folded in from their cached entries."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 from hf_models import FAMILIES, VARIED, greedy_reference, hf_model, reference_model, save_checkpoint
 from hybridcache.services.launcher import free_port
-from serving_helpers import http
+from serving_helpers import http, stop_up
 
 NEW_TOKENS = 32
 
@@ -43,16 +42,6 @@ def _ready(proc, scatter: bool):
     roles = ["cache-tier", "combine", "router"] + (["scatter"] if scatter else [])
     assert ready["ready"] and sorted(s["role"] for s in ready["services"]) == roles
     return ready["http"]
-
-
-def _stop(proc):
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -89,4 +78,4 @@ def test_up_serves_every_model_type(arch, tmp_path):
         assert [s["hit"] for s in stats["segments"]] == [True, True, True], stats["segments"]
         assert stats["cached_tokens"] >= sum(len(d) for d in docs) - 3 * stats["seam_window"]
     finally:
-        _stop(proc)
+        stop_up(proc, timeout=60)
