@@ -389,3 +389,16 @@ def test_checkpoints_without_room_are_declined_on_every_rank(dirs, engines):
     finally:
         tp1.close()
         tp2.close()
+
+
+def test_rendezvous_port_is_the_os_choice_outside_the_launchers_window():
+    """The group's store listens on a port the OS picks from its ephemeral range: a port picked from
+    `hybridcache up`'s window (below that range) could be one the launcher already gave this very
+    service for its gRPC door, which binds only after the group starts."""
+    from hybridcache.services.launcher import _ephemeral_low
+
+    store = ranks._store(0, 2, timeout_s=10.0)
+    low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    assert low == _ephemeral_low() and low <= store.port <= high
+    store.set("k", "v")
+    assert ranks._store(store.port, 2, timeout_s=10.0).get("k") == b"v"

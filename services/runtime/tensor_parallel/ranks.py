@@ -470,11 +470,19 @@ class TPGroup:
                 dist.destroy_process_group()
 
 
-def _init(rank: int, size: int, init_method: str, device: str, timeout_s: float) -> Channel:
+def _store(port: int, size: int, timeout_s: float) -> dist.TCPStore:
+    """The group's rendezvous store: rank 0's listens on a port the OS picks (port 0, from the
+    ephemeral range, so never one that `hybridcache up` chose for a service that has not bound it
+    yet); a follower connects to it."""
+    return dist.TCPStore("127.0.0.1", port, size, is_master=port == 0, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _init(rank: int, size: int, store: dist.Store, device: str, timeout_s: float) -> Channel:
     if device == "cuda":
         torch.cuda.set_device(rank)
     backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     global _CPU_GROUP, _DEVICE
     _DEVICE = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
@@ -497,10 +505,10 @@ def _outcome(failed: bool, size: int, timeout_s: float | None = None) -> int:
     return int(flag)
 
 
-def _follow(rank: int, size: int, init_method: str, device: str, timeout_s: float, build: Callable) -> None:
+def _follow(rank: int, size: int, port: int, device: str, timeout_s: float, build: Callable) -> None:
     """A follower's life: join the group, build its target, then run every call rank 0 sends."""
     os.environ.setdefault("PYTHONSAFEPATH", "1")
-    channel = _init(rank, size, init_method, device, timeout_s)
+    channel = _init(rank, size, _store(port, size, timeout_s), device, timeout_s)
     handles = _Handles(strong=True)
     target = build(rank, size)
     handles.name(target, 0)
@@ -543,16 +551,14 @@ def start(size: int, build: Callable, device: str = "cpu", timeout_s: float = 60
         raise ValueError("a tensor-parallel group needs at least 2 ranks")
     if device == "cuda" and torch.cuda.device_count() < size:
         raise TPError(f"tensor-parallel size {size} needs {size} GPUs, {torch.cuda.device_count()} are visible")
-    from hybridcache.services.launcher import free_port  # below the kernel's ephemeral range
-
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    store = _store(0, size, timeout_s)
     ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_follow, args=(r, size, init_method, device, timeout_s, build), daemon=True,
+    procs = [ctx.Process(target=_follow, args=(r, size, store.port, device, timeout_s, build), daemon=True,
                          name=f"tp-rank-{r}") for r in range(1, size)]
     for p in procs:
         p.start()
     try:
-        channel = _init(0, size, init_method, device, timeout_s)
+        channel = _init(0, size, store, device, timeout_s)
         target = build(0, size)
     except BaseException:
         for p in procs:
