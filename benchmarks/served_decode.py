@@ -10,7 +10,7 @@ Each batch also says where its time went: the server's own split of the time to 
 (`server_ttft_ms`: the router's parse and plan, the combine worker's receipt to the first token,
 the wait in the scheduler's queue) and the CPU seconds each process spent over the batch
 (`cpu_s`: router, combine worker, the client's processes; a process of Python near one CPU second
-a second is saturated). The client spreads its streams over processes of --client-streams-per-process
+a second is saturated; `cpu_us_per_token`: the same over the tokens streamed). The client spreads its streams over processes of --client-streams-per-process
 streams each (one thread a stream), so that parsing 128 streams' events in one interpreter does
 not delay the token times it records.
 
@@ -207,8 +207,10 @@ def batch(host: str, port: int, args, n: int, sampling: dict, seed: int, pids: d
            if cpu0[role] is not None and cpu_seconds(pid) is not None}
     cpu["client"] = round(own.ru_utime + own.ru_stime - own0.ru_utime - own0.ru_stime, 2)
     ok = [r for r in results if r.status == 200 and not r.error and len(r.token_times) == args.max_tokens]
+    streamed = sum(len(r.token_times) for r in results)
     out = {"requests": n, "completed": len(ok), "errors": sorted({r.error for r in results if r.error})[:3],
            "wall_s": round(wall, 3), "client_processes": procs, "cpu_s": cpu,
+           "cpu_us_per_token": {role: round(s * 1e6 / streamed, 1) for role, s in cpu.items()} if streamed else {},
            "server_ttft_ms": {k: percentiles([r.server[k] for r in ok if k in r.server], scale=1.0)
                               for k in SERVER_STATS}}
     if len(ok) < n:

@@ -235,6 +235,11 @@ class RuntimeConfig:
         False, "router: log one line per request that reached a combine worker as it ends: its id, HTTP status "
         "and finish reason, prompt, cached and generated tokens, time to first token and in all "
         "(`hybridcache up` shows them)", roles=("router",), section="server")
+    token_stream: str = setting(
+        "multiplexed", "router: how each combine worker streams tokens back: `multiplexed` (one stream per "
+        "worker carrying the tokens of all of this router's requests, a decode step's in one message) or "
+        "`per-request` (a stream per request: a message and a thread wake-up per token on both ends)",
+        roles=("router",), choices=("multiplexed", "per-request"), section="server")
     http_body_timeout_s: int = setting(
         30, "router: seconds a client has to send a request's body once its headers are in (HTTP 408 after)",
         roles=("router",), section="server")

@@ -92,7 +92,8 @@ def grpc_threads(role: str, config) -> int:
     call that finds none waits, unseen, for one to free: a combine worker gets one for every
     request it may hold (--max-num-seqs running, --max-waiting queued), the router's door as many
     for each of ROUTER_DOOR_COMBINES combine workers (its admission refuses past their seats and
-    queues: a refusal needs a thread too, hence the margin); the other roles answer short calls."""
+    queues: a refusal needs a thread too, hence the margin, which also holds the combine worker's
+    routers' Tokens streams, one each); the other roles answer short calls."""
     held = config.max_num_seqs + config.max_waiting
     if role == "combine":
         return max(32, held + 8)

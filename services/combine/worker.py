@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 from hybridcache.services.cache_tier.client import CacheTierClient
+from hybridcache.services.combine.tokens import Subscriptions
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.observability.stats import StatsLog, stage, warmup_requests
 from hybridcache.services.protocol import pb, rpc, segment, segment_array
@@ -124,6 +125,7 @@ class CombineServicer(rpc.CombineServicer):
                                    on_preempt=lambda _handle: metrics.SCHEDULER_PREEMPTIONS.inc())
         # the scheduler's load and memory as gauges (read at each scrape) and in the stats line
         self.stats = StatsLog(engine.config.stats_interval_s, self.gauges)
+        self.subscriptions = Subscriptions(on_tokens=self.stats.generated)  # routers' Tokens streams
         metrics.watch_scheduler(engine.config.served_model_name or Path(getattr(engine.model, "path", "")).name,
                                 self.scheduler.load, self.scheduler.kv_usage, self._entry_usage)
         self._tiers: dict[str, CacheTierClient] = {}
@@ -290,6 +292,11 @@ class CombineServicer(rpc.CombineServicer):
     def close(self) -> None:
         self.scheduler.stop()
 
+    def Tokens(self, request, context):
+        if not request.subscriber:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Tokens stream needs a subscriber id")
+        yield from self.subscriptions.stream(request.subscriber, context)
+
     def Info(self, request, context):
         e = self.engine
         return pb.InfoReply(fingerprint=e.fingerprint, seam_window=e.config.seam_window, model_type=e.cfg.model_type,
@@ -418,14 +425,31 @@ class CombineServicer(rpc.CombineServicer):
         return pinned, source, moved
 
     def Generate(self, request, context):
+        """A request's chunks on this call, or, when it names a subscriber, on that subscriber's
+        Tokens stream (services/combine/tokens.py): the call then answers nothing, holds the
+        request's admission (RESOURCE_EXHAUSTED) and cancellation, and ends once its last chunk
+        (done, an error, or `closed`) is on the stream."""
         with tracing.tracer().start_as_current_span("combine.generate", context=tracing.incoming_context(context)):
+            sub = self.subscriptions.get(request.subscriber) if request.subscriber else None
+            if request.subscriber and sub is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"no Tokens stream of subscriber {request.subscriber} on this worker")
+            muxed = sub.attach(request.request_id) if sub is not None else None
             try:
-                yield from self._generate(request, context)
+                if muxed is None:
+                    yield from self._generate(request, context)
+                    return
+                # its tokens went to the stream: what comes here is its last chunk, if any
+                last = list(self._generate(request, context, muxed))
+                sub.put_chunk(muxed, last[-1] if last else pb.TokenChunk(token_id=-1, closed=True))
             except QueueFull as e:
                 context.set_trailing_metadata((("retry-after", str(math.ceil(e.retry_after_s))),))
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            finally:
+                if muxed is not None and muxed.handle is None:
+                    sub.detach(request.request_id)
 
-    def _generate(self, request, context):
+    def _generate(self, request, context, muxed=None):
         t0 = time.perf_counter()
         device = next(self.engine.model.parameters()).device
         counted = request_counters(device, self.engine.entries, self.engine.runner)
@@ -457,11 +481,19 @@ class CombineServicer(rpc.CombineServicer):
             if key not in held or is_host(entry):
                 pinned[key] = entry_to(entry, device)
                 self.engine.entries.put(pinned[key])
-        handle: RequestHandle = sched.add_request(req, pinned)
+        handle: RequestHandle = sched.add_request(req, pinned, listener=muxed.listener if muxed else None)
+        if muxed is not None:
+            muxed.handle = handle
         # The RPC ends early when the client cancels or goes away: the request ends too, within a
         # step (at once when the RPC ended while its entries were gathered: no callback then).
         if not context.add_callback(handle.cancel):
             handle.cancel()
+        if muxed is not None:  # its tokens go on its subscriber's stream (Generate)
+            handle.done.wait()
+            last = self._last_chunk(request, handle, source, moved, counted, device, t0, muxed.t_first)
+            if last is not None:
+                yield last
+            return
         t_first = None  # when its first token left this worker's handler
         try:
             n = 0
@@ -478,16 +510,25 @@ class CombineServicer(rpc.CombineServicer):
                     if t_first is None:
                         t_first = time.perf_counter()
                 yield chunk
-        except RequestError as e:  # what its parameters caused (the scheduler finished it alone)
-            yield pb.TokenChunk(token_id=-1, done=True, error=str(e), status=400)
-            return
-        except Exception as e:  # noqa: BLE001 - the engine failed on this request: the client gets an id to report
-            log.error("request %s failed", request.request_id, exc_info=e)
-            yield pb.TokenChunk(token_id=-1, done=True, status=500, error=f"internal error ({type(e).__name__}) in "
-                                f"request {request.request_id}; the combine worker's log has its traceback")
-            return
+        except Exception:  # noqa: BLE001 - handle.error, answered by _last_chunk
+            pass
+        last = self._last_chunk(request, handle, source, moved, counted, device, t0, t_first)
+        if last is not None:
+            yield last
+
+    def _last_chunk(self, request, handle: RequestHandle, source: dict, moved: dict, counted: dict, device,
+                    t0: float, t_first: float | None) -> pb.TokenChunk | None:
+        """A finished request's last chunk: its error (400: what its parameters caused; 500: the
+        engine failed, with an id to report), None when it was cancelled, else done with its stats."""
+        if isinstance(handle.error, RequestError):  # the scheduler finished it alone
+            return pb.TokenChunk(token_id=-1, done=True, error=str(handle.error), status=400)
+        if handle.error is not None:
+            log.error("request %s failed", request.request_id, exc_info=handle.error)
+            kind = type(handle.error).__name__
+            return pb.TokenChunk(token_id=-1, done=True, status=500, error=f"internal error ({kind}) in request "
+                                 f"{request.request_id}; the combine worker's log has its traceback")
         if handle.finish_reason == "abort":
-            return
+            return None
         stats = handle.prefill.stats.to_dict()
         built = 0
         for i, seg in enumerate(stats["segments"]):
@@ -523,7 +564,7 @@ class CombineServicer(rpc.CombineServicer):
             done.prompt_logprobs.append(lp)
             done.prompt_top_ids.extend(i for i, _ in top)
             done.prompt_top_logprobs.extend(v for _, v in top)
-        yield done
+        return done
 
 
 def _dials_member(p: pb.SegmentPlan, tiers: set[str] | None, scatters: set[str] | None) -> bool:

@@ -314,6 +314,11 @@ class CombineStub:
                 request_serializer=hybridcache__pb2.CombineRequest.SerializeToString,
                 response_deserializer=hybridcache__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.Tokens = channel.unary_stream(
+                '/hybridcache.v1.Combine/Tokens',
+                request_serializer=hybridcache__pb2.TokensRequest.SerializeToString,
+                response_deserializer=hybridcache__pb2.TokenBatch.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/hybridcache.v1.Combine/Info',
                 request_serializer=hybridcache__pb2.InfoRequest.SerializeToString,
@@ -326,6 +331,13 @@ class CombineServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokens(self, request, context):
+        """Every request of this subscriber as it runs: one message per step, however many requests
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -343,6 +355,11 @@ def add_CombineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=hybridcache__pb2.CombineRequest.FromString,
                     response_serializer=hybridcache__pb2.TokenChunk.SerializeToString,
+            ),
+            'Tokens': grpc.unary_stream_rpc_method_handler(
+                    servicer.Tokens,
+                    request_deserializer=hybridcache__pb2.TokensRequest.FromString,
+                    response_serializer=hybridcache__pb2.TokenBatch.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -377,6 +394,33 @@ class Combine:
             '/hybridcache.v1.Combine/Generate',
             hybridcache__pb2.CombineRequest.SerializeToString,
             hybridcache__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hybridcache.v1.Combine/Tokens',
+            hybridcache__pb2.TokensRequest.SerializeToString,
+            hybridcache__pb2.TokenBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,6 +25,7 @@ from hybridcache.services.protocol import narrow_ids, pb, rpc, segment
 from hybridcache.services.router.admission import Admission, Refused
 from hybridcache.services.router.assign import lpt_assign, round_robin_assign
 from hybridcache.services.router.cost import PATHS, CostModel, parse_bandwidths
+from hybridcache.services.router.mux import CallEnded, Inbox, StreamEnded, TokenMux, Unreachable
 from hybridcache.services.runtime.models.registry import config_from_dir
 from hybridcache.services.runtime.plan import Planner
 from hybridcache.services.runtime.sampling import GenerationDefaults, RequestError
@@ -122,6 +123,7 @@ class Router:
         self._rr = itertools.count()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, rpc.CombineStub] = {}
+        self._muxes: dict[str, TokenMux] = {}  # combine worker -> its Tokens stream
         self._tiers: dict[str, CacheTierClient] = {}
         self.info: pb.InfoReply | None = None
         # combine worker -> (its Endpoint, its --scatter-same-gpu), from its Info; the scatter
@@ -146,6 +148,19 @@ class Router:
         if stub is None:
             stub = self._stubs[address] = rpc.CombineStub(self._channel(address))
         return stub
+
+    def _mux(self, address: str) -> TokenMux | None:
+        """The combine worker's Tokens stream (--token-stream multiplexed), on a channel of its own
+        whose calls report their end (a multiplexed request's Generate call is not read after its
+        head chunk)."""
+        if self.runtime.token_stream != "multiplexed":
+            return None
+        with self._lock:
+            mux = self._muxes.get(address)
+            if mux is None:
+                channel = internal_channel(address, [retry_unavailable("hybridcache.v1.Combine")])
+                mux = self._muxes[address] = TokenMux(rpc.CombineStub(channel), address)
+        return mux
 
     def _tier(self, address: str) -> CacheTierClient:
         if address not in self._tiers:
@@ -430,9 +445,24 @@ class Router:
     def _open(self, creq, order: list[str], control: StreamControl | None, sent=None):
         """(combine worker, its chunks) from the first of `order` that takes the request: one whose
         waiting queue is full refuses at once (RESOURCE_EXHAUSTED) and the next is asked; when all
-        refuse, Overloaded with the shortest back-off they gave."""
+        refuse, Overloaded with the shortest back-off they gave. The chunks come on the worker's
+        Tokens stream where it has one (TokenMux), else on the Generate call itself."""
         refusals = []
         for combine in order:
+            mux = self._mux(combine)
+            try:
+                subscriber = mux.subscribe() if mux is not None else None
+            except Unreachable as e:
+                raise ServiceUnavailable(f"combine worker {combine} failed: {e.code.name}") from None
+            if subscriber:
+                opened = self._open_muxed(combine, mux, subscriber, creq, control, sent)
+                if isinstance(opened, tuple):
+                    refusals.append(opened)
+                    continue
+                if opened is not None:
+                    return combine, opened
+            # no Tokens stream (or the worker no longer knows this one): the chunks on the call
+            creq.subscriber = ""
             call = self._stub(combine).Generate(
                 creq, timeout=self.config.timeout_s, metadata=tracing.outgoing_metadata())
             if control is not None:
@@ -454,6 +484,66 @@ class Router:
             return combine, itertools.chain([head], call)
         retry_after, message = min(refusals)
         raise Overloaded(message, retry_after)
+
+    def _open_muxed(self, combine: str, mux: TokenMux, subscriber: str, creq, control, sent):
+        """Send a request whose chunks come on `mux`: its chunks (an iterator), a refusal
+        (retry-after, message), or None when the worker does not know the subscriber. The Generate
+        call is never read: its end comes to the inbox (CallEnded) like the chunks (the first of
+        them, or its end, says whether the worker took it)."""
+        creq.subscriber = subscriber
+        inbox = mux.register(creq.request_id, subscriber)
+        try:
+            call = mux.stub.Generate(creq, timeout=self.config.timeout_s, metadata=tracing.outgoing_metadata())
+            call.add_done_callback(lambda c: inbox.put(CallEnded(c)))
+            if control is not None:
+                control.attach(call)
+            if sent is not None:
+                sent()
+            first = inbox.get()
+            if isinstance(first, CallEnded) and first.code != grpc.StatusCode.OK:
+                if control is not None and control.cancelled:
+                    raise _Cancelled
+                if first.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    return float(first.trailers.get("retry-after", 1)), first.details
+                if first.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    mux.lost(subscriber)
+                    return None
+                raise ServiceUnavailable(f"combine worker {combine} failed: {first.code.name}")
+        except BaseException:
+            mux.unregister(creq.request_id)
+            raise
+        return self._muxed(mux, creq.request_id, inbox, control, first)
+
+    def _muxed(self, mux: TokenMux, request_id: str, inbox: Inbox, control: StreamControl | None, item):
+        """A multiplexed request's chunks from its inbox (`item` the first), up to its done chunk.
+        Its end without one is the Generate call's to explain: cancelled here (the stream just
+        ends), or failed on the worker (ServiceUnavailable, as a broken per-request stream)."""
+        closed = False
+        try:
+            while True:
+                if isinstance(item, CallEnded):
+                    if control is not None and control.cancelled:
+                        raise _Cancelled
+                    if item.code != grpc.StatusCode.OK:
+                        raise ServiceUnavailable(f"combine worker {mux.address} failed: {item.code.name}")
+                    if closed:
+                        return
+                    # else its last chunk is on its way on the Tokens stream
+                elif isinstance(item, StreamEnded):
+                    if control is not None and control.cancelled:
+                        raise _Cancelled
+                    name = item.code.name if item.code is not None else "stream ended"
+                    raise ServiceUnavailable(f"combine worker {mux.address} failed: its token stream ended ({name})")
+                elif item.closed:
+                    closed = True  # the call's end says why
+                else:
+                    item.request_id = ""  # the worker's routing field: the chunk as a per-request stream has it
+                    yield item
+                    if item.done:
+                        return
+                item = inbox.get()
+        finally:
+            mux.unregister(request_id)
 
     def _learn(self, stats: dict) -> None:
         """Update the cost model with what the combine worker measured."""

@@ -221,11 +221,17 @@ def kv_bytes_per_token(model) -> int:
 
 class RequestHandle:
     """One request in a Scheduler: iterate for (token_id, text_delta) as they come (token_id -1:
-    text only); cancel() (or leaving the iteration early) ends it within one step."""
+    text only); cancel() (or leaving the iteration early) ends it within one step.
 
-    def __init__(self, req: Request, scheduler: Scheduler):
+    With a `listener`, the scheduler's thread hands it each step's events instead, listener(handle,
+    events), and listener(handle, None) once the request has ended (done is set, finish_reason and
+    error final): a server that streams many requests at once collects them there, with no thread
+    woken per request and token. Such a handle is not iterated."""
+
+    def __init__(self, req: Request, scheduler: Scheduler, listener=None):
         self.req = req
         self._scheduler = scheduler
+        self._listener = listener
         self._events: queue.Queue = queue.Queue()
         self._cancelled = threading.Event()
         self.done = threading.Event()
@@ -267,6 +273,10 @@ class RequestHandle:
 
     # called by the scheduler's thread
     def _emit(self, events) -> None:
+        if self._listener is not None:
+            if events:
+                self._listener(self, events)
+            return
         for ev in events:
             self._events.put(ev)
 
@@ -274,7 +284,10 @@ class RequestHandle:
         self.finish_reason, self.error = reason, error
         self.finished_step = self._scheduler.steps
         self.done.set()
-        self._events.put(_DONE)
+        if self._listener is not None:
+            self._listener(self, None)
+        else:
+            self._events.put(_DONE)
         if self._scheduler.on_finish is not None:
             self._scheduler.on_finish(self)
 
@@ -354,11 +367,12 @@ class Scheduler:
         self._thread.start()
 
 
-    def add_request(self, req: Request, pinned: dict | None = None) -> RequestHandle:
+    def add_request(self, req: Request, pinned: dict | None = None, listener=None) -> RequestHandle:
         """Queue a request; raises QueueFull when max_waiting requests are already waiting.
-        pinned: key -> segment entry gathered for this request (held until it is assembled)."""
+        pinned: key -> segment entry gathered for this request (held until it is assembled);
+        listener: where its events go instead of the handle's iteration (RequestHandle)."""
         self.check_fits(req)
-        handle = RequestHandle(req, self)
+        handle = RequestHandle(req, self, listener)
         seq = _Seq(handle, req, time.perf_counter(), dict(pinned or {}))
         self._plan(seq)
         with self._cv:
