@@ -125,6 +125,8 @@ class TextStream:
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.finish_reason = "length"
         self.emitted = ""
+        self.text = ""  # the output's text so far, whole characters (Tokenizer.decoder)
+        self._decode = engine.tokenizer.decoder()
         self.hold = max((len(s) for s in params.stop), default=0)
 
     def push(self, tok: int, logprobs=None) -> tuple[list[tuple[int, str]], bool]:
@@ -137,7 +139,7 @@ class TextStream:
         self.output_ids.append(tok)
         if logprobs is not None:
             self.logprobs.append(logprobs)
-        text = self.engine.tokenizer.decode(self.output_ids)
+        self.text = text = self.text + self._decode(tok)
         # no stop string before min_new_tokens (vLLM's StopChecker)
         stops = params.stop if len(self.output_ids) >= params.min_new_tokens else ()
         cut = min((text.find(s) for s in stops if s in text), default=-1)
@@ -150,7 +152,8 @@ class TextStream:
         return [(tok, delta)], len(self.output_ids) >= params.max_new_tokens
 
     def flush(self) -> list[tuple[int, str]]:
-        """The text held back, once the output ends without a stop string."""
+        """The text held back, once the output ends without a stop string (the whole output
+        decoded once: an incomplete character at its end shows as the tokenizer shows it)."""
         text = self.engine.tokenizer.decode(self.output_ids)
         if len(text) <= len(self.emitted):
             return []

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
+from tokenizers.decoders import DecodeStream
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -79,6 +81,18 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def decoder(self) -> Callable[[int], str]:
+        """An incremental decode of one output: feed it each new id, it answers the text that id
+        completes ("" while a character's bytes are still coming). Joined, the answers are
+        decode(ids) up to any incomplete character at the end, at a constant cost a token
+        (tokenizers' DecodeStream) where decoding the whole output again grows with its length."""
+        stream, tok = DecodeStream(skip_special_tokens=True), self.tok
+
+        def step(token_id: int) -> str:
+            return stream.step(tok, token_id) or ""
+
+        return step
 
     def token_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
