@@ -236,3 +236,21 @@ def test_padded_graph_step_of_a_moe_model_equals_the_eager_step(tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
     assert graphs.stats["replays"] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_top_k_is_the_renormalised_top_k_of_the_whole_softmax(dtype):
+    """The router's shortcut (models/common.softmax_top_k): the k largest logits, weighted by the
+    softmax of those k alone, are the top k of the row's softmax renormalised over them."""
+    from hybridcache.services.runtime.models.common import softmax_top_k
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(257, 64, generator=gen) * 4).to(dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    want_w, want_i = torch.topk(probs, 8, dim=-1)
+    got_w, got_i = softmax_top_k(logits, 8, True, torch.float)
+    assert torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_w, want_w / want_w.sum(-1, keepdim=True), rtol=1e-6, atol=1e-7)
+    plain_w, plain_i = softmax_top_k(logits, 8, False, dtype)
+    assert torch.equal(plain_i, want_i) and plain_w.dtype == dtype
+    torch.testing.assert_close(plain_w, want_w.to(dtype), rtol=0, atol=0)

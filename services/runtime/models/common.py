@@ -70,6 +70,18 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * xf).to(x.dtype)
 
 
+def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype):
+    """A softmax router's choice: (weights [n, k] in `dtype`, experts [n, k]) of logits [n, E]. The
+    experts are the k largest logits (softmax keeps their order); renormalised over them, their
+    weights are the softmax of those k logits alone, p_i / sum of the k p_j: one small softmax
+    instead of the whole row's, a sum and a division (fewer launches a MoE layer of a decode step)."""
+    if renormalize:
+        top_l, top_i = torch.topk(logits, k, dim=-1)
+        return torch.softmax(top_l, dim=-1, dtype=torch.float).to(dtype), top_i
+    top_w, top_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), k, dim=-1)
+    return top_w.to(dtype), top_i
+
+
 def merge_weights(*linears: nn.Linear) -> torch.Tensor | None:
     """Make bias-free nn.Linear layers that read the same input share one weight tensor: each
     weight becomes a view of rows of `torch.cat` of them all (no extra memory once the old ones

@@ -39,6 +39,7 @@ from hybridcache.services.runtime.models.common import (
     RMSNorm,
     eos_ids,
     need,
+    softmax_top_k,
 )
 from hybridcache.services.runtime.models.mixer import LinearMixer
 from hybridcache.services.runtime.models.qwen3_hybrid import Experts, Router
@@ -268,9 +269,7 @@ class MiniMaxMoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        probs = torch.softmax(F.linear(flat, self.gate.weight).float(), dim=-1)
-        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
-        top_w = top_w / top_w.sum(-1, keepdim=True)
+        top_w, top_i = softmax_top_k(F.linear(flat, self.gate.weight), self.top_k, True, torch.float)
         out = self.experts(flat, top_i, top_w)
         return out.view(shape)
 

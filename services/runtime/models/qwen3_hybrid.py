@@ -20,6 +20,7 @@ from hybridcache.services.runtime.models.common import (
     attention_layout,
     merge_weights,
     merged_linear,
+    softmax_top_k,
 )
 from hybridcache.services.runtime.models.mixer import DeltaRuleMixer, build_attention
 from hybridcache.services.runtime.sequence import AttnState, LinearState, Recording
@@ -309,13 +310,9 @@ class SparseMoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = F.linear(x, self.gate.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        top_w, top_i = torch.topk(probs, self.cfg.num_experts_per_tok, dim=-1)
         # Qwen3.5-MoE always renormalises the top-k weights (its config has no norm_topk_prob)
-        if self.cfg.norm_topk_prob or self.cfg.family == "qwen3_5_moe":
-            top_w = top_w / top_w.sum(-1, keepdim=True)
-        top_w = top_w.to(x.dtype)
+        renormalize = self.cfg.norm_topk_prob or self.cfg.family == "qwen3_5_moe"
+        top_w, top_i = softmax_top_k(F.linear(x, self.gate.weight), self.cfg.num_experts_per_tok, renormalize, x.dtype)
         out = self.experts(x, top_i, top_w)
         out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
