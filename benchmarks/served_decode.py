@@ -10,9 +10,10 @@ Each batch also says where its time went: the server's own split of the time to 
 (`server_ttft_ms`: the router's parse and plan, the combine worker's receipt to the first token,
 the wait in the scheduler's queue) and the CPU seconds each process spent over the batch
 (`cpu_s`: router, combine worker, the client's processes; a process of Python near one CPU second
-a second is saturated; `cpu_us_per_token`: the same over the tokens streamed). The client spreads its streams over processes of --client-streams-per-process
-streams each (one thread a stream), so that parsing 128 streams' events in one interpreter does
-not delay the token times it records.
+a second is saturated; `cpu_us_per_token`: the same over the tokens streamed). The client
+spreads its streams over processes of --client-streams-per-process streams each (one thread a
+stream), so that parsing 128 streams' events in one interpreter does not delay the token times it
+records.
 
 The floor of a decode step of N requests is the bytes it must move at the GPU's device-to-device
 copy bandwidth, measured in the same run (a copy reads and writes, and so does a step): every

@@ -52,12 +52,17 @@ def test_text_stream_emits_the_decoded_output_without_decoding_it_again(tokenize
     token decodes the output so far again (a cost that grew with the output: O(n^2) a request)."""
     vocab = tokenizer.tok.get_vocab_size(with_added_tokens=True)
     rng = random.Random(1)
+    calls, decode = [], Tokenizer.decode
+
+    def counted(self, ids):
+        calls.append(len(ids))
+        return decode(self, ids)
+
     for trial in range(30):
         ids = _ids(rng, vocab, 400)
         stream = TextStream(_engine(tokenizer), SamplingParams(max_new_tokens=len(ids), stop=stop, ignore_eos=True))
-        calls = []
-        decode = Tokenizer.decode
-        monkeypatch.setattr(Tokenizer, "decode", lambda self, x: calls.append(len(x)) or decode(self, x))
+        calls.clear()
+        monkeypatch.setattr(Tokenizer, "decode", counted)
         out, done = [], False
         for i in ids:
             events, done = stream.push(i)
