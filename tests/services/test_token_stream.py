@@ -188,3 +188,37 @@ def test_a_broken_stream_fails_its_requests_with_503(model_dir):
     finally:
         server.stop(0)
         servicer.close()
+
+
+class _OldCombine(rpc.CombineServicer):
+    """A combine worker from before Tokens streams: Generate streams on the call, Tokens is
+    UNIMPLEMENTED (the generated base class's answer)."""
+
+    def __init__(self, engine):
+        self.engine, self.subscribers = engine, []
+
+    def Info(self, request, context):
+        e = self.engine
+        return pb.InfoReply(fingerprint=e.fingerprint, seam_window=e.config.seam_window, mode=e.config.mode)
+
+    def Generate(self, request, context):
+        self.subscribers.append(request.subscriber)
+        yield pb.TokenChunk(token_id=7, text="x")
+        yield pb.TokenChunk(token_id=-1, done=True, finish_reason="length", stats_json="{}")
+
+
+def test_a_worker_without_token_streams_gets_requests_one_by_one(model_dir, engine):
+    old = _OldCombine(engine)
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    rpc.add_CombineServicer_to_server(old, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        router = _router(model_dir, address, "multiplexed")
+        for _ in range(2):
+            chunks = _run(router, _body(4))
+            assert [c.token_id for c in chunks] == [7, -1] and chunks[-1].done
+        assert old.subscribers == ["", ""]  # asked once, then never named a subscriber
+        assert router._muxes[address]._unsupported
+    finally:
+        server.stop(0)
