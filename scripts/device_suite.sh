@@ -19,6 +19,8 @@
 #               SERVED_GPU_MERGE names an earlier result whose other phases count in the figures
 #   qps         benchmarks/qps.py --trace-requests 24 (one GPU)
 #   profile     tools/profile_forward.py --segments 32 --sync-check (one GPU)
+#   profile-decode  tools/profile_decode.py: a decode step's kernels, launches and host time, eager
+#               and graphed; PROFILE_DECODE_ARGS (default: the MoE shape, 16 layers, batches 1 and 32)
 #   fold        tools/fold_bench.py: one linear layer's fold of a 32 x 1k pic request (one GPU)
 #   train       benchmarks/train_qa_model.py --fla (the QA model of issue 7) for TRAIN_SECONDS (default
 #               500), continuing from .qa-ckpt/ when it holds a model (carry it); TRAIN_ARGS adds
@@ -71,10 +73,10 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | moe | served-gpu | qps | profile | fold | train | transport | decode | layouts | long \
+    gpu-tests | families | bench | moe | served-gpu | qps | profile | profile-decode | fold | train | transport | decode | layouts | long \
         | served | multiturn) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, fold, train, transport, decode, layouts, long, served, multiturn)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, profile-decode, fold, train, transport, decode, layouts, long, served, multiturn)" >&2
         exit 2 ;;
     esac
 done
@@ -157,6 +159,11 @@ for stage in "$@"; do
     profile)
         python3 tools/profile_forward.py --segments 32 --top 25 --sync-check > "$OUT/profile.json" 2> "$OUT/profile.log"
         echo "profile rc=$?" ;;
+    profile-decode)
+        python3 tools/profile_decode.py \
+            ${PROFILE_DECODE_ARGS:---preset qwen3.5-35b-a3b --layers 16 --batches 1,32} \
+            > "$OUT/profile_decode.json" 2> "$OUT/profile_decode.log"
+        echo "profile-decode rc=$?"; tail -4 "$OUT/profile_decode.log" ;;
     fold)
         python3 tools/fold_bench.py --out "$OUT/fold.json" > "$OUT/fold.log" 2>&1
         echo "fold rc=$?" ;;

@@ -1,11 +1,13 @@
 """Where the time of a batched decode step goes on the GPU (services/runtime/paged.py decode_step):
-Qwen3.5-9B shape, random bf16 weights, B requests of --prompt-tokens tokens each in a StatePool,
+Qwen3.5-9B shape (or --preset qwen3.5-35b-a3b, the MoE shape, --layers of it: 0 all, fewer when
+they do not fit), random bf16 weights, B requests of --prompt-tokens tokens each in a StatePool,
 stepped eagerly and from decode CUDA graphs; per batch size the wall time of a step (median of
 --steps), its kernels' device time and launches, the top ops by host and device time under
 torch.profiler, and the host-device synchronizations of one step with their call sites. A step
 whose wall time is far above its kernels' device time is host-bound (launches, Python, syncs).
 
     python tools/profile_decode.py [--batches 1,32] [--steps 20] [--top 20]
+    python tools/profile_decode.py --preset qwen3.5-35b-a3b --layers 16 --batches 1,32
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--no-graphs", action="store_true", help="eager steps only")
+    ap.add_argument("--preset", default="qwen3.5-9b", choices=["qwen3.5-9b", "qwen3.5-35b-a3b"],
+                    help="the dense shape (qwen3_5_text) or the MoE shape (qwen3_5_moe_text)")
+    ap.add_argument("--layers", type=int, default=0, help="MoE shape: layers to build (0: all that fit)")
     args = ap.parse_args(argv)
     try:
         batches = [int(b) for b in args.batches.split(",")]
@@ -50,7 +55,13 @@ def main(argv=None) -> int:
     from hybridcache.services.runtime.sequence import LiveRun
     from profile_forward import sync_sites, table
 
-    cfg, model, _, _ = build_models("qwen3.5-9b", False)
+    if args.preset == "qwen3.5-9b":
+        cfg, model, _, _ = build_models(args.preset, False)
+    else:
+        from moe_bench import build_ours, layers_that_fit
+
+        layers = layers_that_fit(args.preset, args.layers, "cuda", torch.bfloat16, reserve_gib=12)
+        cfg, model = build_ours(args.preset, layers, "cuda", torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     slots_max = max(batches)
     kv_tokens = slots_max * (args.prompt_tokens + 4 * args.steps + 64)
@@ -61,7 +72,8 @@ def main(argv=None) -> int:
            "commit": os.environ.get("HYBRIDCACHE_COMMIT", ""),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "command": "python tools/profile_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "prompt_tokens": args.prompt_tokens, "steps": args.steps, "layers": cfg.num_hidden_layers}
+           "preset": args.preset, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
+           "layers": cfg.num_hidden_layers}
     modes = (False,) if args.no_graphs else (False, True)
     for graphs in modes:
         # the decode step's CUDA graphs are its runner's (services/runtime/runner.py)
