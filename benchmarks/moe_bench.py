@@ -8,7 +8,9 @@ a generator seeded by its name, so that the peer built later holds the same weig
   (backends.OpDispatch.moe: the per-expert loop, torch's grouped GEMM, the Triton fused-MoE kernel
   at its default tiles and at a few others): ms, relative RMS error against the loop, and the
   fastest path within bf16 rounding of it (`moe_block_fastest_<n>`); `moe_auto_path` is what the
-  engine takes.
+  engine takes. On a GPU, up to 256 tokens, also each path's block replayed from a CUDA graph
+  (`moe_block_graph_us_<path>_<n>`, `moe_block_fastest_graphed_<n>`): the eager times of decode
+  sizes are mostly launches, which a decode step's graph does not pay.
 - prefill: ours (LayoutLM.forward_layout of the whole prompt), then, ours freed, transformers'
   Qwen3_5MoeForCausalLM (fla's kernels when fla-core is installed, transformers' grouped_mm
   experts) of the same config, layer count and weights: `moe_prefill_speedup_vs_peer_8k`, `_32k`.
@@ -192,14 +194,41 @@ def copy_bandwidth(device, nbytes) -> float:
 
 # ---------------------------------------------------------------------------------------- block
 
+def graphed_us(fn, replays=50):
+    """Mean µs of fn() replayed from a CUDA graph: its kernels without the host's launches, as a
+    decode step's graph runs them (fn must not synchronise the host)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / replays * 1e6
+
+
 def moe_dispatch(path):
     from hybridcache.services.runtime import backends
 
     return backends.dispatching(dataclasses.replace(backends.current_dispatch(), moe=path))
 
 
+# token counts up to which a block is also timed replayed from a CUDA graph (decode batches)
+GRAPHED_TOKENS = 256
+
+
 def block_figures(cfg, device, dtype, token_counts, figures):
-    """One SparseMoE block (layer-sized, random weights) per expert path and token count."""
+    """One SparseMoE block (layer-sized, random weights) per expert path and token count: eagerly
+    (`moe_block_ms_*`, launches included) and, up to GRAPHED_TOKENS, replayed from a CUDA graph
+    (`moe_block_graph_us_*`: what a decode step's graph pays, the figure that picks decode tiles)."""
     from hybridcache.kernels.ops.moe import grouped_mm_supported
     from hybridcache.services.runtime import backends
     from hybridcache.services.runtime.models.qwen3_hybrid import SparseMoE
@@ -222,7 +251,8 @@ def block_figures(cfg, device, dtype, token_counts, figures):
         from hybridcache.kernels.ops.moe import triton as moe_triton
 
         candidates.append(("triton", "triton", None))
-        for c in (moe_triton.FusedConfig(16, 32, 128, 4, 4), moe_triton.FusedConfig(32, 64, 64, 4, 3),
+        for c in (moe_triton.FusedConfig(16, 32, 64, 4, 3), moe_triton.FusedConfig(16, 64, 64, 4, 3),
+                  moe_triton.FusedConfig(16, 32, 128, 4, 4), moe_triton.FusedConfig(32, 64, 64, 4, 3),
                   moe_triton.FusedConfig(64, 128, 64, 8, 3), moe_triton.FusedConfig(128, 128, 64, 8, 3)):
             candidates.append((f"triton_m{c.block_m}_n{c.block_n}_k{c.block_k}_w{c.num_warps}_s{c.num_stages}",
                                "triton", c))
@@ -230,7 +260,7 @@ def block_figures(cfg, device, dtype, token_counts, figures):
     gen = torch.Generator().manual_seed(0)
     for n in token_counts:
         x = torch.randn(1, n, cfg.hidden_size, generator=gen).to(device, dtype)
-        ref, best = None, None
+        ref, best, best_graph = None, None, None
         for name, path, tiles in candidates:
             ctx = contextlib.nullcontext()
             if tiles is not None:
@@ -242,6 +272,17 @@ def block_figures(cfg, device, dtype, token_counts, figures):
                 figures[f"moe_block_error_{name}_{n}"] = f"{type(e).__name__}: {e}"[:200]
                 continue
             figures[f"moe_block_ms_{name}_{n}"] = round(t, 4)
+            if path != "loop" and n <= GRAPHED_TOKENS and torch.device(device).type == "cuda":
+                # a decode step's view: the block's kernels replayed from a graph, no launches
+                try:
+                    tiled = _fused_tiles(moe_triton, tiles) if tiles is not None else contextlib.nullcontext()
+                    with moe_dispatch(path), tiled:
+                        us = graphed_us(lambda x=x: block(x))
+                    figures[f"moe_block_graph_us_{name}_{n}"] = round(us, 2)
+                    if best_graph is None or us < best_graph[1]:
+                        best_graph = (name, us)
+                except Exception as e:  # noqa: BLE001 - a path that cannot be captured is reported, not fatal
+                    figures[f"moe_block_graph_error_{name}_{n}"] = f"{type(e).__name__}: {e}"[:200]
             if ref is None:
                 ref = out.float()
                 continue
@@ -250,6 +291,8 @@ def block_figures(cfg, device, dtype, token_counts, figures):
             if err <= tol and (best is None or t < best[1]):
                 best = (name, t)
         figures[f"moe_block_fastest_{n}"] = best[0] if best else "loop"
+        if best_graph is not None:
+            figures[f"moe_block_fastest_graphed_{n}"] = best_graph[0]
         if best:
             figures[f"moe_block_speedup_vs_loop_{n}"] = round(figures[f"moe_block_ms_loop_{n}"] / best[1], 2)
 
