@@ -120,8 +120,9 @@ def test_many_requests_tokens_travel_in_few_messages(worker):
         stream.cancel()
     assert all(list(c) == [] for c in calls)  # a multiplexed Generate answers nothing itself
     for chunks in per_request.values():
-        assert [c.done for c in chunks] == [False] * new + [True]
-        assert all(c.token_id >= 0 for c in chunks[:-1])
+        # its tokens, maybe a text-only chunk (an incomplete character's bytes flushed at the end), done
+        assert [c.done for c in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert len([c for c in chunks if c.token_id >= 0]) == new
         assert json.loads(chunks[-1].stats_json)["generated_tokens"] == new
     # one token a message would be n * new = 192 messages; a step's tokens in one: about `new`
     assert messages <= n * new / 3, messages
