@@ -26,16 +26,22 @@ from hybridcache.services.runtime.engine import Engine
 from hybridcache.services.runtime.scheduler import SchedulerConfig
 
 
+def _serve(servicer, threads: int):
+    """(started server, its address) of a combine servicer on loopback."""
+    server = grpc.server(futures.ThreadPoolExecutor(threads))
+    rpc.add_CombineServicer_to_server(servicer, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    return server, address
+
+
 @pytest.fixture(scope="module")
 def worker(model_dir):
     engine = Engine.from_dir(model_dir)
     servicer = CombineServicer(engine, scheduling=SchedulerConfig(max_num_seqs=16, max_waiting=16))
-    server = grpc.server(futures.ThreadPoolExecutor(48))
-    rpc.add_CombineServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, address = _serve(servicer, 48)
     try:
-        yield servicer, f"127.0.0.1:{port}"
+        yield servicer, address
     finally:
         server.stop(0)
         servicer.close()
@@ -161,10 +167,7 @@ def test_a_worker_that_lost_the_subscription_streams_on_the_call(worker, model_d
 def test_a_broken_stream_fails_its_requests_with_503(model_dir):
     engine = Engine.from_dir(model_dir)
     servicer = CombineServicer(engine, scheduling=SchedulerConfig(max_num_seqs=4, max_waiting=4))
-    server = grpc.server(futures.ThreadPoolExecutor(16))
-    rpc.add_CombineServicer_to_server(servicer, server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
+    server, address = _serve(servicer, 16)
     try:
         router = _router(model_dir, address, "multiplexed")
         errors, got = [], []
@@ -210,10 +213,7 @@ class _OldCombine(rpc.CombineServicer):
 
 def test_a_worker_without_token_streams_gets_requests_one_by_one(model_dir, engine):
     old = _OldCombine(engine)
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    rpc.add_CombineServicer_to_server(old, server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
+    server, address = _serve(old, 8)
     try:
         router = _router(model_dir, address, "multiplexed")
         for _ in range(2):
