@@ -522,6 +522,9 @@ class Api:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
             n, ended, item = [0] * len(runs), 0, (i, first)
+            # the events of every chunk already queued go out in one write: a loop that fell behind
+            # (many streams) makes one send a response, not one an event
+            pending: list[bytes] = []
             try:
                 while True:
                     i, c = item
@@ -530,6 +533,8 @@ class Api:
                         if ended == len(runs):
                             break
                     elif isinstance(c, Exception):
+                        if pending:
+                            await resp.write(b"".join(pending))
                         raise c
                     else:
                         if c.error:
@@ -537,8 +542,13 @@ class Api:
                         else:
                             n[i] += c.token_id >= 0 and not c.done
                             payload = event(i, c, n[i])
-                        await _write_events(resp, payload)
-                    item = await q.get()
+                        pending.append(_events_bytes(payload))
+                    if pending and (q.empty() or len(pending) >= 64):
+                        await resp.write(b"".join(pending))
+                        pending.clear()
+                    item = q.get_nowait() if not q.empty() else await q.get()
+                if pending:
+                    await resp.write(b"".join(pending))
                 if final is not None:
                     await _write_events(resp, final())
                 metrics.request_answered("http", 200)
@@ -886,10 +896,17 @@ class Api:
         return web.Response(body=metrics.scrape(), content_type="text/plain", charset="utf-8")
 
 
+def _events_bytes(payload) -> bytes:
+    """A payload (a dict, a list of them, or None) as server-sent events."""
+    return b"".join(f"data: {json.dumps(p)}\n\n".encode()
+                    for p in (payload if isinstance(payload, list) else [] if payload is None else [payload]))
+
+
 async def _write_events(resp: web.StreamResponse, payload) -> None:
     """Write a payload (a dict, a list of them, or None) as server-sent events."""
-    for p in payload if isinstance(payload, list) else [] if payload is None else [payload]:
-        await resp.write(f"data: {json.dumps(p)}\n\n".encode())
+    data = _events_bytes(payload)
+    if data:
+        await resp.write(data)
 
 
 def _include_usage(body: dict) -> bool:
