@@ -25,6 +25,16 @@ from hybridcache.services.protocol import pb
 POLL_S = 1.0
 
 
+def add_logprob(chunk: pb.TokenChunk, handle, n: int) -> None:
+    """Chunk of a request's n-th output token: its log-probability and top alternatives, when the
+    request asks for them (handle.logprobs has the n-th)."""
+    if n < len(handle.logprobs):
+        lp, top = handle.logprobs[n]
+        chunk.has_logprob, chunk.logprob = True, lp
+        chunk.top_ids.extend(i for i, _ in top)
+        chunk.top_logprobs.extend(v for _, v in top)
+
+
 class Muxed:
     """One request's state on a subscriber's stream (the chunks' request id, how many tokens went)
     and the listener its RequestHandle hands the scheduler's events to."""
@@ -42,8 +52,7 @@ class Muxed:
 class Subscriber:
     """The outbox of one Tokens stream: the scheduler's thread appends, the stream's thread drains."""
 
-    def __init__(self, subscriber: str, on_tokens=None):
-        self.id = subscriber
+    def __init__(self, on_tokens=None):
         self._on_tokens = on_tokens  # on_tokens(n): n tokens sent (the worker's generation counter)
         self._items: collections.deque = collections.deque()
         self._cv = threading.Condition(threading.Lock())
@@ -110,11 +119,7 @@ class Subscriber:
                 for tok, delta in what:
                     chunk = batch.chunks.add(request_id=m.request_id, token_id=tok, text=delta)
                     if tok >= 0:
-                        if m.sent < len(handle.logprobs):
-                            lp, top = handle.logprobs[m.sent]
-                            chunk.has_logprob, chunk.logprob = True, lp
-                            chunk.top_ids.extend(i for i, _ in top)
-                            chunk.top_logprobs.extend(v for _, v in top)
+                        add_logprob(chunk, handle, m.sent)
                         m.sent += 1
                         tokens += 1
                         if m.t_first is None:
@@ -139,7 +144,7 @@ class Subscriptions:
     def stream(self, subscriber: str, context):
         """Combine.Tokens: this subscriber's batches until its caller goes away; then its requests
         still running are cancelled (their Generate calls end with the caller's channel as well)."""
-        sub = Subscriber(subscriber, self._on_tokens)
+        sub = Subscriber(self._on_tokens)
         with self._lock:
             old = self._subs.get(subscriber)
             self._subs[subscriber] = sub

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 from hybridcache.services.cache_tier.client import CacheTierClient
-from hybridcache.services.combine.tokens import Subscriptions
+from hybridcache.services.combine.tokens import Subscriptions, add_logprob
 from hybridcache.services.observability import metrics, tracing
 from hybridcache.services.observability.stats import StatsLog, stage, warmup_requests
 from hybridcache.services.protocol import pb, rpc, segment, segment_array
@@ -500,11 +500,7 @@ class CombineServicer(rpc.CombineServicer):
             for tok, delta in handle:
                 chunk = pb.TokenChunk(token_id=tok, text=delta)
                 if tok >= 0:
-                    if n < len(handle.logprobs):
-                        lp, top = handle.logprobs[n]
-                        chunk.has_logprob, chunk.logprob = True, lp
-                        chunk.top_ids.extend(i for i, _ in top)
-                        chunk.top_logprobs.extend(v for _, v in top)
+                    add_logprob(chunk, handle, n)
                     n += 1
                     self.stats.generated()
                     if t_first is None:

@@ -136,9 +136,3 @@ class TokenMux:
             for inbox in list(self._inboxes.values()):
                 if inbox.subscriber == sub:
                     inbox.put(StreamEnded(code))
-
-    def close(self) -> None:
-        with self._lock:
-            call, self._subscriber, self._call = self._call, None, None
-        if call is not None:
-            call.cancel()

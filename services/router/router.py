@@ -151,8 +151,8 @@ class Router:
 
     def _mux(self, address: str) -> TokenMux | None:
         """The combine worker's Tokens stream (--token-stream multiplexed), on a channel of its own
-        whose calls report their end (a multiplexed request's Generate call is not read after its
-        head chunk)."""
+        whose calls report their end (a multiplexed request's Generate call is never read: its end
+        comes to the request's inbox)."""
         if self.runtime.token_stream != "multiplexed":
             return None
         with self._lock:
