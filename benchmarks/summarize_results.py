@@ -194,7 +194,7 @@ FIGURES = (
            "figures.served_decode_fraction_of_floor_128_streams", "", 3, goal=">= 0.6"),
     Figure("served decode, 32 streams, sampled (T 0.8, top-p 0.95) / greedy tokens/s", "served_decode_h100_*.json",
            "figures.served_sampled_vs_greedy_tokens_per_s_32_streams", "", 3, goal=">= 0.95"),
-    Figure("served decode, 128 streams, fraction of the floor, one gRPC token stream per request (the peer, same machine)",
+    Figure("served decode, 128 streams, fraction of the floor, a gRPC token stream a request (the peer, same machine)",
            "served_decode_per_request_h100_*.json", "figures.served_decode_fraction_of_floor_128_streams", "", 3),
     Figure("served decode, 32 streams, fraction of the floor: this tree vs 0088f42 on the same machine (A/B)",
            "served_decode_ab_*.json", "figures.served_decode_fraction_of_floor_32_streams", "", 3),

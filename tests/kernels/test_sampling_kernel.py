@@ -43,28 +43,45 @@ def _rows(logits, s, n):
     return full(s["temperature"]), full(s.get("top_p", 2.0)), full(s.get("min_p", 0.0)), full(kth)
 
 
+@pytest.mark.parametrize("chunk", [None, 16], ids=["one-program-a-row", "split-vocabulary"])
 @pytest.mark.parametrize("case", range(len(SETTINGS)))
-def test_kernel_draws_the_reference_distribution(case):
+def test_kernel_draws_the_reference_distribution(case, chunk):
+    """Both paths: one program over a row's whole vocabulary, and the vocabulary cut in chunks of
+    16 (four programs a row, the GPU's path) whose first rounds hand undecided rows to the first."""
     s = SETTINGS[case]
     logits = _logits(case)
     seeds = torch.arange(N, device=device()) * 7919 + case
-    picks = sample_rows(logits.expand(N, V), *_rows(logits, s, N), seeds)
+    picks = sample_rows(logits.expand(N, V), *_rows(logits, s, N), seeds, chunk=chunk)
     ref = naive_sampling_probs(logits, s["temperature"], s.get("top_k", -1), s.get("top_p", 1.0), s.get("min_p", 0.0))
     assert 1 < int((ref > 0).sum()) < V  # the setting cuts something
     _check(picks, ref)
 
 
-def test_a_seed_picks_the_same_in_any_row():
+@pytest.mark.parametrize("chunk", [None, 16], ids=["one-program-a-row", "split-vocabulary"])
+def test_a_seed_picks_the_same_in_any_row(chunk):
     logits = _logits(11)
     s = dict(temperature=4.0, top_p=0.95)  # flat: different seeds pick differently
     seeds = torch.tensor([5, 6, 5, 7, 5, 8, 9, 10], device=device())
-    picks = sample_rows(logits.expand(8, V), *_rows(logits, s, 8), seeds).tolist()
+    picks = sample_rows(logits.expand(8, V), *_rows(logits, s, 8), seeds, chunk=chunk).tolist()
     assert picks[0] == picks[2] == picks[4]
     assert len(set(picks)) > 1
     # the row's own logits matter, not its neighbours'
     other = torch.stack([logits, _logits(12), logits, _logits(13)])
-    s4 = sample_rows(other, *_rows(logits, s, 4), torch.tensor([5, 5, 5, 5], device=device())).tolist()
+    s4 = sample_rows(other, *_rows(logits, s, 4), torch.tensor([5, 5, 5, 5], device=device()), chunk=chunk).tolist()
     assert s4[0] == s4[2] == picks[0]
+
+
+def test_the_split_path_hands_undecided_rows_on():
+    """top-p 0.05 on flat logits: most draws fall outside a nucleus of a token or two, so many rows
+    are still undecided after the split path's rounds and the one-program kernel decides them;
+    every pick lies in its row's nucleus."""
+    logits = _logits(31) * 0.05
+    s = dict(temperature=1.0, top_p=0.05)
+    ref = naive_sampling_probs(logits, 1.0, -1, 0.05, 0.0)
+    seeds = torch.arange(400, device=device()) * 31 + 1
+    picks = sample_rows(logits.expand(400, V), *_rows(logits, s, 400), seeds, chunk=16)
+    assert (ref[picks.cpu()] > 0).all()
+    _check(picks, ref)
 
 
 def test_the_cuda_path_of_sample_draws_each_rows_distribution(monkeypatch):
