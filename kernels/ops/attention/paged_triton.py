@@ -7,8 +7,10 @@ with chunk = ceil(ceil(n / splits) / BLOCK_N) * BLOCK_N; a split past the end do
 write an empty partial. Each key block gathers its keys' page ids from the table (key j: page
 table[row, j // P], row j % P), loads K transposed and V through them and runs an online softmax
 in the exp2 domain with fp32 accumulators. With one split the program writes the output; with
-more, normalized partials and log2-sum-exp2 go to fp32 buffers merged by merge_splits_kernel
-(triton.py). Pointer arithmetic is int64 (a pool can pass 2^31 elements).
+more, normalized partials and log2-sum-exp2 go to fp32 buffers merged by merge_paged_splits_kernel:
+a program a (output row, block of channels) reads all the row's splits at once (a decode step has
+few rows and up to 32 splits; a program a block of rows looping over the splits in turn took longer
+than the attention itself). Pointer arithmetic is int64 (a pool can pass 2^31 elements).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 from hybridcache.kernels.ops.attention.paged import num_splits as default_splits
-from hybridcache.kernels.ops.attention.triton import merge_splits_kernel
 
 _LOG2E = 1.4426950408889634
 
@@ -90,6 +91,25 @@ def paged_decode_kernel(
         tl.store(O + row_id[:, None] * DV + o_dv[None, :], b_o.to(O.dtype.element_ty), mask=m_o)
 
 
+@triton.jit
+def merge_paged_splits_kernel(OP, LSE, O, n_rows, DV: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+                              BLOCK_DV: tl.constexpr):
+    """O[r] = sum_s 2^(lse_s[r] - lse[r]) OP[s, r] over the SPLITS key splits (SP: the next power of
+    two), lse = log2 sum_s 2^lse_s; OP [SPLITS, n_rows, DV] and LSE [SPLITS, n_rows] fp32."""
+    r = tl.program_id(0).to(tl.int64)
+    o_s = tl.arange(0, SP)
+    o_dv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    m_s = o_s < SPLITS
+    m_dv = o_dv < DV
+    lse = tl.load(LSE + o_s * n_rows + r, mask=m_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(m_s, tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m)), 0.0)
+    b_o = tl.load(OP + (o_s[:, None] * n_rows + r) * DV + o_dv[None, :], mask=m_s[:, None] & m_dv[None, :], other=0.0)
+    l_i = tl.sum(w, 0)
+    b_o = tl.sum(w[:, None] * b_o, 0) / tl.where(l_i > 0.0, l_i, 1.0)
+    tl.store(O + r * DV + o_dv, b_o.to(O.dtype.element_ty), mask=m_dv)
+
+
 def _config(dq: int, dv: int, dtype: torch.dtype):
     """(BLOCK_N, num_warps, num_stages) for the head dims and dtype."""
     d = max(dq, dv)
@@ -126,12 +146,11 @@ def paged_decode(q, k_pages, v_pages, table, rows, lengths, scale: float, splits
     )
     if splits > 1:
         n_rows = B * Hq
-        bdv = max(16, triton.next_power_of_2(dv))
-        br = max(1, min(64, 4096 // bdv))
-        merge_splits_kernel[(triton.cdiv(n_rows, br),)](
-            op, lse, o, n_rows, splits, DV=dv, BLOCK_R=br, BLOCK_DV=bdv, num_warps=4,
+        bdv = min(64, max(16, triton.next_power_of_2(dv)))
+        merge_paged_splits_kernel[(n_rows, triton.cdiv(dv, bdv))](
+            op, lse, o, n_rows, DV=dv, SPLITS=splits, SP=triton.next_power_of_2(splits), BLOCK_DV=bdv, num_warps=2,
         )
     return o
 
 
-__all__ = ["paged_decode", "paged_decode_kernel"]
+__all__ = ["merge_paged_splits_kernel", "paged_decode", "paged_decode_kernel"]
