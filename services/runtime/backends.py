@@ -32,12 +32,26 @@ from hybridcache.kernels.ops.gated_delta_rule import chunk_gated_delta_rule, nai
 from hybridcache.kernels.ops.gla import naive_recurrent_gla
 from hybridcache.kernels.ops.kda import naive_recurrent_kda
 from hybridcache.kernels.ops.mamba2 import naive_ssd
-from hybridcache.kernels.ops.moe import grouped_experts, grouped_mm_supported, naive_experts
+from hybridcache.kernels.ops.moe import (
+    SharedExpert,
+    grouped_experts,
+    grouped_mm_supported,
+    naive_experts,
+    naive_shared_expert,
+)
 from hybridcache.kernels.ops.simple_gla.naive import naive_lightning_attention, naive_recurrent_simple_gla
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.config import KERNELS, RuntimeConfig, sdpa_backend_names
 
-MOE_PATHS = ("auto", "grouped_mm", "triton", "loop")
+MOE_PATHS = ("auto", "grouped_mm", "triton", "pairs", "loop")
+# Token-expert pairs up to which CUDA takes the pair-major kernels (kernels/ops/moe/triton.py
+# pair_experts). They read each pair's expert weights, where the sorted kernels read each distinct
+# expert's once: n k pairs over E experts hit E (1 - (1 - 1/E)^(n k)) distinct ones. At 64 pairs of
+# 256 experts (Qwen3.5-35B-A3B at batch 8: 56.7 distinct) that is 1.13x the bytes, paid for by what
+# the pair path leaves out: the sort (~8 µs a layer at batch 1 on an H100), the padded 64-row blocks,
+# the k-sum (~5 µs) and the shared expert's gate GEMV and elementwise launches (2-6 µs each); at 256
+# pairs (batch 32) it is 1.58x the bytes and the sorted kernels win.
+MOE_PAIR_MAX = 64
 
 # Below this many tokens the step loop beats chunking on CPU, and fla's fused recurrent kernel
 # beats its chunked one on GPU (decode, seam windows).
@@ -52,7 +66,7 @@ class OpDispatch:
     kernels: str = RuntimeConfig.kernels
     sdpa_backends: str = RuntimeConfig.sdpa_backends
     # MoE experts (moe_experts): "auto" picks the fastest path that has no host synchronisation;
-    # "grouped_mm", "triton" and "loop" force one (benchmarks/moe_bench.py compares them)
+    # "grouped_mm", "triton", "pairs" and "loop" force one (benchmarks/moe_bench.py compares them)
     moe: str = "auto"
 
     def __post_init__(self):
@@ -560,34 +574,46 @@ def fused_silu_mul(gate, up):
     return silu_mul(gate, up)
 
 
-def moe_path(x, gate_up, down) -> str:
+def moe_path(x, gate_up, down, top_k: int | None = None) -> str:
     """Which implementation moe_experts runs for these tensors: the per-expert loop under
-    `--kernels reference` (it reads the routing on the host); else the Triton fused-MoE kernel on
-    CUDA (faster than torch's grouped GEMM at every token count benchmarks/moe_bench.py measures
-    on an H100, and free of host synchronisation on every GPU and dtype), torch's grouped GEMM on
-    the CPU where it applies (grouped_mm_supported), the loop elsewhere. OpDispatch.moe forces one."""
+    `--kernels reference` (it reads the routing on the host); else on CUDA the pair-major Triton
+    kernels for at most MOE_PAIR_MAX token-expert pairs (n * top_k: a decode step of a few requests;
+    the router's top-k then runs as one kernel too, and the shared expert rides in the experts'
+    launches) and the Triton fused-MoE kernel beyond (faster than torch's grouped GEMM at every
+    token count benchmarks/moe_bench.py measures on an H100, and free of host synchronisation on
+    every GPU and dtype), torch's grouped GEMM on the CPU where it applies (grouped_mm_supported),
+    the loop elsewhere. OpDispatch.moe forces one."""
     dispatch = _DISPATCH.get()
     if dispatch.moe != "auto":
         return dispatch.moe
     if dispatch.kernels == "reference":
         return "loop"
     if x.is_cuda:
-        return "triton"
+        tokens = x.numel() // x.shape[-1]
+        return "pairs" if top_k is not None and tokens * top_k <= MOE_PAIR_MAX else "triton"
     return "grouped_mm" if grouped_mm_supported(x, gate_up, down) else "loop"
 
 
-def moe_experts(x, gate_up, down, top_i, top_w):
+def moe_experts(x, gate_up, down, top_i, top_w, shared: SharedExpert | None = None, path: str | None = None):
     """Routed SwiGLU experts: x [n, h], gate_up [E, 2I, h], down [E, h, I], top_i / top_w [n, k]
-    (each token's experts and routing weights) -> [n, h] in x's dtype (kernels/ops/moe)."""
-    path = moe_path(x, gate_up, down)
+    (each token's experts and routing weights) -> [n, h] in x's dtype (kernels/ops/moe), plus the
+    shared expert where given: inside the pair kernels' two launches on the "pairs" path, as its own
+    ops (kernels/ops/moe/naive.py) on the others. path: moe_path's answer, where the caller has it."""
+    path = path or moe_path(x, gate_up, down, top_i.shape[1])
+    if path == "pairs":
+        from hybridcache.kernels.ops.moe.triton import pair_experts
+
+        return pair_experts(x, gate_up, down, top_i, top_w, shared)
     if path == "grouped_mm":
         silu_mul = fused_silu_mul if use_fast_kernels(x) else None
-        return grouped_experts(x, gate_up, down, top_i, top_w, silu_mul)
-    if path == "triton":
+        out = grouped_experts(x, gate_up, down, top_i, top_w, silu_mul)
+    elif path == "triton":
         from hybridcache.kernels.ops.moe.triton import fused_experts
 
-        return fused_experts(x, gate_up, down, top_i, top_w)
-    return naive_experts(x, gate_up, down, top_i, top_w)
+        out = fused_experts(x, gate_up, down, top_i, top_w)
+    else:
+        out = naive_experts(x, gate_up, down, top_i, top_w)
+    return out if shared is None else out + naive_shared_expert(x, shared)
 
 
 def causal_conv1d_update(x, weight, bias, conv_state, slots, activation):

@@ -24,7 +24,13 @@ from hybridcache.kernels.ops.attention.triton import live_attention, paged_live_
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd, causal_conv1d_update  # noqa: E402
 from hybridcache.kernels.ops.checksum.triton import checksum_sums, copy_checksum  # noqa: E402
 from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
-from hybridcache.kernels.ops.moe.triton import FusedConfig, fused_experts  # noqa: E402
+from hybridcache.kernels.ops.moe.triton import (  # noqa: E402
+    FusedConfig,
+    PairConfig,
+    fused_experts,
+    pair_experts,
+    softmax_top_k,
+)
 from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_heads, row_norm  # noqa: E402
 from hybridcache.kernels.ops.recurrent_step.triton import recurrent_step  # noqa: E402
 from hybridcache.kernels.ops.rope.triton import norm_rope_tokens, rope_heads  # noqa: E402
@@ -49,6 +55,9 @@ __all__ = [
     "device",
     "FusedConfig",
     "fused_experts",
+    "PairConfig",
+    "pair_experts",
+    "softmax_top_k",
     "gdn_gates",
     "l2norm_heads",
     "live_attention",

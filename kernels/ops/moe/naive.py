@@ -12,6 +12,8 @@ device and its op count depends on the routing: the CPU reference the fast paths
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -26,3 +28,23 @@ def naive_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
         y = F.linear(F.silu(gate) * up, down[e]) * top_w[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """An always-on SwiGLU expert beside the routed ones (Qwen3-Next / Qwen3.5-MoE, Kimi-Linear):
+    gate, up [Is, h], down [h, Is]; gate_logit [1, h] (or None: weight 1) scales its output by
+    sigmoid(x @ gate_logit^T) per token."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_logit: torch.Tensor | None = None
+
+
+def naive_shared_expert(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
+    """[n, h] in x's dtype: sigmoid(x @ gate_logit^T) * down @ (silu(gate @ x) * (up @ x)) per token."""
+    y = F.linear(F.silu(F.linear(x, shared.gate)) * F.linear(x, shared.up), shared.down)
+    if shared.gate_logit is not None:
+        y = torch.sigmoid(F.linear(x, shared.gate_logit)) * y
+    return y

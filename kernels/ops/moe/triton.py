@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from hybridcache.kernels.ops.moe.grouped import CHUNK_TOKENS, sort_by_expert
+from hybridcache.kernels.ops.moe.naive import SharedExpert
 
 
 @dataclass(frozen=True)
@@ -169,3 +170,213 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
         y.stride(0), H=h, I=inter, **common,
     )
     return y.view(n, k, h).sum(1)
+
+
+# ------------------------------------------------------------------------------------ pair-major
+# Few token-expert pairs (a decode step of a few requests): one program per (pair, tile of output
+# channels), a GEMV over its expert's rows, no sort and no padding. Each pair reads its expert's
+# weights on its own: where tokens share experts they are read again (backends.MOE_PAIR_MAX says
+# up to how many pairs that pays).
+
+
+@dataclass(frozen=True)
+class PairConfig:
+    """Tiles of the pair kernels: gate_up_n intermediate channels a program (both halves) over
+    steps of gate_up_k input channels; down_n output channels over steps of down_k."""
+
+    gate_up_n: int = 16
+    gate_up_k: int = 256
+    down_n: int = 16
+    down_k: int = 256
+    num_warps: int = 4
+
+
+@triton.jit(do_not_specialize=["P"])
+def moe_pair_gate_up_kernel(
+    x, w, top_i, act, sg, su, sl, logit, P,
+    s_xm, s_we, s_wn, s_sg, s_su, s_am,
+    TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, I_S: tl.constexpr,
+    HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Program (p, i_n): act[p, tile] = silu(gate @ x[t]) * (up @ x[t]) over the tile's channels,
+    pair p < P of token t = p // TOP_K and expert top_i[p], or (HAS_SHARED) p = P + t the shared
+    expert of token t; program (P + t, 0) also writes logit[t] = x[t] @ sl (HAS_GATE)."""
+    i_p, i_n = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    if i_p < P:
+        i_t = i_p // TOP_K
+        e = tl.load(top_i + i_p).to(tl.int64)
+        p_g = w + e * s_we + o_n[:, None].to(tl.int64) * s_wn
+        p_u = p_g + I * s_wn
+        m_n = o_n < I
+    else:
+        i_t = i_p - P
+        p_g = sg + o_n[:, None].to(tl.int64) * s_sg
+        p_u = su + o_n[:, None].to(tl.int64) * s_su
+        m_n = o_n < I_S
+    # the shared expert's programs of tile 0 also reduce x[t] against the gate's row
+    is_gate = (i_p >= P) & (i_n == 0)
+    gate_k = tl.where(is_gate, H, 0)
+    p_x = x + i_t.to(tl.int64) * s_xm
+    b_ag = tl.zeros([BN], dtype=tl.float32)
+    b_au = tl.zeros([BN], dtype=tl.float32)
+    b_l = tl.zeros([BK], dtype=tl.float32)
+    for k0 in tl.static_range(0, H, BK):
+        m_k = k0 + o_k < H
+        b_x = tl.load(p_x + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)
+        m_w = m_n[:, None] & m_k[None, :]
+        b_g = tl.load(p_g + k0 + o_k[None, :], mask=m_w, other=0.0).to(tl.float32)
+        b_u = tl.load(p_u + k0 + o_k[None, :], mask=m_w, other=0.0).to(tl.float32)
+        b_ag += tl.sum(b_g * b_x[None, :], axis=1)
+        b_au += tl.sum(b_u * b_x[None, :], axis=1)
+        if HAS_GATE:
+            b_l += tl.load(sl + k0 + o_k, mask=k0 + o_k < gate_k, other=0.0).to(tl.float32) * b_x
+    b_y = b_ag * tl.sigmoid(b_ag) * b_au
+    tl.store(act + i_p.to(tl.int64) * s_am + o_n, b_y, mask=m_n)
+    if HAS_GATE:
+        tl.store(logit + i_t, tl.sum(b_l, axis=0), mask=is_gate)
+
+
+@triton.jit(do_not_specialize=["P"])
+def moe_pair_down_kernel(
+    act, w, top_i, top_w, out, sd, logit, P,
+    s_am, s_we, s_wn, s_sd, s_om,
+    TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, I_S: tl.constexpr,
+    HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Program (t, i_n): out[t, tile] = sum_j top_w[t, j] * down[top_i[t, j]] @ act[t k + j]
+    (+ sigmoid(logit[t]) * shared_down @ act[P + t]), fp32 throughout, one store."""
+    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < H
+    o_k = tl.arange(0, BK)
+    b_o = tl.zeros([BN], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        i_p = i_t * TOP_K + j
+        e = tl.load(top_i + i_p).to(tl.int64)
+        b_rw = tl.load(top_w + i_p).to(tl.float32)
+        p_w = w + e * s_we + o_n[:, None].to(tl.int64) * s_wn
+        p_a = act + i_p.to(tl.int64) * s_am
+        b_y = tl.zeros([BN], dtype=tl.float32)
+        for k0 in tl.static_range(0, I, BK):
+            m_k = k0 + o_k < I
+            b_a = tl.load(p_a + k0 + o_k, mask=m_k, other=0.0)
+            b_w = tl.load(p_w + k0 + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_y += tl.sum(b_w * b_a[None, :], axis=1)
+        b_o += b_rw * b_y
+    if HAS_SHARED:
+        p_w = sd + o_n[:, None].to(tl.int64) * s_sd
+        p_a = act + (P + i_t).to(tl.int64) * s_am
+        b_y = tl.zeros([BN], dtype=tl.float32)
+        for k0 in tl.static_range(0, I_S, BK):
+            m_k = k0 + o_k < I_S
+            b_a = tl.load(p_a + k0 + o_k, mask=m_k, other=0.0)
+            b_w = tl.load(p_w + k0 + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_y += tl.sum(b_w * b_a[None, :], axis=1)
+        if HAS_GATE:
+            b_y *= tl.sigmoid(tl.load(logit + i_t))
+        b_o += b_y
+    tl.store(out + i_t.to(tl.int64) * s_om + o_n, b_o.to(out.dtype.element_ty), mask=m_n)
+
+
+def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_i: torch.Tensor,
+                 top_w: torch.Tensor, shared: SharedExpert | None = None,
+                 config: PairConfig | None = None) -> torch.Tensor:
+    """x [n, h], gate_up [E, 2I, h], down [E, h, I], top_i / top_w [n, k] -> out [n, h] in x's
+    dtype: the routed experts' weighted sum plus, given `shared`, the shared expert (and its
+    sigmoid gate), in two launches whose grids depend on n alone. fp32 accumulation, one rounding
+    of the output; act between the launches is fp32 ([n k (+ n), max(I, Is)])."""
+    E, two_i, h = gate_up.shape
+    inter = two_i // 2
+    n, k = top_i.shape
+    if down.shape != (E, h, inter) or x.shape != (n, h) or top_w.shape != top_i.shape:
+        raise ValueError(f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, "
+                         f"top_i {tuple(top_i.shape)}, top_w {tuple(top_w.shape)} do not fit")
+    inter_s = 0
+    if shared is not None:
+        inter_s = shared.down.shape[1]
+        if (shared.gate.shape != (inter_s, h) or shared.up.shape != (inter_s, h) or shared.down.shape != (h, inter_s)
+                or (shared.gate_logit is not None and shared.gate_logit.numel() != h)):
+            raise ValueError(f"shared expert gate {tuple(shared.gate.shape)}, up {tuple(shared.up.shape)}, "
+                             f"down {tuple(shared.down.shape)} do not fit h = {h}")
+    weights = [gate_up, down] + ([] if shared is None else [shared.gate, shared.up, shared.down])
+    if any(t.stride(-1) != 1 for t in weights):
+        raise ValueError("expert weights need unit stride along their input channels")
+    out = torch.empty_like(x)
+    if n == 0:
+        return out
+    cfg = config or PairConfig()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    top_i, top_w = top_i.contiguous(), top_w.contiguous()
+    P = n * k
+    rows = P + (n if shared is not None else 0)
+    act = torch.empty(rows, max(inter, inter_s), dtype=torch.float32, device=x.device)
+    has_gate = shared is not None and shared.gate_logit is not None
+    logit = torch.empty(n, dtype=torch.float32, device=x.device) if has_gate else act
+    sg, su, sd = (gate_up, gate_up, down) if shared is None else (shared.gate, shared.up, shared.down)
+    sl = shared.gate_logit.reshape(-1) if has_gate else x
+    common = dict(TOP_K=k, H=h, I=inter, I_S=inter_s, HAS_SHARED=shared is not None, HAS_GATE=has_gate,
+                  num_warps=cfg.num_warps)
+    moe_pair_gate_up_kernel[(rows, triton.cdiv(max(inter, inter_s), cfg.gate_up_n))](
+        x, gate_up, top_i, act, sg, su, sl, logit, P,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), su.stride(0), act.stride(0),
+        BN=cfg.gate_up_n, BK=cfg.gate_up_k, **common,
+    )
+    moe_pair_down_kernel[(n, triton.cdiv(h, cfg.down_n))](
+        act, down, top_i, top_w, out, sd, logit, P,
+        act.stride(0), down.stride(0), down.stride(1), sd.stride(0), out.stride(0),
+        BN=cfg.down_n, BK=cfg.down_k, **common,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------- routing
+
+@triton.jit
+def softmax_top_k_kernel(
+    logits, top_w, top_i, s_lm,
+    E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BKK: tl.constexpr, RENORMALIZE: tl.constexpr,
+):
+    """Program t: token t's k largest logits by k argmaxes (the lowest index among equal ones),
+    in descending order; weights the softmax of those k (RENORMALIZE) or their share of the whole
+    row's softmax, computed in fp32."""
+    i_t = tl.program_id(0)
+    o_e = tl.arange(0, BE)
+    b_l = tl.load(logits + i_t.to(tl.int64) * s_lm + o_e, mask=o_e < E, other=float("-inf")).to(tl.float32)
+    o_j = tl.arange(0, BKK)
+    b_tl = tl.full([BKK], float("-inf"), dtype=tl.float32)
+    b_ti = tl.zeros([BKK], dtype=tl.int64)
+    b_left = b_l
+    for j in tl.static_range(K):
+        b_v, b_i = tl.max(b_left, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        b_tl = tl.where(o_j == j, b_v, b_tl)
+        b_ti = tl.where(o_j == j, b_i.to(tl.int64), b_ti)
+        b_left = tl.where(o_e == b_i, float("-inf"), b_left)
+    if RENORMALIZE:
+        b_p = tl.exp(b_tl - tl.max(b_tl, axis=0))
+        b_w = b_p / tl.sum(b_p, axis=0)
+    else:
+        b_m = tl.max(b_l, axis=0)
+        b_w = tl.exp(b_tl - b_m) / tl.sum(tl.exp(b_l - b_m), axis=0)
+    m_j = o_j < K
+    tl.store(top_w + i_t * K + o_j, b_w.to(top_w.dtype.element_ty), mask=m_j)
+    tl.store(top_i + i_t * K + o_j, b_ti, mask=m_j)
+
+
+def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype):
+    """models/common.softmax_top_k in one launch: logits [n, E] -> (weights [n, k] in `dtype`,
+    experts [n, k] int64), the k largest logits in descending order."""
+    n, E = logits.shape
+    if not 0 < k <= E:
+        raise ValueError(f"top-{k} of {E} experts")
+    top_w = torch.empty(n, k, dtype=dtype, device=logits.device)
+    top_i = torch.empty(n, k, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return top_w, top_i
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    softmax_top_k_kernel[(n,)](
+        logits, top_w, top_i, logits.stride(0), E=E, BE=triton.next_power_of_2(E), K=k,
+        BKK=triton.next_power_of_2(k), RENORMALIZE=renormalize, num_warps=4 if E <= 1024 else 8,
+    )
+    return top_w, top_i

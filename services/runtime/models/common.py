@@ -70,11 +70,16 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * xf).to(x.dtype)
 
 
-def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype):
+def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype, fused: bool = False):
     """A softmax router's choice: (weights [n, k] in `dtype`, experts [n, k]) of logits [n, E]. The
     experts are the k largest logits (softmax keeps their order); renormalised over them, their
     weights are the softmax of those k logits alone, p_i / sum of the k p_j: one small softmax
-    instead of the whole row's, a sum and a division (fewer launches a MoE layer of a decode step)."""
+    instead of the whole row's, a sum and a division (fewer launches a MoE layer of a decode step).
+    fused: the same in one Triton launch (kernels/ops/moe/triton.py; the MoE "pairs" path takes it)."""
+    if fused:
+        from hybridcache.kernels.ops.moe.triton import softmax_top_k as kernel
+
+        return kernel(logits, k, renormalize, dtype)
     if renormalize:
         top_l, top_i = torch.topk(logits, k, dim=-1)
         return torch.softmax(top_l, dim=-1, dtype=torch.float).to(dtype), top_i

@@ -415,7 +415,11 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         top_w, top_i = self.gate(flat)
-        out = self.experts(flat, top_i, top_w)
+        path = self.experts.path(flat, top_w.shape[1])
+        if path == "pairs":
+            # the (ungated) shared experts run inside the routed experts' two launches
+            return self.experts(flat, top_i, top_w, self.shared_experts.as_shared(), path).view(shape)
+        out = self.experts(flat, top_i, top_w, path=path)
         return out.view(shape) + self.shared_experts(x)
 
 

@@ -269,8 +269,10 @@ class MiniMaxMoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        top_w, top_i = softmax_top_k(F.linear(flat, self.gate.weight), self.top_k, True, torch.float)
-        out = self.experts(flat, top_i, top_w)
+        path = self.experts.path(flat, self.top_k)
+        top_w, top_i = softmax_top_k(F.linear(flat, self.gate.weight), self.top_k, True, torch.float,
+                                     fused=path == "pairs")
+        out = self.experts(flat, top_i, top_w, path=path)
         return out.view(shape)
 
 

@@ -12,6 +12,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from hybridcache.kernels.ops.moe import SharedExpert
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.models.common import (
@@ -270,6 +271,10 @@ class MLP(nn.Module):
         self._gate_up = merge_weights(self.gate_proj, self.up_proj)
         return int(self._gate_up is not None)
 
+    def as_shared(self, gate_logit: torch.Tensor | None = None) -> SharedExpert:
+        """This MLP as a MoE block's shared expert (its output scaled by sigmoid(x @ gate_logit^T))."""
+        return SharedExpert(self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, gate_logit)
+
     def forward(self, x):
         gate, up = merged_linear(x, getattr(self, "_gate_up", None), (self.gate_proj, self.up_proj))
         act = backends.fused_silu_mul(gate, up)
@@ -293,9 +298,14 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.zeros(e, h, i))
 
-    def forward(self, x, top_i, top_w):
-        """x [n, h]; top_i, top_w [n, k]: sum over each token's k experts of w * expert(x)."""
-        return backends.moe_experts(x, self.gate_up_proj, self.down_proj, top_i, top_w)
+    def path(self, x, top_k: int) -> str:
+        """backends.moe_path for x [n, h] routed to top_k experts each."""
+        return backends.moe_path(x, self.gate_up_proj, self.down_proj, top_k)
+
+    def forward(self, x, top_i, top_w, shared: SharedExpert | None = None, path: str | None = None):
+        """x [n, h]; top_i, top_w [n, k]: sum over each token's k experts of w * expert(x), plus the
+        shared expert where given (backends.moe_experts)."""
+        return backends.moe_experts(x, self.gate_up_proj, self.down_proj, top_i, top_w, shared, path)
 
 
 class SparseMoE(nn.Module):
@@ -310,10 +320,16 @@ class SparseMoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        k = self.cfg.num_experts_per_tok
+        path = self.experts.path(x, k)
         # Qwen3.5-MoE always renormalises the top-k weights (its config has no norm_topk_prob)
         renormalize = self.cfg.norm_topk_prob or self.cfg.family == "qwen3_5_moe"
-        top_w, top_i = softmax_top_k(F.linear(x, self.gate.weight), self.cfg.num_experts_per_tok, renormalize, x.dtype)
-        out = self.experts(x, top_i, top_w)
+        top_w, top_i = softmax_top_k(F.linear(x, self.gate.weight), k, renormalize, x.dtype, fused=path == "pairs")
+        if path == "pairs":
+            # the shared expert and its sigmoid gate run inside the routed experts' two launches
+            shared = self.shared_expert.as_shared(self.shared_expert_gate.weight)
+            return self.experts(x, top_i, top_w, shared, path).view(shape)
+        out = self.experts(x, top_i, top_w, path=path)
         out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
 
