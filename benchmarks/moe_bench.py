@@ -6,8 +6,9 @@ a generator seeded by its name, so that the peer built later holds the same weig
 
 - block: one MoE block (router, routed experts, shared expert) on n tokens, for each expert path
   (backends.OpDispatch.moe: the per-expert loop, torch's grouped GEMM, the Triton fused-MoE kernel
-  at its default tiles and at a few others): ms, relative RMS error against the loop, and the
-  fastest path within bf16 rounding of it (`moe_block_fastest_<n>`); `moe_auto_path` is what the
+  at its default tiles and at a few others, and up to 32 tokens the pair-major kernels that take
+  decode batches of up to 64 token-expert pairs): ms, relative RMS error against the loop, and the
+  fastest path within bf16 rounding of it (`moe_block_fastest_<n>`); `moe_auto_path_<n>` is what the
   engine takes. On a GPU, up to 256 tokens, also each path's block replayed from a CUDA graph
   (`moe_block_graph_us_<path>_<n>`, `moe_block_fastest_graphed_<n>`): the eager times of decode
   sizes are mostly launches, which a decode step's graph does not pay.
@@ -223,12 +224,31 @@ def moe_dispatch(path):
 
 # token counts up to which a block is also timed replayed from a CUDA graph (decode batches)
 GRAPHED_TOKENS = 256
+# token counts up to which the pair-major path is timed (auto takes it up to 64 pairs: batch 8 at
+# top-8; batch 32 shows the sorted path's lead beyond)
+PAIR_TOKENS = 32
 
 
-def block_figures(cfg, device, dtype, token_counts, figures):
+def block_floor_us(block, x, bw_gbs) -> float:
+    """The least time a block on x [1, n, h] can take at bw_gbs: the bytes of the experts its tokens
+    route to (each distinct one once), the router and the shared expert with its gate, and x and the
+    output, read or written once."""
+    k = block.cfg.num_experts_per_tok
+    flat = x.reshape(-1, x.shape[-1])
+    active = torch.topk(torch.nn.functional.linear(flat, block.gate.weight), k, dim=-1).indices.unique().numel()
+    ex = block.experts
+    per_expert = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * ex.down_proj.element_size()
+    fixed = sum(p.numel() * p.element_size() for m in (block.gate, block.shared_expert, block.shared_expert_gate)
+                for p in m.parameters())
+    return (active * per_expert + fixed + 2 * x.numel() * x.element_size()) / (bw_gbs * 1e9) * 1e6
+
+
+def block_figures(cfg, device, dtype, token_counts, figures, bw_gbs):
     """One SparseMoE block (layer-sized, random weights) per expert path and token count: eagerly
     (`moe_block_ms_*`, launches included) and, up to GRAPHED_TOKENS, replayed from a CUDA graph
-    (`moe_block_graph_us_*`: what a decode step's graph pays, the figure that picks decode tiles)."""
+    (`moe_block_graph_us_*`: what a decode step's graph pays, the figure that picks decode tiles),
+    beside the block's floor at the measured copy bandwidth (`moe_block_floor_us_<n>`, and the
+    fastest graphed path's `moe_block_graph_fraction_of_floor_<n>`)."""
     from hybridcache.kernels.ops.moe import grouped_mm_supported
     from hybridcache.services.runtime import backends
     from hybridcache.services.runtime.models.qwen3_hybrid import SparseMoE
@@ -243,7 +263,11 @@ def block_figures(cfg, device, dtype, token_counts, figures):
     block.shared_expert.merge_projections()
     ex = block.experts
     probe = torch.zeros(1, cfg.hidden_size, device=device, dtype=dtype)
+    k = cfg.num_experts_per_tok
     figures["moe_auto_path"] = backends.moe_path(probe, ex.gate_up_proj, ex.down_proj)
+    for n in token_counts:
+        probe_n = torch.zeros(n, cfg.hidden_size, device=device, dtype=dtype)
+        figures[f"moe_auto_path_{n}"] = backends.moe_path(probe_n, ex.gate_up_proj, ex.down_proj, k)
     candidates = [("loop", "loop", None)]
     if grouped_mm_supported(probe, ex.gate_up_proj, ex.down_proj):
         candidates.append(("grouped_mm", "grouped_mm", None))
@@ -256,12 +280,24 @@ def block_figures(cfg, device, dtype, token_counts, figures):
                   moe_triton.FusedConfig(64, 128, 64, 8, 3), moe_triton.FusedConfig(128, 128, 64, 8, 3)):
             candidates.append((f"triton_m{c.block_m}_n{c.block_n}_k{c.block_k}_w{c.num_warps}_s{c.num_stages}",
                                "triton", c))
+        # the pair-major kernels (router, routed and shared experts in three launches) at their
+        # default tiles and a few others, up to PAIR_TOKENS tokens
+        candidates.append(("pairs", "pairs", None))
+        for c in (moe_triton.PairConfig(8, 256, 8, 256, 4), moe_triton.PairConfig(16, 512, 16, 512, 8),
+                  moe_triton.PairConfig(32, 128, 32, 128, 4), moe_triton.PairConfig(16, 256, 8, 512, 4),
+                  moe_triton.PairConfig(16, 128, 16, 128, 2)):
+            candidates.append((f"pairs_n{c.gate_up_n}_k{c.gate_up_k}_dn{c.down_n}_dk{c.down_k}_w{c.num_warps}",
+                               "pairs", c))
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # within the activation dtype's rounding of the loop
     gen = torch.Generator().manual_seed(0)
     for n in token_counts:
         x = torch.randn(1, n, cfg.hidden_size, generator=gen).to(device, dtype)
+        floor_us = block_floor_us(block, x, bw_gbs)
+        figures[f"moe_block_floor_us_{n}"] = round(floor_us, 2)
         ref, best, best_graph = None, None, None
         for name, path, tiles in candidates:
+            if path == "pairs" and n > PAIR_TOKENS:
+                continue
             ctx = contextlib.nullcontext()
             if tiles is not None:
                 ctx = _fused_tiles(moe_triton, tiles)
@@ -293,13 +329,23 @@ def block_figures(cfg, device, dtype, token_counts, figures):
         figures[f"moe_block_fastest_{n}"] = best[0] if best else "loop"
         if best_graph is not None:
             figures[f"moe_block_fastest_graphed_{n}"] = best_graph[0]
+            figures[f"moe_block_graph_fraction_of_floor_{n}"] = float(f"{floor_us / best_graph[1]:.3g}")
         if best:
             figures[f"moe_block_speedup_vs_loop_{n}"] = round(figures[f"moe_block_ms_loop_{n}"] / best[1], 2)
 
 
 @contextlib.contextmanager
 def _fused_tiles(moe_triton, tiles):
-    """The Triton path with these tiles for every token count inside the block."""
+    """The Triton path (sorted or pair-major, by the tiles' type) with these tiles for every token
+    count inside the block."""
+    if isinstance(tiles, moe_triton.PairConfig):
+        prev_pair = moe_triton.PAIR_CONFIG
+        moe_triton.PAIR_CONFIG = tiles
+        try:
+            yield
+        finally:
+            moe_triton.PAIR_CONFIG = prev_pair
+        return
     prev = moe_triton.default_config
     moe_triton.default_config = lambda pairs, experts: tiles
     try:
@@ -407,6 +453,10 @@ def decode_figures(model, cfg, device, batch, prompt, steps, bw_gbs, figures):
     total = sum(parts.values())
     floor_ms = total / (bw_gbs * 1e9) * 1e3
     graphs = runners[True].decode_graphs(pool)
+    ex = next(layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    probe = torch.zeros(batch, cfg.hidden_size, device=device, dtype=ex.down_proj.dtype)
+    figures[f"moe_decode_path_{batch}"] = backends.moe_path(probe, ex.gate_up_proj, ex.down_proj,
+                                                            cfg.num_experts_per_tok)
     figures[f"moe_decode_step_ms_{batch}"] = round(step_ms, 3)
     figures[f"moe_decode_tokens_per_s_{batch}"] = round(batch / step_ms * 1e3, 1)
     figures[f"moe_decode_floor_ms_{batch}"] = round(floor_ms, 3)
@@ -503,7 +553,7 @@ def main(argv=None) -> int:
         from hybridcache.services.runtime.config import ModelConfig
 
         section("block", block_figures, ModelConfig.from_dict(hf_dict(args.preset, layers)), device, dtype,
-                token_counts, figures)
+                token_counts, figures, bw)
     if "prefill" in sections or "decode" in sections:
         holder = {}
 

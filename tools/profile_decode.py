@@ -116,6 +116,10 @@ def main(argv=None) -> int:
                 "by_host_time": table(prof, "self_cpu_time_total", args.top),
                 "by_device_time": table(prof, "self_device_time_total", args.top),
             }
+            experts = next((m for m in model.modules() if hasattr(m, "gate_up_proj")), None)
+            if experts is not None:  # the MoE path the step takes (backends.moe_path: "pairs" up to 64 pairs)
+                probe = torch.zeros(B, cfg.hidden_size, device="cuda", dtype=experts.down_proj.dtype)
+                out[key]["moe_path"] = experts.path(probe, cfg.num_experts_per_tok)
             if graphs:
                 g = runner.decode_graphs(pool)
                 out[key]["graph_stats"] = dict(g.stats) if g is not None else None

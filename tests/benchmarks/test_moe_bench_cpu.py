@@ -26,6 +26,7 @@ def test_tiny_run_reports_every_figure(tmp_path):
     for n in (1, 32):
         assert f[f"moe_block_ms_loop_{n}"] > 0 and f[f"moe_block_ms_grouped_mm_{n}"] > 0
         assert f[f"moe_block_rel_err_grouped_mm_{n}"] <= 1e-5 and f[f"moe_block_fastest_{n}"] in ("loop", "grouped_mm")
+        assert f[f"moe_auto_path_{n}"] == "grouped_mm" and f[f"moe_block_floor_us_{n}"] > 0
     assert f["moe_prefill_ms_ours_48"] > 0 and f["moe_prefill_ms_peer_48"] > 0
     speedup = f["moe_prefill_ms_peer_48"] / f["moe_prefill_ms_ours_48"]
     assert f["moe_prefill_speedup_vs_peer_48"] == pytest.approx(speedup, rel=2e-3, abs=6e-4)  # 3 decimals
@@ -39,6 +40,7 @@ def test_tiny_run_reports_every_figure(tmp_path):
         floor_ms = sum(parts.values()) / (f["copy_gb_per_s"] * 1e9) * 1e3
         assert f[f"moe_decode_floor_ms_{b}"] == pytest.approx(floor_ms, rel=1e-2, abs=2e-3)
         assert 0 < f[f"moe_decode_fraction_of_floor_{b}"] < 1
+        assert f[f"moe_decode_path_{b}"] == "grouped_mm"
     assert f["moe_decode_active_experts_per_layer_1"] == 2  # top-2 of one token
 
 

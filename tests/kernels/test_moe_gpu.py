@@ -53,8 +53,9 @@ def prefilled(model, ids):
 def test_decode_step_replays_without_host_sync(arch):
     model = cuda_model(arch)
     experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
-    x = torch.zeros(1, model.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    assert backends.moe_path(x, experts.gate_up_proj, experts.down_proj) in ("grouped_mm", "triton")
+    x = torch.zeros(3, model.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    # three requests, top-4: 12 token-expert pairs, the pair-major kernels (routing included)
+    assert backends.moe_path(x, experts.gate_up_proj, experts.down_proj, MOE["num_experts_per_tok"]) == "pairs"
     gen = torch.Generator().manual_seed(0)
     # an eager runner and a graphed one over the model (the decode graphs are a runner's)
     runners = {g: ModelRunner(model, RuntimeConfig(decode_cuda_graphs=g, max_model_len=1024)) for g in (False, True)}
