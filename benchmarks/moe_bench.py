@@ -281,11 +281,11 @@ def block_figures(cfg, device, dtype, token_counts, figures, bw_gbs):
             candidates.append((f"triton_m{c.block_m}_n{c.block_n}_k{c.block_k}_w{c.num_warps}_s{c.num_stages}",
                                "triton", c))
         # the pair-major kernels (router, routed and shared experts in three launches) at their
-        # default tiles and a few others, up to PAIR_TOKENS tokens
+        # default tiles and six others, up to PAIR_TOKENS tokens
         candidates.append(("pairs", "pairs", None))
-        for c in (moe_triton.PairConfig(8, 256, 8, 256, 4), moe_triton.PairConfig(16, 512, 16, 512, 8),
-                  moe_triton.PairConfig(32, 128, 32, 128, 4), moe_triton.PairConfig(16, 256, 8, 512, 4),
-                  moe_triton.PairConfig(16, 128, 16, 128, 2)):
+        for c in (moe_triton.PairConfig(16, 256, 16, 256, 4), moe_triton.PairConfig(4, 512, 4, 512, 4),
+                  moe_triton.PairConfig(8, 512, 8, 512, 8), moe_triton.PairConfig(16, 512, 16, 512, 8),
+                  moe_triton.PairConfig(32, 128, 32, 128, 4), moe_triton.PairConfig(4, 256, 8, 256, 2)):
             candidates.append((f"pairs_n{c.gate_up_n}_k{c.gate_up_k}_dn{c.down_n}_dk{c.down_k}_w{c.num_warps}",
                                "pairs", c))
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # within the activation dtype's rounding of the loop

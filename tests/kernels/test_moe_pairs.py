@@ -17,6 +17,16 @@ from hybridcache.services.runtime.modelzoo import hf_config, init_model_dir
 from kernel_testing import PairConfig, device, fused_experts, pair_experts, rel_rms, softmax_top_k
 
 SMALL = PairConfig(gate_up_n=8, gate_up_k=16, down_n=8, down_k=16)  # several tiles, masked tails
+# one tile a program at the tiny models' widths: fewer programs for the interpreter to run
+WIDE = PairConfig(gate_up_n=64, gate_up_k=64, down_n=64, down_k=64)
+
+
+@pytest.fixture
+def wide_tiles(monkeypatch):
+    """pair_experts' default tiles WIDE (the interpreter's time goes by programs)."""
+    import hybridcache.kernels.ops.moe.triton as moe_triton
+
+    monkeypatch.setattr(moe_triton, "PAIR_CONFIG", WIDE)
 
 
 def problem(E, h, inter, n, k, inter_s=0, gated=True, same=False, dtype=torch.float32, seed=0):
@@ -121,7 +131,7 @@ FAMILIES = {
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
-def test_block_on_the_pair_path_equals_the_loop(arch):
+def test_block_on_the_pair_path_equals_the_loop(arch, wide_tiles):
     """The MoE block of each family with its experts, router and shared expert on the pair path
     (forced: on CUDA "auto" takes it up to MOE_PAIR_MAX pairs) equals its per-expert loop (which
     tests/runtime/test_moe.py holds to transformers' block)."""
@@ -197,7 +207,7 @@ def decode_launches(model, prompts, tokens):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's launches (CPU)")
-def test_decode_step_on_the_pair_path_does_not_depend_on_the_routing(tmp_path):
+def test_decode_step_on_the_pair_path_does_not_depend_on_the_routing(tmp_path, wide_tiles):
     """Two models alike but for their routers: one sends every token to the same two experts (a
     zero router: all logits tie), the other spreads them over most of 16. On the pair path a decode
     step issues the same ops and launches in both: per MoE layer the router GEMM, one routing
@@ -234,7 +244,8 @@ def test_pair_path_equals_the_sorted_kernel_bf16_gpu_without_host_sync(n):
     ref = fused_experts(x, gu, d, ti, tw) + naive_shared_expert(x, shared)
     exact = naive_experts(x.float(), gu.float(), d.float(), ti, tw.float()) + naive_shared_expert(
         x.float(), SharedExpert(*(t.float() for t in (shared.gate, shared.up, shared.down, shared.gate_logit))))
-    logits = torch.randn(n, 256, device="cuda").to(torch.bfloat16)
+    # distinct logits, exact in bf16 (ties may go either way in torch's top-k)
+    logits = (torch.stack([torch.randperm(256) for _ in range(n)]) - 128).div(8).to("cuda", torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -184,9 +184,9 @@ class PairConfig:
     """Tiles of the pair kernels: gate_up_n intermediate channels a program (both halves) over
     steps of gate_up_k input channels; down_n output channels over steps of down_k."""
 
-    gate_up_n: int = 16
+    gate_up_n: int = 8
     gate_up_k: int = 256
-    down_n: int = 16
+    down_n: int = 8
     down_k: int = 256
     num_warps: int = 4
 
@@ -381,6 +381,6 @@ def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     softmax_top_k_kernel[(n,)](
         logits, top_w, top_i, logits.stride(0), E=E, BE=triton.next_power_of_2(E), K=k,
-        BKK=triton.next_power_of_2(k), RENORMALIZE=renormalize, num_warps=4 if E <= 1024 else 8,
+        BKK=triton.next_power_of_2(k), RENORMALIZE=renormalize, num_warps=1 if E <= 1024 else 4,
     )
     return top_w, top_i
