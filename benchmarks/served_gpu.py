@@ -317,7 +317,8 @@ def figures(res: dict, moe: bool = False) -> dict:
     out = _figures(res)
     if moe:
         for name in ("served_pic_ttft_speedup_vs_prefix_32x1k", "cold_pic_ttft_vs_full_32x1k"):
-            out["moe_" + name] = out[name]
+            if name in out:  # a partial result (phases still to run) lacks some
+                out["moe_" + name] = out[name]
     return out
 
 
