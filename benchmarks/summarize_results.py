@@ -192,6 +192,11 @@ FIGURES = (
            "figures.moe_block_speedup_vs_loop_32", "x", 1),
     Figure("one MoE block at batch 1 (graphed, fastest path), fraction of its bandwidth floor", "moe_bench_*.json",
            "figures.moe_block_graph_fraction_of_floor_1", "", 3),
+    Figure("MoE served warm pic TTFT speed-up vs a served prefix cache, 32 x 1k + 64 (35B-A3B shape, layers in the "
+           "file)", "served_gpu_moe_*.json", "figures.moe_served_pic_ttft_speedup_vs_prefix_32x1k", "x", 1,
+           goal=">= 15x"),
+    Figure("MoE served first cold pic TTFT / in-process full, same prompt", "served_gpu_moe_*.json",
+           "figures.moe_cold_pic_ttft_vs_full_32x1k", "x", 2, goal="<= 1"),
     Figure("served decode (HTTP, 9B shape, bf16), 1 stream, fraction of the bandwidth floor",
            "served_decode_h100_*.json",
            "figures.served_decode_fraction_of_floor_1_streams", "", 3, goal=">= 0.85"),
