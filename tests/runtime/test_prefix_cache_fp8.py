@@ -216,3 +216,29 @@ def test_bytes_only_benchmark_matches_the_engine_and_meets_the_goal(capsys):
                                            "checkpoint", "checkpoint_sglang_grid"}
     assert {r["prompt_tokens"] for r in rows if r["policy"] == "checkpoint_sglang_grid"} == {8192}
     assert all(r["equal"] and r["analytic"] > 0 for r in rows), rows
+
+
+def test_fp8_restore_dequantizes_once_and_equals_page_by_page(decaying_model, monkeypatch):
+    """A suffix_replay restore from fp8 pages dequantizes every group's anchors in one call, and
+    the state equals the one restored with each page dequantized on its own."""
+    from hybridcache.services.runtime.cache import policies
+
+    model, tokenizer = decaying_model
+    eng = Engine(model, tokenizer, EngineConfig(mode="prefix", prefix_policy="suffix_replay", anchors_per_page=4,
+                                                anchor_dtype=FP8))
+    ids = tokens(4 * P, seed=5)
+    LLM(eng).generate(request(ids + [1]))
+    path = eng.pages.match(ids)
+    policy = PrefixPolicy("suffix_replay", anchors_per_page=4, replay_anchors=3 * 4 - 1, anchor_dtype=FP8)
+    calls = []
+    real = policies.dequantize_anchors
+    monkeypatch.setattr(policies, "dequantize_anchors", lambda *a: calls.append(a[0].shape) or real(*a))
+    got = restore_state(model, policy, path)
+    assert len(calls) == 1 and calls[0][0] == len(model.linear_groups()) * 3 * 4
+    calls.clear()
+    monkeypatch.setattr(policies, "_replay_anchors", lambda m, pages: [
+        torch.cat([policies._page_anchors(p, g[0], m.dtype) for p in pages]) for g in m.linear_groups()])
+    ref = restore_state(model, policy, path)
+    assert len(calls) == len(model.linear_groups()) * 3  # a page and group each
+    for i in ref.linear:
+        assert torch.equal(got.linear[i].ssm, ref.linear[i].ssm) and torch.equal(got.linear[i].conv, ref.linear[i].conv)

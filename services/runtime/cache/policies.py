@@ -119,10 +119,22 @@ def restore_pages(model, policy: PrefixPolicy, pages: list[PagePayload]) -> Sequ
     k = policy.replay_anchors
     last = pages[-math.ceil(k / policy.anchors_per_page) :]
     state.linear = model.empty_state().linear
-    for group in model.linear_groups():
-        hidden = torch.cat([_page_anchors(p, group[0], model.dtype) for p in last])[-k:]
-        model.replay_linear_group(group, hidden, state)
+    for group, hidden in zip(model.linear_groups(), _replay_anchors(model, last)):
+        model.replay_linear_group(group, hidden[-k:], state)
     return state
+
+
+def _replay_anchors(model, pages: list[PagePayload]) -> list[torch.Tensor]:
+    """Each linear group's anchors over `pages` [m, h] in the model's dtype, the groups in order.
+    Packed fp8 anchors of equal shapes are dequantized in one pass over every group's pages (one
+    concatenation and one dequantization instead of one of each a page and group: a restore's
+    launches on a GPU); others page by page (_page_anchors)."""
+    entries = [group[0] for group in model.linear_groups()]
+    packed = [p.anchors[i] for i in entries for p in pages]
+    if packed and all(a.dtype == torch.uint8 and a.shape == packed[0].shape for a in packed):
+        x = dequantize_anchors(torch.cat(packed), model.dtype)  # [groups * pages * r, h]
+        return list(x.view(len(entries), -1, x.shape[-1]).unbind(0))
+    return [torch.cat([_page_anchors(p, i, model.dtype) for p in pages]) for i in entries]
 
 
 @dataclass
