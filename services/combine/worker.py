@@ -212,16 +212,18 @@ class CombineServicer(rpc.CombineServicer):
         return out
 
     def _capture_decode_graphs(self) -> dict:
-        """The scheduler's decode graphs captured now, and how many its batch sizes and capture sets
-        call for where decode graphs apply (fewer captured: some size runs eagerly)."""
+        """The scheduler's decode graphs held after capturing the missing ones now (those captured
+        now besides), and how many its batch sizes and capture sets call for where decode graphs
+        apply (fewer held: some size runs eagerly)."""
         from hybridcache.services.runtime.paged import decode_batch_sizes
 
+        sets = self.engine.decode_capture_sets()
         captured = self.scheduler.warm_decode_graphs()
         expected = 0
         if self.engine.runner.decode_graphs_on:
-            sizes = decode_batch_sizes(self.scheduler.config.max_num_seqs)
-            expected = len(sizes) * len(self.engine.decode_capture_sets())
-        return {"decode_graphs": captured, "decode_graphs_expected": expected}
+            expected = len(decode_batch_sizes(self.scheduler.config.max_num_seqs)) * len(sets)
+        held = self.engine.runner.decode_graphs_held(self.scheduler.pool, sets)
+        return {"decode_graphs": held, "decode_graphs_captured_now": captured, "decode_graphs_expected": expected}
 
     def plan_memory(self, given, warmup: dict) -> dict:
         """Size this worker's caches from what its warm-up measured (devices.plan_memory, vLLM's

@@ -486,6 +486,18 @@ class DecodeGraphs:
         batch = DecodeBatch(pool.kv, x[2], x[3], x[4], width)
         return self.model.forward_decode(batch, x[0], x[1], pool.layer_states(), capture_hidden)
 
+    def _sync_generation(self) -> None:
+        """Drop the graphs (and failed captures) of pool tensors since reallocated."""
+        if self.pool.generation != self.generation:
+            self.graphs.clear()
+            self.failed.clear()
+            self.generation = self.pool.generation
+
+    def held(self, capture_sets) -> int:
+        """The graphs held for the current pool tensors, of every size and capture set asked."""
+        self._sync_generation()
+        return sum((size, tuple(h)) in self.graphs for h in capture_sets for size in self.sizes)
+
     @torch.no_grad()
     def capture_all(self, capture_sets) -> int:
         """Capture the graph of every padded batch size for each set of captured hidden layers
@@ -493,6 +505,7 @@ class DecodeGraphs:
         step, its kernels' compilation (the paged attention kernel's key splits depend on the
         batch size) or its capture. Each step runs padding columns alone (the scratch slot, as a
         padded step's extra rows do). Returns the graphs captured."""
+        self._sync_generation()  # graphs of reallocated pool tensors are not kept: capture them again
         before = self.stats["captures"]
         for hidden in capture_sets:
             for size in self.sizes:
@@ -511,10 +524,7 @@ class DecodeGraphs:
         size = self.size_for(B)
         if size is None or (size, capture_hidden) in self.failed:
             return None
-        if self.pool.generation != self.generation:
-            self.graphs.clear()
-            self.failed.clear()
-            self.generation = self.pool.generation
+        self._sync_generation()
         self.inputs[:, :size].copy_(backends.pin(self.padded(host, size)), non_blocking=True)
         _feed(self.inputs, feed)
         key = (size, capture_hidden)

@@ -399,6 +399,12 @@ class ModelRunner:
         graphs = self.decode_graphs(pool)
         return graphs.capture_all(capture_sets) if graphs is not None else 0
 
+    def decode_graphs_held(self, pool: StatePool, capture_sets) -> int:
+        """The decode graphs `pool` has now, of every batch size and capture set (0 where they do
+        not apply): all of them after warm_decode unless a capture failed."""
+        graphs = self.decode_graphs(pool)
+        return graphs.held(capture_sets) if graphs is not None else 0
+
     @_executes
     def decode(self, pool: StatePool, slots: list[int], tokens: list, capture_hidden=(), feed=None, states=(),
                recorders=(), keep=()):

@@ -164,6 +164,19 @@ def test_capture_all_captures_every_size_before_requests(model):
     assert graphs.stats["captures"] == 6 and graphs.stats["replays"] == 6
 
 
+def test_capture_all_after_the_pool_was_reallocated_captures_every_size_again(model):
+    """Graphs of reallocated pool tensors are stale: a warm-up after the reallocation captures every
+    size again (none skipped because a stale graph of its size was still listed), and held() counts
+    only the current ones."""
+    pool = StatePool(model.empty_state(), 4, 1024, 256)
+    graphs = DecodeGraphs(model, pool, sizes=(1, 2, 4), graph_factory=RerunGraph)
+    assert graphs.capture_all([()]) == 3 and graphs.held([()]) == 3
+    pool.kv._grow(2 * pool.kv.num_pages)  # the K/V pages reallocated: every graph read the old ones
+    assert graphs.held([()]) == 0
+    assert graphs.capture_all([()]) == 3 and graphs.held([()]) == 3
+    assert graphs.generation == pool.generation
+
+
 def test_no_decode_graphs_are_captured_off_cuda(model):
     from hybridcache.services.runtime.runner import ModelRunner
 
