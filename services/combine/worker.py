@@ -72,6 +72,8 @@ def request_counters(device, store, runner) -> dict[str, float]:
     running totals whose difference over a request its stats carry."""
     out: dict[str, float] = {**memory_counters(device, store), **metrics.GC_PAUSES.counters()}
     out.update({f"graph_{k}": v for k, v in runner.graph_stats.items()})
+    if getattr(runner, "replay_graphs", None) is not None:  # suffix_replay restores' graphs
+        out.update({f"replay_graph_{k}": v for k, v in runner.replay_graphs.stats.items()})
     return out
 
 

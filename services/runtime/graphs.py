@@ -801,3 +801,83 @@ class AssemblyGraphs(_KeyedGraphs):
         state.length = answer_state.length
         return answer
 
+
+
+class ReplayGraphs(_KeyedGraphs):
+    """A suffix_replay restore's replays (cache/policies.restore_pages: each linear group run over
+    the page anchors of its last k tokens from a zero state) from CUDA graphs, one per (group,
+    anchors, dtype). The replay has the same shape at every restore, so after a key's first eager
+    run (kernels compiled) its capture serves every later restore: the eager replay issues tens of
+    launches a layer from Python for 64 tokens of GPU work.
+
+    A graph reads a static anchor buffer and zero states it clears itself, and leaves each layer's
+    state in its own memory; a restore copies the anchors in, replays, and clones the states out.
+    The capture's eager run on the static buffers is that restore's answer, and the first replay
+    must reproduce it (else the key stays eager), as with LayoutGraphs."""
+
+    def __init__(self, model, max_graphs: int = 64, capture_after: int = 2, graph_factory=None):
+        super().__init__(model, max_graphs, capture_after, graph_factory)
+        self._pool = None
+
+    def run(self, group: tuple[int, ...], hidden: torch.Tensor, state: SequenceState) -> None:
+        """model.replay_linear_group(group, hidden, state) for a state whose group layers are zero
+        (what suffix_replay restores from), from the key's graph where there is one."""
+        key = (tuple(group), hidden.shape[0], hidden.dtype)
+        with self._lock:
+            static = self._graphs.get(key)
+            if static is None:
+                if key not in self.failed and self._due(key):
+                    self._capture(key, group, hidden, state)  # its eager run answers this restore
+                else:
+                    self.model.replay_linear_group(group, hidden, state)
+                return
+            self._graphs.move_to_end(key)
+            static["hidden"].copy_(hidden)
+            out = static["graph"].replay() or static["out"]
+            self.stats["replays"] += 1
+        for i in group:
+            ssm, conv = out[i]
+            state.linear[i] = LinearState(ssm.clone(), conv.clone())
+
+    def _pass(self, group, static) -> dict:
+        """The group's replay over the static buffers: its states cleared, then run; the outputs."""
+        for s in static["init"].values():
+            s.ssm.zero_()
+            s.conv.zero_()
+        st = SequenceState(0, {i: LinearState(s.ssm, s.conv) for i, s in static["init"].items()}, {})
+        self.model.replay_linear_group(group, static["hidden"], st)
+        return {i: (st.linear[i].ssm, st.linear[i].conv) for i in group}
+
+    def _capture(self, key, group, hidden, state) -> None:
+        """This restore eagerly on new static buffers (its answer, every kernel warm), the capture,
+        one replay that must give that answer. The answer goes into `state` either way; a failed
+        capture leaves the key eager from then on."""
+        model = self.model
+        zero = model.empty_state().linear
+        static = {"hidden": hidden.detach().clone(), "init": {i: zero[i] for i in group}, "graph": None, "out": None}
+        arena = backends.HostConstants()
+        backends.clear_kept()
+        with arena.measuring():
+            answer = {i: (s.clone(), c.clone()) for i, (s, c) in self._pass(group, static).items()}
+        for i in group:
+            state.linear[i] = LinearState(*answer[i])
+        try:
+            backends.clear_kept()
+            if self._pool is None and model.device.type == "cuda":
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = self._graph_factory(self._pool, model.device)
+            with arena.serving(), _NoFlaTensorCache():
+                out = graph.capture(lambda: self._pass(group, static))
+            backends.clear_kept()
+            out = graph.replay() or out
+            for i in group:
+                for name, a, b in (("state", answer[i][0], out[i][0]), ("conv tail", answer[i][1], out[i][1])):
+                    gap = _max_abs_gap(a, b) if a.shape == b.shape else float("inf")
+                    if not gap <= 1e-3 * (float(a.float().abs().max()) + 1.0):
+                        raise GraphUnsupported(f"the replayed graph's layer {i} {name} differs from the eager "
+                                               f"pass's by {gap:.3g}")
+        except Exception as e:  # noqa: BLE001 (whatever fails here, the key runs eagerly)
+            self._fail(key, e, f"replay of linear group {group[0]}-{group[-1]} over {key[1]} anchors not captured")
+            return
+        static["graph"], static["out"], static["arena"] = graph, out, arena
+        self._keep(key, static)

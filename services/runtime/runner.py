@@ -14,10 +14,11 @@ A ModelRunner is built from a model and a RuntimeConfig and owns how that model 
   SDPA backends allowed), entered for the duration of each of its calls (backends.dispatching, a
   context variable: another runner, or code outside any, keeps its own choice);
 - the CUDA graphs of assemblies (`layout_graphs`, a graphs.LayoutGraphs per model, per layout
-  shape) and of decode steps (a paged.DecodeGraphs per pool it made, per padded batch size), their
-  capture stream, and whether they apply (`graphs_apply`: a CUDA model whose forward has no host
-  synchronization (LayoutLM.cuda_graphs), the fast kernels, the config's switches; `eager()` turns
-  them off for a block). The model holds none of it: models are layers and math.
+  shape), of decode steps (a paged.DecodeGraphs per pool it made, per padded batch size) and of
+  suffix_replay restores (`replay_graphs`, a graphs.ReplayGraphs: per linear group and anchor
+  count, with `--cuda-graphs`), their capture stream, and whether they apply (`graphs_apply`: a
+  CUDA model whose forward has no host synchronization (LayoutLM.cuda_graphs), the fast kernels,
+  the config's switches; `eager()` turns them off for a block). The model holds none of it: models are layers and math.
 
 Then it runs
 
@@ -29,7 +30,7 @@ Then it runs
 - `new_state_pool` / `decode` / `warm_decode`: the paged states of running requests and one
   batched decode step over them (paged.decode_step), replayed from its decode graphs;
 - `restore_state`: a page-tree hit's state rebuilt from its pages (cache/policies.restore_state,
-  which replays anchors through the model);
+  which replays anchors through the model; suffix_replay's fixed-length replays from their graphs);
 - `stage`: entries of the host tier onto the model's device, layer by layer;
 - every change of a tensor the engine's caches hold: `as_entries` (an entry's state dtype and
   policy), `snapshot` / `restore_snapshot` (the part-chain store's states), `record` /
@@ -60,7 +61,7 @@ from hybridcache.services.runtime.cache.policies import PageRecorder, restore_pa
 from hybridcache.services.runtime.cache.prefix import PrefixSnapshot
 from hybridcache.services.runtime.cache.radix import PagePayload
 from hybridcache.services.runtime.cache.single_state import single_state_view
-from hybridcache.services.runtime.graphs import AssemblyGraphs, CudaLayerGraph, LayoutGraphs
+from hybridcache.services.runtime.graphs import AssemblyGraphs, CudaLayerGraph, LayoutGraphs, ReplayGraphs
 from hybridcache.services.runtime.models.assembly import plan_assembly
 from hybridcache.services.runtime.paged import DecodeGraphs, StatePool, decode_step, extend_pages
 from hybridcache.services.runtime.sequence import AttnState, LinearState, LiveRun, SequenceState, SpanData
@@ -139,7 +140,9 @@ class ModelRunner:
         self.overlaps = single
         self.layout_graphs: LayoutGraphs | None = None
         self.assembly_graphs: AssemblyGraphs | None = None
+        self.replay_graphs: ReplayGraphs | None = None  # suffix_replay restores (restore_state)
         if self.graphs_apply and config.cuda_graphs:
+            self.replay_graphs = ReplayGraphs(model, graph_factory=self.graph_factory)
             self.layout_graphs = LayoutGraphs(model, max_graphs=config.cuda_graph_shapes,
                                               graph_factory=self.graph_factory)
             if getattr(model, "planned_assemblies", False):
@@ -431,4 +434,5 @@ class ModelRunner:
         """The state after a page-tree prefix from its pages' payloads, the root's child first
         (cache/policies.restore_pages: the policy's checkpoints, or its anchors replayed through
         the model's linear groups)."""
-        return restore_pages(self.model, policy, pages)
+        replay = self.replay_graphs.run if self.replay_graphs is not None and not self._eager else None
+        return restore_pages(self.model, policy, pages, replay)

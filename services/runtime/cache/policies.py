@@ -90,9 +90,11 @@ def restore_state(model, policy: PrefixPolicy, path: list[PageNode]) -> Sequence
     return restore_pages(model, policy, [n.payload for n in path])
 
 
-def restore_pages(model, policy: PrefixPolicy, pages: list[PagePayload]) -> SequenceState:
+def restore_pages(model, policy: PrefixPolicy, pages: list[PagePayload], replay=None) -> SequenceState:
     """The state after a prefix of whole pages, from their payloads (the first page's first).
-    Reads the pages only; the returned state shares no tensor that it will write in place."""
+    Reads the pages only; the returned state shares no tensor that it will write in place.
+    replay(group, hidden, state): suffix_replay's run of a group from a zero state (default
+    model.replay_linear_group; the runner's graphs.ReplayGraphs.run replays a captured graph)."""
     if not pages:
         raise ValueError("restore_state needs at least one page")
     attn = {
@@ -120,7 +122,7 @@ def restore_pages(model, policy: PrefixPolicy, pages: list[PagePayload]) -> Sequ
     last = pages[-math.ceil(k / policy.anchors_per_page) :]
     state.linear = model.empty_state().linear
     for group, hidden in zip(model.linear_groups(), _replay_anchors(model, last)):
-        model.replay_linear_group(group, hidden[-k:], state)
+        (replay or model.replay_linear_group)(group, hidden[-k:], state)
     return state
 
 
