@@ -53,7 +53,7 @@
 #               state) and that grid alone, one `hybridcache up --mode prefix` each at one page-tree
 #               budget, in that order (each policy's result is written as it ends: a run cut short keeps
 #               the ones before); MULTITURN_ARGS adds flags (--policies suffix_replay,sglang_peer,sglang_grid:
-#               the figure's three alone), MULTITURN_UP_ARGS `hybridcache up` flags
+#               the figure's three alone), MULTITURN_UP_ARGS `hybridcache up` flags (graphs on by default)
 # Timing stages should run alone on the machine: CPU-heavy neighbours slow launch-bound work.
 #
 # Triton's cache (compiled kernels and, with fla's cache_results, its autotuning results) is
@@ -240,8 +240,9 @@ for stage in "$@"; do
 init_model_dir('qwen3_5_text', 'qwen3.5-9b', sys.argv[1], seed=0, dtype=torch.bfloat16, device='cuda')" "$model" \
                 || { echo "multiturn: writing the model failed" >&2; continue; }
         fi
-        up="--scatter-workers 0 --max-num-seqs 32 --ready-timeout-s 300 --warmup-shape none --cuda-graphs off"
-        up="$up --decode-cuda-graphs off ${MULTITURN_UP_ARGS:-}"
+        # CUDA graphs as served by default (decode steps, suffix_replay's restores);
+        # MULTITURN_UP_ARGS="--cuda-graphs off --decode-cuda-graphs off" runs every server eagerly
+        up="--scatter-workers 0 --max-num-seqs 32 --ready-timeout-s 300 --warmup-shape none ${MULTITURN_UP_ARGS:-}"
         # shellcheck disable=SC2086  # MULTITURN_ARGS is a list of flags
         timeout 540 python3 benchmarks/multiturn.py --device cuda --dtype bfloat16 --model "$model" --up-args "$up" \
             --conversations 24 --rate 2 --systems 4 --system-tokens 2048 --user-tokens 64,256 --output-tokens 32 \
