@@ -41,12 +41,17 @@ def test_the_9b_shape_reads_what_its_config_says(tmp_path):
 def test_served_decode_on_cpu(qwen35_dir, tmp_path, capsys):
     sd = _served_decode()
     out = tmp_path / "r.json"
-    assert sd.main(["--model", str(qwen35_dir), "--device", "cpu", "--dtype", "float32", "--streams", "1,3",
+    assert sd.main(["--model", str(qwen35_dir), "--device", "cpu", "--dtype", "float32", "--streams", "3,1",
                     "--sampled-streams", "3", "--repeats", "1", "--max-tokens", "40", "--prompt-tokens", "12",
                     "--copy-bandwidth", "1e10", "--up-args", "--scatter-workers 0", "--client-streams-per-process", "2",
                     "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert json.loads(capsys.readouterr().out) == res
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == res
+    # a sampled batch runs right after the greedy one of its size
+    order = [line.split(":")[1].strip() for line in captured.err.splitlines() if line.startswith("served_decode: ")
+             and line.split(":")[1].strip().split(" ")[0] in ("greedy", "sampled")]
+    assert order == ["greedy 1", "greedy 3", "sampled 3"], order
     g, s = res["results"]["greedy"], res["results"]["sampled"]
     assert g["1"]["completed"] == 1 and g["3"]["completed"] == 3 == s["3"]["completed"]
     # 3 streams from 2 client processes (their token times on one clock), 1 from this one
