@@ -172,7 +172,6 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     return y.view(n, k, h).sum(1)
 
 
-# ------------------------------------------------------------------------------------ pair-major
 # Few token-expert pairs (a decode step of a few requests): one program per (pair, tile of output
 # channels), a GEMV over its expert's rows, no sort and no padding. Each pair reads its expert's
 # weights on its own: where tokens share experts they are read again (backends.MOE_PAIR_MAX says
@@ -334,8 +333,6 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top
     )
     return out
 
-
-# --------------------------------------------------------------------------------------- routing
 
 @triton.jit
 def softmax_top_k_kernel(
