@@ -2,7 +2,8 @@
 
 Qwen3.5-9B shape (--preset; qwen3.5-35b-a3b for the MoE model, whose two served figures are also
 given as moe_served_pic_ttft_speedup_vs_prefix_32x1k and moe_cold_pic_ttft_vs_full_32x1k) cut to
---layers layers (8: 6 Gated DeltaNet + 2 attention), random bf16 weights
+--layers layers (8: 6 Gated DeltaNet + 2 attention; `fit`: as many whole groups of the model's
+layer mix as leave --reserve-gib of the GPU for the served stack), random bf16 weights
 made on the GPU and written once to --model. A request is --segments documents of
 --segment-tokens random tokens, a 16-token system prompt and a --question-tokens question
 (32 x 1k + 64 by default). Phases (--phases, each optional):
@@ -166,6 +167,34 @@ def is_moe(arch: str, preset: str) -> bool:
     raw = hf_config(arch, preset)
     raw = raw.get("text_config", raw)
     return bool(raw.get("num_experts") or raw.get("num_local_experts"))
+
+
+def layers_that_fit(arch: str, preset: str, dtype: str, free_bytes: float) -> int:
+    """The most layers of the preset whose weights fit in free_bytes (a multiple of its
+    full-attention interval, so the layer mix stays the model's; at least one interval), from its
+    config alone (the model built on the meta device)."""
+    import torch
+    from hybridcache.services.runtime.models.registry import build_model, config_from_dict
+    from hybridcache.services.runtime.modelzoo import hf_config
+
+    raw = hf_config(arch, preset)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device("meta"):
+            model = build_model(config_from_dict(raw))
+    finally:
+        torch.set_default_dtype(prev)
+    layers = model.model.layers
+    per_layer = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+    outside = sum(p.numel() * p.element_size() for p in model.parameters()) - sum(per_layer)
+    text = raw.get("text_config", raw)
+    step = int(text.get("full_attention_interval") or 1)
+    n, used = 0, outside
+    while n + step <= len(layers) and used + sum(per_layer[n:n + step]) <= free_bytes:
+        used += sum(per_layer[n:n + step])
+        n += step
+    return max(n, min(step, len(layers)))
 
 
 def model_dir(args) -> Path:
@@ -392,7 +421,10 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default=None, help="model_type (default: the one --preset belongs to, "
                     "qwen3_5_text for presets several have)")
     ap.add_argument("--preset", default="qwen3.5-9b", help="qwen3.5-9b, qwen3.5-35b-a3b (MoE), tiny, ...")
-    ap.add_argument("--layers", type=int, default=8, help="layers kept of the preset (0: all)")
+    ap.add_argument("--layers", default="8", help="layers kept of the preset (0: all; fit: as many as fit on the "
+                    "GPU with --reserve-gib left for the served stack's caches, a multiple of the full-attention "
+                    "interval; the result's shape says how many)")
+    ap.add_argument("--reserve-gib", type=float, default=32.0, help="--layers fit: GPU memory left beside the weights")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--model", type=Path, help="model directory (written first when it holds no model)")
     ap.add_argument("--max-position-embeddings", type=int, default=0,
@@ -419,8 +451,10 @@ def main(argv=None) -> int:
     for name in ("segments", "segment_tokens", "question_tokens", "repeats"):
         if getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
-    if args.layers < 0:
-        problems.append("--layers must be >= 0")
+    if args.layers != "fit" and not (args.layers.isdigit()):
+        problems.append(f"--layers {args.layers}: a count >= 0 or fit")
+    if args.layers == "fit" and args.device != "cuda":
+        problems.append("--layers fit needs --device cuda (it sizes the model to the GPU)")
     if args.max_position_embeddings < 0:
         problems.append("--max-position-embeddings must be >= 0")
     args.arch = args.arch or preset_arch(args.preset)
@@ -442,6 +476,12 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("served_gpu: error: --device cuda needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.layers == "fit":
+        total = torch.cuda.get_device_properties(0).total_memory
+        args.layers = layers_that_fit(args.arch, args.preset, args.dtype, total - args.reserve_gib * 2**30)
+        print(f"served_gpu: {args.layers} layers fit ({args.reserve_gib} GiB left)", file=sys.stderr, flush=True)
+    else:
+        args.layers = int(args.layers)
     model = model_dir(args)
     write_model(args, model)
     work = Workload(args)

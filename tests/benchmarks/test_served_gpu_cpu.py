@@ -123,3 +123,29 @@ def test_the_preset_names_its_model_type_and_moe_models_report_the_moe_figures()
     assert moe["moe_served_pic_ttft_speedup_vs_prefix_32x1k"] == dense["served_pic_ttft_speedup_vs_prefix_32x1k"] == 20
     # the partial result written after each phase: inproc alone has neither figure yet
     assert not any(k.startswith("moe_") for k in m.figures({"inproc": res["inproc"]}, moe=True))
+
+
+def test_layers_that_fit_keep_the_layer_mix_and_the_budget():
+    """--layers fit: whole full-attention intervals of layers whose weights (and the embedding and
+    head) fit the bytes given, at least one interval, at most the preset's layers; a CPU run is
+    refused with a message."""
+    import torch
+    from hybridcache.services.runtime.models.registry import build_model, config_from_dict
+    from hybridcache.services.runtime.modelzoo import hf_config
+
+    m = _mod()
+    arch, preset = "qwen3_5_moe_text", "qwen3.5-35b-a3b"
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            full = build_model(config_from_dict(hf_config(arch, preset)))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    total = sum(p.numel() * p.element_size() for p in full.parameters())
+    assert m.layers_that_fit(arch, preset, "bfloat16", total) == 40
+    assert m.layers_that_fit(arch, preset, "bfloat16", total - 1) == 36
+    assert m.layers_that_fit(arch, preset, "bfloat16", 1) == 4
+    n = m.layers_that_fit(arch, preset, "bfloat16", 0.6 * total)
+    assert n % 4 == 0 and 20 <= n <= 24
+    assert m.main(["--device", "cpu", "--preset", "tiny", "--layers", "fit"]) == 2
+    assert m.main(["--device", "cpu", "--preset", "tiny", "--layers", "-3"]) == 2
