@@ -162,21 +162,36 @@ class Router:
                 mux = self._muxes[address] = TokenMux(rpc.CombineStub(channel), address)
         return mux
 
+    def _subscribe_early(self, address: str) -> None:
+        """The combine worker's Tokens stream opened now (a channel, its connection and one round
+        trip), not by the first request sent to it. A failure here is the first request's to meet:
+        it subscribes again and reports what it gets."""
+        mux = self._mux(address)
+        if mux is None:
+            return
+        try:
+            mux.subscribe()
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.info("token stream of %s not opened at connect (%s); the first request opens it", address, e)
+
     def _tier(self, address: str) -> CacheTierClient:
         if address not in self._tiers:
             self._tiers[address] = CacheTierClient(address, timeout_s=2.0)
         return self._tiers[address]
 
     def connect(self, timeout_s: float = 60.0) -> pb.InfoReply:
-        """Learn the served model's fingerprint and seam window from a combine worker."""
+        """Learn the served model's fingerprint and seam window from a combine worker, and open its
+        token stream (--token-stream multiplexed) before a request needs it."""
         deadline = time.monotonic() + timeout_s
         while True:
             for address in self.directory.members("combine"):
                 try:
                     info = self._stub(address).Info(pb.InfoRequest(), timeout=2.0)
-                    return self.adopt(info, address)
                 except grpc.RpcError:
-                    pass
+                    continue
+                adopted = self.adopt(info, address)
+                self._subscribe_early(address)
+                return adopted
             if time.monotonic() > deadline:
                 raise ServiceUnavailable("no combine worker answered Info")
             time.sleep(0.2)

@@ -98,6 +98,18 @@ def test_multiplexed_answers_equal_the_per_request_streams(worker, model_dir):
     assert len(answers["multiplexed"][-1][2]) == 12  # the logprobs request's, one per token
 
 
+def test_the_token_stream_is_open_before_the_first_request(worker, model_dir):
+    """connect() (the router's start) subscribes to the combine worker's Tokens stream: the first
+    request finds it open and takes it, opening no other."""
+    servicer, address = worker
+    router = _router(model_dir, address, "multiplexed")
+    mux = router._muxes[address]
+    sub = mux._subscriber
+    assert sub is not None and mux._call.running()
+    _answer(_run(router, _body(5, 4)))
+    assert mux._subscriber == sub
+
+
 def test_many_requests_tokens_travel_in_few_messages(worker):
     """Eight requests decoding together: their 8 x 24 tokens come in about one message a step."""
     servicer, address = worker
