@@ -13,7 +13,7 @@ from hybridcache.kernels.ops.moe import SharedExpert, naive_experts, naive_share
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.models import common, kimi_linear, minimax, qwen3_hybrid
 from hybridcache.services.runtime.models.registry import config_from_dict
-from hybridcache.services.runtime.modelzoo import hf_config, init_model_dir
+from hybridcache.services.runtime.modelzoo import hf_config
 from kernel_testing import PairConfig, device, fused_experts, pair_experts, rel_rms, softmax_top_k
 
 SMALL = PairConfig(gate_up_n=8, gate_up_k=16, down_n=8, down_k=16)  # several tiles, masked tails
@@ -212,17 +212,9 @@ def test_decode_step_on_the_pair_path_does_not_depend_on_the_routing(tmp_path, w
     zero router: all logits tie), the other spreads them over most of 16. On the pair path a decode
     step issues the same ops and launches in both: per MoE layer the router GEMM, one routing
     launch and the two pair launches, no top-k and no sort."""
-    from hybridcache.services.runtime.loader import load_model
+    from moe_testing import routing_twins
 
-    path_dir = init_model_dir("qwen3_5_moe_text", "tiny", tmp_path / "m", seed=1, std=0.3,
-                              overrides={"num_experts": 16, "num_experts_per_tok": 2})
-    spread, narrow = load_model(path_dir), load_model(path_dir)
-    for m in narrow.modules():
-        if isinstance(m, qwen3_hybrid.SparseMoE):
-            m.gate.weight.data.zero_()
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 250, (n,), generator=gen) for n in (5, 9, 3, 7)]
-    tokens = torch.randint(0, 250, (len(prompts),), generator=gen).tolist()
+    spread, narrow, prompts, tokens = routing_twins(tmp_path, (5, 9, 3, 7))
     ops_spread, routed_spread = decode_launches(spread, prompts, tokens)
     ops_narrow, routed_narrow = decode_launches(narrow, prompts, tokens)
     assert routed_narrow == {0, 1} and len(routed_spread) >= 5

@@ -18,6 +18,7 @@ from hybridcache.services.runtime.models import kimi_linear, minimax, qwen3_hybr
 from hybridcache.services.runtime.models.registry import config_from_dict
 from hybridcache.services.runtime.modelzoo import hf_config, init_model_dir
 from hybridcache.services.runtime.sequence import LiveRun
+from moe_testing import routing_twins
 from torch.utils._python_dispatch import TorchDispatchMode
 
 E, DEAD = 8, (3, 7)  # experts of the block tests; the two no token reaches (one in each kimi group)
@@ -151,15 +152,7 @@ def test_decode_step_ops_do_not_depend_on_the_routing(path, tmp_path):
     """Two models alike but for their routers: one sends every token to the same two experts (zero
     router: all scores tie), the other spreads them over most of 16. The grouped path's step issues
     the same ops in both; the loop's does not (the test would see a routing-dependent path)."""
-    path_dir = init_model_dir("qwen3_5_moe_text", "tiny", tmp_path / "m", seed=1, std=0.3,
-                              overrides={"num_experts": 16, "num_experts_per_tok": 2})
-    spread, narrow = load_model(path_dir), load_model(path_dir)
-    for m in narrow.modules():
-        if isinstance(m, qwen3_hybrid.SparseMoE):
-            m.gate.weight.data.zero_()
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 250, (n,), generator=gen) for n in (5, 9, 3, 12, 7, 4, 8, 6)]
-    tokens = torch.randint(0, 250, (len(prompts),), generator=gen).tolist()
+    spread, narrow, prompts, tokens = routing_twins(tmp_path, (5, 9, 3, 12, 7, 4, 8, 6))
     with moe_dispatch(path):
         ops_spread, routed_spread = decode_ops(spread, prompts, tokens)
         ops_narrow, routed_narrow = decode_ops(narrow, prompts, tokens)
