@@ -6,6 +6,7 @@ import torch
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models import qwen3_hybrid
 from hybridcache.services.runtime.modelzoo import init_model_dir
+from hybridcache.services.runtime.sequence import LiveRun
 
 
 def routing_twins(tmp_path, prompt_lengths):
@@ -22,3 +23,15 @@ def routing_twins(tmp_path, prompt_lengths):
     prompts = [torch.randint(0, 250, (n,), generator=gen) for n in prompt_lengths]
     tokens = torch.randint(0, 250, (len(prompts),), generator=gen).tolist()
     return spread, narrow, prompts, tokens
+
+
+def prefilled_pool(runner, model, prompts):
+    """A pool of `runner` holding each prompt prefilled from an empty state (on the model's own
+    path, as a scheduler's prefill leaves it), and their slots."""
+    pool = runner.new_state_pool(len(prompts), 64 * len(prompts))
+    slots = []
+    for p in prompts:
+        s = model.empty_state()
+        model.forward_layout(s, [LiveRun(p, 0)], logits_for="none")
+        slots.append(pool.assign(s))
+    return pool, slots

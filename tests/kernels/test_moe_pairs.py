@@ -167,18 +167,13 @@ def decode_launches(model, prompts, tokens):
     requests on the pair path, through a runner's pool; the interpreter's own torch ops inside a launch are not
     counted (on a GPU they are one kernel). Also the experts the step routed to."""
     from hybridcache.services.runtime.runner import ModelRunner
-    from hybridcache.services.runtime.sequence import LiveRun
+    from moe_testing import prefilled_pool
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
     from triton.runtime.interpreter import InterpretedFunction
 
     # prefill on the CPU's own path, the step on the pair path (the runner enters its dispatch)
     runner = ModelRunner(model, dispatch=dataclasses.replace(backends.current_dispatch(), moe="pairs"))
-    pool = runner.new_state_pool(len(prompts), 64 * len(prompts))
-    slots = []
-    for p in prompts:
-        s = model.empty_state()
-        model.forward_layout(s, [LiveRun(p, 0)], logits_for="none")
-        slots.append(pool.assign(s))
+    pool, slots = prefilled_pool(runner, model, prompts)
     ops = []
 
     class Count(TorchDispatchMode):

@@ -18,7 +18,7 @@ from hybridcache.services.runtime.models import kimi_linear, minimax, qwen3_hybr
 from hybridcache.services.runtime.models.registry import config_from_dict
 from hybridcache.services.runtime.modelzoo import hf_config, init_model_dir
 from hybridcache.services.runtime.sequence import LiveRun
-from moe_testing import routing_twins
+from moe_testing import prefilled_pool, routing_twins
 from torch.utils._python_dispatch import TorchDispatchMode
 
 E, DEAD = 8, (3, 7)  # experts of the block tests; the two no token reaches (one in each kimi group)
@@ -130,12 +130,7 @@ def decode_ops(model, prompts, tokens):
     from hybridcache.services.runtime.runner import ModelRunner
 
     runner = ModelRunner(model, dispatch=backends.current_dispatch())  # the MoE path moe_dispatch forces
-    pool = runner.new_state_pool(len(prompts), 64 * len(prompts))
-    slots = []
-    for p in prompts:
-        s = model.empty_state()
-        model.forward_layout(s, [LiveRun(p, 0)], logits_for="none")
-        slots.append(pool.assign(s))
+    pool, slots = prefilled_pool(runner, model, prompts)
     layer = next(m for m in model.modules() if isinstance(m, qwen3_hybrid.SparseMoE))
     seen = []
     handle = layer.experts.register_forward_pre_hook(lambda _m, args: seen.append(args[1]))

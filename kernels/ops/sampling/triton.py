@@ -147,24 +147,30 @@ def sample_rows_kernel(
     tl.store(out + rows, chosen.to(tl.int64), mask=m_r)
 
 
+@triton.jit
+def _chunk_of_rows(done, temperature, kth, B, V, CH, BR: tl.constexpr):
+    """A split-path program's rows (program 0) and chunk [start, end) of their vocabulary (program 1):
+    the rows, which exist, which are undecided, their 1 / temperature and top-k threshold."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = rows < B
+    live = m_r & (tl.load(done + rows, mask=m_r, other=1) == 0)
+    inv_t = 1.0 / tl.load(temperature + rows, mask=m_r, other=1.0).to(tl.float32)
+    b_kth = tl.load(kth + rows, mask=m_r, other=float("-inf")).to(tl.float32)
+    start = tl.program_id(1) * CH
+    return rows, m_r, live, inv_t, b_kth, start, tl.minimum(start + CH, V)
+
+
 @triton.jit(do_not_specialize=["B", "V", "CH", "rnd"])
 def _race_kernel(logits, temperature, kth, seeds, lower, done, part_m, part_s, part_key, part_idx,
                  B, V, stride, CH, rnd, SP: tl.constexpr, BR: tl.constexpr, BLOCK: tl.constexpr,
                  FIRST: tl.constexpr):
     """Chunk c of each undecided row: the race winner among its kept tokens above the bound (key,
     token); in the first round also its maximum and normalizer of the kept tokens."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    c = tl.program_id(1)
-    m_r = rows < B
-    live = m_r & (tl.load(done + rows, mask=m_r, other=1) == 0)
-    inv_t = 1.0 / tl.load(temperature + rows, mask=m_r, other=1.0).to(tl.float32)
-    b_kth = tl.load(kth + rows, mask=m_r, other=float("-inf")).to(tl.float32)
+    rows, m_r, live, inv_t, b_kth, start, end = _chunk_of_rows(done, temperature, kth, B, V, CH, BR)
     b_low = tl.load(lower + rows, mask=m_r, other=float("-inf"))
     seed = tl.broadcast_to(tl.load(seeds + rows, mask=m_r, other=0)[:, None], (BR, BLOCK))
     p_x = logits + rows[:, None] * stride
     o = tl.arange(0, BLOCK)
-    start = c * CH
-    end = tl.minimum(start + CH, V)
     todo = tl.where(tl.max(live.to(tl.int32), 0) > 0, end, start)  # no undecided row: nothing to read
     m = tl.full((BR,), float("-inf"), tl.float32)
     s = tl.zeros((BR,), tl.float32)
@@ -187,7 +193,7 @@ def _race_kernel(logits, temperature, kth, seeds, lower, done, part_m, part_s, p
         better = b_max > best
         best_i = tl.where(better, off + tl.argmax(key, 1).to(tl.int32), best_i)
         best = tl.where(better, b_max, best)
-    at = rows * SP + c
+    at = rows * SP + tl.program_id(1)
     if FIRST:
         tl.store(part_m + at, m, mask=m_r)
         tl.store(part_s + at, s, mask=m_r)
@@ -219,17 +225,10 @@ def _mass_kernel(logits, temperature, kth, done, part_m, part_s, part_key, part_
                  B, V, stride, CH, S, SP: tl.constexpr, BR: tl.constexpr, BLOCK: tl.constexpr):
     """Chunk c of each undecided row: the probability mass of its kept tokens more likely than the
     row's race winner."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    c = tl.program_id(1)
-    m_r = rows < B
-    live = m_r & (tl.load(done + rows, mask=m_r, other=1) == 0)
-    inv_t = 1.0 / tl.load(temperature + rows, mask=m_r, other=1.0).to(tl.float32)
-    b_kth = tl.load(kth + rows, mask=m_r, other=float("-inf")).to(tl.float32)
+    rows, m_r, live, inv_t, b_kth, start, end = _chunk_of_rows(done, temperature, kth, B, V, CH, BR)
     m, log_s, win, x_t = _row_stats(logits, part_m, part_s, part_key, part_idx, rows, live, stride, S, SP)
     p_x = logits + rows[:, None] * stride
     o = tl.arange(0, BLOCK)
-    start = c * CH
-    end = tl.minimum(start + CH, V)
     todo = tl.where(tl.max(live.to(tl.int32), 0) > 0, end, start)
     above = tl.zeros((BR,), tl.float32)
     for off in range(start, todo, BLOCK):
@@ -238,7 +237,7 @@ def _mass_kernel(logits, temperature, kth, done, part_m, part_s, part_key, part_
         x = tl.load(p_x + idx[None, :], mask=mask, other=float("-inf")).to(tl.float32)
         p = tl.where(x >= b_kth[:, None], tl.exp(x * inv_t[:, None] - (m + log_s)[:, None]), 0.0)
         above += tl.sum(tl.where(x > x_t[:, None], p, 0.0), 1)
-    tl.store(part_mass + rows * SP + c, above, mask=m_r)
+    tl.store(part_mass + rows * SP + tl.program_id(1), above, mask=m_r)
 
 
 @triton.jit(do_not_specialize=["B", "S"])
@@ -263,15 +262,13 @@ def _decide_kernel(logits, temperature, top_p, min_p, lower, done, out, part_m, 
 
 
 SPLIT_ROUNDS = 2  # rounds of the split path before the single-program kernel carries on
-_SMS: dict = {}
 
 
 def split_chunk(B: int, V: int, block: int, device: torch.device) -> int:
     """The split path's chunk of a row's vocabulary (a multiple of block): about four programs an
     SM over the batch, at least one block a program."""
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    chunks = max(1, min(triton.cdiv(4 * _SMS[device], B), triton.cdiv(V, block)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count  # torch keeps the properties
+    chunks = max(1, min(triton.cdiv(4 * sms, B), triton.cdiv(V, block)))
     return triton.cdiv(triton.cdiv(V, chunks), block) * block
 
 
