@@ -44,6 +44,7 @@ from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.config import KERNELS, RuntimeConfig, sdpa_backend_names
 
 MOE_PATHS = ("auto", "grouped_mm", "triton", "pairs", "loop")
+GEMV_PATHS = ("auto", "cublas")
 # Token-expert pairs up to which CUDA takes the pair-major kernels (kernels/ops/moe/triton.py
 # pair_experts). They read each pair's expert weights, where the sorted kernels read each distinct
 # expert's once: n k pairs over E experts hit E (1 - (1 - 1/E)^(n k)) distinct ones. At 64 pairs of
@@ -68,12 +69,17 @@ class OpDispatch:
     # MoE experts (moe_experts): "auto" picks the fastest path that has no host synchronisation;
     # "grouped_mm", "triton", "pairs" and "loop" force one (benchmarks/moe_bench.py compares them)
     moe: str = "auto"
+    # one-row linear layers (linear): "auto" takes the Triton GEMV for the weight shapes where
+    # plan_gemv measured it faster; "cublas" always runs torch's linear (benchmarks compare them)
+    gemv: str = "auto"
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.moe not in MOE_PATHS:
             raise ValueError(f"moe must be one of {', '.join(MOE_PATHS)}, got {self.moe!r}")
+        if self.gemv not in GEMV_PATHS:
+            raise ValueError(f"gemv must be one of {', '.join(GEMV_PATHS)}, got {self.gemv!r}")
         sdpa_backend_names(self.sdpa_backends)
 
     @classmethod
@@ -562,6 +568,134 @@ def gated_heads(o, gate):
     # a decode step's ops would depend on its batch size)
     gate = gate.clone(memory_format=torch.contiguous_format).view(B, n, H * d)
     return o.transpose(1, 2).reshape(B, n, H * d) * torch.sigmoid(gate)
+
+
+# plan_gemv takes a Triton config for a weight shape only where its time is under this fraction of
+# cuBLAS's (timing noise never flips a shape to the slower kernel)
+GEMV_MARGIN = 0.97
+
+
+@dataclass(frozen=True)
+class GemvChoice:
+    """What a one-row linear layer of one weight shape runs on one device: `config` (a
+    kernels/ops/gemv GemvConfig) or None for cuBLAS, with the times plan_gemv measured."""
+
+    config: object | None
+    cublas_us: float
+    triton_us: float | None
+
+
+# (device index, N, K, row stride, dtype) -> GemvChoice, filled by plan_gemv alone: a shape never
+# measured runs on cuBLAS, and nothing is measured inside a call (a CUDA graph's capture included)
+_GEMV_PLAN: dict[tuple, GemvChoice] = {}
+
+
+def _gemv_key(w: torch.Tensor) -> tuple:
+    return (w.device.index, w.shape[0], w.shape[1], w.stride(0), w.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + bias. One row on CUDA (a decode step of one request) runs kernels/ops/gemv's Triton
+    GEMV where plan_gemv chose it for the weight's shape; everything else runs torch's linear."""
+    if _GEMV_PLAN and x.is_cuda and x.shape[-1] == x.numel() and x.dtype == weight.dtype:
+        choice = _GEMV_PLAN.get(_gemv_key(weight))
+        dispatch = _DISPATCH.get()
+        if (choice is not None and choice.config is not None and dispatch.kernels != "reference"
+                and dispatch.gemv == "auto" and not weight.requires_grad):
+            from hybridcache.kernels.ops.gemv.triton import gemv
+
+            return gemv(x, weight, bias, choice.config)
+    return F.linear(x, weight, bias)
+
+
+class DispatchLinear(torch.nn.Linear):
+    """nn.Linear whose forward is `linear` (the one-row GEMV choice); the runner turns a CUDA
+    model's nn.Linear modules into these (use_gemv_plan) without touching their parameters."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
+def _measure_us(fn) -> float:
+    """fn's device time in µs: median over repeats, L2 flushed before each (triton's do_bench)."""
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
+
+
+def plan_gemv(weights, measure=None) -> dict[str, dict]:
+    """Measure, for each distinct shape of `weights` (2-D CUDA tensors read by linear layers), one
+    row through cuBLAS and through each Triton GemvConfig of kernels/ops/gemv CONFIGS (on a random
+    row and matrix of that shape, dtype and row stride), and keep for linear the fastest Triton
+    config where it takes under GEMV_MARGIN of cuBLAS's time and agrees with cuBLAS's output (else
+    cuBLAS). A shape planned before is not measured again. `measure(fn) -> µs` replaces the timer
+    (tests). Returns {"NxK dtype": {"path", "cublas_us", "triton_us", "config"}} of the shapes."""
+    from hybridcache.kernels.ops.gemv.triton import CONFIGS, gemv
+
+    measure = measure or _measure_us
+    out = {}
+    for w in weights:
+        if not (isinstance(w, torch.Tensor) and w.is_cuda and w.dim() == 2 and w.stride(1) == 1
+                and w.is_floating_point()):
+            continue
+        key = _gemv_key(w)
+        if key not in _GEMV_PLAN:
+            N, K = w.shape
+            base = torch.randn(N, w.stride(0), device=w.device, dtype=w.dtype) / K**0.5
+            mat = base[:, :K]
+            x = torch.randn(1, K, device=w.device, dtype=w.dtype)
+            ref = F.linear(x, mat).float()
+            cublas_us = measure(lambda mat=mat, x=x: F.linear(x, mat))
+            best = None
+            tol = 2e-2 * ref.abs().max().item() + 1e-6
+            for config in CONFIGS:
+                got = gemv(x, mat, None, config).float()
+                if (got - ref).abs().max().item() > tol:
+                    continue
+                us = measure(lambda mat=mat, x=x, config=config: gemv(x, mat, None, config))
+                if best is None or us < best[0]:
+                    best = (us, config)
+            _GEMV_PLAN[key] = pick_gemv(cublas_us, best)
+            del base, mat, x, ref
+        c = _GEMV_PLAN[key]
+        out[f"{key[1]}x{key[2]} {str(key[4]).removeprefix('torch.')}"] = {
+            "path": "cublas" if c.config is None else "triton", "cublas_us": round(c.cublas_us, 2),
+            "triton_us": None if c.triton_us is None else round(c.triton_us, 2),
+            "config": None if c.config is None else list(c.config)}
+    return out
+
+
+def pick_gemv(cublas_us: float, best: tuple[float, object] | None) -> GemvChoice:
+    """The choice for one shape from cuBLAS's time and the fastest correct Triton config's
+    (µs, config), None where none was correct: Triton only under GEMV_MARGIN of cuBLAS's time."""
+    take = best is not None and best[0] < GEMV_MARGIN * cublas_us
+    return GemvChoice(best[1] if take else None, cublas_us, best[0] if best is not None else None)
+
+
+def gemv_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights a one-row step of `model` reads through linear: each nn.Linear's, and each
+    merged projection (models/common.merge_weights: a tensor attribute whose rows begin at a
+    linear layer's weight and reach past it)."""
+    lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = [m.weight for m in lins]
+    starts = {m.weight.data_ptr(): m.weight.shape[0] for m in lins}
+    for m in model.modules():
+        for v in vars(m).values():
+            if (isinstance(v, torch.Tensor) and v.dim() == 2 and v.data_ptr() in starts
+                    and v.shape[0] > starts[v.data_ptr()]):
+                weights.append(v)
+    return weights
+
+
+def use_gemv_plan(model: torch.nn.Module) -> int:
+    """Turn the model's nn.Linear modules into DispatchLinear (same parameters, forward through
+    linear); returns how many."""
+    n = 0
+    for m in model.modules():
+        if type(m) is torch.nn.Linear:
+            m.__class__ = DispatchLinear
+            n += 1
+    return n
 
 
 def fused_silu_mul(gate, up):

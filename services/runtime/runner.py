@@ -13,6 +13,9 @@ A ModelRunner is built from a model and a RuntimeConfig and owns how that model 
 - the op implementations (`dispatch`, a backends.OpDispatch: fast kernels or the references, the
   SDPA backends allowed), entered for the duration of each of its calls (backends.dispatching, a
   context variable: another runner, or code outside any, keeps its own choice);
+- on CUDA, which kernel a one-row linear layer runs (`gemv_plan`: backends.plan_gemv measures
+  cuBLAS against kernels/ops/gemv's Triton GEMV per weight shape when the runner is built, and
+  the model's nn.Linear layers and merged projections go through backends.linear);
 - the CUDA graphs of assemblies (`layout_graphs`, a graphs.LayoutGraphs per model, per layout
   shape), of decode steps (a paged.DecodeGraphs per pool it made, per padded batch size) and of
   suffix_replay restores (`replay_graphs`, a graphs.ReplayGraphs: per linear group and anchor
@@ -138,6 +141,13 @@ class ModelRunner:
         self.graphs_apply = (single and getattr(model, "cuda_graphs", False) and self.device.type == "cuda"
                              and self.dispatch.kernels != "reference")
         self.overlaps = single
+        # one-row linear layers on CUDA: the Triton GEMV for the weight shapes where it measures
+        # faster than cuBLAS on this device (backends.plan_gemv; {} where nothing was planned)
+        self.gemv_plan: dict[str, dict] = {}
+        if single and self.device.type == "cuda" and self.dispatch.kernels != "reference":
+            backends.use_gemv_plan(model)
+            with torch.no_grad():
+                self.gemv_plan = backends.plan_gemv(backends.gemv_weights(model))
         self.layout_graphs: LayoutGraphs | None = None
         self.assembly_graphs: AssemblyGraphs | None = None
         self.replay_graphs: ReplayGraphs | None = None  # suffix_replay restores (restore_state)

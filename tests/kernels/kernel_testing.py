@@ -24,6 +24,8 @@ from hybridcache.kernels.ops.attention.triton import live_attention, paged_live_
 from hybridcache.kernels.ops.causal_conv.triton import causal_conv1d_fwd, causal_conv1d_update  # noqa: E402
 from hybridcache.kernels.ops.checksum.triton import checksum_sums, copy_checksum  # noqa: E402
 from hybridcache.kernels.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
+from hybridcache.kernels.ops.gemv.triton import CONFIGS as GEMV_CONFIGS  # noqa: E402
+from hybridcache.kernels.ops.gemv.triton import gemv  # noqa: E402
 from hybridcache.kernels.ops.moe.triton import (  # noqa: E402
     FusedConfig,
     PairConfig,
@@ -53,6 +55,8 @@ __all__ = [
     "compose_states_fwd",
     "compose_states_table",
     "device",
+    "GEMV_CONFIGS",
+    "gemv",
     "FusedConfig",
     "fused_experts",
     "PairConfig",

@@ -13,7 +13,6 @@ queries attend through the block table (backends.paged_prefill_attention).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from hybridcache.kernels.ops.transition import apply_segment
 from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfigError
@@ -127,7 +126,7 @@ def merged_linear(x, merged: torch.Tensor | None, linears, groups: list[int] | N
                 break
             off += lin.out_features
         if intact:
-            return F.linear(x, merged).split(sizes, dim=-1)
+            return backends.linear(x, merged).split(sizes, dim=-1)
     outs, i = [], 0
     for n in groups:
         parts = [lin(x) for lin in linears[i : i + n]]
