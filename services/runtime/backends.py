@@ -633,7 +633,7 @@ def plan_gemv(weights, measure=None) -> dict[str, dict]:
     from hybridcache.kernels.ops.gemv.triton import CONFIGS, gemv
 
     measure = measure or _measure_us
-    out = {}
+    out, measured = {}, False
     for w in weights:
         if not (isinstance(w, torch.Tensor) and w.is_cuda and w.dim() == 2 and w.stride(1) == 1
                 and w.is_floating_point()):
@@ -657,11 +657,14 @@ def plan_gemv(weights, measure=None) -> dict[str, dict]:
                     best = (us, config)
             _GEMV_PLAN[key] = pick_gemv(cublas_us, best)
             del base, mat, x, ref
+            measured = True
         c = _GEMV_PLAN[key]
         out[f"{key[1]}x{key[2]} {str(key[4]).removeprefix('torch.')}"] = {
             "path": "cublas" if c.config is None else "triton", "cublas_us": round(c.cublas_us, 2),
             "triton_us": None if c.triton_us is None else round(c.triton_us, 2),
             "config": None if c.config is None else list(c.config)}
+    if measured:  # the random matrices' memory goes back to the device (memory planning reads it)
+        torch.cuda.empty_cache()
     return out
 
 
