@@ -49,6 +49,12 @@ def test_figures_are_ratios_of_what_the_phases_measured():
     assert f["cold_pic_ttft_with_scatter_vs_without"] == round(26 / 24, 3)
     assert f["scatter_to_combine_gb_per_s"] == 60.0 and f["scatter_to_combine_transport"] == "cuda_ipc"
     assert f["scatter_to_combine_gb_per_s_host"] == 60.0  # stats without copy seconds: the host's time alone
+    # cold pic: the median of the pic stack's cold requests against full's; the first request alone beside it
+    res["pic"]["cold2"] = {"ttft_ms": 18.0, "stats": {}}
+    res["pic"]["cold_more"] = [{"ttft_ms": 19.0, "stats": {}}]
+    f = m.figures(res)
+    assert f["cold_pic_ttft_vs_full_32x1k"] == round(19.0 / 20.0, 3)
+    assert f["cold_pic_first_request_ttft_vs_full_32x1k"] == 1.2
 
 
 def test_the_link_rate_is_bytes_over_the_copy_seconds_and_the_host_rate_over_the_receive_seconds():
