@@ -104,8 +104,8 @@ FIGURES = (
            "multiturn_cpu_*.json", "figures.multiturn_ttft_p50_suffix_replay_vs_sglang_peer", "x", 3, goal="<= 0.67"),
     Figure("the same run: suffix_replay vs that grid alone (no request-end states)", "multiturn_cpu_*.json",
            "figures.multiturn_ttft_p50_suffix_replay_vs_sglang_bare_grid", "x", 3),
-    Figure("served multi-turn p50 TTFT, suffix_replay vs SGLang's peer, on a GPU (9B shape, bf16, eager: "
-           "graphs off)", "multiturn_h100_*.json", "figures.multiturn_ttft_p50_suffix_replay_vs_sglang_peer", "x", 3,
+    Figure("served multi-turn p50 TTFT, suffix_replay vs SGLang's peer, on a GPU (9B shape, bf16, CUDA graphs "
+           "as served)", "multiturn_h100_*.json", "figures.multiturn_ttft_p50_suffix_replay_vs_sglang_peer", "x", 3,
            goal="<= 0.67"),
     Figure("the same GPU run: suffix_replay vs that grid alone", "multiturn_h100_*.json",
            "figures.multiturn_ttft_p50_suffix_replay_vs_sglang_bare_grid", "x", 3),
