@@ -196,6 +196,10 @@ class CombineServicer(rpc.CombineServicer):
         cuda = self.engine.model.device.type == "cuda"
         out = self.engine.warmup(run=warmup_requests(self.scheduler.generate))
         checksum.warm(self.engine.model.device)  # received device blocks' checksum kernels
+        runner = self.engine.runner
+        if getattr(runner, "gemv_plan", None):
+            # the linear layers' plan on this GPU (ModelRunner._plan_linears): per weight shape
+            out["linear_plan"] = {"column_major_layers": runner.column_major_layers, "shapes": runner.gemv_plan}
         if cuda:
             # the requests' transient peak above what stays held (plan_memory's `transient`)
             torch.cuda.synchronize()

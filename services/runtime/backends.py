@@ -570,37 +570,45 @@ def gated_heads(o, gate):
     return o.transpose(1, 2).reshape(B, n, H * d) * torch.sigmoid(gate)
 
 
-# plan_gemv takes a Triton config for a weight shape only where its time is under this fraction of
-# cuBLAS's (timing noise never flips a shape to the slower kernel)
+# plan_gemv takes a candidate over plain cuBLAS only where its time is under this fraction of
+# cuBLAS's (timing noise never flips a shape to the slower path)
 GEMV_MARGIN = 0.97
+# rows at which a column-major weight must not be slower than a row-major one (a decode batch)
+GEMV_BATCH_ROWS = 32
+# the bytes of weight copies a timing reads in turn, so that each call reads HBM (H100: 50 MB L2)
+GEMV_TIMING_BYTES = 256 << 20
+GEMV_TIMING_COPIES = 16
 
 
 @dataclass(frozen=True)
 class GemvChoice:
-    """What a one-row linear layer of one weight shape runs on one device: `config` (a
-    kernels/ops/gemv GemvConfig) or None for cuBLAS, with the times plan_gemv measured."""
+    """What a one-row linear layer of one weight shape runs on one device: `path` "cublas" (torch's
+    linear on the row-major [N, K] weight), "cublas_t" (the same on the weight stored column-major,
+    [K, N] contiguous: cuBLAS's other layout) or "triton" (kernels/ops/gemv with `config`), and the
+    times plan_gemv measured for one row (µs a call), by candidate."""
 
+    path: str
     config: object | None
-    cublas_us: float
-    triton_us: float | None
+    times_us: dict
 
 
-# (device index, N, K, row stride, dtype) -> GemvChoice, filled by plan_gemv alone: a shape never
-# measured runs on cuBLAS, and nothing is measured inside a call (a CUDA graph's capture included)
+# (device index, N, K, dtype) -> GemvChoice, filled by plan_gemv alone: a shape never measured runs
+# on cuBLAS, and nothing is measured inside a call (a CUDA graph's capture included)
 _GEMV_PLAN: dict[tuple, GemvChoice] = {}
 
 
 def _gemv_key(w: torch.Tensor) -> tuple:
-    return (w.device.index, w.shape[0], w.shape[1], w.stride(0), w.dtype)
+    return (w.device.index, w.shape[0], w.shape[1], w.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + bias. One row on CUDA (a decode step of one request) runs kernels/ops/gemv's Triton
-    GEMV where plan_gemv chose it for the weight's shape; everything else runs torch's linear."""
-    if _GEMV_PLAN and x.is_cuda and x.shape[-1] == x.numel() and x.dtype == weight.dtype:
+    GEMV where plan_gemv chose it for the weight's shape (a row-major weight); everything else
+    runs torch's linear, on whichever layout the weight has."""
+    if _GEMV_PLAN and x.is_cuda and x.shape[-1] == x.numel() and x.dtype == weight.dtype and weight.stride(1) == 1:
         choice = _GEMV_PLAN.get(_gemv_key(weight))
         dispatch = _DISPATCH.get()
-        if (choice is not None and choice.config is not None and dispatch.kernels != "reference"
+        if (choice is not None and choice.path == "triton" and dispatch.kernels != "reference"
                 and dispatch.gemv == "auto" and not weight.requires_grad):
             from hybridcache.kernels.ops.gemv.triton import gemv
 
@@ -616,78 +624,121 @@ class DispatchLinear(torch.nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def _measure_us(fn) -> float:
-    """fn's device time in µs: median over repeats, L2 flushed before each (triton's do_bench)."""
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
+def graph_us(calls) -> float:
+    """The device time of one of `calls` (each a no-argument callable) as a decode step runs them:
+    all of them back to back inside one CUDA graph, replayed; µs a call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (compiles, cuBLAS handles)
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 5
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps / len(calls)
 
 
 def plan_gemv(weights, measure=None) -> dict[str, dict]:
-    """Measure, for each distinct shape of `weights` (2-D CUDA tensors read by linear layers), one
-    row through cuBLAS and through each Triton GemvConfig of kernels/ops/gemv CONFIGS (on a random
-    row and matrix of that shape, dtype and row stride), and keep for linear the fastest Triton
-    config where it takes under GEMV_MARGIN of cuBLAS's time and agrees with cuBLAS's output (else
-    cuBLAS). A shape planned before is not measured again. `measure(fn) -> µs` replaces the timer
-    (tests). Returns {"NxK dtype": {"path", "cublas_us", "triton_us", "config"}} of the shapes."""
+    """Measure, for each distinct shape of `weights` (2-D CUDA tensors read by linear layers), a
+    one-row product through cuBLAS on the row-major weight, through cuBLAS on it stored
+    column-major, and through each Triton GemvConfig of kernels/ops/gemv CONFIGS; then keep the
+    fastest for linear (pick_gemv). Each candidate is timed as a decode step runs it (graph_us:
+    back to back in a CUDA graph, over enough random copies of the weight that each call reads
+    device memory); the column-major layout also at GEMV_BATCH_ROWS rows, where it must not lose,
+    and a Triton config only if its output agrees with cuBLAS's. A shape planned before is not
+    measured again. `measure(calls) -> µs a call` replaces graph_us (tests). Returns
+    {"NxK dtype": {"path", "config", "times_us"}} of the shapes."""
     from hybridcache.kernels.ops.gemv.triton import CONFIGS, gemv
 
-    measure = measure or _measure_us
+    measure = measure or graph_us
     out, measured = {}, False
     for w in weights:
-        if not (isinstance(w, torch.Tensor) and w.is_cuda and w.dim() == 2 and w.stride(1) == 1
-                and w.is_floating_point()):
+        if not (isinstance(w, torch.Tensor) and w.is_cuda and w.dim() == 2 and w.is_floating_point()):
             continue
         key = _gemv_key(w)
         if key not in _GEMV_PLAN:
             N, K = w.shape
-            base = torch.randn(N, w.stride(0), device=w.device, dtype=w.dtype) / K**0.5
-            mat = base[:, :K]
+            copies = max(1, min(GEMV_TIMING_COPIES, -(-GEMV_TIMING_BYTES // max(1, N * K * w.element_size()))))
+            mats = [torch.randn(N, K, device=w.device, dtype=w.dtype) / K**0.5 for _ in range(copies)]
             x = torch.randn(1, K, device=w.device, dtype=w.dtype)
-            ref = F.linear(x, mat).float()
-            cublas_us = measure(lambda mat=mat, x=x: F.linear(x, mat))
-            best = None
+            xb = torch.randn(GEMV_BATCH_ROWS, K, device=w.device, dtype=w.dtype)
+            times = {"cublas": measure([functools.partial(F.linear, x, m) for m in mats]),
+                     "cublas_batch": measure([functools.partial(F.linear, xb, m) for m in mats])}
+            cols = [m.t().contiguous().t() for m in mats]
+            times["cublas_t"] = measure([functools.partial(F.linear, x, m) for m in cols])
+            times["cublas_t_batch"] = measure([functools.partial(F.linear, xb, m) for m in cols])
+            del cols
+            ref = F.linear(x, mats[0]).float()
             tol = 2e-2 * ref.abs().max().item() + 1e-6
+            triton = None
             for config in CONFIGS:
-                got = gemv(x, mat, None, config).float()
-                if (got - ref).abs().max().item() > tol:
+                if (gemv(x, mats[0], None, config).float() - ref).abs().max().item() > tol:
                     continue
-                us = measure(lambda mat=mat, x=x, config=config: gemv(x, mat, None, config))
-                if best is None or us < best[0]:
-                    best = (us, config)
-            _GEMV_PLAN[key] = pick_gemv(cublas_us, best)
-            del base, mat, x, ref
+                us = measure([functools.partial(gemv, x, m, None, config) for m in mats])
+                if triton is None or us < triton[0]:
+                    triton = (us, config)
+            if triton is not None:
+                times["triton"] = triton[0]
+            _GEMV_PLAN[key] = pick_gemv(times, triton[1] if triton is not None else None)
+            del mats, x, xb, ref
             measured = True
         c = _GEMV_PLAN[key]
-        out[f"{key[1]}x{key[2]} {str(key[4]).removeprefix('torch.')}"] = {
-            "path": "cublas" if c.config is None else "triton", "cublas_us": round(c.cublas_us, 2),
-            "triton_us": None if c.triton_us is None else round(c.triton_us, 2),
-            "config": None if c.config is None else list(c.config)}
+        out[f"{key[1]}x{key[2]} {str(key[3]).removeprefix('torch.')}"] = {
+            "path": c.path, "config": None if c.config is None else list(c.config),
+            "times_us": {k: round(v, 2) for k, v in c.times_us.items()}}
     if measured:  # the random matrices' memory goes back to the device (memory planning reads it)
         torch.cuda.empty_cache()
     return out
 
 
-def pick_gemv(cublas_us: float, best: tuple[float, object] | None) -> GemvChoice:
-    """The choice for one shape from cuBLAS's time and the fastest correct Triton config's
-    (µs, config), None where none was correct: Triton only under GEMV_MARGIN of cuBLAS's time."""
-    take = best is not None and best[0] < GEMV_MARGIN * cublas_us
-    return GemvChoice(best[1] if take else None, cublas_us, best[0] if best is not None else None)
+def pick_gemv(times: dict, config=None) -> GemvChoice:
+    """The choice for one shape from plan_gemv's times (µs a call: "cublas", "cublas_batch",
+    "cublas_t", "cublas_t_batch", "triton" where a config was correct, that config `config`):
+    the fastest one-row candidate, where one other than plain cuBLAS must take under GEMV_MARGIN
+    of its time, and the column-major layout also no more than plain cuBLAS's at a batch."""
+    best, best_us = "cublas", times["cublas"]
+    t = times.get("cublas_t")
+    if (t is not None and t < GEMV_MARGIN * times["cublas"]
+            and times.get("cublas_t_batch", float("inf")) <= times.get("cublas_batch", 0.0) / GEMV_MARGIN):
+        best, best_us = "cublas_t", t
+    if "triton" in times and times["triton"] < GEMV_MARGIN * times["cublas"] and times["triton"] < best_us:
+        best = "triton"
+    return GemvChoice(best, config if best == "triton" else None, dict(times))
 
 
 def gemv_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """The weights a one-row step of `model` reads through linear: each nn.Linear's, and each
     merged projection (models/common.merge_weights: a tensor attribute whose rows begin at a
     linear layer's weight and reach past it)."""
+    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)] + [g for g, _ in _merged_groups(model)]
+
+
+def _merged_groups(model) -> list[tuple[torch.Tensor, list]]:
+    """(merged weight, the nn.Linear layers whose weights are its views) of the model."""
     lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    weights = [m.weight for m in lins]
     starts = {m.weight.data_ptr(): m.weight.shape[0] for m in lins}
+    groups, seen = [], set()
     for m in model.modules():
         for v in vars(m).values():
             if (isinstance(v, torch.Tensor) and v.dim() == 2 and v.data_ptr() in starts
-                    and v.shape[0] > starts[v.data_ptr()]):
-                weights.append(v)
-    return weights
+                    and v.shape[0] > starts[v.data_ptr()] and id(v) not in seen):
+                seen.add(id(v))
+                store = v.untyped_storage().data_ptr()
+                lo, hi = v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()
+                members = [lin for lin in lins if lin.weight.untyped_storage().data_ptr() == store
+                           and lo <= lin.weight.data_ptr() < hi]
+                groups.append((v, members))
+    return groups
 
 
 def use_gemv_plan(model: torch.nn.Module) -> int:
@@ -699,6 +750,48 @@ def use_gemv_plan(model: torch.nn.Module) -> int:
             m.__class__ = DispatchLinear
             n += 1
     return n
+
+
+def column_major_linears(model: torch.nn.Module) -> list:
+    """Store column-major ([K, N] contiguous, seen as its transpose) the weight of each nn.Linear
+    whose planned path (plan_gemv, of its merged projection where it has one) is "cublas_t", then
+    merge the projections again (merge_weights keeps that layout). Left row-major: layers marked
+    `keeps_row_major` (their weights are read by kernels that need unit stride along the input,
+    e.g. a MoE block's shared expert) and any whose merged group holds one, weights shared with a
+    parameter outside the linear layers (tied embeddings), and shapes never planned. Returns the
+    layers changed (to_row_major undoes it)."""
+    lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    own = {id(m.weight) for m in lins}
+    shared = {p.untyped_storage().data_ptr() for p in model.parameters() if id(p) not in own}
+    group_of = {}
+    for merged, members in _merged_groups(model):
+        for lin in members:
+            group_of[id(lin)] = (merged, members)
+
+    def planned(w):
+        c = _GEMV_PLAN.get(_gemv_key(w))
+        return c is not None and c.path == "cublas_t"
+
+    changed = []
+    for lin in lins:
+        w = lin.weight
+        merged, members = group_of.get(id(lin), (w, [lin]))
+        if (not planned(merged) or any(getattr(m, "keeps_row_major", False) for m in members)
+                or w.untyped_storage().data_ptr() in shared or w.stride(0) == 1):
+            continue
+        lin.weight = torch.nn.Parameter(w.detach().t().contiguous().t(), requires_grad=w.requires_grad)
+        changed.append(lin)
+    if changed and hasattr(model, "merge_projections"):
+        model.merge_projections()
+    return changed
+
+
+def to_row_major(model: torch.nn.Module, lins: list) -> None:
+    """Undo column_major_linears for `lins`: row-major weights, the projections merged again."""
+    for lin in lins:
+        lin.weight = torch.nn.Parameter(lin.weight.detach().contiguous(), requires_grad=lin.weight.requires_grad)
+    if lins and hasattr(model, "merge_projections"):
+        model.merge_projections()
 
 
 def fused_silu_mul(gate, up):

@@ -13,9 +13,11 @@ A ModelRunner is built from a model and a RuntimeConfig and owns how that model 
 - the op implementations (`dispatch`, a backends.OpDispatch: fast kernels or the references, the
   SDPA backends allowed), entered for the duration of each of its calls (backends.dispatching, a
   context variable: another runner, or code outside any, keeps its own choice);
-- on CUDA, which kernel a one-row linear layer runs (`gemv_plan`: backends.plan_gemv measures
-  cuBLAS against kernels/ops/gemv's Triton GEMV per weight shape when the runner is built, and
-  the model's nn.Linear layers and merged projections go through backends.linear);
+- on CUDA, the linear layers' weight layout and one-row kernel (`gemv_plan`: backends.plan_gemv
+  times, per weight shape, cuBLAS on the row-major and on the column-major weight and
+  kernels/ops/gemv's Triton GEMV as a decode step runs them; the weights whose shape is faster
+  column-major are stored so, checked by the model's logits on a probe; the layers go through
+  backends.linear);
 - the CUDA graphs of assemblies (`layout_graphs`, a graphs.LayoutGraphs per model, per layout
   shape), of decode steps (a paged.DecodeGraphs per pool it made, per padded batch size) and of
   suffix_replay restores (`replay_graphs`, a graphs.ReplayGraphs: per linear group and anchor
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 import weakref
 
@@ -69,6 +72,7 @@ from hybridcache.services.runtime.models.assembly import plan_assembly
 from hybridcache.services.runtime.paged import DecodeGraphs, StatePool, decode_step, extend_pages
 from hybridcache.services.runtime.sequence import AttnState, LinearState, LiveRun, SequenceState, SpanData
 
+log = logging.getLogger("hybridcache.runner")
 
 def entry_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """How build_spans groups cold segments into batched prefills: indices in increasing length,
@@ -144,10 +148,9 @@ class ModelRunner:
         # one-row linear layers on CUDA: the Triton GEMV for the weight shapes where it measures
         # faster than cuBLAS on this device (backends.plan_gemv; {} where nothing was planned)
         self.gemv_plan: dict[str, dict] = {}
+        self.column_major_layers = 0
         if single and self.device.type == "cuda" and self.dispatch.kernels != "reference":
-            backends.use_gemv_plan(model)
-            with torch.no_grad():
-                self.gemv_plan = backends.plan_gemv(backends.gemv_weights(model))
+            self._plan_linears()
         self.layout_graphs: LayoutGraphs | None = None
         self.assembly_graphs: AssemblyGraphs | None = None
         self.replay_graphs: ReplayGraphs | None = None  # suffix_replay restores (restore_state)
@@ -168,6 +171,41 @@ class ModelRunner:
     @property
     def device(self) -> torch.device:
         return getattr(self.model, "device", torch.device("cpu"))
+
+    # a relayout whose probe logits move more than this (relative RMS) is undone: bf16 GEMMs of
+    # another order move them ~1e-3, a weight read in the wrong layout ~1
+    LAYOUT_PROBE_TOLERANCE = 0.05
+
+    @_executes
+    def _plan_linears(self) -> None:
+        """The one-row linear layers' plan on this device (backends.plan_gemv: cuBLAS on either
+        weight layout or the Triton GEMV, per weight shape), the model's nn.Linear layers routed
+        through backends.linear, and the weights whose plan says so stored column-major
+        (backends.column_major_linears). The model's logits on a short probe prompt, and on one
+        token, are compared before and after; a relayout that changes them is undone (logged)."""
+        model = self.model
+        self.gemv_plan = backends.plan_gemv(backends.gemv_weights(model))
+        before = self._probe()
+        backends.use_gemv_plan(model)
+        changed = backends.column_major_linears(model)
+        if changed:
+            try:
+                after = self._probe()
+                gap = max(float((a - b).norm() / b.norm().clamp_min(1e-6)) for a, b in zip(after, before))
+            except Exception as e:  # noqa: BLE001 (a consumer that cannot read the new layout)
+                gap, after = float("inf"), e
+            if not gap <= self.LAYOUT_PROBE_TOLERANCE:
+                backends.to_row_major(model, changed)
+                log.warning("column-major weights of %d linear layers undone: the probe's logits moved %s",
+                            len(changed), after if isinstance(after, Exception) else f"{gap:.3g}")
+                changed = []
+        self.column_major_layers = len(changed)
+
+    def _probe(self) -> list[torch.Tensor]:
+        """fp32 logits of a fixed 7-token prompt and of its first token alone, from empty states."""
+        ids = torch.arange(7, device=self.device) * 7919 % self.model.cfg.vocab_size
+        return [self.model.forward_layout(self.model.empty_state(), [LiveRun(t, 0)], "all")[0].float()
+                for t in (ids, ids[:1])]
 
     def graph_factory(self, mempool, device):
         """A CUDA graph (graphs.CudaLayerGraph) captured on this runner's side stream."""

@@ -53,13 +53,20 @@ def test_gemv_refuses_what_it_cannot_run():
     assert gemv(x[:1], torch.zeros(0, 8, device=device())).shape == (1, 0)
 
 
-def test_pick_takes_triton_only_under_the_margin():
+def test_pick_takes_another_path_only_under_the_margin():
     cfg = GEMV_CONFIGS[0]
-    assert backends.pick_gemv(100.0, (90.0, cfg)).config == cfg
-    assert backends.pick_gemv(100.0, (backends.GEMV_MARGIN * 100.0 + 0.5, cfg)).config is None
-    assert backends.pick_gemv(100.0, (120.0, cfg)).config is None
-    none = backends.pick_gemv(100.0, None)
-    assert none.config is None and none.triton_us is None and none.cublas_us == 100.0
+    m = backends.GEMV_MARGIN
+    base = {"cublas": 100.0, "cublas_batch": 200.0, "cublas_t": 150.0, "cublas_t_batch": 200.0}
+    assert backends.pick_gemv(dict(base, triton=90.0), cfg).path == "triton"
+    assert backends.pick_gemv(dict(base, triton=90.0), cfg).config == cfg
+    assert backends.pick_gemv(dict(base, triton=m * 100.0 + 0.5), cfg).path == "cublas"
+    assert backends.pick_gemv(dict(base, cublas_t=90.0)).path == "cublas_t"
+    assert backends.pick_gemv(dict(base, cublas_t=90.0, triton=85.0), cfg).path == "triton"
+    assert backends.pick_gemv(dict(base, cublas_t=80.0, triton=85.0), cfg).path == "cublas_t"
+    # column-major faster for one row but slower at a batch: kept row-major
+    assert backends.pick_gemv(dict(base, cublas_t=80.0, cublas_t_batch=240.0)).path == "cublas"
+    none = backends.pick_gemv(dict(base))
+    assert none.path == "cublas" and none.config is None and none.times_us["cublas"] == 100.0
 
 
 def test_linear_runs_torch_where_nothing_was_planned():
@@ -71,26 +78,99 @@ def test_linear_runs_torch_where_nothing_was_planned():
         backends.OpDispatch(gemv="fast")
 
 
+def _plan_all(monkeypatch, model, path="cublas_t"):
+    """A plan (as plan_gemv leaves it) of `path` for every weight shape of the model."""
+    plan = {}
+    for w in backends.gemv_weights(model):
+        plan[backends._gemv_key(w)] = backends.GemvChoice(path, None, {"cublas": 1.0})
+    monkeypatch.setattr(backends, "_GEMV_PLAN", plan)
+
+
+def _logits(model, n=9):
+    ids = torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(5))
+    return model.forward_layout(model.empty_state(), [LiveRun(ids, 0)], "all")[0]
+
+
 def test_model_layers_route_through_linear_with_the_same_logits(model_dirs):
     """use_gemv_plan turns every nn.Linear into DispatchLinear (parameters and state_dict kept), and
     gemv_weights finds the merged projections as well as the layers' own weights."""
     for arch, d in model_dirs.items():
         model = load_model(d)
-        ids = torch.randint(3, 200, (9,), generator=torch.Generator().manual_seed(5))
-        want, _ = model.forward_layout(model.empty_state(), [LiveRun(ids, 0)], "all")
+        want = _logits(model)
         keys = model.state_dict().keys()
         lins = sum(type(m) is nn.Linear for m in model.modules())
         weights = backends.gemv_weights(model)
         assert backends.use_gemv_plan(model) == lins > 0
         assert not any(type(m) is nn.Linear for m in model.modules())
         assert model.state_dict().keys() == keys
-        got, _ = model.forward_layout(model.empty_state(), [LiveRun(ids, 0)], "all")
-        assert torch.equal(got, want), arch
+        assert torch.equal(_logits(model), want), arch
         merged = [w for w in weights if not any(w is m.weight for m in model.modules() if isinstance(m, nn.Linear))]
         if arch.startswith("qwen3_5"):
             assert merged, arch  # the in-projections, qkv and gate|up merge on these models
         for w in merged:
             assert any(m.weight.data_ptr() == w.data_ptr() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_column_major_weights_keep_the_logits_and_the_merges(model_dirs, monkeypatch):
+    """Every family with every planned weight stored column-major: same logits (fp32), the merged
+    projections merged again in that layout (one GEMM each), the layers the MoE kernels read kept
+    row-major, and to_row_major undoing it all."""
+    for arch, d in model_dirs.items():
+        model = load_model(d)
+        want = _logits(model)
+        want1 = _logits(model, 1)
+        _plan_all(monkeypatch, model)
+        changed = backends.column_major_linears(model)
+        assert changed, arch
+        assert all(lin.weight.stride(0) == 1 for lin in changed)
+        for m in model.modules():
+            if getattr(m, "keeps_row_major", False):
+                assert m not in changed and m.weight.stride(1) == 1, arch
+        for merged, members in backends._merged_groups(model):
+            if any(lin in changed for lin in members):
+                assert merged.stride(0) == 1 and all(lin in changed for lin in members), arch
+        assert (_logits(model) - want).abs().max().item() < 1e-4, arch
+        assert (_logits(model, 1) - want1).abs().max().item() < 1e-4, arch
+        backends.to_row_major(model, changed)
+        assert all(lin.weight.is_contiguous() for lin in changed)
+        assert (_logits(model) - want).abs().max().item() < 1e-4, arch
+
+
+def test_merge_weights_keeps_a_column_major_layout():
+    from hybridcache.services.runtime.models.common import merge_weights, merged_linear
+
+    g = torch.Generator().manual_seed(6)
+    lins = [nn.Linear(8, n, bias=False) for n in (5, 3)]
+    x = torch.randn(2, 8, generator=g)
+    want = [lin(x) for lin in lins]
+    for lin in lins:
+        lin.weight = nn.Parameter(lin.weight.detach().t().contiguous().t())
+    merged = merge_weights(*lins)
+    assert merged.shape == (8, 8) and merged.stride() == (1, 8)
+    assert lins[1].weight.data_ptr() == merged.data_ptr() + 5 * merged.element_size()
+    got = merged_linear(x, merged, lins)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_the_runner_undoes_a_relayout_that_moves_the_probe(qwen35_dir, monkeypatch):
+    """ModelRunner._plan_linears (CUDA only; here with a plan made by hand on the CPU): the planned
+    weights go column-major when the probe's logits hold, and back row-major when they move."""
+    from hybridcache.services.runtime.runner import ModelRunner
+
+    model = load_model(qwen35_dir)
+    runner = ModelRunner(model)
+    assert runner.column_major_layers == 0 and runner.gemv_plan == {}  # CPU: nothing planned
+    monkeypatch.setattr(backends, "plan_gemv", lambda weights: _plan_all(monkeypatch, model) or {})
+    runner._plan_linears()
+    assert runner.column_major_layers > 0
+    n = runner.column_major_layers
+    backends.to_row_major(model, [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.stride(0) == 1])
+    probes = iter([[torch.zeros(3)], [torch.ones(3)]])
+    monkeypatch.setattr(runner, "_probe", lambda: next(probes))
+    runner._plan_linears()
+    assert runner.column_major_layers == 0 and n > 0
+    assert all(m.weight.stride(1) == 1 for m in model.modules() if isinstance(m, nn.Linear))
 
 
 @pytest.mark.gpu
@@ -103,7 +183,7 @@ def test_plan_and_linear_on_the_9b_shapes_gpu():
     plan = backends.plan_gemv(weights)
     assert len(plan) == len(shapes)
     for w, (name, choice) in zip(weights, plan.items()):
-        assert choice["cublas_us"] > 0 and choice["path"] in ("cublas", "triton"), name
+        assert choice["times_us"]["cublas"] > 0 and choice["path"] in ("cublas", "cublas_t", "triton"), name
         x = torch.randn(1, w.shape[1], device=dev, dtype=torch.bfloat16)
         got, ref = backends.linear(x, w), F.linear(x.float(), w.float())
         assert rel_rms(got.float(), ref) < 1e-2, name

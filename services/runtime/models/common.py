@@ -98,7 +98,12 @@ def merge_weights(*linears: nn.Linear) -> torch.Tensor | None:
         for lin in linears
     ):
         return None
-    merged = torch.cat([lin.weight.detach() for lin in linears])
+    if all(lin.weight.stride(0) == 1 for lin in linears):
+        # column-major weights (backends.column_major_linears): the merged weight is too, so that
+        # each layer's weight stays a view of it with its own layout
+        merged = torch.cat([lin.weight.detach().t() for lin in linears], dim=1).t()
+    else:
+        merged = torch.cat([lin.weight.detach() for lin in linears])
     off = 0
     for lin in linears:
         n = lin.out_features

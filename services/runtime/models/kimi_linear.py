@@ -295,6 +295,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(h, self.r + self.dr, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
         self.kv_b_proj = nn.Linear(self.r, self.nh * (self.dn + self.dv), bias=False)
+        self.kv_b_proj.keeps_row_major = True  # absorbed into the attention as a view of its weight
         self.o_proj = nn.Linear(self.nh * self.dv, h, bias=bias)
 
     def empty_state(self, device) -> AttnState:
@@ -410,6 +411,9 @@ class MoE(nn.Module):
         self.gate = TopkRouter(cfg)
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
+        # the pair-major MoE kernels read these weights themselves, row-major (backends.column_major_linears)
+        for lin in self.shared_experts.children():
+            lin.keeps_row_major = True
 
     def forward(self, x):
         shape = x.shape

@@ -316,6 +316,9 @@ class SparseMoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        # the pair-major MoE kernels read these weights themselves, row-major (backends.column_major_linears)
+        for lin in (*self.shared_expert.children(), self.shared_expert_gate):
+            lin.keeps_row_major = True
 
     def forward(self, x):
         shape = x.shape
