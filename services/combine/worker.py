@@ -34,7 +34,7 @@ from hybridcache.services.protocol import pb, rpc, segment, segment_array
 from hybridcache.services.runtime.cache import EntryLayout, SegmentEntry
 from hybridcache.services.runtime.cache.host_tier import is_host
 from hybridcache.services.runtime.engine import Engine
-from hybridcache.services.runtime.sampling import RequestError
+from hybridcache.services.runtime.sampling import RequestError, warm_kernels
 from hybridcache.services.runtime.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig
 from hybridcache.services.security import internal_channel
 from hybridcache.services.transport import Endpoint, checksum, local_endpoint, measure_bandwidths, transport_for_address
@@ -196,6 +196,8 @@ class CombineServicer(rpc.CombineServicer):
         cuda = self.engine.model.device.type == "cuda"
         out = self.engine.warmup(run=warmup_requests(self.scheduler.generate))
         checksum.warm(self.engine.model.device)  # received device blocks' checksum kernels
+        out["sampling_shapes"] = warm_kernels(self.engine.model.device, self.engine.cfg.vocab_size,
+                                              self.scheduler.config.max_num_seqs)
         runner = self.engine.runner
         if getattr(runner, "gemv_plan", None):
             # the linear layers' plan on this GPU (ModelRunner._plan_linears): per weight shape

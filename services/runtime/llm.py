@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from hybridcache.services.runtime.engine import Engine, EngineConfig, GenerateResult
 from hybridcache.services.runtime.plan import Request
+from hybridcache.services.runtime.sampling import warm_kernels
 from hybridcache.services.runtime.scheduler import (
     QueueFull,
     Scheduler,
@@ -82,8 +83,12 @@ class LLM:
             yield pending.popleft().result()
 
     def warmup(self) -> dict:
-        """The engine's warm-up (Engine.warmup) with every request served by this scheduler."""
-        return self.engine.warmup(run=self.scheduler.generate)
+        """The engine's warm-up (Engine.warmup) with every request served by this scheduler, then the
+        sampling kernels of every batch size it may step (sampling.warm_kernels)."""
+        out = self.engine.warmup(run=self.scheduler.generate)
+        out["sampling_shapes"] = warm_kernels(self.engine.model.device, self.engine.cfg.vocab_size,
+                                              self.scheduler.config.max_num_seqs)
+        return out
 
     def close(self) -> None:
         """Stop the scheduler (requests still in it end with "abort")."""

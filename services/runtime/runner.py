@@ -149,7 +149,8 @@ class ModelRunner:
         # faster than cuBLAS on this device (backends.plan_gemv; {} where nothing was planned)
         self.gemv_plan: dict[str, dict] = {}
         self.column_major_layers = 0
-        if single and self.device.type == "cuda" and self.dispatch.kernels != "reference":
+        if (single and self.device.type == "cuda" and torch.cuda.is_available()
+                and self.dispatch.kernels != "reference"):
             self._plan_linears()
         self.layout_graphs: LayoutGraphs | None = None
         self.assembly_graphs: AssemblyGraphs | None = None

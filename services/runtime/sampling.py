@@ -289,6 +289,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list)
     return picks
 
 
+def warm_kernels(device, vocab: int, max_rows: int) -> int:
+    """Compile the CUDA sampling kernels of every launch shape that batches of 1 to max_rows
+    sampled rows of `vocab` logits take (kernels/ops/sampling launch_shape: the split path's
+    partial count is a compile-time constant that depends on the rows), by sampling one batch of
+    each shape, top-k included; a worker's warm-up calls it, so that no request's first sampled
+    step at a new batch size waits for Triton's compilation (seconds). Returns how many shapes
+    ran (0 off CUDA)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return 0
+    from hybridcache.kernels.ops.sampling.triton import launch_shape
+
+    shapes = {}
+    for rows in range(1, max_rows + 1):
+        shapes.setdefault(launch_shape(rows, vocab, dev)[1], rows)
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=20)
+    for rows in shapes.values():
+        sample(torch.randn(rows, vocab, device=dev), [params] * rows, [None] * rows)
+    torch.cuda.synchronize(dev)
+    return len(shapes)
+
+
 def _sample_kernel(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
     """sample's CUDA path: the rows' settings and seeds to the device in two copies, each top-k
     row's k-th largest logit from one torch.topk, then kernels/ops/sampling's one launch."""

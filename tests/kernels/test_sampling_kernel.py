@@ -137,3 +137,32 @@ def test_kernel_at_the_9b_vocabulary_beats_the_sorting_sampler_gpu():
         sort = timed(lambda x, p, b: sampling.sampling_probs(x, p))
         print(f"B={B}: kernel {kernel:.3f} ms, sorting path {sort:.3f} ms")
         assert kernel < sort
+
+
+def test_warm_kernels_compiles_nothing_off_cuda():
+    from hybridcache.services.runtime.sampling import warm_kernels
+
+    assert warm_kernels("cpu", 1000, 32) == 0
+
+
+@pytest.mark.gpu
+def test_warm_kernels_leaves_no_batch_size_to_compile_gpu():
+    """After warm_kernels every batch of 1..128 sampled rows of the 9B vocabulary runs kernels
+    already compiled: no Triton cache of the sampling kernels grows."""
+    from hybridcache.kernels.ops.sampling import triton as st
+    from hybridcache.services.runtime.sampling import SamplingParams, sample, warm_kernels
+
+    dev, V = torch.device("cuda"), 248320
+    shapes = warm_kernels(dev, V, 128)
+    assert shapes > 1  # the split path's partial count changes with the rows
+    kernels = (st._race_kernel, st._mass_kernel, st._decide_kernel, st.sample_rows_kernel)
+
+    def compiled():
+        return [sum(len(c[0]) for c in k.device_caches.values()) for k in kernels]
+
+    before = compiled()
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=20)
+    for rows in range(1, 129):
+        sample(torch.randn(rows, V, device=dev), [params] * rows, [None] * rows)
+    torch.cuda.synchronize()
+    assert compiled() == before

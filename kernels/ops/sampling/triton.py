@@ -272,6 +272,14 @@ def split_chunk(B: int, V: int, block: int, device: torch.device) -> int:
     return triton.cdiv(triton.cdiv(V, chunks), block) * block
 
 
+def launch_shape(B: int, V: int, device: torch.device, block: int = 2048) -> tuple[int, int]:
+    """(chunk, SP) of sample_rows's default launch for B rows of V logits on a GPU: the split
+    path's chunk and its partials' padded count, a compile-time constant of its kernels (SP 0: the
+    single program a row). Batches of one launch shape share the compiled kernels."""
+    chunk = split_chunk(B, V, block, device)
+    return chunk, triton.next_power_of_2(triton.cdiv(V, chunk)) if chunk < V else 0
+
+
 def sample_rows(
     logits: torch.Tensor,
     temperature: torch.Tensor,
