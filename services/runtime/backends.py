@@ -717,10 +717,13 @@ def pick_gemv(times: dict, config=None) -> GemvChoice:
 
 
 def gemv_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The weights a one-row step of `model` reads through linear: each nn.Linear's, and each
-    merged projection (models/common.merge_weights: a tensor attribute whose rows begin at a
-    linear layer's weight and reach past it)."""
-    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)] + [g for g, _ in _merged_groups(model)]
+    """The weights a one-row step of `model` reads through linear: each nn.Linear's, each merged
+    projection (models/common.merge_weights: a tensor attribute whose rows begin at a linear
+    layer's weight and reach past it), and those other modules name (`linear_weights()`, a MoE
+    router's)."""
+    extra = [w for m in model.modules() if hasattr(m, "linear_weights") for w in m.linear_weights()]
+    lins = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return lins + [g for g, _ in _merged_groups(model)] + extra
 
 
 def _merged_groups(model) -> list[tuple[torch.Tensor, list]]:

@@ -270,7 +270,7 @@ class MiniMaxMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         path = self.experts.path(flat, self.top_k)
-        top_w, top_i = softmax_top_k(F.linear(flat, self.gate.weight), self.top_k, True, torch.float,
+        top_w, top_i = softmax_top_k(backends.linear(flat, self.gate.weight), self.top_k, True, torch.float,
                                      fused=path == "pairs")
         out = self.experts(flat, top_i, top_w, path=path)
         return out.view(shape)

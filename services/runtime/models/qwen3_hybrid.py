@@ -286,6 +286,10 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weights this module multiplies through backends.linear (backends.gemv_weights)."""
+        return [self.weight]
+
 
 class Experts(nn.Module):
     """Expert weights fused as 3-D tensors; the loader also accepts per-expert checkpoints. The
@@ -327,7 +331,8 @@ class SparseMoE(nn.Module):
         path = self.experts.path(x, k)
         # Qwen3.5-MoE always renormalises the top-k weights (its config has no norm_topk_prob)
         renormalize = self.cfg.norm_topk_prob or self.cfg.family == "qwen3_5_moe"
-        top_w, top_i = softmax_top_k(F.linear(x, self.gate.weight), k, renormalize, x.dtype, fused=path == "pairs")
+        logits = backends.linear(x, self.gate.weight)
+        top_w, top_i = softmax_top_k(logits, k, renormalize, x.dtype, fused=path == "pairs")
         if path == "pairs":
             # the shared expert and its sigmoid gate run inside the routed experts' two launches
             shared = self.shared_expert.as_shared(self.shared_expert_gate.weight)
