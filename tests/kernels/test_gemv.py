@@ -195,3 +195,22 @@ def test_plan_and_linear_on_the_9b_shapes_gpu():
         x2 = torch.randn(2, w.shape[1], device=dev, dtype=torch.bfloat16)
         assert torch.equal(backends.linear(x2, w), F.linear(x2, w))
     print(plan)
+
+
+@pytest.mark.parametrize("arch", ["kimi_linear", "nemotron_h", "olmo_hybrid", "minimax", "bamba"])
+def test_column_major_weights_keep_the_other_families_logits(arch, tmp_path, monkeypatch):
+    """The families outside model_dirs: every planned weight column-major, the same logits, and the
+    layers read directly by other code (kimi's kv_b_proj, its shared experts) left row-major."""
+    from hybridcache.services.runtime.modelzoo import init_model_dir
+
+    model = load_model(init_model_dir(arch, "tiny", tmp_path / arch, seed=1, std=0.08))
+    want, want1 = _logits(model), _logits(model, 1)
+    _plan_all(monkeypatch, model)
+    changed = backends.column_major_linears(model)
+    assert changed
+    kept = [m for m in model.modules() if getattr(m, "keeps_row_major", False)]
+    assert all(m not in changed and m.weight.stride(1) == 1 for m in kept)
+    if arch == "kimi_linear":
+        assert kept
+    assert (_logits(model) - want).abs().max().item() < 1e-4
+    assert (_logits(model, 1) - want1).abs().max().item() < 1e-4
