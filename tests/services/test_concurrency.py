@@ -126,20 +126,23 @@ def _wait_for(stack, pred, timeout_s: float = 30.0) -> dict:
 
 def test_concurrent_requests_equal_one_by_one_and_overlap(stack):
     n = MAX_NUM_SEQS
+    # 96 tokens: a decode long enough that the requests' arrivals, tens of ms apart on a loaded
+    # CI machine, fall inside it (at 24 tokens one request finished before the last one started)
+    tokens = 96
     with ThreadPoolExecutor(n) as pool:
-        streams = [Stream(stack.url, _body(i, 24, stream=True)) for i in range(n)]
+        streams = [Stream(stack.url, _body(i, tokens, stream=True)) for i in range(n)]
         together = list(pool.map(Stream.read_all, streams))
     for s in streams:
         s.close()
     alone = []
     for i in range(n):
-        status, res = http("POST", f"{stack.url}/generate", _body(i, 24))
+        status, res = http("POST", f"{stack.url}/generate", _body(i, tokens))
         assert status == 200, res
         alone.append(res)
     for events, res in zip(together, alone):
         last = events[-1][1]
         assert last["meta_info"]["finish_reason"] == {"type": "length"}
-        assert last["output_ids"] == res["output_ids"] and len(res["output_ids"]) == 24
+        assert last["output_ids"] == res["output_ids"] and len(res["output_ids"]) == tokens
         assert last["text"] == res["text"]
     # served together, not one after another: every request had tokens before every other's last
     firsts = [events[0][0] for events in together]
