@@ -467,11 +467,22 @@ class LayoutLM(nn.Module):
         the B requests' states stacked [B, ...], replaced by the states after the step. Returns
         (logits [B, vocab] fp32, {layer in capture_hidden: entering stream [B, h]})."""
         x = self.embed(token_ids)[None]  # [1, B, h]
-        hidden = {}
+        hidden, r = {}, None
         for i, layer in enumerate(self.layers):
+            # a layer that defers its residual (defers_residual) leaves its MLP output r for the
+            # next one to add with its input norm; the stream is summed where it is captured, and
+            # before a layer that does not take it so
+            defers = getattr(layer, "defers_residual", False)
+            if r is not None and (i in capture_hidden or not defers):
+                x, r = x + r, None
             if i in capture_hidden:
                 hidden[i] = x[0].clone()
-            x = layer.forward_layout(x, batch, linear.get(i), None, i, positions)
+            if defers:
+                x, r = layer.forward_layout(x, batch, linear.get(i), None, i, positions, r=r, defer=True)
+            else:
+                x = layer.forward_layout(x, batch, linear.get(i), None, i, positions)
+        if r is not None:
+            x = x + r
         return self.head(x)[0].float(), hidden
 
     @torch.no_grad()

@@ -360,25 +360,38 @@ class DecoderLayer(nn.Module):
     def mixer(self):
         return self.linear_attn if self.kind == "linear_attention" else self.self_attn
 
-    def block(self, x, mix):
-        """The block around its mixer: x [B, n, h] -> [B, n, h], residuals included; mix(h) runs
-        the mixer on the normed stream."""
-        x, h = self.add_norm(x, mix(self.input_layernorm(x)))
-        return x + self.mlp(h)
+    # LayoutLM.forward_decode hands a decode step's stream to this layer as x + r, the previous
+    # layer's MLP output r not yet added, and takes this layer's back the same way: the add goes
+    # into the input norm's launch (add_norm) instead of a launch of its own
+    defers_residual = True
 
-    def forward_layout(self, x, layout, state, rec, layer_idx, positions):
-        """x [1, n_live, h] -> [1, n_live, h], residuals included."""
+    def block(self, x, mix, r=None, defer: bool = False):
+        """The block around its mixer: x [B, n, h] -> [B, n, h], residuals included; mix(h) runs
+        the mixer on the normed stream. `r`: the stream entering is x + r (added with the input
+        norm); `defer`: returns (x, the MLP's output) for the next layer to add."""
+        if r is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.add_norm(x, r, self.input_layernorm)
+        x, h = self.add_norm(x, mix(h))
+        m = self.mlp(h)
+        return (x, m) if defer else x + m
+
+    def forward_layout(self, x, layout, state, rec, layer_idx, positions, r=None, defer: bool = False):
+        """x [1, n_live, h] -> [1, n_live, h], residuals included (`r`, `defer`: block's)."""
         if self.kind == "linear_attention":
-            return self.block(x, lambda h: self.linear_attn.forward_layout(h, layout, state, rec, layer_idx))
-        return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions))
+            return self.block(x, lambda h: self.linear_attn.forward_layout(h, layout, state, rec, layer_idx), r, defer)
+        return self.block(x, lambda h: self.self_attn.forward_layout(h, layout, state, rec, layer_idx, positions),
+                          r, defer)
 
     def build_spans(self, x, lengths, seam, datas, layer_idx):
         """The block over B padded segments from position 0 (LayoutLM.build_span_data)."""
         return self.block(x, lambda h: self.mixer().build_spans(h, lengths, seam, datas, layer_idx))
 
-    def add_norm(self, x, h):
-        """The residual sum x + h and the post-attention norm of it (one launch on CUDA)."""
-        ln = self.post_attention_layernorm
+    def add_norm(self, x, h, ln=None):
+        """The residual sum x + h and its norm by `ln` (default the post-attention norm), in one
+        launch on CUDA."""
+        ln = ln if ln is not None else self.post_attention_layernorm
         fused = backends.fused_add_rms_norm(x, h, ln._scale(), ln.eps)
         if fused is not None:
             return fused
