@@ -201,7 +201,8 @@ class CombineServicer(rpc.CombineServicer):
         runner = self.engine.runner
         if getattr(runner, "gemv_plan", None):
             # the linear layers' plan on this GPU (ModelRunner._plan_linears): per weight shape
-            out["linear_plan"] = {"column_major_layers": runner.column_major_layers, "shapes": runner.gemv_plan}
+            out["linear_plan"] = {"column_major_layers": runner.column_major_layers,
+                                  "seconds": runner.linear_plan_seconds, "shapes": runner.gemv_plan}
         if cuda:
             # the requests' transient peak above what stays held (plan_memory's `transient`)
             torch.cuda.synchronize()

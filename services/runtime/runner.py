@@ -149,6 +149,7 @@ class ModelRunner:
         # faster than cuBLAS on this device (backends.plan_gemv; {} where nothing was planned)
         self.gemv_plan: dict[str, dict] = {}
         self.column_major_layers = 0
+        self.linear_plan_seconds = 0.0
         if (single and self.device.type == "cuda" and torch.cuda.is_available()
                 and self.dispatch.kernels != "reference"):
             self._plan_linears()
@@ -185,6 +186,7 @@ class ModelRunner:
         (backends.column_major_linears). The model's logits on a short probe prompt, and on one
         token, are compared before and after; a relayout that changes them is undone (logged)."""
         model = self.model
+        t0 = time.perf_counter()
         self.gemv_plan = backends.plan_gemv(backends.gemv_weights(model))
         before = self._probe()
         backends.use_gemv_plan(model)
@@ -201,6 +203,7 @@ class ModelRunner:
                             len(changed), after if isinstance(after, Exception) else f"{gap:.3g}")
                 changed = []
         self.column_major_layers = len(changed)
+        self.linear_plan_seconds = round(time.perf_counter() - t0, 3)
 
     def _probe(self) -> list[torch.Tensor]:
         """fp32 logits of a fixed 7-token prompt and of its first token alone, from empty states."""
