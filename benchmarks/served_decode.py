@@ -92,17 +92,10 @@ def model_bytes(model_dir: Path, dtype: str) -> dict:
     """What a decode step of the model reads besides K/V, from its config (built on the meta
     device: shapes only): weights (all but the token embedding when the head does not share it),
     one request's linear states (ssm and conv, as the pool holds them) and K/V bytes a token."""
-    import torch
-    from hybridcache.services.runtime.models.registry import build_model, config_from_dir
+    from hybridcache.services.runtime.models.registry import config_from_dir, shape_model
     from hybridcache.services.runtime.scheduler import kv_bytes_per_token
 
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        with torch.device("meta"):
-            model = build_model(config_from_dir(model_dir))
-    finally:
-        torch.set_default_dtype(prev)
+    model = shape_model(config_from_dir(model_dir), dtype)
     embed = getattr(model.model, model.model.embed_name).weight
     tied = embed is model.lm_head.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -175,18 +175,11 @@ def layers_that_fit(arch: str, preset: str, dtype: str, free_bytes: float) -> in
     """The most layers of the preset whose weights fit in free_bytes (a multiple of its
     full-attention interval, so the layer mix stays the model's; at least one interval), from its
     config alone (the model built on the meta device)."""
-    import torch
-    from hybridcache.services.runtime.models.registry import build_model, config_from_dict
+    from hybridcache.services.runtime.models.registry import config_from_dict, shape_model
     from hybridcache.services.runtime.modelzoo import hf_config
 
     raw = hf_config(arch, preset)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        with torch.device("meta"):
-            model = build_model(config_from_dict(raw))
-    finally:
-        torch.set_default_dtype(prev)
+    model = shape_model(config_from_dict(raw), dtype)
     layers = model.model.layers
     per_layer = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
     outside = sum(p.numel() * p.element_size() for p in model.parameters()) - sum(per_layer)
@@ -360,14 +353,15 @@ def _figures(res: dict) -> dict:
     full = _median(inproc["full_ms"]) if inproc else None
     cold_pic = pic["cold"]["ttft_ms"] if pic else None
     cold_scatter = sc["cold"]["ttft_ms"] if sc else None
-    # the pic stack's cold requests (R, the first after start-up, R2 and --cold-requests - 2 more
-    # of new documents each), their median against full's median over its repeats
-    pic_colds = [r["ttft_ms"] for r in [pic["cold"], pic.get("cold2"), *pic.get("cold_more", ())] if r] if pic else []
+    # every cold request of a stack (R, the first after start-up, R2 and --cold-requests - 2 more
+    # of new documents each); the pic stack's median against full's median over its repeats
+    colds = {name: [r["ttft_ms"] for r in [ph["cold"], ph.get("cold2"), *ph.get("cold_more", ())] if r]
+             for name, ph in (("pic", pic), ("scatter", sc)) if ph}
     out = {
         "served_warm_ttft_vs_in_process": _ratio(warm_served, warm_inproc),
         "served_pic_ttft_speedup_vs_prefix_32x1k":
             _ratio(_median([r["ttft_ms"] for r in prefix["warm"]]) if prefix else None, warm_served),
-        "cold_pic_ttft_vs_full_32x1k": _ratio(_median(pic_colds) if pic_colds else None, full),
+        "cold_pic_ttft_vs_full_32x1k": _ratio(_median(colds["pic"]) if colds.get("pic") else None, full),
         "cold_pic_first_request_ttft_vs_full_32x1k": _ratio(cold_pic, full),
         "cold_pic_ttft_vs_full_32x1k_with_scatter": _ratio(cold_scatter, full),
         "cold_pic_ttft_with_scatter_vs_without": _ratio(cold_scatter, cold_pic),
@@ -378,10 +372,7 @@ def _figures(res: dict) -> dict:
         "served_cold_pic_ttft_ms_with_scatter": cold_scatter,
         "inproc_full_ttft_ms": full,
     }
-    # every cold request of a stack (the first after start-up, then new documents each): the
-    # scatter worker on the combine worker's GPU against none, median against median
-    colds = {name: [r["ttft_ms"] for r in [ph["cold"], ph.get("cold2"), *ph.get("cold_more", ())] if r]
-             for name, ph in (("pic", pic), ("scatter", sc)) if ph}
+    # the scatter worker on the combine worker's GPU against none, median against median
     if "pic" in colds and "scatter" in colds:
         out["cold_pic_ttft_ms_all"], out["cold_pic_ttft_ms_all_with_scatter"] = colds["pic"], colds["scatter"]
         out["cold_pic_ttft_with_scatter_vs_without_median"] = _ratio(_median(colds["scatter"]), _median(colds["pic"]))

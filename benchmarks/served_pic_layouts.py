@@ -138,16 +138,9 @@ def timed(host, port, bodies: list[dict], timeout_s: float) -> dict:
 
 def model_shape(model_dir: Path, dtype: str) -> dict:
     """Bytes and FLOPs of the model from its config (built on the meta device: shapes only)."""
-    import torch
-    from hybridcache.services.runtime.models.registry import build_model, config_from_dir
+    from hybridcache.services.runtime.models.registry import config_from_dir, shape_model
 
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        with torch.device("meta"):
-            model = build_model(config_from_dir(model_dir))
-    finally:
-        torch.set_default_dtype(prev)
+    model = shape_model(config_from_dir(model_dir), dtype)
     cfg = model.cfg
     embed = getattr(model.model, model.model.embed_name).weight
     params = sum(p.numel() for p in model.parameters())

@@ -62,3 +62,17 @@ def model_class(cfg):
 
 def build_model(cfg):
     return model_class(cfg)(cfg)
+
+
+def shape_model(cfg, dtype: str):
+    """build_model(cfg) on the meta device with `dtype` ("bfloat16", ...) parameters: shapes and byte
+    counts without memory (benchmarks' floors and fits)."""
+    import torch
+
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device("meta"):
+            return build_model(cfg)
+    finally:
+        torch.set_default_dtype(prev)
