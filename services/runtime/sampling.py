@@ -325,15 +325,29 @@ def _sample_kernel(logits: torch.Tensor, params: list[SamplingParams], generator
         if g is not None:
             seeds[b] = int(torch.randint(0, 1 << 62, (1,), generator=g))
     ks = [p.top_k if p.temperature > 0 and p.top_k > 0 else 0 for p in params]
-    table = _to(torch.tensor([[_temperature(p) for p in params],
-                              [p.top_p if p.top_p < 1.0 else 2.0 for p in params],
-                              [p.min_p for p in params], [float(k) for k in ks]]), logits.device)
+    table = settings_table(params, ks, logits.device)
     kth = torch.full_like(table[3], float("-inf"))
     if any(ks):
         kmax = min(max(ks), V)
         top = torch.topk(logits, kmax, dim=-1).values.gather(1, (table[3].long().clamp(1, kmax) - 1)[:, None])[:, 0]
         kth = torch.where(table[3] > 0, top, kth)
     return sample_rows(logits, table[0], table[1], table[2], kth, _to(seeds, logits.device))
+
+
+def settings_table(params: list[SamplingParams], ks: list[int], device):
+    """The rows' temperature, top-p (2 for off), min-p and top-k as fp32 [4, B] on `device` in one
+    copy, each of the four rows starting 16 bytes aligned (the columns padded to a multiple of
+    four): Triton specializes a kernel on its pointers' alignment, so rows at offsets that depend
+    on B would compile the sampling kernels again for batch sizes of each residue."""
+    import torch
+
+    B = len(params)
+    width = -(-B // 4) * 4
+    table = torch.zeros(4, width)
+    table[:, :B] = torch.tensor([[_temperature(p) for p in params],
+                                 [p.top_p if p.top_p < 1.0 else 2.0 for p in params],
+                                 [p.min_p for p in params], [float(k) for k in ks]])
+    return _to(table, device)[:, :B]
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -346,9 +360,7 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     B, V = logits.shape
     sampled = [p for p in params if p.temperature > 0]
     ks = [p.top_k if p.temperature > 0 and p.top_k > 0 else 0 for p in params]
-    table = _to(torch.tensor([[_temperature(p) for p in params],
-                              [p.top_p if p.top_p < 1.0 else 2.0 for p in params],
-                              [p.min_p for p in params], [float(k) for k in ks]]), logits.device)
+    table = settings_table(params, ks, logits.device)
     # shifted by each row's largest logit first: every value is <= 0 before the division, so no
     # temperature scales a finite logit to +inf (whose softmax is NaN); the largest stays 0
     x = logits.float()

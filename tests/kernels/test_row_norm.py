@@ -29,6 +29,26 @@ def test_gated_rms_norm_matches_reference(rows, dim):
     assert rel_rms(got, naive.rms_norm_gated(x, z, w, 1e-6)) < 1e-6
 
 
+@pytest.mark.parametrize("B,n", [(1, 1), (3, 1), (2, 5)])
+def test_gated_rms_norm_reads_a_strided_gate_in_place(B, n):
+    """The gate z [B, n, H, D] as the linear attention's finish takes it: columns of a wider
+    projection, its heads D apart within a token and its tokens a whole projection row apart (no
+    [rows, D] view exists for B * n > 1). Equal to the reference on a contiguous copy."""
+    g = torch.Generator().manual_seed(3)
+    H, D = 3, 24
+    proj = torch.randn(B, n, 5 * H * D + 7, generator=g).to(device())
+    z = proj[..., 2 * H * D : 3 * H * D].view(B, n, H, D)
+    assert B * n == 1 or not z.is_contiguous()
+    x = torch.randn(B, n, H, D, generator=g).to(device())
+    w = (1 + 0.3 * torch.randn(D, generator=g)).to(device())
+    got = row_norm(x.reshape(-1, D), w, z, 1e-6, RMS)  # as finish calls it: x's rows, z's heads
+    ref = naive.rms_norm_gated(x.reshape(-1, D), z.reshape(-1, D), w, 1e-6).view(B, n, H, D)
+    assert got.shape == (B * n * H, D) and rel_rms(got.view(B, n, H, D), ref) < 1e-6
+    # another head's gate is far off: the (token, head) index is the one the view implies
+    shifted = proj[..., 2 * H * D + D : 3 * H * D + D].view(B, n, H, D)
+    assert rel_rms(got, naive.rms_norm_gated(x.reshape(-1, D), shifted.reshape(-1, D), w, 1e-6)) > 0.1
+
+
 def test_l2norm_strided_input_fp32_out():
     """q and k come as strided slices of a fused projection; the output is fp32 and contiguous."""
     g = torch.Generator().manual_seed(2)

@@ -132,3 +132,18 @@ def test_min_p_is_a_sampling_parameter():
     assert SamplingParams.from_dict({"min_p": 0.1}).min_p == 0.1
     with pytest.raises(RequestError, match="min_p"):
         SamplingParams.from_dict({"min_p": 1.5})
+
+
+def test_settings_table_rows_are_aligned_for_every_batch_size():
+    """The sampling kernels take the table's rows as pointers, and Triton compiles a kernel per
+    pointer alignment: every row starts 16 bytes aligned whatever B, and holds the rows' values."""
+    from hybridcache.services.runtime.sampling import settings_table
+
+    for B in range(1, 10):
+        params = [SamplingParams(temperature=0.5 + b, top_p=0.9, min_p=0.01 * b, top_k=b) for b in range(B)]
+        table = settings_table(params, [p.top_k for p in params], torch.device("cpu"))
+        assert table.shape == (4, B)
+        assert all(table[i].data_ptr() % 16 == 0 for i in range(4)), B
+        assert table[0].tolist() == pytest.approx([0.5 + b for b in range(B)])
+        assert table[2].tolist() == pytest.approx([0.01 * b for b in range(B)])
+        assert table[3].tolist() == [float(b) for b in range(B)]

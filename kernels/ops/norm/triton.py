@@ -28,7 +28,9 @@ def row_norm_kernel(
     y,
     n_rows,
     stride_x,
-    stride_z,
+    stride_zt,
+    stride_zh,
+    z_heads,
     stride_y,
     eps,
     D: tl.constexpr,
@@ -54,7 +56,9 @@ def row_norm_kernel(
         b_w = tl.load(w + cols, mask=m_c, other=0.0).to(tl.float32)
         b_y = b_y * b_w[None, :]
     if HAS_GATE:
-        b_z = tl.load(z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # the gate's row r is head r % z_heads of its token r // z_heads (a strided view's heads)
+        z_row = (rows // z_heads) * stride_zt + (rows % z_heads) * stride_zh
+        b_z = tl.load(z + z_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         b_y = b_y * b_z * tl.sigmoid(b_z)
     tl.store(y + rows[:, None] * stride_y + cols[None, :], b_y.to(y.dtype.element_ty), mask=mask)
 
@@ -63,6 +67,18 @@ def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
     """t as [rows, D] with unit stride along D (a copy only when no such view exists)."""
     t2 = t.reshape(-1, D)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _heads(t: torch.Tensor, D: int) -> torch.Tensor:
+    """t [..., H, D] as [tokens, H, D] with unit stride along D, a view wherever the leading dims
+    flatten (a gate sliced out of a wider projection: its heads a fixed stride apart within a
+    token, its tokens another), else a contiguous copy."""
+    H = t.shape[-2] if t.dim() >= 2 else 1
+    try:
+        t3 = t.view(-1, H, D)
+    except RuntimeError:
+        t3 = t.contiguous().view(-1, H, D)
+    return t3 if t3.stride(-1) == 1 else t3.contiguous()
 
 
 def row_norm(
@@ -74,16 +90,19 @@ def row_norm(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Normalize x over its last dim: RMS (mean of squares) or L2 (sum of squares), times weight
-    [D] if given, times silu(gate) (x's shape) if given. Output x's shape in out_dtype (default x's)."""
+    [D] if given, times silu(gate) if given (x's rows in order, any shape with x's last dim: a
+    [..., H, D] view is read through its token and head strides). Output x's shape in out_dtype
+    (default x's)."""
     D = x.shape[-1]
     if weight is not None and weight.shape != (D,):
         raise ValueError(f"weight {tuple(weight.shape)} does not match feature dim {D}")
-    if gate is not None and gate.shape != x.shape:
+    if gate is not None and (gate.shape[-1] != D or gate.numel() != x.numel()):
         raise ValueError(f"gate {tuple(gate.shape)} does not match x {tuple(x.shape)}")
     if D > 16384:
         raise ValueError(f"feature dim {D} is above the kernel's 16384")
     x2 = _rows(x, D)
-    z2 = _rows(gate, D) if gate is not None else x2
+    # the gate is read through a (token, head) index and need not be one row stride
+    z3 = _heads(gate, D) if gate is not None else x2[:, None]
     y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     y2 = y.view(-1, D)
     n = x2.shape[0]
@@ -95,12 +114,14 @@ def row_norm(
     w = weight.contiguous() if weight is not None else x2
     row_norm_kernel[(triton.cdiv(n, BR),)](
         x2,
-        z2,
+        z3,
         w,
         y2,
         n,
         x2.stride(0),
-        z2.stride(0),
+        z3.stride(0),
+        z3.stride(1),
+        z3.shape[1],
         y2.stride(0),
         float(eps),
         D=D,

@@ -326,7 +326,8 @@ def sample_rows(
         raise ValueError(f"chunk {chunk} must be a multiple of the block {BLOCK}")
     S = triton.cdiv(V, chunk)
     SP = triton.next_power_of_2(S)
-    part = torch.empty((4, B, SP), dtype=torch.float32, device=logits.device)
+    # each of the four partials 16-byte aligned for any B (Triton specializes on pointer alignment)
+    part = torch.empty((4, -(-B // 4) * 4, SP), dtype=torch.float32, device=logits.device)[:, :B]
     part_m, part_s, part_key, part_mass = part.unbind(0)
     part_idx = torch.empty((B, SP), dtype=torch.int32, device=logits.device)
     lower = torch.full((B,), float("-inf"), dtype=torch.float32, device=logits.device)

@@ -64,6 +64,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, gate):
+        """x [..., D] and gate of x's elements with the same last dim (any shape: a strided
+        [B, n, H, D] view of a projection is read in place on CUDA)."""
         if backends.use_fast_kernels(x):
             fused = backends.fused_rms_norm_gated(x, gate, self.weight, self.eps)
             if fused is not None:
@@ -72,7 +74,7 @@ class GatedRMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         xf = self.weight * xf.to(dtype)
-        return (xf * F.silu(gate.float())).to(dtype)
+        return (xf * F.silu(gate.float()).reshape(xf.shape)).to(dtype)
 
 
 @functools.lru_cache(maxsize=16)
@@ -188,9 +190,7 @@ class GatedDeltaNet(DeltaRuleMixer):
     def finish(self, o, z):
         """Gated RMSNorm of the outputs o [B, n, Hv, dv] by z, then the output projection."""
         B, n = o.shape[:2]
-        # z is a slice of the projection: copied for any n (a reshape copies it for n > 1 only, and
-        # a decode step's ops would depend on its batch size)
-        z = z.clone(memory_format=torch.contiguous_format).view(-1, self.dv)
+        # z [B, n, Hv, dv] is a strided slice of the projection: the norm's kernel reads it in place
         o = self.norm(o.reshape(-1, self.dv), z).view(B, n, self.value_dim)
         return self.out_proj(o)
 
