@@ -469,6 +469,19 @@ def norm_rope(x, scale, eps: float, cos, sin):
     return norm_rope_tokens(x, scale, eps, cos, sin)
 
 
+def norm_rope_into_pages(k, v, scale, eps: float, cos, sin, k_pages, v_pages, rows) -> bool:
+    """CUDA: a decode step's keys k [n, H, D] (token-major views) RMS-normalized with a
+    per-channel scale, rotated and written into k_pages at the flattened rows [n], its values v
+    into v_pages, in one launch (kernels/ops/rope). False, having written nothing, elsewhere and
+    where the pools' dtype is not the tokens' (the caller then rotates and copies)."""
+    if not use_fast_kernels(k) or k_pages.dtype != k.dtype or v_pages.dtype != v.dtype:
+        return False
+    from hybridcache.kernels.ops.rope.triton import norm_rope_into_pages as fused
+
+    fused(k, v, scale, eps, cos, sin, k_pages, v_pages, rows)
+    return True
+
+
 def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor on `device` without stalling the host: on CUDA through pinned memory with a
     non-blocking copy (a copy from pageable memory waits, and in a launch-bound forward the host

@@ -35,7 +35,7 @@ from hybridcache.kernels.ops.moe.triton import (  # noqa: E402
 )
 from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_heads, row_norm  # noqa: E402
 from hybridcache.kernels.ops.recurrent_step.triton import recurrent_step  # noqa: E402
-from hybridcache.kernels.ops.rope.triton import norm_rope_tokens, rope_heads  # noqa: E402
+from hybridcache.kernels.ops.rope.triton import norm_rope_into_pages, norm_rope_tokens, rope_heads  # noqa: E402
 from hybridcache.kernels.ops.sampling.triton import sample_rows  # noqa: E402
 from hybridcache.kernels.ops.transition.compose_triton import (  # noqa: E402
     compose_states_blocks,
@@ -65,6 +65,7 @@ __all__ = [
     "gdn_gates",
     "l2norm_heads",
     "live_attention",
+    "norm_rope_into_pages",
     "norm_rope_tokens",
     "paged_decode",
     "paged_live_attention",

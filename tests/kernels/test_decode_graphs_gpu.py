@@ -81,6 +81,30 @@ def test_graph_decode_equals_eager_as_requests_join_and_leave(dtype):
             assert (a.float() - b.float()).abs().max().item() <= (1e-4 if dtype == torch.float32 else 3e-2)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_decode_step_equals_a_live_pass_of_its_token(dtype, tol):
+    """A decode step's attention layers write their keys (normalized, rotated) and values into the
+    pages in one launch (backends.norm_rope_into_pages): each request's logits and new K/V row equal
+    the eager live pass of that one token from the same prefilled state, which rotates and copies."""
+    model = cuda_model(dtype, head_dim=64, num_attention_heads=6, num_key_value_heads=2)
+    gen = torch.Generator().manual_seed(3)
+    run = ModelRunner(model, RuntimeConfig(decode_cuda_graphs=False, max_model_len=1024))
+    pool = run.new_state_pool(4, 4096)
+    ids = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen) for n in (9, 130, 47)]
+    slots = [pool.assign(prefilled(model, x)) for x in ids]
+    toks = [int(t) for t in torch.randint(0, model.cfg.vocab_size, (3,), generator=gen)]
+    logits, _ = run.decode(pool, slots, toks)
+    for j, x in enumerate(ids):
+        ref_state = prefilled(model, x)
+        ref, _ = model.forward_layout(ref_state, [LiveRun(torch.tensor([toks[j]]), len(x))], logits_for="last")
+        assert (logits[j] - ref).abs().max().item() <= tol * (1 + ref.abs().max().item()), j
+        for i in pool.kv.layers:
+            k, v = pool.kv.read(slots[j], i)
+            assert k.shape[2] == len(x) + 1
+            assert (k[:, :, -1].float() - ref_state.attn[i].k[:, :, -1].float()).abs().max().item() <= tol, (j, i)
+            assert (v[:, :, -1].float() - ref_state.attn[i].v[:, :, -1].float()).abs().max().item() <= tol, (j, i)
+
+
 def test_engine_shape_head_dim_256_graphs():
     """Head dim 256 and 4 query heads a KV head, as the Qwen3.5-9B attention: graph decode equals eager."""
     model = cuda_model(torch.bfloat16, head_dim=256, num_attention_heads=8, num_key_value_heads=2)

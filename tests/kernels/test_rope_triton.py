@@ -6,7 +6,7 @@ interpreter on CPU, bf16 on a GPU."""
 import pytest
 import torch
 from hybridcache.kernels.ops.rope import naive
-from kernel_testing import device, norm_rope_tokens, rel_rms, rope_heads
+from kernel_testing import device, norm_rope_into_pages, norm_rope_tokens, rel_rms, rope_heads
 
 
 def angles(n, R, gen, start=0):
@@ -45,6 +45,31 @@ def test_norm_rope_tokens_reads_projection_views(B, n, H, D, R):
     got = norm_rope_tokens(q, scale, 1e-6, cos, sin)
     ref = naive.norm_rope(q, scale, 1e-6, cos, sin)
     assert got.shape == (B, H, n, D) and rel_rms(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("n,H,D,DV,R,P", [(1, 1, 16, 16, 16, 4), (5, 3, 24, 20, 8, 3), (9, 2, 32, 32, 32, 16)])
+def test_norm_rope_into_pages_writes_the_rows_of_the_reference(n, H, D, DV, R, P):
+    """A decode step's keys and values as the model has them (token-major views of one projection
+    of k | v per token), written into pools at scattered rows: each row holds the reference's
+    normalized, rotated key and the value; no other row changes."""
+    gen = torch.Generator().manual_seed(2)
+    kv = (torch.randn(n, H * D + H * DV + 3, generator=gen) * 3).to(device())
+    k = kv[:, : H * D].view(n, H, D)
+    v = kv[:, H * D : H * D + H * DV].view(n, H, DV)
+    scale = (1 + 0.2 * torch.randn(D, generator=gen)).to(device())
+    cos, sin = angles(n, R, gen, start=11)
+    pages = 2 * n // P + 2
+    k_pages = torch.randn(pages, P, H, D, generator=gen).to(device())
+    v_pages = torch.randn(pages, P, H, DV, generator=gen).to(device())
+    rows = torch.randperm(pages * P, generator=gen)[:n].to(device())
+    want_k, want_v = k_pages.clone(), v_pages.clone()
+    ref = naive.norm_rope(k[None], scale, 1e-6, cos, sin)[0].transpose(0, 1)  # [n, H, D]
+    want_k.view(-1, H, D)[rows] = ref
+    want_v.view(-1, H, DV)[rows] = v
+    norm_rope_into_pages(k, v, scale, 1e-6, cos, sin, k_pages, v_pages, rows)
+    assert rel_rms(k_pages, want_k) < 1e-6 and torch.equal(v_pages, want_v)
+    with pytest.raises(ValueError, match="rows"):
+        norm_rope_into_pages(k, v, scale, 1e-6, cos, sin, k_pages, v_pages, rows[:-1] if n > 1 else rows[:0])
 
 
 def test_rope_rejects_bad_angles():

@@ -11,6 +11,10 @@ input is addressed by strides (batch, token, head), so the projection's token-ma
 views and head-major [B, H, n, D] tensors are read in place; the output is head-major
 [B, H, n, D], contiguous, as attention reads it. cos/sin [n, R] hold the angles of each token;
 channels from R on pass through (partial rotary).
+
+norm_rope_into_pages serves a decode step's keys: the new tokens' keys normalized and rotated and
+their values copied, straight into the K/V pages at each token's row, in one launch where the
+rotation and two indexed copies took three.
 """
 
 from __future__ import annotations
@@ -88,3 +92,70 @@ def norm_rope_tokens(x: torch.Tensor, scale: torch.Tensor, eps: float, cos, sin)
     if scale.shape != (D,):
         raise ValueError(f"scale {tuple(scale.shape)} does not match head dim {D}")
     return _rope(x, (x.stride(0), x.stride(1), x.stride(2)), B, n, H, cos, sin, scale.float().contiguous(), eps)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def norm_rope_pages_kernel(
+    k, v, kp, vp, rows_of, cos, sin, scale, n_rows, s_kt, s_kh, s_vt, s_vh, s_kpr, s_kph, s_vpr, s_vph, eps,
+    H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BR: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # (token, head): t * H + h
+    m_r = rows < n_rows
+    t = rows // H
+    h = rows % H
+    dst = tl.load(rows_of + t, mask=m_r, other=0).to(tl.int64)  # the token's row in the pages
+    cols = tl.arange(0, BD)
+    m_c = cols < D
+    mask = m_r[:, None] & m_c[None, :]
+    src = t * s_kt + h * s_kh
+    b_x = tl.load(k + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    half: tl.constexpr = R // 2
+    partner = tl.where(cols < half, cols + half, cols - half)
+    m_rot = cols < R
+    b_p = tl.load(k + src[:, None] + partner[None, :], mask=mask & m_rot[None, :], other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+    b_s = tl.load(scale + cols, mask=m_c, other=0.0).to(tl.float32)
+    b_sp = tl.load(scale + partner, mask=m_rot, other=0.0).to(tl.float32)
+    b_x = b_x * r[:, None] * b_s[None, :]
+    b_p = b_p * r[:, None] * b_sp[None, :]
+    m_cs = m_r[:, None] & m_rot[None, :]
+    b_cos = tl.load(cos + t[:, None] * R + cols[None, :], mask=m_cs, other=1.0).to(tl.float32)
+    b_sin = tl.load(sin + t[:, None] * R + cols[None, :], mask=m_cs, other=0.0).to(tl.float32)
+    sign = tl.where(cols < half, -1.0, 1.0)
+    b_y = b_x * b_cos + sign[None, :] * b_p * b_sin
+    tl.store(kp + (dst * s_kpr + h * s_kph)[:, None] + cols[None, :], b_y.to(kp.dtype.element_ty), mask=mask)
+    o_v = tl.arange(0, BDV)
+    m_v = m_r[:, None] & (o_v < DV)[None, :]
+    b_v = tl.load(v + (t * s_vt + h * s_vh)[:, None] + o_v[None, :], mask=m_v, other=0.0)
+    tl.store(vp + (dst * s_vpr + h * s_vph)[:, None] + o_v[None, :], b_v.to(vp.dtype.element_ty), mask=m_v)
+
+
+def norm_rope_into_pages(k, v, scale, eps: float, cos, sin, k_pages, v_pages, rows) -> None:
+    """The n new tokens' keys k [n, H, D] (any token and head strides, D unit-stride): RMSNorm *
+    scale [D] (fp32), rotated by cos/sin [n, R], written into k_pages [num_pages, P, H, D] at the
+    flattened row rows[t] (page * P + slot, int64 [n]); their values v [n, H, DV] copied into
+    v_pages at the same rows. One launch; the pools' dtype is the tokens'."""
+    n, H, D = k.shape
+    DV = v.shape[-1]
+    R = cos.shape[-1]
+    if v.shape[:2] != (n, H) or rows.shape != (n,) or scale.shape != (D,):
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, rows {tuple(rows.shape)} and scale "
+                         f"{tuple(scale.shape)} do not fit")
+    if R % 2 or R > D or cos.shape != (n, R) or sin.shape != (n, R):
+        raise ValueError(f"cos/sin must be [{n}, R] with an even R <= {D}, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    for name, pool, d in (("k_pages", k_pages, D), ("v_pages", v_pages, DV)):
+        if pool.shape[2:] != (H, d) or pool.stride(0) != pool.shape[1] * pool.stride(1) or pool.stride(-1) != 1:
+            raise ValueError(f"{name} {tuple(pool.shape)} must be [pages, P, {H}, {d}] with rows one stride apart")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the head dims must be unit-stride")
+    if n == 0:
+        return
+    BD = triton.next_power_of_2(D)
+    BR = max(1, min(16, 2048 // BD))
+    norm_rope_pages_kernel[(triton.cdiv(n * H, BR),)](
+        k, v, k_pages, v_pages, rows, cos.float().contiguous(), sin.float().contiguous(), scale.float().contiguous(),
+        n * H, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(1), v_pages.stride(2), float(eps),
+        H=H, D=D, DV=DV, R=R, BD=BD, BDV=triton.next_power_of_2(DV), BR=BR, num_warps=4,
+    )

@@ -17,7 +17,9 @@ from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.config import ModelConfig
 from hybridcache.services.runtime.models.common import (
     Backbone,
+    DecodeBatch,
     LayoutLM,
+    attend_pages,
     attention_layout,
     merge_weights,
     merged_linear,
@@ -227,13 +229,18 @@ class GatedAttention(nn.Module):
         z = torch.zeros(1, self.hkv, 0, self.d, dtype=dt, device=device)
         return AttnState(k=z, v=z.clone())
 
-    def qkv(self, x, positions):
-        """x [B, n, h] -> q [B, Hq, n, d], k, v [B, Hkv, n, d] (q, k rotated at `positions`), gate [B, n, Hq, d]."""
+    def projections(self, x):
+        """x [B, n, h] -> q [B, n, Hq, d], k, v [B, n, Hkv, d], gate [B, n, Hq, d]: token-major
+        views of the merged projection (nothing normalized or rotated)."""
         B, n = x.shape[:2]
         qg, k, v = merged_linear(x, getattr(self, "_qkv", None), (self.q_proj, self.k_proj, self.v_proj))
-        q, gate = torch.chunk(qg.reshape(B, n, self.hq, 2 * self.d), 2, dim=-1)  # gate [B, n, Hq, d]
-        v = v.reshape(B, n, self.hkv, self.d).transpose(1, 2)
-        k = k.reshape(B, n, self.hkv, self.d)
+        q, gate = torch.chunk(qg.reshape(B, n, self.hq, 2 * self.d), 2, dim=-1)
+        return q, k.reshape(B, n, self.hkv, self.d), v.reshape(B, n, self.hkv, self.d), gate
+
+    def qkv(self, x, positions):
+        """x [B, n, h] -> q [B, Hq, n, d], k, v [B, Hkv, n, d] (q, k rotated at `positions`), gate [B, n, Hq, d]."""
+        q, k, v, gate = self.projections(x)
+        v = v.transpose(1, 2)
         if backends.use_fast_kernels(x):
             # head norm and rotation in one launch each for q and k (kernels/ops/rope)
             cos, sin = self.rope(positions, torch.float32)
@@ -251,8 +258,26 @@ class GatedAttention(nn.Module):
         out = build_attention(q, k, v, lengths, seam, datas, layer_idx, self.d**-0.5)  # [B, Hq, L, d]
         return self.o_proj(backends.gated_heads(out, gate))
 
+    def decode_step(self, x, batch: DecodeBatch, layer_idx: int, positions):
+        """A decode step on CUDA, x [1, B, h]: the keys normalized, rotated and written into the
+        pages with the values in one launch (backends.norm_rope_into_pages), then attention over
+        the pages; None where that launch does not apply (forward_layout's path then)."""
+        q, k, v, gate = self.projections(x)
+        cos, sin = self.rope(positions, torch.float32)
+        kv = batch.kv
+        if not backends.norm_rope_into_pages(k[0], v[0], self.k_norm._scale(), self.k_norm.eps, cos, sin,
+                                             kv.k[layer_idx], kv.v[layer_idx], batch.kv_rows):
+            return None
+        q = backends.norm_rope(q, self.q_norm._scale(), self.q_norm.eps, cos, sin)
+        out = attend_pages(q, batch, layer_idx, self.d**-0.5)  # [1, Hq, B, d]
+        return self.o_proj(backends.gated_heads(out, gate))
+
     def forward_layout(self, x, layout, state: AttnState, rec: Recording | None, layer_idx: int, live_pos):
         """x [1, n_live, h]; live_pos [n_live] absolute positions of the live tokens."""
+        if isinstance(layout, DecodeBatch) and backends.use_fast_kernels(x):
+            out = self.decode_step(x, layout, layer_idx, live_pos)
+            if out is not None:
+                return out
         q, k, v, gate = self.qkv(x, live_pos)
         out = attention_layout(
             q, k, v, layout, state, rec, layer_idx, live_pos, self.d**-0.5, self.rotate, head_major=True
