@@ -935,18 +935,20 @@ def sdpa(q, k, v, **kw):
         return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
-def paged_decode_attention(q, k_pages, v_pages, table, rows, lengths, scale: float, max_pages: int):
+def paged_decode_attention(q, k_pages, v_pages, table, rows, lengths, scale: float, max_pages: int, gate=None):
     """Decode attention over paged K/V (kernels/ops/attention/paged.py): q [B, Hq, dq], pools
-    [num_pages, P, Hkv, d], table [R, W], rows and lengths [B] -> [B, Hq, dv]. CUDA (head dims up to
-    256): the Triton kernel, reading the pages through the table; elsewhere the reference, the
-    first max_pages pages of each request gathered and SDPA under a key mask."""
+    [num_pages, P, Hkv, d], table [R, W], rows and lengths [B] -> [B, Hq, dv], times sigmoid(gate
+    [B, Hq, dv]) where a gate is given. CUDA (head dims up to 256): the Triton kernel, reading the
+    pages through the table and gating its output as it stores it; elsewhere the reference, the
+    first max_pages pages of each request gathered and SDPA under a key mask, then the gate."""
     if use_fast_kernels(q) and max(q.shape[-1], v_pages.shape[-1]) <= 256:
         from hybridcache.kernels.ops.attention.paged import paged_decode_attention as kernel
 
-        return kernel(q, k_pages, v_pages, table, rows, lengths, scale)
+        return kernel(q, k_pages, v_pages, table, rows, lengths, scale, gate=gate)
     from hybridcache.kernels.ops.attention.paged import paged_decode_reference
 
-    return paged_decode_reference(q, k_pages, v_pages, table, rows, lengths, scale, max_pages)
+    o = paged_decode_reference(q, k_pages, v_pages, table, rows, lengths, scale, max_pages)
+    return o if gate is None else o * torch.sigmoid(gate)
 
 
 def paged_prefill_attention(q, k_pages, v_pages, table, row, live_pos, length: int, scale: float,

@@ -107,6 +107,25 @@ def test_kernel_reads_strided_queries():
     assert rel_rms(got.cpu(), contiguous(q, ks, vs, 0.125)) < 1e-5
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_gates_its_output_in_place(splits):
+    """gate: the attention's output gate as the model has it (a token-major slice of the query
+    projection, [B, Hq, dv] with request and head strides): o * sigmoid(gate) from the kernel (the
+    no-split store and the split merge) equals the reference's output gated after it."""
+    gen = torch.Generator().manual_seed(13)
+    lengths, Hq, Hkv, d, page = [70, 1, 9], 8, 2, 64, 8
+    q, kp, vp, table, rows, lens, ks, vs = make(lengths, Hq, Hkv, d, page, gen)
+    qg = torch.randn(len(lengths), Hq, 2 * d, generator=gen).to(q.device)
+    gate = qg[..., d:]
+    assert not gate.is_contiguous()
+    got = paged_decode(q, kp, vp, table, rows, lens, d**-0.5, splits, gate)
+    plain = paged_decode(q, kp, vp, table, rows, lens, d**-0.5, splits)
+    assert rel_rms(got, plain * torch.sigmoid(gate)) < 1e-5
+    assert rel_rms(got, plain * torch.sigmoid(qg[..., :d])) > 0.05  # another slice is far off
+    with pytest.raises(ValueError, match="gate"):
+        paged_decode(q, kp, vp, table, rows, lens, d**-0.5, splits, gate[:, :-1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("Hq,Hkv", [(16, 4), (8, 8), (8, 1), (4, 2)])
 @pytest.mark.parametrize("d", [64, 128, 256])

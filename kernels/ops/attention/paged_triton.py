@@ -25,14 +25,15 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def paged_decode_kernel(
-    Q, K, V, TABLE, ROWS, LENS, O, OP, LSE, qk_scale,
+    Q, K, V, TABLE, ROWS, LENS, O, OP, LSE, GATE, qk_scale,
     s_qb, s_qh, s_qd,
+    s_gb, s_gh,
     s_kp, s_ks, s_kh, s_kd,
     s_vp, s_vs, s_vh, s_vd,
     s_tr, s_tc,
     HKV: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1).to(tl.int64)
@@ -88,12 +89,15 @@ def paged_decode_kernel(
         lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         tl.store(LSE + i_s * n_rows + row_id, lse, mask=m_g)
     else:
+        if HAS_GATE:
+            b_g = tl.load(GATE + b * s_gb + h[:, None] * s_gh + o_dv[None, :], mask=m_o, other=0.0).to(tl.float32)
+            b_o = b_o * tl.sigmoid(b_g)
         tl.store(O + row_id[:, None] * DV + o_dv[None, :], b_o.to(O.dtype.element_ty), mask=m_o)
 
 
 @triton.jit
-def merge_paged_splits_kernel(OP, LSE, O, n_rows, DV: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                              BLOCK_DV: tl.constexpr):
+def merge_paged_splits_kernel(OP, LSE, O, GATE, n_rows, s_gb, s_gh, DV: tl.constexpr, SPLITS: tl.constexpr,
+                              SP: tl.constexpr, BLOCK_DV: tl.constexpr, HQ: tl.constexpr, HAS_GATE: tl.constexpr):
     """O[r] = sum_s 2^(lse_s[r] - lse[r]) OP[s, r] over the SPLITS key splits (SP: the next power of
     two), lse = log2 sum_s 2^lse_s; OP [SPLITS, n_rows, DV] and LSE [SPLITS, n_rows] fp32."""
     r = tl.program_id(0).to(tl.int64)
@@ -107,6 +111,9 @@ def merge_paged_splits_kernel(OP, LSE, O, n_rows, DV: tl.constexpr, SPLITS: tl.c
     b_o = tl.load(OP + (o_s[:, None] * n_rows + r) * DV + o_dv[None, :], mask=m_s[:, None] & m_dv[None, :], other=0.0)
     l_i = tl.sum(w, 0)
     b_o = tl.sum(w[:, None] * b_o, 0) / tl.where(l_i > 0.0, l_i, 1.0)
+    if HAS_GATE:  # row r is head r % HQ of request r // HQ
+        b_g = tl.load(GATE + (r // HQ) * s_gb + (r % HQ) * s_gh + o_dv, mask=m_dv, other=0.0).to(tl.float32)
+        b_o = b_o * tl.sigmoid(b_g)
     tl.store(O + r * DV + o_dv, b_o.to(O.dtype.element_ty), mask=m_dv)
 
 
@@ -118,13 +125,19 @@ def _config(dq: int, dv: int, dtype: torch.dtype):
     return (64, 4, 2) if d <= 256 else (32, 8, 1)
 
 
-def paged_decode(q, k_pages, v_pages, table, rows, lengths, scale: float, splits: int | None = None):
+def paged_decode(q, k_pages, v_pages, table, rows, lengths, scale: float, splits: int | None = None, gate=None):
     """q [B, Hq, dq], k_pages [num_pages, P, Hkv, dq], v_pages [num_pages, P, Hkv, dv], table [R, W],
-    rows [B], lengths [B] -> o [B, Hq, dv] (q's dtype). `splits`: key splits (default num_splits)."""
+    rows [B], lengths [B] -> o [B, Hq, dv] (q's dtype). `splits`: key splits (default num_splits).
+    gate [B, Hq, dv] (any request and head strides, channels unit-stride): o times sigmoid(gate),
+    applied to the fp32 output before its one rounding (a gated attention's output gate, no
+    launch of its own)."""
     B, Hq, dq = q.shape
     P, Hkv, dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[-1]
     if Hq % Hkv or k_pages.shape[-1] != dq or v_pages.shape[:3] != k_pages.shape[:3]:
         raise ValueError(f"q {tuple(q.shape)} does not fit pages {tuple(k_pages.shape)}, {tuple(v_pages.shape)}")
+    if gate is not None and (gate.shape != (B, Hq, dv) or gate.stride(-1) != 1):
+        raise ValueError(f"gate {tuple(gate.shape)} must be [{B}, {Hq}, {dv}] with unit-stride channels")
+    s_gb, s_gh = (gate.stride(0), gate.stride(1)) if gate is not None else (0, 0)
     G = Hq // Hkv
     o = torch.empty(B, Hq, dv, dtype=q.dtype, device=q.device)
     if B == 0:
@@ -137,18 +150,19 @@ def paged_decode(q, k_pages, v_pages, table, rows, lengths, scale: float, splits
         op = lse = o  # unused
     bn, warps, stages = _config(dq, dv, q.dtype)
     paged_decode_kernel[(B, Hkv, splits)](
-        q, k_pages, v_pages, table, rows, lengths, o, op, lse, float(scale) * _LOG2E,
-        *q.stride(), *k_pages.stride(), *v_pages.stride(), *table.stride(),
+        q, k_pages, v_pages, table, rows, lengths, o, op, lse, gate if gate is not None else o, float(scale) * _LOG2E,
+        *q.stride(), s_gb, s_gh, *k_pages.stride(), *v_pages.stride(), *table.stride(),
         HKV=Hkv, G=G, DQ=dq, DV=dv, PAGE=P, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=bn,
         BLOCK_DQ=max(16, triton.next_power_of_2(dq)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_GATE=gate is not None,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         n_rows = B * Hq
         bdv = min(64, max(16, triton.next_power_of_2(dv)))
         merge_paged_splits_kernel[(n_rows, triton.cdiv(dv, bdv))](
-            op, lse, o, n_rows, DV=dv, SPLITS=splits, SP=triton.next_power_of_2(splits), BLOCK_DV=bdv, num_warps=2,
+            op, lse, o, gate if gate is not None else o, n_rows, s_gb, s_gh, DV=dv, SPLITS=splits,
+            SP=triton.next_power_of_2(splits), BLOCK_DV=bdv, HQ=Hq, HAS_GATE=gate is not None, num_warps=2,
         )
     return o
 

@@ -261,7 +261,8 @@ class GatedAttention(nn.Module):
     def decode_step(self, x, batch: DecodeBatch, layer_idx: int, positions):
         """A decode step on CUDA, x [1, B, h]: the keys normalized, rotated and written into the
         pages with the values in one launch (backends.norm_rope_into_pages), then attention over
-        the pages; None where that launch does not apply (forward_layout's path then)."""
+        the pages that gates its own output; None where that launch does not apply
+        (forward_layout's path then)."""
         q, k, v, gate = self.projections(x)
         cos, sin = self.rope(positions, torch.float32)
         kv = batch.kv
@@ -269,8 +270,8 @@ class GatedAttention(nn.Module):
                                              kv.k[layer_idx], kv.v[layer_idx], batch.kv_rows):
             return None
         q = backends.norm_rope(q, self.q_norm._scale(), self.q_norm.eps, cos, sin)
-        out = attend_pages(q, batch, layer_idx, self.d**-0.5)  # [1, Hq, B, d]
-        return self.o_proj(backends.gated_heads(out, gate))
+        # the output gate applied by the attention kernel as it stores: [1, B, Hq * d]
+        return self.o_proj(attend_pages(q, batch, layer_idx, self.d**-0.5, gate[0]))
 
     def forward_layout(self, x, layout, state: AttnState, rec: Recording | None, layer_idx: int, live_pos):
         """x [1, n_live, h]; live_pos [n_live] absolute positions of the live tokens."""
