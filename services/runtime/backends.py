@@ -935,18 +935,24 @@ def sdpa(q, k, v, **kw):
         return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
-def paged_decode_attention(q, k_pages, v_pages, table, rows, lengths, scale: float, max_pages: int, gate=None):
+def paged_decode_attention(q, k_pages, v_pages, table, rows, lengths, scale: float, max_pages: int, gate=None,
+                           q_rope=None):
     """Decode attention over paged K/V (kernels/ops/attention/paged.py): q [B, Hq, dq], pools
     [num_pages, P, Hkv, d], table [R, W], rows and lengths [B] -> [B, Hq, dv], times sigmoid(gate
     [B, Hq, dv]) where a gate is given. CUDA (head dims up to 256): the Triton kernel, reading the
     pages through the table and gating its output as it stores it; elsewhere the reference, the
-    first max_pages pages of each request gathered and SDPA under a key mask, then the gate."""
+    first max_pages pages of each request gathered and SDPA under a key mask, then the gate.
+    q_rope (scale [dq], eps, cos, sin [B, R]): q holds raw query heads, RMS-normalized with the
+    scale and rotated at each request's angles first (in the kernel on CUDA)."""
     if use_fast_kernels(q) and max(q.shape[-1], v_pages.shape[-1]) <= 256:
         from hybridcache.kernels.ops.attention.paged import paged_decode_attention as kernel
 
-        return kernel(q, k_pages, v_pages, table, rows, lengths, scale, gate=gate)
+        return kernel(q, k_pages, v_pages, table, rows, lengths, scale, gate=gate, q_rope=q_rope)
     from hybridcache.kernels.ops.attention.paged import paged_decode_reference
+    from hybridcache.kernels.ops.rope.naive import norm_rope
 
+    if q_rope is not None:
+        q = norm_rope(q[None], q_rope[0], q_rope[1], q_rope[2], q_rope[3])[0].transpose(0, 1)
     o = paged_decode_reference(q, k_pages, v_pages, table, rows, lengths, scale, max_pages)
     return o if gate is None else o * torch.sigmoid(gate)
 

@@ -126,6 +126,33 @@ def test_kernel_gates_its_output_in_place(splits):
         paged_decode(q, kp, vp, table, rows, lens, d**-0.5, splits, gate[:, :-1])
 
 
+@pytest.mark.parametrize("splits,R", [(1, 64), (3, 16)])
+def test_kernel_normalizes_and_rotates_raw_queries(splits, R):
+    """q_rope: the raw query heads (a token-major slice of the projection) RMS-normalized with the
+    head norm's scale and rotated at each request's angles in the kernel, full and partial rotary:
+    equal to the kernel on the queries the reference norm + rope made."""
+    from hybridcache.kernels.ops.rope import naive as rope_naive
+
+    gen = torch.Generator().manual_seed(17)
+    lengths, Hq, Hkv, d, page = [33, 5, 70], 8, 2, 64, 8
+    q, kp, vp, table, rows, lens, ks, vs = make(lengths, Hq, Hkv, d, page, gen)
+    B = len(lengths)
+    qg = (torch.randn(B, Hq, 2 * d, generator=gen) * 3).to(q.device)
+    raw = qg[..., :d]
+    scale = (1 + 0.2 * torch.randn(d, generator=gen)).to(q.device)
+    pos = torch.tensor([40.0, 7.0, 301.0])
+    inv = 1.0 / (10000.0 ** (torch.arange(0, R, 2, dtype=torch.float) / R))
+    f = pos[:, None] * inv[None, :]
+    cos, sin = torch.cat((f, f), -1).cos().to(q.device), torch.cat((f, f), -1).sin().to(q.device)
+    ready = rope_naive.norm_rope(raw[None], scale, 1e-6, cos, sin)[0].transpose(0, 1).contiguous()  # [B, Hq, d]
+    got = paged_decode(raw, kp, vp, table, rows, lens, d**-0.5, splits, q_rope=(scale, 1e-6, cos, sin))
+    want = paged_decode(ready, kp, vp, table, rows, lens, d**-0.5, splits)
+    assert rel_rms(got, want) < 1e-5
+    assert rel_rms(got, paged_decode(raw, kp, vp, table, rows, lens, d**-0.5, splits)) > 0.05
+    with pytest.raises(ValueError, match="q_rope"):
+        paged_decode(raw, kp, vp, table, rows, lens, d**-0.5, splits, q_rope=(scale, 1e-6, cos[:-1], sin[:-1]))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("Hq,Hkv", [(16, 4), (8, 8), (8, 1), (4, 2)])
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -98,13 +98,14 @@ def num_splits(batch: int, kv_heads: int, device) -> int:
 
 
 def paged_decode_attention(q, k_pages, v_pages, table, rows, lengths, scale: float, splits: int | None = None,
-                           gate=None):
+                           gate=None, q_rope=None):
     """The Triton kernel of the module docstring: q [B, Hq, dq], pools [num_pages, P, Hkv, d],
     table [R, W] int32/int64, rows [B], lengths [B] (each >= 1) -> o [B, Hq, dv] in q's dtype
-    (times sigmoid(gate [B, Hq, dv]) where a gate is given)."""
+    (times sigmoid(gate [B, Hq, dv]) where a gate is given; q raw heads normalized and rotated in
+    the kernel where q_rope is given, paged_triton.paged_decode)."""
     from hybridcache.kernels.ops.attention.paged_triton import paged_decode
 
-    return paged_decode(q, k_pages, v_pages, table, rows, lengths, scale, splits, gate)
+    return paged_decode(q, k_pages, v_pages, table, rows, lengths, scale, splits, gate, q_rope)
 
 
 __all__ = ["gather_pages", "num_splits", "paged_decode_attention", "paged_decode_reference", "paged_prefill_reference",

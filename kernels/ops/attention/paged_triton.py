@@ -25,7 +25,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def paged_decode_kernel(
-    Q, K, V, TABLE, ROWS, LENS, O, OP, LSE, GATE, qk_scale,
+    Q, K, V, TABLE, ROWS, LENS, O, OP, LSE, GATE, QSCALE, COS, SIN, qk_scale, q_eps,
     s_qb, s_qh, s_qd,
     s_gb, s_gh,
     s_kp, s_ks, s_kh, s_kd,
@@ -33,7 +33,8 @@ def paged_decode_kernel(
     s_tr, s_tc,
     HKV: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_GATE: tl.constexpr,
+    SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_GATE: tl.constexpr, Q_ROPE: tl.constexpr,
+    R: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1).to(tl.int64)
@@ -57,6 +58,23 @@ def paged_decode_kernel(
     h = kv * G + o_g  # query heads of this KV head
     p_q = Q + b * s_qb + h[:, None] * s_qh + o_dq[None, :] * s_qd
     b_q = tl.load(p_q, mask=m_g[:, None] & m_dq[None, :], other=0.0)  # [BLOCK_G, BLOCK_DQ]
+    if Q_ROPE:
+        # the raw query heads: RMSNorm * QSCALE, then rotated by the request's cos/sin [B, R] (channels
+        # from R on pass through), in fp32, rounded once to the query's dtype as the unfused path does
+        b_x = b_q.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / DQ + q_eps)
+        half: tl.constexpr = R // 2
+        partner = tl.where(o_dq < half, o_dq + half, o_dq - half)
+        m_rot = o_dq < R
+        b_p = tl.load(Q + b * s_qb + h[:, None] * s_qh + partner[None, :] * s_qd,
+                      mask=m_g[:, None] & m_rot[None, :], other=0.0).to(tl.float32)
+        b_s = tl.load(QSCALE + o_dq, mask=m_dq, other=0.0).to(tl.float32)
+        b_sp = tl.load(QSCALE + partner, mask=m_rot, other=0.0).to(tl.float32)
+        b_cos = tl.load(COS + b * R + o_dq, mask=m_rot, other=1.0).to(tl.float32)
+        b_sin = tl.load(SIN + b * R + o_dq, mask=m_rot, other=0.0).to(tl.float32)
+        sign = tl.where(o_dq < half, -1.0, 1.0)
+        b_rot = (b_x * b_s[None, :] * b_cos[None, :] + (sign * b_sin)[None, :] * b_p * b_sp[None, :]) * r[:, None]
+        b_q = b_rot.to(b_q.dtype)
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -125,12 +143,15 @@ def _config(dq: int, dv: int, dtype: torch.dtype):
     return (64, 4, 2) if d <= 256 else (32, 8, 1)
 
 
-def paged_decode(q, k_pages, v_pages, table, rows, lengths, scale: float, splits: int | None = None, gate=None):
+def paged_decode(q, k_pages, v_pages, table, rows, lengths, scale: float, splits: int | None = None, gate=None,
+                 q_rope=None):
     """q [B, Hq, dq], k_pages [num_pages, P, Hkv, dq], v_pages [num_pages, P, Hkv, dv], table [R, W],
     rows [B], lengths [B] -> o [B, Hq, dv] (q's dtype). `splits`: key splits (default num_splits).
     gate [B, Hq, dv] (any request and head strides, channels unit-stride): o times sigmoid(gate),
     applied to the fp32 output before its one rounding (a gated attention's output gate, no
-    launch of its own)."""
+    launch of its own). q_rope (scale [dq], eps, cos, sin [B, R]): q holds the raw query heads
+    (any strides), RMS-normalized with the scale and rotated at each request's angles in the
+    kernel (rope.norm_rope_tokens' math, no launch of its own)."""
     B, Hq, dq = q.shape
     P, Hkv, dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[-1]
     if Hq % Hkv or k_pages.shape[-1] != dq or v_pages.shape[:3] != k_pages.shape[:3]:
@@ -138,6 +159,16 @@ def paged_decode(q, k_pages, v_pages, table, rows, lengths, scale: float, splits
     if gate is not None and (gate.shape != (B, Hq, dv) or gate.stride(-1) != 1):
         raise ValueError(f"gate {tuple(gate.shape)} must be [{B}, {Hq}, {dv}] with unit-stride channels")
     s_gb, s_gh = (gate.stride(0), gate.stride(1)) if gate is not None else (0, 0)
+    if q_rope is not None:
+        q_scale, q_eps, cos, sin = q_rope
+        R = cos.shape[-1]
+        if q_scale.shape != (dq,) or R % 2 or R > dq or cos.shape != (B, R) or sin.shape != (B, R):
+            raise ValueError(f"q_rope: scale {tuple(q_scale.shape)}, cos/sin {tuple(cos.shape)} do not fit q "
+                             f"{tuple(q.shape)} (scale [{dq}], cos/sin [{B}, R], R even <= {dq})")
+        q_scale, cos, sin = q_scale.float().contiguous(), cos.float().contiguous(), sin.float().contiguous()
+    else:
+        q_scale = cos = sin = q
+        q_eps, R = 0.0, 2
     G = Hq // Hkv
     o = torch.empty(B, Hq, dv, dtype=q.dtype, device=q.device)
     if B == 0:
@@ -150,11 +181,13 @@ def paged_decode(q, k_pages, v_pages, table, rows, lengths, scale: float, splits
         op = lse = o  # unused
     bn, warps, stages = _config(dq, dv, q.dtype)
     paged_decode_kernel[(B, Hkv, splits)](
-        q, k_pages, v_pages, table, rows, lengths, o, op, lse, gate if gate is not None else o, float(scale) * _LOG2E,
+        q, k_pages, v_pages, table, rows, lengths, o, op, lse, gate if gate is not None else o, q_scale, cos, sin,
+        float(scale) * _LOG2E, float(q_eps),
         *q.stride(), s_gb, s_gh, *k_pages.stride(), *v_pages.stride(), *table.stride(),
         HKV=Hkv, G=G, DQ=dq, DV=dv, PAGE=P, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=bn,
         BLOCK_DQ=max(16, triton.next_power_of_2(dq)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_GATE=gate is not None,
+        Q_ROPE=q_rope is not None, R=R,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:

@@ -308,12 +308,15 @@ def decode_attention(q, k, v, batch: DecodeBatch, layer: int, scale) -> torch.Te
     return attend_pages(q, batch, layer, scale)
 
 
-def attend_pages(q, batch: DecodeBatch, layer: int, scale, gate=None) -> torch.Tensor:
+def attend_pages(q, batch: DecodeBatch, layer: int, scale, gate=None, q_rope=None) -> torch.Tensor:
     """decode_attention once the step's K/V are in the layer's pages: q [1, Hq, B, d] -> [1, Hq, B, dv];
-    with gate [B, Hq, dv] (a gated attention's output gate), the gated output token-major, [1, B, Hq * dv]."""
+    with gate [B, Hq, dv] (a gated attention's output gate), the gated output token-major, [1, B, Hq * dv];
+    with q_rope (backends.paged_decode_attention), q is the raw heads [B, Hq, d], normalized and
+    rotated by the attention."""
     kp, vp = batch.kv.k[layer], batch.kv.v[layer]
     o = backends.paged_decode_attention(
-        q[0].transpose(0, 1), kp, vp, batch.kv.table, batch.rows, batch.lengths, scale, batch.max_pages, gate
+        q if q_rope is not None else q[0].transpose(0, 1), kp, vp, batch.kv.table, batch.rows, batch.lengths,
+        scale, batch.max_pages, gate, q_rope,
     )  # [B, Hq, dv]
     return o.transpose(0, 1)[None] if gate is None else o.reshape(1, o.shape[0], -1)
 

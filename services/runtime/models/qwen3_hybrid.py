@@ -261,17 +261,18 @@ class GatedAttention(nn.Module):
     def decode_step(self, x, batch: DecodeBatch, layer_idx: int, positions):
         """A decode step on CUDA, x [1, B, h]: the keys normalized, rotated and written into the
         pages with the values in one launch (backends.norm_rope_into_pages), then attention over
-        the pages that gates its own output; None where that launch does not apply
-        (forward_layout's path then)."""
+        the pages that normalizes and rotates the raw queries itself and gates its own output;
+        None where that launch does not apply (forward_layout's path then)."""
         q, k, v, gate = self.projections(x)
         cos, sin = self.rope(positions, torch.float32)
         kv = batch.kv
         if not backends.norm_rope_into_pages(k[0], v[0], self.k_norm._scale(), self.k_norm.eps, cos, sin,
                                              kv.k[layer_idx], kv.v[layer_idx], batch.kv_rows):
             return None
-        q = backends.norm_rope(q, self.q_norm._scale(), self.q_norm.eps, cos, sin)
-        # the output gate applied by the attention kernel as it stores: [1, B, Hq * d]
-        return self.o_proj(attend_pages(q, batch, layer_idx, self.d**-0.5, gate[0]))
+        # the queries' norm and rotation in the attention kernel's prologue, the output gate in its
+        # store: [1, B, Hq * d]
+        q_rope = (self.q_norm._scale(), self.q_norm.eps, cos, sin)
+        return self.o_proj(attend_pages(q[0], batch, layer_idx, self.d**-0.5, gate[0], q_rope))
 
     def forward_layout(self, x, layout, state: AttnState, rec: Recording | None, layer_idx: int, live_pos):
         """x [1, n_live, h]; live_pos [n_live] absolute positions of the live tokens."""
