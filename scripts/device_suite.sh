@@ -30,9 +30,9 @@
 #               --cuda-ipc (LOOPBACK_ENTRIES entries a request, default 32, five requests), the receiver's host
 #               work alone (benchmarks/assembler_host.py, on this machine's CPU) and the transport's gpu tests
 #               (tests/services/test_ipc_pool_gpu.py, tests/kernels/test_copy_checksum.py)
-#   decode      issue 43 on one GPU: the in-place decode step's and the sampler's kernels against their
-#               references (tests/kernels/test_recurrent_step.py, test_sampling_kernel.py, gpu tests
-#               included), then benchmarks/served_decode.py (1, 32, 128 greedy streams, 32 sampled, on
+#   decode      issue 43 on one GPU: the decode step's kernels against their references (recurrence,
+#               sampler, paged attention with its fused query rope and gate, keys into pages, norms;
+#               gpu tests included) and graphed decode against eager and the live pass, then benchmarks/served_decode.py (1, 32, 128 greedy streams, 32 sampled, on
 #               the Qwen3.5-9B shape written once to $SERVED_MODEL); DECODE_ARGS adds its flags
 #   layouts     issue 44 on one GPU: the planned assemblies' and paged prefill's gpu tests
 #               (tests/kernels/test_assembly_graphs_gpu.py, test_paged_prefill_attention.py, test_cuda_graphs.py),
@@ -188,7 +188,9 @@ for stage in "$@"; do
     decode)
         # DECODE_KERNEL_TESTS=0 leaves the kernel tests out (a call that re-measures the benchmark only)
         [ "${DECODE_KERNEL_TESTS:-1}" = 0 ] || timeout 300 python3 -P -m pytest -v -s -m "gpu or not gpu" -p no:cacheprovider -rfE \
-            tests/kernels/test_recurrent_step.py tests/kernels/test_sampling_kernel.py > "$OUT/decode_kernels.log" 2>&1
+            tests/kernels/test_recurrent_step.py tests/kernels/test_sampling_kernel.py tests/kernels/test_paged_attention_kernel.py \
+            tests/kernels/test_rope_triton.py tests/kernels/test_row_norm.py tests/kernels/test_decode_graphs_gpu.py \
+            > "$OUT/decode_kernels.log" 2>&1
         echo "decode kernels rc=$?"; grep -E "kernel .* ms|passed|failed" "$OUT/decode_kernels.log" | tail -5
         # shellcheck disable=SC2086  # DECODE_ARGS is a list of flags
         timeout 540 python3 benchmarks/served_decode.py --device cuda --init-model qwen3_5_text:qwen3.5-9b \
