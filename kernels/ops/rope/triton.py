@@ -24,19 +24,13 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_tok"])
-def rope_kernel(
-    x, y, cos, sin, scale, n_rows, n_tok, s_b, s_t, s_h, eps,
-    H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # output rows: (b * H + h) * n_tok + t
-    cols = tl.arange(0, BD)
-    m_r, m_c = rows < n_rows, cols < D
+@triton.jit
+def _norm_rotate(x, src, t, cols, m_r, m_c, cos, sin, scale, eps, D: tl.constexpr, R: tl.constexpr,
+                 HAS_NORM: tl.constexpr):
+    """Rows at x + src [BR] (channels unit-stride), token t [BR] of each: RMSNorm * scale when
+    HAS_NORM, then rotated by cos/sin [tokens, R] (rotate-half; channels from R on pass through);
+    fp32 [BR, BD]."""
     mask = m_r[:, None] & m_c[None, :]
-    t = rows % n_tok
-    bh = rows // n_tok
-    src = (bh // H) * s_b + t * s_t + (bh % H) * s_h
     b_x = tl.load(x + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     half: tl.constexpr = R // 2
     # the rotate-half partner of each rotated channel, and its sign
@@ -53,7 +47,23 @@ def rope_kernel(
     b_cos = tl.load(cos + t[:, None] * R + cols[None, :], mask=m_cs, other=1.0).to(tl.float32)
     b_sin = tl.load(sin + t[:, None] * R + cols[None, :], mask=m_cs, other=0.0).to(tl.float32)
     sign = tl.where(cols < half, -1.0, 1.0)
-    b_y = b_x * b_cos + sign[None, :] * b_p * b_sin
+    return b_x * b_cos + sign[None, :] * b_p * b_sin
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_tok"])
+def rope_kernel(
+    x, y, cos, sin, scale, n_rows, n_tok, s_b, s_t, s_h, eps,
+    H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # output rows: (b * H + h) * n_tok + t
+    cols = tl.arange(0, BD)
+    m_r, m_c = rows < n_rows, cols < D
+    mask = m_r[:, None] & m_c[None, :]
+    t = rows % n_tok
+    bh = rows // n_tok
+    src = (bh // H) * s_b + t * s_t + (bh % H) * s_h
+    b_y = _norm_rotate(x, src, t, cols, m_r, m_c, cos, sin, scale, eps, D, R, HAS_NORM)
     tl.store(y + rows[:, None] * D + cols[None, :], b_y.to(y.dtype.element_ty), mask=mask)
 
 
@@ -108,22 +118,7 @@ def norm_rope_pages_kernel(
     cols = tl.arange(0, BD)
     m_c = cols < D
     mask = m_r[:, None] & m_c[None, :]
-    src = t * s_kt + h * s_kh
-    b_x = tl.load(k + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    half: tl.constexpr = R // 2
-    partner = tl.where(cols < half, cols + half, cols - half)
-    m_rot = cols < R
-    b_p = tl.load(k + src[:, None] + partner[None, :], mask=mask & m_rot[None, :], other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
-    b_s = tl.load(scale + cols, mask=m_c, other=0.0).to(tl.float32)
-    b_sp = tl.load(scale + partner, mask=m_rot, other=0.0).to(tl.float32)
-    b_x = b_x * r[:, None] * b_s[None, :]
-    b_p = b_p * r[:, None] * b_sp[None, :]
-    m_cs = m_r[:, None] & m_rot[None, :]
-    b_cos = tl.load(cos + t[:, None] * R + cols[None, :], mask=m_cs, other=1.0).to(tl.float32)
-    b_sin = tl.load(sin + t[:, None] * R + cols[None, :], mask=m_cs, other=0.0).to(tl.float32)
-    sign = tl.where(cols < half, -1.0, 1.0)
-    b_y = b_x * b_cos + sign[None, :] * b_p * b_sin
+    b_y = _norm_rotate(k, t * s_kt + h * s_kh, t, cols, m_r, m_c, cos, sin, scale, eps, D, R, True)
     tl.store(kp + (dst * s_kpr + h * s_kph)[:, None] + cols[None, :], b_y.to(kp.dtype.element_ty), mask=mask)
     o_v = tl.arange(0, BDV)
     m_v = m_r[:, None] & (o_v < DV)[None, :]
