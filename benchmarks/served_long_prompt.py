@@ -200,13 +200,30 @@ def run_long(args, mode: str, reqs: dict) -> dict:
     return out
 
 
+def failures(results: dict) -> list[tuple[str, str]]:
+    """(phase, what) for each failure in the phases' requests: a phase with one gives no figure (a
+    long prompt refused at once would otherwise read as no stall at all)."""
+    out = []
+    itl = results.get("itl")
+    if itl is not None:
+        if "ttft_ms" not in itl.get("long", {}):
+            out.append(("itl", f"the long prompt: {itl.get('long', {}).get('error', 'no first token')}"))
+        out += [("itl", f"a stream: {e}") for e in itl.get("errors", [])]
+    for mode in ("pic", "prefix", "full"):
+        for part, r in results.get(mode, {}).items():
+            if isinstance(r, dict) and r.get("completed") != r.get("requests"):
+                out.append((mode, f"{part}: {r.get('completed')} of {r.get('requests')} completed: {r.get('errors')}"))
+    return out
+
+
 def figures_of(results: dict) -> dict:
     out = {}
-    itl = results.get("itl", {})
+    failed = {phase for phase, _ in failures(results)}
+    itl = results.get("itl", {}) if "itl" not in failed else {}
     steady, during = itl.get("steady_itl_ms", {}).get("p50"), itl.get("during_itl_ms", {}).get("p99")
     if steady and during:
         out["itl_p99_during_long_prefill_vs_steady"] = round(during / steady, 3)
-    pic, prefix, full = (results.get(m, {}) for m in ("pic", "prefix", "full"))
+    pic, prefix, full = (results.get(m, {}) if m not in failed else {} for m in ("pic", "prefix", "full"))
     warm_pic, warm_prefix = pic.get("warm", {}).get("ttft_ms_p50"), prefix.get("warm", {}).get("ttft_ms_p50")
     if warm_pic and warm_prefix:
         out["warm_pic_ttft_speedup_vs_prefix_128k"] = round(warm_prefix / warm_pic, 2)
@@ -282,7 +299,11 @@ def main(argv=None) -> int:
     commit, date, command = facts["commit"], facts["date"], facts["command"]
     for phase in phases:
         runs[phase].update(commit=commit, date=date, gpu=gpu, command=command)
+    failed = failures(results)
+    for phase, what in failed:
+        print(f"served_long_prompt: error: {phase}: {what}", file=sys.stderr)
     out = {"benchmark": "served_long_prompt", "figures": figures_of(results),
+           "failures": [f"{phase}: {what}" for phase, what in failed],
            "targets": {"itl_p99_during_long_prefill_vs_steady": "<= 3", "warm_pic_ttft_speedup_vs_prefix_128k": ">= 30",
                        "cold_pic_ttft_vs_full_128k": "<= 1.0"},
            "results": results, "runs": runs, "gpu": gpu, "commit": commit, "date": date, "host": facts["host"],
@@ -293,7 +314,8 @@ def main(argv=None) -> int:
                      "for a warm request against its byte and FLOP floor",
            "note": "TTFT from sending the request to its first streamed token; ITL from the streams' token arrival "
                    "times (steady: before the long prompt is sent; during: between its sending and its first token)"}
-    return emit(out, args.out)
+    rc = emit(out, args.out)
+    return rc or (1 if failed else 0)
 
 
 if __name__ == "__main__":

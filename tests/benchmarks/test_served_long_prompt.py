@@ -32,3 +32,25 @@ def test_served_long_prompt_on_cpu(qwen35_dir, tmp_path):
         itl["during_itl_ms"]["p99"] / itl["steady_itl_ms"]["p50"], 3)
     assert f["warm_pic_ttft_speedup_vs_prefix_128k"] > 0 and f["cold_pic_ttft_vs_full_128k"] > 0
     assert set(res["runs"]) == {"itl", "pic", "prefix", "full"} and res["gpu"] == "none (CPU)"
+
+
+def test_a_failed_request_gives_no_figure():
+    """A long prompt refused at once (HTTP 400) leaves the streams' gaps looking steady: the itl
+    figure is withheld and the failure listed; likewise a pic, prefix or full phase whose requests
+    did not all complete."""
+    mod = _bench("served_long_prompt")
+    itl = {"long": {"error": "HTTP 400: exceeds the model's context limit"}, "errors": [],
+           "steady_itl_ms": {"p50": 10.0}, "during_itl_ms": {"p99": 12.0}}
+    timed = {"requests": 2, "completed": 2, "errors": [], "ttft_ms_p50": 50.0}
+    results = {"itl": itl, "pic": {"cold": timed, "warm": dict(timed, ttft_ms_p50=5.0)},
+               "prefix": {"cold": timed, "warm": dict(timed, completed=1, errors=["HTTP 500"])},
+               "full": {"cold": timed}}
+    assert [phase for phase, _ in mod.failures(results)] == ["itl", "prefix"]
+    figures = mod.figures_of(results)
+    assert "itl_p99_during_long_prefill_vs_steady" not in figures
+    assert "warm_pic_ttft_speedup_vs_prefix_128k" not in figures
+    assert figures == {"cold_pic_ttft_vs_full_128k": 1.0}
+    itl["long"] = {"ttft_ms": 900.0}
+    results["prefix"]["warm"] = timed
+    assert mod.failures(results) == []
+    assert mod.figures_of(results)["itl_p99_during_long_prefill_vs_steady"] == 1.2
