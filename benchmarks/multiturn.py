@@ -316,7 +316,9 @@ def bytes_per_token(model_dir: Path, dtype: str, policies: dict) -> dict:
 
 def figures_of(results: dict, sglang_end: dict | None) -> dict:
     figures: dict = {}
-    results = {p: r for p, r in results.items() if "error" not in r}
+    # a policy whose server did not start, or whose requests did not all complete, gives no figure
+    # (its TTFT percentiles would be of the requests that happened to succeed)
+    results = {p: r for p, r in results.items() if "error" not in r and not r.get("failed")}
     p50 = {p: r["ttft_ms"].get("p50") for p, r in results.items()}
     for p, r in results.items():
         figures[f"multiturn_ttft_p50_ms_{p}"] = p50[p]

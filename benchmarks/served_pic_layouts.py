@@ -180,6 +180,22 @@ def warm_floor(shape: dict, docs: int, doc_tokens: int, live: int, seam: int, st
             "floor_ms": round(max(bytes_ms, flops_ms), 3)}
 
 
+def figures_of(results: dict, floor: dict) -> tuple[dict, list[str]]:
+    """The run's figures and the phases whose requests did not all complete: such a phase gives no
+    figure (its p50 would be of the requests that happened to succeed), and a failed cache fill
+    none at all (the warm requests would have built what it missed)."""
+    failed = [k for k, r in results.items() if r.get("completed") != r.get("requests")]
+    figures = {}
+    rep, new, fl = (results[k].get("ttft_ms", {}).get("p50") if k not in failed and "cache_fill" not in failed
+                    else None for k in ("repeated", "unseen", "floor_request"))
+    if rep and new:
+        figures["warm_pic_ttft_unseen_layouts_vs_repeated"] = round(new / rep, 3)
+    if fl:
+        figures["warm_pic_ttft_fraction_of_floor_32x1k"] = round(floor["floor_ms"] / fl, 3)
+    figures["warm_pic_unseen_layouts_graph_captures"] = results["unseen"].get("graph_captures")
+    return figures, failed
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--url", help="a running pic server (http://HOST:PORT); default: start `hybridcache up`")
@@ -273,13 +289,10 @@ def main(argv=None) -> int:
     live = args.system_tokens + args.floor_docs * args.seam_window + args.question_tokens
     floor = warm_floor(shape, args.floor_docs, args.floor_doc_tokens, live, args.seam_window, args.entry_state_bytes,
                        probe["copy_bytes_per_s"], probe["bf16_flops_per_s"])
-    figures = {}
-    rep, new, fl = (results[k].get("ttft_ms", {}).get("p50") for k in ("repeated", "unseen", "floor_request"))
-    if rep and new:
-        figures["warm_pic_ttft_unseen_layouts_vs_repeated"] = round(new / rep, 3)
-    if fl:
-        figures["warm_pic_ttft_fraction_of_floor_32x1k"] = round(floor["floor_ms"] / fl, 3)
-    figures["warm_pic_unseen_layouts_graph_captures"] = results["unseen"].get("graph_captures")
+    figures, failed = figures_of(results, floor)
+    for k in failed:
+        print(f"served_pic_layouts: error: {k}: {results[k]['completed']} of {results[k]['requests']} completed: "
+              f"{results[k].get('errors')}", file=sys.stderr)
     targets = {"warm_pic_ttft_unseen_layouts_vs_repeated": "<= 1.2", "warm_pic_ttft_fraction_of_floor_32x1k": ">= 0.25"}
     out = {"benchmark": "served_pic_layouts", "figures": figures, "targets": targets,
            "results": results, "floor_32x1k": floor, "model_shape": shape,
@@ -291,7 +304,9 @@ def main(argv=None) -> int:
                    "a new system prompt; unseen: every request a new document order and lengths; floor: max of the "
                    "bytes a warm request reads at the measured copy bandwidth and its FLOPs at the measured bf16 "
                    "matmul rate"}
-    return emit(out, args.out)
+    if failed:
+        out["failures"] = failed
+    return emit(out, args.out) or (1 if failed else 0)
 
 
 if __name__ == "__main__":

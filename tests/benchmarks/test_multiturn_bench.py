@@ -130,3 +130,20 @@ def test_bad_flags_exit_2():
         with pytest.raises(SystemExit) as e:
             mt.main(bad)
         assert e.value.code == 2
+
+
+def test_a_policy_with_failed_requests_gives_no_figure():
+    """A policy whose server did not start or whose requests did not all complete is left out of the
+    figures: its TTFT would be of the requests that happened to succeed."""
+    mt = _bench()
+
+    def run(p50, failed=0):
+        return {"ttft_ms": {"p50": p50}, "prefix_hit_fraction": 0.5, "failed": failed}
+
+    results = {"suffix_replay": run(100.0), "sglang_peer": run(50.0, failed=3), "checkpoint": run(200.0),
+               "exact_replay": {"error": "did not start"}}
+    f = mt.figures_of(results, None)
+    assert f["multiturn_ttft_p50_suffix_replay_vs_checkpoint"] == 0.5
+    assert not any("sglang" in k or "exact_replay" in k for k in f), f
+    results["sglang_peer"]["failed"] = 0
+    assert mt.figures_of(results, None)["multiturn_ttft_p50_suffix_replay_vs_sglang_grid_checkpoint"] == 2.0

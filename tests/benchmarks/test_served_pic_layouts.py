@@ -55,3 +55,24 @@ def test_served_pic_layouts_on_cpu(qwen35_dir, tmp_path, capsys):
     assert f["warm_pic_ttft_fraction_of_floor_32x1k"] == round(
         res["floor_32x1k"]["floor_ms"] / r["floor_request"]["ttft_ms"]["p50"], 3) > 0
     assert res["gpu"] == "none (CPU)" and res["commit"] and res["date"] and res["copy_bandwidth_tb_per_s"] == 0.01
+
+
+def test_a_phase_with_failed_requests_gives_no_figure():
+    """A timed phase whose requests did not all complete gives no figure; a failed cache fill none."""
+    mod = _bench("served_pic_layouts")
+
+    def phase(p50, completed=3):
+        return {"requests": 3, "completed": completed, "errors": [] if completed == 3 else ["HTTP 500"],
+                "ttft_ms": {"p50": p50}, "graph_captures": 0}
+
+    floor = {"floor_ms": 10.0}
+    results = {"cache_fill": phase(900.0), "repeated": phase(100.0), "unseen": phase(110.0, completed=2),
+               "floor_request": phase(50.0)}
+    figures, failed = mod.figures_of(results, floor)
+    assert failed == ["unseen"] and "warm_pic_ttft_unseen_layouts_vs_repeated" not in figures
+    assert figures["warm_pic_ttft_fraction_of_floor_32x1k"] == 0.2
+    results["unseen"] = phase(110.0)
+    assert mod.figures_of(results, floor)[0]["warm_pic_ttft_unseen_layouts_vs_repeated"] == 1.1
+    results["cache_fill"] = phase(900.0, completed=1)
+    figures, failed = mod.figures_of(results, floor)
+    assert failed == ["cache_fill"] and set(figures) == {"warm_pic_unseen_layouts_graph_captures"}
