@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from hybridcache.kernels.ops.attention.paged import num_splits as default_splits
+from hybridcache.kernels.ops.rope.triton import norm_rotate
 
 _LOG2E = 1.4426950408889634
 
@@ -59,21 +60,10 @@ def paged_decode_kernel(
     p_q = Q + b * s_qb + h[:, None] * s_qh + o_dq[None, :] * s_qd
     b_q = tl.load(p_q, mask=m_g[:, None] & m_dq[None, :], other=0.0)  # [BLOCK_G, BLOCK_DQ]
     if Q_ROPE:
-        # the raw query heads: RMSNorm * QSCALE, then rotated by the request's cos/sin [B, R] (channels
-        # from R on pass through), in fp32, rounded once to the query's dtype as the unfused path does
-        b_x = b_q.to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / DQ + q_eps)
-        half: tl.constexpr = R // 2
-        partner = tl.where(o_dq < half, o_dq + half, o_dq - half)
-        m_rot = o_dq < R
-        b_p = tl.load(Q + b * s_qb + h[:, None] * s_qh + partner[None, :] * s_qd,
-                      mask=m_g[:, None] & m_rot[None, :], other=0.0).to(tl.float32)
-        b_s = tl.load(QSCALE + o_dq, mask=m_dq, other=0.0).to(tl.float32)
-        b_sp = tl.load(QSCALE + partner, mask=m_rot, other=0.0).to(tl.float32)
-        b_cos = tl.load(COS + b * R + o_dq, mask=m_rot, other=1.0).to(tl.float32)
-        b_sin = tl.load(SIN + b * R + o_dq, mask=m_rot, other=0.0).to(tl.float32)
-        sign = tl.where(o_dq < half, -1.0, 1.0)
-        b_rot = (b_x * b_s[None, :] * b_cos[None, :] + (sign * b_sin)[None, :] * b_p * b_sp[None, :]) * r[:, None]
+        # the raw query heads (unit-stride channels): RMSNorm * QSCALE, then rotated by the request's
+        # cos/sin [B, R] (rope's row math), rounded once to the query's dtype as the unfused path does
+        b_rot = norm_rotate(Q, b * s_qb + h * s_qh, tl.zeros_like(h) + b, o_dq, m_g, m_dq, COS, SIN, QSCALE, q_eps,
+                            DQ, R, True)
         b_q = b_rot.to(b_q.dtype)
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
@@ -150,7 +140,7 @@ def paged_decode(q, k_pages, v_pages, table, rows, lengths, scale: float, splits
     gate [B, Hq, dv] (any request and head strides, channels unit-stride): o times sigmoid(gate),
     applied to the fp32 output before its one rounding (a gated attention's output gate, no
     launch of its own). q_rope (scale [dq], eps, cos, sin [B, R]): q holds the raw query heads
-    (any strides), RMS-normalized with the scale and rotated at each request's angles in the
+    (any request and head strides), RMS-normalized with the scale and rotated at each request's angles in the
     kernel (rope.norm_rope_tokens' math, no launch of its own)."""
     B, Hq, dq = q.shape
     P, Hkv, dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[-1]
@@ -166,6 +156,8 @@ def paged_decode(q, k_pages, v_pages, table, rows, lengths, scale: float, splits
             raise ValueError(f"q_rope: scale {tuple(q_scale.shape)}, cos/sin {tuple(cos.shape)} do not fit q "
                              f"{tuple(q.shape)} (scale [{dq}], cos/sin [{B}, R], R even <= {dq})")
         q_scale, cos, sin = q_scale.float().contiguous(), cos.float().contiguous(), sin.float().contiguous()
+        if q.stride(-1) != 1:
+            q = q.contiguous()
     else:
         q_scale = cos = sin = q
         q_eps, R = 0.0, 2

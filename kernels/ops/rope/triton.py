@@ -25,7 +25,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rotate(x, src, t, cols, m_r, m_c, cos, sin, scale, eps, D: tl.constexpr, R: tl.constexpr,
+def norm_rotate(x, src, t, cols, m_r, m_c, cos, sin, scale, eps, D: tl.constexpr, R: tl.constexpr,
                  HAS_NORM: tl.constexpr):
     """Rows at x + src [BR] (channels unit-stride), token t [BR] of each: RMSNorm * scale when
     HAS_NORM, then rotated by cos/sin [tokens, R] (rotate-half; channels from R on pass through);
@@ -63,7 +63,7 @@ def rope_kernel(
     t = rows % n_tok
     bh = rows // n_tok
     src = (bh // H) * s_b + t * s_t + (bh % H) * s_h
-    b_y = _norm_rotate(x, src, t, cols, m_r, m_c, cos, sin, scale, eps, D, R, HAS_NORM)
+    b_y = norm_rotate(x, src, t, cols, m_r, m_c, cos, sin, scale, eps, D, R, HAS_NORM)
     tl.store(y + rows[:, None] * D + cols[None, :], b_y.to(y.dtype.element_ty), mask=mask)
 
 
@@ -118,7 +118,7 @@ def norm_rope_pages_kernel(
     cols = tl.arange(0, BD)
     m_c = cols < D
     mask = m_r[:, None] & m_c[None, :]
-    b_y = _norm_rotate(k, t * s_kt + h * s_kh, t, cols, m_r, m_c, cos, sin, scale, eps, D, R, True)
+    b_y = norm_rotate(k, t * s_kt + h * s_kh, t, cols, m_r, m_c, cos, sin, scale, eps, D, R, True)
     tl.store(kp + (dst * s_kpr + h * s_kph)[:, None] + cols[None, :], b_y.to(kp.dtype.element_ty), mask=mask)
     o_v = tl.arange(0, BDV)
     m_v = m_r[:, None] & (o_v < DV)[None, :]

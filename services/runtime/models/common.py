@@ -303,22 +303,13 @@ def decode_attention(q, k, v, batch: DecodeBatch, layer: int, scale) -> torch.Te
     queries attend through the block table in one call (backends.paged_decode_attention): no
     per-request work, no copy of the contexts on CUDA. The query heads that share a KV head are its
     query rows (no repeated K/V)."""
-    batch.write(batch.kv.k[layer], k[0].transpose(0, 1))
-    batch.write(batch.kv.v[layer], v[0].transpose(0, 1))
-    return attend_pages(q, batch, layer, scale)
-
-
-def attend_pages(q, batch: DecodeBatch, layer: int, scale, gate=None, q_rope=None) -> torch.Tensor:
-    """decode_attention once the step's K/V are in the layer's pages: q [1, Hq, B, d] -> [1, Hq, B, dv];
-    with gate [B, Hq, dv] (a gated attention's output gate), the gated output token-major, [1, B, Hq * dv];
-    with q_rope (backends.paged_decode_attention), q is the raw heads [B, Hq, d], normalized and
-    rotated by the attention."""
     kp, vp = batch.kv.k[layer], batch.kv.v[layer]
+    batch.write(kp, k[0].transpose(0, 1))
+    batch.write(vp, v[0].transpose(0, 1))
     o = backends.paged_decode_attention(
-        q if q_rope is not None else q[0].transpose(0, 1), kp, vp, batch.kv.table, batch.rows, batch.lengths,
-        scale, batch.max_pages, gate, q_rope,
+        q[0].transpose(0, 1), kp, vp, batch.kv.table, batch.rows, batch.lengths, scale, batch.max_pages
     )  # [B, Hq, dv]
-    return o.transpose(0, 1)[None] if gate is None else o.reshape(1, o.shape[0], -1)
+    return o.transpose(0, 1)[None]
 
 
 def first_live_start(layout) -> int | None:

@@ -19,7 +19,6 @@ from hybridcache.services.runtime.models.common import (
     Backbone,
     DecodeBatch,
     LayoutLM,
-    attend_pages,
     attention_layout,
     merge_weights,
     merged_linear,
@@ -266,13 +265,15 @@ class GatedAttention(nn.Module):
         q, k, v, gate = self.projections(x)
         cos, sin = self.rope(positions, torch.float32)
         kv = batch.kv
-        if not backends.norm_rope_into_pages(k[0], v[0], self.k_norm._scale(), self.k_norm.eps, cos, sin,
-                                             kv.k[layer_idx], kv.v[layer_idx], batch.kv_rows):
+        kp, vp = kv.k[layer_idx], kv.v[layer_idx]
+        if not backends.norm_rope_into_pages(k[0], v[0], self.k_norm._scale(), self.k_norm.eps, cos, sin, kp, vp,
+                                             batch.kv_rows):
             return None
         # the queries' norm and rotation in the attention kernel's prologue, the output gate in its
-        # store: [1, B, Hq * d]
-        q_rope = (self.q_norm._scale(), self.q_norm.eps, cos, sin)
-        return self.o_proj(attend_pages(q[0], batch, layer_idx, self.d**-0.5, gate[0], q_rope))
+        # store: [B, Hq, d], token-major as the output projection reads it
+        o = backends.paged_decode_attention(q[0], kp, vp, kv.table, batch.rows, batch.lengths, self.d**-0.5,
+                                            batch.max_pages, gate[0], (self.q_norm._scale(), self.q_norm.eps, cos, sin))
+        return self.o_proj(o.reshape(1, o.shape[0], -1))
 
     def forward_layout(self, x, layout, state: AttnState, rec: Recording | None, layer_idx: int, live_pos):
         """x [1, n_live, h]; live_pos [n_live] absolute positions of the live tokens."""
