@@ -15,7 +15,7 @@ from torch import nn
 
 
 @pytest.mark.parametrize("N,K", [(1, 1), (7, 33), (37, 1000), (130, 257), (5, 2049)])
-@pytest.mark.parametrize("ci", [0, 2, 4])
+@pytest.mark.parametrize("ci", [0, 2, 4, 6])
 def test_gemv_matches_reference(N, K, ci):
     config = GEMV_CONFIGS[ci]
     g = torch.Generator().manual_seed(N * 31 + K)

@@ -37,6 +37,9 @@ CONFIGS = (
     GemvConfig(8, 512, 8, 3),
     GemvConfig(16, 256, 4, 3),
     GemvConfig(16, 512, 8, 2),
+    # a row or two a program: few outputs (a MoE router's 256 or 512) still spread over every SM
+    GemvConfig(1, 1024, 4, 2),
+    GemvConfig(2, 1024, 4, 2),
 )
 DEFAULT = GemvConfig(8, 512, 4, 3)
 
