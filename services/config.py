@@ -373,10 +373,11 @@ class RuntimeConfig:
         "RESOURCE_EXHAUSTED), before anything is planned or built for it", roles=("router",), section="scheduler")
     max_num_batched_tokens: int = setting(
         8192, "prefill tokens (cold segment builds, assemblies) a scheduler step spends besides its decode "
-        "step: a longer prompt or assembly is prefilled in chunks of this many live tokens, one a step, so "
-        "running streams wait at most one chunk between tokens (smaller: steadier inter-token latency, a "
-        "long prompt's first token later); on a scatter worker, the cold tokens of different requests built "
-        "in one batched call", section="scheduler")
+        "step: a longer prompt or assembly is prefilled in chunks of this many live tokens, one a step (fewer "
+        "deep into a long prompt, where each token also attends to the keys before it: the budget counts "
+        "tokens at zero context), so running streams wait at most one chunk between tokens (smaller: "
+        "steadier inter-token latency, a long prompt's first token later); on a scatter worker, the cold "
+        "tokens of different requests built in one batched call", section="scheduler")
     kv_cache_bytes: int | None = setting(
         None, "attention K/V the running requests may reserve, each its prompt and 256-token chunks of "
         "output as it grows; a request waits until its first chunk fits, running ones are preempted "

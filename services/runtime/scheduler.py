@@ -16,7 +16,11 @@ A request's prefill is cut between steps at segment granularity (cold builds; a 
 longer than the budget is built whole) and its assembly into chunks of at most the step's budget
 of live tokens (a plain prompt, a segment that runs live, the seams and question of an
 assembly), each chunk running from the state the one before left, so running streams wait for
-at most one step's budget of prefill between their tokens. A prefill runs in the slot it will
+at most one step's budget of prefill between their tokens. The budget counts tokens at zero
+context: a chunk that starts L positions into its sequence runs fewer live tokens, as many as
+cost the budget once their attention over the L earlier keys is counted (chunk_tokens,
+attention_cost_per_position), so the steps of a 128k-token prompt take about as long at its end
+as at its start. A prefill runs in the slot it will
 decode in (models whose attention layers run in pages: all but MLA's): the request gets its slot
 at its first chunk and every chunk writes its K/V into the slot's pages (paged.StatePool.assign,
 KVPages.extend; a chunk's attention reads the pages where they lie, an assembly's cached spans
@@ -76,6 +80,7 @@ import collections
 import dataclasses
 import gc
 import logging
+import math
 import queue
 import threading
 import time
@@ -215,6 +220,41 @@ def scheduler_config(config, device, kv_cache_bytes: int | None = None) -> Sched
                            overlap=overlap)
 
 
+def attention_cost_per_position(model) -> float:
+    """How much one live token's prefill grows per earlier position it attends to, as a share of
+    its matmuls: every attention layer's 2 Hq (dk + dv) FLOPs a key over 2 x the weights a token
+    multiplies (linear layers but the LM head, which runs for the last token alone; of a MoE
+    layer's experts the top-k share). A chunk of c live tokens at context L then costs about
+    c (1 + a L) tokens of matmuls at zero context: at 128k tokens of context a Qwen3.5-9B token costs
+    about twice what it costs at the start."""
+    cfg = model.cfg
+    vocab = getattr(cfg, "vocab_size", None)
+    experts, top_k = getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "num_experts_per_tok", 0) or 0
+    weights = 0.0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m.out_features != vocab:
+            weights += m.weight.numel()
+        elif not isinstance(m, torch.nn.Conv1d) and experts > 1:
+            # a stack of experts [E, ...]: a token runs top-k of them
+            weights += sum(p.numel() * top_k / experts for p in m.parameters(recurse=False)
+                           if p.dim() == 3 and p.shape[0] == experts)
+    hq = getattr(cfg, "num_attention_heads", 0)
+    per_key = sum(2 * max(hq, a.k.shape[1]) * (a.k.shape[3] + a.v.shape[3]) for a in model.empty_state().attn.values())
+    return per_key / (2 * weights) if weights else 0.0
+
+
+def chunk_tokens(budget: int, context: int, slope: float) -> int:
+    """The live tokens c of a chunk that starts `context` positions in, whose cost c (1 + slope
+    context) (attention_cost_per_position) stays within `budget` tokens at zero context; at least
+    one."""
+    return max(1, int(budget / (1 + max(0.0, slope) * context)))
+
+
+def chunk_cost(tokens: int, context: int, slope: float) -> int:
+    """What a chunk of `tokens` live tokens at `context` spends of a step's budget (chunk_tokens)."""
+    return math.ceil(tokens * (1 + max(0.0, slope) * context) - 1e-9)
+
+
 def kv_bytes_per_token(model) -> int:
     """Bytes of attention K/V one token of a running request holds (every attention layer's k
     [1, H, 0, d] and v [1, H, 0, dv]; MLA: latents and the shared key part)."""
@@ -348,6 +388,7 @@ class Scheduler:
         self._kv_reserved = 0
         self._stop = False
         self._kv_per_token = kv_bytes_per_token(engine.model)
+        self._attention_slope = attention_cost_per_position(engine.model)
         # the running requests' linear states and K/V pages, sized by the K/V budget
         kv_tokens = self.config.kv_cache_bytes // max(self._kv_per_token, 1)
         self.pool = engine.new_state_pool(self.config.max_num_seqs, kv_tokens)
@@ -609,8 +650,8 @@ class Scheduler:
             if seq.cold or (budget <= 0 and progressed):
                 still.append(seq)
                 continue
-            spent = self._prefill_chunk(seq, budget if budget > 0 else self.config.max_num_batched_tokens)
-            budget -= spent
+            spent, cost = self._prefill_chunk(seq, budget if budget > 0 else self.config.max_num_batched_tokens)
+            budget -= cost
             self._step_tokens += spent
             progressed = True
             if seq.job is not None:
@@ -684,12 +725,14 @@ class Scheduler:
                 self._fail(seq, e, "prefill")
         return budget - tokens
 
-    def _prefill_chunk(self, seq: _Seq, tokens: int) -> int:
-        """Run the next chunk of at most `tokens` live tokens of the request's prefill (started here
-        on its first chunk: Engine.start_prefill; where the model's attention runs in pages, the
-        request gets its slot now and its prefill runs in the slot's pages); the request starts
-        decoding after its last chunk. Returns the live tokens run (a request whose prefill fails
-        fails alone)."""
+    def _prefill_chunk(self, seq: _Seq, budget: int) -> tuple[int, int]:
+        """Run the next chunk of the request's prefill (started here on its first chunk:
+        Engine.start_prefill; where the model's attention runs in pages, the request gets its slot
+        now and its prefill runs in the slot's pages): as many live tokens as `budget` tokens at
+        zero context buy at the chunk's context (chunk_tokens: a chunk deep into a long prompt
+        attends to more keys, so it is shorter); the request starts decoding after its last chunk.
+        Returns (the live tokens run, the budget they cost); a request whose prefill fails fails
+        alone."""
         eng = self.engine
         try:
             if seq.job is None:
@@ -697,16 +740,18 @@ class Scheduler:
                 seq.pinned, seq.built = {}, {}
                 if self._paged_prefill:
                     seq.slot = eng.runner.assign(self.pool, seq.job.state)
-            before = seq.job.live_left
-            pre = eng.prefill_chunk(seq.job, tokens)
+            job = seq.job
+            context = job.layout[job.next].start + job.offset
+            before = job.live_left
+            pre = eng.prefill_chunk(job, chunk_tokens(budget, context, self._attention_slope))
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             self._fail(seq, e, "assembly")
-            return 0
-        spent = before - seq.job.live_left
+            return 0, 0
+        spent = before - job.live_left
         if pre is not None:
             seq.job = None
             self._assemble(seq, pre)
-        return spent
+        return spent, chunk_cost(spent, context, self._attention_slope)
 
     def _prefill_alone(self, plain: list) -> list:
         """Each request's Prefill by its own plain prefill, or the error it failed with."""

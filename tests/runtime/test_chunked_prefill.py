@@ -216,3 +216,53 @@ def test_prefix_pages_go_into_the_tree_chunk_by_chunk(qwen35_dir):
         sched.stop()
     assert b.output_ids == a.output_ids
     assert b.stats.prefix_reused_tokens >= 512
+
+
+def test_attention_cost_per_position_counts_attention_keys_over_the_token_s_matmuls(dirs):
+    """The slope is every attention layer's 2 Hq (dk + dv) per key over twice the weights a token
+    multiplies (LM head left out; a MoE layer's experts at their top-k share)."""
+    from hybridcache.services.runtime.scheduler import attention_cost_per_position
+
+    model = load_model(dirs("qwen3_5_text"))
+    cfg = model.cfg
+    weights = sum(m.weight.numel() for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and m.out_features != cfg.vocab_size)
+    attn = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+    per_key = len(attn) * 2 * cfg.num_attention_heads * 2 * cfg.head_dim
+    assert attn and attention_cost_per_position(model) == pytest.approx(per_key / (2 * weights))
+    moe = load_model(dirs("qwen3_5_moe_text"))
+    dense_part = sum(m.weight.numel() for m in moe.modules()
+                     if isinstance(m, torch.nn.Linear) and m.out_features != moe.cfg.vocab_size)
+    experts = sum(p.numel() for p in moe.parameters() if p.dim() == 3 and p.shape[0] == moe.cfg.num_experts)
+    assert experts
+    active = experts * moe.cfg.num_experts_per_tok / moe.cfg.num_experts
+    per_key = sum(2 * moe.cfg.num_attention_heads * 2 * moe.cfg.head_dim
+                  for t in moe.cfg.layer_types if t == "full_attention")
+    assert attention_cost_per_position(moe) == pytest.approx(per_key / (2 * (dense_part + active)))
+
+
+def test_chunks_shrink_as_the_context_grows(qwen35_dir):
+    """A long prompt's chunks: each as many tokens as the step's budget buys at its context
+    (chunk_tokens), so later chunks are shorter and none costs more than the budget; the answer is
+    the one of a single-unit prefill."""
+    from hybridcache.services.runtime.scheduler import chunk_cost, chunk_tokens
+
+    eng = _engine(qwen35_dir, mode="full")
+    gen = torch.Generator().manual_seed(4)
+    long = {"system": _ids(gen, 8), "suffix": _ids(gen, 600),
+            "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+    sched, (out,) = _serve(eng, [long], max_num_seqs=1, max_num_batched_tokens=64)
+    slope = sched._attention_slope
+    assert slope > 0
+    chunks = [tokens for _, tokens, _ in sched.step_log if tokens]
+    assert sum(chunks) == 608
+    context, want = 0, []
+    while context < 608:
+        c = min(chunk_tokens(64, context, slope), 608 - context)
+        want.append(c)
+        assert chunk_cost(c, context, slope) <= 64
+        context += c
+    assert chunks == want
+    assert chunks[0] == 64 and chunks[-2] < chunks[0]  # the context's keys cost budget
+    alone = _serve(_engine(qwen35_dir, mode="full"), [long], max_num_batched_tokens=8192)[1][0]
+    assert out.output_ids == alone.output_ids
