@@ -30,14 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SEG, QUESTION, SEAM = 1024, 64, 8
 
 
-def build_engine(preset: str, mode: str = "pic", **cfg_kw):
+def build_engine(preset: str, mode: str = "pic", arch: str = "qwen3_5_text", layers: int = 0, **cfg_kw):
+    """An Engine over a random-weight Qwen3.5 model of `preset` (arch qwen3_5_text, or
+    qwen3_5_moe_text for the MoE presets; `layers`: that many of its layers, 0 all)."""
     from hybridcache.services.runtime.config import ModelConfig
     from hybridcache.services.runtime.engine import Engine, EngineConfig
     from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
     from hybridcache.services.runtime.modelzoo import hf_config, random_init_
     from hybridcache.services.runtime.tokenizer import Tokenizer, build_byte_tokenizer
 
-    cfg = ModelConfig.from_dict(hf_config("qwen3_5_text", preset))
+    cfg = ModelConfig.from_dict(hf_config(arch, preset, {"num_hidden_layers": layers} if layers else None))
     if not torch.cuda.is_available():  # CPU smoke run of the same code (tiny preset)
         model = HybridLM(cfg).eval()
         random_init_(model, seed=0, std=0.08)

@@ -6,6 +6,7 @@ scheduler steps run in the calling thread (the profiler records the thread that 
 the TTFT median, each stage's host time, the GPU's kernel time and launches, the top kernels.
 
     python tools/profile_engine.py [--preset qwen3.5-9b] [--segments 32] [--segment-tokens 1024]
+    python tools/profile_engine.py --arch qwen3_5_moe_text --preset qwen3.5-35b-a3b --layers 8
 
 On a machine without a GPU it runs the same code on the CPU (use --preset tiny).
 """
@@ -59,6 +60,8 @@ def sync() -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3.5-9b")
+    ap.add_argument("--arch", default="qwen3_5_text", help="qwen3_5_moe_text for the MoE presets")
+    ap.add_argument("--layers", type=int, default=0, help="layers kept of the preset (0: all)")
     ap.add_argument("--segments", type=int, default=32)
     ap.add_argument("--segment-tokens", type=int, default=1024)
     ap.add_argument("--question-tokens", type=int, default=64)
@@ -84,7 +87,7 @@ def main(argv=None) -> int:
         rng.shuffle(order)
         return {"system": ids(16), "segments": [docs[i] for i in order], "suffix": question, "sampling_params": sp}
 
-    llm = LLM(build_engine(args.preset, "pic"))
+    llm = LLM(build_engine(args.preset, "pic", args.arch, args.layers))
     eng, sched = llm.engine, llm.scheduler
 
     def ttft(native) -> float:
@@ -98,7 +101,8 @@ def main(argv=None) -> int:
                 first = time.perf_counter()
         return (first - t0) * 1e3
 
-    out = {"preset": args.preset, "segments": args.segments, "segment_tokens": args.segment_tokens,
+    out = {"preset": args.preset, "arch": args.arch, "layers": len(eng.model.layers), "segments": args.segments,
+           "segment_tokens": args.segment_tokens,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     out["cold_ms"] = round(ttft({"system": ids(16), "segments": docs, "suffix": question, "sampling_params": sp}), 2)
     out["warmup_ms"] = [round(ttft(warm()), 2) for _ in range(3)]  # eager, capture, replay
