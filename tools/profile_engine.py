@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     out["by_host_time"] = table(prof, "self_cpu_time_total", args.top)
     out["by_device_time"] = table(prof, "self_device_time_total", args.top)
     if kernels:
-        out["timeline"] = timeline(prof)
+        out["timeline"] = timeline(prof, names={f"{o}.{n}" for o, n in STAGES})
     out["graph_stats"] = eng.runner.graph_stats
     with sched._cv:  # the thread is gone: close() finds nothing left to stop
         sched._stop = True

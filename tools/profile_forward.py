@@ -40,11 +40,11 @@ def table(prof, key, top):
     ]
 
 
-def timeline(prof, buckets: int = 20) -> dict:
+def timeline(prof, buckets: int = 20, names=("stage", "forward")) -> dict:
     """When the copy engine and the SMs were busy in one profiled run, on the profiler's clock (ms
     from the first host range): host-to-device copies and kernels as unions of their intervals,
     their overlap, the copies' idle gaps between the first and the last one, the host ranges
-    named by record_function (`stage`, `forward`), and per time bucket the busy fraction of both
+    named by record_function (`names`: `stage`, `forward`), and per time bucket the busy fraction of both
     and the device-to-device memcpys started (a memcpy runs on a copy engine, behind its queue).
     A transfer that overlaps the compute shows as overlap_ms near the smaller of the two."""
 
@@ -78,7 +78,7 @@ def timeline(prof, buckets: int = 20) -> dict:
     host = {
         e.name: (e.time_range.start, e.time_range.end)
         for e in events
-        if e.device_type != cuda and e.name in ("stage", "forward")
+        if e.device_type != cuda and e.name in names
     }
     h2d = merged([(e.time_range.start, e.time_range.end) for e in dev if "HtoD" in e.name])
     ker = merged(
