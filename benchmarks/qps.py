@@ -39,7 +39,14 @@ def build_engine(preset: str, mode: str = "pic", arch: str = "qwen3_5_text", lay
     from hybridcache.services.runtime.modelzoo import hf_config, random_init_
     from hybridcache.services.runtime.tokenizer import Tokenizer, build_byte_tokenizer
 
-    cfg = ModelConfig.from_dict(hf_config(arch, preset, {"num_hidden_layers": layers} if layers else None))
+    overrides = None
+    if layers:
+        base = hf_config(arch, preset)
+        types = base.get("text_config", base).get("layer_types")
+        overrides = {"num_hidden_layers": layers}
+        if types:  # the preset's pattern of layer kinds, repeated
+            overrides["layer_types"] = [types[i % len(types)] for i in range(layers)]
+    cfg = ModelConfig.from_dict(hf_config(arch, preset, overrides))
     if not torch.cuda.is_available():  # CPU smoke run of the same code (tiny preset)
         model = HybridLM(cfg).eval()
         random_init_(model, seed=0, std=0.08)
