@@ -1,0 +1,108 @@
+"""Where a long prompt's chunked prefill spends its time: a plain prompt run a budget of live tokens
+at a time (Engine.start_prefill / prefill_chunk, its K/V in a pool slot's pages, as the scheduler
+runs it) in each of --modes (pic and prefix record its pages into the prefix cache as they go, full
+does not); prints JSON: each chunk's ms and context, the whole prefill's ms, and one chunk deep in
+the prompt profiled (its top ops by host and device time).
+
+    python tools/profile_chunks.py [--preset qwen3.5-9b] [--tokens 32768] [--budget 512] [--modes full,pic]
+
+On a machine without a GPU it runs the same code on the CPU (use --preset tiny --tokens 3000).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3.5-9b")
+    ap.add_argument("--layers", type=int, default=0, help="layers kept of the preset (0: all)")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--budget", type=int, default=512, help="the scheduler's budget (live tokens at zero context)")
+    ap.add_argument("--modes", default="full,pic")
+    ap.add_argument("--top", type=int, default=20)
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    from dataclasses import replace
+
+    from hybridcache.services.runtime.engine import Engine
+    from hybridcache.services.runtime.scheduler import attention_cost_per_position, chunk_tokens
+    from profile_forward import table
+    from qps import build_engine
+
+    rng = random.Random(0)
+    out = {"preset": args.preset, "tokens": args.tokens, "budget": args.budget,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    base = None
+    for mode in args.modes.split(","):
+        if base is None:
+            eng = base = build_engine(args.preset, mode, layers=args.layers)
+        else:
+            eng = Engine(base.model, base.tokenizer, replace(base.config, mode=mode))
+        config = eng.config
+        slope = attention_cost_per_position(eng.model)
+        pool = eng.runner.new_state_pool(1, args.tokens + 64)
+        res = {"prefix_policy": getattr(config, "prefix_policy", None) if config.uses_prefix_cache else None}
+        for run in ("warm-up", "timed"):  # a new prompt each: the prefix cache holds none of it
+            prompt = [rng.randrange(5, 250) for _ in range(args.tokens)]
+            req = eng.parse_request({"suffix": prompt, "sampling_params": {"max_new_tokens": 1}})
+            job = eng.start_prefill(req)
+            slot = eng.runner.assign(pool, job.state)
+            chunks, profiled = [], None
+            sync()
+            t_all = time.perf_counter()
+            while job.next < len(job.layout):
+                context = job.layout[job.next].start + job.offset
+                n = chunk_tokens(args.budget, context, slope)
+                deep = run == "timed" and profiled is None and context >= args.tokens * 3 // 4
+                t0 = time.perf_counter()
+                if deep:
+                    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+                    with profile(activities=activities) as prof:
+                        pre = eng.prefill_chunk(job, n)
+                        sync()
+                    profiled = prof
+                else:
+                    pre = eng.prefill_chunk(job, n)
+                    sync()
+                chunks.append((context, round((time.perf_counter() - t0) * 1e3, 2)))
+            total = (time.perf_counter() - t_all) * 1e3
+            eng.finish_prefix(pre)
+            pool.release(slot)
+        res.update(prefill_ms=round(total, 1), chunks=len(chunks), chunk_ms=chunks,
+                   chunk_ms_mean=round(sum(ms for _, ms in chunks) / len(chunks), 2))
+        if profiled is not None:
+            kernels = [e for e in profiled.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+            res["profiled_chunk"] = {
+                "gpu_kernel_ms": round(sum(e.self_device_time_total for e in kernels) / 1e3, 3),
+                "kernel_launches": sum(e.count for e in kernels),
+                "by_host_time": table(profiled, "self_cpu_time_total", args.top),
+                "by_device_time": table(profiled, "self_device_time_total", args.top),
+            }
+        out[mode] = res
+        del eng, pool
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
