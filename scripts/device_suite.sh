@@ -22,6 +22,12 @@
 #   profile-decode  tools/profile_decode.py: a decode step's kernels, launches and host time, eager
 #               and graphed; PROFILE_DECODE_ARGS (default: the MoE shape, 16 layers, batches 1 and 32)
 #   fold        tools/fold_bench.py: one linear layer's fold of a 32 x 1k pic request (one GPU)
+#   profile-engine  tools/profile_engine.py: the 9B shape's warm 32 x 1k + 64 pic request through the
+#               scheduler, timed and profiled with the engine's stages marked; PROFILE_ENGINE_ARGS
+#               adds flags (--arch qwen3_5_moe_text --preset qwen3.5-35b-a3b --layers 8: the MoE shape)
+#   chunks      tools/profile_chunks.py: a long plain prompt prefilled a budget at a time, each chunk
+#               timed with and without the prefix cache's recording, one deep chunk profiled;
+#               CHUNKS_ARGS adds flags (default --tokens 32768 --budget 512 --modes full,pic)
 #   train       benchmarks/train_qa_model.py --fla (the QA model of issue 7) for TRAIN_SECONDS (default
 #               500), continuing from .qa-ckpt/ when it holds a model (carry it); TRAIN_ARGS adds
 #               flags. The model comes back sharded in $OUT/model; to chain calls, here:
@@ -73,10 +79,11 @@ commit=$1
 shift
 for stage in "$@"; do
     case $stage in
-    gpu-tests | families | bench | moe | served-gpu | qps | profile | profile-decode | fold | train | transport | decode | layouts | long \
+    gpu-tests | families | bench | moe | served-gpu | qps | profile | profile-decode | profile-engine | chunks | fold | train \
+        | transport | decode | layouts | long \
         | served | multiturn) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, profile-decode, fold, train, transport, decode, layouts, long, served, multiturn)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, profile-decode, profile-engine, chunks, fold, train, transport, decode, layouts, long, served, multiturn)" >&2
         exit 2 ;;
     esac
 done
@@ -164,6 +171,15 @@ for stage in "$@"; do
             ${PROFILE_DECODE_ARGS:---preset qwen3.5-35b-a3b --layers 16 --batches 1,32} \
             > "$OUT/profile_decode.json" 2> "$OUT/profile_decode.log"
         echo "profile-decode rc=$?"; tail -4 "$OUT/profile_decode.log" ;;
+    profile-engine)
+        # shellcheck disable=SC2086  # PROFILE_ENGINE_ARGS is a list of flags
+        python3 tools/profile_engine.py ${PROFILE_ENGINE_ARGS:-} > "$OUT/profile_engine.json" 2> "$OUT/profile_engine.log"
+        echo "profile-engine rc=$?"; tail -2 "$OUT/profile_engine.log" ;;
+    chunks)
+        # shellcheck disable=SC2086  # CHUNKS_ARGS is a list of flags
+        python3 tools/profile_chunks.py ${CHUNKS_ARGS:---tokens 32768 --budget 512 --modes full,pic} \
+            > "$OUT/profile_chunks.json" 2> "$OUT/profile_chunks.log"
+        echo "chunks rc=$?"; tail -2 "$OUT/profile_chunks.log" ;;
     fold)
         python3 tools/fold_bench.py --out "$OUT/fold.json" > "$OUT/fold.log" 2>&1
         echo "fold rc=$?" ;;
