@@ -24,6 +24,7 @@ one model, so engines share one (page_tree=) only when they run the same model.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -49,6 +50,8 @@ from hybridcache.services.runtime.runner import ModelRunner
 from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams
 from hybridcache.services.runtime.sequence import CachedSpan, LinearSpan, LiveRun, SequenceState
 from hybridcache.services.runtime.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 # The engine's settings: one frozen config whose fields are also the command-line flags.
 EngineConfig = RuntimeConfig
@@ -137,6 +140,8 @@ class Prefill:
     # Page-tree bookkeeping: what new pages need, and the locked path ends to release at finish.
     recorder: PageRecorder | None = None
     locked: list = field(default_factory=list)
+    # the prefill whose part chains are still to be kept (prefill_chunk's defer_chains: Engine.keep_chains)
+    chain_job: PrefillJob | None = None
 
 
 
@@ -468,7 +473,8 @@ class Engine:
                           started, live_left=sum(p.token_ids.numel() for p in layout if isinstance(p, LiveRun)))
 
     @torch.no_grad()
-    def prefill_chunk(self, job: PrefillJob, max_tokens: int | None = None) -> Prefill | None:
+    def prefill_chunk(self, job: PrefillJob, max_tokens: int | None = None,
+                      defer_chains: bool = False) -> Prefill | None:
         """Run the next at most `max_tokens` live tokens of a started prefill (all of them when None)
         from the state the previous chunk left: the layout's pieces in order, a live run cut where
         the budget ends (its rest starts the next chunk; linear states and K/V resume from any
@@ -477,7 +483,10 @@ class Engine:
         (paged.PagedAttnState: the scheduler ran paged.StatePool.assign on it) gets each chunk's
         K/V written into them (KVPages.extend), so no copy of the whole prompt's K/V is made. Pages
         of the prefix tree are inserted after each chunk (their anchors and checkpoints are not
-        kept for the whole prompt); a greedy prefill equals its one-forward run."""
+        kept for the whole prompt); a greedy prefill equals its one-forward run. `defer_chains`:
+        the finished prefill's part chains go into the chain store when keep_chains (or
+        finish_prefix) is called, not before this returns (a scheduler emits the first token
+        first: storing them reads the prompt's K/V out of its pages)."""
         if job.next >= len(job.layout):
             raise ValueError("this prefill has run to its end")
         if max_tokens is not None and max_tokens < 1:
@@ -537,11 +546,21 @@ class Engine:
                 job.recorder = None
         if not done:
             return None
-        self._keep_chains(job)
+        if not defer_chains:
+            self._keep_chains(job)
         stats = job.stats
         if self.config.uses_prefix_cache:
             stats.linear_state_bytes = self._linear_state_bytes(job.req.prompt_ids, job.req.cache_salt)
-        return Prefill(state, logits, stats, job.started, job.recorder, job.locked)
+        return Prefill(state, logits, stats, job.started, job.recorder, job.locked,
+                       chain_job=job if defer_chains and job.chain else None)
+
+    def keep_chains(self, pre: Prefill) -> None:
+        """The part chains of a prefill run with defer_chains into the chain store (once; nothing
+        when none are pending). Its K/V must still be where the prefill left them (before its
+        slot is released: finish_prefix calls this first)."""
+        job, pre.chain_job = pre.chain_job, None
+        if job is not None:
+            self._keep_chains(job)
 
     def _keep_chains(self, job: PrefillJob) -> None:
         """The part-chain snapshots of a finished prefill into the chain store: the linear states
@@ -707,8 +726,13 @@ class Engine:
         return True
 
     def finish_prefix(self, pre: Prefill) -> None:
-        """A request ended: add the pages its decode completed, then release its pages."""
+        """A request ended: its part chains still pending (keep_chains), the pages its decode
+        completed added, then its pages released."""
         try:
+            try:
+                self.keep_chains(pre)
+            except Exception:  # noqa: BLE001 - a chain not kept costs the cache, not the answer
+                log.exception("keeping the part chains failed")
             if pre.recorder is not None:
                 recorder, pre.recorder = pre.recorder, None
                 self._insert_pages(recorder, pre.state, pre.locked, last=True)

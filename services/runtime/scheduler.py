@@ -743,7 +743,7 @@ class Scheduler:
             job = seq.job
             context = job.layout[job.next].start + job.offset
             before = job.live_left
-            pre = eng.prefill_chunk(job, chunk_tokens(budget, context, self._attention_slope))
+            pre = eng.prefill_chunk(job, chunk_tokens(budget, context, self._attention_slope), defer_chains=True)
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             self._fail(seq, e, "assembly")
             return 0, 0
@@ -780,6 +780,7 @@ class Scheduler:
             pre.stats = seq.stream.stats
             tok = self._pick(seq, pre.logits)
             if not self._push(seq, tok, pre.logits):
+                self._keep_chains(pre)
                 self._run(seq)
             return
         seq.stream = TextStream(eng, params, pre.stats)
@@ -800,8 +801,18 @@ class Scheduler:
         tok = self._pick(seq, pre.logits)
         pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
         if self._push(seq, tok, pre.logits):
-            return
+            return  # ended: its release kept its part chains (Engine.finish_prefix)
+        self._keep_chains(pre)
         self._run(seq)
+
+    def _keep_chains(self, pre: Prefill) -> None:
+        """The prefill's part chains into the engine's chain store, after its first token went out
+        (Engine.keep_chains: the prompt's K/V read out of its pages stay off the time to first
+        token); a failure costs the cache, not the request."""
+        try:
+            self.engine.keep_chains(pre)
+        except Exception:  # noqa: BLE001
+            log.exception("keeping the part chains failed")
 
     def _run(self, seq: _Seq) -> None:
         runner = self.engine.runner

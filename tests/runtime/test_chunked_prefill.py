@@ -266,3 +266,42 @@ def test_chunks_shrink_as_the_context_grows(qwen35_dir):
     assert chunks[0] == 64 and chunks[-2] < chunks[0]  # the context's keys cost budget
     alone = _serve(_engine(qwen35_dir, mode="full"), [long], max_num_batched_tokens=8192)[1][0]
     assert out.output_ids == alone.output_ids
+
+
+@pytest.mark.parametrize("max_new", [1, 5])
+def test_part_chains_are_kept_after_the_first_token_goes_out(qwen35_dir, max_new):
+    """Through the scheduler a pic request's part chains (the state after each part) go into the
+    chain store after its first token was emitted, not before (reading the prompt's K/V out of its
+    pages stays off the time to first token), also when that token ends the request; the store then
+    holds the same chains as after Engine.prefill."""
+    gen = torch.Generator().manual_seed(6)
+    req = {"system": _ids(gen, 20), "segments": [_ids(gen, 40), _ids(gen, 30)], "suffix": _ids(gen, 12),
+           "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}}
+    eng = _engine(qwen35_dir, mode="pic")
+    seen = []
+    keep = eng._keep_chains
+
+    def watched(job):
+        seen.append(len(handle.output_ids))
+        keep(job)
+
+    eng._keep_chains = watched
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=2))
+    try:
+        handle = sched.add_request(eng.parse_request(req))
+        out = handle.result()
+    finally:
+        sched.stop()
+    assert len(out.output_ids) == max_new
+    assert seen == [1]  # once, with the first token out
+    ref = _engine(qwen35_dir, mode="pic")
+    pre = ref.prefill(ref.parse_request(req))
+    ref.finish_prefix(pre)
+    keys = ref.planner.chain_keys(ref.parse_request(req))
+    kept = [k for k in keys if ref.prefixes.get(k) is not None]
+    assert kept and [k for k in keys if eng.prefixes.get(k) is not None] == kept
+    for k in kept:
+        a, b = eng.prefixes.get(k), ref.prefixes.get(k)
+        assert a.length == b.length
+        for i, s in b.linear.items():
+            torch.testing.assert_close(a.linear[i].ssm, s.ssm)
