@@ -213,7 +213,10 @@ class KVPages:
             return a.new_zeros(1, a.shape[2], 0, a.shape[3]), b.new_zeros(1, b.shape[2], 0, b.shape[3])
         ps = self.page_size
         first = lo // ps
-        idx = torch.tensor(self.pages_of[slot][first : _pages(hi, ps)], dtype=torch.long, device=self.device)
+        # the page ids through pinned memory: a copy from pageable memory would stall the host until
+        # the GPU drains (a page-tree insert reads a page at a time, the part chains every layer)
+        idx = backends.to_device_async(torch.tensor(self.pages_of[slot][first : _pages(hi, ps)], dtype=torch.long),
+                                       self.device)
         out = []
         for pool in (self.k[layer], self.v[layer]):
             t = pool[idx].reshape(-1, *pool.shape[2:])[lo - first * ps : hi - first * ps]  # [n, H, d]
