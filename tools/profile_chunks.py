@@ -25,11 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3.5-9b")
@@ -44,6 +39,7 @@ def main(argv=None) -> int:
 
     from hybridcache.services.runtime.engine import Engine
     from hybridcache.services.runtime.scheduler import attention_cost_per_position, chunk_tokens
+    from profile_engine import sync
     from profile_forward import table
     from qps import build_engine
 
