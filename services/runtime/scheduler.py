@@ -19,8 +19,8 @@ assembly), each chunk running from the state the one before left, so running str
 at most one step's budget of prefill between their tokens. The budget counts tokens at zero
 context: a chunk that starts L positions into its sequence runs fewer live tokens, as many as
 cost the budget once their attention over the L earlier keys is counted (chunk_tokens,
-attention_cost_per_position), so the steps of a 128k-token prompt take about as long at its end
-as at its start. A prefill runs in the slot it will
+attention_cost_per_position), so each step of a 128k-token prompt's prefill has about the same
+FLOPs, at its end as at its start. A prefill runs in the slot it will
 decode in (models whose attention layers run in pages: all but MLA's): the request gets its slot
 at its first chunk and every chunk writes its K/V into the slot's pages (paged.StatePool.assign,
 KVPages.extend; a chunk's attention reads the pages where they lie, an assembly's cached spans
@@ -225,8 +225,8 @@ def attention_cost_per_position(model) -> float:
     its matmuls: every attention layer's 2 Hq (dk + dv) FLOPs a key over 2 x the weights a token
     multiplies (linear layers but the LM head, which runs for the last token alone; of a MoE
     layer's experts the top-k share). A chunk of c live tokens at context L then costs about
-    c (1 + a L) tokens of matmuls at zero context: at 128k tokens of context a Qwen3.5-9B token costs
-    about twice what it costs at the start."""
+    c (1 + a L) tokens of matmuls at zero context: at 128k tokens of context a Qwen3.5-9B token is
+    about 2.2 times the FLOPs of one at the start."""
     cfg = model.cfg
     vocab = getattr(cfg, "vocab_size", None)
     experts, top_k = getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "num_experts_per_tok", 0) or 0
