@@ -670,12 +670,15 @@ class Engine:
         tree holds now (0: none)."""
         page = self.pages.page_size
         self._release_recorded(recorder)
-        cached = len(self.pages.match(recorder.token_ids, salt=recorder.salt))
+        # both walks begin at the page the last insert reached (this request holds it locked): a
+        # chunked prefill's inserts read their new pages, not the whole path again
+        cached = len(self.pages.match(recorder.token_ids, salt=recorder.salt, start=recorder.tip))
         starts = [i * page for i in range(cached, len(recorder.token_ids) // page)]
         made = dict(zip(starts, self.runner.page_payloads(recorder, state, starts))) if starts else {}
-        tip = self.pages.insert(recorder.token_ids, made.get, recorder.salt)
+        tip = self.pages.insert(recorder.token_ids, made.get, recorder.salt, start=recorder.tip)
         if tip is not None:
             locked.append(tip)
+            recorder.tip = tip
             self._fill_checkpoints(recorder, tip, last)
             # The request holds these pages until it finishes: their anchors need not stay here too
             # (unless this is its last insert: the recorder goes with it).

@@ -390,3 +390,36 @@ def test_request_end_checkpoints_are_a_checkpoint_setting():
     for other in ("exact_replay", "suffix_replay"):
         policy = EngineConfig(prefix_policy=other, checkpoint_request_ends=True).page_policy
         assert not policy.request_end_checkpoints and policy.request_end_position(3 * P) == 0
+
+
+def test_a_walk_from_a_locked_page_equals_one_from_the_root():
+    """PageTree.insert and match from `start` (a page of the prefix the caller holds locked) make
+    and find the same pages, with the same reference counts, as walks from the root; a start that
+    no longer hangs in this tree (or under this salt) is ignored."""
+    ids = list(range(1, 4 * 16 + 1))
+    made = []
+
+    def make(a):
+        made.append(a)
+        return payload()
+
+    ref, tree = PageTree(1 << 20, page_size=16), PageTree(1 << 20, page_size=16)
+    tip_ref = ref.insert(ids[:32], make)
+    tip = tree.insert(ids[:32], make)
+    assert tip.depth == 2 and made == [0, 16, 0, 16]
+    made.clear()
+    deeper_ref = ref.insert(ids, make)
+    deeper = tree.insert(ids, make, start=tip)
+    assert made == [32, 48, 32, 48]  # each tree made only the new pages
+    assert [n.tokens for n in tree.match(ids, start=tip)] == [n.tokens for n in ref.match(ids)]
+    assert len(tree.match(ids[:40], start=tip)) == 2
+    for a, b in zip(deeper_ref.path(), deeper.path()):
+        assert (a.tokens, a.ref_count) == (b.tokens, b.ref_count)
+    for t, node in ((ref, tip_ref), (ref, deeper_ref), (tree, tip), (tree, deeper)):
+        t.unlock(node)
+    assert all(n.ref_count == 0 for n in deeper.path())
+    # a page of another tree, or of the unsalted root for a salted walk, is not a start
+    made.clear()
+    assert tree.insert(ids, make, start=deeper_ref).path()[-1].tokens == tuple(ids[48:64]) and made == []
+    salted = tree.insert(ids[:16], make, salt="s", start=deeper)
+    assert salted.depth == 1 and made == [0]

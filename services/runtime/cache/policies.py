@@ -164,6 +164,9 @@ class PageRecorder:
     end_state: tuple[int, dict[int, LinearState]] | None = None
     declined: set[int] = field(default_factory=set)  # checkpoint positions whose state was not kept
     reserved: int = 0  # page-tree bytes the engine reserved for the held states (rank 0's bookkeeping)
+    # the deepest page its inserts reached, locked by the request until it ends: where the next
+    # insert's walk begins (radix.PageTree.insert's start)
+    tip: object = None
     _hidden_cat: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property

@@ -92,10 +92,19 @@ class PageTree:
         self._clock = itertools.count(1)
         self._lock = threading.RLock()
 
-    def _pages_of(self, token_ids: Sequence[int]):
+    def _pages_of(self, token_ids: Sequence[int], first: int = 0):
         p = self.page_size
-        for a in range(0, len(token_ids) - p + 1, p):
+        for a in range(first * p, len(token_ids) - p + 1, p):
             yield tuple(int(t) for t in token_ids[a : a + p])
+
+    def _start(self, root: PageNode, start: PageNode | None) -> PageNode:
+        """Where a walk of a request's pages begins: `start` (a page of its path the caller holds
+        locked, so eviction cannot take it or its ancestors) when it still hangs under `root`,
+        else the root. A walk from there reads only the pages after it."""
+        node = start
+        while node is not None and node.parent is not None:
+            node = node.parent
+        return start if start is not None and node is root else root
 
     def _root(self, salt: str, make: bool = False) -> PageNode | None:
         if not salt:
@@ -106,16 +115,17 @@ class PageTree:
         return root
 
     def match(self, token_ids: Sequence[int], usable: Callable[[PageNode], bool] | None = None,
-              salt: str = "") -> list[PageNode]:
+              salt: str = "", start: PageNode | None = None) -> list[PageNode]:
         """The path to the deepest cached page of `token_ids`' whole pages that `usable` accepts
         ([] on a miss), among the pages of cache salt `salt`. Marks the path as recently used;
-        reference counts are not changed."""
+        reference counts are not changed. `start` (without `usable`): a cached page of that path
+        the caller holds locked, the walk's beginning (_start)."""
         with self._lock:
             root = self._root(salt)
             if root is None:
                 return []
-            node, best = root, root
-            for page in self._pages_of(token_ids):
+            node = best = root if usable is not None else self._start(root, start)
+            for page in self._pages_of(token_ids, node.depth):
                 node = node.children.get(page)
                 if node is None:
                     break
@@ -145,18 +155,21 @@ class PageTree:
                 node = node.parent
 
     def insert(
-        self, token_ids: Sequence[int], make_payload: Callable[[int], PagePayload | None], salt: str = ""
+        self, token_ids: Sequence[int], make_payload: Callable[[int], PagePayload | None], salt: str = "",
+        start: PageNode | None = None,
     ) -> PageNode | None:
         """Add the whole pages of `token_ids` that are not cached yet (under cache salt `salt`).
         make_payload(page_start) builds a missing page's payload, or returns None when it cannot
         (insertion stops there). Evicts unreferenced leaves to make room. Returns the deepest node of
         the prefix now cached, locked (the caller unlocks it), or None when not even the first page
-        is cached."""
+        is cached. `start`: a cached page of that prefix the caller holds locked, where the walk
+        begins (_start: a chunked prefill's inserts then read only their new pages)."""
         with self._lock:
-            root = node = self._root(salt, make=True)
-            self.lock(node)
+            root = self._root(salt, make=True)
+            node = self._start(root, start)
+            node.ref_count += 1  # the walk's pin (its ancestors get theirs at the end)
             try:
-                for i, page in enumerate(self._pages_of(token_ids)):
+                for i, page in enumerate(self._pages_of(token_ids, node.depth), node.depth):
                     child = node.children.get(page)
                     if child is None:
                         payload = make_payload(i * self.page_size)
