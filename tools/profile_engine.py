@@ -114,11 +114,8 @@ def main(argv=None) -> int:
             marked(owners[owner], name, f"{owner}.{name}")
     # the profiler sees the ops of the thread that starts it: from here the scheduler's steps run
     # in this one (its own thread stopped)
-    with sched._cv:
-        sched._stop = True
-        sched._cv.notify()
-    sched._thread.join()
-    sched._stop = False
+    sched.stop()
+    sched._stop = False  # add_request takes requests again; step() is called from here
 
     def stepped(native) -> float:
         handle = sched.add_request(llm.parse_request(native))
@@ -150,8 +147,6 @@ def main(argv=None) -> int:
     if kernels:
         out["timeline"] = timeline(prof, names={f"{o}.{n}" for o, n in STAGES})
     out["graph_stats"] = eng.runner.graph_stats
-    with sched._cv:  # the thread is gone: close() finds nothing left to stop
-        sched._stop = True
     llm.close()
     print(json.dumps(out, indent=1))
     return 0

@@ -557,10 +557,15 @@ class Engine:
     def keep_chains(self, pre: Prefill) -> None:
         """The part chains of a prefill run with defer_chains into the chain store (once; nothing
         when none are pending). Its K/V must still be where the prefill left them (before its
-        slot is released: finish_prefix calls this first)."""
+        slot is released: finish_prefix calls this first). A failure is logged, never raised: a
+        chain not kept costs the cache, not the request."""
         job, pre.chain_job = pre.chain_job, None
-        if job is not None:
+        if job is None:
+            return
+        try:
             self._keep_chains(job)
+        except Exception:  # noqa: BLE001
+            log.exception("keeping the part chains failed")
 
     def _keep_chains(self, job: PrefillJob) -> None:
         """The part-chain snapshots of a finished prefill into the chain store: the linear states
@@ -732,10 +737,7 @@ class Engine:
         """A request ended: its part chains still pending (keep_chains), the pages its decode
         completed added, then its pages released."""
         try:
-            try:
-                self.keep_chains(pre)
-            except Exception:  # noqa: BLE001 - a chain not kept costs the cache, not the answer
-                log.exception("keeping the part chains failed")
+            self.keep_chains(pre)
             if pre.recorder is not None:
                 recorder, pre.recorder = pre.recorder, None
                 self._insert_pages(recorder, pre.state, pre.locked, last=True)

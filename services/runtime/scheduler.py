@@ -780,7 +780,7 @@ class Scheduler:
             pre.stats = seq.stream.stats
             tok = self._pick(seq, pre.logits)
             if not self._push(seq, tok, pre.logits):
-                self._keep_chains(pre)
+                eng.keep_chains(pre)  # after the first token went out
                 self._run(seq)
             return
         seq.stream = TextStream(eng, params, pre.stats)
@@ -802,17 +802,8 @@ class Scheduler:
         pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
         if self._push(seq, tok, pre.logits):
             return  # ended: its release kept its part chains (Engine.finish_prefix)
-        self._keep_chains(pre)
+        eng.keep_chains(pre)  # after the first token went out
         self._run(seq)
-
-    def _keep_chains(self, pre: Prefill) -> None:
-        """The prefill's part chains into the engine's chain store, after its first token went out
-        (Engine.keep_chains: the prompt's K/V read out of its pages stay off the time to first
-        token); a failure costs the cache, not the request."""
-        try:
-            self.engine.keep_chains(pre)
-        except Exception:  # noqa: BLE001
-            log.exception("keeping the part chains failed")
 
     def _run(self, seq: _Seq) -> None:
         runner = self.engine.runner
