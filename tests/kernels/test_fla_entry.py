@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hybridcache.kernels.ops.gated_delta_rule import naive_recurrent_gated_delta_rule
 from kernel_testing import rel_rms
 
-SHAPES = [(1, 203, 4, 64, 64), (2, 130, 3, 64, 32), (1, 64, 2, 128, 128)]
+SHAPES = [(1, 203, 4, 64, 64), (2, 130, 3, 64, 32), (1, 64, 2, 128, 128), (3, 37, 2, 128, 64)]
 
 
 def make_inputs(B, T, H, K, V, seed=42):
@@ -88,3 +88,41 @@ def test_local_cumsum_runs_fla_with_a_batch_of_one_cpu(B, T):
     expect = torch.stack([ref(g[b : b + 1])[0] for b in range(B)])
     assert calls[0] == 1 and out.shape == (B, T, 3) and out.is_contiguous()
     assert torch.allclose(out, expect, atol=1e-6)
+
+
+@pytest.mark.parametrize("B,L,H,HV", [(3, 37, 2, 2), (2, 64, 1, 3), (1, 1, 2, 4)])
+def test_single_chunk_transition_matches_reference_cpu(B, L, H, HV):
+    """The closed-form T of a run of at most one chunk, from fla's w (here its definition, the
+    WY stage in fp32 with the log2 cumsum fla's kernels take) equals the step loop's transition;
+    grouped value heads (HV a multiple of H) included."""
+    from hybridcache.kernels.ops.gated_delta_rule.fla_entry import single_chunk_transition
+
+    torch.manual_seed(0)
+    K = 16
+    k = F.normalize(torch.randn(B, L, H, K), dim=-1)
+    g = F.logsigmoid(torch.randn(B, L, HV)) * 0.5
+    beta = torch.rand(B, L, HV)
+    kv = k.repeat_interleave(HV // H, dim=2)  # [B, L, HV, K]
+    gc = g.cumsum(1)
+    kh, gh, bh = kv.transpose(1, 2), gc.transpose(1, 2), beta.transpose(1, 2)  # [B, HV, L, ...]
+    decay = (gh[..., :, None] - gh[..., None, :]).masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), -1e30).exp()
+    kbeta = kh * bh[..., None]
+    A = ((kbeta @ kh.transpose(-1, -2)) * decay).tril(-1)
+    eye = torch.eye(L)
+    w = torch.linalg.solve_triangular(eye + A, eye, upper=False) @ (kbeta * gh.exp()[..., None])
+    Tr, h_t, v_t = single_chunk_transition(k, w.transpose(1, 2), gc / torch.log(torch.tensor(2.0)), True)
+    zeros = torch.zeros(B, L, HV, K)
+    _, _, (Tr_ref, _) = naive_recurrent_gated_delta_rule(kv, kv, zeros, g, beta, output_transition=True)
+    assert Tr.shape == (B, HV, K, K) and torch.allclose(Tr, Tr_ref, atol=1e-5)
+    assert torch.equal(v_t, -w.transpose(1, 2))
+    assert h_t.shape == (B, 1, HV, K, K) and torch.equal(h_t, torch.eye(K).expand(B, 1, HV, K, K))
+
+
+def test_identity_states_are_views_of_one_kept_buffer_cpu():
+    from hybridcache.kernels.ops.gated_delta_rule.fla_entry import identity_states
+
+    a = identity_states(3, 2, 8, torch.bfloat16, "cpu")
+    b = identity_states(2, 2, 8, torch.bfloat16, "cpu")
+    assert a.shape == (3, 1, 2, 8, 8) and b.data_ptr() == a.data_ptr()
+    c = identity_states(5, 2, 8, torch.bfloat16, "cpu")  # grown: a new buffer, the old one kept
+    assert c.shape[0] == 5 and c.data_ptr() != a.data_ptr() and torch.equal(a[0, 0, 0], torch.eye(8).bfloat16())

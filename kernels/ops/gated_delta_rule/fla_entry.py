@@ -53,7 +53,6 @@ def chunk_gated_delta_rule_entry(
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g_cum = local_cumsum_one_row(g, chunk_size, lambda x: chunk_local_cumsum(x, chunk_size=chunk_size, scale=RCP_LN2))
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=chunk_size)
-    eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(B, HV, K, K)
     h0 = initial_state.float() if initial_state is not None else None
     # a zero start goes to fla as None (no [B, H, K, V] of zeros written and read a call)
     h, v_new, S_final = chunk_gated_delta_rule_fwd_h(
@@ -65,23 +64,65 @@ def chunk_gated_delta_rule_entry(
         output_final_state=True,
         chunk_size=chunk_size,
     )
-    # the T run: the same recurrence from I with zero values
-    h_t, v_new_t, Tr = chunk_gated_delta_rule_fwd_h(
-        k=k,
-        w=w,
-        u=u.new_zeros(*u.shape[:-1], K),
-        g=g_cum,
-        initial_state=eye.contiguous(),
-        output_final_state=True,
-        chunk_size=chunk_size,
-        save_new_value=output_query_transition,
-    )
+    if k.shape[1] <= chunk_size:
+        Tr, h_t, v_new_t = single_chunk_transition(k, w, g_cum, output_query_transition)
+    else:
+        # the T run: the same recurrence from I with zero values
+        eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(B, HV, K, K)
+        h_t, v_new_t, Tr = chunk_gated_delta_rule_fwd_h(
+            k=k,
+            w=w,
+            u=u.new_zeros(*u.shape[:-1], K),
+            g=g_cum,
+            initial_state=eye.contiguous(),
+            output_final_state=True,
+            chunk_size=chunk_size,
+            save_new_value=output_query_transition,
+        )
     o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=chunk_size)
     S0 = S_final if h0 is None else S_final - Tr @ h0
     if output_query_transition:
         u_t = chunk_fwd_o(q=q, k=k, v=v_new_t, h=h_t, g=g_cum, scale=scale, chunk_size=chunk_size)
         return o, S_final, (Tr, S0), u_t
     return o, S_final, (Tr, S0)
+
+
+def single_chunk_transition(k: torch.Tensor, w: torch.Tensor, g_cum: torch.Tensor, with_query: bool):
+    """The T run of runs no longer than one chunk, in closed form: from h = I with zero values the
+    chunk's corrected values are -w (w I), and the state after it is
+
+        T = exp2(g_L) I - k^T (w * exp2(g_L - g_t))      (g_cum in log2, as fla's kernels take it)
+
+    one batched product instead of fla's state kernel over an identity start (which reads a
+    [B, HV, K, K] fp32 identity and writes the per-chunk states back). fla rounds the scaled
+    values to k's dtype before that product; here it is fp32 throughout. Returns (T [B, HV, K, K]
+    fp32, h_t, v_new_t): with `with_query` the chunk's entering states (I, [B, 1, HV, K, K] in k's
+    dtype) and values (-w) that chunk_fwd_o turns into u, else None, None."""
+    B, L, H, K = k.shape
+    HV = w.shape[2]
+    g_last = g_cum[:, -1]  # [B, HV]
+    wd = w.float() * torch.exp2(g_last[:, None] - g_cum)[..., None]  # [B, L, HV, K]
+    kf = k.float() if H == HV else k.float().repeat_interleave(HV // H, dim=2)
+    Tr = torch.matmul(kf.permute(0, 2, 3, 1), wd.transpose(1, 2)).neg_()  # [B, HV, K, K]
+    Tr.diagonal(dim1=-2, dim2=-1).add_(torch.exp2(g_last)[..., None])
+    if not with_query:
+        return Tr, None, None
+    return Tr, identity_states(B, HV, K, k.dtype, k.device), w.neg()
+
+
+_IDENTITY: dict = {}
+
+
+def identity_states(B: int, HV: int, K: int, dtype, device) -> torch.Tensor:
+    """[B, 1, HV, K, K] identities in `dtype`: a view of one buffer per (HV, K, dtype, device),
+    made for the next power of two of the largest B asked. Buffers are never written after they
+    are made and never freed (a CUDA graph may read one)."""
+    key = (HV, K, dtype, str(device))
+    bufs = _IDENTITY.setdefault(key, [])
+    if not bufs or bufs[-1].shape[0] < B:
+        n = 1 << (B - 1).bit_length()
+        bufs.append(torch.eye(K, dtype=dtype, device=device).expand(n, 1, HV, K, K).contiguous())
+    return bufs[-1][:B]
 
 
 def local_cumsum_one_row(g: torch.Tensor, chunk_size: int, cumsum) -> torch.Tensor:
