@@ -4,7 +4,9 @@ object.
 
 Phases (--phases, any of them; each starts its own `hybridcache up` stack):
 
-- itl: a pic stack with --itl-budget as --max-num-batched-tokens. --streams streamed requests
+- itl: a pic stack with --itl-budget as --max-num-batched-tokens (and --itl-layer-parts as
+  --chunk-layer-parts: a chunk that many times the budget's tokens, over that many steps a run of
+  layers each). --streams streamed requests
   (a --stream-prompt-tokens prompt, greedy, up to --stream-tokens new tokens) decode; their
   inter-token gaps over --steady-s seconds are the steady state; then one cold prompt of
   --long-tokens tokens (no segments: all live, prefilled a budget of tokens a step, in chunks) is
@@ -101,7 +103,7 @@ def stream_until(host: str, port: int, body: dict, stop: threading.Event, res: R
 def run_itl(args, rng: random.Random) -> dict:
     """The itl phase (module docstring)."""
     stack = start(args, "pic", f"--max-num-batched-tokens {args.itl_budget} --max-num-seqs {args.streams + 1} "
-                               f"--warmup-shape {args.itl_warmup_shape}")
+                               f"--warmup-shape {args.itl_warmup_shape} --chunk-layer-parts {args.itl_layer_parts}")
     host, port = address(stack)
     results: list[Result] = [Result() for _ in range(args.streams)]
     stop = threading.Event()
@@ -148,6 +150,7 @@ def run_itl(args, rng: random.Random) -> dict:
                 if (a < long_sent < b) or (a < long_first < b)]
     return {"streams": args.streams, "errors": sorted({r.error for r in results if r.error})[:3],
             "streams_decoding": sum(1 for r in results if r.token_times), "budget_tokens": args.itl_budget,
+            "chunk_layer_parts": args.itl_layer_parts,
             "long_tokens": args.long_tokens, "long": long,
             "long_prefill_s": round(long_first - long_sent, 3),
             "long_prefill_tokens_per_s": round(args.long_tokens / max(long_first - long_sent, 1e-9), 1),
@@ -251,6 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--long-tokens", type=int, default=131072)
     ap.add_argument("--itl-budget", type=int, default=512, help="--max-num-batched-tokens of the itl stack")
     ap.add_argument("--itl-warmup-shape", default="16+4x256+16")
+    ap.add_argument("--itl-layer-parts", type=int, default=1, help="--chunk-layer-parts of the itl stack")
     # pic, prefix, full
     ap.add_argument("--docs", type=int, default=64)
     ap.add_argument("--doc-tokens", type=int, default=2048)

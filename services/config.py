@@ -378,6 +378,11 @@ class RuntimeConfig:
         "tokens at zero context), so running streams wait at most one chunk between tokens (smaller: "
         "steadier inter-token latency, a long prompt's first token later); on a scatter worker, the cold "
         "tokens of different requests built in one batched call", section="scheduler")
+    chunk_layer_parts: int = setting(
+        1, "steps a prefill chunk of a prompt without cached spans (a long plain prompt) is run over, a run "
+        "of consecutive layers each, the chunk that many times the tokens one step's budget buys: each step "
+        "does about its budget's work, and the chunk's host overhead (launches, Python) is spread over more "
+        "tokens (1: a chunk's whole forward in one step)", roles=("combine",), section="scheduler")
     kv_cache_bytes: int | None = setting(
         None, "attention K/V the running requests may reserve, each its prompt and 256-token chunks of "
         "output as it grows; a request waits until its first chunk fits, running ones are preempted "
@@ -423,7 +428,7 @@ class RuntimeConfig:
             raise ValueError("entry_batch_tokens must be positive")
         if self.host_cache_bytes < 0:
             raise ValueError("host_cache_bytes must be >= 0 (0 = no host tier)")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_layer_parts"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_waiting < 0:

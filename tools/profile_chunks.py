@@ -5,6 +5,7 @@ does not); prints JSON: each chunk's ms and context, the whole prefill's ms, and
 the prompt profiled (its top ops by host and device time).
 
     python tools/profile_chunks.py [--preset qwen3.5-9b] [--tokens 32768] [--budget 512] [--modes full,pic]
+        [--layer-parts 1]
 
 On a machine without a GPU it runs the same code on the CPU (use --preset tiny --tokens 3000).
 """
@@ -32,6 +33,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--budget", type=int, default=512, help="the scheduler's budget (live tokens at zero context)")
     ap.add_argument("--modes", default="full,pic")
+    ap.add_argument("--layer-parts", type=int, default=1,
+                    help="chunks of this many times the budget's tokens, each run over as many calls (a run of "
+                         "layers a call: the scheduler's --chunk-layer-parts); each call is timed")
     ap.add_argument("--top", type=int, default=20)
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -44,7 +48,7 @@ def main(argv=None) -> int:
     from qps import build_engine
 
     rng = random.Random(0)
-    out = {"preset": args.preset, "tokens": args.tokens, "budget": args.budget,
+    out = {"preset": args.preset, "tokens": args.tokens, "budget": args.budget, "layer_parts": args.layer_parts,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     base = None
     for mode in args.modes.split(","):
@@ -66,19 +70,24 @@ def main(argv=None) -> int:
             t_all = time.perf_counter()
             while job.next < len(job.layout):
                 context = job.layout[job.next].start + job.offset
-                n = chunk_tokens(args.budget, context, slope)
+                n = chunk_tokens(args.budget, context, slope) * args.layer_parts
                 deep = run == "timed" and profiled is None and context >= args.tokens * 3 // 4
                 t0 = time.perf_counter()
                 if deep:
                     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
                     with profile(activities=activities) as prof:
-                        pre = eng.prefill_chunk(job, n)
+                        pre = eng.prefill_chunk(job, n, layer_parts=args.layer_parts)
                         sync()
                     profiled = prof
                 else:
-                    pre = eng.prefill_chunk(job, n)
+                    pre = eng.prefill_chunk(job, n, layer_parts=args.layer_parts)
                     sync()
                 chunks.append((context, round((time.perf_counter() - t0) * 1e3, 2)))
+                while job.part_way:  # the chunk's other runs of layers, a call each
+                    t0 = time.perf_counter()
+                    pre = eng.prefill_chunk(job)
+                    sync()
+                    chunks.append((context, round((time.perf_counter() - t0) * 1e3, 2)))
             total = (time.perf_counter() - t_all) * 1e3
             eng.finish_prefix(pre)
             pool.release(slot)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -129,6 +130,23 @@ class PrefillJob:
     next: int = 0  # the next layout piece to run
     offset: int = 0  # its tokens already run (a live run cut at a chunk's end)
     chain: list = field(default_factory=list)  # (layout index, end, linear states) of part ends
+    running: ChunkRun | None = None  # a chunk whose forward is part-way (prefill_chunk's layer_parts)
+
+    @property
+    def part_way(self) -> bool:
+        """Whether a chunk's forward has run some of its layers and not all."""
+        return self.running is not None
+
+
+@dataclass
+class ChunkRun:
+    """A chunk of a prefill whose forward runs over several calls (Engine.prefill_chunk)."""
+
+    forward: Generator  # ModelRunner.forward_parts
+    index: list  # layout index of each of the chunk's pieces (None: a run cut at its end)
+    start: int  # positions [start, end) of the chunk
+    end: int
+    done: bool  # the prefill's last chunk
 
 
 @dataclass
@@ -474,7 +492,7 @@ class Engine:
 
     @torch.no_grad()
     def prefill_chunk(self, job: PrefillJob, max_tokens: int | None = None,
-                      defer_chains: bool = False) -> Prefill | None:
+                      defer_chains: bool = False, layer_parts: int = 1) -> Prefill | None:
         """Run the next at most `max_tokens` live tokens of a started prefill (all of them when None)
         from the state the previous chunk left: the layout's pieces in order, a live run cut where
         the budget ends (its rest starts the next chunk; linear states and K/V resume from any
@@ -486,7 +504,26 @@ class Engine:
         kept for the whole prompt); a greedy prefill equals its one-forward run. `defer_chains`:
         the finished prefill's part chains go into the chain store when keep_chains (or
         finish_prefix) is called, not before this returns (a scheduler emits the first token
-        first: storing them reads the prompt's K/V out of its pages)."""
+        first: storing them reads the prompt's K/V out of its pages). `layer_parts` > 1: a chunk
+        without cached spans runs over that many calls, a run of consecutive layers each
+        (ModelRunner.forward_parts: a step's host and device work is a share of the chunk's);
+        while one is part-way (job.part_way) a call goes on with it and takes no new tokens."""
+        if job.running is None:
+            self._start_chunk(job, max_tokens, layer_parts)
+        run = job.running
+        try:
+            next(run.forward)
+            return None  # a part of the chunk's layers ran
+        except StopIteration as e:
+            logits, rec = e.value
+        except BaseException:
+            job.running = None  # the state is part-way: the prefill cannot go on
+            raise
+        job.running = None
+        return self._finish_chunk(job, run, logits, rec, defer_chains)
+
+    def _start_chunk(self, job: PrefillJob, max_tokens: int | None, layer_parts: int) -> None:
+        """The next chunk's pieces (prefill_chunk), its pages, and its forward, not yet run."""
         if job.next >= len(job.layout):
             raise ValueError("this prefill has run to its end")
         if max_tokens is not None and max_tokens < 1:
@@ -524,13 +561,21 @@ class Engine:
         recorder = job.recorder
         capture = recorder.capture_layers if recorder is not None and chunk_start < job.exact_end else ()
         self.runner.extend_pages(state, chunk_end - chunk_start)
-        logits, rec = self.runner.forward(state, pieces, "last" if done else "none", snapshots, capture)
+        forward = self.runner.forward_parts(state, pieces, "last" if done else "none", snapshots, capture,
+                                            parts=layer_parts)
+        job.running = ChunkRun(forward, index, chunk_start, chunk_end, done)
+
+    def _finish_chunk(self, job: PrefillJob, run: ChunkRun, logits, rec, defer_chains: bool) -> Prefill | None:
+        """After a chunk's forward: its kept states, its pages into the page tree; the Prefill after
+        the last chunk."""
+        layout, state, index = job.layout, job.state, run.index
         checkpoints = []
         for j, lin in rec.snapshots.items():
             idx = index[j]
             if self.config.uses_entries and idx in job.boundary:
                 job.chain.append((idx, layout[idx].end, lin))
             checkpoints.append((layout[idx].end, lin, idx in job.boundary))
+        recorder, chunk_start, chunk_end, done = job.recorder, run.start, run.end, run.done
         if recorder is not None:
             if done and job.exact_end == chunk_end:
                 checkpoints.append((chunk_end, state, True))
@@ -582,7 +627,10 @@ class Engine:
 
     def abandon_prefill(self, job: PrefillJob) -> None:
         """A started prefill that will not finish (its request was cancelled, preempted or failed):
-        release the prefix pages it holds."""
+        release the prefix pages it holds, and a part-way chunk's forward."""
+        if job.running is not None:
+            job.running.forward.close()
+            job.running = None
         for node in job.locked:
             self.pages.unlock(node)
         job.locked.clear()

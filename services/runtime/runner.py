@@ -70,7 +70,14 @@ from hybridcache.services.runtime.cache.single_state import single_state_view
 from hybridcache.services.runtime.graphs import AssemblyGraphs, CudaLayerGraph, LayoutGraphs, ReplayGraphs
 from hybridcache.services.runtime.models.assembly import plan_assembly
 from hybridcache.services.runtime.paged import DecodeGraphs, StatePool, decode_step, extend_pages
-from hybridcache.services.runtime.sequence import AttnState, LinearState, LiveRun, SequenceState, SpanData
+from hybridcache.services.runtime.sequence import (
+    AttnState,
+    CachedSpan,
+    LinearState,
+    LiveRun,
+    SequenceState,
+    SpanData,
+)
 
 log = logging.getLogger("hybridcache.runner")
 
@@ -261,6 +268,32 @@ class ModelRunner:
             if out is not None:
                 return out
         return self.model.forward_layout(state, layout, logits_for, snapshot_after, capture_hidden)
+
+    def forward_parts(self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=(),
+                      capture_hidden=(), parts: int = 1):
+        """forward as a generator of up to `parts` calls (next()), a run of consecutive layers each
+        (LayoutLM.forward_layout_parts): it yields after each but the last and returns forward's
+        (logits, rec); the state is part-way in between. A layout with a cached span (one the
+        assembly or layout graphs may run) runs whole in the first call."""
+        if parts > 1 and not any(isinstance(p, CachedSpan) for p in layout):
+            gen = self.model.forward_layout_parts(state, layout, logits_for, snapshot_after, capture_hidden, parts)
+        else:
+            gen = self._whole(state, layout, logits_for, snapshot_after, capture_hidden)
+        return self._under_dispatch(gen)
+
+    def _whole(self, *args):
+        return self.forward(*args)
+        yield  # a generator that returns at its first next()
+
+    def _under_dispatch(self, gen):
+        """`gen` run a part per next(), each under this runner's op choice and without autograd."""
+        while True:
+            with backends.dispatching(self.dispatch), torch.no_grad():
+                try:
+                    next(gen)
+                except StopIteration as e:
+                    return e.value
+            yield
 
     @_executes
     def build_span(self, segment_ids: list[int]) -> tuple[SpanData, float]:

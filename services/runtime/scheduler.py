@@ -200,9 +200,12 @@ class SchedulerConfig:
     kv_chunk_tokens: int = KV_CHUNK_TOKENS  # K/V tokens reserved at admission beyond the prompt, and at each growth
     # launch a decode step before the host handles the one before it (module docstring)
     overlap: bool = False
+    # steps a chunk without cached spans runs over, a run of layers each (RuntimeConfig.chunk_layer_parts)
+    chunk_layer_parts: int = default_of("chunk_layer_parts")
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "kv_chunk_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes", "kv_chunk_tokens",
+                     "chunk_layer_parts"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_waiting < 0:
@@ -217,7 +220,7 @@ def scheduler_config(config, device, kv_cache_bytes: int | None = None) -> Sched
     kv = kv_cache_bytes if kv_cache_bytes is not None else kv_cache_budget(
         device, config.kv_cache_bytes, config.gpu_memory_utilization)
     return SchedulerConfig(config.max_num_seqs, config.max_waiting, config.max_num_batched_tokens, kv,
-                           overlap=overlap)
+                           overlap=overlap, chunk_layer_parts=config.chunk_layer_parts)
 
 
 def attention_cost_per_position(model) -> float:
@@ -357,6 +360,7 @@ class _Seq:
     runs: int = 0  # times it entered the running list (a step launched before it left is stale for it)
     fed: bool = False  # its input of the latest launched step came from the device (its id not yet known here)
     adjuster: LogitsAdjuster | None = None  # min_new_tokens and penalties, made on its first pick
+    part_share: tuple[int, int] = (0, 0)  # (tokens, cost) a step of its part-way chunk counts
 
 
 @dataclass(slots=True)
@@ -731,9 +735,12 @@ class Scheduler:
         now and its prefill runs in the slot's pages): as many live tokens as `budget` tokens at
         zero context buy at the chunk's context (chunk_tokens: a chunk deep into a long prompt
         attends to more keys, so it is shorter); the request starts decoding after its last chunk.
-        Returns (the live tokens run, the budget they cost); a request whose prefill fails fails
+        With chunk_layer_parts P > 1 a chunk without cached spans is P times that many tokens run
+        over P steps, a run of layers each (Engine.prefill_chunk's layer_parts): a step of it goes on
+        with the chunk whatever the budget left. Returns (the live tokens run, the budget they
+        cost), a share of the chunk's for each of its steps; a request whose prefill fails fails
         alone."""
-        eng = self.engine
+        eng, parts = self.engine, self.config.chunk_layer_parts
         try:
             if seq.job is None:
                 seq.job = eng.start_prefill(seq.req, pinned=seq.pinned, built=seq.built)
@@ -741,17 +748,25 @@ class Scheduler:
                 if self._paged_prefill:
                     seq.slot = eng.runner.assign(self.pool, seq.job.state)
             job = seq.job
-            context = job.layout[job.next].start + job.offset
-            before = job.live_left
-            pre = eng.prefill_chunk(job, chunk_tokens(budget, context, self._attention_slope), defer_chains=True)
+            if job.part_way:
+                pre = eng.prefill_chunk(job, defer_chains=True)
+                spent, cost = seq.part_share
+            else:
+                context = job.layout[job.next].start + job.offset
+                before = job.live_left
+                n = chunk_tokens(budget, context, self._attention_slope) * parts
+                pre = eng.prefill_chunk(job, n, defer_chains=True, layer_parts=parts)
+                spent = before - job.live_left
+                cost = chunk_cost(spent, context, self._attention_slope)
+                if job.part_way:  # the chunk's first run of layers: each of its steps counts a share
+                    seq.part_share = spent, cost = -(-spent // parts), -(-cost // parts)
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             self._fail(seq, e, "assembly")
             return 0, 0
-        spent = before - job.live_left
         if pre is not None:
             seq.job = None
             self._assemble(seq, pre)
-        return spent, chunk_cost(spent, context, self._attention_slope)
+        return spent, cost
 
     def _prefill_alone(self, plain: list) -> list:
         """Each request's Prefill by its own plain prefill, or the error it failed with."""

@@ -305,3 +305,89 @@ def test_part_chains_are_kept_after_the_first_token_goes_out(qwen35_dir, max_new
         assert a.length == b.length
         for i, s in b.linear.items():
             torch.testing.assert_close(a.linear[i].ssm, s.ssm)
+
+
+@pytest.mark.parametrize("arch,parts", [("qwen3_5_text", 3), ("nemotron_h", 2), ("bamba", 4)])
+def test_a_chunk_in_layer_parts_equals_its_whole_forward(arch, parts, dirs):
+    """Engine level: chunks of a plain prompt run `parts` calls each (a run of layers a call; the
+    calls before the last return None and leave the job part-way) give the logits, linear states
+    and K/V of the chunks run whole."""
+    eng = _engine(dirs(arch), mode="prefix")
+    prompt = _ids(torch.Generator().manual_seed(6), 130)
+    req = eng.parse_request({"suffix": prompt})
+    results = []
+    for layer_parts in (1, parts):
+        eng.reset_caches()
+        pool = eng.new_state_pool(1, 1024)  # each run's K/V in pages of its own
+        job = eng.start_prefill(req)
+        pool.assign(job.state)
+        calls = part_way = 0
+        while (pre := eng.prefill_chunk(job, 50, layer_parts=layer_parts)) is None:
+            calls += 1
+            part_way += job.part_way
+        results.append((pre, pool))
+        assert calls + 1 == 3 * layer_parts  # 130 tokens in chunks of 50: three chunks
+        assert part_way == 3 * (layer_parts - 1)
+    (whole, _), (split, _) = results
+    torch.testing.assert_close(split.logits, whole.logits, rtol=1e-5, atol=1e-5)
+    for i, s in whole.state.linear.items():
+        torch.testing.assert_close(split.state.linear[i].ssm, s.ssm, rtol=1e-5, atol=1e-5)
+    for i, a in whole.state.attn.items():
+        torch.testing.assert_close(split.state.attn[i].k, a.k, rtol=1e-5, atol=1e-5)
+    assert split.state.length == whole.state.length == 130
+
+
+def test_a_part_way_chunk_goes_on_whatever_the_budget_and_abandoning_it_closes_its_forward(qwen35_dir):
+    eng = _engine(qwen35_dir, mode="prefix")
+    pool = eng.new_state_pool(1, 1024)
+    job = eng.start_prefill(eng.parse_request({"suffix": list(range(5, 125))}))
+    pool.assign(job.state)
+    assert eng.prefill_chunk(job, 40, layer_parts=2) is None and job.part_way
+    left = job.live_left
+    assert eng.prefill_chunk(job, 1) is None and not job.part_way  # its second half: no new tokens
+    assert job.live_left == left == 80
+    assert eng.prefill_chunk(job, 40, layer_parts=2) is None and job.part_way
+    forward = job.running.forward
+    eng.abandon_prefill(job)
+    assert job.running is None and forward.gi_frame is None  # closed
+
+
+def _counting(start_chunk, sizes):
+    """Engine._start_chunk that also notes each chunk's max_tokens in `sizes`."""
+    def start(job, n, parts):
+        sizes.append(n)
+        return start_chunk(job, n, parts)
+    return start
+
+
+def test_a_long_prompt_in_layer_parts_interleaves_with_decode_and_keeps_its_answer(qwen35_dir):
+    """Scheduler level, chunk_layer_parts 3: the long prompt's chunks are three times the tokens
+    a step's budget buys, each run over three steps; every step counts at most its budget, the
+    running request decodes in each, and the answers equal those of whole chunks."""
+    gen = torch.Generator().manual_seed(3)
+    running = {"suffix": _ids(gen, 20), "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+    long = {"suffix": _ids(gen, 300), "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    outs = []
+    for parts in (1, 3):
+        eng = _engine(qwen35_dir, mode="prefix")
+        starts = []
+        eng._start_chunk = _counting(eng._start_chunk, starts)
+        sched = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, chunk_layer_parts=parts))
+        try:
+            first = sched.add_request(eng.parse_request(running))
+            it = iter(first)
+            next(it)  # decoding
+            out = sched.add_request(eng.parse_request(long)).result()
+            rest = first.result()
+        finally:
+            sched.stop()
+        chunks = [(tokens, batch) for _, tokens, batch in sched.step_log if tokens]
+        assert all(tokens <= 32 for tokens, _ in chunks)
+        assert sum(1 for tokens, batch in chunks if batch >= 1) >= len(chunks) - 1
+        outs.append((out.output_ids, rest.output_ids, len(chunks), starts))
+    (a_long, a_run, a_steps, a_starts), (b_long, b_run, b_steps, b_starts) = outs
+    assert b_long == a_long and b_run == a_run
+    # the long prompt: chunks of up to 32 tokens, a step each, vs chunks of three times that over
+    # three steps each (the chunks asked for; the last takes what is left)
+    assert max(a_starts) <= 32 and len(a_starts) >= 10 and a_steps >= 10
+    assert 64 < max(b_starts) <= 96 and len(b_starts) <= 5 and b_steps >= 3 * (len(b_starts) - 1)

@@ -326,6 +326,15 @@ def new_planned_recording(plan: AssemblyBatch) -> Recording:
     return rec
 
 
+def run_to_end(gen):
+    """Drive a generator to its end; its return value."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as e:
+            return e.value
+
+
 def new_recording(state: SequenceState, layout, snapshot_after):
     """Check the layout's positions; return (rec, live ids [n], live positions [n], end position)."""
     pos = state.length
@@ -425,10 +434,23 @@ class LayoutLM(nn.Module):
         "none". snapshot_after: layout indices whose linear states to record; capture_hidden:
         layers whose entering residual stream to record. Returns (logits or None, Recording).
         This is the eager pass; runner.ModelRunner.forward replays assemblies from CUDA graphs."""
+        return run_to_end(self.forward_layout_parts(state, layout, logits_for, snapshot_after, capture_hidden))
+
+    def forward_layout_parts(self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=(),
+                             capture_hidden=(), parts: int = 1):
+        """forward_layout as a generator of `parts` runs of consecutive layers (as even as the layer
+        count allows): it yields after each run but the last and returns forward_layout's (logits,
+        rec). Between two runs the state is part-way (its layers before the cut hold the new tokens,
+        those after it not yet; its length is set at the end): nothing else may run from it, and a
+        generator closed early leaves it unusable. The caller sets the op dispatch and no_grad."""
         rec, ids, positions, end = new_recording(state, layout, snapshot_after)
         positions = backends.to_device_async(positions, self.device)
         x = self.embed(backends.to_device_async(ids, self.device))[None]  # [1, n_live, h]
-        for i in range(len(self.layers)):
+        n = len(self.layers)
+        cuts = {round(n * j / parts) for j in range(1, max(1, parts))} - {0, n}
+        for i in range(n):
+            if i in cuts:
+                yield
             x = self.run_layer(i, x, layout, state, rec, positions, capture_hidden)
         state.length = end
         return self.logits_of(x, logits_for), rec
