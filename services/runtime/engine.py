@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from hybridcache.services.runtime.cache.single_state import mark_single_state
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.plan import Planner, Request
-from hybridcache.services.runtime.runner import ModelRunner
+from hybridcache.services.runtime.runner import ModelRunner, PartedForward
 from hybridcache.services.runtime.sampling import GenerationDefaults, SamplingParams
 from hybridcache.services.runtime.sequence import CachedSpan, LinearSpan, LiveRun, SequenceState
 from hybridcache.services.runtime.tokenizer import Tokenizer
@@ -142,7 +141,7 @@ class PrefillJob:
 class ChunkRun:
     """A chunk of a prefill whose forward runs over several calls (Engine.prefill_chunk)."""
 
-    forward: Generator  # ModelRunner.forward_parts
+    forward: PartedForward  # ModelRunner.forward_parts
     index: list  # layout index of each of the chunk's pieces (None: a run cut at its end)
     start: int  # positions [start, end) of the chunk
     end: int
@@ -512,13 +511,13 @@ class Engine:
             self._start_chunk(job, max_tokens, layer_parts)
         run = job.running
         try:
-            next(run.forward)
-            return None  # a part of the chunk's layers ran
-        except StopIteration as e:
-            logits, rec = e.value
+            out = self.runner.run_part(run.forward)
         except BaseException:
             job.running = None  # the state is part-way: the prefill cannot go on
             raise
+        if out is None:
+            return None  # a run of the chunk's layers ran, not yet all
+        logits, rec = out
         job.running = None
         return self._finish_chunk(job, run, logits, rec, defer_chains)
 
@@ -629,7 +628,7 @@ class Engine:
         """A started prefill that will not finish (its request was cancelled, preempted or failed):
         release the prefix pages it holds, and a part-way chunk's forward."""
         if job.running is not None:
-            job.running.forward.close()
+            self.runner.close_parts(job.running.forward)
             job.running = None
         for node in job.locked:
             self.pages.unlock(node)

@@ -116,6 +116,17 @@ def entry_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return cut(lo)
 
 
+class PartedForward:
+    """A forward run part by part (ModelRunner.forward_parts / run_part): its generator. Under
+    tensor parallelism each rank holds its own and the runner's calls step each rank's."""
+
+    def __init__(self, gen):
+        self.gen = gen
+
+    def close(self) -> None:
+        self.gen.close()
+
+
 def _executes(method):
     """A runner method that runs the model: under the runner's op choice, without autograd."""
 
@@ -270,30 +281,34 @@ class ModelRunner:
         return self.model.forward_layout(state, layout, logits_for, snapshot_after, capture_hidden)
 
     def forward_parts(self, state: SequenceState, layout: list, logits_for: str = "last", snapshot_after=(),
-                      capture_hidden=(), parts: int = 1):
-        """forward as a generator of up to `parts` calls (next()), a run of consecutive layers each
-        (LayoutLM.forward_layout_parts): it yields after each but the last and returns forward's
-        (logits, rec); the state is part-way in between. A layout with a cached span (one the
-        assembly or layout graphs may run) runs whole in the first call."""
+                      capture_hidden=(), parts: int = 1) -> PartedForward:
+        """forward to be run in up to `parts` calls of run_part, a run of consecutive layers each
+        (LayoutLM.forward_layout_parts); nothing runs yet. The state is part-way between the
+        calls. A layout with a cached span (one the assembly or layout graphs may run) runs whole
+        in the first call."""
         if parts > 1 and not any(isinstance(p, CachedSpan) for p in layout):
             gen = self.model.forward_layout_parts(state, layout, logits_for, snapshot_after, capture_hidden, parts)
         else:
             gen = self._whole(state, layout, logits_for, snapshot_after, capture_hidden)
-        return self._under_dispatch(gen)
+        return PartedForward(gen)
 
     def _whole(self, *args):
         return self.forward(*args)
         yield  # a generator that returns at its first next()
 
-    def _under_dispatch(self, gen):
-        """`gen` run a part per next(), each under this runner's op choice and without autograd."""
-        while True:
-            with backends.dispatching(self.dispatch), torch.no_grad():
-                try:
-                    next(gen)
-                except StopIteration as e:
-                    return e.value
-            yield
+    @_executes
+    def run_part(self, fwd: PartedForward):
+        """The next part of a forward_parts forward: None while layers are left, else forward's
+        (logits, rec)."""
+        try:
+            next(fwd.gen)
+        except StopIteration as e:
+            return e.value
+        return None
+
+    def close_parts(self, fwd: PartedForward) -> None:
+        """Drop a forward_parts forward part-way (its state is left part-way: not to be used)."""
+        fwd.close()
 
     @_executes
     def build_span(self, segment_ids: list[int]) -> tuple[SpanData, float]:

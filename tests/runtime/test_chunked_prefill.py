@@ -349,7 +349,7 @@ def test_a_part_way_chunk_goes_on_whatever_the_budget_and_abandoning_it_closes_i
     assert eng.prefill_chunk(job, 40, layer_parts=2) is None and job.part_way
     forward = job.running.forward
     eng.abandon_prefill(job)
-    assert job.running is None and forward.gi_frame is None  # closed
+    assert job.running is None and forward.gen.gi_frame is None  # closed
 
 
 def _counting(start_chunk, sizes):

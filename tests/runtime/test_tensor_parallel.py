@@ -318,6 +318,34 @@ def test_scheduler_batched_decode_over_ranks(dirs, engines):
     assert max(sched.batch_sizes) >= 2  # decode steps ran over several requests at once
 
 
+def test_a_long_prompt_in_layer_parts_over_ranks(dirs, engines):
+    """A plain prompt prefilled in chunks of three layer parts (Engine.prefill_chunk layer_parts)
+    on the TP = 2 engine: each rank steps its own part-way forward (ModelRunner.run_part), the
+    job is part-way between the parts, and the logits are TP = 1's; then through a Scheduler with
+    chunk_layer_parts 3, TP = 1's greedy answer."""
+    from hybridcache.services.runtime.scheduler import Scheduler, SchedulerConfig
+
+    g = torch.Generator().manual_seed(11)
+    req = {"suffix": torch.randint(0, 256, (200,), generator=g).tolist(),
+           "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}}
+    tp1 = Engine.from_dir(dirs["qwen3_5_text"], config=RuntimeConfig(mode="full"))
+    ref = tp1.prefill(tp1.parse_request(req))
+    eng = engines.qwen3_5_text
+    job = eng.start_prefill(eng.parse_request(req))
+    part_way = 0
+    while (pre := eng.prefill_chunk(job, 70, layer_parts=3)) is None:
+        part_way += job.part_way
+    assert part_way == 3 * 2  # three chunks, two of each one's three calls left it part-way
+    assert _close(pre.logits, ref.logits) < 1e-4
+    want = LLM(tp1).generate(req).output_ids
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=24, chunk_layer_parts=3))
+    try:
+        got = sched.add_request(eng.parse_request(req)).result().output_ids
+    finally:
+        sched.stop()
+    assert got == want
+
+
 def test_the_runner_of_a_tp_engine_runs_on_every_rank(dirs, engines):
     """An engine's runner is rank 0's RankedRunner: its forward and its pool's decode step run over
     both ranks (a call on rank 0 alone would wait for the other forever) and equal TP = 1."""
