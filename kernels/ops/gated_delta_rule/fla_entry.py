@@ -101,9 +101,10 @@ def single_chunk_transition(k: torch.Tensor, w: torch.Tensor, g_cum: torch.Tenso
     B, L, H, K = k.shape
     HV = w.shape[2]
     g_last = g_cum[:, -1]  # [B, HV]
-    wd = w.float() * torch.exp2(g_last[:, None] - g_cum)[..., None]  # [B, L, HV, K]
+    # -w * exp2(g_L - g): the sign goes on the [B, L, HV] factor, not on the [B, HV, K, K] product
+    wd = w.float() * torch.exp2(g_last[:, None] - g_cum).neg_()[..., None]  # [B, L, HV, K]
     kf = k.float() if H == HV else k.float().repeat_interleave(HV // H, dim=2)
-    Tr = torch.matmul(kf.permute(0, 2, 3, 1), wd.transpose(1, 2)).neg_()  # [B, HV, K, K]
+    Tr = torch.matmul(kf.permute(0, 2, 3, 1), wd.transpose(1, 2))  # [B, HV, K, K]
     Tr.diagonal(dim1=-2, dim2=-1).add_(torch.exp2(g_last)[..., None])
     if not with_query:
         return Tr, None, None
