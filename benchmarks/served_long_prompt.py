@@ -4,9 +4,9 @@ object.
 
 Phases (--phases, any of them; each starts its own `hybridcache up` stack):
 
-- itl: a pic stack with --itl-budget as --max-num-batched-tokens (and --itl-layer-parts as
-  --chunk-layer-parts: a chunk that many times the budget's tokens, over that many steps a run of
-  layers each). --streams streamed requests
+- itl: a pic stack with --itl-budget as --max-num-batched-tokens (and --itl-layer-parts, when
+  given, as --chunk-layer-parts: a chunk that many times the budget's tokens, over that many steps
+  a run of layers each). --streams streamed requests
   (a --stream-prompt-tokens prompt, greedy, up to --stream-tokens new tokens) decode; their
   inter-token gaps over --steady-s seconds are the steady state; then one cold prompt of
   --long-tokens tokens (no segments: all live, prefilled a budget of tokens a step, in chunks) is
@@ -50,6 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from hybridcache.services.config import default_of  # noqa: E402
 from served_load import Result, Stack, emit, init_model_apart, percentiles, rand_ids, run_facts, send  # noqa: E402
 from served_pic_layouts import stream  # noqa: E402
 
@@ -102,8 +103,9 @@ def stream_until(host: str, port: int, body: dict, stop: threading.Event, res: R
 
 def run_itl(args, rng: random.Random) -> dict:
     """The itl phase (module docstring)."""
+    parts = f" --chunk-layer-parts {args.itl_layer_parts}" if args.itl_layer_parts else ""
     stack = start(args, "pic", f"--max-num-batched-tokens {args.itl_budget} --max-num-seqs {args.streams + 1} "
-                               f"--warmup-shape {args.itl_warmup_shape} --chunk-layer-parts {args.itl_layer_parts}")
+                               f"--warmup-shape {args.itl_warmup_shape}{parts}")
     host, port = address(stack)
     results: list[Result] = [Result() for _ in range(args.streams)]
     stop = threading.Event()
@@ -150,7 +152,7 @@ def run_itl(args, rng: random.Random) -> dict:
                 if (a < long_sent < b) or (a < long_first < b)]
     return {"streams": args.streams, "errors": sorted({r.error for r in results if r.error})[:3],
             "streams_decoding": sum(1 for r in results if r.token_times), "budget_tokens": args.itl_budget,
-            "chunk_layer_parts": args.itl_layer_parts,
+            "chunk_layer_parts": args.itl_layer_parts or default_of("chunk_layer_parts"),
             "long_tokens": args.long_tokens, "long": long,
             "long_prefill_s": round(long_first - long_sent, 3),
             "long_prefill_tokens_per_s": round(args.long_tokens / max(long_first - long_sent, 1e-9), 1),
@@ -254,7 +256,8 @@ def main(argv=None) -> int:
     ap.add_argument("--long-tokens", type=int, default=131072)
     ap.add_argument("--itl-budget", type=int, default=512, help="--max-num-batched-tokens of the itl stack")
     ap.add_argument("--itl-warmup-shape", default="16+4x256+16")
-    ap.add_argument("--itl-layer-parts", type=int, default=1, help="--chunk-layer-parts of the itl stack")
+    ap.add_argument("--itl-layer-parts", type=int, default=0,
+                    help="--chunk-layer-parts of the itl stack (0: the served default)")
     # pic, prefix, full
     ap.add_argument("--docs", type=int, default=64)
     ap.add_argument("--doc-tokens", type=int, default=2048)

@@ -379,10 +379,11 @@ class RuntimeConfig:
         "steadier inter-token latency, a long prompt's first token later); on a scatter worker, the cold "
         "tokens of different requests built in one batched call", section="scheduler")
     chunk_layer_parts: int = setting(
-        1, "steps a prefill chunk of a prompt without cached spans (a long plain prompt) is run over, a run "
-        "of consecutive layers each, the chunk that many times the tokens one step's budget buys: each step "
-        "does about its budget's work, and the chunk's host overhead (launches, Python) is spread over more "
-        "tokens (1: a chunk's whole forward in one step)", roles=("combine",), section="scheduler")
+        4, "steps a prefill chunk of a prompt without cached spans (a long plain prompt) is run over, a run "
+        "of consecutive layers each, the chunk that many times the tokens one step's budget buys (at most "
+        "--entry-batch-tokens): each step does about its budget's work, and the chunk's host overhead "
+        "(launches, Python) is spread over more tokens (1: a chunk's whole forward in one step)",
+        roles=("combine",), section="scheduler")
     kv_cache_bytes: int | None = setting(
         None, "attention K/V the running requests may reserve, each its prompt and 256-token chunks of "
         "output as it grows; a request waits until its first chunk fits, running ones are preempted "

@@ -735,9 +735,10 @@ class Scheduler:
         now and its prefill runs in the slot's pages): as many live tokens as `budget` tokens at
         zero context buy at the chunk's context (chunk_tokens: a chunk deep into a long prompt
         attends to more keys, so it is shorter); the request starts decoding after its last chunk.
-        With chunk_layer_parts P > 1 a chunk without cached spans is P times that many tokens run
-        over P steps, a run of layers each (Engine.prefill_chunk's layer_parts): a step of it goes on
-        with the chunk whatever the budget left. Returns (the live tokens run, the budget they
+        With chunk_layer_parts P > 1 a chunk without cached spans is P times that many tokens (at
+        most entry_batch_tokens, or the budget's chunk where that is more) run over P steps, a run
+        of layers each (Engine.prefill_chunk's layer_parts): a step of it goes on with the chunk
+        whatever the budget left. Returns (the live tokens run, the budget they
         cost), a share of the chunk's for each of its steps; a request whose prefill fails fails
         alone."""
         eng, parts = self.engine, self.config.chunk_layer_parts
@@ -754,7 +755,10 @@ class Scheduler:
             else:
                 context = job.layout[job.next].start + job.offset
                 before = job.live_left
-                n = chunk_tokens(budget, context, self._attention_slope) * parts
+                n = chunk_tokens(budget, context, self._attention_slope)
+                # P times that, but no more tokens through a layer at once than a batched cold
+                # build runs (entry_batch_tokens): the activations the warm-up has seen
+                n = min(n * parts, max(n, eng.config.entry_batch_tokens))
                 pre = eng.prefill_chunk(job, n, defer_chains=True, layer_parts=parts)
                 spent = before - job.live_left
                 cost = chunk_cost(spent, context, self._attention_slope)

@@ -242,16 +242,16 @@ def test_attention_cost_per_position_counts_attention_keys_over_the_token_s_matm
 
 
 def test_chunks_shrink_as_the_context_grows(qwen35_dir):
-    """A long prompt's chunks: each as many tokens as the step's budget buys at its context
-    (chunk_tokens), so later chunks are shorter and none costs more than the budget; the answer is
-    the one of a single-unit prefill."""
+    """A long prompt's chunks (whole forwards: chunk_layer_parts 1): each as many tokens as the
+    step's budget buys at its context (chunk_tokens), so later chunks are shorter and none costs
+    more than the budget; the answer is the one of a single-unit prefill."""
     from hybridcache.services.runtime.scheduler import chunk_cost, chunk_tokens
 
     eng = _engine(qwen35_dir, mode="full")
     gen = torch.Generator().manual_seed(4)
     long = {"system": _ids(gen, 8), "suffix": _ids(gen, 600),
             "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
-    sched, (out,) = _serve(eng, [long], max_num_seqs=1, max_num_batched_tokens=64)
+    sched, (out,) = _serve(eng, [long], max_num_seqs=1, max_num_batched_tokens=64, chunk_layer_parts=1)
     slope = sched._attention_slope
     assert slope > 0
     chunks = [tokens for _, tokens, _ in sched.step_log if tokens]
@@ -391,3 +391,17 @@ def test_a_long_prompt_in_layer_parts_interleaves_with_decode_and_keeps_its_answ
     # three steps each (the chunks asked for; the last takes what is left)
     assert max(a_starts) <= 32 and len(a_starts) >= 10 and a_steps >= 10
     assert 64 < max(b_starts) <= 96 and len(b_starts) <= 5 and b_steps >= 3 * (len(b_starts) - 1)
+
+
+def test_layer_parted_chunks_take_at_most_entry_batch_tokens(qwen35_dir):
+    """A chunk in layer parts is the budget's chunk times the parts but no more tokens than a
+    batched cold build runs (entry_batch_tokens, the activations the warm-up sees), and never
+    fewer than the budget's chunk."""
+    gen = torch.Generator().manual_seed(8)
+    long = {"suffix": _ids(gen, 400), "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+    for cap, lo, hi in ((100, 90, 100), (20, 30, 32)):
+        eng = _engine(qwen35_dir, mode="full", entry_batch_tokens=cap)
+        sizes = []
+        eng._start_chunk = _counting(eng._start_chunk, sizes)
+        _serve(eng, [long], max_num_seqs=1, max_num_batched_tokens=32, chunk_layer_parts=4)
+        assert lo <= max(sizes) <= hi, (cap, sizes)

@@ -126,7 +126,7 @@ def test_engine_flags_reach_the_roles_that_take_them():
     # and each end of the entry transport its own: the sender's arena, the receiver's same-GPU choice
     assert "--ipc-arena-bytes" not in flags("combine") and "--scatter-same-gpu" not in flags("scatter")
     scatter = {k: v for k, v in flags("scatter").items() if k != "--ipc-arena-bytes"}
-    combine_only = {*scheduling, "--scatter-same-gpu", "--stats-interval-s"}
+    combine_only = {*scheduling, "--scatter-same-gpu", "--stats-interval-s", "--chunk-layer-parts"}
     assert scatter == {k: v for k, v in flags("combine").items() if k not in combine_only}
     # the router's admission (services/router/admission.py) estimates a request's wait from the
     # combine workers' seats and queue, so it takes those two limits; the K/V budget stays the worker's
