@@ -506,7 +506,9 @@ class Engine:
         first: storing them reads the prompt's K/V out of its pages). `layer_parts` > 1: a chunk
         without cached spans runs over that many calls, a run of consecutive layers each
         (ModelRunner.forward_parts: a step's host and device work is a share of the chunk's);
-        while one is part-way (job.part_way) a call goes on with it and takes no new tokens."""
+        while one is part-way (job.part_way) a call goes on with it and takes no new tokens. A
+        chunk that runs a live piece of the layout to its end stops there rather than cut the
+        next one (a long prompt's pieces end at the prefix cache's checkpoints)."""
         if job.running is None:
             self._start_chunk(job, max_tokens, layer_parts)
         run = job.running
@@ -534,6 +536,7 @@ class Engine:
                 if job.recorder is not None or (self.config.uses_entries and i in job.boundary)}
         take = job.live_left if max_tokens is None else max_tokens
         i, off = job.next, job.offset
+        ended = 0  # live pieces this chunk runs to their end
         while i < len(layout) and take > 0:
             piece = layout[i]
             if isinstance(piece, CachedSpan):
@@ -541,6 +544,13 @@ class Engine:
             else:
                 n = piece.token_ids.numel() - off
                 k = min(n, take)
+                if k < n and ended:
+                    # the chunk ends where a piece does (a kept state, a part's end): the chunks
+                    # after it start on a piece, their live runs whole, about equal in a long
+                    # prompt cut at checkpoints, which the linear layers run batched (one
+                    # recurrence call, LinearMixer.batched_scan)
+                    break
+                ended += k == n
                 run = piece if off == 0 and k == n else LiveRun(piece.token_ids[off : off + k], piece.start + off)
                 pieces.append(run)
                 take -= k

@@ -405,3 +405,35 @@ def test_layer_parted_chunks_take_at_most_entry_batch_tokens(qwen35_dir):
         eng._start_chunk = _counting(eng._start_chunk, sizes)
         _serve(eng, [long], max_num_seqs=1, max_num_batched_tokens=32, chunk_layer_parts=4)
         assert lo <= max(sizes) <= hi, (cap, sizes)
+
+
+def test_chunks_end_at_piece_ends_and_their_equal_runs_run_batched(qwen35_dir, monkeypatch):
+    """A prompt cut at the prefix cache's checkpoints (every 256 tokens): a chunk that runs a
+    piece to its end stops there instead of cutting the next one, so the chunks after it start
+    on a piece and a chunk of several whole pieces runs them batched (one recurrence call a
+    linear layer); a budget smaller than a piece still cuts it. The logits equal the one-unit
+    prefill's."""
+    from hybridcache.services.runtime.models.mixer import LinearMixer
+
+    eng = _engine(qwen35_dir, mode="prefix")
+    req = eng.parse_request({"suffix": _ids(torch.Generator().manual_seed(9), 1000)})
+    ref = eng.prefill(req)
+    eng.finish_prefix(ref)
+    batched = []
+    real = LinearMixer.batched_scan
+    # the layer index of each batched call (arguments: inputs, layout, state, rec, layer_idx, ...)
+    monkeypatch.setattr(LinearMixer, "batched_scan", lambda self, *a: batched.append(a[4]) or real(self, *a))
+    for max_tokens, ends in ((600, [512, 1000]), (100, [100, 200, 256, 356, 456, 512, 612])):
+        eng.reset_caches()
+        batched.clear()
+        job = eng.start_prefill(req)
+        seen = []
+        while (pre := eng.prefill_chunk(job, max_tokens)) is None:
+            seen.append(job.state.length)
+        seen.append(pre.state.length)
+        assert seen[: len(ends)] == ends
+        torch.testing.assert_close(pre.logits, ref.logits, rtol=1e-4, atol=1e-4)
+        if max_tokens == 600:  # [0, 256) + [256, 512), then [512, 768) + [768, 1000): batched each time
+            linear = sorted(eng.model.linear_groups()[0] + tuple(i for g in eng.model.linear_groups()[1:] for i in g))
+            assert sorted(batched) == sorted(linear * 2)
+        eng.finish_prefix(pre)
