@@ -143,9 +143,7 @@ class ChunkRun:
 
     forward: PartedForward  # ModelRunner.forward_parts
     index: list  # layout index of each of the chunk's pieces (None: a run cut at its end)
-    start: int  # positions [start, end) of the chunk
-    end: int
-    done: bool  # the prefill's last chunk
+    start: int  # the chunk's first position (its end: the state's length once the forward ran)
 
 
 @dataclass
@@ -536,7 +534,7 @@ class Engine:
                 if job.recorder is not None or (self.config.uses_entries and i in job.boundary)}
         take = job.live_left if max_tokens is None else max_tokens
         i, off = job.next, job.offset
-        ended = 0  # live pieces this chunk runs to their end
+        ended = False  # whether this chunk ran a live piece to its end
         while i < len(layout) and take > 0:
             piece = layout[i]
             if isinstance(piece, CachedSpan):
@@ -550,7 +548,7 @@ class Engine:
                     # prompt cut at checkpoints, which the linear layers run batched (one
                     # recurrence call, LinearMixer.batched_scan)
                     break
-                ended += k == n
+                ended = ended or k == n
                 run = piece if off == 0 and k == n else LiveRun(piece.token_ids[off : off + k], piece.start + off)
                 pieces.append(run)
                 take -= k
@@ -572,7 +570,7 @@ class Engine:
         self.runner.extend_pages(state, chunk_end - chunk_start)
         forward = self.runner.forward_parts(state, pieces, "last" if done else "none", snapshots, capture,
                                             parts=layer_parts)
-        job.running = ChunkRun(forward, index, chunk_start, chunk_end, done)
+        job.running = ChunkRun(forward, index, chunk_start)
 
     def _finish_chunk(self, job: PrefillJob, run: ChunkRun, logits, rec, defer_chains: bool) -> Prefill | None:
         """After a chunk's forward: its kept states, its pages into the page tree; the Prefill after
@@ -584,7 +582,8 @@ class Engine:
             if self.config.uses_entries and idx in job.boundary:
                 job.chain.append((idx, layout[idx].end, lin))
             checkpoints.append((layout[idx].end, lin, idx in job.boundary))
-        recorder, chunk_start, chunk_end, done = job.recorder, run.start, run.end, run.done
+        recorder, chunk_start, chunk_end = job.recorder, run.start, state.length
+        done = job.next >= len(layout)  # (a part-way chunk took no new pieces)
         if recorder is not None:
             if done and job.exact_end == chunk_end:
                 checkpoints.append((chunk_end, state, True))

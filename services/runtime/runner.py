@@ -124,6 +124,8 @@ class PartedForward:
         self.gen = gen
 
     def close(self) -> None:
+        # (a method of its own makes the tensor-parallel group hand rank 0's caller a handle to
+        # each rank's object, ranks.RankObject, rather than rank 0's generator)
         self.gen.close()
 
 

@@ -447,7 +447,7 @@ class LayoutLM(nn.Module):
         positions = backends.to_device_async(positions, self.device)
         x = self.embed(backends.to_device_async(ids, self.device))[None]  # [1, n_live, h]
         n = len(self.layers)
-        cuts = {round(n * j / parts) for j in range(1, max(1, parts))} - {0, n}
+        cuts = {round(n * j / parts) for j in range(1, parts)} - {0, n}
         for i in range(n):
             if i in cuts:
                 yield
