@@ -9,7 +9,11 @@ Variants, same inputs, timed in the same run:
 - `blocks`: compose_states_blocks (the entries read in place through an address table), each
   step's addresses loaded in its own iteration (the default);
 - `blocks_prefetch`: the same with the next step's addresses loaded a step ahead;
-- `blocks_prefetch_w4`: as blocks_prefetch with 4 warps a program instead of 8.
+- `blocks_prefetch_w4`: as blocks_prefetch with 4 warps a program instead of 8;
+- `table`: compose_states_table over device address tables (the planned assembly's fold, as its
+  CUDA graphs run it: no host table per call), one chain of dependent steps;
+- `table_blocked_L`: the same as a blocked scan of chunks of L pairs (compose_states_table's
+  chunk; L = default_fold_chunk's, and half and twice it).
 
 Per variant: GPU time of one fold (CUDA events around `--iters` folds, divided), host time of one
 fold's calls (the host returning from the call, without waiting for the GPU), and the largest
@@ -45,7 +49,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("fold_bench: error: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from hybridcache.kernels.ops.transition.compose_triton import compose_states_blocks, compose_states_fwd
+    from hybridcache.kernels.ops.transition.compose_triton import (
+        compose_states_blocks,
+        compose_states_fwd,
+        compose_states_table,
+        default_fold_chunk,
+    )
 
     torch.manual_seed(0)
     H, K, n = args.heads, args.dim, args.spans
@@ -72,6 +81,17 @@ def main(argv=None) -> int:
         s = [b[0][b[1] : b[1] + 1] if isinstance(b, tuple) else b for b in Ss]
         return compose_states_fwd(torch.cat(t), torch.cat(s), h0[0], output_all=True)[1]
 
+    def address(b):
+        base, i = b if isinstance(b, tuple) else (b, 0)
+        return base.data_ptr() + i * base[0].numel() * base.element_size()
+
+    t_tab = torch.tensor([address(b) for b in Ts], device=dev)
+    s_tab = torch.tensor([address(b) for b in Ss], device=dev)
+
+    def table(chunk):
+        return lambda: compose_states_table(t_tab, s_tab, runs_T, runs_S, h0[0], output_all=True, chunk=chunk)[1]
+
+    L = default_fold_chunk(len(Ts)) or max(2, int(len(Ts) ** 0.5))
     variants = {
         "stack": stack,
         "blocks": lambda: compose_states_blocks(Ts, Ss, h0[0], output_all=True)[1],
@@ -79,11 +99,15 @@ def main(argv=None) -> int:
         "blocks_prefetch_w4": lambda: compose_states_blocks(
             Ts, Ss, h0[0], output_all=True, prefetch_addresses=True, num_warps=4
         )[1],
+        "table": table(0),
+        **{f"table_blocked_{c}": table(c) for c in sorted({max(2, L // 2), L, 2 * L})},
     }
     ref = stack()
     figures, detail = {}, {}
     for name, fn in variants.items():
-        diff = (fn() - ref).abs().max().item()
+        got = fn()
+        diff = (got - ref).abs().max().item()
+        rel = ((got - ref).norm() / ref.norm()).item()
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
@@ -99,7 +123,7 @@ def main(argv=None) -> int:
         gpu_us = 1000 * start.elapsed_time(end) / args.iters
         figures[f"fold_us_{name}"] = round(gpu_us, 2)
         figures[f"fold_host_us_{name}"] = round(1e6 * host / args.iters, 2)
-        detail[name] = {"max_abs_diff_vs_stack": diff}
+        detail[name] = {"max_abs_diff_vs_stack": diff, "rel_err_vs_stack": rel}
     commit = (
         os.environ.get("HYBRIDCACHE_COMMIT")
         or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -22,6 +22,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import math
 import threading
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from hybridcache.services.config import KERNELS, RuntimeConfig, sdpa_backend_nam
 
 MOE_PATHS = ("auto", "grouped_mm", "triton", "pairs", "loop")
 GEMV_PATHS = ("auto", "cublas")
+FOLD_PATHS = ("auto", "chain", "blocked")
 # Token-expert pairs up to which CUDA takes the pair-major kernels (kernels/ops/moe/triton.py
 # pair_experts). They read each pair's expert weights, where the sorted kernels read each distinct
 # expert's once: n k pairs over E experts hit E (1 - (1 - 1/E)^(n k)) distinct ones. At 64 pairs of
@@ -72,6 +74,10 @@ class OpDispatch:
     # one-row linear layers (linear): "auto" takes the Triton GEMV for the weight shapes where
     # plan_gemv measured it faster; "cublas" always runs torch's linear (benchmarks compare them)
     gemv: str = "auto"
+    # a planned assembly's fold from address tables (fold_chunk): "chain" one launch of N dependent
+    # steps, "blocked" the blocked scan of compose_states_table(chunk=...), "auto" what
+    # FOLD_AUTO_BLOCKED says (tools/fold_bench.py times them)
+    fold: str = "auto"
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -80,6 +86,8 @@ class OpDispatch:
             raise ValueError(f"moe must be one of {', '.join(MOE_PATHS)}, got {self.moe!r}")
         if self.gemv not in GEMV_PATHS:
             raise ValueError(f"gemv must be one of {', '.join(GEMV_PATHS)}, got {self.gemv!r}")
+        if self.fold not in FOLD_PATHS:
+            raise ValueError(f"fold must be one of {', '.join(FOLD_PATHS)}, got {self.fold!r}")
         sdpa_backend_names(self.sdpa_backends)
 
     @classmethod
@@ -818,6 +826,23 @@ def fused_silu_mul(gate, up):
     from hybridcache.kernels.ops.activation.triton import silu_mul
 
     return silu_mul(gate, up)
+
+
+# whether OpDispatch.fold "auto" takes the blocked scan (from compose_triton.default_fold_chunk's
+# pair count on)
+FOLD_AUTO_BLOCKED = False
+
+
+def fold_chunk(pairs: int) -> int:
+    """The chunk length of a planned fold of `pairs` pairs (compose_states_table's chunk; 0: one
+    chain), by OpDispatch.fold: "blocked" about sqrt(pairs) at any count, "auto" the blocked scan
+    where FOLD_AUTO_BLOCKED and compose_triton.default_fold_chunk take it."""
+    from hybridcache.kernels.ops.transition.compose_triton import default_fold_chunk
+
+    how = _DISPATCH.get().fold
+    if how == "blocked":
+        return max(2, math.isqrt(pairs))
+    return default_fold_chunk(pairs) if how == "auto" and FOLD_AUTO_BLOCKED else 0
 
 
 def moe_path(x, gate_up, down, top_k: int | None = None) -> str:
