@@ -42,11 +42,10 @@ from hybridcache.kernels.ops.moe import (
 )
 from hybridcache.kernels.ops.simple_gla.naive import naive_lightning_attention, naive_recurrent_simple_gla
 from hybridcache.kernels.ops.transition import apply_segment
-from hybridcache.services.config import KERNELS, RuntimeConfig, sdpa_backend_names
+from hybridcache.services.config import FOLDS, KERNELS, RuntimeConfig, sdpa_backend_names
 
 MOE_PATHS = ("auto", "grouped_mm", "triton", "pairs", "loop")
 GEMV_PATHS = ("auto", "cublas")
-FOLD_PATHS = ("auto", "chain", "blocked")
 # Token-expert pairs up to which CUDA takes the pair-major kernels (kernels/ops/moe/triton.py
 # pair_experts). They read each pair's expert weights, where the sorted kernels read each distinct
 # expert's once: n k pairs over E experts hit E (1 - (1 - 1/E)^(n k)) distinct ones. At 64 pairs of
@@ -74,10 +73,10 @@ class OpDispatch:
     # one-row linear layers (linear): "auto" takes the Triton GEMV for the weight shapes where
     # plan_gemv measured it faster; "cublas" always runs torch's linear (benchmarks compare them)
     gemv: str = "auto"
-    # a planned assembly's fold from address tables (fold_chunk): "chain" one launch of N dependent
-    # steps, "blocked" the blocked scan of compose_states_table(chunk=...), "auto" what
-    # FOLD_AUTO_BLOCKED says (tools/fold_bench.py times them)
-    fold: str = "auto"
+    # a planned assembly's fold from address tables (RuntimeConfig.fold, fold_chunk): "chain" one
+    # launch of N dependent steps, "blocked" the blocked scan of compose_states_table(chunk=...),
+    # "auto" what FOLD_AUTO_BLOCKED says (tools/fold_bench.py times them)
+    fold: str = RuntimeConfig.fold
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -86,13 +85,13 @@ class OpDispatch:
             raise ValueError(f"moe must be one of {', '.join(MOE_PATHS)}, got {self.moe!r}")
         if self.gemv not in GEMV_PATHS:
             raise ValueError(f"gemv must be one of {', '.join(GEMV_PATHS)}, got {self.gemv!r}")
-        if self.fold not in FOLD_PATHS:
-            raise ValueError(f"fold must be one of {', '.join(FOLD_PATHS)}, got {self.fold!r}")
+        if self.fold not in FOLDS:
+            raise ValueError(f"fold must be one of {', '.join(FOLDS)}, got {self.fold!r}")
         sdpa_backend_names(self.sdpa_backends)
 
     @classmethod
     def of(cls, config: RuntimeConfig) -> OpDispatch:
-        return cls(config.kernels, config.sdpa_backends)
+        return cls(config.kernels, config.sdpa_backends, fold=config.fold)
 
 
 DEFAULT_DISPATCH = OpDispatch()
