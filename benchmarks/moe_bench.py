@@ -281,13 +281,16 @@ def block_figures(cfg, device, dtype, token_counts, figures, bw_gbs):
             candidates.append((f"triton_m{c.block_m}_n{c.block_n}_k{c.block_k}_w{c.num_warps}_s{c.num_stages}",
                                "triton", c))
         # the pair-major kernels (router, routed and shared experts in three launches) at their
-        # default tiles and six others, up to PAIR_TOKENS tokens
+        # default tiles and others (_once: PairConfig.reduce_once), up to PAIR_TOKENS tokens
         candidates.append(("pairs", "pairs", None))
+        once = dict(reduce_once=True)
         for c in (moe_triton.PairConfig(16, 256, 16, 256, 4), moe_triton.PairConfig(4, 512, 4, 512, 4),
                   moe_triton.PairConfig(8, 512, 8, 512, 8), moe_triton.PairConfig(16, 512, 16, 512, 8),
-                  moe_triton.PairConfig(32, 128, 32, 128, 4), moe_triton.PairConfig(4, 256, 8, 256, 2)):
-            candidates.append((f"pairs_n{c.gate_up_n}_k{c.gate_up_k}_dn{c.down_n}_dk{c.down_k}_w{c.num_warps}",
-                               "pairs", c))
+                  moe_triton.PairConfig(32, 128, 32, 128, 4), moe_triton.PairConfig(4, 256, 8, 256, 2),
+                  moe_triton.PairConfig(8, 256, 8, 256, 4, **once), moe_triton.PairConfig(4, 512, 4, 512, 4, **once),
+                  moe_triton.PairConfig(8, 512, 8, 512, 8, **once), moe_triton.PairConfig(16, 256, 16, 256, 8, **once)):
+            name = f"pairs_n{c.gate_up_n}_k{c.gate_up_k}_dn{c.down_n}_dk{c.down_k}_w{c.num_warps}"
+            candidates.append((name + ("_once" if c.reduce_once else ""), "pairs", c))
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # within the activation dtype's rounding of the loop
     gen = torch.Generator().manual_seed(0)
     for n in token_counts:

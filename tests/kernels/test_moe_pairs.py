@@ -17,6 +17,7 @@ from hybridcache.services.runtime.modelzoo import hf_config
 from kernel_testing import PairConfig, device, fused_experts, pair_experts, rel_rms, softmax_top_k
 
 SMALL = PairConfig(gate_up_n=8, gate_up_k=16, down_n=8, down_k=16)  # several tiles, masked tails
+SMALL_ONCE = dataclasses.replace(SMALL, reduce_once=True)  # one reduction across the tile at the end
 # one tile a program at the tiny models' widths: fewer programs for the interpreter to run
 WIDE = PairConfig(gate_up_n=64, gate_up_k=64, down_n=64, down_k=64)
 
@@ -56,8 +57,11 @@ def problem(E, h, inter, n, k, inter_s=0, gated=True, same=False, dtype=torch.fl
     (9, 21, 20, 9, 2, 0, False, False, PairConfig()),
     (5, 40, 24, 4, 2, 24, True, True, SMALL),
     (6, 19, 9, 3, 4, 30, True, False, PairConfig()),
+    (7, 45, 22, 5, 3, 17, True, False, SMALL_ONCE),
+    (6, 19, 9, 3, 4, 30, True, True, PairConfig(reduce_once=True)),
 ], ids=["E7-h45-I22-n1-k1", "E7-h45-I22-n5-k3-gated", "E9-h33-I20-n2-k8-ungated", "E9-h21-I20-n9-k2-default",
-        "E5-h40-I24-n4-k2-same", "E6-h19-I9-n3-k4-Is30-default"])
+        "E5-h40-I24-n4-k2-same", "E6-h19-I9-n3-k4-Is30-default", "E7-h45-I22-n5-k3-gated-reduce-once",
+        "E6-h19-I9-n3-k4-Is30-same-reduce-once"])
 def test_pair_kernels_equal_the_loop(E, h, inter, n, k, inter_s, gated, same, cfg):
     """Odd widths (masked tails of several tiles, or of one default tile), E not a power of two,
     tokens that share experts (all of them the same k in one case), a shared expert wider or

@@ -188,6 +188,9 @@ class PairConfig:
     down_n: int = 8
     down_k: int = 256
     num_warps: int = 4
+    # products summed into a [n, k] fp32 tile over the whole loop and reduced across it once at
+    # the end, instead of a cross-thread reduction a step (benchmarks/moe_bench.py times both)
+    reduce_once: bool = False
 
 
 # the tiles pair_experts runs without a config (benchmarks/moe_bench.py times others beside them)
@@ -200,6 +203,7 @@ def moe_pair_gate_up_kernel(
     s_xm, s_we, s_wn, s_sg, s_su, s_am,
     TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, I_S: tl.constexpr,
     HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    REDUCE_ONCE: tl.constexpr,
 ):
     """Program (p, i_n): act[p, tile] = silu(gate @ x[t]) * (up @ x[t]) over the tile's channels,
     pair p < P of token t = p // TOP_K and expert top_i[p], or (HAS_SHARED) p = P + t the shared
@@ -224,6 +228,8 @@ def moe_pair_gate_up_kernel(
     p_x = x + i_t.to(tl.int64) * s_xm
     b_ag = tl.zeros([BN], dtype=tl.float32)
     b_au = tl.zeros([BN], dtype=tl.float32)
+    b_pg = tl.zeros([BN, BK], dtype=tl.float32)
+    b_pu = tl.zeros([BN, BK], dtype=tl.float32)
     b_l = tl.zeros([BK], dtype=tl.float32)
     for k0 in tl.static_range(0, H, BK):
         m_k = k0 + o_k < H
@@ -231,10 +237,17 @@ def moe_pair_gate_up_kernel(
         m_w = m_n[:, None] & m_k[None, :]
         b_g = tl.load(p_g + k0 + o_k[None, :], mask=m_w, other=0.0).to(tl.float32)
         b_u = tl.load(p_u + k0 + o_k[None, :], mask=m_w, other=0.0).to(tl.float32)
-        b_ag += tl.sum(b_g * b_x[None, :], axis=1)
-        b_au += tl.sum(b_u * b_x[None, :], axis=1)
+        if REDUCE_ONCE:
+            b_pg += b_g * b_x[None, :]
+            b_pu += b_u * b_x[None, :]
+        else:
+            b_ag += tl.sum(b_g * b_x[None, :], axis=1)
+            b_au += tl.sum(b_u * b_x[None, :], axis=1)
         if HAS_GATE:
             b_l += tl.load(sl + k0 + o_k, mask=k0 + o_k < gate_k, other=0.0).to(tl.float32) * b_x
+    if REDUCE_ONCE:
+        b_ag = tl.sum(b_pg, axis=1)
+        b_au = tl.sum(b_pu, axis=1)
     b_y = b_ag * tl.sigmoid(b_ag) * b_au
     tl.store(act + i_p.to(tl.int64) * s_am + o_n, b_y, mask=m_n)
     if HAS_GATE:
@@ -247,6 +260,7 @@ def moe_pair_down_kernel(
     s_am, s_we, s_wn, s_sd, s_om,
     TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, I_S: tl.constexpr,
     HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    REDUCE_ONCE: tl.constexpr,
 ):
     """Program (t, i_n): out[t, tile] = sum_j top_w[t, j] * down[top_i[t, j]] @ act[t k + j]
     (+ sigmoid(logit[t]) * shared_down @ act[P + t]), fp32 throughout, one store."""
@@ -255,6 +269,7 @@ def moe_pair_down_kernel(
     m_n = o_n < H
     o_k = tl.arange(0, BK)
     b_o = tl.zeros([BN], dtype=tl.float32)
+    b_p = tl.zeros([BN, BK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         i_p = i_t * TOP_K + j
         e = tl.load(top_i + i_p).to(tl.int64)
@@ -266,8 +281,14 @@ def moe_pair_down_kernel(
             m_k = k0 + o_k < I
             b_a = tl.load(p_a + k0 + o_k, mask=m_k, other=0.0)
             b_w = tl.load(p_w + k0 + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_y += tl.sum(b_w * b_a[None, :], axis=1)
-        b_o += b_rw * b_y
+            if REDUCE_ONCE:
+                b_p += b_w * (b_rw * b_a)[None, :]
+            else:
+                b_y += tl.sum(b_w * b_a[None, :], axis=1)
+        if not REDUCE_ONCE:
+            b_o += b_rw * b_y
+    if REDUCE_ONCE:
+        b_o = tl.sum(b_p, axis=1)
     if HAS_SHARED:
         p_w = sd + o_n[:, None].to(tl.int64) * s_sd
         p_a = act + (P + i_t).to(tl.int64) * s_am
@@ -320,7 +341,7 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top
     sg, su, sd = (gate_up, gate_up, down) if shared is None else (shared.gate, shared.up, shared.down)
     sl = shared.gate_logit.reshape(-1) if has_gate else x
     common = dict(TOP_K=k, H=h, I=inter, I_S=inter_s, HAS_SHARED=shared is not None, HAS_GATE=has_gate,
-                  num_warps=cfg.num_warps)
+                  REDUCE_ONCE=cfg.reduce_once, num_warps=cfg.num_warps)
     moe_pair_gate_up_kernel[(rows, triton.cdiv(max(inter, inter_s), cfg.gate_up_n))](
         x, gate_up, top_i, act, sg, su, sl, logit, P,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), su.stride(0), act.stride(0),
