@@ -289,14 +289,6 @@ def main(argv=None) -> int:
     results = dict(previous.get("results", {}))
     runs = dict(previous.get("runs", {}))
     reqs = long_requests(args, random.Random(args.seed))
-    for phase in phases:
-        t0 = time.perf_counter()
-        if phase == "itl":
-            results["itl"] = run_itl(args, random.Random(args.seed + 1))
-        else:
-            results[phase] = run_long(args, phase, reqs)
-        print(f"served_long_prompt: {phase}: {json.dumps(results[phase])[:2000]}", file=sys.stderr, flush=True)
-        runs[phase] = {"seconds": round(time.perf_counter() - t0, 1)}
     gpu = "none (CPU)"
     if args.device == "cuda":
         probe = subprocess.run([sys.executable, "-P", "-c", "import torch; print(torch.cuda.get_device_name(0))"],
@@ -304,23 +296,40 @@ def main(argv=None) -> int:
         gpu = probe.stdout.strip() or "unknown"
     facts = run_facts(__file__, argv)
     commit, date, command = facts["commit"], facts["date"], facts["command"]
-    for phase in phases:
-        runs[phase].update(commit=commit, date=date, gpu=gpu, command=command)
+
+    def result(final: bool) -> dict:
+        failed = failures(results)
+        if final:
+            for phase, what in failed:
+                print(f"served_long_prompt: error: {phase}: {what}", file=sys.stderr)
+        return {"benchmark": "served_long_prompt", "figures": figures_of(results),
+                "failures": [f"{phase}: {what}" for phase, what in failed],
+                "targets": {"itl_p99_during_long_prefill_vs_steady": "<= 3",
+                            "warm_pic_ttft_speedup_vs_prefix_128k": ">= 30", "cold_pic_ttft_vs_full_128k": "<= 1.0"},
+                "results": results, "runs": runs, "gpu": gpu, "commit": commit, "date": date, "host": facts["host"],
+                "seconds": round(time.perf_counter() - t_start, 1), "command": command, "model": str(args.model),
+                "dtype": args.dtype, "up_args": args.up_args,
+                "floors": "a prefill's floor is its FLOPs: pic's warm request runs its live tokens only (seams and the "
+                          "question), the prefix and full peers all of the prompt; see "
+                          "benchmarks/served_pic_layouts.py for a warm request against its byte and FLOP floor",
+                "note": "TTFT from sending the request to its first streamed token; ITL from the streams' token "
+                        "arrival times (steady: before the long prompt is sent; during: between its sending and its "
+                        "first token)"}
+
+    for i, phase in enumerate(phases):
+        t0 = time.perf_counter()
+        if phase == "itl":
+            results["itl"] = run_itl(args, random.Random(args.seed + 1))
+        else:
+            results[phase] = run_long(args, phase, reqs)
+        print(f"served_long_prompt: {phase}: {json.dumps(results[phase])[:2000]}", file=sys.stderr, flush=True)
+        runs[phase] = {"seconds": round(time.perf_counter() - t0, 1), "commit": commit, "date": date, "gpu": gpu,
+                       "command": command}
+        if args.out and i < len(phases) - 1:
+            # the phases so far, in case a later one is cut short (a device call's time limit)
+            args.out.write_text(json.dumps(result(False), indent=1) + "\n")
+    out = result(True)
     failed = failures(results)
-    for phase, what in failed:
-        print(f"served_long_prompt: error: {phase}: {what}", file=sys.stderr)
-    out = {"benchmark": "served_long_prompt", "figures": figures_of(results),
-           "failures": [f"{phase}: {what}" for phase, what in failed],
-           "targets": {"itl_p99_during_long_prefill_vs_steady": "<= 3", "warm_pic_ttft_speedup_vs_prefix_128k": ">= 30",
-                       "cold_pic_ttft_vs_full_128k": "<= 1.0"},
-           "results": results, "runs": runs, "gpu": gpu, "commit": commit, "date": date, "host": facts["host"],
-           "seconds": round(time.perf_counter() - t_start, 1), "command": command, "model": str(args.model),
-           "dtype": args.dtype, "up_args": args.up_args,
-           "floors": "a prefill's floor is its FLOPs: pic's warm request runs its live tokens only (seams and the "
-                     "question), the prefix and full peers all of the prompt; see benchmarks/served_pic_layouts.py "
-                     "for a warm request against its byte and FLOP floor",
-           "note": "TTFT from sending the request to its first streamed token; ITL from the streams' token arrival "
-                   "times (steady: before the long prompt is sent; during: between its sending and its first token)"}
     rc = emit(out, args.out)
     return rc or (1 if failed else 0)
 
