@@ -281,7 +281,8 @@ def block_figures(cfg, device, dtype, token_counts, figures, bw_gbs):
             candidates.append((f"triton_m{c.block_m}_n{c.block_n}_k{c.block_k}_w{c.num_warps}_s{c.num_stages}",
                                "triton", c))
         # the pair-major kernels (router, routed and shared experts in three launches) at their
-        # default tiles and others (_once: PairConfig.reduce_once), up to PAIR_TOKENS tokens
+        # tiles pair_config picks by the token count ("pairs") and others (_once: PairConfig.reduce_once), up to
+        # PAIR_TOKENS tokens
         candidates.append(("pairs", "pairs", None))
         once = dict(reduce_once=True)
         for c in (moe_triton.PairConfig(16, 256, 16, 256, 4), moe_triton.PairConfig(4, 512, 4, 512, 4),

@@ -250,3 +250,22 @@ def test_pair_path_equals_the_sorted_kernel_bf16_gpu_without_host_sync(n):
     want_w, want_i = common.softmax_top_k(logits, 8, True, torch.bfloat16)
     assert torch.equal(got_i, want_i)
     torch.testing.assert_close(got_w, want_w, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_default_tiles_by_token_count(n):
+    """Without a config pair_experts takes the tiles of its token count (one token, or more), both
+    summing once at the end, and equals the loop; a pinned PAIR_CONFIG overrides both."""
+    import hybridcache.kernels.ops.moe.triton as moe_triton
+
+    want = moe_triton.ONE_TOKEN_PAIRS if n == 1 else moe_triton.FEW_TOKEN_PAIRS
+    assert moe_triton.pair_config(n) == want and want.reduce_once
+    x, gu, d, ti, tw, shared = problem(6, 19, 9, n, 4, 30, True, False)
+    ref = naive_experts(x, gu, d, ti, tw) + naive_shared_expert(x, shared)
+    got = pair_experts(x, gu, d, ti, tw, shared)
+    assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    try:
+        moe_triton.PAIR_CONFIG = SMALL
+        assert moe_triton.pair_config(n) == SMALL
+    finally:
+        moe_triton.PAIR_CONFIG = None

@@ -193,8 +193,18 @@ class PairConfig:
     reduce_once: bool = False
 
 
-# the tiles pair_experts runs without a config (benchmarks/moe_bench.py times others beside them)
-PAIR_CONFIG = PairConfig()
+# The tiles pair_experts runs without a config (pair_config): the MoE block's fastest graphed
+# tiles in benchmarks/moe_bench.py's block section on an H100 at one token and at 32
+# (benchmarks/results/moe_bench_h100_d461794.json); PAIR_CONFIG, when set, for every count (the
+# benchmark pins each candidate there).
+ONE_TOKEN_PAIRS = PairConfig(4, 512, 4, 512, 4, reduce_once=True)
+FEW_TOKEN_PAIRS = PairConfig(8, 256, 8, 256, 4, reduce_once=True)
+PAIR_CONFIG: PairConfig | None = None
+
+
+def pair_config(n: int) -> PairConfig:
+    """The tiles of pair_experts for n tokens (PAIR_CONFIG where set)."""
+    return PAIR_CONFIG or (ONE_TOKEN_PAIRS if n == 1 else FEW_TOKEN_PAIRS)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -330,7 +340,7 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top
     out = torch.empty_like(x)
     if n == 0:
         return out
-    cfg = config or PAIR_CONFIG
+    cfg = config or pair_config(n)
     x = x if x.stride(-1) == 1 else x.contiguous()
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
     P = n * k
