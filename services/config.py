@@ -27,7 +27,6 @@ POLICIES = ("checkpoint", "suffix_replay", "exact_replay")
 ANCHOR_DTYPES = ("bfloat16", "float8_e4m3fn")  # besides "model" (the model's dtype)
 DEVICES = ("cpu", "cuda")
 KERNELS = ("auto", "reference")
-FOLDS = ("auto", "chain", "blocked")
 SDPA_BACKEND_NAMES = ("flash", "efficient", "cudnn", "math")
 DTYPES = ("float32", "bfloat16")
 # `hybridcache serve` roles that build an engine: scatter and combine workers run the model; the
@@ -348,15 +347,10 @@ class RuntimeConfig:
     cuda_graph_shapes: int = setting(
         4, "assembly buckets (and exact layout shapes of forwards outside the scheduler) whose CUDA graphs are "
         "kept, least recently used dropped", section="devices")
-    # The three below choose the op implementations (services/runtime/backends.py) of the engine's runner.
+    # The two below choose the op implementations (services/runtime/backends.py) of the engine's runner.
     kernels: str = setting(
         "auto", "auto: the fast kernels (fla, Triton) for CUDA tensors and the PyTorch references elsewhere; "
         "reference: the references everywhere (to compare against)", choices=KERNELS, section="devices")
-    fold: str = setting(
-        "auto", "a planned assembly's fold of cached segments into the running state on CUDA: chain (one launch "
-        "of a step per segment and seam run, in sequence), blocked (a blocked scan: chunks folded in parallel, "
-        "then chained; less latency for many segments) or auto (the one the project's GPU timing chose: "
-        "backends.FOLD_AUTO_BLOCKED)", choices=FOLDS, section="devices")
     # cuDNN's attention is left out by default: it builds an execution graph for every new shape,
     # and every request has its own context length and live-token count, as does every decode step.
     sdpa_backends: str = setting(

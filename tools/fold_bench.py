@@ -11,9 +11,7 @@ Variants, same inputs, timed in the same run:
 - `blocks_prefetch`: the same with the next step's addresses loaded a step ahead;
 - `blocks_prefetch_w4`: as blocks_prefetch with 4 warps a program instead of 8;
 - `table`: compose_states_table over device address tables (the planned assembly's fold, as its
-  CUDA graphs run it: no host table per call), one chain of dependent steps;
-- `table_blocked_L`: the same as a blocked scan of chunks of L pairs (compose_states_table's
-  chunk; L = default_fold_chunk's, and half and twice it).
+  CUDA graphs run it: no host table a call).
 
 Per variant: GPU time of one fold (CUDA events around `--iters` folds, divided), host time of one
 fold's calls (the host returning from the call, without waiting for the GPU), and the largest
@@ -53,7 +51,6 @@ def main(argv=None) -> int:
         compose_states_blocks,
         compose_states_fwd,
         compose_states_table,
-        default_fold_chunk,
     )
 
     torch.manual_seed(0)
@@ -87,11 +84,6 @@ def main(argv=None) -> int:
 
     t_tab = torch.tensor([address(b) for b in Ts], device=dev)
     s_tab = torch.tensor([address(b) for b in Ss], device=dev)
-
-    def table(chunk):
-        return lambda: compose_states_table(t_tab, s_tab, runs_T, runs_S, h0[0], output_all=True, chunk=chunk)[1]
-
-    L = default_fold_chunk(len(Ts)) or max(2, int(len(Ts) ** 0.5))
     variants = {
         "stack": stack,
         "blocks": lambda: compose_states_blocks(Ts, Ss, h0[0], output_all=True)[1],
@@ -99,8 +91,7 @@ def main(argv=None) -> int:
         "blocks_prefetch_w4": lambda: compose_states_blocks(
             Ts, Ss, h0[0], output_all=True, prefetch_addresses=True, num_warps=4
         )[1],
-        "table": table(0),
-        **{f"table_blocked_{c}": table(c) for c in sorted({max(2, L // 2), L, 2 * L})},
+        "table": lambda: compose_states_table(t_tab, s_tab, runs_T, runs_S, h0[0], output_all=True)[1],
     }
     ref = stack()
     figures, detail = {}, {}

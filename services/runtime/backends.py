@@ -22,7 +22,6 @@ import contextlib
 import contextvars
 import functools
 import importlib
-import math
 import threading
 from dataclasses import dataclass
 
@@ -42,7 +41,7 @@ from hybridcache.kernels.ops.moe import (
 )
 from hybridcache.kernels.ops.simple_gla.naive import naive_lightning_attention, naive_recurrent_simple_gla
 from hybridcache.kernels.ops.transition import apply_segment
-from hybridcache.services.config import FOLDS, KERNELS, RuntimeConfig, sdpa_backend_names
+from hybridcache.services.config import KERNELS, RuntimeConfig, sdpa_backend_names
 
 MOE_PATHS = ("auto", "grouped_mm", "triton", "pairs", "loop")
 GEMV_PATHS = ("auto", "cublas")
@@ -73,10 +72,6 @@ class OpDispatch:
     # one-row linear layers (linear): "auto" takes the Triton GEMV for the weight shapes where
     # plan_gemv measured it faster; "cublas" always runs torch's linear (benchmarks compare them)
     gemv: str = "auto"
-    # a planned assembly's fold from address tables (RuntimeConfig.fold, fold_chunk): "chain" one
-    # launch of N dependent steps, "blocked" the blocked scan of compose_states_table(chunk=...),
-    # "auto" what FOLD_AUTO_BLOCKED says (tools/fold_bench.py times them)
-    fold: str = RuntimeConfig.fold
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -85,13 +80,11 @@ class OpDispatch:
             raise ValueError(f"moe must be one of {', '.join(MOE_PATHS)}, got {self.moe!r}")
         if self.gemv not in GEMV_PATHS:
             raise ValueError(f"gemv must be one of {', '.join(GEMV_PATHS)}, got {self.gemv!r}")
-        if self.fold not in FOLDS:
-            raise ValueError(f"fold must be one of {', '.join(FOLDS)}, got {self.fold!r}")
         sdpa_backend_names(self.sdpa_backends)
 
     @classmethod
     def of(cls, config: RuntimeConfig) -> OpDispatch:
-        return cls(config.kernels, config.sdpa_backends, fold=config.fold)
+        return cls(config.kernels, config.sdpa_backends)
 
 
 DEFAULT_DISPATCH = OpDispatch()
@@ -825,23 +818,6 @@ def fused_silu_mul(gate, up):
     from hybridcache.kernels.ops.activation.triton import silu_mul
 
     return silu_mul(gate, up)
-
-
-# whether OpDispatch.fold "auto" takes the blocked scan (from compose_triton.default_fold_chunk's
-# pair count on)
-FOLD_AUTO_BLOCKED = False
-
-
-def fold_chunk(pairs: int) -> int:
-    """The chunk length of a planned fold of `pairs` pairs (compose_states_table's chunk; 0: one
-    chain), by OpDispatch.fold: "blocked" about sqrt(pairs) at any count, "auto" the blocked scan
-    where FOLD_AUTO_BLOCKED and compose_triton.default_fold_chunk take it."""
-    from hybridcache.kernels.ops.transition.compose_triton import default_fold_chunk
-
-    how = _DISPATCH.get().fold
-    if how == "blocked":
-        return max(2, math.isqrt(pairs))
-    return default_fold_chunk(pairs) if how == "auto" and FOLD_AUTO_BLOCKED else 0
 
 
 def moe_path(x, gate_up, down, top_k: int | None = None) -> str:

@@ -41,7 +41,6 @@ from hybridcache.kernels.ops.transition.compose_triton import (  # noqa: E402
     compose_states_blocks,
     compose_states_fwd,
     compose_states_table,
-    default_fold_chunk,
 )
 
 __all__ = [
@@ -55,7 +54,6 @@ __all__ = [
     "compose_states_blocks",
     "compose_states_fwd",
     "compose_states_table",
-    "default_fold_chunk",
     "device",
     "GEMV_CONFIGS",
     "gemv",

@@ -127,17 +127,3 @@ def test_live_mask_kept_per_positions_tensor():
     assert torch.equal(backends._live_mask(pos.clone(), 12, 2), want)
     pos += 1  # modified in place: rebuilt
     assert torch.equal(backends._live_mask(pos, 12, 2), (torch.arange(12)[None, :] <= pos[:, None]).repeat(2, 1))
-
-
-def test_fold_dispatch_from_the_config():
-    """RuntimeConfig.fold reaches the runner's OpDispatch; fold_chunk follows it (blocked: about
-    sqrt of the pairs at any count; chain: one chain); a bad choice is refused."""
-    from hybridcache.services.config import RuntimeConfig
-
-    assert backends.OpDispatch.of(RuntimeConfig(fold="blocked")).fold == "blocked"
-    with backends.dispatching(backends.OpDispatch(fold="blocked")):
-        assert backends.fold_chunk(65) == 8 and backends.fold_chunk(5) == 2
-    with backends.dispatching(backends.OpDispatch(fold="chain")):
-        assert backends.fold_chunk(65) == 0
-    with pytest.raises(ValueError, match="fold must be one of"):
-        backends.OpDispatch(fold="tree")

@@ -7,7 +7,6 @@ from kernel_testing import (
     compose_states_blocks,
     compose_states_fwd,
     compose_states_table,
-    default_fold_chunk,
     device,
     rel_rms,
     scattered_blocks,
@@ -170,45 +169,6 @@ def test_compose_table_made_on_the_device():
     assert rel_rms(states[6], states[4]) < 1e-6 and torch.equal(final, states[6])
     with pytest.raises(ValueError, match="int64"):
         compose_states_table(t_tab.int(), s_tab, stack_T, stack_S, h0)
-
-
-def _tables(T, S):
-    """Device address tables of each pair's [G, K, K] / [G, K, V] block of T, S (kept by the caller)."""
-    size_t, size_s = T[0].numel() * T.element_size(), S[0].numel() * S.element_size()
-    n = torch.arange(T.shape[0], device=device())
-    return T.data_ptr() + n * size_t, S.data_ptr() + n * size_s
-
-
-@pytest.mark.parametrize("chunk", [1, 2, 3, 6])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_init", [False, True])
-def test_compose_table_blocked_scan_equals_one_chain(chunk, dtype, with_init):
-    """The fold as a blocked scan (chunks' products, their fold, each chunk again from the state
-    entering it) gives every state of the one-chain fold and of the reference, on odd shapes:
-    7 pairs (a last chunk shorter than the others), K = 20, V = 12, 3 heads."""
-    T, S = make_segments(7, 3, 20, 12, dtype)
-    h0 = torch.randn(3, 20, 12, device=device()) if with_init else None
-    t_tab, s_tab = _tables(T, S)
-    one_final, one = compose_states_table(t_tab, s_tab, T, S, h0, output_all=True)
-    final, states = compose_states_table(t_tab, s_tab, T, S, h0, output_all=True, chunk=chunk)
-    assert states.shape == (7, 3, 20, 12) and states.dtype == torch.float32
-    assert torch.allclose(states, one, rtol=1e-5, atol=1e-5)
-    assert torch.equal(final, states[-1])
-    for i in range(7):
-        assert rel_rms(states[i], reference(T[: i + 1], S[: i + 1], h0)) < 1e-5
-    # the pairs' order is the fold's
-    _, rev = compose_states_table(t_tab.flip(0), s_tab.flip(0), T, S, h0, output_all=True, chunk=chunk)
-    assert rel_rms(rev[-1], one_final) > 1e-2
-
-
-def test_compose_table_blocked_scan_arguments():
-    T, S = make_segments(4, 1, 16, 16, torch.float32)
-    t_tab, s_tab = _tables(T, S)
-    with pytest.raises(ValueError, match="output_all"):
-        compose_states_table(t_tab, s_tab, T, S, chunk=2)
-    with pytest.raises(ValueError, match="chunk -1"):
-        compose_states_table(t_tab, s_tab, T, S, output_all=True, chunk=-1)
-    assert default_fold_chunk(10) == 0 and default_fold_chunk(65) == 8 and default_fold_chunk(24) == 4
 
 
 def test_compose_blocks_rejects_bad_blocks():

@@ -4,7 +4,6 @@ table path a GPU takes, against the exact eager pass over the layout."""
 
 import pytest
 import torch
-from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.engine import Engine, EngineConfig
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models import assembly
@@ -14,9 +13,7 @@ from kernel_testing import device
 
 
 @pytest.mark.skipif(device() != "cpu", reason="the GPU takes this path anyway (test_assembly_graphs_gpu.py)")
-@pytest.mark.parametrize("fold", ["chain", "blocked"])
-def test_the_fold_from_tables_equals_the_eager_pass(qwen35_dir, monkeypatch, fold):
-    """fold: one chain of dependent steps, or the blocked scan (compose_states_table's chunks)."""
+def test_the_fold_from_tables_equals_the_eager_pass(qwen35_dir, monkeypatch):
     eng = Engine(load_model(qwen35_dir), Tokenizer.from_dir(qwen35_dir), EngineConfig(mode="pic"))
     gen = torch.Generator().manual_seed(4)
 
@@ -32,15 +29,7 @@ def test_the_fold_from_tables_equals_the_eager_pass(qwen35_dir, monkeypatch, fol
     extend_pages(job.state, job.layout[-1].end - job.state.length)
     monkeypatch.setattr(assembly, "tables_apply", lambda state: True)
     plan = assembly.plan_assembly(eng.model, job.state, job.layout, job.snapshot_after)
-    from hybridcache.kernels.ops.transition import compose_triton  # after kernel_testing: the interpreter
-
-    chunks = []
-    table = compose_triton.compose_states_table
-    monkeypatch.setattr(compose_triton, "compose_states_table",
-                        lambda *a, **kw: chunks.append(kw.get("chunk", 0)) or table(*a, **kw))
-    with backends.dispatching(backends.OpDispatch(fold=fold)):
-        logits, rec = eng.model.forward_planned(job.state, plan)
-    assert chunks and all((c > 1) == (fold == "blocked") for c in chunks)
+    logits, rec = eng.model.forward_planned(job.state, plan)
     assert plan.tables and set(plan.span_T) == set(ref_state.linear)
     # the tables point at each span's T and S where they lie, 0 at the sub-runs' pairs
     layer = next(iter(ref_state.linear))

@@ -13,7 +13,6 @@ Entries may be stored in bf16 or fp32; the running state is fp32. The reference 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -292,115 +291,6 @@ def compose_states_blocks(
     return _launch(table[:N], table[N:], Tref, Sref, N, G, K, V, *args)
 
 
-# The fold as a blocked scan, for latency: the chain of N dependent steps above becomes three
-# launches of depth about 2 sqrt(N) + sqrt(N). With the pairs cut into c chunks of L:
-#   1. each chunk but the last, in parallel: its transition product A_j = T_{end-1} ... T_start and
-#      its state from zero B_j, as one fold over K + V columns started from [I | 0] (the
-#      T-columns add no S);
-#   2. the chunks' pairs (A_j, B_j) folded from the initial state, every state out: H_j, the
-#      state after chunk j (compose_states_fwd on the stacked fp32 pairs);
-#   3. each chunk, in parallel, its pairs folded again from the state entering it (H_{j-1}, the
-#      initial state for the first), every state stored.
-
-
-@triton.jit
-def compose_chunk_kernel(
-    T, S, h0, hin, out_a, out_b, hs, Tref, Sref, N, L,
-    G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SPLIT_STATE: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-    PRODUCTS: tl.constexpr,
-):
-    """Program (column block, g, chunk c) over the address tables T, S of N pairs (as
-    compose_states_fwd_kernel's INDIRECT form), the chunk's pairs [c L, min(N, c L + L)).
-    PRODUCTS: columns over K + V, started from [I | 0], the T-columns out to out_a [chunks, G, K, K]
-    and the S-columns to out_b [chunks, G, K, V] (fp32). Else: started from h0 (chunk 0; zeros
-    without USE_INITIAL_STATE) or hin[c - 1] ([chunks, G, K, V] fp32), each pair's state stored
-    to hs [N, G, K, V]."""
-    i_v, i_g, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    start = i_c * L
-    end = tl.minimum(start + L, N)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_kk = m_k[:, None] & m_k[None, :]
-    if PRODUCTS:
-        is_t = o_v < K
-        o_s = o_v - K
-        m_s = m_k[:, None] & ((o_s >= 0) & (o_s < V))[None, :]
-        b_h = tl.where((o_k[:, None] == o_v[None, :]) & m_k[:, None] & is_t[None, :], 1.0, 0.0)
-    else:
-        o_s = o_v
-        m_s = m_k[:, None] & (o_v < V)[None, :]
-        p_h = i_g * K * V + o_k[:, None] * V + o_v[None, :]
-        if i_c == 0:
-            if USE_INITIAL_STATE:
-                b_h = tl.load(h0 + p_h, mask=m_s, other=0.0).to(tl.float32)
-            else:
-                b_h = tl.zeros([BK, BV], dtype=tl.float32)
-        else:
-            b_h = tl.load(hin + (i_c - 1) * G * K * V + p_h, mask=m_s, other=0.0)
-    for i_n in range(start, end):
-        t_base = tl.load(T + i_n).to(Tref.dtype, bitcast=True)
-        s_base = tl.load(S + i_n).to(Sref.dtype, bitcast=True)
-        p_t = t_base + i_g * K * K + o_k[:, None] * K + o_k[None, :]
-        p_s = s_base + i_g * K * V + o_k[:, None] * V + o_s[None, :]
-        b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-        if SPLIT_STATE:
-            b_t = tl.load(p_t, mask=m_kk, other=0.0)
-            b_hi = b_h.to(b_t.dtype)
-            b_lo = (b_h - b_hi.to(tl.float32)).to(b_t.dtype)
-            b_h = tl.dot(b_t, b_hi, b_s)
-            b_h = tl.dot(b_t, b_lo, b_h)
-        else:
-            b_t = tl.load(p_t, mask=m_kk, other=0.0).to(tl.float32)
-            b_h = tl.dot(b_t, b_h, b_s, input_precision=DOT_PRECISION)
-        if not PRODUCTS:
-            tl.store(hs + p_h + i_n * (G * K * V), b_h, mask=m_s)
-    if PRODUCTS:
-        p_a = out_a + (i_c * G + i_g) * K * K + o_k[:, None] * K + o_v[None, :]
-        tl.store(p_a, b_h, mask=m_k[:, None] & is_t[None, :])
-        p_b = out_b + (i_c * G + i_g) * K * V + o_k[:, None] * V + o_s[None, :]
-        tl.store(p_b, b_h, mask=m_s)
-
-
-def default_fold_chunk(n: int) -> int:
-    """The chunk length compose_states_table's blocked scan takes for n pairs: about sqrt(n), so
-    that the three launches' serial depth (L + n / L + L) is least; 0 (one chain) below 24 pairs."""
-    return 0 if n < 24 else max(2, math.isqrt(n))
-
-
-def _chunked(T_table, S_table, Tref, Sref, N, G, K, V, h0, chunk, block_v, precision):
-    """compose_states_table's blocked scan (the comment above compose_chunk_kernel): (ht, hs)."""
-    on_gpu = Sref.is_cuda
-    half_t = Tref.dtype in (torch.bfloat16, torch.float16)
-    BK = max(16, triton.next_power_of_2(K))
-    precision = precision or (("bf16x2" if half_t and BK <= 128 else "tf32x3") if on_gpu else "ieee")
-    split = precision == "bf16x2"
-    if split and not half_t:
-        raise ValueError(f"dot precision bf16x2 needs T in 16 bits, got {Tref.dtype}")
-    chunks = triton.cdiv(N, chunk)
-    warps = 8 if on_gpu and BK >= 128 else 4
-    kw = dict(G=G, K=K, V=V, BK=BK, DOT_PRECISION="ieee" if split else precision, SPLIT_STATE=split,
-              USE_INITIAL_STATE=h0 is not None, num_warps=warps, **({"num_stages": 2} if on_gpu and half_t else {}))
-    dev = Sref.device
-    hs = torch.empty(N, G, K, V, dtype=torch.float32, device=dev)
-    h0c = h0.contiguous() if h0 is not None else None
-    if chunks > 1:
-        wide = triton.next_power_of_2(K + V)
-        bv = block_v or (min(64, max(16, triton.next_power_of_2(V))) if on_gpu else max(16, wide))
-        A = torch.empty(chunks - 1, G, K, K, dtype=torch.float32, device=dev)
-        B = torch.empty(chunks - 1, G, K, V, dtype=torch.float32, device=dev)
-        compose_chunk_kernel[(triton.cdiv(K + V, bv), G, chunks - 1)](
-            T_table, S_table, h0c, hs, A, B, hs, Tref, Sref, N, chunk, BV=bv, PRODUCTS=True, **kw)
-        _, H = compose_states_fwd(A, B, h0c, output_all=True, block_v=block_v)
-    else:
-        H = hs
-    bv = block_v or (min(64, max(16, triton.next_power_of_2(V))) if on_gpu else max(16, triton.next_power_of_2(V)))
-    compose_chunk_kernel[(triton.cdiv(V, bv), G, chunks)](
-        T_table, S_table, h0c, H, hs, hs, hs, Tref, Sref, N, chunk, BV=bv, PRODUCTS=False, **kw)
-    return hs[N - 1], hs
-
-
 def compose_states_table(
     T_table: torch.Tensor,
     S_table: torch.Tensor,
@@ -410,16 +300,13 @@ def compose_states_table(
     output_all: bool = False,
     block_v: int | None = None,
     dot_precision: str | None = None,
-    chunk: int = 0,
 ):
     """compose_states_blocks over address tables already on the device: T_table, S_table [N] int64
     hold the addresses of each segment's contiguous [G, K, K] / [G, K, V] block, of the dtypes of
     Tref / Sref (any tensors of those dtypes, shapes [..., G, K, K] / [..., G, K, V], on the
     device). Made on the device (a CUDA graph's pass computes part of its table there), so nothing
     is checked against the blocks: every address must point at a live block of the right shape and
-    dtype. chunk > 0 (output_all only): the fold as a blocked scan of chunks of that many pairs
-    (three launches of serial depth about 2 chunk + N / chunk instead of one of depth N;
-    default_fold_chunk). Returns as compose_states_fwd."""
+    dtype. Returns as compose_states_fwd."""
     if T_table.dtype != torch.int64 or S_table.dtype != torch.int64 or T_table.shape != S_table.shape:
         raise ValueError(f"tables must be int64 of one shape, got {T_table.dtype} {tuple(T_table.shape)}, "
                          f"{S_table.dtype} {tuple(S_table.shape)}")
@@ -429,10 +316,5 @@ def compose_states_table(
     if initial_state is not None and initial_state.shape != (G, K, V):
         raise ValueError(f"initial_state must be [{G}, {K}, {V}], got {tuple(initial_state.shape)}")
     N = T_table.shape[0]
-    if chunk < 0 or (chunk and not output_all):
-        raise ValueError(f"chunk {chunk}: a blocked scan is for output_all folds, with a chunk length >= 1")
-    if chunk and N > chunk:
-        return _chunked(T_table.contiguous(), S_table.contiguous(), Tref, Sref, N, G, K, V, initial_state, chunk,
-                        block_v, dot_precision)
     args = (initial_state, output_all, block_v, dot_precision, None, None)
     return _launch(T_table.contiguous(), S_table.contiguous(), Tref, Sref, N, G, K, V, *args)

@@ -374,8 +374,7 @@ class LinearMixer(nn.Module):
                                 plan.span_T[layer_idx])
             s_tab = torch.where(on_run, S0_runs.data_ptr() + j * (S0_runs[0].numel() * S0_runs.element_size()),
                                 plan.span_S[layer_idx])
-            _, states = compose_states_table(t_tab, s_tab, T_runs, S0_runs, state_in[0], output_all=True,
-                                             chunk=backends.fold_chunk(t_tab.shape[0]))
+            _, states = compose_states_table(t_tab, s_tab, T_runs, S0_runs, state_in[0], output_all=True)
             return states[:, None]
         Ts, Ss = [], []
         for kind, ref in plan.pairs:
