@@ -322,10 +322,12 @@ def plan_memory(share: int, held: int, transient: int, free: int, kv_min: int, e
     """The cache budgets of a worker that has loaded its model, run its warm-up and captured its
     CUDA graphs (MemoryPlan says what each figure is). `free`: bytes free on the GPU without the
     caches (other processes' share of it is not ours to take: what is left never exceeds it).
-    Budgets given stay as given and come off first; the rest splits by PLAN_SPLIT. `parts` names
-    pieces of `held` for the error line; `advice` says what to change. Raises MemoryPlanError when
-    the K/V budget would be under `kv_min` (what max_num_seqs requests need to start) or what is
-    given does not fit."""
+    Budgets given stay as given and come off first; the rest splits by PLAN_SPLIT, except that an
+    unset K/V budget whose share falls under `kv_min` gets kv_min and the other unset budgets split
+    what remains. `parts` names pieces of `held` for the error line; `advice` says what to change.
+    Raises MemoryPlanError when the K/V budget would be under `kv_min` (what the worker must admit:
+    max_num_seqs requests starting, and its warm-up shape's request) or what is given does not
+    fit."""
     gib = 2**30
     room = min(share - held, free) - transient
     margin = max(PLAN_MARGIN_MIN, int(PLAN_MARGIN_FRACTION * max(room, 0)))
@@ -340,6 +342,14 @@ def plan_memory(share: int, held: int, transient: int, free: int, kv_min: int, e
     out = dict(given)
     for n in unset:
         out[n] = int(max(rest, 0) * PLAN_SPLIT[n] / weight)
+    raised = "kv" in unset and out["kv"] < kv_min < rest and len(unset) > 1
+    if raised:
+        # the K/V's share would refuse a request the worker must take (kv_min): it gets that
+        # much, the other unset budgets split the rest
+        out["kv"] = kv_min
+        others = [n for n in unset if n != "kv"]
+        for n in others:
+            out[n] = int((rest - kv_min) * PLAN_SPLIT[n] / sum(PLAN_SPLIT[m] for m in others))
     held_text = ", ".join(f"{name} {v / gib:.1f}" for name, v in (parts or {}).items())
     how = (f"{share / gib:.1f} GiB share less {held / gib:.1f} held" + (f" ({held_text})" if held_text else "")
            + f", {transient / gib:.1f} warm-up activations and a {margin / gib:.1f} margin")
@@ -353,4 +363,6 @@ def plan_memory(share: int, held: int, transient: int, free: int, kv_min: int, e
                               f"it needs {need}; {advice or 'raise --gpu-memory-utilization'}")
     how += f" leave {left / gib:.1f} GiB: K/V {out['kv'] / gib:.1f}, entries {out['entry'] / gib:.1f}, " \
            f"prefix pages {out['prefix'] / gib:.1f}" + (f" ({', '.join(given)} as given)" if given else "")
+    if raised:
+        how += " (K/V raised to its minimum)"
     return MemoryPlan(share, held, transient, left, out["kv"], out["entry"], out["prefix"], how)

@@ -258,9 +258,12 @@ class CombineServicer(rpc.CombineServicer):
         n = sched.config.max_num_seqs
         parts = {"weights": weights, f"linear states of {n} requests": pool.nbytes - kv_now,
                  "decode graphs": warmup.get("decode_graphs_bytes", 0)}
+        # K/V enough for max_num_seqs requests to start and for the --warmup-shape request this
+        # worker is warmed for
+        kv_min = sched.kv_minimum(self.engine.warmup_requests()[0])
         plan = plan_memory(
             int(given.gpu_memory_utilization * total), held - kv_now, warmup.get("activation_peak_bytes", 0),
-            free + kv_now, kv_min=n * sched.config.kv_chunk_tokens * sched.kv_per_token,
+            free + kv_now, kv_min=kv_min,
             entry=given.entry_cache_bytes, prefix=given.prefix_cache_bytes, kv=given.kv_cache_bytes, parts=parts,
             advice="lower --max-num-seqs, --max-num-batched-tokens or --warmup-shape, or raise "
                    "--gpu-memory-utilization")

@@ -436,10 +436,22 @@ class Scheduler:
         """Tokens of K/V a request reserves at admission: its prompt and a first chunk."""
         return seq_req.prompt_len + min(self.config.kv_chunk_tokens, seq_req.sampling.max_new_tokens - generated)
 
+    def admission_kv_bytes(self, req: Request) -> int:
+        """Bytes of attention K/V the request reserves at admission (its prompt and a first chunk):
+        a K/V budget under this refuses it (check_fits)."""
+        return self._first_chunk(req) * self._kv_per_token
+
+    def kv_minimum(self, requests=()) -> int:
+        """The least K/V budget this scheduler must have: max_num_seqs requests starting (a first
+        chunk each), and each of `requests` admitted (a worker's warm-up requests: the one of its
+        --warmup-shape included)."""
+        starting = self.config.max_num_seqs * self.config.kv_chunk_tokens * self._kv_per_token
+        return max([starting] + [self.admission_kv_bytes(r) for r in requests])
+
     def check_fits(self, req: Request) -> None:
         """Raise KVBudgetError when the request's prompt and first chunk exceed the whole K/V budget."""
         tokens = self._first_chunk(req)
-        need = tokens * self._kv_per_token
+        need = self.admission_kv_bytes(req)
         if need > self.config.kv_cache_bytes:
             n = len(req.prompt_ids)
             raise KVBudgetError(

@@ -34,6 +34,18 @@ def test_given_budgets_come_off_first():
     assert (plan.kv, plan.entry, plan.prefix) == (2 * GiB, 3 * GiB, GiB)
 
 
+def test_a_k_v_share_under_its_minimum_is_raised_to_it():
+    """8 GiB left: the K/V's third (2.7 GiB) would refuse a request the worker must admit (kv_min
+    4 GiB, e.g. its warm-up shape's 128k prompt): K/V gets 4 GiB, entries and prefix pages split the
+    other 4 as 3 : 1. A given K/V budget is never raised (refused instead when under the minimum)."""
+    plan = plan_memory(share=20 * GiB, held=10 * GiB, transient=GiB, free=20 * GiB, kv_min=4 * GiB)
+    assert plan.left == 8 * GiB and plan.kv == 4 * GiB
+    assert (plan.entry, plan.prefix) == (3 * GiB, GiB) and "K/V raised to its minimum" in plan.how
+    assert plan_memory(share=20 * GiB, held=10 * GiB, transient=GiB, free=20 * GiB, kv_min=GiB).kv == int(8 * GiB / 3)
+    with pytest.raises(MemoryPlanError, match="at least 4.00 GiB"):
+        plan_memory(share=20 * GiB, held=10 * GiB, transient=GiB, free=20 * GiB, kv_min=4 * GiB, kv=3 * GiB)
+
+
 def test_more_held_or_transient_memory_leaves_smaller_caches():
     base = dict(share=71 * GiB, free=71 * GiB, kv_min=GiB)
     plans = [plan_memory(held=h * GiB, transient=t * GiB, **base) for h, t in ((20, 2), (20, 8), (30, 8), (40, 12))]
@@ -49,9 +61,9 @@ def test_a_configuration_that_does_not_fit_is_refused_in_one_line():
     msg = str(e.value)
     assert "\n" not in msg and "does not fit" in msg and "lower --max-num-seqs" in msg
     assert "the linear states of 128 requests 6.0" in msg and "9.0 warm-up activations" in msg
-    # room for the K/V minimum but not for it: refused too, naming it
-    with pytest.raises(MemoryPlanError, match="at least 4.00 GiB"):
-        plan_memory(share=20 * GiB, held=10 * GiB, transient=GiB, free=20 * GiB, kv_min=4 * GiB)
+    # what is left holds less than the K/V minimum: refused too, naming it
+    with pytest.raises(MemoryPlanError, match="at least 9.00 GiB"):
+        plan_memory(share=20 * GiB, held=10 * GiB, transient=GiB, free=20 * GiB, kv_min=9 * GiB)
     # given budgets that do not fit what is left
     with pytest.raises(MemoryPlanError, match="of entry as given"):
         plan_memory(share=20 * GiB, held=10 * GiB, transient=GiB, free=20 * GiB, kv_min=GiB, entry=9 * GiB)
@@ -83,6 +95,11 @@ def test_the_provisional_budget_serves_the_warm_up_and_the_plan_is_applied(qwen3
         res = sched.generate(eng.parse_request({"segments": [list(range(30, 90))], "suffix": [5, 6],
                                                 "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}))
         assert len(res.output_ids) == 4
+        # the plan's K/V minimum admits every warm-up request, the shaped one (16 + 3 x 96 + 16) too
+        shaped = eng.warmup_requests()[0][-1]
+        assert shaped.prompt_len == 16 + 3 * 96 + 16
+        assert sched.kv_minimum(eng.warmup_requests()[0]) >= sched.admission_kv_bytes(shaped) > 0
+        assert sched.kv_minimum() == sched.config.max_num_seqs * sched.config.kv_chunk_tokens * sched.kv_per_token
         # never over a budget given
         assert warmup_kv_bytes(eng, replace(config, kv_cache_bytes=provisional // 2)) == provisional // 2
     finally:
