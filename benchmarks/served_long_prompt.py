@@ -208,9 +208,10 @@ def run_long(args, mode: str, reqs: dict) -> dict:
 def failures(results: dict) -> list[tuple[str, str]]:
     """(phase, what) for each failure in the phases' requests: a phase with one gives no figure (a
     long prompt refused at once would otherwise read as no stall at all)."""
-    out = []
+    out = [(phase, f"its stack did not start: {r['stack_error']}") for phase, r in results.items()
+           if isinstance(r, dict) and "stack_error" in r]
     itl = results.get("itl")
-    if itl is not None:
+    if itl is not None and "stack_error" not in itl:
         if "ttft_ms" not in itl.get("long", {}):
             out.append(("itl", f"the long prompt: {itl.get('long', {}).get('error', 'no first token')}"))
         out += [("itl", f"a stream: {e}") for e in itl.get("errors", [])]
@@ -318,10 +319,13 @@ def main(argv=None) -> int:
 
     for i, phase in enumerate(phases):
         t0 = time.perf_counter()
-        if phase == "itl":
-            results["itl"] = run_itl(args, random.Random(args.seed + 1))
-        else:
-            results[phase] = run_long(args, phase, reqs)
+        try:
+            if phase == "itl":
+                results["itl"] = run_itl(args, random.Random(args.seed + 1))
+            else:
+                results[phase] = run_long(args, phase, reqs)
+        except SystemExit as e:  # its `hybridcache up` did not become ready: the next phases still run
+            results[phase] = {"stack_error": str(e)}
         print(f"served_long_prompt: {phase}: {json.dumps(results[phase])[:2000]}", file=sys.stderr, flush=True)
         runs[phase] = {"seconds": round(time.perf_counter() - t0, 1), "commit": commit, "date": date, "gpu": gpu,
                        "command": command}

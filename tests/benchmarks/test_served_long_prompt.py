@@ -53,4 +53,10 @@ def test_a_failed_request_gives_no_figure():
     itl["long"] = {"ttft_ms": 900.0}
     results["prefix"]["warm"] = timed
     assert mod.failures(results) == []
+    # a phase whose stack did not start (its worker refused its configuration) is a failure too
+    results["pic"] = {"stack_error": "served_load: `hybridcache up` did not become ready"}
+    assert mod.failures(results) == [("pic", "its stack did not start: served_load: `hybridcache up` did not "
+                                             "become ready")]
+    assert "warm_pic_ttft_speedup_vs_prefix_128k" not in mod.figures_of(results)
+    results["pic"] = {"cold": timed, "warm": dict(timed, ttft_ms_p50=5.0)}
     assert mod.figures_of(results)["itl_p99_during_long_prefill_vs_steady"] == 1.2
