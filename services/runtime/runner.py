@@ -437,14 +437,10 @@ class ModelRunner:
             recorder.add_checkpoint(pos, linear.linear if isinstance(linear, SequenceState) else linear, copy)
 
     def page_payloads(self, recorder: PageRecorder, state: SequenceState, starts: list[int]) -> list:
-        """The payloads of the pages at `starts` (PageRecorder.page_payload), up to the first one
-        the recorder cannot make (None, the last in the list)."""
-        out: list[PagePayload | None] = []
-        for a in starts:
-            out.append(recorder.page_payload(state, a))
-            if out[-1] is None:
-                break
-        return out
+        """The payloads of the pages at `starts` (PageRecorder.page_payloads: each layer's K/V of
+        the pages read at once), up to the first one the recorder cannot make (None, the last in
+        the list)."""
+        return recorder.page_payloads(state, starts)
 
     def checkpoint_payload(self, recorder: PageRecorder, payload: PagePayload, pos: int) -> PagePayload:
         """A page's payload with the recorder's state after `pos` tokens as its checkpoint

@@ -65,6 +65,39 @@ def test_exact_replay_restores_full_prefill_at_every_page(tiny_dir):
         assert state_error(got, full_prefill(eng.model, ids[: d * P])) <= 1e-5, d
 
 
+@pytest.mark.parametrize("read_tokens", [2 * P, 4096])
+def test_pages_are_read_a_group_at_a_time(tiny_dir, monkeypatch, read_tokens):
+    """A prefill's pages get their K/V from one read of each attention layer a group of pages
+    (PageRecorder.READ_TOKENS: here 2 pages, or all 5 at once): each page's K/V equal the full
+    prefill's rows there, stored apart (its own storage), and restoring gives the full prefill."""
+    from hybridcache.services.runtime.cache.policies import PageRecorder
+    from hybridcache.services.runtime.paged import PagedAttnState
+    from hybridcache.services.runtime.sequence import AttnState
+
+    monkeypatch.setattr(PageRecorder, "READ_TOKENS", read_tokens)
+    reads = []
+    for cls in (AttnState, PagedAttnState):
+        monkeypatch.setattr(cls, "span",
+                            lambda self, lo, hi, span=cls.span: reads.append((lo, hi)) or span(self, lo, hi))
+    eng = make_engine(tiny_dir, prefix_policy="exact_replay", checkpoint_every=2)
+    ids = tokens(5 * P + 7, seed=3)
+    LLM(eng).generate(request(ids))
+    ref = full_prefill(eng.model, ids)
+    path = eng.pages.match(ids[: 5 * P], eng.page_policy.usable)
+    assert len(path) == 5
+    for d, node in enumerate(path):
+        payload = node.payload if hasattr(node, "payload") else node
+        for i, (k, v) in payload.attn.items():
+            assert k.is_contiguous() and k.shape[2] == P and k.untyped_storage().nbytes() == k.nbytes
+            assert rel(k, ref.attn[i].k[:, :, d * P : (d + 1) * P]) <= 1e-6
+            assert rel(v, ref.attn[i].v[:, :, d * P : (d + 1) * P]) <= 1e-6
+    # one read a layer and group of pages: (0, 2P), (2P, 4P), (4P, 5P) or (0, 5P)
+    want = [(0, 2 * P), (2 * P, 4 * P), (4 * P, 5 * P)] if read_tokens == 2 * P else [(0, 5 * P)]
+    assert sorted(set(reads)) == want and len(reads) == len(ref.attn) * len(want), reads
+    got = restore_state(eng.model, eng.page_policy, path)
+    assert state_error(got, full_prefill(eng.model, ids[: 5 * P])) <= 1e-5
+
+
 def test_exact_replay_hit_gives_the_cacheless_answer(tiny_dir):
     ids = tokens(5 * P + 20, seed=1)
     cold = LLM(make_engine(tiny_dir, mode="full")).generate(request(ids, new=6))

@@ -269,15 +269,56 @@ class PageRecorder:
             self._hidden_cat[layer] = torch.cat(self.hidden[layer])
         return self._hidden_cat[layer]
 
-    def page_payload(self, state: SequenceState, page_start: int) -> PagePayload | None:
+    # tokens of K/V page_payloads reads out of a layer at once (a chunk's pages in one read, a
+    # long prompt's in several)
+    READ_TOKENS = 4096
+
+    def _ran(self, state: SequenceState, page_start: int) -> bool:
+        end = page_start + self.policy.page_size
+        return self.start <= page_start and end <= len(self.token_ids) and end <= state.length
+
+    def page_payloads(self, state: SequenceState, starts: list[int]) -> list[PagePayload | None]:
+        """page_payload of each of `starts` in order, up to the first None (the last in the list).
+        Each attention layer's K/V of up to READ_TOKENS tokens of those pages is read in one span
+        (out of the pages, for a running request: one index copy a layer instead of one a page) and
+        each page's payload cloned out of it."""
+        p = self.policy.page_size
+        ran = []
+        for a in starts:
+            if not self._ran(state, a):
+                break
+            ran.append(a)
+        out: list[PagePayload | None] = []
+        i = 0
+        while i < len(ran):
+            j = i + 1
+            while j < len(ran) and ran[j] + p - ran[i] <= max(self.READ_TOKENS, p):
+                j += 1
+            lo, hi = min(ran[i:j]), max(ran[i:j]) + p
+            spans = {layer: (lo, a.span(lo, hi)) for layer, a in state.attn.items()}
+            for a in ran[i:j]:
+                out.append(self.page_payload(state, a, spans))
+                if out[-1] is None:
+                    return out
+            i = j
+        if len(ran) < len(starts):
+            out.append(None)
+        return out
+
+    def page_payload(self, state: SequenceState, page_start: int, spans: dict | None = None) -> PagePayload | None:
         """The payload of the page at [page_start, page_start + P), or None when this run did not
-        compute it (before `start`, or past what ran)."""
+        compute it (before `start`, or past what ran). `spans`: layer -> (lo, (k, v) from position
+        lo) holding the page, read already (page_payloads)."""
         p = self.policy.page_size
         end = page_start + p
-        if page_start < self.start or end > len(self.token_ids) or end > state.length:
+        if not self._ran(state, page_start):
             return None
         sl = slice(page_start, end)
-        attn = {i: tuple(t.clone() for t in a.span(sl.start, sl.stop)) for i, a in state.attn.items()}
+        if spans is None:
+            attn = {i: tuple(t.clone() for t in a.span(sl.start, sl.stop)) for i, a in state.attn.items()}
+        else:
+            attn = {i: tuple(t[:, :, sl.start - lo : sl.stop - lo].clone(memory_format=torch.contiguous_format)
+                             for t in kv) for i, (lo, kv) in spans.items()}
         checkpoint = None
         if self.policy.is_checkpoint_position(end):
             checkpoint = self.checkpoints.get(end)
