@@ -1,11 +1,14 @@
 """Where a long prompt's chunked prefill spends its time: a plain prompt run a budget of live tokens
 at a time (Engine.start_prefill / prefill_chunk, its K/V in a pool slot's pages, as the scheduler
 runs it) in each of --modes (pic and prefix record its pages into the prefix cache as they go, full
-does not); prints JSON: each chunk's ms and context, the whole prefill's ms, and one chunk deep in
-the prompt profiled (its top ops by host and device time).
+does not); prints JSON: each chunk's ms and context, the whole prefill's ms, the end of each chunk
+alone (`finish_ms`: Engine._finish_chunk, its recording and page-tree insert, timed between
+synchronisations, in the timed run), and one chunk deep in the prompt profiled (its top ops by host
+and device time; with layer parts `--profile-part` picks its first or its last call, the one that
+ends it).
 
     python tools/profile_chunks.py [--preset qwen3.5-9b] [--tokens 32768] [--budget 512] [--modes full,pic]
-        [--layer-parts 1]
+        [--layer-parts 1] [--profile-part first]
 
 On a machine without a GPU it runs the same code on the CPU (use --preset tiny --tokens 3000).
 """
@@ -36,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layer-parts", type=int, default=1,
                     help="chunks of this many times the budget's tokens, each run over as many calls (a run of "
                          "layers a call: the scheduler's --chunk-layer-parts); each call is timed")
+    ap.add_argument("--profile-part", choices=["first", "last"], default="first",
+                    help="with --layer-parts > 1, the profiled chunk's call: its first run of layers, or its last "
+                         "(which also ends the chunk)")
     ap.add_argument("--top", type=int, default=20)
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -65,16 +71,28 @@ def main(argv=None) -> int:
             req = eng.parse_request({"suffix": prompt, "sampling_params": {"max_new_tokens": 1}})
             job = eng.start_prefill(req)
             slot = eng.runner.assign(pool, job.state)
-            chunks, profiled = [], None
+            chunks, profiled, finish_ms = [], None, []
+            finish = eng._finish_chunk
+            if run == "timed":
+                def timed_finish(*a, finish=finish, finish_ms=finish_ms, **kw):
+                    sync()
+                    t = time.perf_counter()
+                    r = finish(*a, **kw)
+                    sync()
+                    finish_ms.append(round((time.perf_counter() - t) * 1e3, 2))
+                    return r
+
+                eng._finish_chunk = timed_finish
             sync()
             t_all = time.perf_counter()
             while job.next < len(job.layout):
                 context = job.layout[job.next].start + job.offset
                 n = chunk_tokens(args.budget, context, slope) * args.layer_parts
                 deep = run == "timed" and profiled is None and context >= args.tokens * 3 // 4
+                last = args.profile_part == "last" and args.layer_parts > 1
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
                 t0 = time.perf_counter()
-                if deep:
-                    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+                if deep and not last:
                     with profile(activities=activities) as prof:
                         pre = eng.prefill_chunk(job, n, layer_parts=args.layer_parts)
                         sync()
@@ -83,16 +101,26 @@ def main(argv=None) -> int:
                     pre = eng.prefill_chunk(job, n, layer_parts=args.layer_parts)
                     sync()
                 chunks.append((context, round((time.perf_counter() - t0) * 1e3, 2)))
+                part = 1
                 while job.part_way:  # the chunk's other runs of layers, a call each
+                    part += 1
                     t0 = time.perf_counter()
-                    pre = eng.prefill_chunk(job)
-                    sync()
+                    if deep and last and part == args.layer_parts:
+                        with profile(activities=activities) as prof:
+                            pre = eng.prefill_chunk(job)
+                            sync()
+                        profiled = prof
+                    else:
+                        pre = eng.prefill_chunk(job)
+                        sync()
                     chunks.append((context, round((time.perf_counter() - t0) * 1e3, 2)))
             total = (time.perf_counter() - t_all) * 1e3
+            eng._finish_chunk = finish
             eng.finish_prefix(pre)
             pool.release(slot)
         res.update(prefill_ms=round(total, 1), chunks=len(chunks), chunk_ms=chunks,
-                   chunk_ms_mean=round(sum(ms for _, ms in chunks) / len(chunks), 2))
+                   chunk_ms_mean=round(sum(ms for _, ms in chunks) / len(chunks), 2), finish_ms=finish_ms,
+                   finish_ms_mean=round(sum(finish_ms) / max(1, len(finish_ms)), 2))
         if profiled is not None:
             kernels = [e for e in profiled.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
             res["profiled_chunk"] = {
