@@ -333,9 +333,8 @@ def main(argv=None) -> int:
             # the phases so far, in case a later one is cut short (a device call's time limit)
             args.out.write_text(json.dumps(result(False), indent=1) + "\n")
     out = result(True)
-    failed = failures(results)
     rc = emit(out, args.out)
-    return rc or (1 if failed else 0)
+    return rc or (1 if out["failures"] else 0)
 
 
 if __name__ == "__main__":

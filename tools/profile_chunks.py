@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     from qps import build_engine
 
     rng = random.Random(0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    last = args.profile_part == "last" and args.layer_parts > 1  # profile the call that ends a chunk
     out = {"preset": args.preset, "tokens": args.tokens, "budget": args.budget, "layer_parts": args.layer_parts,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     base = None
@@ -89,8 +91,6 @@ def main(argv=None) -> int:
                 context = job.layout[job.next].start + job.offset
                 n = chunk_tokens(args.budget, context, slope) * args.layer_parts
                 deep = run == "timed" and profiled is None and context >= args.tokens * 3 // 4
-                last = args.profile_part == "last" and args.layer_parts > 1
-                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
                 t0 = time.perf_counter()
                 if deep and not last:
                     with profile(activities=activities) as prof:
