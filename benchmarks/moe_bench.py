@@ -284,6 +284,8 @@ def block_figures(cfg, device, dtype, token_counts, figures, bw_gbs):
         # tiles pair_config picks by the token count ("pairs") and others (_once: PairConfig.reduce_once), up to
         # PAIR_TOKENS tokens
         candidates.append(("pairs", "pairs", None))
+        # the router's linear layer and softmax_top_k as two launches (models/common.FUSED_ROUTER off)
+        candidates.append(("pairs_split_router", "pairs", SPLIT_ROUTER))
         once = dict(reduce_once=True)
         for c in (moe_triton.PairConfig(16, 256, 16, 256, 4), moe_triton.PairConfig(4, 512, 4, 512, 4),
                   moe_triton.PairConfig(8, 512, 8, 512, 8), moe_triton.PairConfig(16, 512, 16, 512, 8),
@@ -338,10 +340,22 @@ def block_figures(cfg, device, dtype, token_counts, figures, bw_gbs):
             figures[f"moe_block_speedup_vs_loop_{n}"] = round(figures[f"moe_block_ms_loop_{n}"] / best[1], 2)
 
 
+SPLIT_ROUTER = "split_router"
+
+
 @contextlib.contextmanager
 def _fused_tiles(moe_triton, tiles):
     """The Triton path (sorted or pair-major, by the tiles' type) with these tiles for every token
-    count inside the block."""
+    count inside the block; SPLIT_ROUTER: the pair path's default tiles, its router unfused."""
+    if tiles is SPLIT_ROUTER:
+        from hybridcache.services.runtime.models import common
+
+        common.FUSED_ROUTER = False
+        try:
+            yield
+        finally:
+            common.FUSED_ROUTER = True
+        return
     if isinstance(tiles, moe_triton.PairConfig):
         prev_pair = moe_triton.PAIR_CONFIG
         moe_triton.PAIR_CONFIG = tiles

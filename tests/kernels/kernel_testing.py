@@ -31,6 +31,7 @@ from hybridcache.kernels.ops.moe.triton import (  # noqa: E402
     PairConfig,
     fused_experts,
     pair_experts,
+    router_top_k,
     softmax_top_k,
 )
 from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_heads, row_norm  # noqa: E402
@@ -61,6 +62,7 @@ __all__ = [
     "fused_experts",
     "PairConfig",
     "pair_experts",
+    "router_top_k",
     "softmax_top_k",
     "gdn_gates",
     "l2norm_heads",

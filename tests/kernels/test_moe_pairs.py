@@ -14,7 +14,15 @@ from hybridcache.services.runtime import backends
 from hybridcache.services.runtime.models import common, kimi_linear, minimax, qwen3_hybrid
 from hybridcache.services.runtime.models.registry import config_from_dict
 from hybridcache.services.runtime.modelzoo import hf_config
-from kernel_testing import PairConfig, device, fused_experts, pair_experts, rel_rms, softmax_top_k
+from kernel_testing import (
+    PairConfig,
+    device,
+    fused_experts,
+    pair_experts,
+    rel_rms,
+    router_top_k,
+    softmax_top_k,
+)
 
 SMALL = PairConfig(gate_up_n=8, gate_up_k=16, down_n=8, down_k=16)  # several tiles, masked tails
 SMALL_ONCE = dataclasses.replace(SMALL, reduce_once=True)  # one reduction across the tile at the end
@@ -122,6 +130,43 @@ def test_routing_kernel_breaks_ties_towards_the_lower_expert():
         softmax_top_k(torch.zeros(2, 10), 11, True, torch.float32)
 
 
+@pytest.mark.parametrize("E,h,n,k", [(13, 45, 1, 1), (60, 33, 5, 8), (256, 2048, 3, 8), (9, 1500, 2, 4)],
+                         ids=["E13-h45-n1-k1", "E60-h33-n5-k8", "E256-h2048-n3-k8", "E9-h1500-n2-k4"])
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "plain"])
+def test_router_top_k_equals_the_router_then_softmax_top_k(E, h, n, k, renormalize):
+    """The router's product and its top-k in one launch (E not a multiple of the rows a program,
+    h not of the columns a step) equal the linear layer then softmax_top_k in fp32; in bf16 the
+    logits are the fp32 product rounded once, so the experts picked are the top k of those logits
+    up to bf16 ties. Launched twice with one set of counts: the first launch leaves them zeroed."""
+    gen = torch.Generator().manual_seed(E + h)
+    x = torch.randn(n, h, generator=gen).to(device())
+    w = (torch.randn(E, h, generator=gen) / h**0.5).to(device())
+    counts = torch.zeros(64, dtype=torch.int32, device=device())
+    want_w, want_i = common.softmax_top_k(torch.nn.functional.linear(x, w), k, renormalize, torch.float32)
+    for _ in range(2):
+        got_w, got_i = router_top_k(x, w, k, renormalize, torch.float32, counts)
+        assert torch.equal(got_i, want_i) and not counts.any()
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    logits = torch.nn.functional.linear(xb.float(), wb.float()).bfloat16().float()
+    got_w, got_i = router_top_k(xb, wb, k, renormalize, torch.bfloat16, counts)
+    assert got_w.dtype == torch.bfloat16
+    assert top_k_of(logits, got_i, logits.abs().max().item() * 2**-7)
+    assert not top_k_of(logits, got_i.flip(1), 0.0) or k == 1  # descending order checked
+
+
+def test_router_top_k_rejects_what_does_not_fit():
+    x, w = torch.zeros(2, 8, device=device()), torch.zeros(5, 8, device=device())
+    with pytest.raises(ValueError, match="does not fit"):
+        router_top_k(x, w[:, :-1], 2, True, torch.float32)
+    with pytest.raises(ValueError, match="top-6 of 5"):
+        router_top_k(x, w, 6, True, torch.float32)
+    with pytest.raises(ValueError, match="zeroed counts"):
+        router_top_k(x, w, 2, True, torch.float32, torch.zeros(1, dtype=torch.int32, device=device()))
+    w_i = router_top_k(x, w, 2, True, torch.float32)[1]
+    assert w_i.tolist() == [[0, 1]] * 2  # a zero router: ties to the lowest experts
+
+
 def moe_dispatch(path):
     return backends.dispatching(dataclasses.replace(backends.current_dispatch(), moe=path))
 
@@ -209,8 +254,8 @@ def decode_launches(model, prompts, tokens):
 def test_decode_step_on_the_pair_path_does_not_depend_on_the_routing(tmp_path, wide_tiles):
     """Two models alike but for their routers: one sends every token to the same two experts (a
     zero router: all logits tie), the other spreads them over most of 16. On the pair path a decode
-    step issues the same ops and launches in both: per MoE layer the router GEMM, one routing
-    launch and the two pair launches, no top-k and no sort."""
+    step issues the same ops and launches in both: per MoE layer one launch of the router and its
+    top-k and the two pair launches, no GEMM of the router, no top-k and no sort."""
     from moe_testing import routing_twins
 
     spread, narrow, prompts, tokens = routing_twins(tmp_path, (5, 9, 3, 7))
@@ -219,9 +264,21 @@ def test_decode_step_on_the_pair_path_does_not_depend_on_the_routing(tmp_path, w
     assert routed_narrow == {0, 1} and len(routed_spread) >= 5
     assert ops_spread == ops_narrow
     moe_layers = sum(isinstance(m, qwen3_hybrid.SparseMoE) for m in spread.modules())
-    for name in ("triton.softmax_top_k_kernel", "triton.moe_pair_gate_up_kernel", "triton.moe_pair_down_kernel"):
+    for name in ("triton.router_top_k_kernel", "triton.moe_pair_gate_up_kernel", "triton.moe_pair_down_kernel"):
         assert ops_spread.count(name) == moe_layers, name
+    assert "triton.softmax_top_k_kernel" not in ops_spread
     assert not any(op in ops_spread for op in ("aten.sort", "aten.topk", "aten.searchsorted"))
+    # the router's product runs inside router_top_k: the step's matrix products are the dense layers'
+    products = ("aten.mm", "aten.addmm", "aten.linear", "aten.matmul", "aten.bmm")
+    unfused = ops_spread.copy()
+    try:
+        common.FUSED_ROUTER = False
+        unfused, _ = decode_launches(spread, prompts, tokens)
+    finally:
+        common.FUSED_ROUTER = True
+    assert (sum(unfused.count(op) for op in products) - sum(ops_spread.count(op) for op in products)
+            == moe_layers)
+    assert unfused.count("triton.softmax_top_k_kernel") == moe_layers
 
 
 @pytest.mark.gpu
@@ -250,6 +307,52 @@ def test_pair_path_equals_the_sorted_kernel_bf16_gpu_without_host_sync(n):
     want_w, want_i = common.softmax_top_k(logits, 8, True, torch.bfloat16)
     assert torch.equal(got_i, want_i)
     torch.testing.assert_close(got_w, want_w, rtol=1e-2, atol=1e-3)
+
+
+def top_k_of(logits, picked_i, tol):
+    """Whether picked_i [n, k] are the k largest of logits [n, E] in descending order, up to tol."""
+    picked = logits.gather(1, picked_i)
+    rest = logits.scatter(1, picked_i, float("-inf"))
+    return bool((picked.min(1).values >= rest.max(1).values - tol).all()
+                and (picked[:, :-1] >= picked[:, 1:] - tol).all() and picked_i.unique(dim=1).shape == picked_i.shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 8])
+def test_router_top_k_replays_in_a_cuda_graph_gpu(n):
+    """The Qwen3.5-35B-A3B router (256 x 2048, top-8, bf16) captured in a CUDA graph and replayed
+    on 300 fresh inputs: every replay picks the top 8 of its own logits (the fp32 product rounded
+    to bf16; one bf16 step of slack), so no launch reads a logit another program of it had not yet
+    stored and every launch leaves its counts zeroed for the next; no host synchronisation."""
+    gen = torch.Generator().manual_seed(n)
+    w = (torch.randn(256, 2048, generator=gen) / 2048**0.5).to("cuda", torch.bfloat16)
+    x = torch.zeros(n, 2048, device="cuda", dtype=torch.bfloat16)
+    counts = torch.zeros(64, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        router_top_k(x, w, 8, True, torch.bfloat16, counts)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        top_w, top_i = router_top_k(x, w, 8, True, torch.bfloat16, counts)
+    inputs = torch.randn(300, n, 2048, generator=gen).to("cuda", torch.bfloat16)
+    picks = torch.empty(300, n, 8, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for r in range(300):
+            x.copy_(inputs[r])
+            graph.replay()
+            picks[r].copy_(top_i)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    logits = torch.einsum("rnh,eh->rne", inputs.float(), w.float()).bfloat16().float()
+    for r in range(300):
+        assert top_k_of(logits[r], picks[r], logits[r].abs().max().item() * 2**-7), r
+    assert not counts.any()
+    want_w = torch.softmax(logits[-1].gather(1, picks[-1]), -1)
+    torch.testing.assert_close(top_w.float(), want_w, rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.parametrize("n", [1, 3])

@@ -366,16 +366,12 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top
 
 
 @triton.jit
-def softmax_top_k_kernel(
-    logits, top_w, top_i, s_lm,
-    E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BKK: tl.constexpr, RENORMALIZE: tl.constexpr,
-):
-    """Program t: token t's k largest logits by k argmaxes (the lowest index among equal ones),
-    in descending order; weights the softmax of those k (RENORMALIZE) or their share of the whole
-    row's softmax, computed in fp32."""
-    i_t = tl.program_id(0)
+def _top_k_store(b_l, top_w, top_i, i_t, E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BKK: tl.constexpr,
+                 RENORMALIZE: tl.constexpr):
+    """Token i_t's k largest of its logits b_l [BE] (fp32, -inf past E) by k argmaxes (the lowest
+    index among equal ones), in descending order, stored with their weights: the softmax of those
+    k (RENORMALIZE) or their share of the whole row's softmax."""
     o_e = tl.arange(0, BE)
-    b_l = tl.load(logits + i_t.to(tl.int64) * s_lm + o_e, mask=o_e < E, other=float("-inf")).to(tl.float32)
     o_j = tl.arange(0, BKK)
     b_tl = tl.full([BKK], float("-inf"), dtype=tl.float32)
     b_ti = tl.zeros([BKK], dtype=tl.int64)
@@ -396,6 +392,18 @@ def softmax_top_k_kernel(
     tl.store(top_i + i_t * K + o_j, b_ti, mask=m_j)
 
 
+@triton.jit
+def softmax_top_k_kernel(
+    logits, top_w, top_i, s_lm,
+    E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BKK: tl.constexpr, RENORMALIZE: tl.constexpr,
+):
+    """Program t: token t's top k of its logits row (_top_k_store), computed in fp32."""
+    i_t = tl.program_id(0)
+    o_e = tl.arange(0, BE)
+    b_l = tl.load(logits + i_t.to(tl.int64) * s_lm + o_e, mask=o_e < E, other=float("-inf")).to(tl.float32)
+    _top_k_store(b_l, top_w, top_i, i_t, E, BE, K, BKK, RENORMALIZE)
+
+
 def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype):
     """models/common.softmax_top_k in one launch: logits [n, E] -> (weights [n, k] in `dtype`,
     experts [n, k] int64), the k largest logits in descending order."""
@@ -410,5 +418,98 @@ def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.
     softmax_top_k_kernel[(n,)](
         logits, top_w, top_i, logits.stride(0), E=E, BE=triton.next_power_of_2(E), K=k,
         BKK=triton.next_power_of_2(k), RENORMALIZE=renormalize, num_warps=1 if E <= 1024 else 4,
+    )
+    return top_w, top_i
+
+
+# The router and its top-k in one launch (router_top_k): ROUTER_ROWS router rows a program (a
+# token's E logits over E / ROUTER_ROWS programs, each streaming its rows' ROUTER_ROWS x h weights
+# ROUTER_K columns at a time), and the token's last program to finish picks the top k. cuBLAS runs
+# the [E = 256, h = 2048] router of one token on a few thread blocks (10 us a layer on an H100,
+# profile_decode_moe_h100_d461794.json, against 0.35 us for its 1 MB at the copy bandwidth).
+ROUTER_ROWS = 2
+ROUTER_K = 1024
+
+
+@triton.jit
+def router_top_k_kernel(
+    x, w, logits, count, top_w, top_i, s_xm, s_we,
+    E: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
+    K: tl.constexpr, BKK: tl.constexpr, RENORMALIZE: tl.constexpr,
+):
+    """Program (t, i): logits[t, i BN: (i + 1) BN] = w[rows] @ x[t] (fp32 sums, rounded to the
+    logits' dtype as a linear layer's output is); then a count of token t's programs done, and the
+    one that finds the others all done (it counts last) reads the row back and stores token t's
+    top k (_top_k_store), resetting the count to zero for the next launch. The count's add is
+    acquire-release at device scope after a barrier of the program's threads, so the logits every
+    other program stored are visible to the last one; it reads them past the L1 cache."""
+    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < E
+    o_k = tl.arange(0, BK)
+    p_x = x + i_t.to(tl.int64) * s_xm
+    p_w = w + o_n[:, None].to(tl.int64) * s_we
+    b_acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in tl.static_range(0, H, BK):
+        m_k = k0 + o_k < H
+        b_x = tl.load(p_x + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_w = tl.load(p_w + k0 + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_acc += b_w * b_x[None, :]
+    p_l = logits + i_t.to(tl.int64) * E
+    tl.store(p_l + o_n, tl.sum(b_acc, axis=1).to(logits.dtype.element_ty), mask=m_n)
+    tl.debug_barrier()
+    done = tl.atomic_add(count + i_t, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(1) - 1:
+        o_e = tl.arange(0, BE)
+        b_l = tl.load(p_l + o_e, mask=o_e < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+        _top_k_store(b_l, top_w, top_i, i_t, E, BE, K, BKK, RENORMALIZE)
+        tl.atomic_xchg(count + i_t, 0, sem="relaxed", scope="gpu")
+
+
+# token counts of router_top_k by device: zeros between launches (each launch's last programs reset
+# theirs); grown, never shrunk or freed (a captured CUDA graph keeps the one it was captured with)
+_ROUTER_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def router_counts(n: int, device: torch.device) -> torch.Tensor | None:
+    """The zeroed int32 counts router_top_k needs for n tokens on `device`, or None where none
+    that large exists yet and a CUDA graph is being captured (a capture allocates nothing that
+    outlives it): the caller then runs the router and softmax_top_k apart."""
+    device = torch.device(device)
+    held = _ROUTER_COUNTS.setdefault(device, [])
+    if held and held[-1].numel() >= n:
+        return held[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    held.append(torch.zeros(max(n, 64), dtype=torch.int32, device=device))
+    return held[-1]
+
+
+def router_top_k(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype,
+                 counts: torch.Tensor | None = None):
+    """softmax_top_k(x @ weight^T, ...) in one launch: x [n, h], router weight [E, h] -> (weights
+    [n, k] in `dtype`, experts [n, k] int64). The logits are x @ weight^T rounded to x's dtype
+    before the top-k, as the unfused router's linear layer leaves them. counts: router_counts(n)."""
+    n, h = x.shape
+    E = weight.shape[0]
+    if weight.shape != (E, h) or weight.stride(-1) != 1:
+        raise ValueError(f"router weight {tuple(weight.shape)} (strides {weight.stride()}) does not fit x "
+                         f"{tuple(x.shape)}: [E, {h}] with unit stride along h")
+    if not 0 < k <= E:
+        raise ValueError(f"top-{k} of {E} experts")
+    top_w = torch.empty(n, k, dtype=dtype, device=x.device)
+    top_i = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    if n == 0:
+        return top_w, top_i
+    counts = router_counts(n, x.device) if counts is None else counts
+    if counts is None or counts.numel() < n:
+        raise ValueError(f"router_top_k needs {n} zeroed counts on {x.device}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    logits = torch.empty(n, E, dtype=x.dtype, device=x.device)
+    bk = min(ROUTER_K, triton.next_power_of_2(h))
+    router_top_k_kernel[(n, triton.cdiv(E, ROUTER_ROWS))](
+        x, weight, logits, counts, top_w, top_i, x.stride(0), weight.stride(0),
+        E=E, H=h, BN=ROUTER_ROWS, BK=bk, BE=triton.next_power_of_2(E), K=k, BKK=triton.next_power_of_2(k),
+        RENORMALIZE=renormalize, num_warps=4,
     )
     return top_w, top_i

@@ -86,6 +86,24 @@ def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.
     return top_w.to(dtype), top_i
 
 
+# the "pairs" path's router and top-k in one launch (kernels/ops/moe/triton.py router_top_k);
+# False runs them apart (benchmarks/moe_bench.py times both)
+FUSED_ROUTER = True
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype, path: str):
+    """A softmax router's choice for x [n, h] and router weight [E, h]: softmax_top_k of the logits
+    x @ weight^T (in x's dtype). On the MoE "pairs" path (backends.moe_path) the router and its top-k
+    run as one Triton launch (FUSED_ROUTER), else as the router's linear layer and softmax_top_k."""
+    if path == "pairs" and FUSED_ROUTER:
+        from hybridcache.kernels.ops.moe.triton import router_counts, router_top_k
+
+        counts = router_counts(x.shape[0], x.device)
+        if counts is not None:
+            return router_top_k(x, weight, k, renormalize, dtype, counts)
+    return softmax_top_k(backends.linear(x, weight), k, renormalize, dtype, fused=path == "pairs")
+
+
 def merge_weights(*linears: nn.Linear) -> torch.Tensor | None:
     """Make bias-free nn.Linear layers that read the same input share one weight tensor: each
     weight becomes a view of rows of `torch.cat` of them all (no extra memory once the old ones

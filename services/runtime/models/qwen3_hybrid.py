@@ -22,7 +22,7 @@ from hybridcache.services.runtime.models.common import (
     attention_layout,
     merge_weights,
     merged_linear,
-    softmax_top_k,
+    route,
 )
 from hybridcache.services.runtime.models.mixer import DeltaRuleMixer, build_attention
 from hybridcache.services.runtime.sequence import AttnState, LinearState, Recording
@@ -359,8 +359,7 @@ class SparseMoE(nn.Module):
         path = self.experts.path(x, k)
         # Qwen3.5-MoE always renormalises the top-k weights (its config has no norm_topk_prob)
         renormalize = self.cfg.norm_topk_prob or self.cfg.family == "qwen3_5_moe"
-        logits = backends.linear(x, self.gate.weight)
-        top_w, top_i = softmax_top_k(logits, k, renormalize, x.dtype, fused=path == "pairs")
+        top_w, top_i = route(x, self.gate.weight, k, renormalize, x.dtype, path)
         if path == "pairs":
             # the shared expert and its sigmoid gate run inside the routed experts' two launches
             shared = self.shared_expert.as_shared(self.shared_expert_gate.weight)
