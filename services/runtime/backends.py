@@ -47,12 +47,13 @@ MOE_PATHS = ("auto", "grouped_mm", "triton", "pairs", "loop")
 GEMV_PATHS = ("auto", "cublas")
 # Token-expert pairs up to which CUDA takes the pair-major kernels (kernels/ops/moe/triton.py
 # pair_experts). They read each pair's expert weights, where the sorted kernels read each distinct
-# expert's once: n k pairs over E experts hit E (1 - (1 - 1/E)^(n k)) distinct ones. At 64 pairs of
-# 256 experts (Qwen3.5-35B-A3B at batch 8: 56.7 distinct) that is 1.13x the bytes, paid for by what
-# the pair path leaves out: the sort (~8 µs a layer at batch 1 on an H100), the padded 64-row blocks,
-# the k-sum (~5 µs) and the shared expert's gate GEMV and elementwise launches (2-6 µs each); at 256
-# pairs (batch 32) it is 1.58x the bytes and the sorted kernels win.
-MOE_PAIR_MAX = 64
+# expert's once: n k pairs over E experts hit E (1 - (1 - 1/E)^(n k)) distinct ones, 1.58x fewer than
+# the pairs at 256 pairs of 256 experts (Qwen3.5-35B-A3B at batch 32). The repeats come from the
+# L2 cache (programs of a launch read the same experts together), and the pair path leaves out the
+# sort, the padded blocks, the k-sum and the shared expert's launches: one graphed block at 32 tokens
+# takes 386 us on the pairs against 423 us for the fastest sorted tiles on an H100
+# (moe_bench_h100_18a0f58.json; 396 against 432 in moe_bench_h100_d461794.json).
+MOE_PAIR_MAX = 256
 
 # Below this many tokens the step loop beats chunking on CPU, and fla's fused recurrent kernel
 # beats its chunked one on GPU (decode, seam windows).

@@ -431,7 +431,7 @@ class Engine:
         w = cfg.seam_window
         for j in range(first, len(parts)):
             kind, ids = parts[j]
-            t = torch.tensor(ids[skip if j == first else 0 :], dtype=torch.long)
+            part = ids[skip if j == first else 0 :]
             if reused(j):
                 key = key_of(j)
                 if key in built:
@@ -442,8 +442,8 @@ class Engine:
                     entry, hit = self.get_or_build_entry(ids, key)
                 if not hit:
                     stats.built_tokens += len(ids)
-                if w:
-                    layout += self._live_runs(t[:w], pos, end_cut)
+                if w:  # the seam window alone runs live: only its ids become a tensor
+                    layout += self._live_runs(torch.tensor(part[:w], dtype=torch.long), pos, end_cut)
                 if is_host(entry):
                     staged.append((len(layout), entry))
                 layout.append(CachedSpan(entry.data, pos + w, use_transition=cfg.mode == "pic"))
@@ -454,11 +454,11 @@ class Engine:
                 source = ("host" if is_host(entry) else "entry") if hit else "built"
                 seg_stats.append(SegmentStat(len(ids), hit, source))
             else:
-                layout += self._live_runs(t, pos, end_cut)
-                stats.live_tokens += len(t)
+                layout += self._live_runs(torch.tensor(part, dtype=torch.long), pos, end_cut)
+                stats.live_tokens += len(part)
                 if kind in ("segment", "live"):
                     seg_stats.append(SegmentStat(len(ids), False, "live"))
-            pos += len(t)
+            pos += len(part)
             boundary[len(layout) - 1] = j
 
         # Entries found in the host tier reach the device together, layer by layer: the forward

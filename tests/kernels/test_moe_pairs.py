@@ -208,7 +208,8 @@ def test_auto_takes_the_pair_path_for_few_pairs_on_cuda_only():
     if torch.cuda.is_available():
         xc, guc, dc = (t.cuda() for t in (x, gu, d))
         assert backends.moe_path(xc, guc, dc, 8) == "pairs"  # 64 pairs
-        assert backends.moe_path(torch.zeros(9, 16, device="cuda"), guc, dc, 8) == "triton"
+        assert backends.moe_path(torch.zeros(32, 16, device="cuda"), guc, dc, 8) == "pairs"  # 256 pairs
+        assert backends.moe_path(torch.zeros(33, 16, device="cuda"), guc, dc, 8) == "triton"
 
 
 def decode_launches(model, prompts, tokens):
