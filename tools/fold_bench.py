@@ -11,7 +11,8 @@ Variants, same inputs, timed in the same run:
 - `blocks_prefetch`: the same with the next step's addresses loaded a step ahead;
 - `blocks_prefetch_w4`: as blocks_prefetch with 4 warps a program instead of 8;
 - `table`: compose_states_table over device address tables (the planned assembly's fold, as its
-  CUDA graphs run it: no host table a call).
+  CUDA graphs run it: no host table a call); `table_<option>` the same with other launch options
+  (column blocks, warps, stages, addresses a step ahead).
 
 Per variant: GPU time of one fold (CUDA events around `--iters` folds, divided), host time of one
 fold's calls (the host returning from the call, without waiting for the GPU), and the largest
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -93,6 +95,13 @@ def main(argv=None) -> int:
         )[1],
         "table": lambda: compose_states_table(t_tab, s_tab, runs_T, runs_S, h0[0], output_all=True)[1],
     }
+    # the table's launch options: column blocks of 16 and 64 (the default takes 32 at 32 heads:
+    # 128 programs), 4 warps, 3 stages, addresses a step ahead
+    for name, kw in (("bv16", dict(block_v=16)), ("bv64", dict(block_v=64)), ("w4", dict(num_warps=4)),
+                     ("s3", dict(num_stages=3)), ("prefetch", dict(prefetch_addresses=True)),
+                     ("bv16_w4", dict(block_v=16, num_warps=4))):
+        variants[f"table_{name}"] = functools.partial(
+            lambda kw: compose_states_table(t_tab, s_tab, runs_T, runs_S, h0[0], output_all=True, **kw)[1], kw)
     ref = stack()
     figures, detail = {}, {}
     for name, fn in variants.items():

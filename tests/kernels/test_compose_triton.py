@@ -167,6 +167,10 @@ def test_compose_table_made_on_the_device():
     for i in range(5):
         assert rel_rms(states[i], reference(T[: i + 1], S[: i + 1], h0)) < 1e-5
     assert rel_rms(states[6], states[4]) < 1e-6 and torch.equal(final, states[6])
+    # its launch options (column blocks narrower than V, warps, addresses a step ahead) fold alike
+    for kw in (dict(block_v=4), dict(num_warps=2, num_stages=1), dict(prefetch_addresses=True)):
+        _, other = compose_states_table(t_tab, s_tab, stack_T, stack_S, h0, output_all=True, **kw)
+        assert rel_rms(other, states) < 1e-6, kw
     with pytest.raises(ValueError, match="int64"):
         compose_states_table(t_tab.int(), s_tab, stack_T, stack_S, h0)
 

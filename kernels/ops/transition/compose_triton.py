@@ -300,13 +300,17 @@ def compose_states_table(
     output_all: bool = False,
     block_v: int | None = None,
     dot_precision: str | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    prefetch_addresses: bool = False,
 ):
     """compose_states_blocks over address tables already on the device: T_table, S_table [N] int64
     hold the addresses of each segment's contiguous [G, K, K] / [G, K, V] block, of the dtypes of
     Tref / Sref (any tensors of those dtypes, shapes [..., G, K, K] / [..., G, K, V], on the
     device). Made on the device (a CUDA graph's pass computes part of its table there), so nothing
     is checked against the blocks: every address must point at a live block of the right shape and
-    dtype. Returns as compose_states_fwd."""
+    dtype. block_v, dot_precision, num_warps, num_stages: as compose_states_fwd's;
+    prefetch_addresses: each step's addresses loaded a step ahead. Returns as compose_states_fwd."""
     if T_table.dtype != torch.int64 or S_table.dtype != torch.int64 or T_table.shape != S_table.shape:
         raise ValueError(f"tables must be int64 of one shape, got {T_table.dtype} {tuple(T_table.shape)}, "
                          f"{S_table.dtype} {tuple(S_table.shape)}")
@@ -316,5 +320,5 @@ def compose_states_table(
     if initial_state is not None and initial_state.shape != (G, K, V):
         raise ValueError(f"initial_state must be [{G}, {K}, {V}], got {tuple(initial_state.shape)}")
     N = T_table.shape[0]
-    args = (initial_state, output_all, block_v, dot_precision, None, None)
+    args = (initial_state, output_all, block_v, dot_precision, num_warps, num_stages, prefetch_addresses)
     return _launch(T_table.contiguous(), S_table.contiguous(), Tref, Sref, N, G, K, V, *args)
