@@ -260,6 +260,52 @@ def peak_over_share(peak: int, total: int, utilization: float) -> str | None:
             f"memory")
 
 
+class _CudaMemory:
+    """The caching allocator's reserved bytes on one device, as RequestPeaks reads them."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def start(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def end(self) -> tuple[int, int]:
+        """(the peak reserved since start, what stays reserved once the free blocks went back)."""
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return peak, torch.cuda.memory_reserved(self.device)
+
+
+class RequestPeaks:
+    """`run(request)` (a warm-up's way of serving one request) measured request by request: the
+    device memory reserved at its peak while the request ran, above what stays reserved after it
+    (`transient`, the largest over the requests: the activations a memory plan sets beside full
+    caches) and the peak itself (`peak`, the largest). What the request left in caches counts as
+    held, not transient: a warm-up's throwaway caches, filled by its requests and dropped at its
+    end, are not taken for activations (measured over the whole warm-up, a 64 x 2k request's
+    entries were, and starved the planned caches). `memory`: start() / end() -> (peak, held), the
+    CUDA allocator's by default."""
+
+    def __init__(self, run, device, memory=None):
+        self.run, self.transient, self.peak = run, 0, 0
+        self._memory = memory or _CudaMemory(device)
+
+    def __call__(self, request):
+        self._memory.start()
+        try:
+            return self.run(request)
+        finally:
+            peak, held = self._memory.end()
+            self.peak = max(self.peak, peak)
+            self.transient = max(self.transient, peak - held)
+
+
 def warm_up_measured(device, utilization: float, warmup) -> dict:
     """warmup() (a worker's warm-up, returning its summary) under `starting`, with the peak device
     memory it took on CUDA added to the summary (`peak_reserved_gib`) and a warning logged if that
@@ -271,7 +317,8 @@ def warm_up_measured(device, utilization: float, warmup) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     out = starting("warming up", device, utilization, warmup)
     if cuda:
-        peak = torch.cuda.max_memory_reserved(device)
+        # a warm-up that measured its requests one by one (RequestPeaks) reset the peak between them
+        peak = max(torch.cuda.max_memory_reserved(device), out.get("requests_peak_reserved_bytes", 0))
         out["peak_reserved_gib"] = round(peak / 2**30, 2)
         warning = peak_over_share(peak, torch.cuda.mem_get_info(device)[1], utilization)
         if warning:

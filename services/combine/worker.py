@@ -192,9 +192,14 @@ class CombineServicer(rpc.CombineServicer):
         then the decode CUDA graph of every batch size the scheduler may step (captured here, not
         while a batch of that size waits)."""
         import torch
+        from hybridcache.services.devices import RequestPeaks
 
         cuda = self.engine.model.device.type == "cuda"
-        out = self.engine.warmup(run=warmup_requests(self.scheduler.generate))
+        run = warmup_requests(self.scheduler.generate)
+        # on CUDA each request's transient peak above what it leaves held (its throwaway caches'
+        # contents included in the latter): plan_memory's `transient`
+        measured = RequestPeaks(run, self.engine.model.device) if cuda else None
+        out = self.engine.warmup(run=measured or run)
         checksum.warm(self.engine.model.device)  # received device blocks' checksum kernels
         out["sampling_shapes"] = warm_kernels(self.engine.model.device, self.engine.cfg.vocab_size,
                                               self.scheduler.config.max_num_seqs)
@@ -204,12 +209,11 @@ class CombineServicer(rpc.CombineServicer):
             out["linear_plan"] = {"column_major_layers": runner.column_major_layers,
                                   "seconds": runner.linear_plan_seconds, "shapes": runner.gemv_plan}
         if cuda:
-            # the requests' transient peak above what stays held (plan_memory's `transient`)
+            out["activation_peak_bytes"] = max(0, measured.transient)
+            out["requests_peak_reserved_bytes"] = measured.peak
             torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_reserved()
             torch.cuda.empty_cache()
             held = torch.cuda.memory_reserved()
-            out["activation_peak_bytes"] = max(0, peak - held)
         t0 = time.perf_counter()
         with stage("decode graphs of batch sizes up to %d", self.scheduler.config.max_num_seqs):
             out.update(self._capture_decode_graphs())

@@ -104,3 +104,39 @@ def test_the_provisional_budget_serves_the_warm_up_and_the_plan_is_applied(qwen3
         assert warmup_kv_bytes(eng, replace(config, kv_cache_bytes=provisional // 2)) == provisional // 2
     finally:
         sched.stop()
+
+
+class FakeMemory:
+    """A warm-up's device memory: per request (peak reserved while it ran, reserved after it)."""
+
+    def __init__(self, reads):
+        self.reads, self.started = list(reads), 0
+
+    def start(self):
+        self.started += 1
+
+    def end(self):
+        return self.reads.pop(0)
+
+
+def test_a_warm_up_request_s_transient_leaves_out_what_it_cached():
+    """Three warm-up requests: the second fills throwaway caches with 10 GiB of entries (held after
+    it: not an activation), the third holds the largest activation above what stays. The transient
+    is the largest of peak - held over the requests, not the whole warm-up's peak over what is held
+    once its caches are dropped; each request's result comes back, a failing one's peak counts."""
+    from hybridcache.services.devices import RequestPeaks
+
+    g = GiB
+    memory = FakeMemory([(20 * g, 18 * g), (31 * g, 28 * g), (33 * g, 28 * g), (40 * g, 30 * g)])
+    seen = []
+    peaks = RequestPeaks(lambda r: seen.append(r) or r * 2, "cuda", memory=memory)
+    assert [peaks(r) for r in (1, 2, 3)] == [2, 4, 6] and seen == [1, 2, 3] and memory.started == 3
+    assert peaks.transient == 5 * g and peaks.peak == 33 * g  # 33 - 28, not 33 - 18 after the drop
+
+    def fails(_):
+        raise RuntimeError("out of memory")
+
+    peaks.run = fails
+    with pytest.raises(RuntimeError):
+        peaks(4)
+    assert peaks.transient == 10 * g and peaks.peak == 40 * g
