@@ -219,6 +219,8 @@ FIGURES = (
            "figures.warm_pic_ttft_fraction_of_floor_32x1k", "", 3, goal=">= 0.25"),
     Figure("32 streams' p99 inter-token gap during a 128k-token chunked prefill / their steady p50",
            "served_long_prompt_h*.json", "figures.itl_p99_during_long_prefill_vs_steady", "x", 1, goal="<= 3"),
+    Figure("warm pic TTFT speed-up vs a served prefix cache, 64 x 2k + 64 (128k tokens, 9B shape)",
+           "served_long_prompt_h*.json", "figures.warm_pic_ttft_speedup_vs_prefix_128k", "x", 1, goal=">= 30"),
     Figure("the same with whole chunks a step (--chunk-layer-parts 1)", "served_long_prompt_whole_chunks_h*.json",
            "figures.itl_p99_during_long_prefill_vs_steady", "x", 1),
     Figure("served decode, 128 streams, fraction of the floor, a gRPC token stream a request (the peer, same machine)",
