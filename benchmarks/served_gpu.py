@@ -53,7 +53,9 @@ IPC opens of each of those requests. The two rates:
 The served_warm_*_ms figures split a warm request's time outside the engine: the router's
 (router_ms), the combine worker's beyond its engine (combine_ms - engine_ttft_ms, to the request's
 end; combine_ttft_ms - engine_ttft_ms, to its first token leaving the combine worker: the share of
-the TTFT) and all of it as the client sees it (client TTFT - engine_ttft_ms).
+the TTFT), the hops between them (router_to_combine_ms, combine_to_router_ms), from the router's
+first token to the client's (router_to_client_ms) and all of it as the client sees it (client
+TTFT - engine_ttft_ms).
 """
 
 from __future__ import annotations
@@ -143,7 +145,8 @@ def send(url: str, native: dict, timeout_s: float) -> dict:
 
 
 def _stats(st: dict) -> dict:
-    keep = ("ttft_ms", "engine_ttft_ms", "router_ms", "combine_ms", "combine_ttft_ms", "built_tokens",
+    keep = ("ttft_ms", "engine_ttft_ms", "router_ms", "combine_ms", "combine_ttft_ms", "router_to_combine_ms",
+            "combine_to_router_ms", "built_tokens",
             "reused_segments", "scatter_bytes", "scatter_seconds", "scatter_copy_seconds", "scatter_path",
             "scatter_blocks", "scatter_ipc_opens", "tier_bytes", "built_here_same_gpu", "prompt_tokens",
             "device_allocs", "alloc_retries", "entry_evictions", "entry_cache_bytes", "gc_collections", "gc_pause_ms",
@@ -409,6 +412,15 @@ def _figures(res: dict) -> dict:
         first = [s["combine_ttft_ms"] - s["engine_ttft_ms"] for _, s in st if "combine_ttft_ms" in s]
         if first:
             out["served_warm_combine_ttft_minus_engine_ms"] = round(_median(first), 2)
+        # the hops between the processes (the router's stats, one host's clock) and from the router's
+        # first token to the client's
+        for hop in ("router_to_combine_ms", "combine_to_router_ms"):
+            got = [s[hop] for _, s in st if hop in s]
+            if got:
+                out[f"served_warm_{hop}"] = round(_median(got), 2)
+        to_client = [t - s["ttft_ms"] for t, s in st if "ttft_ms" in s]
+        if to_client:
+            out["served_warm_router_to_client_ms"] = round(_median(to_client), 2)
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -566,6 +566,12 @@ class CombineServicer(rpc.CombineServicer):
         # request): from the request reaching it to that token leaving its handler
         if t_first is not None:
             stats["combine_ttft_ms"] = (t_first - t0) * 1000
+        # the request's arrival and first token on this host's wall clock, for the router to time
+        # the hops between them (it removes these two)
+        wall = time.time() - time.perf_counter()
+        stats["combine_received_unix"] = t0 + wall
+        if t_first is not None:
+            stats["combine_first_token_unix"] = t_first + wall
         now = request_counters(device, self.engine.entries, self.engine.runner)
         stats.update({k: v - counted.get(k, 0) for k, v in now.items()})
         stats["gc_pause_ms"] = round(stats["gc_pause_ms"], 3)

@@ -430,6 +430,7 @@ class Router:
                         stats["engine_ttft_ms"] = stats.get("ttft_ms", 0.0)
                         stats["ttft_ms"] = ((t_first_token or now) - t0) * 1000
                         stats["router_ms"] = (t_asked - t0) * 1000
+                        _hops(stats, t_asked, t_first_token)
                         # The combine worker's span must sit in this request's trace (context in metadata).
                         stats["trace_propagated"] = stats.get("trace_id") == tracing.current_trace_id() != ""
                         chunk.stats_json = json.dumps(stats)
@@ -567,6 +568,21 @@ class Router:
                                    stats.get("tier_seconds", 0.0))
         self.cost.observe_scatter(stats.get("scatter_path", ""), stats.get("scatter_bytes", 0),
                                   stats.get("scatter_seconds", 0.0))
+
+
+def _hops(stats: dict, t_asked: float, t_first_token: float | None) -> None:
+    """The hops of a request between this router and its combine worker, from the wall-clock
+    stamps the worker put in its stats (removed here): router_to_combine_ms, from the router asking
+    to the worker's handler starting on it; combine_to_router_ms, from its first token leaving the
+    worker to reaching the router. Both read two hosts' wall clocks: exact on one host, off by
+    their skew across hosts."""
+    wall = time.time() - time.perf_counter()
+    received = stats.pop("combine_received_unix", None)
+    first = stats.pop("combine_first_token_unix", None)
+    if isinstance(received, (int, float)):
+        stats["router_to_combine_ms"] = (received - (t_asked + wall)) * 1000
+    if isinstance(first, (int, float)) and t_first_token is not None:
+        stats["combine_to_router_ms"] = (t_first_token + wall - first) * 1000
 
 
 def _segment(req, i: int) -> pb.Segment:

@@ -74,16 +74,21 @@ def test_the_link_rate_is_bytes_over_the_copy_seconds_and_the_host_rate_over_the
 def test_overhead_figures_split_the_warm_requests_stats():
     m = _mod()
     warm = [{"ttft_ms": 40.0, "stats": {"router_ms": 9.0, "combine_ms": 30.0, "engine_ttft_ms": 25.0,
-                                        "combine_ttft_ms": 27.0}},
+                                        "combine_ttft_ms": 27.0, "ttft_ms": 39.0, "router_to_combine_ms": 1.5,
+                                        "combine_to_router_ms": 0.5}},
             {"ttft_ms": 50.0, "stats": {"router_ms": 11.0, "combine_ms": 34.0, "engine_ttft_ms": 27.0,
-                                        "combine_ttft_ms": 28.0}},
+                                        "combine_ttft_ms": 28.0, "ttft_ms": 47.0, "router_to_combine_ms": 2.5,
+                                        "combine_to_router_ms": 0.7}},
             {"ttft_ms": 45.0, "stats": {"router_ms": 10.0, "combine_ms": 33.0, "engine_ttft_ms": 30.0,
-                                        "combine_ttft_ms": 33.0}}]
+                                        "combine_ttft_ms": 33.0, "ttft_ms": 43.0, "router_to_combine_ms": 2.0}}]
     f = m.figures({"pic": {"cold": {"ttft_ms": 60.0, "stats": {}}, "warm": warm}})
     assert f["served_warm_router_ms"] == 10.0
     assert f["served_warm_combine_outside_engine_ms"] == 5.0
     assert f["served_warm_combine_ttft_minus_engine_ms"] == 2.0
     assert f["served_warm_client_minus_engine_ms"] == 15.0
+    # the hops: medians of what each request reported (one of them no combine_to_router_ms)
+    assert f["served_warm_router_to_combine_ms"] == 2.0 and f["served_warm_combine_to_router_ms"] == 0.6
+    assert f["served_warm_router_to_client_ms"] == 2.0  # 1, 3, 2
     for w in warm:
         del w["stats"]["combine_ttft_ms"]  # results of a combine worker that did not report it
     f = m.figures({"pic": {"cold": {"ttft_ms": 60.0, "stats": {}}, "warm": warm}})

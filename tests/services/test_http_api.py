@@ -177,6 +177,11 @@ def test_ttft_is_the_wait_from_the_routers_receipt_with_the_engines_share_beside
     # the combine worker's share of the wait: its engine's and more, less than the router's whole
     assert st["engine_ttft_ms"] <= st["combine_ttft_ms"] <= st["combine_ms"]
     assert st["combine_ttft_ms"] < st["ttft_ms"]
+    # the hops between router and combine worker (one host's clock): inside the wait, in order
+    assert 0 <= st["router_to_combine_ms"] and 0 <= st["combine_to_router_ms"]
+    assert st["router_ms"] + st["router_to_combine_ms"] + st["combine_ttft_ms"] + st["combine_to_router_ms"] \
+        <= st["ttft_ms"] + 0.5
+    assert "combine_received_unix" not in st and "combine_first_token_unix" not in st
     # what the request cost the combine worker's memory: its new entries are in the entry cache,
     # which evicted nothing to hold them (1 GiB on the CPU); no CUDA allocator there
     assert st["entry_cache_bytes"] > 0 and st["entry_evictions"] == 0
