@@ -404,14 +404,18 @@ def softmax_top_k_kernel(
     _top_k_store(b_l, top_w, top_i, i_t, E, BE, K, BKK, RENORMALIZE)
 
 
+def _top_k_outputs(n: int, E: int, k: int, dtype: torch.dtype, device):
+    """The (weights [n, k] in `dtype`, experts [n, k] int64) a top-k of E experts writes."""
+    if not 0 < k <= E:
+        raise ValueError(f"top-{k} of {E} experts")
+    return (torch.empty(n, k, dtype=dtype, device=device), torch.empty(n, k, dtype=torch.int64, device=device))
+
+
 def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype):
     """models/common.softmax_top_k in one launch: logits [n, E] -> (weights [n, k] in `dtype`,
     experts [n, k] int64), the k largest logits in descending order."""
     n, E = logits.shape
-    if not 0 < k <= E:
-        raise ValueError(f"top-{k} of {E} experts")
-    top_w = torch.empty(n, k, dtype=dtype, device=logits.device)
-    top_i = torch.empty(n, k, dtype=torch.int64, device=logits.device)
+    top_w, top_i = _top_k_outputs(n, E, k, dtype, logits.device)
     if n == 0:
         return top_w, top_i
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -495,10 +499,7 @@ def router_top_k(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: boo
     if weight.shape != (E, h) or weight.stride(-1) != 1:
         raise ValueError(f"router weight {tuple(weight.shape)} (strides {weight.stride()}) does not fit x "
                          f"{tuple(x.shape)}: [E, {h}] with unit stride along h")
-    if not 0 < k <= E:
-        raise ValueError(f"top-{k} of {E} experts")
-    top_w = torch.empty(n, k, dtype=dtype, device=x.device)
-    top_i = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    top_w, top_i = _top_k_outputs(n, E, k, dtype, x.device)
     if n == 0:
         return top_w, top_i
     counts = router_counts(n, x.device) if counts is None else counts
