@@ -299,11 +299,19 @@ class RequestPeaks:
     def __call__(self, request):
         self._memory.start()
         try:
-            return self.run(request)
-        finally:
-            peak, held = self._memory.end()
-            self.peak = max(self.peak, peak)
-            self.transient = max(self.transient, peak - held)
+            out = self.run(request)
+        except BaseException:
+            try:  # the request's own error is the one raised, not a failing read of the memory after it
+                self._count(*self._memory.end())
+            except Exception:  # noqa: BLE001
+                log.warning("reading the device memory after a failed warm-up request failed", exc_info=True)
+            raise
+        self._count(*self._memory.end())
+        return out
+
+    def _count(self, peak: int, held: int) -> None:
+        self.peak = max(self.peak, peak)
+        self.transient = max(self.transient, peak - held)
 
 
 def warm_up_measured(device, utilization: float, warmup) -> dict:

@@ -137,6 +137,13 @@ def test_a_warm_up_request_s_transient_leaves_out_what_it_cached():
         raise RuntimeError("out of memory")
 
     peaks.run = fails
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="out of memory"):
         peaks(4)
     assert peaks.transient == 10 * g and peaks.peak == 40 * g
+
+    def unreadable():
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    memory.end = unreadable  # the request's own error comes out, not the failed read after it
+    with pytest.raises(RuntimeError, match="out of memory"):
+        peaks(5)
