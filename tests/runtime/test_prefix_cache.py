@@ -69,7 +69,8 @@ def test_exact_replay_restores_full_prefill_at_every_page(tiny_dir):
 def test_pages_are_read_a_group_at_a_time(tiny_dir, monkeypatch, read_tokens):
     """A prefill's pages get their K/V from one read of each attention layer a group of pages
     (PageRecorder.READ_TOKENS: here 2 pages, or all 5 at once): each page's K/V equal the full
-    prefill's rows there, stored apart (its own storage), and restoring gives the full prefill."""
+    prefill's rows there, stored apart (one storage of the page's own, all of its layers' K/V and
+    nothing else), and restoring gives the full prefill."""
     from hybridcache.services.runtime.cache.policies import PageRecorder
     from hybridcache.services.runtime.paged import PagedAttnState
     from hybridcache.services.runtime.sequence import AttnState
@@ -85,10 +86,16 @@ def test_pages_are_read_a_group_at_a_time(tiny_dir, monkeypatch, read_tokens):
     ref = full_prefill(eng.model, ids)
     path = eng.pages.match(ids[: 5 * P], eng.page_policy.usable)
     assert len(path) == 5
+    storages = set()
     for d, node in enumerate(path):
         payload = node.payload if hasattr(node, "payload") else node
+        own = {t.untyped_storage().data_ptr() for kv in payload.attn.values() for t in kv}
+        page_bytes = sum(t.nbytes for kv in payload.attn.values() for t in kv)
+        assert len(own) == 1 and not own & storages
+        storages |= own
         for i, (k, v) in payload.attn.items():
-            assert k.is_contiguous() and k.shape[2] == P and k.untyped_storage().nbytes() == k.nbytes
+            assert k.is_contiguous() and v.is_contiguous() and k.shape[2] == P
+            assert k.untyped_storage().nbytes() == page_bytes
             assert rel(k, ref.attn[i].k[:, :, d * P : (d + 1) * P]) <= 1e-6
             assert rel(v, ref.attn[i].v[:, :, d * P : (d + 1) * P]) <= 1e-6
     # one read a layer and group of pages: (0, 2P), (2P, 4P), (4P, 5P) or (0, 5P)
@@ -96,6 +103,32 @@ def test_pages_are_read_a_group_at_a_time(tiny_dir, monkeypatch, read_tokens):
     assert sorted(set(reads)) == want and len(reads) == len(ref.attn) * len(want), reads
     got = restore_state(eng.model, eng.page_policy, path)
     assert state_error(got, full_prefill(eng.model, ids[: 5 * P])) <= 1e-5
+
+
+@pytest.mark.parametrize("page_major", [False, True], ids=["strided", "page-major"])
+def test_a_page_s_kv_is_copied_out_of_a_group_read_in_either_form(page_major):
+    """A group read of 3 pages, kept as it is (the CPU's form) or page-major (CUDA's: each page
+    one contiguous block): every page's K/V of every layer equal the read's rows, in storage of
+    the page's own (one buffer a page where the layers' shapes agree, a copy each where they do
+    not: MLA's K and V widths differ)."""
+    from hybridcache.services.runtime.cache.policies import _by_page, _page_kv, _page_of
+
+    g = torch.Generator().manual_seed(0)
+    for kd, vd in ((8, 8), (12, 8)):
+        reads = {i: (torch.randn(1, 2, 3 * P, kd, generator=g), torch.randn(1, 2, 3 * P, vd, generator=g))
+                 for i in (3, 7)}
+        held = {i: tuple(_by_page(t, P, page_major) for t in kv) for i, kv in reads.items()}
+        assert all(t.dim() == (5 if page_major else 4) for kv in held.values() for t in kv)
+        seen, kept = set(), []
+        for page in range(3):
+            got = _page_kv({i: tuple(_page_of(t, page * P, P) for t in kv) for i, kv in held.items()})
+            kept.append(got)  # alive, so that no page's storage is another's freed one
+            for i, (k, v) in got.items():
+                assert torch.equal(k, reads[i][0][:, :, page * P : (page + 1) * P])
+                assert torch.equal(v, reads[i][1][:, :, page * P : (page + 1) * P])
+            own = {t.untyped_storage().data_ptr() for kv in got.values() for t in kv}
+            assert len(own) == (1 if kd == vd else 4) and not own & seen
+            seen |= own
 
 
 def test_exact_replay_hit_gives_the_cacheless_answer(tiny_dir):

@@ -139,6 +139,35 @@ def _replay_anchors(model, pages: list[PagePayload]) -> list[torch.Tensor]:
     return [torch.cat([_page_anchors(p, i, model.dtype) for p in pages]) for i in entries]
 
 
+def _by_page(t: torch.Tensor, p: int, page_major: bool | None = None) -> torch.Tensor:
+    """K or V of whole pages [1, H, n P, d] as page_payload reads them: on CUDA page-major, [n, 1,
+    H, P, d] contiguous (one copy; each page's rows one contiguous block, which _page_kv's stack
+    copies in one launch where a strided one takes a launch a tensor); elsewhere as it is (a CPU
+    copies strided rows as fast, and the page-major copy would cost more than it saves).
+    `page_major` forces either form."""
+    if not (t.is_cuda if page_major is None else page_major):
+        return t
+    _, h, n, d = t.shape
+    return t.view(1, h, n // p, p, d).permute(2, 0, 1, 3, 4).contiguous()
+
+
+def _page_of(t: torch.Tensor, offset: int, p: int) -> torch.Tensor:
+    """The page at `offset` tokens into a _by_page read: [1, H, P, d]."""
+    return t[offset // p] if t.dim() == 5 else t[:, :, offset : offset + p]
+
+
+def _page_kv(views: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """One page's K/V of every attention layer (contiguous views into the layers' page-major
+    reads) copied out into storage of the page's own: one stack of all of them where they share a
+    shape and dtype (one copy launch a page instead of two a layer; each layer's K and V are views
+    of that page's buffer, freed with the page), else a copy each."""
+    flat = [t for kv in views.values() for t in kv]
+    if len({(t.shape, t.dtype) for t in flat}) != 1:
+        return {i: tuple(t.clone(memory_format=torch.contiguous_format) for t in kv) for i, kv in views.items()}
+    buf = torch.stack(flat)
+    return {i: (buf[2 * j], buf[2 * j + 1]) for j, i in enumerate(views)}
+
+
 @dataclass
 class PageRecorder:
     """Collects, while a request runs exactly from position `start`, what new pages need: the
@@ -295,7 +324,7 @@ class PageRecorder:
             while j < len(ran) and ran[j] + p - ran[i] <= max(self.READ_TOKENS, p):
                 j += 1
             lo, hi = min(ran[i:j]), max(ran[i:j]) + p
-            spans = {layer: (lo, a.span(lo, hi)) for layer, a in state.attn.items()}
+            spans = {layer: (lo, tuple(_by_page(t, p) for t in a.span(lo, hi))) for layer, a in state.attn.items()}
             for a in ran[i:j]:
                 out.append(self.page_payload(state, a, spans))
                 if out[-1] is None:
@@ -307,8 +336,8 @@ class PageRecorder:
 
     def page_payload(self, state: SequenceState, page_start: int, spans: dict | None = None) -> PagePayload | None:
         """The payload of the page at [page_start, page_start + P), or None when this run did not
-        compute it (before `start`, or past what ran). `spans`: layer -> (lo, (k, v) from position
-        lo) holding the page, read already (page_payloads)."""
+        compute it (before `start`, or past what ran). `spans`: layer -> (lo, (k, v) from position lo,
+        as _by_page leaves them) holding the page, read already (page_payloads)."""
         p = self.policy.page_size
         end = page_start + p
         if not self._ran(state, page_start):
@@ -317,8 +346,7 @@ class PageRecorder:
         if spans is None:
             attn = {i: tuple(t.clone() for t in a.span(sl.start, sl.stop)) for i, a in state.attn.items()}
         else:
-            attn = {i: tuple(t[:, :, sl.start - lo : sl.stop - lo].clone(memory_format=torch.contiguous_format)
-                             for t in kv) for i, (lo, kv) in spans.items()}
+            attn = _page_kv({i: tuple(_page_of(t, sl.start - lo, p) for t in kv) for i, (lo, kv) in spans.items()})
         checkpoint = None
         if self.policy.is_checkpoint_position(end):
             checkpoint = self.checkpoints.get(end)
