@@ -181,12 +181,23 @@ def long_requests(args, rng: random.Random) -> dict:
 def timed(host, port, bodies, timeout_s) -> dict:
     runs = [stream(host, port, b, timeout_s) for b in bodies]
     ok = [r for r in runs if "ttft_ms" in r]
-    keep = ("engine_ttft_ms", "prompt_tokens", "cached_tokens", "built_tokens", "live_tokens")
+    keep = ("engine_ttft_ms", "prompt_tokens", "cached_tokens", "built_tokens", "live_tokens", "entry_evictions")
     errors = sorted({r["error"] for r in runs if "error" in r})[:3]
     return {"requests": len(bodies), "completed": len(ok), "errors": errors,
             "ttft_ms_each": [r["ttft_ms"] for r in ok],
             "ttft_ms_p50": round(statistics.median([r["ttft_ms"] for r in ok]), 2) if ok else None,
             "stats": [{k: r["stats"][k] for k in keep if k in r["stats"]} for r in ok]}
+
+
+def combine_memory(stack, timeout_s: float) -> dict:
+    """The memory plan on the stack's combine worker's /health ({} where it has none)."""
+    from served_decode import get_json
+
+    combine = next((s for s in stack.services if s["role"] == "combine"), None)
+    if combine is None:
+        return {}
+    code, body = get_json(combine["http"], "/health", timeout_s)
+    return body.get("memory") or {} if code == 200 else {}
 
 
 def run_long(args, mode: str, reqs: dict) -> dict:
@@ -196,6 +207,10 @@ def run_long(args, mode: str, reqs: dict) -> dict:
     host, port = address(stack)
     out: dict = {"mode": mode}
     try:
+        # the combine worker's memory plan (its budgets: whether 64 documents' entries fit)
+        memory = combine_memory(stack, args.timeout_s)
+        if memory:
+            out["combine_memory"] = memory
         out["compile"] = timed(host, port, [reqs["compile"]], args.timeout_s)
         out["cold"] = timed(host, port, [reqs["cold"]], args.timeout_s)
         if mode != "full":

@@ -25,6 +25,7 @@ def test_served_long_prompt_on_cpu(qwen35_dir, tmp_path):
     assert set(r) == {"itl", "pic", "prefix", "full"}
     assert r["pic"]["warm"]["completed"] == 2 and r["prefix"]["warm"]["completed"] == 2
     assert r["full"]["cold"]["completed"] == 1
+    assert "combine_memory" not in r["pic"]  # a CPU worker plans no device memory: none is recorded
     # pic's warm requests built nothing; the prefix peer cached none of their prompt
     assert all(s.get("built_tokens", 0) == 0 for s in r["pic"]["warm"]["stats"])
     f = res["figures"]
@@ -60,3 +61,25 @@ def test_a_failed_request_gives_no_figure():
     assert "warm_pic_ttft_speedup_vs_prefix_128k" not in mod.figures_of(results)
     results["pic"] = {"cold": timed, "warm": dict(timed, ttft_ms_p50=5.0)}
     assert mod.figures_of(results)["itl_p99_during_long_prefill_vs_steady"] == 1.2
+
+
+def test_the_combine_workers_memory_plan_is_kept(monkeypatch):
+    """Each long phase keeps its combine worker's memory plan from /health (the budgets say whether
+    64 documents' entries fit), and nothing where the worker has none or does not answer."""
+    import types
+
+    mod = _bench("served_long_prompt")
+    import served_decode
+
+    calls = []
+
+    def health(address, path, timeout):
+        calls.append((address, path))
+        return 200, {"memory": {"entry_gib": 9.5}}
+
+    monkeypatch.setattr(served_decode, "get_json", health)
+    stack = types.SimpleNamespace(services=[{"role": "router", "http": "h:1"}, {"role": "combine", "http": "h:2"}])
+    assert mod.combine_memory(stack, 5.0) == {"entry_gib": 9.5} and calls == [("h:2", "/health")]
+    monkeypatch.setattr(served_decode, "get_json", lambda *a: (0, {}))
+    assert mod.combine_memory(stack, 5.0) == {}
+    assert mod.combine_memory(types.SimpleNamespace(services=[]), 5.0) == {}
