@@ -310,7 +310,7 @@ class PageRecorder:
         """page_payload of each of `starts` in order, up to the first None (the last in the list).
         Each attention layer's K/V of up to READ_TOKENS tokens of those pages is read in one span
         (out of the pages, for a running request: one index copy a layer instead of one a page) and
-        each page's payload cloned out of it."""
+        each page's K/V copied out of the spans into a buffer of its own (_page_kv)."""
         p = self.policy.page_size
         ran = []
         for a in starts:
@@ -326,7 +326,7 @@ class PageRecorder:
             lo, hi = min(ran[i:j]), max(ran[i:j]) + p
             spans = {layer: (lo, tuple(_by_page(t, p) for t in a.span(lo, hi))) for layer, a in state.attn.items()}
             for a in ran[i:j]:
-                out.append(self.page_payload(state, a, spans))
+                out.append(self.page_payload(a, spans))
                 if out[-1] is None:
                     return out
             i = j
@@ -334,24 +334,18 @@ class PageRecorder:
             out.append(None)
         return out
 
-    def page_payload(self, state: SequenceState, page_start: int, spans: dict | None = None) -> PagePayload | None:
-        """The payload of the page at [page_start, page_start + P), or None when this run did not
-        compute it (before `start`, or past what ran). `spans`: layer -> (lo, (k, v) from position lo,
-        as _by_page leaves them) holding the page, read already (page_payloads)."""
+    def page_payload(self, page_start: int, spans: dict) -> PagePayload | None:
+        """The payload of the page at [page_start, page_start + P) that this run computed
+        (page_payloads checks that), or None where its checkpoint is missing. `spans`: layer -> (lo,
+        (k, v) from position lo, as _by_page leaves them) holding the page, read already."""
         p = self.policy.page_size
         end = page_start + p
-        if not self._ran(state, page_start):
-            return None
-        sl = slice(page_start, end)
-        if spans is None:
-            attn = {i: tuple(t.clone() for t in a.span(sl.start, sl.stop)) for i, a in state.attn.items()}
-        else:
-            attn = _page_kv({i: tuple(_page_of(t, sl.start - lo, p) for t in kv) for i, (lo, kv) in spans.items()})
         checkpoint = None
         if self.policy.is_checkpoint_position(end):
             checkpoint = self.checkpoints.get(end)
             if checkpoint is None and end not in self.declined:
                 return None
+        attn = _page_kv({i: tuple(_page_of(t, page_start - lo, p) for t in kv) for i, (lo, kv) in spans.items()})
         anchors = None
         r = self.policy.anchors_kept
         if r:
