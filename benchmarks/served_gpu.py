@@ -55,7 +55,10 @@ The served_warm_*_ms figures split a warm request's time outside the engine: the
 end; combine_ttft_ms - engine_ttft_ms, to its first token leaving the combine worker: the share of
 the TTFT), the hops between them (router_to_combine_ms, combine_to_router_ms), from the router's
 first token to the client's (router_to_client_ms) and all of it as the client sees it (client
-TTFT - engine_ttft_ms).
+TTFT - engine_ttft_ms). served_cold_prefill_steps, _build_ms and _assembly_ms (the cold requests'
+median) and inproc_cold_* (R in-process) split a cold request's wait in the scheduler: the steps it
+spent admitted, the host time of the batched builds of its segments, and its prefill's start to
+its first token (RequestStats).
 """
 
 from __future__ import annotations
@@ -150,7 +153,8 @@ def _stats(st: dict) -> dict:
             "reused_segments", "scatter_bytes", "scatter_seconds", "scatter_copy_seconds", "scatter_path",
             "scatter_blocks", "scatter_ipc_opens", "tier_bytes", "built_here_same_gpu", "prompt_tokens",
             "device_allocs", "alloc_retries", "entry_evictions", "entry_cache_bytes", "gc_collections", "gc_pause_ms",
-            "graph_captures", "graph_replays", "graph_eager", "graph_failures")
+            "graph_captures", "graph_replays", "graph_eager", "graph_failures", "prefill_steps", "build_ms",
+            "assembly_ms")
     return {k: st[k] for k in keep if k in st}
 
 
@@ -239,18 +243,26 @@ def inproc_phase(args, work: Workload, model: Path) -> dict:
     llm = LLM(Engine.from_dir(model, args.device, getattr(torch, args.dtype), config))
     out = {"warmup": llm.warmup()}
 
+    seen = {}
+
     def ttft(llm, native) -> float:
         req = llm.parse_request(native)
         _sync(args.device)
         t0 = time.perf_counter()
         first = None
-        for _ in llm.scheduler.add_request(req):  # to the end, so that the request releases what it holds
+        handle = llm.scheduler.add_request(req)
+        for _ in handle:  # to the end, so that the request releases what it holds
             if first is None:
                 _sync(args.device)
                 first = time.perf_counter()
+        seen["stats"] = handle.prefill.stats
         return round((first - t0) * 1000, 2)
 
     out["cold_pic_ms"] = ttft(llm, work.cold)
+    # where the cold request's wait went, as the scheduler splits it (the served stack's stats say the same)
+    st = seen["stats"]
+    out["cold_pic_stats"] = {"prefill_steps": st.prefill_steps, "build_ms": round(st.build_ms, 2),
+                             "assembly_ms": round(st.assembly_ms, 2)}
     out["warm_pic_ms"] = [ttft(llm, w) for w in work.warm]
     engine = llm.engine
     llm.close()  # its pool of running requests' states goes before the next scheduler sizes its own
@@ -387,6 +399,14 @@ def _figures(res: dict) -> dict:
             got = [r["stats"].get(key) for r in reqs]
             if any(v is not None for v in got):
                 out[f"cold_{key}_all" + ("" if name == "pic" else "_with_scatter")] = got
+    # where the cold requests' first-token wait went in the scheduler (served median; in-process R)
+    for key in ("prefill_steps", "build_ms", "assembly_ms"):
+        reqs = [r for r in [pic["cold"], pic.get("cold2"), *pic.get("cold_more", ())] if r] if pic else []
+        got = [r["stats"][key] for r in reqs if key in r["stats"]]
+        if got:
+            out[f"served_cold_{key}"] = round(_median(got), 2)
+        if inproc and key in inproc.get("cold_pic_stats", {}):
+            out[f"inproc_cold_{key}"] = inproc["cold_pic_stats"][key]
     moving = sc_ipc or sc
     if moving:
         moves = [r["stats"] for r in (moving["cold"], moving["cold2"], *moving.get("cold_more", ()))

@@ -82,6 +82,12 @@ class RequestStats:
     prefix_restore_ms: float = 0.0  # time to rebuild the state of a page-tree hit
     segments: list[SegmentStat] = field(default_factory=list)
     ttft_ms: float = 0.0
+    # where a scheduler's wait for the first token went (Scheduler): the steps the request spent in
+    # prefill, the host time of the batched cold builds that built its segments, and the time from
+    # its prefill's start (Engine.start_prefill) to its first token
+    prefill_steps: int = 0
+    build_ms: float = 0.0
+    assembly_ms: float = 0.0
 
     def to_dict(self) -> dict:
         # the fields as they are (numbers and strings; asdict would deep-copy every SegmentStat first)

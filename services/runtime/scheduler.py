@@ -361,6 +361,10 @@ class _Seq:
     fed: bool = False  # its input of the latest launched step came from the device (its id not yet known here)
     adjuster: LogitsAdjuster | None = None  # min_new_tokens and penalties, made on its first pick
     part_share: tuple[int, int] = (0, 0)  # (tokens, cost) a step of its part-way chunk counts
+    # its first token's wait (RequestStats.prefill_steps, build_ms, assembly_ms)
+    prefill_steps: int = 0
+    build_s: float = 0.0
+    assembly_started: float | None = None
 
 
 @dataclass(slots=True)
@@ -628,6 +632,8 @@ class Scheduler:
         return out
 
     def _prefill_step(self) -> None:
+        for seq in self._admitted:
+            seq.prefill_steps += 1
         budget = self.config.max_num_batched_tokens
         left = self._plain_prefills(budget)
         plain_ran, budget = left < budget, left
@@ -645,7 +651,12 @@ class Scheduler:
                 break
         if todo:
             self._step_tokens += sum(map(len, todo.values()))
+            t0 = time.perf_counter()
             entries, failed = self._build(todo)
+            took = time.perf_counter() - t0
+            for seq in self._admitted:
+                if todo.keys() & seq.cold.keys():
+                    seq.build_s += took
             for seq in [s for s in self._admitted if failed.keys() & s.cold.keys()]:
                 self._fail(seq, next(failed[k] for k in seq.cold if k in failed), "cold build")
             # An entry is built for the first request that needed it; to the others it is a hit.
@@ -756,6 +767,8 @@ class Scheduler:
         eng, parts = self.engine, self.config.chunk_layer_parts
         try:
             if seq.job is None:
+                if seq.assembly_started is None:
+                    seq.assembly_started = time.perf_counter()
                 seq.job = eng.start_prefill(seq.req, pinned=seq.pinned, built=seq.built)
                 seq.pinned, seq.built = {}, {}
                 if self._paged_prefill:
@@ -826,15 +839,25 @@ class Scheduler:
                 seq.handle._finish("error", e)
                 return
         if params.max_new_tokens == 0:
-            pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
+            self._first_token_stats(seq, pre.stats)
             self._end(seq, "length")
             return
         tok = self._pick(seq, pre.logits)
-        pre.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
+        self._first_token_stats(seq, pre.stats)
         if self._push(seq, tok, pre.logits):
             return  # ended: its release kept its part chains (Engine.finish_prefix)
         eng.keep_chains(pre)  # after the first token went out
         self._run(seq)
+
+    @staticmethod
+    def _first_token_stats(seq: _Seq, stats) -> None:
+        """The request's first token is out now: its TTFT and where the wait went."""
+        now = time.perf_counter()
+        stats.ttft_ms = (now - seq.arrived) * 1000
+        stats.prefill_steps = seq.prefill_steps
+        stats.build_ms = seq.build_s * 1000
+        if seq.assembly_started is not None:
+            stats.assembly_ms = (now - seq.assembly_started) * 1000
 
     def _run(self, seq: _Seq) -> None:
         runner = self.engine.runner
@@ -892,7 +915,7 @@ class Scheduler:
         True when the request ended with it."""
         if seq.first_pending:  # its first token, from the decode step its last prompt token ran in
             seq.first_pending = False
-            seq.prefill.stats.ttft_ms = (time.perf_counter() - seq.arrived) * 1000
+            self._first_token_stats(seq, seq.prefill.stats)
         top = seq.req.sampling.logprobs
         lp = None
         if top is not None:  # the row is indexed only when asked for (a view costs a few us a request)

@@ -55,6 +55,15 @@ def test_figures_are_ratios_of_what_the_phases_measured():
     f = m.figures(res)
     assert f["cold_pic_ttft_vs_full_32x1k"] == round(19.0 / 20.0, 3)
     assert f["cold_pic_first_request_ttft_vs_full_32x1k"] == 1.2
+    assert "served_cold_build_ms" not in f  # cold stats without the scheduler's split: no figure
+    # the scheduler's split of the cold requests' wait: the served median beside R in-process
+    for r, (steps, build, assembly) in zip([res["pic"]["cold"], res["pic"]["cold2"], res["pic"]["cold_more"][0]],
+                                           [(5, 300.0, 40.0), (4, 200.0, 30.0), (6, 250.0, 35.0)]):
+        r["stats"].update(prefill_steps=steps, build_ms=build, assembly_ms=assembly)
+    res["inproc"]["cold_pic_stats"] = {"prefill_steps": 5, "build_ms": 180.0, "assembly_ms": 20.0}
+    f = m.figures(res)
+    assert (f["served_cold_prefill_steps"], f["served_cold_build_ms"], f["served_cold_assembly_ms"]) == (5, 250.0, 35.0)
+    assert (f["inproc_cold_prefill_steps"], f["inproc_cold_build_ms"], f["inproc_cold_assembly_ms"]) == (5, 180.0, 20.0)
 
 
 def test_the_link_rate_is_bytes_over_the_copy_seconds_and_the_host_rate_over_the_receive_seconds():
@@ -115,6 +124,12 @@ def test_tiny_cpu_run(tmp_path):
     # the combine worker froze what it held once warm (its /health), and says what requests cost its memory
     assert res["detail"]["scatter"]["combine_gc_frozen_objects"] > 10_000
     assert cold["stats"]["entry_evictions"] == 0 and cold["stats"]["entry_cache_bytes"] > 0
+    # the scheduler's split of a cold request's wait, in-process and served (the combine worker
+    # built the segments here: its scatter worker shares its CPU)
+    inproc = res["detail"]["inproc"]["cold_pic_stats"]
+    assert inproc["prefill_steps"] >= 1 and 0 < inproc["build_ms"] < res["detail"]["inproc"]["cold_pic_ms"]
+    assert f["inproc_cold_build_ms"] == inproc["build_ms"] and cold["stats"]["prefill_steps"] >= 1
+    assert 0 < cold["stats"]["assembly_ms"] < cold["stats"]["engine_ttft_ms"]
     # and what each cold request paid besides the engine's work, per stack (no graphs or CUDA
     # allocator on the CPU: collector pauses only)
     pauses = f["cold_gc_pause_ms_all_with_scatter"]

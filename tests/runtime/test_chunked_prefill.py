@@ -437,3 +437,45 @@ def test_chunks_end_at_piece_ends_and_their_equal_runs_run_batched(qwen35_dir, m
             linear = sorted(eng.model.linear_groups()[0] + tuple(i for g in eng.model.linear_groups()[1:] for i in g))
             assert sorted(batched) == sorted(linear * 2)
         eng.finish_prefix(pre)
+
+
+@pytest.mark.parametrize("budget", [64, 8192])
+def test_first_token_stats_say_where_the_wait_went(qwen35_dir, budget):
+    """RequestStats.prefill_steps: the scheduler steps the request spent admitted before its first
+    token; build_ms: the host time of the batched cold builds that built its segments (a budget of
+    64 tokens builds the three segments in three steps, 8,192 in one); assembly_ms: from its
+    prefill's start to the first token. A warm request of the same segments builds nothing."""
+    eng = _engine(qwen35_dir, mode="pic")
+    cold = _requests()[1]
+    sched = Scheduler(eng, SchedulerConfig(max_num_batched_tokens=budget))
+    admitted_steps, builds = [], []
+    step, build = sched._prefill_step, sched._build
+
+    def counting_step():
+        admitted_steps.append(len(sched._admitted))
+        step()
+
+    def counting_build(todo):
+        builds.append(len(todo))
+        return build(todo)
+
+    sched._prefill_step, sched._build = counting_step, counting_build
+    try:
+        h = sched.add_request(eng.parse_request(cold))
+        h.result()
+        stats = h.prefill.stats
+        steps_cold = sum(1 for n in admitted_steps if n)
+        admitted_steps.clear()
+        w = sched.add_request(eng.parse_request(dict(cold, system=cold["system"][::-1])))
+        w.result()
+        warm = w.prefill.stats
+    finally:
+        sched.stop()
+    assert builds == ([1, 1, 1] if budget == 64 else [3])
+    assert stats.prefill_steps == steps_cold >= len(builds)
+    assert 0 < stats.build_ms < stats.ttft_ms
+    assert 0 < stats.assembly_ms < stats.ttft_ms
+    assert stats.build_ms + stats.assembly_ms <= stats.ttft_ms + 1e-6
+    assert warm.build_ms == 0 and warm.prefill_steps == sum(1 for n in admitted_steps if n) >= 1
+    assert 0 < warm.assembly_ms <= warm.ttft_ms
+    assert {"prefill_steps", "build_ms", "assembly_ms"} <= stats.to_dict().keys()
