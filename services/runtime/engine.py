@@ -24,6 +24,7 @@ one model, so engines share one (page_tree=) only when they run the same model.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -353,7 +354,7 @@ class Engine:
         checkpoint (PrefixPolicy.request_end_checkpoints): the prompt's last page boundary, if it
         lies inside what runs and the decode may stop before the next page boundary (a request sure
         to decode past it keeps its state there, from the decode step); 0: none."""
-        policy, n = self.page_policy, len(req.prompt_ids)
+        policy, n = self.page_policy, req.prompt_len
         cut = policy.request_end_position(n)
         if not start < cut < n:
             return 0
@@ -435,9 +436,14 @@ class Engine:
         layout, boundary, staged = [], {}, []
         pos = state.length
         w = cfg.seam_window
-        for j in range(first, len(parts)):
+        # the ids that run live, as views of one tensor: a reused segment's seam window (its body
+        # comes from the entry), every other part whole
+        pieces = [parts[j][1][skip if j == first else 0 :] for j in range(first, len(parts))]
+        live = [(p[:w] if reused(first + n) else p) for n, p in enumerate(pieces)]
+        live_ids = iter(torch.tensor(list(itertools.chain.from_iterable(live)), dtype=torch.long).split(list(map(len, live))))
+        for j, part in zip(range(first, len(parts)), pieces):
             kind, ids = parts[j]
-            part = ids[skip if j == first else 0 :]
+            run_ids = next(live_ids)
             if reused(j):
                 key = key_of(j)
                 if key in built:
@@ -448,8 +454,8 @@ class Engine:
                     entry, hit = self.get_or_build_entry(ids, key)
                 if not hit:
                     stats.built_tokens += len(ids)
-                if w:  # the seam window alone runs live: only its ids become a tensor
-                    layout += self._live_runs(torch.tensor(part[:w], dtype=torch.long), pos, end_cut)
+                if w:  # the seam window alone runs live
+                    layout += self._live_runs(run_ids, pos, end_cut)
                 if is_host(entry):
                     staged.append((len(layout), entry))
                 layout.append(CachedSpan(entry.data, pos + w, use_transition=cfg.mode == "pic"))
@@ -460,7 +466,7 @@ class Engine:
                 source = ("host" if is_host(entry) else "entry") if hit else "built"
                 seg_stats.append(SegmentStat(len(ids), hit, source))
             else:
-                layout += self._live_runs(torch.tensor(part, dtype=torch.long), pos, end_cut)
+                layout += self._live_runs(run_ids, pos, end_cut)
                 stats.live_tokens += len(part)
                 if kind in ("segment", "live"):
                     seg_stats.append(SegmentStat(len(ids), False, "live"))
@@ -480,7 +486,7 @@ class Engine:
         if cfg.uses_prefix_cache and exact:
             exact_end = next((p.start for p in layout if isinstance(p, CachedSpan)), pos)
             anchor_layers = tuple(g[0] for g in self.model.linear_groups())
-            recorder = PageRecorder(self.page_policy, state.length, req.prompt_ids[:exact_end], anchor_layers,
+            recorder = PageRecorder(self.page_policy, state.length, req.prompt_head(exact_end), anchor_layers,
                                     salt=req.cache_salt)
         snapshot_after = set(boundary) if cfg.uses_entries else set()
         if recorder is not None:

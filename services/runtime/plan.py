@@ -110,6 +110,15 @@ class Request:
             out += s
         return out + list(self.suffix_ids)
 
+    def prompt_head(self, n: int) -> list[int]:
+        """prompt_ids[:n], without building the rest of the prompt."""
+        out = list(self.system_ids[:n])
+        for s in self.segment_ids:
+            if len(out) >= n:
+                return out
+            out += s[: n - len(out)]
+        return out + list(self.suffix_ids[: max(0, n - len(out))])
+
     @property
     def prompt_len(self) -> int:
         """len(prompt_ids), without building the list."""

@@ -269,3 +269,14 @@ def test_a_json_body_s_lists_of_ids_are_kept_with_the_same_checks(engine):
                          ([5, vocab], f"segment 1 has token id {vocab} outside"), ([-1], "segment 1 has token id -1")):
         with pytest.raises(RequestError, match=message):
             planner.parse(json.loads(json.dumps({"segments": [[5, 0], bad], "suffix": [3]})), json_ids=True)
+
+
+def test_the_prompt_s_head_is_the_first_ids_of_the_prompt():
+    from hybridcache.services.runtime.plan import Request
+    from hybridcache.services.runtime.sampling import SamplingParams
+
+    for system, segments, suffix in [([1, 2, 3], [[4, 5], [6, 7, 8]], [9, 10]), ([], [[4, 5], [6]], []),
+                                     ([1], [], [2, 3])]:
+        req = Request(system, segments, suffix, SamplingParams())
+        for n in range(req.prompt_len + 3):
+            assert req.prompt_head(n) == req.prompt_ids[:n]
