@@ -440,7 +440,8 @@ class Engine:
         # comes from the entry), every other part whole
         pieces = [parts[j][1][skip if j == first else 0 :] for j in range(first, len(parts))]
         live = [(p[:w] if reused(first + n) else p) for n, p in enumerate(pieces)]
-        live_ids = iter(torch.tensor(list(itertools.chain.from_iterable(live)), dtype=torch.long).split(list(map(len, live))))
+        flat = torch.tensor(list(itertools.chain.from_iterable(live)), dtype=torch.long)
+        live_ids = iter(flat.split(list(map(len, live))))
         for j, part in zip(range(first, len(parts)), pieces):
             kind, ids = parts[j]
             run_ids = next(live_ids)
