@@ -400,9 +400,9 @@ def _figures(res: dict) -> dict:
             if any(v is not None for v in got):
                 out[f"cold_{key}_all" + ("" if name == "pic" else "_with_scatter")] = got
     # where the cold requests' first-token wait went in the scheduler (served median; in-process R)
+    pic_colds = [r for r in [pic["cold"], pic.get("cold2"), *pic.get("cold_more", ())] if r] if pic else []
     for key in ("prefill_steps", "build_ms", "assembly_ms"):
-        reqs = [r for r in [pic["cold"], pic.get("cold2"), *pic.get("cold_more", ())] if r] if pic else []
-        got = [r["stats"][key] for r in reqs if key in r["stats"]]
+        got = [r["stats"][key] for r in pic_colds if key in r["stats"]]
         if got:
             out[f"served_cold_{key}"] = round(_median(got), 2)
         if inproc and key in inproc.get("cold_pic_stats", {}):

@@ -411,10 +411,10 @@ class Engine:
                 seg_stats.append(SegmentStat(len(ids), True, "prefix"))
             part_start += len(ids)
 
-        def reused(j):  # whether part j is folded in from a segment entry
-            kind, ids = parts[j]
-            whole = not (j == first and skip)
-            return kind == "segment" and cfg.uses_entries and j < len(parts) - 1 and whole and self.cacheable(ids)
+        # the parts folded in from segment entries (whole segments, not the last part)
+        reused = {j for j in range(first, len(parts) - 1)
+                  if parts[j][0] == "segment" and cfg.uses_entries and not (j == first and skip)
+                  and self.cacheable(parts[j][1])}
 
         first_segment = 1 if req.system_ids else 0  # parts[j] is segment j - first_segment
 
@@ -423,11 +423,10 @@ class Engine:
 
         # Cold segments are prefilled on their own first, all at once, then the request runs warm.
         cold = {}
-        for j in range(first, len(parts)):
-            if reused(j):
-                key = key_of(j)
-                if key not in cold and key not in pinned and key not in ahead and not self.entries.contains(key):
-                    cold[key] = parts[j][1]
+        for j in sorted(reused):
+            key = key_of(j)
+            if key not in cold and key not in pinned and key not in ahead and not self.entries.contains(key):
+                cold[key] = parts[j][1]
         built = dict(ahead)
         built.update(named_entries(cold, self.build_entries(list(cold.values()))))
         for entry in built.values():
@@ -439,13 +438,13 @@ class Engine:
         # the ids that run live, as views of one tensor: a reused segment's seam window (its body
         # comes from the entry), every other part whole
         pieces = [parts[j][1][skip if j == first else 0 :] for j in range(first, len(parts))]
-        live = [(p[:w] if reused(first + n) else p) for n, p in enumerate(pieces)]
+        live = [(p[:w] if first + n in reused else p) for n, p in enumerate(pieces)]
         flat = torch.tensor(list(itertools.chain.from_iterable(live)), dtype=torch.long)
         live_ids = iter(flat.split(list(map(len, live))))
         for j, part in zip(range(first, len(parts)), pieces):
             kind, ids = parts[j]
             run_ids = next(live_ids)
-            if reused(j):
+            if j in reused:
                 key = key_of(j)
                 if key in built:
                     entry, hit = built.pop(key), False
