@@ -36,7 +36,12 @@ from hybridcache.kernels.ops.moe.triton import (  # noqa: E402
 )
 from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_heads, row_norm  # noqa: E402
 from hybridcache.kernels.ops.recurrent_step.triton import recurrent_step  # noqa: E402
-from hybridcache.kernels.ops.rope.triton import norm_rope_into_pages, norm_rope_tokens, rope_heads  # noqa: E402
+from hybridcache.kernels.ops.rope.triton import (  # noqa: E402
+    norm_rope_into_pages,
+    norm_rope_tokens,
+    rope_heads,
+    spans_into_pages,
+)
 from hybridcache.kernels.ops.sampling.triton import sample_rows  # noqa: E402
 from hybridcache.kernels.ops.transition.compose_triton import (  # noqa: E402
     compose_states_blocks,
@@ -74,6 +79,7 @@ __all__ = [
     "recurrent_step",
     "rel_rms",
     "rope_heads",
+    "spans_into_pages",
     "sample_rows",
     "scattered_blocks",
     "sigmoid_gate_heads",

@@ -175,6 +175,38 @@ def test_compose_table_made_on_the_device():
         compose_states_table(t_tab.int(), s_tab, stack_T, stack_S, h0)
 
 
+@pytest.mark.parametrize("with_init", [False, True])
+def test_compose_table_initial_row_and_count_on_the_device(with_init):
+    """store_initial: row 0 the entering state, row i + 1 the state after pair i (the planned
+    assembly's rows); count (device data, as a CUDA graph's bucket reads it): the fold stops after
+    the real pairs, whatever the table's padding pairs would do, and leaves the rows past them as
+    they were."""
+    T, S = make_segments(6, 2, 20, 12, torch.float32, seed=3)
+    h0 = torch.randn(2, 20, 12, device=device()) if with_init else None
+    t_tab = torch.tensor([T[i].data_ptr() for i in range(6)], device=device())
+    s_tab = torch.tensor([S[i].data_ptr() for i in range(6)], device=device())
+    final, states = compose_states_table(t_tab, s_tab, T, S, h0, output_all=True, store_initial=True)
+    assert states.shape == (7, 2, 20, 12)
+    assert torch.equal(states[0], h0 if with_init else torch.zeros_like(states[0]))
+    for i in range(6):
+        assert rel_rms(states[i + 1], reference(T[: i + 1], S[: i + 1], h0)) < 1e-5
+    assert torch.equal(final, states[6])
+    # the last two pairs would change the state (they are not identity pairs): count 4 stops before
+    for dtype in (torch.int64, torch.int32):
+        count = torch.tensor([4], dtype=dtype, device=device())
+        final4, states4 = compose_states_table(t_tab, s_tab, T, S, h0, output_all=True, store_initial=True,
+                                               count=count)
+        assert torch.equal(final4, states[4]) and torch.equal(states4[:5], states[:5])
+        assert rel_rms(final4, final) > 1e-2
+    # a count over the table's length folds the whole table
+    final9 = compose_states_table(t_tab, s_tab, T, S, h0, count=torch.tensor([9], device=device()))
+    assert torch.equal(final9, final)
+    with pytest.raises(ValueError, match="output_all"):
+        compose_states_table(t_tab, s_tab, T, S, h0, store_initial=True)
+    with pytest.raises(ValueError, match="count"):
+        compose_states_table(t_tab, s_tab, T, S, h0, count=torch.tensor([1.0], device=device()))
+
+
 def test_compose_blocks_rejects_bad_blocks():
     T, S = make_segments(2, 2, 16, 8, torch.float32)
     with pytest.raises(ValueError, match="as many"):

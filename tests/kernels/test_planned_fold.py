@@ -1,6 +1,8 @@
 """The planned assembly's fold from address tables (models/assembly.py bind_tables, the linear
-layers' planned_scan on the compose_states_table kernel), on CPU under Triton's interpreter: the
-table path a GPU takes, against the exact eager pass over the layout."""
+layers' planned_scan on the compose_states_table kernel, the runs' outputs read from the fold's
+rows by run_outputs) and its spans' K/V written into the pages in one launch (spans_into_pages),
+on CPU under Triton's interpreter: the kernels' path a GPU takes, against the exact eager pass over
+the layout."""
 
 import pytest
 import torch
@@ -28,6 +30,12 @@ def test_the_fold_from_tables_equals_the_eager_pass(qwen35_dir, monkeypatch):
     pool.assign(job.state)
     extend_pages(job.state, job.layout[-1].end - job.state.length)
     monkeypatch.setattr(assembly, "tables_apply", lambda state: True)
+    monkeypatch.setattr(assembly, "spans_fused", lambda pages: True)
+    from hybridcache.kernels.ops.rope import triton as rope_triton
+
+    fused = []
+    real_fused = rope_triton.spans_into_pages
+    monkeypatch.setattr(rope_triton, "spans_into_pages", lambda *a, **k: fused.append(1) or real_fused(*a, **k))
     plan = assembly.plan_assembly(eng.model, job.state, job.layout, job.snapshot_after)
     logits, rec = eng.model.forward_planned(job.state, plan)
     assert plan.tables and set(plan.span_T) == set(ref_state.linear)
@@ -37,6 +45,7 @@ def test_the_fold_from_tables_equals_the_eager_pass(qwen35_dir, monkeypatch):
     got = plan.span_T[layer][: len(plan.pairs)].tolist()
     want = [plan.span_data(ref).linear[layer].T.data_ptr() if kind == "span" else 0 for kind, ref in plan.pairs]
     assert got == want and len(spans) == 3
+    assert len(fused) == sum(layer.kind == "full_attention" for layer in eng.model.layers) > 0  # each fused
     torch.testing.assert_close(logits, ref_logits, rtol=2e-4, atol=2e-4)
     for i, s in ref_state.linear.items():
         torch.testing.assert_close(job.state.linear[i].ssm, s.ssm, rtol=2e-4, atol=2e-4)

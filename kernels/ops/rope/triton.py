@@ -154,3 +154,87 @@ def norm_rope_into_pages(k, v, scale, eps: float, cos, sin, k_pages, v_pages, ro
         v_pages.stride(1), v_pages.stride(2), float(eps),
         H=H, D=D, DV=DV, R=R, BD=BD, BDV=triton.next_power_of_2(DV), BR=BR, num_warps=4,
     )
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def spans_into_pages_kernel(
+    tab, tok_span, tok_local, rows_of, cos, sin, kp, vp, kref, vref, n_rows, m,
+    s_kpr, s_kph, s_vpr, s_vph,
+    H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BR: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # (token, head): t * H + h
+    m_r = rows < n_rows
+    t = rows // H
+    h = rows % H
+    j = tl.load(tok_span + t, mask=m_r, other=0).to(tl.int64)  # the token's span
+    i = tl.load(tok_local + t, mask=m_r, other=0).to(tl.int64)  # its index in the span
+    dst = tl.load(rows_of + t, mask=m_r, other=0).to(tl.int64)  # its row in the pages
+    # the table's columns, m spans each: K and V addresses, then their head and token strides
+    kb = tl.load(tab + j, mask=m_r, other=0).to(kref.dtype, bitcast=True)
+    vb = tl.load(tab + m + j, mask=m_r, other=0).to(vref.dtype, bitcast=True)
+    k_src = h * tl.load(tab + 2 * m + j, mask=m_r, other=0) + i * tl.load(tab + 3 * m + j, mask=m_r, other=0)
+    v_src = h * tl.load(tab + 4 * m + j, mask=m_r, other=0) + i * tl.load(tab + 5 * m + j, mask=m_r, other=0)
+    cols = tl.arange(0, BD)
+    m_c = cols < D
+    mask = m_r[:, None] & m_c[None, :]
+    b_y = norm_rotate(kb[:, None], k_src, t, cols, m_r, m_c, cos, sin, cos, 0.0, D, R, False)
+    tl.store(kp + (dst * s_kpr + h * s_kph)[:, None] + cols[None, :], b_y.to(kp.dtype.element_ty), mask=mask)
+    o_v = tl.arange(0, BDV)
+    m_v = m_r[:, None] & (o_v < DV)[None, :]
+    b_v = tl.load(vb[:, None] + v_src[:, None] + o_v[None, :], mask=m_v, other=0.0)
+    tl.store(vp + (dst * s_vpr + h * s_vph)[:, None] + o_v[None, :], b_v.to(vp.dtype.element_ty), mask=m_v)
+
+
+def spans_into_pages(ks, vs, cos, sin, k_pages, v_pages, rows, tok_span=None, tok_local=None):
+    """Cached spans' keys ks[j] [1, H, n_j, D] and values vs[j] [1, H, n_j, DV] (any head and token
+    strides, the channels unit-stride; read where they lie through a table of their addresses: no
+    concatenation), the keys rotated by cos/sin [S, R] (S = sum n_j, the spans' tokens in order;
+    rotate-half, channels from R on pass through), written into k_pages [num_pages, P, H, D] /
+    v_pages at the flattened rows rows[t] (page * P + slot, int64 [S]). One launch. tok_span,
+    tok_local [S] (int, on the device): each token's span and its index there, when the caller has
+    them (else made here from the lengths, on the device). The spans must stay alive until the
+    launch has run, as they do while the caller holds them. Returns (tok_span, tok_local), for the
+    next call over spans of the same lengths."""
+    if not ks or len(ks) != len(vs):
+        raise ValueError(f"need as many key blocks as value blocks, at least one (got {len(ks)} and {len(vs)})")
+    H, D = ks[0].shape[1], ks[0].shape[3]
+    DV = vs[0].shape[3]
+    lens = [k.shape[2] for k in ks]
+    for k, v, n in zip(ks, vs, lens):
+        if k.dim() != 4 or v.dim() != 4 or k.shape != (1, H, n, D) or v.shape != (1, H, n, DV):
+            raise ValueError(f"span K {tuple(k.shape)} / V {tuple(v.shape)} must be [1, {H}, n, {D}] and [1, {H}, n, {DV}]")
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError("the spans' channels must be unit-stride")
+        if k.dtype != ks[0].dtype or v.dtype != vs[0].dtype or k.device != k_pages.device:
+            raise ValueError("the spans' K (and V) must share a dtype and the pages' device")
+    S = sum(lens)
+    R = cos.shape[-1]
+    if rows.shape != (S,):
+        raise ValueError(f"rows must be [{S}], got {tuple(rows.shape)}")
+    if R % 2 or R > D or cos.shape != (S, R) or sin.shape != (S, R):
+        raise ValueError(f"cos/sin must be [{S}, R] with an even R <= {D}, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    for name, pool, d in (("k_pages", k_pages, D), ("v_pages", v_pages, DV)):
+        if pool.shape[2:] != (H, d) or pool.stride(0) != pool.shape[1] * pool.stride(1) or pool.stride(-1) != 1:
+            raise ValueError(f"{name} {tuple(pool.shape)} must be [pages, P, {H}, {d}] with rows one stride apart")
+    if S == 0:
+        return tok_span, tok_local
+    dev = k_pages.device
+    host = torch.tensor([[k.data_ptr() for k in ks], [v.data_ptr() for v in vs], [k.stride(1) for k in ks],
+                         [k.stride(2) for k in ks], [v.stride(1) for v in vs], [v.stride(2) for v in vs], lens],
+                        dtype=torch.int64)
+    table = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+    m = len(ks)
+    if tok_span is None or tok_local is None:
+        lens_dev = table[6]
+        tok_span = torch.repeat_interleave(torch.arange(m, device=dev), lens_dev, output_size=S)
+        starts = torch.cumsum(lens_dev, 0) - lens_dev
+        tok_local = torch.arange(S, device=dev) - starts.index_select(0, tok_span)
+    BD = triton.next_power_of_2(D)
+    BR = max(1, min(16, 2048 // BD))
+    spans_into_pages_kernel[(triton.cdiv(S * H, BR),)](
+        table, tok_span, tok_local, rows, cos.float().contiguous(), sin.float().contiguous(), k_pages, v_pages,
+        ks[0], vs[0], S * H, m, k_pages.stride(1), k_pages.stride(2), v_pages.stride(1), v_pages.stride(2),
+        H=H, D=D, DV=DV, R=R, BD=BD, BDV=triton.next_power_of_2(DV), BR=BR, num_warps=4,
+    )
+    return tok_span, tok_local

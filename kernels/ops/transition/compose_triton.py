@@ -23,6 +23,7 @@ import triton.language as tl
     {
         "USE_INITIAL_STATE": lambda args: args["h0"] is not None,
         "STORE_ALL": lambda args: args["hs"] is not None,
+        "COUNT_ON_DEVICE": lambda args: args["count"] is not None,
     }
 )
 @triton.jit
@@ -35,6 +36,7 @@ def compose_states_fwd_kernel(
     Tref,
     Sref,
     N,
+    count,
     G: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -43,6 +45,8 @@ def compose_states_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     STORE_ALL: tl.constexpr,
+    STORE_INITIAL: tl.constexpr,
+    COUNT_ON_DEVICE: tl.constexpr,
     INDIRECT: tl.constexpr,
     PREFETCH_ADDRESSES: tl.constexpr,
     SPLIT_STATE: tl.constexpr,
@@ -53,6 +57,9 @@ def compose_states_fwd_kernel(
     # SPLIT_STATE (T in 16 bits): T stays in its storage type and the fp32 state is split into a
     # high and a low 16-bit part, two 16-bit dots (about 16 bits of the state's mantissa kept).
     # GRID_VG: axis 0 walks the column blocks of one g, so the programs sharing a T run together.
+    # STORE_INITIAL (with STORE_ALL): hs has N + 1 rows, row 0 the entering state, row i + 1 the
+    # state after segment i. COUNT_ON_DEVICE: only the first count[0] (<= N) segments are folded
+    # (a CUDA graph's bucket of N holds fewer real ones); hs rows past them are left unwritten.
     if GRID_VG:
         i_v, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     else:
@@ -69,6 +76,11 @@ def compose_states_fwd_kernel(
         b_h = tl.load(h0 + p_h, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if STORE_ALL and STORE_INITIAL:
+        tl.store(hs + p_h, b_h, mask=m_kv)
+        hs += G * K * V
+    if COUNT_ON_DEVICE:
+        N = tl.minimum(tl.load(count).to(tl.int32), N)
     if INDIRECT and PREFETCH_ADDRESSES:
         t_next = tl.load(T).to(Tref.dtype, bitcast=True)
         s_next = tl.load(S).to(Sref.dtype, bitcast=True)
@@ -158,10 +170,12 @@ def compose_states_fwd(
 
 
 def _launch(
-    T, S, Tref, Sref, N, G, K, V, h0, output_all, block_v, precision, warps, stages, prefetch=False, grid_vg=None
+    T, S, Tref, Sref, N, G, K, V, h0, output_all, block_v, precision, warps, stages, prefetch=False, grid_vg=None,
+    store_initial=False, count=None,
 ):
     """One launch of the kernel over stacked entries (T is Tref) or address tables (T is int64).
-    precision "bf16x2" (16-bit T only): SPLIT_STATE (the kernel's comment)."""
+    precision "bf16x2" (16-bit T only): SPLIT_STATE (the kernel's comment); store_initial, count:
+    compose_states_table's."""
     initial_state, dot_precision, num_warps, num_stages = h0, precision, warps, stages
     if initial_state is not None:
         initial_state = initial_state.contiguous()
@@ -187,7 +201,8 @@ def _launch(
     stages = num_stages or (2 if on_gpu and half_t and BK >= 128 else None)
     warps = num_warps or (8 if on_gpu and BK >= 128 else 4)
     ht = torch.empty(G, K, V, dtype=torch.float32, device=Sref.device)
-    hs = torch.empty(N, G, K, V, dtype=torch.float32, device=Sref.device) if output_all else None
+    rows = N + 1 if store_initial else N
+    hs = torch.empty(rows, G, K, V, dtype=torch.float32, device=Sref.device) if output_all else None
     grid = (triton.cdiv(V, BV), G) if grid_vg else (G, triton.cdiv(V, BV))
     compose_states_fwd_kernel[grid](
         T=T,
@@ -198,12 +213,14 @@ def _launch(
         Tref=Tref,
         Sref=Sref,
         N=N,
+        count=count,
         G=G,
         K=K,
         V=V,
         BK=BK,
         BV=BV,
         DOT_PRECISION="ieee" if split else precision,
+        STORE_INITIAL=store_initial,
         INDIRECT=T is not Tref,
         PREFETCH_ADDRESSES=prefetch,
         SPLIT_STATE=split,
@@ -303,6 +320,8 @@ def compose_states_table(
     num_warps: int | None = None,
     num_stages: int | None = None,
     prefetch_addresses: bool = False,
+    store_initial: bool = False,
+    count: torch.Tensor | None = None,
 ):
     """compose_states_blocks over address tables already on the device: T_table, S_table [N] int64
     hold the addresses of each segment's contiguous [G, K, K] / [G, K, V] block, of the dtypes of
@@ -310,7 +329,12 @@ def compose_states_table(
     device). Made on the device (a CUDA graph's pass computes part of its table there), so nothing
     is checked against the blocks: every address must point at a live block of the right shape and
     dtype. block_v, dot_precision, num_warps, num_stages: as compose_states_fwd's;
-    prefetch_addresses: each step's addresses loaded a step ahead. Returns as compose_states_fwd."""
+    prefetch_addresses: each step's addresses loaded a step ahead. store_initial (with output_all):
+    the states come back [N + 1, G, K, V], row 0 the initial state (zeros if None) and row i + 1 the
+    state after segment i, so that "the state entering segment i" is row i for every i. count: an
+    int tensor [1] on the device, the number of segments to fold (at most N; a CUDA graph's table
+    of a bucket's N holds fewer real ones): the final state is the one after count segments, and the
+    rows of the states after the others are left unwritten. Returns as compose_states_fwd."""
     if T_table.dtype != torch.int64 or S_table.dtype != torch.int64 or T_table.shape != S_table.shape:
         raise ValueError(f"tables must be int64 of one shape, got {T_table.dtype} {tuple(T_table.shape)}, "
                          f"{S_table.dtype} {tuple(S_table.shape)}")
@@ -319,6 +343,13 @@ def compose_states_table(
         raise ValueError(f"Tref {tuple(Tref.shape)} does not match Sref {tuple(Sref.shape)}")
     if initial_state is not None and initial_state.shape != (G, K, V):
         raise ValueError(f"initial_state must be [{G}, {K}, {V}], got {tuple(initial_state.shape)}")
+    if store_initial and not output_all:
+        raise ValueError("store_initial needs output_all")
+    if count is not None and (count.numel() != 1 or count.dtype not in (torch.int32, torch.int64)
+                              or count.device != Sref.device):
+        raise ValueError(f"count must be one int32/int64 on {Sref.device}, got {count.dtype} "
+                         f"{tuple(count.shape)} on {count.device}")
     N = T_table.shape[0]
     args = (initial_state, output_all, block_v, dot_precision, num_warps, num_stages, prefetch_addresses)
-    return _launch(T_table.contiguous(), S_table.contiguous(), Tref, Sref, N, G, K, V, *args)
+    return _launch(T_table.contiguous(), S_table.contiguous(), Tref, Sref, N, G, K, V, *args,
+                   store_initial=store_initial, count=count)

@@ -91,8 +91,10 @@ class AssemblyBatch:
         tail_rows [m * W1]        live-token indices of each sub-run's last W1 conv inputs
         prev_src [m]              1: the sub-run's conv source is the tail of the sub-run before it
         pair_run [p]              the sub-run of each fold pair (-1: a span's, or padding)
-        enter [m]                 1 + the fold row entering each sub-run (0: the entering state)
+        enter [m]                 the fold's row entering each sub-run (the fold's rows: 0 the
+                                  entering state, k + 1 the state after pair k)
         final [1], last_run [1], last_tok [1]
+        n_pairs [1]               the real pairs (the fold stops after them)
         snap_rows [s]             fold rows of the kept states; snap_tails [s] rows of their conv
                                   tails in [tails; conv sources] (2m rows)
         where [2]                 the request's table row and its length after this pass
@@ -103,7 +105,7 @@ class AssemblyBatch:
     PagedWrite)."""
 
     NAMES = ("ids", "positions", "live_off", "flat", "pad", "tail_rows", "prev_src", "pair_run", "enter", "final",
-             "last_run", "last_tok", "snap_rows", "snap_tails")
+             "last_run", "last_tok", "n_pairs", "snap_rows", "snap_tails")
 
     def __init__(self, key, sizes: dict, real: dict, host: dict, packed: torch.Tensor, spans: list, runs: list,
                  snapshots: list, pairs: list, span_off: torch.Tensor, span_shift: torch.Tensor):
@@ -129,7 +131,7 @@ class AssemblyBatch:
     def sizes_of(self) -> dict[str, int]:
         n, m, L, p, s, W1 = self.n, self.m, self.L, self.p, self.s, self.W1
         return {"ids": n, "positions": n, "live_off": n, "flat": n, "pad": m * L, "tail_rows": m * W1, "prev_src": m,
-                "pair_run": p, "enter": m, "final": 1, "last_run": 1, "last_tok": 1, "snap_rows": s, "snap_tails": s}
+                "pair_run": p, "enter": m, "final": 1, "last_run": 1, "last_tok": 1, "n_pairs": 1, "snap_rows": s, "snap_tails": s}
 
     def __getattr__(self, name):
         index = self.__dict__.get("index")
@@ -274,6 +276,15 @@ class AssemblyBatch:
         kp, vp = pages.k[layer], pages.v[layer]
         ks = [self.span_data(idx).attn[layer].k for idx, _ in self.spans]
         vs = [self.span_data(idx).attn[layer].v for idx, _ in self.spans]
+        rope = model.span_rope(layer)
+        if rope is not None and spans_fused(kp) and all(t.stride(-1) == 1 for t in ks + vs):
+            # one launch: each span's K/V read where the entry holds it, rotated, into its rows
+            from hybridcache.kernels.ops.rope.triton import spans_into_pages
+
+            cos, sin = rope(self.span_shift)
+            self._span_index = spans_into_pages(ks, vs, cos, sin, kp, vp, self._span_rows,
+                                                *(getattr(self, "_span_index", None) or (None, None)))
+            return
         K = ks[0] if len(ks) == 1 else torch.cat(ks, dim=2)
         V = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
         rotate = model.span_rotation(layer)
@@ -294,6 +305,12 @@ class AssemblyBatch:
         if self.host["logits_for"] == "none":
             return None
         return model.head(x[0].index_select(0, self.last_tok))[0].float()
+
+
+def spans_fused(pages: torch.Tensor) -> bool:
+    """Whether a planned assembly writes its spans' K/V into the pages in one launch
+    (AssemblyBatch.write_span_kv): on the GPU (the fast kernels' device)."""
+    return backends.use_fast_kernels(pages)
 
 
 def tables_apply(state: torch.Tensor) -> bool:
@@ -417,9 +434,10 @@ def plan_assembly(model, state, layout, snapshot_after=(), capture_hidden=(), lo
     pad = [1] * (m * L)
     for f in flat:
         pad[f] = 0
-    # fold rows: pair k's state is row k of the fold; a sub-run enters after the pair before it
+    # fold rows: 0 the entering state, k + 1 the state after pair k; a sub-run of pair k enters
+    # with the state after pair k - 1, row k
     pair_of_run = {pr[1]: k for k, pr in enumerate(pairs) if pr[0] == "run"}
-    enter = [pair_of_run[j] for j in range(len(runs))]  # 1 + (k - 1) = k: the row before, plus one
+    enter = [pair_of_run[j] for j in range(len(runs))]
     snap_tails = []
     for kind, ref in snap_tail:
         if kind == "run":
@@ -437,10 +455,11 @@ def plan_assembly(model, state, layout, snapshot_after=(), capture_hidden=(), lo
         "prev_src": [int(src[0] == "prev") for src in runs] + [0] * (m - len(runs)),
         "pair_run": [pr[1] if pr[0] == "run" else -1 for pr in pairs] + [-1] * (p - len(pairs)),
         "enter": enter + [0] * (m - len(runs)),
-        "final": [len(pairs) - 1],
+        "final": [len(pairs)],
         "last_run": [len(runs) - 1],
         "last_tok": [real["n"] - 1],
-        "snap_rows": snap_pairs + [0] * (s - len(snapshots)),
+        "n_pairs": [len(pairs)],
+        "snap_rows": [k + 1 for k in snap_pairs] + [0] * (s - len(snapshots)),
         "snap_tails": snap_tails + [0] * (s - len(snapshots)),
     }
     packed = torch.tensor([v for name in AssemblyBatch.NAMES for v in index[name]], dtype=torch.long)

@@ -483,6 +483,12 @@ class LayoutLM(nn.Module):
         N, d], shifts [N]) -> k, or None where its keys carry no positions (planned assemblies)."""
         raise NotImplementedError
 
+    def span_rope(self, layer: int):
+        """span_rotation's angles, where the rotation is rotate-half by a cos/sin table: rope(shifts
+        [N]) -> (cos, sin) [N, R] fp32, which a planned assembly's fused write of the spans' K/V into
+        the pages uses (kernels/ops/rope spans_into_pages); None: rotate with span_rotation."""
+        return None
+
     @torch.no_grad()
     def forward_planned(self, state: SequenceState, plan: AssemblyBatch):
         """The eager pass over a planned assembly (models/assembly.py), the reference of its CUDA

@@ -340,11 +340,15 @@ class LinearMixer(nn.Module):
         pad = plan.pad.view(m, L) > 0
         rec_in = self.identity_steps(self.recurrence_inputs(conv_out, tuple(padded(t) for t in rest)), pad)
         o0, T_runs, S0_runs, u = self.pieces(rec_in)
-        states = self._planned_fold(plan, layer_idx, T_runs, S0_runs, state.ssm)  # [p, 1, H, K, V]
-        enter = plan.enter
-        picked = states.index_select(0, (enter - 1).clamp(min=0))[:, 0]
-        s_in = torch.where((enter == 0).view(m, 1, 1, 1), state.ssm.float(), picked.float())  # [m, H, K, V]
-        o_pad = (o0.float() + backends.run_outputs_from_states(u, s_in)).to(o0.dtype)  # [m, L, H, V]
+        # [p + 1, 1, H, K, V] fp32: row 0 the entering state, row k + 1 the state after pair k
+        states = self._planned_fold(plan, layer_idx, T_runs, S0_runs, state.ssm)
+        if plan.tables:  # each run's outputs read its entering state where the fold left it
+            from hybridcache.kernels.ops.transition.outputs_triton import run_outputs
+
+            o_pad = run_outputs(o0, u, states[:, 0], plan.enter)  # [m, L, H, V]
+        else:
+            s_in = states.index_select(0, plan.enter)[:, 0]  # [m, H, K, V]
+            o_pad = (o0.float() + backends.run_outputs_from_states(u, s_in)).to(o0.dtype)
         o_runs = o_pad.reshape(m * L, *o_pad.shape[2:]).index_select(0, plan.flat.clamp(max=m * L - 1))
         if rec is not None and plan.s:
             kept = states.index_select(0, plan.snap_rows)
@@ -356,10 +360,12 @@ class LinearMixer(nn.Module):
         return o_runs.unsqueeze(0)
 
     def _planned_fold(self, plan: AssemblyBatch, layer_idx, T_runs, S0_runs, state_in):
-        """The states after each fold pair of a planned assembly, [p, 1, H, K, V]: on CUDA with a
-        matrix T one launch over the plan's address tables (the sub-runs' pairs where this pass
-        holds them, the spans' where they lie, identity pairs after the last real one); else the
-        real pairs as blocks (backends.fold_states)."""
+        """The entering state and the states after each fold pair of a planned assembly, [p + 1, 1,
+        H, K, V] fp32 (row k + 1 after pair k): on CUDA with a matrix T one launch over the plan's
+        address tables (the sub-runs' pairs where this pass holds them, the spans' where they lie),
+        folding the real pairs alone (their count is the plan's device data; the rows of the
+        bucket's padding pairs are left unwritten and never read); else the real pairs as blocks
+        (backends.fold_states)."""
         if plan.tables:
             from hybridcache.kernels.ops.transition.compose_triton import compose_states_table
 
@@ -374,7 +380,8 @@ class LinearMixer(nn.Module):
                                 plan.span_T[layer_idx])
             s_tab = torch.where(on_run, S0_runs.data_ptr() + j * (S0_runs[0].numel() * S0_runs.element_size()),
                                 plan.span_S[layer_idx])
-            _, states = compose_states_table(t_tab, s_tab, T_runs, S0_runs, state_in[0], output_all=True)
+            _, states = compose_states_table(t_tab, s_tab, T_runs, S0_runs, state_in[0], output_all=True,
+                                             store_initial=True, count=plan.n_pairs)
             return states[:, None]
         Ts, Ss = [], []
         for kind, ref in plan.pairs:
@@ -386,7 +393,8 @@ class LinearMixer(nn.Module):
                 Ts.append(span.T)
                 Ss.append(span.S)
         states = backends.fold_states(Ts, Ss, state_in, [True] * len(Ts))
-        return states if isinstance(states, torch.Tensor) else torch.stack(states)
+        states = states if isinstance(states, torch.Tensor) else torch.stack(states)
+        return torch.cat([state_in[None].float(), states.float()])
 
     def build_spans(self, x, lengths, seam, datas, layer_idx):
         """Standalone prefill of B segments at once (x [B, L, h] normed, segment j real for its

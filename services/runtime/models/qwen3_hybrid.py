@@ -438,6 +438,10 @@ class HybridLM(LayoutLM):
     def span_rotation(self, layer: int):
         return self.layers[layer].self_attn.rotate
 
+    def span_rope(self, layer: int):
+        attn = self.layers[layer].self_attn
+        return lambda shifts: attn.rope(shifts, torch.float32)
+
     @property
     def conv_width(self) -> int:
         """The short conv's width of the linear layers (planned assemblies: their tails' length)."""
