@@ -203,7 +203,8 @@ def spans_into_pages(ks, vs, cos, sin, k_pages, v_pages, rows, tok_span=None, to
     lens = [k.shape[2] for k in ks]
     for k, v, n in zip(ks, vs, lens):
         if k.dim() != 4 or v.dim() != 4 or k.shape != (1, H, n, D) or v.shape != (1, H, n, DV):
-            raise ValueError(f"span K {tuple(k.shape)} / V {tuple(v.shape)} must be [1, {H}, n, {D}] and [1, {H}, n, {DV}]")
+            raise ValueError(f"span K {tuple(k.shape)} / V {tuple(v.shape)} must be [1, {H}, n, {D}] and "
+                             f"[1, {H}, n, {DV}]")
         if k.stride(-1) != 1 or v.stride(-1) != 1:
             raise ValueError("the spans' channels must be unit-stride")
         if k.dtype != ks[0].dtype or v.dtype != vs[0].dtype or k.device != k_pages.device:

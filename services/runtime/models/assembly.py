@@ -131,7 +131,8 @@ class AssemblyBatch:
     def sizes_of(self) -> dict[str, int]:
         n, m, L, p, s, W1 = self.n, self.m, self.L, self.p, self.s, self.W1
         return {"ids": n, "positions": n, "live_off": n, "flat": n, "pad": m * L, "tail_rows": m * W1, "prev_src": m,
-                "pair_run": p, "enter": m, "final": 1, "last_run": 1, "last_tok": 1, "n_pairs": 1, "snap_rows": s, "snap_tails": s}
+                "pair_run": p, "enter": m, "final": 1, "last_run": 1, "last_tok": 1, "n_pairs": 1, "snap_rows": s,
+                "snap_tails": s}
 
     def __getattr__(self, name):
         index = self.__dict__.get("index")
