@@ -48,6 +48,7 @@ from hybridcache.kernels.ops.transition.compose_triton import (  # noqa: E402
     compose_states_fwd,
     compose_states_table,
 )
+from hybridcache.kernels.ops.transition.outputs_triton import run_outputs, run_outputs_reference  # noqa: E402
 
 __all__ = [
     "L2",
@@ -79,6 +80,8 @@ __all__ = [
     "recurrent_step",
     "rel_rms",
     "rope_heads",
+    "run_outputs",
+    "run_outputs_reference",
     "spans_into_pages",
     "sample_rows",
     "scattered_blocks",

@@ -4,8 +4,7 @@ initial rows, bf16 and fp32."""
 
 import pytest
 import torch
-from hybridcache.kernels.ops.transition.outputs_triton import run_outputs, run_outputs_reference
-from kernel_testing import device, rel_rms
+from kernel_testing import device, rel_rms, run_outputs, run_outputs_reference
 
 SHAPES = [(1, 1, 1, 16, 16), (3, 5, 2, 20, 12), (4, 17, 3, 32, 40), (2, 70, 1, 24, 8)]
 
