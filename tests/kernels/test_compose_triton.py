@@ -175,6 +175,34 @@ def test_compose_table_made_on_the_device():
         compose_states_table(t_tab.int(), s_tab, stack_T, stack_S, h0)
 
 
+def test_compose_table_reads_runs_of_another_dtype():
+    """The planned assembly's fold with bf16 entries: the pass's own pairs stay fp32 (runs), read
+    beside the entries through one table; each run's T is rounded to bf16 as it is read and its S
+    read in fp32: equal to the reference over those values, off from it with the runs' S rounded."""
+    T, S = make_segments(6, 2, 20, 12, torch.float32, seed=5)
+    is_run = [True, False, True, True, False, True]
+    T_bf, S_bf = T.to(torch.bfloat16), S.to(torch.bfloat16)
+    runs_T = torch.stack([T[i] for i in range(6) if is_run[i]])  # fp32, the pass's stack
+    runs_S = torch.stack([S[i] for i in range(6) if is_run[i]])
+    spans = {i: (T_bf[i : i + 1].clone(), S_bf[i : i + 1].clone()) for i in range(6) if not is_run[i]}
+    run_of = torch.tensor([sum(is_run[:i]) if is_run[i] else -1 for i in range(6)], device=device())
+    t_tab = torch.tensor([runs_T[int(run_of[i])].data_ptr() if is_run[i] else spans[i][0].data_ptr()
+                          for i in range(6)], device=device())
+    s_tab = torch.tensor([runs_S[int(run_of[i])].data_ptr() if is_run[i] else spans[i][1].data_ptr()
+                          for i in range(6)], device=device())
+    h0 = torch.randn(2, 20, 12, device=device())
+    final, states = compose_states_table(t_tab, s_tab, spans[1][0], spans[1][1], h0, output_all=True,
+                                         store_initial=True, runs=(run_of, runs_T, runs_S))
+    T_eff = T_bf.float()  # every T as bf16
+    S_eff = torch.stack([S[i] if is_run[i] else S_bf[i].float() for i in range(6)])
+    for i in range(6):
+        assert rel_rms(states[i + 1], reference(T_eff[: i + 1], S_eff[: i + 1], h0)) < 1e-5
+    assert rel_rms(final, reference(T_eff, S_bf.float(), h0)) > 1e-4  # the runs' S were not rounded
+    with pytest.raises(ValueError, match="prefetch"):
+        compose_states_table(t_tab, s_tab, spans[1][0], spans[1][1], h0, runs=(run_of, runs_T, runs_S),
+                             prefetch_addresses=True)
+
+
 @pytest.mark.parametrize("with_init", [False, True])
 def test_compose_table_initial_row_and_count_on_the_device(with_init):
     """store_initial: row 0 the entering state, row i + 1 the state after pair i (the planned

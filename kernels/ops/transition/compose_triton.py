@@ -24,6 +24,7 @@ import triton.language as tl
         "USE_INITIAL_STATE": lambda args: args["h0"] is not None,
         "STORE_ALL": lambda args: args["hs"] is not None,
         "COUNT_ON_DEVICE": lambda args: args["count"] is not None,
+        "MIXED": lambda args: args["run_index"] is not None,
     }
 )
 @triton.jit
@@ -37,6 +38,9 @@ def compose_states_fwd_kernel(
     Sref,
     N,
     count,
+    run_index,
+    TRref,
+    SRref,
     G: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -47,6 +51,7 @@ def compose_states_fwd_kernel(
     STORE_ALL: tl.constexpr,
     STORE_INITIAL: tl.constexpr,
     COUNT_ON_DEVICE: tl.constexpr,
+    MIXED: tl.constexpr,
     INDIRECT: tl.constexpr,
     PREFETCH_ADDRESSES: tl.constexpr,
     SPLIT_STATE: tl.constexpr,
@@ -60,6 +65,9 @@ def compose_states_fwd_kernel(
     # STORE_INITIAL (with STORE_ALL): hs has N + 1 rows, row 0 the entering state, row i + 1 the
     # state after segment i. COUNT_ON_DEVICE: only the first count[0] (<= N) segments are folded
     # (a CUDA graph's bucket of N holds fewer real ones); hs rows past them are left unwritten.
+    # MIXED (INDIRECT, no PREFETCH_ADDRESSES): where run_index[i] >= 0 the addresses are of blocks
+    # in TRref / SRref's element types (a pass's own runs, fp32) instead of Tref / Sref's; T is
+    # rounded to Tref's type in registers (as a copy to it would), S read as it is.
     if GRID_VG:
         i_v, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     else:
@@ -92,6 +100,17 @@ def compose_states_fwd_kernel(
                 i_next = tl.minimum(i_n + 1, N - 1)
                 t_next = tl.load(T + i_next).to(Tref.dtype, bitcast=True)
                 s_next = tl.load(S + i_next).to(Sref.dtype, bitcast=True)
+            elif MIXED:
+                t_raw = tl.load(T + i_n)
+                s_raw = tl.load(S + i_n)
+                # the flag as blocks (a scalar bool in a mask does not broadcast everywhere)
+                flag = (tl.load(run_index + i_n) >= 0).to(tl.int32)
+                is_run = (tl.zeros([BK, BV], dtype=tl.int32) + flag) != 0
+                run_kk = (tl.zeros([BK, BK], dtype=tl.int32) + flag) != 0
+                t_base = t_raw.to(Tref.dtype, bitcast=True)
+                s_base = s_raw.to(Sref.dtype, bitcast=True)
+                t_run = t_raw.to(TRref.dtype, bitcast=True)
+                s_run = s_raw.to(SRref.dtype, bitcast=True)
             else:
                 t_base = tl.load(T + i_n).to(Tref.dtype, bitcast=True)
                 s_base = tl.load(S + i_n).to(Sref.dtype, bitcast=True)
@@ -101,15 +120,32 @@ def compose_states_fwd_kernel(
             i_ng = i_g + i_n * G
             p_t = T + i_ng * K * K + o_k[:, None] * K + o_k[None, :]
             p_s = S + i_ng * K * V + o_k[:, None] * V + o_v[None, :]
-        b_s = tl.load(p_s, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
+        if INDIRECT and MIXED and not PREFETCH_ADDRESSES:
+            # one of each pair of loads is masked off whole: the block is read in its own type
+            o_t = i_g * K * K + o_k[:, None] * K + o_k[None, :]
+            o_s = i_g * K * V + o_k[:, None] * V + o_v[None, :]
+            b_s = (tl.load(p_s, mask=m_kv & ~is_run, other=0.0).to(tl.float32)
+                   + tl.load(s_run + o_s, mask=m_kv & is_run, other=0.0).to(tl.float32))
+            b_tm = (tl.load(p_t, mask=m_kk & ~run_kk, other=0.0).to(tl.float32)
+                    + tl.load(t_run + o_t, mask=m_kk & run_kk, other=0.0).to(tl.float32))
+            if Tref.dtype.element_ty == tl.bfloat16:  # rounded to nearest even in integer steps
+                # (the interpreter's own cast truncates): exact casts once the low bits are cleared
+                bits = b_tm.to(tl.int32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+                b_tm = bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+            else:
+                b_tm = b_tm.to(Tref.dtype.element_ty)
+        else:
+            b_s = tl.load(p_s, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
+            b_tm = tl.load(p_t, mask=m_kk, other=0.0)  # [BK, BK], in its storage type
         if SPLIT_STATE:
-            b_t = tl.load(p_t, mask=m_kk, other=0.0)  # [BK, BK], 16-bit
+            b_t = b_tm  # 16-bit
             b_hi = b_h.to(b_t.dtype)
             b_lo = (b_h - b_hi.to(tl.float32)).to(b_t.dtype)
             b_h = tl.dot(b_t, b_hi, b_s)
             b_h = tl.dot(b_t, b_lo, b_h)
         else:
-            b_t = tl.load(p_t, mask=m_kk, other=0.0).to(tl.float32)  # [BK, BK]
+            b_t = b_tm.to(tl.float32)  # [BK, BK]
             b_h = tl.dot(b_t, b_h, b_s, input_precision=DOT_PRECISION)
         if STORE_ALL:
             # the state after segment i_n (the live-token scan reads the states entering each run)
@@ -171,7 +207,7 @@ def compose_states_fwd(
 
 def _launch(
     T, S, Tref, Sref, N, G, K, V, h0, output_all, block_v, precision, warps, stages, prefetch=False, grid_vg=None,
-    store_initial=False, count=None,
+    store_initial=False, count=None, runs=None,
 ):
     """One launch of the kernel over stacked entries (T is Tref) or address tables (T is int64).
     precision "bf16x2" (16-bit T only): SPLIT_STATE (the kernel's comment); store_initial, count:
@@ -214,6 +250,9 @@ def _launch(
         Sref=Sref,
         N=N,
         count=count,
+        run_index=runs[0] if runs else None,
+        TRref=runs[1] if runs else Tref,
+        SRref=runs[2] if runs else Sref,
         G=G,
         K=K,
         V=V,
@@ -322,6 +361,7 @@ def compose_states_table(
     prefetch_addresses: bool = False,
     store_initial: bool = False,
     count: torch.Tensor | None = None,
+    runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ):
     """compose_states_blocks over address tables already on the device: T_table, S_table [N] int64
     hold the addresses of each segment's contiguous [G, K, K] / [G, K, V] block, of the dtypes of
@@ -334,7 +374,11 @@ def compose_states_table(
     state after segment i, so that "the state entering segment i" is row i for every i. count: an
     int tensor [1] on the device, the number of segments to fold (at most N; a CUDA graph's table
     of a bucket's N holds fewer real ones): the final state is the one after count segments, and the
-    rows of the states after the others are left unwritten. Returns as compose_states_fwd."""
+    rows of the states after the others are left unwritten. runs: (run_index [N] int on the device,
+    run_T, run_S): where run_index[i] >= 0 segment i's addresses are of blocks of run_T's and
+    run_S's dtypes (a pass's own pairs, e.g. fp32 beside bf16 entries) instead of Tref's and Sref's;
+    such a T is rounded to Tref's dtype as it is read (what a copy to that dtype would do first), its
+    S read as it is. Returns as compose_states_fwd."""
     if T_table.dtype != torch.int64 or S_table.dtype != torch.int64 or T_table.shape != S_table.shape:
         raise ValueError(f"tables must be int64 of one shape, got {T_table.dtype} {tuple(T_table.shape)}, "
                          f"{S_table.dtype} {tuple(S_table.shape)}")
@@ -350,6 +394,14 @@ def compose_states_table(
         raise ValueError(f"count must be one int32/int64 on {Sref.device}, got {count.dtype} "
                          f"{tuple(count.shape)} on {count.device}")
     N = T_table.shape[0]
+    if runs is not None:
+        run_index, run_T, run_S = runs
+        if prefetch_addresses:
+            raise ValueError("runs of another dtype are not read with prefetch_addresses")
+        if run_index.shape != (N,) or run_index.device != Sref.device:
+            raise ValueError(f"run_index must be [{N}] on {Sref.device}, got {tuple(run_index.shape)}")
+        if tuple(run_T.shape[-3:]) != (G, K, K) or tuple(run_S.shape[-3:]) != (G, K, V):
+            raise ValueError(f"run_T {tuple(run_T.shape)} / run_S {tuple(run_S.shape)} do not match [{G}, {K}, ...]")
     args = (initial_state, output_all, block_v, dot_precision, num_warps, num_stages, prefetch_addresses)
     return _launch(T_table.contiguous(), S_table.contiguous(), Tref, Sref, N, G, K, V, *args,
-                   store_initial=store_initial, count=count)
+                   store_initial=store_initial, count=count, runs=runs)

@@ -243,6 +243,8 @@ class AssemblyBatch:
             return
         G, K, V = S0.shape[-3:]
         eye, zero = padding_pair(T0.dtype, G, K, V, T0.device)
+        # blocks of the spans' dtypes that outlive any request (the fold's reference of their types)
+        self.span_refs = (eye, padding_pair(S0.dtype, G, K, V, S0.device)[1])
         # [layer][T or S][pair], built as lists (one tensor made at the end: a few thousand entries)
         rows = [[[eye.data_ptr()] * self.p, [zero.data_ptr()] * self.p] for _ in layers]
         for k, pair in enumerate(req.pairs):

@@ -370,18 +370,19 @@ class LinearMixer(nn.Module):
             from hybridcache.kernels.ops.transition.compose_triton import compose_states_table
 
             span_dt = plan.key[7]
-            if span_dt is not None and span_dt != T_runs.dtype:
-                T_runs, S0_runs = T_runs.to(span_dt), S0_runs.to(span_dt)
             T_runs, S0_runs = T_runs.contiguous(), S0_runs.contiguous()
             run = plan.pair_run
+            # the runs' pairs read in their own dtype beside the entries' (no copy of them to it)
+            runs = (run, T_runs, S0_runs) if span_dt is not None and span_dt != T_runs.dtype else None
+            Tref, Sref = plan.span_refs if runs else (T_runs, S0_runs)
             on_run = run >= 0
             j = run.clamp(min=0)
             t_tab = torch.where(on_run, T_runs.data_ptr() + j * (T_runs[0].numel() * T_runs.element_size()),
                                 plan.span_T[layer_idx])
             s_tab = torch.where(on_run, S0_runs.data_ptr() + j * (S0_runs[0].numel() * S0_runs.element_size()),
                                 plan.span_S[layer_idx])
-            _, states = compose_states_table(t_tab, s_tab, T_runs, S0_runs, state_in[0], output_all=True,
-                                             store_initial=True, count=plan.n_pairs)
+            _, states = compose_states_table(t_tab, s_tab, Tref, Sref, state_in[0], output_all=True,
+                                             store_initial=True, count=plan.n_pairs, runs=runs)
             return states[:, None]
         Ts, Ss = [], []
         for kind, ref in plan.pairs:
