@@ -118,6 +118,42 @@ def test_single_chunk_transition_matches_reference_cpu(B, L, H, HV):
     assert h_t.shape == (B, 1, HV, K, K) and torch.equal(h_t, torch.eye(K).expand(B, 1, HV, K, K))
 
 
+@pytest.mark.parametrize("B,L,H,HV,V", [(3, 37, 2, 2, 8), (2, 64, 1, 3, 16), (1, 1, 2, 4, 4), (2, 8, 2, 4, 16)])
+def test_single_chunk_from_zero_matches_reference_cpu(B, L, H, HV, V):
+    """A run of at most one chunk from a zero state in closed form from fla's WY stage (here its
+    definition in fp32, with the log2 cumsum fla's kernels take): its outputs, final state, T and
+    the T run's outputs equal the step loop's; grouped value heads included."""
+    from hybridcache.kernels.ops.gated_delta_rule.fla_entry import single_chunk_from_zero
+
+    torch.manual_seed(1)
+    K = 16
+    q = F.normalize(torch.randn(B, L, H, K), dim=-1)
+    k = F.normalize(torch.randn(B, L, H, K), dim=-1)
+    v = torch.randn(B, L, HV, V)
+    g = F.logsigmoid(torch.randn(B, L, HV)) * 0.5
+    beta = torch.rand(B, L, HV)
+    qv, kv = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    gc = g.cumsum(1)
+    kh, gh, bh, vh = kv.transpose(1, 2), gc.transpose(1, 2), beta.transpose(1, 2), v.transpose(1, 2)
+    decay = (gh[..., :, None] - gh[..., None, :]).masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), -1e30).exp()
+    kbeta = kh * bh[..., None]
+    A = ((kbeta @ kh.transpose(-1, -2)) * decay).tril(-1)
+    eye = torch.eye(L)
+    Linv = torch.linalg.solve_triangular(eye + A, eye, upper=False)
+    w = (Linv @ (kbeta * gh.exp()[..., None])).transpose(1, 2)
+    u = (Linv @ (vh * bh[..., None])).transpose(1, 2)
+    scale = K**-0.5
+    o, S0, Tr, u_t = single_chunk_from_zero(q, k, u, w, gc / torch.log(torch.tensor(2.0)), scale, True)
+    o_ref, S_ref, (Tr_ref, S0_ref), u_ref = naive_recurrent_gated_delta_rule(
+        qv, kv, v, g, beta, scale=scale, output_transition=True, output_query_transition=True)
+    assert o.shape == (B, L, HV, V) and S0.shape == (B, HV, K, V) and u_t.shape == (B, L, HV, K)
+    for got, want in ((o, o_ref), (S0, S0_ref), (S0, S_ref), (Tr, Tr_ref), (u_t, u_ref)):
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    if L > 1:  # a wrong decay (natural exp of the log2 cumsum) is far off
+        _, S_bad, _, _ = single_chunk_from_zero(q, k, u, w, gc, scale, False)
+        assert not torch.allclose(S_bad, S0_ref, atol=1e-3)
+
+
 def test_identity_states_are_views_of_one_kept_buffer_cpu():
     from hybridcache.kernels.ops.gated_delta_rule.fla_entry import identity_states
 

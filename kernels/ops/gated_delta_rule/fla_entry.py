@@ -54,6 +54,11 @@ def chunk_gated_delta_rule_entry(
     g_cum = local_cumsum_one_row(g, chunk_size, lambda x: chunk_local_cumsum(x, chunk_size=chunk_size, scale=RCP_LN2))
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=chunk_size)
     h0 = initial_state.float() if initial_state is not None else None
+    if h0 is None and output_query_transition and k.shape[1] <= chunk_size:
+        # the pieces of runs of one chunk from a zero state (a planned assembly's sub-runs): closed
+        # forms, no per-chunk states written and read back (the final state is S0 itself)
+        o, S0, Tr, u_t = single_chunk_from_zero(q, k, u, w, g_cum, scale, True)
+        return o, S0, (Tr, S0), u_t
     # a zero start goes to fla as None (no [B, H, K, V] of zeros written and read a call)
     h, v_new, S_final = chunk_gated_delta_rule_fwd_h(
         k=k,
@@ -109,6 +114,43 @@ def single_chunk_transition(k: torch.Tensor, w: torch.Tensor, g_cum: torch.Tenso
     if not with_query:
         return Tr, None, None
     return Tr, identity_states(B, HV, K, k.dtype, k.device), w.neg()
+
+
+def single_chunk_from_zero(q, k, u, w, g_cum, scale: float, with_query: bool):
+    """A run of at most one chunk from a zero state, in closed form from fla's WY stage (w, u
+    [B, L, HV, K / V], g_cum [B, L, HV] the chunk-local cumsum in log2): with h = 0 the corrected
+    values are u itself, so
+
+        o   = A u,                    A = scale (q k^T * exp2(g_i - g_j)), causal (diagonal kept)
+        S0  = k^T (u * exp2(g_L - g))  (the final state)
+        T   = single_chunk_transition's,  u_t = scale exp2(g) q - A w  (the T run's outputs)
+
+    in fp32 (fla's state and output kernels write and read the chunk's zero state and, for u_t,
+    an identity). q, k [B, L, H, K] (HV a multiple of H). Returns (o [B, L, HV, V] in u's dtype,
+    S0 [B, HV, K, V] fp32, T [B, HV, K, K] fp32, u_t [B, L, HV, K] in u's dtype or None)."""
+    B, L, H, K = k.shape
+    HV = u.shape[2]
+    rep = HV // H
+
+    def heads(x):  # [B, L, H, K] -> [B, HV, L, K] fp32
+        x = x.float()
+        return (x if rep == 1 else x.repeat_interleave(rep, dim=2)).transpose(1, 2)
+
+    qh, kh = heads(q), heads(k)
+    g = g_cum.float().transpose(1, 2)  # [B, HV, L]
+    causal = torch.ones(L, L, dtype=torch.bool, device=k.device).tril()
+    decay = torch.exp2((g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")))
+    A = (qh @ kh.transpose(-1, -2)).mul_(decay).mul_(scale)  # [B, HV, L, L]
+    uh = u.float().transpose(1, 2)  # [B, HV, L, V]
+    o = (A @ uh).transpose(1, 2).to(u.dtype)
+    kd = kh * torch.exp2(g[..., -1:] - g)[..., None]  # [B, HV, L, K]
+    S0 = kd.transpose(-1, -2) @ uh  # [B, HV, K, V]
+    Tr, _, _ = single_chunk_transition(k, w, g_cum, False)
+    if not with_query:
+        return o, S0, Tr, None
+    wh = w.float().transpose(1, 2)  # [B, HV, L, K]
+    u_t = (qh * torch.exp2(g)[..., None]).mul_(scale).sub_(A @ wh).transpose(1, 2).to(u.dtype)
+    return o, S0, Tr, u_t
 
 
 _IDENTITY: dict = {}
