@@ -44,6 +44,7 @@ from hybridcache.services.runtime.cache import (
 from hybridcache.services.runtime.cache.host_tier import TieredEntryStore, is_host
 from hybridcache.services.runtime.cache.policies import linear_state_nbytes
 from hybridcache.services.runtime.cache.single_state import mark_single_state
+from hybridcache.services.runtime.graphs import copy_linear_states
 from hybridcache.services.runtime.loader import load_model
 from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
 from hybridcache.services.runtime.plan import Planner, Request
@@ -136,6 +137,7 @@ class PrefillJob:
     next: int = 0  # the next layout piece to run
     offset: int = 0  # its tokens already run (a live run cut at a chunk's end)
     chain: list = field(default_factory=list)  # (layout index, end, linear states) of part ends
+    borrowed: object = None  # the chain's states are a graph's outputs while this says so (Recording.borrowed)
     running: ChunkRun | None = None  # a chunk whose forward is part-way (prefill_chunk's layer_parts)
 
     @property
@@ -589,11 +591,16 @@ class Engine:
         the last chunk."""
         layout, state, index = job.layout, job.state, run.index
         checkpoints = []
+        # snapshots that are views of a graph's outputs (rec.borrowed): the page recorder copies
+        # them now, the part chains when they are kept (_keep_chains)
+        borrowed = rec.borrowed is not None
+        if borrowed and rec.snapshots:
+            job.borrowed = rec.borrowed
         for j, lin in rec.snapshots.items():
             idx = index[j]
             if self.config.uses_entries and idx in job.boundary:
                 job.chain.append((idx, layout[idx].end, lin))
-            checkpoints.append((layout[idx].end, lin, idx in job.boundary))
+            checkpoints.append((layout[idx].end, lin, idx in job.boundary or borrowed))
         recorder, chunk_start, chunk_end = job.recorder, run.start, state.length
         done = job.next >= len(layout)  # (a part-way chunk took no new pieces)
         if recorder is not None:
@@ -641,7 +648,16 @@ class Engine:
         end = max(e for _, e, _ in job.chain)
         if self.runner.kv_bytes(job.state, end) > self.prefixes.capacity:
             return
-        snaps = self.runner.snapshots(job.state, [(lin, e) for _, e, lin in job.chain])
+        chain = [(lin, e) for _, e, lin in job.chain]
+        if job.borrowed is not None:
+            # the states are views of a graph's outputs: copied out now, unless the graph has run
+            # again since (then they hold another request's: the chains are not kept)
+            if not job.borrowed():
+                log.warning("part chains not kept: the graph that held their states ran again first")
+                return
+            chain = [(lin, e) for lin, e in zip(copy_linear_states([lin for lin, _ in chain]), (e for _, e in chain))]
+            job.borrowed = None
+        snaps = self.runner.snapshots(job.state, chain)
         for (idx, _, _), snap in zip(job.chain, snaps):
             self.prefixes.put(job.keys[job.boundary[idx]], snap)
 

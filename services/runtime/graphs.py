@@ -44,6 +44,7 @@ are captured with CudaLayerGraph on the runner's capture stream.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -126,6 +127,15 @@ def layout_key(state: SequenceState, layout, logits_for, snapshot_after, capture
         dispatch,
         tuple(pieces),
     )
+
+
+def copy_linear_states(states: list[dict]) -> list[dict]:
+    """Fresh copies of layer -> LinearState maps (e.g. a planned pass's snapshots, views of a
+    graph's outputs), copied as clone_out copies: one block per storage they view."""
+    flat = [t for d in states for i in sorted(d) for t in (d[i].ssm, d[i].conv) if t is not None]
+    out = iter(clone_out(flat))
+    return [{i: LinearState(next(out), next(out) if d[i].conv is not None else None) for i in sorted(d)}
+            for d in states]
 
 
 def clone_out(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -699,22 +709,27 @@ class AssemblyGraphs(_KeyedGraphs):
         sp.load(plan)
         try:
             sp.bind_rows(state, plan)
+            static["replays"] = static.get("replays", 0) + 1
             for i, graph in enumerate(static["graphs"]):
                 self._bind(static, state, plan, i)
                 graph.replay()
-            return self._collect(static, state, plan)
+            return self._collect(static, state, plan, lend=True)
         finally:
             sp.forget_request()
 
-    def _collect(self, static: dict, state, plan):
-        """Clone what the request keeps out of the graphs' memory into `state` and a Recording."""
+    def _collect(self, static: dict, state, plan, lend: bool = False):
+        """Clone what the request keeps out of the graphs' memory into `state` and a Recording.
+        lend: the kept states (part-chain snapshots, read after the first token) are left where
+        the graphs wrote them, the Recording `borrowed` until this key's graphs run again (its
+        keeper copies them: Engine._keep_chains), instead of copied before the first token."""
         from hybridcache.services.runtime.models.assembly import PLANNED_SNAPSHOTS, finish_recording
 
         st, rec = static["state"], static["rec"]
         order = sorted(st.linear)
         flat = [t for i in order for t in (st.linear[i].ssm, st.linear[i].conv)]
         snaps = sorted(k for k in rec.scratch if isinstance(k, tuple) and k[0] == PLANNED_SNAPSHOTS)
-        flat += [t for k in snaps for t in rec.scratch[k]]
+        lent = {k: rec.scratch[k] for k in snaps} if lend else {}
+        flat += [t for k in snaps if k not in lent for t in rec.scratch[k]]
         hidden = sorted(rec.hidden)
         flat += [rec.hidden[i] for i in hidden]
         logits = static["logits"]
@@ -725,7 +740,9 @@ class AssemblyGraphs(_KeyedGraphs):
             state.linear[i] = LinearState(next(out), next(out))
         mine = Recording()
         for k in snaps:
-            mine.scratch[k] = (next(out), next(out))
+            mine.scratch[k] = lent[k] if k in lent else (next(out), next(out))
+        if lent:
+            mine.borrowed = functools.partial(_not_replayed_since, static, static["replays"])
         for i in hidden:
             mine.hidden[i] = next(out)
         logits = next(out) if logits is not None else None
@@ -801,6 +818,10 @@ class AssemblyGraphs(_KeyedGraphs):
         state.length = answer_state.length
         return answer
 
+
+
+def _not_replayed_since(static: dict, replays: int) -> bool:
+    return static.get("replays", 0) == replays
 
 
 class ReplayGraphs(_KeyedGraphs):

@@ -142,3 +142,7 @@ class Recording:
     snapshots: dict[int, dict[int, LinearState]] = field(default_factory=dict)
     # layer index -> the residual stream entering that layer for every live token [n_live, h]
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    # set where the snapshots' tensors are views of a CUDA graph's outputs (graphs.AssemblyGraphs):
+    # a callable, true while they still hold what this pass left (the graph has not run again);
+    # whoever keeps them past that copies them first
+    borrowed: object = None

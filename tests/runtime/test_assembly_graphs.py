@@ -90,3 +90,54 @@ def test_a_bucket_that_cannot_be_captured_answers_eagerly(eng):
         _same(got, ref)
         eng.reset_caches()
     assert graphs.stats["failures"] == 1 and graphs.stats["captures"] == 0 and len(graphs) == 0
+
+
+def test_a_replay_lends_its_kept_states_until_its_graphs_run_again(eng):
+    """A replay leaves the part-chain states where its graphs wrote them (no copy before the first
+    token): the Recording is borrowed, its snapshots view the graphs' outputs; the engine copies
+    them when it keeps the chains, and keeps none once the graphs have run again (they hold
+    another request's states then)."""
+    graphs = AssemblyGraphs(eng.model, graph_factory=EagerLayerGraph)
+    pool = eng.new_state_pool(1, 4096)
+    gen = torch.Generator().manual_seed(3)
+    kept = []
+    for lengths in ([30, 45, 17], [64, 20, 33], [25, 50, 90], [12, 80, 41]):
+        job = _job(eng, gen, lengths, 21)
+        state = job.state
+        slot = pool.assign(state)
+        extend_pages(state, job.layout[-1].end - state.length)
+        plan = plan_assembly(eng.model, state, job.layout, job.snapshot_after, (), "last", run_tokens=8)
+        out = graphs.run(state, plan) or eng.model.forward_planned(state, plan)
+        rec = out[1]
+        idx = next(iter(rec.snapshots))
+        layer, snap = next(iter(rec.snapshots[idx].items()))
+        kept.append((rec, snap.ssm.clone(), snap))
+        if graphs.stats["replays"] == 0:  # eager, or the capture's own eager answer: fresh tensors
+            assert rec.borrowed is None
+        else:
+            assert rec.borrowed is not None and rec.borrowed()
+            static = next(iter(graphs._graphs.values()))
+            outs = [t for k, v in static["rec"].scratch.items() if isinstance(k, tuple) for t in v]
+            assert any(snap.ssm.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in outs)
+            # the engine keeps the chains as copies while the graphs have not run again
+            job.chain = [(i, job.layout[i].end, rec.snapshots[i]) for i in sorted(rec.snapshots) if i in job.boundary]
+            assert job.chain
+            job.borrowed = rec.borrowed
+            before = len(eng.prefixes)
+            eng._keep_chains(job)
+            assert len(eng.prefixes) > before and job.borrowed is None
+            stored = eng.prefixes.get(job.keys[job.boundary[job.chain[0][0]]])
+            assert all(s.ssm.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+                       for s in stored.linear.values() for t in outs)
+        pool.release(slot)
+        eng.reset_caches()
+    assert graphs.stats["replays"] == 2
+    # the first replay's recording is stale after the second (a CUDA graph writes the same memory
+    # again; the eager double here writes new tensors, so only the count tells)
+    first_replayed = kept[2][0]
+    assert not first_replayed.borrowed()
+    job = _job(eng, gen, [30, 45, 17], 21)
+    job.chain, job.borrowed = [(0, 1, kept[2][0].snapshots[next(iter(kept[2][0].snapshots))])], first_replayed.borrowed
+    before = len(eng.prefixes)
+    eng._keep_chains(job)
+    assert len(eng.prefixes) == before  # not kept
