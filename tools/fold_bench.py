@@ -12,7 +12,10 @@ Variants, same inputs, timed in the same run:
 - `blocks_prefetch_w4`: as blocks_prefetch with 4 warps a program instead of 8;
 - `table`: compose_states_table over device address tables (the planned assembly's fold, as its
   CUDA graphs run it: no host table a call); `table_<option>` the same with other launch options
-  (column blocks, warps, stages, addresses a step ahead).
+  (column blocks, warps, stages, addresses a step ahead);
+- `table_runs_fp32_in_place`: the runs' pairs fp32 (as a pass leaves them) read beside the bf16
+  entries through one table (runs=); `table_runs_fp32_copied`: the same pairs copied to bf16
+  first, then the table (the copies timed with the fold).
 
 Per variant: GPU time of one fold (CUDA events around `--iters` folds, divided), host time of one
 fold's calls (the host returning from the call, without waiting for the GPU), and the largest
@@ -102,6 +105,30 @@ def main(argv=None) -> int:
                      ("bv16_w4", dict(block_v=16, num_warps=4))):
         variants[f"table_{name}"] = functools.partial(
             lambda kw: compose_states_table(t_tab, s_tab, runs_T, runs_S, h0[0], output_all=True, **kw)[1], kw)
+    # the planned assembly's runs as a pass leaves them, fp32 beside the bf16 entries: read in place
+    # (runs=, each T rounded to bf16 as read) against copied to bf16 first and then folded
+    runs_T32, runs_S32 = runs_T.float(), runs_S.float()
+    run_of = torch.tensor([j // 2 if j % 2 == 0 else -1 for j in range(len(Ts))], device=dev)
+
+    def tables_of(rt, rs):
+        def addr(b, base):
+            if isinstance(b, tuple):
+                return base.data_ptr() + b[1] * base[0].numel() * base.element_size()
+            return b.data_ptr()
+
+        return (torch.tensor([addr(b, rt) for b in Ts], device=dev),
+                torch.tensor([addr(b, rs) for b in Ss], device=dev))
+
+    t32, s32 = tables_of(runs_T32, runs_S32)
+    variants["table_runs_fp32_in_place"] = lambda: compose_states_table(
+        t32, s32, spans[0][0], spans[0][1], h0[0], output_all=True, runs=(run_of, runs_T32, runs_S32))[1]
+
+    def converted():
+        rt, rs = runs_T32.to(bf), runs_S32.to(bf)
+        tt, ss = tables_of(rt, rs)
+        return compose_states_table(tt, ss, rt, rs, h0[0], output_all=True)[1]
+
+    variants["table_runs_fp32_copied"] = converted
     ref = stack()
     figures, detail = {}, {}
     for name, fn in variants.items():
