@@ -33,6 +33,7 @@ from hybridcache.kernels.ops.moe.triton import (  # noqa: E402
     pair_experts,
     router_top_k,
     softmax_top_k,
+    sort_pairs,
 )
 from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_heads, row_norm  # noqa: E402
 from hybridcache.kernels.ops.recurrent_step.triton import recurrent_step  # noqa: E402
@@ -70,6 +71,7 @@ __all__ = [
     "pair_experts",
     "router_top_k",
     "softmax_top_k",
+    "sort_pairs",
     "gdn_gates",
     "l2norm_heads",
     "live_attention",
