@@ -392,3 +392,16 @@ def test_sort_pairs_equals_the_stable_sort(n, k, E):
     _, want_order, want_ends = sort_by_expert(top_i, E, leading_zero=True)
     assert order.dtype == torch.int64 and ends.dtype == torch.int32 and ends.shape == (E + 1,)
     assert torch.equal(order, want_order) and torch.equal(ends, want_ends)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 330, 512])
+def test_sort_pairs_engine_sizes_gpu(n):
+    """The warm request's and a decode batch's pairs of the Qwen3.5-35B-A3B shape (top-8 of 256),
+    up to the one-program limit, sorted as torch sorts them."""
+    from hybridcache.kernels.ops.moe.grouped import sort_by_expert
+
+    top_i = torch.randint(0, 256, (n, 8), device="cuda")
+    order, ends = sort_pairs(top_i, 256)
+    _, want_order, want_ends = sort_by_expert(top_i, 256, leading_zero=True)
+    assert torch.equal(order, want_order) and torch.equal(ends, want_ends)
