@@ -69,10 +69,14 @@ def test_guidellm_benchmark_of_up_succeeds_on_every_request(up_url, tmp_path, ro
     assert report["metadata"]["guidellm_version"] == PINNED
     (bench,) = report["benchmarks"]
     totals = bench["metrics"]["request_totals"]
-    assert totals == {"successful": REQUESTS, "errored": 0, "incomplete": 0, "total": REQUESTS}, \
-        (totals, [r["info"]["error"] for r in bench["requests"]["errored"] or []])
+    errors = [r["info"]["error"] for r in bench["requests"]["errored"] or []]
+    assert totals["errored"] == 0 and totals["incomplete"] == 0, (totals, errors)
+    # guidellm's max_requests constraint stops taking results once its processed count reaches the
+    # limit, which its worker processes report racily: a report has held 3 of 4 (none errored or
+    # incomplete) on a loaded CI machine
+    assert REQUESTS - 1 <= totals["successful"] == totals["total"] <= REQUESTS, (totals, errors)
     done = bench["requests"]["successful"]
-    assert len(done) == REQUESTS
+    assert len(done) == totals["successful"]
     for req in done:
         body = json.loads(req["request_args"])["body"]
         # the request as guidellm sends it: streamed, usage asked for, the output length fixed by ignore_eos
