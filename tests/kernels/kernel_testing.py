@@ -33,7 +33,6 @@ from hybridcache.kernels.ops.moe.triton import (  # noqa: E402
     pair_experts,
     router_top_k,
     softmax_top_k,
-    sort_pairs,
 )
 from hybridcache.kernels.ops.norm.triton import L2, RMS, add_rms_norm, l2norm_heads, row_norm  # noqa: E402
 from hybridcache.kernels.ops.recurrent_step.triton import recurrent_step  # noqa: E402
@@ -71,7 +70,6 @@ __all__ = [
     "pair_experts",
     "router_top_k",
     "softmax_top_k",
-    "sort_pairs",
     "gdn_gates",
     "l2norm_heads",
     "live_attention",

@@ -1,18 +1,20 @@
-"""The planned assembly's and the fused MoE's Triton kernels compile for an sm90 GPU (H100/H200)
+"""The planned assembly's Triton kernels compile for an sm90 GPU (H100/H200)
 on a machine without one: Triton's own compiler and ptxas, ahead of time, at the specializations
 the engine launches (bf16 entries beside fp32 runs, the Qwen3.5 shapes). The interpreter the other
 kernel tests run under checks what the kernels compute, not that the GPU compiler takes them.
 Runs in a subprocess: the interpreter, set for this session, replaces the kernels' compiled form."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import triton
 
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+# found without importing triton here: the kernel tests set the interpreter before triton loads
+_TRITON = importlib.util.find_spec("triton")
+PTXAS = Path(_TRITON.origin).parent / "backends" / "nvidia" / "bin" / "ptxas" if _TRITON else Path("/nonexistent")
 
 SCRIPT = r'''
 import sys, warnings
@@ -32,7 +34,6 @@ def compile_for_sm90(fn, signature, constexprs, **options):
 from hybridcache.kernels.ops.transition.compose_triton import compose_states_fwd_kernel
 from hybridcache.kernels.ops.transition.outputs_triton import run_outputs_kernel
 from hybridcache.kernels.ops.rope.triton import spans_into_pages_kernel
-from hybridcache.kernels.ops.moe.triton import sort_pairs_kernel
 
 for mixed, split in ((True, True), (False, True), (True, False)):
     sig = {"T": "*i64", "S": "*i64", "h0": "*fp32", "ht": "*fp32", "hs": "*fp32", "N": "i32",
@@ -55,21 +56,17 @@ sig = {"tab": "*i64", "tok_span": "*i64", "tok_local": "*i64", "rows_of": "*i64"
        "s_kpr": "i32", "s_kph": "i32", "s_vpr": "i32", "s_vph": "i32"}
 print("spans_into_pages", compile_for_sm90(spans_into_pages_kernel, sig, dict(H=2, D=256, DV=256, R=64, BD=256,
                                                                                BDV=256, BR=8), num_warps=4))
-for BP in (16, 4096):
-    sig = {"top_i": "*i64", "order": "*i64", "ends": "*i32", "P": "i32"}
-    print("sort_pairs", BP, compile_for_sm90(sort_pairs_kernel, sig, dict(E=256, BE=512, BP=BP),
-                                             num_warps=8 if BP >= 1024 else 4))
 '''
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton build has no NVIDIA backend with ptxas")
-def test_planned_assembly_and_moe_kernels_compile_for_sm90(tmp_path):
+def test_planned_assembly_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     run = subprocess.run([sys.executable, "-P", "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     lines = run.stdout.split("\n")
     for name in ("compose True True", "compose False True", "compose True False", "run_outputs",
-                 "spans_into_pages", "sort_pairs 16", "sort_pairs 4096"):
+                 "spans_into_pages"):
         line = next((x for x in lines if x.startswith(name + " ")), None)
         assert line is not None and int(line.split()[-1]) > 0, (name, run.stdout)

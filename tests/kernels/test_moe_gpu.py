@@ -117,8 +117,12 @@ def test_engine_answers_alike_with_and_without_graphs(tmp_path):
 
     path = init_model_dir("qwen3_5_moe_text", "tiny", tmp_path / "m", seed=1, std=0.08, overrides=MOE)
     graphed = Engine.from_dir(path, device="cuda", dtype=torch.bfloat16, config=EngineConfig(mode="pic"))
-    eager = EngineConfig(mode="pic", cuda_graphs=False, decode_cuda_graphs=False)
-    plain = Engine(graphed.model, graphed.tokenizer, eager)
+    # graphs off: the same passes run eagerly (the assemblies planned, as the graphs run them, their
+    # buckets never captured), the decode steps eager. An engine with no graphs at all runs
+    # assemblies unplanned, whose other order of sums may flip a routed expert and then a token.
+    plain = Engine(graphed.model, graphed.tokenizer, EngineConfig(mode="pic", decode_cuda_graphs=False))
+    for graphs in (plain.runner.assembly_graphs, plain.runner.layout_graphs):
+        graphs.capture_after = 10**9
     gen = torch.Generator().manual_seed(0)
     # one scheduler each (its pool's pages are what the assembly graphs of its requests read)
     with LLM(plain) as plain_llm, LLM(graphed) as graphed_llm:
@@ -133,3 +137,4 @@ def test_engine_answers_alike_with_and_without_graphs(tmp_path):
     # the scheduler's assemblies run in their pages, planned: from the assembly graphs of their buckets
     stats = graphed.runner.graph_stats
     assert stats["replays"] >= 2 and not stats["failures"], (stats, graphed.runner.assembly_graphs.failed)
+    assert plain.runner.graph_stats["captures"] == 0 and plain.runner.graph_stats["eager"] >= 2

@@ -22,7 +22,6 @@ from kernel_testing import (
     rel_rms,
     router_top_k,
     softmax_top_k,
-    sort_pairs,
 )
 
 SMALL = PairConfig(gate_up_n=8, gate_up_k=16, down_n=8, down_k=16)  # several tiles, masked tails
@@ -374,34 +373,3 @@ def test_default_tiles_by_token_count(n):
         assert moe_triton.pair_config(n) == SMALL
     finally:
         moe_triton.PAIR_CONFIG = None
-
-
-@pytest.mark.parametrize("n,k,E", [(1, 1, 1), (3, 2, 5), (37, 8, 64), (70, 8, 256), (600, 8, 256)])
-def test_sort_pairs_equals_the_stable_sort(n, k, E):
-    """The one-program sort of the token-expert pairs (order and group ends, leading zero) equals
-    torch's stable sort and search (grouped.sort_by_expert), routings with empty and full experts
-    included; past SORT_PAIRS_MAX pairs it is that sort."""
-    from hybridcache.kernels.ops.moe.grouped import sort_by_expert
-
-    gen = torch.Generator().manual_seed(n)
-    top_i = torch.randint(0, E, (n, k), generator=gen)
-    if n > 3:
-        top_i[: n // 3] = E - 1  # one crowded expert
-    top_i = top_i.to(device())
-    order, ends = sort_pairs(top_i, E)
-    _, want_order, want_ends = sort_by_expert(top_i, E, leading_zero=True)
-    assert order.dtype == torch.int64 and ends.dtype == torch.int32 and ends.shape == (E + 1,)
-    assert torch.equal(order, want_order) and torch.equal(ends, want_ends)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 330, 512])
-def test_sort_pairs_engine_sizes_gpu(n):
-    """The warm request's and a decode batch's pairs of the Qwen3.5-35B-A3B shape (top-8 of 256),
-    up to the one-program limit, sorted as torch sorts them."""
-    from hybridcache.kernels.ops.moe.grouped import sort_by_expert
-
-    top_i = torch.randint(0, 256, (n, 8), device="cuda")
-    order, ends = sort_pairs(top_i, 256)
-    _, want_order, want_ends = sort_by_expert(top_i, 256, leading_zero=True)
-    assert torch.equal(order, want_order) and torch.equal(ends, want_ends)

@@ -47,41 +47,6 @@ def default_config(pairs: int, num_experts: int) -> FusedConfig:
     return FusedConfig(128, 128, 64, 8, 3)
 
 
-# pairs up to which sort_pairs sorts in one program (a bitonic sort of this many keys in registers)
-SORT_PAIRS_MAX = 4096
-
-
-@triton.jit
-def sort_pairs_kernel(top_i, order, ends, P, E: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr):
-    o = tl.arange(0, BP)
-    m = o < P
-    e = tl.load(top_i + o, mask=m, other=E).to(tl.int32)  # the padding after every expert
-    key = tl.sort(e * BP + o)  # expert-major, the pairs' order kept within an expert
-    tl.store(order + o, (key % BP).to(tl.int64), mask=m)
-    count = tl.cumsum(tl.histogram(e, BE), 0)  # pairs of experts <= b
-    b = tl.arange(0, BE)
-    tl.store(ends + 1 + b, count, mask=b < E)
-    tl.store(ends + b, tl.zeros([BE], dtype=tl.int32), mask=b == 0)
-
-
-def sort_pairs(top_i: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """grouped.sort_by_expert(top_i, num_experts, leading_zero=True)'s order [P] (int64) and ends
-    [E + 1] (int32) in one launch of one program, for P = top_i.numel() <= SORT_PAIRS_MAX (torch's
-    stable sort takes several radix passes and a search after it); more pairs take sort_by_expert."""
-    P, E = top_i.numel(), num_experts
-    if P > SORT_PAIRS_MAX or E * triton.next_power_of_2(max(P, 16)) >= 2**31:
-        _, order, ends = sort_by_expert(top_i, E, leading_zero=True)
-        return order, ends
-    flat = top_i.reshape(-1)
-    flat = flat if flat.is_contiguous() else flat.contiguous()
-    order = torch.empty(P, dtype=torch.int64, device=top_i.device)
-    ends = torch.empty(E + 1, dtype=torch.int32, device=top_i.device)
-    BP = triton.next_power_of_2(max(P, 16))
-    sort_pairs_kernel[(1,)](flat, order, ends, P, E=E, BE=triton.next_power_of_2(E + 1), BP=BP,
-                            num_warps=8 if BP >= 1024 else 4)
-    return order, ends
-
-
 @triton.jit
 def _block_rows(ends, i_m, E: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr):
     """Block i_m's expert e (E past the last block) and its BM rows of the sorted pairs (with a
@@ -189,7 +154,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     x = x if x.stride(-1) == 1 else x.contiguous()
     P = n * k
     cfg = config or default_config(P, E)
-    order, ends = sort_pairs(top_i, E)
+    _, order, ends = sort_by_expert(top_i, E, leading_zero=True)
     blocks = triton.cdiv(P + min(P, E) * (cfg.block_m - 1), cfg.block_m)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     common = dict(E=E, BE=triton.next_power_of_2(E), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
