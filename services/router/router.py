@@ -409,6 +409,8 @@ class Router:
             try:
                 combine, chunks = self._open(creq, order, control, sent)
                 for chunk in chunks:
+                    if control is not None and control.cancelled:
+                        return  # chunks already received when the client went away are not passed on
                     now = time.perf_counter()
                     if first:
                         self._release(plan, assigned)
