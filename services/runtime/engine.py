@@ -655,7 +655,8 @@ class Engine:
             if not job.borrowed():
                 log.warning("part chains not kept: the graph that held their states ran again first")
                 return
-            chain = [(lin, e) for lin, e in zip(copy_linear_states([lin for lin, _ in chain]), (e for _, e in chain))]
+            copies = copy_linear_states([lin for lin, _ in chain])
+            chain = [(lin, e) for lin, (_, e) in zip(copies, chain)]
             job.borrowed = None
         snaps = self.runner.snapshots(job.state, chain)
         for (idx, _, _), snap in zip(job.chain, snaps):

@@ -124,6 +124,7 @@ class AssemblyBatch:
         self.span_T: dict[int, torch.Tensor] = {}
         self.span_S: dict[int, torch.Tensor] = {}
         self.kv_rows: torch.Tensor | None = None
+        self._span_index = None  # the spans' tokens' (span, index) on the device, made by the first fused write
         self.where: torch.Tensor | None = None
         self.length: int | None = host["end"]  # the keys' bound on the host (None inside a graph)
         self.tables = False  # the fold reads address tables (CUDA, matrix T); set by fill
@@ -174,7 +175,7 @@ class AssemblyBatch:
         other.packed = self.packed.clone()
         other.index = _views(other.packed, self.sizes_of())
         other.conv_src, other.span_T, other.span_S = {}, {}, {}
-        other.kv_rows = other.where = other._tables = None
+        other.kv_rows = other.where = other._tables = other._span_index = None
         other.tables = False
         other.forget_request()
         return other
@@ -286,7 +287,7 @@ class AssemblyBatch:
 
             cos, sin = rope(self.span_shift)
             self._span_index = spans_into_pages(ks, vs, cos, sin, kp, vp, self._span_rows,
-                                                *(getattr(self, "_span_index", None) or (None, None)))
+                                                *(self._span_index or (None, None)))
             return
         K = ks[0] if len(ks) == 1 else torch.cat(ks, dim=2)
         V = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
