@@ -80,6 +80,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from host_probe import HostWatch  # noqa: E402
+
 PHASES = ("inproc", "pic", "scatter", "scatter_ipc", "prefix")
 SYSTEM_TOKENS = 16
 
@@ -539,8 +543,10 @@ def main(argv=None) -> int:
 
     for phase in dict.fromkeys(phases):  # in the order asked: a call cut short keeps the first ones
         t0 = time.perf_counter()
+        watch = HostWatch()  # the host's speed and contention over the phase (host_probe.py)
         try:
             res[phase] = runs[phase]()
+            res[phase]["host"] = watch.report()
         except Exception as e:  # noqa: BLE001 - one failed phase must not cost the others' figures
             errors[phase] = f"{type(e).__name__}: {e}"[:500]
         print(f"served_gpu: {phase} done in {time.perf_counter() - t0:.1f} s"

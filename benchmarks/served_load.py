@@ -47,6 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from host_probe import probe  # noqa: E402
 
 
 @dataclass
@@ -366,11 +369,12 @@ def combine(paths: list[Path], out_path: Path | None) -> int:
 
 def run_facts(script: str, argv=None) -> dict:
     """The commit (the device machine's copy of the tree has no git: scripts/device_suite.sh names
-    it in HYBRIDCACHE_COMMIT), UTC date, host and command line of a run of benchmarks/`script`."""
+    it in HYBRIDCACHE_COMMIT), UTC date, host (its name, and a probe of its speed and load at the
+    run's end: host_probe.py) and command line of a run of benchmarks/`script`."""
     commit = os.environ.get("HYBRIDCACHE_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "host": platform.node(),
+            "host": platform.node(), "host_probe": {k: v for k, v in probe().items() if k != "cpu"},
             "command": "python benchmarks/" + shlex.join([Path(script).name, *(argv or sys.argv[1:])])}
 
 
@@ -471,7 +475,8 @@ def main(argv=None) -> int:
         machine = torch.cuda.get_device_name(0)
     facts = run_facts(__file__, argv)
     out.update(machine=machine, gpu=machine if args.device == "cuda" else "none (CPU)", commit=facts["commit"],
-               date=facts["date"], host=facts["host"], cpus=os.cpu_count(), command=facts["command"],
+               date=facts["date"], host=facts["host"], host_probe=facts["host_probe"], cpus=os.cpu_count(),
+               command=facts["command"],
                model=str(args.model), device=args.device, dtype=args.dtype, up_args=args.up_args,
                note="client-side times of streamed /generate requests: TTFT from sending to the first token's "
                     "event, inter-token latency between token events; closed-loop streams send back to back, the "

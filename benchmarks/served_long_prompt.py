@@ -50,6 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from host_probe import HostWatch  # noqa: E402
 from hybridcache.services.config import default_of  # noqa: E402
 from served_load import Result, Stack, emit, init_model_apart, percentiles, rand_ids, run_facts, send  # noqa: E402
 from served_pic_layouts import stream  # noqa: E402
@@ -334,6 +335,7 @@ def main(argv=None) -> int:
 
     for i, phase in enumerate(phases):
         t0 = time.perf_counter()
+        watch = HostWatch()  # the host's speed and contention over the phase (host_probe.py)
         try:
             if phase == "itl":
                 results["itl"] = run_itl(args, random.Random(args.seed + 1))
@@ -343,7 +345,7 @@ def main(argv=None) -> int:
             results[phase] = {"stack_error": str(e)}
         print(f"served_long_prompt: {phase}: {json.dumps(results[phase])[:2000]}", file=sys.stderr, flush=True)
         runs[phase] = {"seconds": round(time.perf_counter() - t0, 1), "commit": commit, "date": date, "gpu": gpu,
-                       "command": command}
+                       "command": command, "host": watch.report()}
         if args.out and i < len(phases) - 1:
             # the phases so far, in case a later one is cut short (a device call's time limit)
             args.out.write_text(json.dumps(result(False), indent=1) + "\n")

@@ -106,7 +106,11 @@ def main(argv=None) -> int:
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     out["cold_ms"] = round(ttft({"system": ids(16), "segments": docs, "suffix": question, "sampling_params": sp}), 2)
     out["warmup_ms"] = [round(ttft(warm()), 2) for _ in range(3)]  # eager, capture, replay
+    from host_probe import HostWatch
+
+    watch = HostWatch()  # the host's speed and contention over the timed requests
     out["ttft_ms"] = [round(ttft(warm()), 2) for _ in range(args.requests)]
+    out["host"] = watch.report()
     out["ttft_ms_p50"] = round(statistics.median(out["ttft_ms"]), 2)
     owners = {"engine": eng, "runner": eng.runner, "scheduler": sched}
     for owner, name in STAGES:

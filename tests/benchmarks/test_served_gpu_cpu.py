@@ -113,6 +113,11 @@ def test_tiny_cpu_run(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["errors"] == {} and res["shape"]["segments"] == 3
+    # each phase says how fast its host ran meanwhile (host_probe.py): results of different runs compare
+    for phase in ("inproc", "scatter"):
+        host = res["detail"][phase]["host"]
+        assert host["start"]["python_ms"] > 0 and host["end"]["torch_op_us"] > 0 and host["seconds"] > 0
+        assert 0 < host["busy_fraction"] <= 1
     f = res["figures"]
     # processes of one CPU host: the scatter worker sends entries through /dev/shm
     assert f["scatter_to_combine_transport"] == "shm" and f["scatter_to_combine_gb_per_s"] > 0
