@@ -500,6 +500,20 @@ def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def own_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of `tensors`, each in storage of its own (a batch's per-segment pieces that
+    entries keep after the batch is gone), made by torch's multi-tensor copy per dtype: on CUDA a
+    few launches for any number of contiguous tensors of one dtype instead of a clone each (a
+    batched build's host cost); strided ones are copied one by one, as clone would."""
+    outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for idx in by_dtype.values():
+        torch._foreach_copy_([outs[i] for i in idx], [tensors[i] for i in idx])
+    return outs
+
+
 def pin(t: torch.Tensor) -> torch.Tensor:
     """t in pinned host memory (a source a non-blocking copy to CUDA does not wait on)."""
     return t.pin_memory() if torch.cuda.is_available() and not t.is_pinned() else t

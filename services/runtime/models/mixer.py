@@ -417,15 +417,11 @@ class LinearMixer(nn.Module):
             outs.append(o_seam)
         o_body, _, (T, S0) = self.recurrence(time_slice(rec, seam, L), S_w, True)
         outs.append(o_body)
-        for j, n in enumerate(lengths):
-            if W1:
-                # the last W1 conv inputs of the segment (zeros before its start), as a tensor of
-                # its own: a view of a cat over the whole segment kept D x n values alive per entry
-                last = mixed[j : j + 1, max(0, n - W1) : n].transpose(1, 2)
-                tail = torch.cat([zero_tail[j : j + 1], last], dim=-1)[..., -W1:].clone()
-            else:
-                tail = zero_tail.clone()
-            datas[j].linear[layer_idx] = LinearSpan(T=T[j : j + 1].clone(), S=S0[j : j + 1].clone(), conv_tail=tail)
+        tails = conv_tails(mixed, lengths, W1) if W1 else zero_tail.expand(B, *zero_tail.shape[1:])  # [B, D, W1]
+        # each entry's pieces in storage of its own (a view would keep the whole batch alive)
+        pieces = backends.own_copies([t[j : j + 1] for t in (T, S0, tails) for j in range(B)])
+        for j in range(B):
+            datas[j].linear[layer_idx] = LinearSpan(T=pieces[j], S=pieces[B + j], conv_tail=pieces[2 * B + j])
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return self.finish(o.to(x.dtype), gate)
 
@@ -480,11 +476,25 @@ class DeltaRuleMixer(LinearMixer):
         )
 
 
+def conv_tails(mixed: torch.Tensor, lengths: list[int], W1: int) -> torch.Tensor:
+    """[B, D, W1] contiguous: the last W1 conv inputs of each segment of mixed [B, L, D] (segment j
+    real for its first lengths[j] positions; zeros before a segment's start), gathered in one
+    indexing launch."""
+    pos = torch.tensor([[n - W1 + t for t in range(W1)] for n in lengths], dtype=torch.long)
+    rows = torch.arange(len(lengths))[:, None].expand(-1, W1)
+    idx = backends.to_device_async(torch.stack([rows, pos.clamp(min=0)]), mixed.device)
+    tails = mixed[idx[0], idx[1]]  # [B, W1, D]
+    if (pos < 0).any():  # a segment shorter than W1: zeros before its start
+        tails = tails.masked_fill(backends.to_device_async(pos < 0, mixed.device)[..., None], 0)
+    return tails.transpose(1, 2).contiguous()
+
+
 def attention_spans(k, v, lengths, seam, datas, layer_idx):
     """Record each segment's body K/V (k, v [B, Hkv, L, d] of the batch, local positions) into datas[j]."""
-    for j, n in enumerate(lengths):
-        body = slice(seam, n)
-        datas[j].attn[layer_idx] = AttnSpan(k=k[j : j + 1, :, body].clone(), v=v[j : j + 1, :, body].clone())
+    B = len(lengths)
+    kv = backends.own_copies([t[j : j + 1, :, seam:n] for t in (k, v) for j, n in enumerate(lengths)])
+    for j in range(B):
+        datas[j].attn[layer_idx] = AttnSpan(k=kv[j], v=kv[B + j])
 
 
 def build_attention(q, k, v, lengths, seam, datas, layer_idx, scale):
