@@ -15,7 +15,9 @@ Variants, same inputs, timed in the same run:
   (column blocks, warps, stages, addresses a step ahead);
 - `table_runs_fp32_in_place`: the runs' pairs fp32 (as a pass leaves them) read beside the bf16
   entries through one table (runs=); `table_runs_fp32_copied`: the same pairs copied to bf16
-  first, then the table (the copies timed with the fold).
+  first, then the table (the copies timed with the fold);
+- `table_fp32`: fp32 entries (the default entry_state_dtype), every pair fp32 and the dots in
+  tf32x3; `table_fp32_<option>` with other launch options, `table_fp32_tf32` in one TF32 pass.
 
 Per variant: GPU time of one fold (CUDA events around `--iters` folds, divided), host time of one
 fold's calls (the host returning from the call, without waiting for the GPU), and the largest
@@ -129,6 +131,18 @@ def main(argv=None) -> int:
         return compose_states_table(tt, ss, rt, rs, h0[0], output_all=True)[1]
 
     variants["table_runs_fp32_copied"] = converted
+    # fp32 entries (entry_state_dtype float32, the default): every pair fp32, the fold's dots in
+    # tf32x3 by default; with its launch options, and one TF32 pass for what the other two cost
+    spans32 = [(t.float(), s_.float()) for t, s_ in spans]
+    Ts32 = [(runs_T32, b[1]) if isinstance(b, tuple) else spans32[(i - 1) // 2][0] for i, b in enumerate(Ts)]
+    Ss32 = [(runs_S32, b[1]) if isinstance(b, tuple) else spans32[(i - 1) // 2][1] for i, b in enumerate(Ss)]
+    t_all32 = torch.tensor([address(b) for b in Ts32], device=dev)
+    s_all32 = torch.tensor([address(b) for b in Ss32], device=dev)
+    for name, kw in (("", {}), ("_s2", dict(num_stages=2)), ("_s3", dict(num_stages=3)), ("_w4", dict(num_warps=4)),
+                     ("_bv64", dict(block_v=64)), ("_tf32", dict(dot_precision="tf32"))):
+        variants[f"table_fp32{name}"] = functools.partial(
+            lambda kw: compose_states_table(t_all32, s_all32, runs_T32, runs_S32, h0[0], output_all=True, **kw)[1],
+            kw)
     ref = stack()
     figures, detail = {}, {}
     for name, fn in variants.items():
