@@ -33,6 +33,9 @@ def test_served_long_prompt_on_cpu(qwen35_dir, tmp_path):
         itl["during_itl_ms"]["p99"] / itl["steady_itl_ms"]["p50"], 3)
     assert f["warm_pic_ttft_speedup_vs_prefix_128k"] > 0 and f["cold_pic_ttft_vs_full_128k"] > 0
     assert set(res["runs"]) == {"itl", "pic", "prefix", "full"} and res["gpu"] == "none (CPU)"
+    # each phase's run says how fast the host ran meanwhile (host_probe.py), the merged ones kept
+    for run in res["runs"].values():
+        assert run["host"]["start"]["python_ms"] > 0 and run["host"]["end"]["python_ms"] > 0
 
 
 def test_a_failed_request_gives_no_figure():
