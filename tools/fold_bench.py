@@ -133,9 +133,9 @@ def main(argv=None) -> int:
     variants["table_runs_fp32_copied"] = converted
     # fp32 entries (entry_state_dtype float32, the default): every pair fp32, the fold's dots in
     # tf32x3 by default; with its launch options, and one TF32 pass for what the other two cost
-    spans32 = [(t.float(), s_.float()) for t, s_ in spans]
-    Ts32 = [(runs_T32, b[1]) if isinstance(b, tuple) else spans32[(i - 1) // 2][0] for i, b in enumerate(Ts)]
-    Ss32 = [(runs_S32, b[1]) if isinstance(b, tuple) else spans32[(i - 1) // 2][1] for i, b in enumerate(Ss)]
+    as32 = {id(t): t.float() for pair in spans for t in pair}  # each span's T and S in fp32
+    Ts32 = [(runs_T32, b[1]) if isinstance(b, tuple) else as32[id(b)] for b in Ts]
+    Ss32 = [(runs_S32, b[1]) if isinstance(b, tuple) else as32[id(b)] for b in Ss]
     t_all32 = torch.tensor([address(b) for b in Ts32], device=dev)
     s_all32 = torch.tensor([address(b) for b in Ss32], device=dev)
     for name, kw in (("", {}), ("_s2", dict(num_stages=2)), ("_s3", dict(num_stages=3)), ("_w4", dict(num_warps=4)),

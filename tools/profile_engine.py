@@ -27,6 +27,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from host_probe import HostWatch  # noqa: E402
+
 # engine and runner methods whose time is reported (object attribute, label)
 STAGES = (
     ("engine", "start_prefill"),
@@ -106,8 +108,6 @@ def main(argv=None) -> int:
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     out["cold_ms"] = round(ttft({"system": ids(16), "segments": docs, "suffix": question, "sampling_params": sp}), 2)
     out["warmup_ms"] = [round(ttft(warm()), 2) for _ in range(3)]  # eager, capture, replay
-    from host_probe import HostWatch
-
     watch = HostWatch()  # the host's speed and contention over the timed requests
     out["ttft_ms"] = [round(ttft(warm()), 2) for _ in range(args.requests)]
     out["host"] = watch.report()
