@@ -153,6 +153,8 @@ class ChunkRun:
     forward: PartedForward  # ModelRunner.forward_parts
     index: list  # layout index of each of the chunk's pieces (None: a run cut at its end)
     start: int  # the chunk's first position (its end: the state's length once the forward ran)
+    calls: int = 0  # the forward's calls that ran a run of layers and did not end it
+    ran: tuple | None = None  # the forward's (logits, rec) once it ended, while its chunk's end waits
 
 
 @dataclass
@@ -503,7 +505,7 @@ class Engine:
 
     @torch.no_grad()
     def prefill_chunk(self, job: PrefillJob, max_tokens: int | None = None,
-                      defer_chains: bool = False, layer_parts: int = 1) -> Prefill | None:
+                      defer_chains: bool = False, layer_parts: int = 1, end_apart: bool = True) -> Prefill | None:
         """Run the next at most `max_tokens` live tokens of a started prefill (all of them when None)
         from the state the previous chunk left: the layout's pieces in order, a live run cut where
         the budget ends (its rest starts the next chunk; linear states and K/V resume from any
@@ -518,19 +520,32 @@ class Engine:
         first: storing them reads the prompt's K/V out of its pages). `layer_parts` > 1: a chunk
         without cached spans runs over that many calls, a run of consecutive layers each
         (ModelRunner.forward_parts: a step's host and device work is a share of the chunk's);
-        while one is part-way (job.part_way) a call goes on with it and takes no new tokens. A
-        chunk that runs a live piece of the layout to its end stops there rather than cut the
-        next one (a long prompt's pieces end at the prefix cache's checkpoints)."""
+        while one is part-way (job.part_way) a call goes on with it and takes no new tokens; with
+        `end_apart` such a chunk's end (its kept states, its pages recorded and inserted) is a call
+        of its own after its last run of layers, so that no call does both (a scheduler asks for it
+        while requests decode: each step stays short), but for the prompt's last chunk, whose end
+        gives the first token. A chunk that runs a live piece of the
+        layout to its end stops there rather than cut the next one (a long prompt's pieces end at
+        the prefix cache's checkpoints)."""
         if job.running is None:
             self._start_chunk(job, max_tokens, layer_parts)
         run = job.running
+        if run.ran is not None:
+            # the chunk's forward ran in the call before: its end (kept states, the page tree's
+            # recording and inserts) is this call's work, a step of its own
+            (logits, rec), job.running = run.ran, None
+            return self._finish_chunk(job, run, logits, rec, defer_chains)
         try:
             out = self.runner.run_part(run.forward)
         except BaseException:
             job.running = None  # the state is part-way: the prefill cannot go on
             raise
         if out is None:
+            run.calls += 1
             return None  # a run of the chunk's layers ran, not yet all
+        if end_apart and run.calls and job.next < len(job.layout) and (job.recorder is not None or out[1].snapshots):
+            run.ran = out  # a chunk run in parts, not the prompt's last, ends in a call of its own
+            return None
         logits, rec = out
         job.running = None
         return self._finish_chunk(job, run, logits, rec, defer_chains)

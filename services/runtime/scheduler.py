@@ -761,7 +761,8 @@ class Scheduler:
         With chunk_layer_parts P > 1 a chunk without cached spans is P times that many tokens (at
         most entry_batch_tokens, or the budget's chunk where that is more) run over P steps, a run
         of layers each (Engine.prefill_chunk's layer_parts): a step of it goes on with the chunk
-        whatever the budget left. Returns (the live tokens run, the budget they
+        whatever the budget left, and while requests decode the chunk's end is a step of its own.
+        Returns (the live tokens run, the budget they
         cost), a share of the chunk's for each of its steps; a request whose prefill fails fails
         alone."""
         eng, parts = self.engine, self.config.chunk_layer_parts
@@ -775,7 +776,7 @@ class Scheduler:
                     seq.slot = eng.runner.assign(self.pool, seq.job.state)
             job = seq.job
             if job.part_way:
-                pre = eng.prefill_chunk(job, defer_chains=True)
+                pre = eng.prefill_chunk(job, defer_chains=True, end_apart=bool(self._running))
                 spent, cost = seq.part_share
             else:
                 context = job.layout[job.next].start + job.offset

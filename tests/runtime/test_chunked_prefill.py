@@ -326,8 +326,11 @@ def test_a_chunk_in_layer_parts_equals_its_whole_forward(arch, parts, dirs):
             calls += 1
             part_way += job.part_way
         results.append((pre, pool))
-        assert calls + 1 == 3 * layer_parts  # 130 tokens in chunks of 50: three chunks
-        assert part_way == 3 * (layer_parts - 1)
+        # 130 tokens in chunks of 50: three chunks; in parts, the end of each but the last (its
+        # pages into the prefix tree) is a call of its own after its last run of layers
+        ends_apart = 0 if layer_parts == 1 else 2
+        assert calls + 1 == 3 * layer_parts + ends_apart
+        assert part_way == 3 * (layer_parts - 1) + ends_apart
     (whole, _), (split, _) = results
     torch.testing.assert_close(split.logits, whole.logits, rtol=1e-5, atol=1e-5)
     for i, s in whole.state.linear.items():
@@ -344,7 +347,8 @@ def test_a_part_way_chunk_goes_on_whatever_the_budget_and_abandoning_it_closes_i
     pool.assign(job.state)
     assert eng.prefill_chunk(job, 40, layer_parts=2) is None and job.part_way
     left = job.live_left
-    assert eng.prefill_chunk(job, 1) is None and not job.part_way  # its second half: no new tokens
+    assert eng.prefill_chunk(job, 1) is None and job.part_way  # its second half: no new tokens
+    assert eng.prefill_chunk(job, 1) is None and not job.part_way  # its end: pages into the tree
     assert job.live_left == left == 80
     assert eng.prefill_chunk(job, 40, layer_parts=2) is None and job.part_way
     forward = job.running.forward
@@ -479,3 +483,37 @@ def test_first_token_stats_say_where_the_wait_went(qwen35_dir, budget):
     assert warm.build_ms == 0 and warm.prefill_steps == sum(1 for n in admitted_steps if n) >= 1
     assert 0 < warm.assembly_ms <= warm.ttft_ms
     assert {"prefill_steps", "build_ms", "assembly_ms"} <= stats.to_dict().keys()
+
+
+def test_a_parted_chunk_ends_in_a_call_of_its_own(qwen35_dir, monkeypatch):
+    """With layer parts, no call both runs layers and ends a chunk (its kept states, its pages
+    recorded and inserted into the prefix tree) but the prompt's last; the tree holds the same
+    pages as after whole chunks. Without a page recorder (mode full) the last run of layers ends
+    the chunk itself."""
+    prompt = _ids(torch.Generator().manual_seed(9), 150)
+    trees = []
+    for mode, parts in (("prefix", 1), ("prefix", 3), ("full", 3)):
+        eng = _engine(qwen35_dir, mode=mode)
+        pool = eng.new_state_pool(1, 1024)
+        job = eng.start_prefill(eng.parse_request({"suffix": prompt}))
+        pool.assign(job.state)
+        calls = []
+        run_part, finish = eng.runner.run_part, eng._finish_chunk
+        monkeypatch.setattr(eng.runner, "run_part", lambda fwd, f=run_part, c=calls: c[-1].append("layers") or f(fwd))
+        monkeypatch.setattr(eng, "_finish_chunk", lambda *a, f=finish, c=calls, **k: c[-1].append("end") or f(*a, **k))
+        pre = None
+        while pre is None:
+            calls.append([])
+            pre = eng.prefill_chunk(job, 64, layer_parts=parts)
+        # three chunks; the last one's end gives the first token: it ends in its last run of layers
+        if parts == 1:
+            assert all(c == ["layers", "end"] for c in calls)
+        elif mode == "prefix":
+            assert all(c in (["layers"], ["end"]) for c in calls[:-1]) and calls.count(["end"]) == 2
+            assert all(calls[i - 1] == ["layers"] for i, c in enumerate(calls) if c == ["end"])
+            assert calls[-1] == ["layers", "end"] and len(calls) == 3 * 3 + 2
+        else:
+            assert calls.count(["layers", "end"]) == 3 and calls.count(["layers"]) == 6
+        if mode == "prefix":
+            trees.append(len(eng.pages.match(prompt[:-1], salt=None)))
+    assert trees[0] == trees[1] > 0

@@ -128,7 +128,7 @@ def test_concurrent_greedy_equals_one_by_one(arch, dirs):
         assert b.text == a.text and b.finish_reason == a.finish_reason
     assert [len(r.output_ids) for r in out] == [r["sampling_params"]["max_new_tokens"] for r in reqs]
     # several requests decoded in one step, and the batch changed as requests came and went
-    assert max(sched.batch_sizes) >= 3 and len(sched.batch_sizes) >= 2
+    assert max(sched.batch_sizes) >= max(2, n - 2) and len(sched.batch_sizes) >= 2
     assert sched.pool.free and sorted(sched.pool.free) == list(range(4))
 
 
