@@ -4,11 +4,12 @@ runs it) in each of --modes (pic and prefix record its pages into the prefix cac
 does not); prints JSON: each chunk's ms and context, the whole prefill's ms, the end of each chunk
 alone (`finish_ms`: Engine._finish_chunk, its recording and page-tree insert, timed between
 synchronisations, in the timed run), and one chunk deep in the prompt profiled (its top ops by host
-and device time; with layer parts `--profile-part` picks its first or its last call, the one that
-ends it).
+and device time; with layer parts `--profile-part` picks its first call or the one that ends it, a
+call of its own after its last run of layers). --sync-check runs the deep chunk after that one
+under CUDA sync debugging and reports each host-device synchronisation of its calls by call site.
 
     python tools/profile_chunks.py [--preset qwen3.5-9b] [--tokens 32768] [--budget 512] [--modes full,pic]
-        [--layer-parts 1] [--profile-part first]
+        [--layer-parts 1] [--profile-part first] [--sync-check]
 
 On a machine without a GPU it runs the same code on the CPU (use --preset tiny --tokens 3000).
 """
@@ -40,8 +41,11 @@ def main(argv=None) -> int:
                     help="chunks of this many times the budget's tokens, each run over as many calls (a run of "
                          "layers a call: the scheduler's --chunk-layer-parts); each call is timed")
     ap.add_argument("--profile-part", choices=["first", "last"], default="first",
-                    help="with --layer-parts > 1, the profiled chunk's call: its first run of layers, or its last "
-                         "(which also ends the chunk)")
+                    help="with --layer-parts > 1, the profiled chunk's call: its first run of layers, or the call "
+                         "that ends it (its kept states and pages: a call of its own after its last run of layers)")
+    ap.add_argument("--sync-check", action="store_true",
+                    help="run the deep chunk after the profiled one under CUDA sync debugging: each host-device "
+                         "synchronisation of its calls with its call site")
     ap.add_argument("--top", type=int, default=20)
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -50,7 +54,7 @@ def main(argv=None) -> int:
     from hybridcache.services.runtime.engine import Engine
     from hybridcache.services.runtime.scheduler import attention_cost_per_position, chunk_tokens
     from profile_engine import sync
-    from profile_forward import table
+    from profile_forward import sync_sites, table
     from qps import build_engine
 
     rng = random.Random(0)
@@ -73,7 +77,7 @@ def main(argv=None) -> int:
             req = eng.parse_request({"suffix": prompt, "sampling_params": {"max_new_tokens": 1}})
             job = eng.start_prefill(req)
             slot = eng.runner.assign(pool, job.state)
-            chunks, profiled, finish_ms = [], None, []
+            chunks, profiled, finish_ms, syncs = [], None, [], None
             finish = eng._finish_chunk
             if run == "timed":
                 def timed_finish(*a, finish=finish, finish_ms=finish_ms, **kw):
@@ -91,6 +95,20 @@ def main(argv=None) -> int:
                 context = job.layout[job.next].start + job.offset
                 n = chunk_tokens(args.budget, context, slope) * args.layer_parts
                 deep = run == "timed" and profiled is None and context >= args.tokens * 3 // 4
+                checked = (run == "timed" and args.sync_check and profiled is not None and syncs is None
+                           and torch.cuda.is_available())
+                if checked:  # every call of this chunk under sync debugging, untimed
+                    syncs, got = {}, []
+                    for k in range(args.layer_parts + 1):
+                        def call(eng=eng, job=job, n=n if k == 0 else None, got=got):
+                            got.append(eng.prefill_chunk(job, n, layer_parts=args.layer_parts))
+
+                        syncs[f"call {k + 1}"] = sync_sites(call)
+                        if not job.part_way:
+                            break
+                    pre = got[-1]
+                    sync()
+                    continue
                 t0 = time.perf_counter()
                 if deep and not last:
                     with profile(activities=activities) as prof:
@@ -105,7 +123,9 @@ def main(argv=None) -> int:
                 while job.part_way:  # the chunk's other runs of layers, a call each
                     part += 1
                     t0 = time.perf_counter()
-                    if deep and last and part == args.layer_parts:
+                    # the call that ends the chunk: its end apart, or the last chunk's last run of layers
+                    ends = job.running.ran is not None or (job.next >= len(job.layout) and part == args.layer_parts)
+                    if deep and last and ends:
                         with profile(activities=activities) as prof:
                             pre = eng.prefill_chunk(job)
                             sync()
@@ -121,6 +141,8 @@ def main(argv=None) -> int:
         res.update(prefill_ms=round(total, 1), chunks=len(chunks), chunk_ms=chunks,
                    chunk_ms_mean=round(sum(ms for _, ms in chunks) / len(chunks), 2), finish_ms=finish_ms,
                    finish_ms_mean=round(sum(finish_ms) / max(1, len(finish_ms)), 2))
+        if syncs is not None:
+            res["sync_sites"] = syncs
         if profiled is not None:
             kernels = [e for e in profiled.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
             res["profiled_chunk"] = {
