@@ -70,7 +70,7 @@ def test_pages_are_read_a_group_at_a_time(tiny_dir, monkeypatch, read_tokens):
     """A prefill's pages get their K/V from one read of each attention layer a group of pages
     (PageRecorder.READ_TOKENS: here 2 pages, or all 5 at once): each page's K/V equal the full
     prefill's rows there, stored apart (one storage of the page's own, all of its layers' K/V and
-    nothing else), and restoring gives the full prefill."""
+    nothing else; another for all of its anchors), and restoring gives the full prefill."""
     from hybridcache.services.runtime.cache.policies import PageRecorder
     from hybridcache.services.runtime.paged import PagedAttnState
     from hybridcache.services.runtime.sequence import AttnState
@@ -93,6 +93,13 @@ def test_pages_are_read_a_group_at_a_time(tiny_dir, monkeypatch, read_tokens):
         page_bytes = sum(t.nbytes for kv in payload.attn.values() for t in kv)
         assert len(own) == 1 and not own & storages
         storages |= own
+        # its anchors (every group entry's P rows) in one buffer of the page's own, apart from its K/V
+        anchors = list(payload.anchors.values())
+        mine = {a.untyped_storage().data_ptr() for a in anchors}
+        assert len(anchors) == len(eng.model.linear_groups()) and all(a.shape[0] == P for a in anchors)
+        assert len(mine) == 1 and not mine & storages
+        assert anchors[0].untyped_storage().nbytes() == sum(a.nbytes for a in anchors)
+        storages |= mine
         for i, (k, v) in payload.attn.items():
             assert k.is_contiguous() and v.is_contiguous() and k.shape[2] == P
             assert k.untyped_storage().nbytes() == page_bytes

@@ -62,6 +62,15 @@ def test_fp8_anchor_round_trip_is_close_per_anchor(magnitude):
     assert max(errs) > 1e-3
     zero = dequantize_anchors(quantize_anchors(torch.zeros(2, 8)), torch.bfloat16)
     assert zero.dtype == torch.bfloat16 and not zero.any()
+    # a page's groups quantized in one pass [groups, r, h] equal each group's alone, and each
+    # group's view of the page's buffer dequantizes as its own would
+    groups = torch.stack([x, 3 * x.flip(0), x.roll(5, 1)])
+    whole = quantize_anchors(groups)
+    assert whole.shape == (3, 16, 64)
+    for g in range(3):
+        assert torch.equal(whole[g], quantize_anchors(groups[g]))
+        assert torch.equal(dequantize_anchors(whole[g], torch.float32), dequantize_anchors(quantize_anchors(groups[g]),
+                                                                                         torch.float32))
 
 
 def _anchor_state_errors(model, tokenizer, anchor_dtype, ids, ks):

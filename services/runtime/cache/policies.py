@@ -50,8 +50,8 @@ def linear_state_bytes_per_token(policy: PrefixPolicy, dense_state_bytes: int, a
 
 
 def quantize_anchors(x: torch.Tensor) -> torch.Tensor:
-    """Anchors [r, h] -> packed uint8 [r, h + 4]: x / s in float8_e4m3fn, then s = amax|x| / 448
-    (fp32) per row, so rows of any magnitude keep e4m3's relative precision."""
+    """Anchors [..., r, h] -> packed uint8 [..., r, h + 4]: x / s in float8_e4m3fn, then s =
+    amax|x| / 448 (fp32) per row, so rows of any magnitude keep e4m3's relative precision."""
     x = x.float()
     scale = (x.abs().amax(dim=-1, keepdim=True) / _FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # [r, 1]
     # e4m3fn has no inf: a value rounded past 448 would become NaN.
@@ -350,9 +350,13 @@ class PageRecorder:
         r = self.policy.anchors_kept
         if r:
             lo = end - self.start - r
-            anchors = {i: self._anchors(i)[lo : end - self.start].clone() for i in self.capture_layers}
+            layers = self.capture_layers
+            # every group entry's rows in one buffer of the page's own [groups, r, h] (one copy a
+            # page, not one a group), quantized or cast as a whole; each layer's anchors a view of it
+            rows = torch.stack([self._anchors(i)[lo : end - self.start] for i in layers])
             if self.policy.anchor_dtype == "float8_e4m3fn":
-                anchors = {i: quantize_anchors(a) for i, a in anchors.items()}
+                rows = quantize_anchors(rows)
             elif self.policy.anchor_dtype == "bfloat16":
-                anchors = {i: a.to(torch.bfloat16) for i, a in anchors.items()}
+                rows = rows.to(torch.bfloat16)
+            anchors = {i: rows[j] for j, i in enumerate(layers)}
         return PagePayload(attn=attn, checkpoint=checkpoint, anchors=anchors)
