@@ -47,6 +47,8 @@
 #   long        benchmarks/served_long_prompt.py on that model: LONG_PHASES (default itl) of itl, pic,
 #               prefix, full, merged into $OUT/served_long_prompt.json with a carried long.json when
 #               there (one or two phases a call keep it inside 10 minutes); LONG_ARGS adds flags
+#   itl-sweep   the long stage's itl phase once for each BUDGET:PARTS of ITL_SWEEP (default "256:4 256:8
+#               128:16": --itl-budget and --itl-layer-parts), a result file each, ITL_SWEEP_TIMEOUT (200 s) a run
 #   served      benchmarks/served_load.py through `hybridcache up --device cuda` on the Qwen3.5-9B
 #               shape (random bf16 weights, written once to $SERVED_MODEL, default /tmp/served-q9b):
 #               SERVED_SCENARIO=streams (default: 32 streams of 256 tokens vs 1) or rag (the RAG
@@ -80,12 +82,20 @@ shift
 for stage in "$@"; do
     case $stage in
     gpu-tests | families | bench | moe | served-gpu | qps | profile | profile-decode | profile-engine | chunks | fold | train \
-        | transport | decode | layouts | long \
+        | transport | decode | layouts | long | itl-sweep \
         | served | multiturn) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, profile-decode, profile-engine, chunks, fold, train, transport, decode, layouts, long, served, multiturn)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, profile-decode, profile-engine, chunks, fold, train, transport, decode, layouts, long, itl-sweep, served, multiturn)" >&2
         exit 2 ;;
     esac
+    if [ "$stage" = itl-sweep ]; then
+        for pair in ${ITL_SWEEP:-256:4 256:8 128:16}; do
+            if ! [[ $pair =~ ^[1-9][0-9]*:[1-9][0-9]*$ ]]; then
+                echo "device_suite: ITL_SWEEP entries are BUDGET:PARTS (e.g. 256:8), got '$pair'" >&2
+                exit 2
+            fi
+        done
+    fi
 done
 OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
@@ -231,6 +241,17 @@ for stage in "$@"; do
             --model "${SERVED_MODEL:-/tmp/served-q9b}" --phases "${LONG_PHASES:-itl}" "${merge[@]}" ${LONG_ARGS:-} \
             --out "$OUT/served_long_prompt.json" > "$OUT/served_long_prompt.log" 2>&1
         echo "long rc=$?"; grep -o '"figures": {[^}]*}' "$OUT/served_long_prompt.json" ;;
+    itl-sweep)
+        # the itl phase once for each BUDGET:PARTS of ITL_SWEEP, a result file each
+        for pair in ${ITL_SWEEP:-256:4 256:8 128:16}; do
+            b=${pair%%:*} p=${pair##*:}
+            timeout "${ITL_SWEEP_TIMEOUT:-200}" python3 benchmarks/served_long_prompt.py --device cuda \
+                --init-model qwen3_5_text:qwen3.5-9b --model "${SERVED_MODEL:-/tmp/served-q9b}" --phases itl \
+                --itl-budget "$b" --itl-layer-parts "$p" --out "$OUT/served_long_prompt_itl_b${b}_p${p}.json" \
+                > "$OUT/served_long_prompt_itl_b${b}_p${p}.log" 2>&1
+            echo "itl-sweep budget $b parts $p rc=$?"
+            grep -o '"figures": {[^}]*}' "$OUT/served_long_prompt_itl_b${b}_p${p}.json" 2> /dev/null
+        done ;;
     served)
         scenario=${SERVED_SCENARIO:-streams}
         modes=${SERVED_MODES:-pic}

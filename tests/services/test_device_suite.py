@@ -117,3 +117,17 @@ def test_multiturn_stage_writes_the_model_first_then_runs(tmp_path):
         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "SERVED_MODEL": str(model)},
     )
     assert "writing the model failed" not in r.stderr and "multiturn rc=" in r.stdout, r.stdout + r.stderr
+
+
+def test_itl_sweep_runs_each_budget_and_parts_and_refuses_a_bad_entry(tmp_path):
+    """itl-sweep runs the itl phase once per BUDGET:PARTS of ITL_SWEEP, a result file each; an entry
+    of another form is refused with exit 2 before anything runs."""
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "ITL_SWEEP": "256:4 128:16", "TRITON_CACHE_SAVE": "0"}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "abc123", "itl-sweep"], cwd=tmp_path,
+                       capture_output=True, text=True, env=env, timeout=60)  # no benchmarks/ here: each run fails
+    assert "itl-sweep budget 256 parts 4 rc=" in r.stdout and "itl-sweep budget 128 parts 16 rc=" in r.stdout, r.stdout
+    assert (tmp_path / "out" / "served_long_prompt_itl_b128_p16.log").exists()
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "abc123", "itl-sweep"], cwd=tmp_path,
+                       capture_output=True, text=True, env={**env, "ITL_SWEEP": "256x4", "OUT": str(tmp_path / "o2")},
+                       timeout=60)
+    assert r.returncode == 2 and "BUDGET:PARTS" in r.stderr and not (tmp_path / "o2").exists()
