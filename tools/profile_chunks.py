@@ -97,8 +97,9 @@ def main(argv=None) -> int:
                 deep = run == "timed" and profiled is None and context >= args.tokens * 3 // 4
                 checked = (run == "timed" and args.sync_check and profiled is not None and syncs is None
                            and torch.cuda.is_available())
-                if checked:  # every call of this chunk under sync debugging, untimed
+                if checked:  # every call of this chunk under sync debugging, untimed (its end too)
                     syncs, got = {}, []
+                    eng._finish_chunk = finish
                     for k in range(args.layer_parts + 1):
                         def call(eng=eng, job=job, n=n if k == 0 else None, got=got):
                             got.append(eng.prefill_chunk(job, n, layer_parts=args.layer_parts))
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
                         if not job.part_way:
                             break
                     pre = got[-1]
+                    eng._finish_chunk = timed_finish
                     sync()
                     continue
                 t0 = time.perf_counter()

@@ -524,9 +524,8 @@ class Engine:
         `end_apart` such a chunk's end (its kept states, its pages recorded and inserted) is a call
         of its own after its last run of layers, so that no call does both (a scheduler asks for it
         while requests decode: each step stays short), but for the prompt's last chunk, whose end
-        gives the first token. A chunk that runs a live piece of the
-        layout to its end stops there rather than cut the next one (a long prompt's pieces end at
-        the prefix cache's checkpoints)."""
+        gives the first token. A chunk that runs a live piece of the layout to its end stops there
+        rather than cut the next one (a long prompt's pieces end at the prefix cache's checkpoints)."""
         if job.running is None:
             self._start_chunk(job, max_tokens, layer_parts)
         run = job.running

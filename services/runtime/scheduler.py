@@ -762,9 +762,8 @@ class Scheduler:
         most entry_batch_tokens, or the budget's chunk where that is more) run over P steps, a run
         of layers each (Engine.prefill_chunk's layer_parts): a step of it goes on with the chunk
         whatever the budget left, and while requests decode the chunk's end is a step of its own.
-        Returns (the live tokens run, the budget they
-        cost), a share of the chunk's for each of its steps; a request whose prefill fails fails
-        alone."""
+        Returns (the live tokens run, the budget they cost), a share of the chunk's for each of its
+        steps; a request whose prefill fails fails alone."""
         eng, parts = self.engine, self.config.chunk_layer_parts
         try:
             if seq.job is None:
