@@ -94,12 +94,12 @@ def send(host: str, port: int, body: dict, timeout_s: float) -> Result:
         for line in resp:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
+            now = time.perf_counter()  # the event's arrival, before this thread parses it
             ev = json.loads(line[6:])
             if "error" in ev:
                 res.error = json.dumps(ev["error"])[:300]
                 break
             ids = ev.get("output_ids") or []
-            now = time.perf_counter()
             if isinstance(ev.get("hybridcache"), dict):
                 res.server = {k: ev["hybridcache"][k] for k in SERVER_STATS if k in ev["hybridcache"]}
             res.token_times += [now] * (len(ids) - n)

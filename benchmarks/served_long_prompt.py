@@ -87,12 +87,12 @@ def stream_until(host: str, port: int, body: dict, stop: threading.Event, res: R
                 break
             if not line.startswith(b"data: {"):
                 continue
+            now = time.perf_counter()  # the event's arrival, before this thread parses it
             ev = json.loads(line[6:])
             if "error" in ev:
                 res.error = json.dumps(ev["error"])[:300]
                 break
             ids = ev.get("output_ids") or []
-            now = time.perf_counter()
             res.token_times += [now] * (len(ids) - n)
             n = len(ids)
     except OSError as e:

@@ -825,8 +825,8 @@ class Api:
 
         return await self._handle(request, convert, self._generate_respond)
 
-    def _meta(self, req, n: int, finish: str | None, stats: dict, t0: float) -> dict:
-        meta = {"prompt_tokens": req.prompt_len, "completion_tokens": stats.get("generated_tokens", n),
+    def _meta(self, prompt_tokens: int, n: int, finish: str | None, stats: dict, t0: float) -> dict:
+        meta = {"prompt_tokens": prompt_tokens, "completion_tokens": stats.get("generated_tokens", n),
                 "cached_tokens": stats.get("cached_tokens", 0), "e2e_latency": time.perf_counter() - t0}
         meta["finish_reason"] = None if finish is None else {"type": finish}
         return meta
@@ -838,7 +838,7 @@ class Api:
             outs = []
             with_text = body.get("return_text_in_logprobs") is True
             for req, (text, ids, finish, stats, lps, prompt_lps) in zip(reqs, await self._collect_all(request)):
-                meta = self._meta(req, len(ids), finish, stats, t0)
+                meta = self._meta(req.prompt_len, len(ids), finish, stats, t0)
                 if req.sampling.logprobs is not None:
                     meta.update(self._sglang_logprobs(req, lps, prompt_lps, with_text))
                 outs.append({"text": text, "output_ids": ids, "meta_info": meta,
@@ -846,6 +846,7 @@ class Api:
             return web.json_response(outs if fanout.listed else outs[0])
         text, ids, lps = ([[] for _ in reqs] for _ in range(3))
         with_text = body.get("return_text_in_logprobs") is True
+        prompt_lens = [req.prompt_len for req in reqs]
 
         def event(i, c, n):
             # SGLang streams the text so far in every chunk (a batch's with their index)
@@ -853,7 +854,7 @@ class Api:
             index = {"index": i} if fanout.listed else {}
             if c.done:
                 stats = json.loads(c.stats_json or "{}")
-                meta = self._meta(req, n, c.finish_reason, stats, t0)
+                meta = self._meta(prompt_lens[i], n, c.finish_reason, stats, t0)
                 if req.sampling.logprobs is not None:
                     meta.update(self._sglang_logprobs(req, lps[i], _prompt_logprobs_of(c), with_text))
                 return {"text": "".join(text[i]), "output_ids": ids[i], "usage": self._usage([req], [(n, stats)]),
@@ -863,10 +864,11 @@ class Api:
                 ids[i].append(c.token_id)
                 if c.has_logprob:
                     lps[i].append(_logprob_of(c))
-            meta = self._meta(req, n, None, {}, t0)
+            meta = self._meta(prompt_lens[i], n, None, {}, t0)
             if req.sampling.logprobs is not None:
                 meta.update(self._sglang_logprobs(req, lps[i], [], with_text))
-            return {"text": "".join(text[i]), "output_ids": list(ids[i]), "meta_info": meta, **index}
+            # the output so far, not a copy: _sse encodes an event as soon as it is made
+            return {"text": "".join(text[i]), "output_ids": ids[i], "meta_info": meta, **index}
 
         return await self._sse(request, event)
 
@@ -896,9 +898,22 @@ class Api:
         return web.Response(body=metrics.scrape(), content_type="text/plain", charset="utf-8")
 
 
+_ORJSON_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
+def _json_bytes(obj) -> bytes:
+    """obj as JSON: orjson (SGLang's streamed events repeat the output so far, so a long stream's
+    events grow with it: orjson encodes their id lists many times faster than json.dumps), json.dumps
+    for what orjson refuses (a str that is not valid UTF-8, an int past 64 bits)."""
+    try:
+        return orjson.dumps(obj, option=_ORJSON_OPTS)
+    except TypeError:  # orjson.JSONEncodeError is one
+        return json.dumps(obj).encode()
+
+
 def _events_bytes(payload) -> bytes:
     """A payload (a dict, a list of them, or None) as server-sent events."""
-    return b"".join(f"data: {json.dumps(p)}\n\n".encode()
+    return b"".join(b"data: " + _json_bytes(p) + b"\n\n"
                     for p in (payload if isinstance(payload, list) else [] if payload is None else [payload]))
 
 

@@ -524,3 +524,24 @@ def test_request_counters_carry_the_graph_cache_counts():
     got = request_counters("cpu", store, runner)
     assert {k: got[k] for k in ("graph_captures", "graph_replays", "graph_eager", "graph_failures")} == {
         "graph_captures": 2, "graph_replays": 5, "graph_eager": 1, "graph_failures": 0}
+
+
+def test_streamed_events_encode_what_json_would_and_fall_back_where_orjson_refuses():
+    """Server-sent events are encoded by orjson; each parses back to its payload (ints, text with
+    non-ASCII, numpy scalars, int keys as json.dumps writes them), and a payload orjson refuses (a
+    lone surrogate in a str, an int past 64 bits) is encoded by json.dumps instead of failing."""
+    import json
+
+    import numpy as np
+    from hybridcache.services.api.http import _events_bytes
+
+    payloads = [{"text": "héllo ✓", "output_ids": list(range(1000)), "meta_info": {"n": np.int64(7)}},
+                {"top": {3: -0.5}}, {"text": "a \ud800 b"}, {"big": 2**70}]
+    data = _events_bytes(payloads)
+    events = [e for e in data.split(b"\n\n") if e]
+    assert len(events) == len(payloads) and all(e.startswith(b"data: ") for e in events)
+    decoded = [json.loads(e[6:]) for e in events]
+    assert decoded[0] == {"text": "héllo ✓", "output_ids": list(range(1000)), "meta_info": {"n": 7}}
+    assert decoded[1] == {"top": {"3": -0.5}}
+    assert decoded[2] == {"text": "a \ud800 b"} and decoded[3] == {"big": 2**70}
+    assert _events_bytes(None) == b"" and _events_bytes({"a": 1}) == b'data: {"a":1}\n\n'
