@@ -112,6 +112,7 @@ def run_itl(args, rng: random.Random) -> dict:
     stop = threading.Event()
     threads: list[threading.Thread] = []
     long: dict = {}
+    server: dict = {}
     try:
         send(host, port, {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}, args.timeout_s)
         sp = {"max_new_tokens": args.stream_tokens, "ignore_eos": True, "temperature": 0.0}
@@ -129,9 +130,11 @@ def run_itl(args, rng: random.Random) -> dict:
         time.sleep(args.steady_s)
         long_body = {"suffix": rand_ids(rng, args.long_tokens, args.vocab),
                      "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}}
+        before = combine_histograms(stack)
         long_sent = time.perf_counter()
         long = stream(host, port, long_body, args.timeout_s)
         long_first = long_sent + long["ttft_ms"] / 1000 if "ttft_ms" in long else time.perf_counter()
+        server = histogram_delta(before, combine_histograms(stack))
         time.sleep(min(1.0, args.steady_s))  # the streams' next tokens after it
     finally:
         stop.set()
@@ -158,7 +161,54 @@ def run_itl(args, rng: random.Random) -> dict:
             "long_prefill_s": round(long_first - long_sent, 3),
             "long_prefill_tokens_per_s": round(args.long_tokens / max(long_first - long_sent, 1e-9), 1),
             "steady_itl_ms": percentiles(steady), "during_itl_ms": percentiles(during + spanning),
-            "steady_gaps": len(steady), "during_gaps": len(during) + len(spanning)}
+            "steady_gaps": len(steady), "during_gaps": len(during) + len(spanning),
+            # the combine worker's own view of the same window: its steps' wall times by what they
+            # ran and its collector's pauses by generation (bucket upper bound in ms -> count)
+            "during_combine": server}
+
+
+HISTOGRAMS = {"hybridcache_scheduler_step_seconds": "kind", "hybridcache_gc_pause_seconds": "generation"}
+
+
+def combine_histograms(stack) -> dict:
+    """The combine worker's step and GC-pause histograms from its /metrics: {name: {label: {le:
+    cumulative count}}} ({} where it cannot be read)."""
+    import re
+    import urllib.request
+
+    combine = next((s for s in stack.services if s["role"] == "combine"), None)
+    if combine is None:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://{combine['http']}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict = {}
+    for name, label in HISTOGRAMS.items():
+        pat = re.compile(rf'^{name}_bucket{{{label}="([^"]*)",le="([^"]+)"}} ([0-9.e+]+)$', re.M)
+        for value, le, count in pat.findall(text):
+            out.setdefault(name, {}).setdefault(value, {})[le] = float(count)
+    return out
+
+
+def histogram_delta(before: dict, after: dict) -> dict:
+    """Per histogram and label, the observations between the two scrapes in each bucket (not
+    cumulative), keyed by the bucket's upper bound in ms ("inf" for the last), with their count."""
+    out: dict = {}
+    for name, labels in after.items():
+        short = name.removeprefix("hybridcache_").removesuffix("_seconds")
+        for value, buckets in labels.items():
+            prev, last, rows = before.get(name, {}).get(value, {}), 0.0, {}
+            for le, cum in sorted(buckets.items(), key=lambda kv: float(kv[0])):
+                n = cum - prev.get(le, 0.0)
+                key = "inf" if le == "+Inf" else f"{float(le) * 1000:g}"
+                if n - last:
+                    rows[key] = int(n - last)
+                last = n
+            if rows:
+                out.setdefault(short, {})[value] = {"count": int(last), "by_le_ms": rows}
+    return out
 
 
 def long_requests(args, rng: random.Random) -> dict:

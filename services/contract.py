@@ -72,6 +72,9 @@ METRIC_UNAUTHENTICATED = "hybridcache_unauthenticated_requests_total"  # counter
 # histogram, label generation=0|1|2: the interpreter's garbage-collector pauses (every thread of the
 # process waits them out, a request's engine step included)
 METRIC_GC_PAUSE_SECONDS = "hybridcache_gc_pause_seconds"
+# histogram, label kind=decode|prefill|mixed: a combine worker's scheduler steps by what they ran
+# (decode only, prefill only, both), each step's wall time: what running streams wait between tokens
+METRIC_SCHEDULER_STEP_SECONDS = "hybridcache_scheduler_step_seconds"
 
 ALL_METRICS = (
     METRIC_TTFT_SECONDS,
@@ -97,6 +100,7 @@ ALL_METRICS = (
     METRIC_ENTRIES_REJECTED,
     METRIC_UNAUTHENTICATED,
     METRIC_GC_PAUSE_SECONDS,
+    METRIC_SCHEDULER_STEP_SECONDS,
 )
 
 # vLLM's names for the same series, exported beside ours (label model_name, the served model's name)

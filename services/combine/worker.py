@@ -124,7 +124,8 @@ class CombineServicer(rpc.CombineServicer):
         self.tp_size = engine.config.tensor_parallel_size
         # Every request runs through this scheduler; its thread alone runs the model.
         self.scheduler = Scheduler(engine, scheduling, on_finish=_count_finished,
-                                   on_preempt=lambda _handle: metrics.SCHEDULER_PREEMPTIONS.inc())
+                                   on_preempt=lambda _handle: metrics.SCHEDULER_PREEMPTIONS.inc(),
+                                   on_step=metrics.scheduler_step)
         # the scheduler's load and memory as gauges (read at each scrape) and in the stats line
         self.stats = StatsLog(engine.config.stats_interval_s, self.gauges)
         self.subscriptions = Subscriptions(on_tokens=self.stats.generated)  # routers' Tokens streams

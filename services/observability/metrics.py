@@ -67,6 +67,16 @@ GC_PAUSE = Histogram(c.METRIC_GC_PAUSE_SECONDS, "Python garbage-collector pauses
                      ["generation"], buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
 
 
+SCHEDULER_STEP = Histogram(c.METRIC_SCHEDULER_STEP_SECONDS, "Scheduler steps' wall time, by what they ran",
+                           ["kind"], buckets=(0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03,
+                                              0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1))
+
+
+def scheduler_step(kind: str, seconds: float) -> None:
+    """A scheduler step ran (Scheduler's on_step)."""
+    SCHEDULER_STEP.labels(kind=kind).observe(seconds)
+
+
 class GcPauses:
     """The interpreter's collections as they happen (a gc.callbacks hook): their count and total
     pause, and each pause in GC_PAUSE. Collections do not nest and run with the GIL held, so one

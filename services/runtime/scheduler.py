@@ -380,15 +380,18 @@ class _Launched:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None, on_finish=None, on_preempt=None):
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None, on_finish=None, on_preempt=None,
+                 on_step=None):
         """on_finish(handle): called in the scheduler's thread as each request ends; on_preempt(handle):
-        as a request is preempted (for metrics)."""
+        as a request is preempted; on_step(kind, seconds): after each step that ran anything, kind
+        "decode", "prefill" or "mixed" (both), seconds the step's wall time (for metrics)."""
         self.engine = engine
         self.config = config or SchedulerConfig()
         if self.config.overlap and not engine.runner.overlaps:  # a split model's (ModelRunner says why)
             self.config = dataclasses.replace(self.config, overlap=False)
         self.on_finish = on_finish
         self.on_preempt = on_preempt
+        self.on_step = on_step
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._admitted: list[_Seq] = []  # prefill in progress
@@ -565,6 +568,7 @@ class Scheduler:
 
     @torch.no_grad()
     def step(self) -> None:
+        t0 = time.perf_counter()
         self._reap_cancelled()
         self._admit()
         self._step_tokens = 0
@@ -578,6 +582,9 @@ class Scheduler:
             self._handle(self._launched)
         if self._step_tokens or batch:
             self.step_log.append((self.steps, self._step_tokens, batch))
+            if self.on_step is not None:
+                kind = "mixed" if self._step_tokens and batch else "prefill" if self._step_tokens else "decode"
+                self.on_step(kind, time.perf_counter() - t0)
         self.steps += 1
 
     def _plan(self, seq: _Seq) -> None:

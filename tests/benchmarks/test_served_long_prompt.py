@@ -17,6 +17,10 @@ def test_served_long_prompt_on_cpu(qwen35_dir, tmp_path):
     itl = json.loads(out.read_text())["results"]["itl"]
     assert itl["streams_decoding"] == 3 and not itl["errors"] and "ttft_ms" in itl["long"]
     assert itl["steady_gaps"] > 0 and itl["during_gaps"] > 0
+    # the combine worker's steps over the long prompt's prefill: chunks beside the streams' decode
+    steps = itl["during_combine"]["scheduler_step"]
+    assert steps["mixed"]["count"] >= 600 // 32 // 2
+    assert sum(steps["mixed"]["by_le_ms"].values()) == steps["mixed"]["count"]
     assert mod.main([*common, "--merge", "--phases", "pic,prefix,full", "--docs", "4", "--doc-tokens", "40",
                      "--system-tokens", "4", "--question-tokens", "6", "--repeats", "2", "--budget", "64",
                      "--warmup-shape", "4+4x40+6"]) == 0

@@ -101,12 +101,15 @@ def test_paged_prefill_off_keeps_k_v_contiguous_with_the_same_answers(qwen35_dir
 
 def test_a_long_prompt_interleaves_with_decode_steps(qwen35_dir):
     """While a long prompt prefills a chunk a step, the running request decodes in every one of
-    those steps: its tokens keep coming between the chunks."""
+    those steps: its tokens keep coming between the chunks. Each step that ran anything is reported
+    to on_step (the combine worker's step histogram) with what it ran."""
     eng = _engine(qwen35_dir, mode="prefix")
     gen = torch.Generator().manual_seed(3)
     running = {"suffix": _ids(gen, 20), "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
     long = {"suffix": _ids(gen, 300), "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
-    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32))
+    steps = []
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32),
+                      on_step=lambda kind, s: steps.append((kind, s)))
     try:
         first = sched.add_request(eng.parse_request(running))
         it = iter(first)
@@ -122,6 +125,9 @@ def test_a_long_prompt_interleaves_with_decode_steps(qwen35_dir):
     assert len(chunks) >= 10
     assert all(tokens <= 32 for tokens, _ in chunks)
     assert sum(1 for tokens, batch in chunks if batch >= 1) >= 9
+    kinds = ["mixed" if tokens and batch else "prefill" if tokens else "decode" for _, tokens, batch in sched.step_log]
+    assert [k for k, _ in steps] == kinds and all(s > 0 for _, s in steps)
+    assert kinds.count("mixed") >= 9 and "decode" in kinds
     # and its answer is the one it gives alone
     alone = _serve(_engine(qwen35_dir, mode="prefix"), [long], max_num_batched_tokens=8192)[1][0]
     assert out.output_ids == alone.output_ids

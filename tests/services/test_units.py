@@ -507,6 +507,17 @@ def test_gc_pauses_are_timed_and_exported():
     assert b'hybridcache_gc_pause_seconds_bucket{generation="2"' in metrics.scrape()
 
 
+def test_scheduler_steps_go_into_their_histogram_by_kind():
+    from hybridcache.services.observability import metrics
+
+    h = metrics.SCHEDULER_STEP.labels(kind="mixed")
+    before = h._sum.get()
+    metrics.scheduler_step("mixed", 0.0123)
+    assert h._sum.get() == pytest.approx(before + 0.0123)
+    text = metrics.scrape()
+    assert b'hybridcache_scheduler_step_seconds_bucket{kind="mixed",le="0.0125"}' in text
+
+
 def test_request_counters_carry_the_graph_cache_counts():
     from types import SimpleNamespace
 
