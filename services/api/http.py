@@ -14,6 +14,7 @@ is parsed and text tokenized off the event loop. Every error is a JSON object
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -23,6 +24,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 
 import orjson
 from aiohttp import web
@@ -152,6 +154,54 @@ class _Workers:
                 self._idle += 1
 
 
+class _Mailbox:
+    """Calls from worker threads into one event loop, coalesced: the first call posted while none
+    is pending wakes the loop (call_soon_threadsafe: a write to its self-pipe and a pass of its
+    selector), and the calls posted before that wake-up runs go with it, in the order each thread
+    posted them. Every running stream's worker thread posts its token once a scheduler step, all
+    within a fraction of a millisecond, so a step's tokens cost the loop one wake-up, not one each."""
+
+    _of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _of_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _Mailbox:
+        with cls._of_lock:
+            box = cls._of.get(loop)
+            if box is None:
+                box = cls._of[loop] = cls(loop)
+            return box
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._calls: collections.deque = collections.deque()
+        self._pending = False
+
+    def post(self, fn, *args) -> None:
+        with self._lock:
+            self._calls.append((fn, args))
+            if self._pending:
+                return
+            self._pending = True
+        try:
+            self._loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the loop closed: nobody is left to take the call
+            with self._lock:
+                self._pending = False
+                self._calls.clear()
+
+    def _run(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, collections.deque()
+            self._pending = False
+        for fn, args in calls:
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - one call's failure does not drop the others
+                log.exception("a call from a request thread failed")
+
+
 class _Run:
     """One request's work in a worker thread: its parsing (`parsed`, a future of the event loop),
     then at once, in the same thread, the router's token stream of it, fed to the event loop
@@ -165,6 +215,7 @@ class _Run:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
+        self._mailbox = _Mailbox.of(loop)
         self.parsed: asyncio.Future = loop.create_future()
         self._q: asyncio.Queue = asyncio.Queue()
         self.control = StreamControl()
@@ -172,7 +223,7 @@ class _Run:
 
     def _call(self, fn, *args) -> None:
         if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._mailbox.post(fn, *args)
 
     def _settle(self, result=None, error: BaseException | None = None) -> None:
         if not self.parsed.done():  # cancelled with its handler

@@ -556,3 +556,48 @@ def test_streamed_events_encode_what_json_would_and_fall_back_where_orjson_refus
     assert decoded[1] == {"top": {"3": -0.5}}
     assert decoded[2] == {"text": "a \ud800 b"} and decoded[3] == {"big": 2**70}
     assert _events_bytes(None) == b"" and _events_bytes({"a": 1}) == b'data: {"a":1}\n\n'
+
+
+def test_mailbox_coalesces_wake_ups_keeps_each_thread_s_order_and_survives_a_failing_call():
+    """_Mailbox: calls posted from threads run in the loop, each thread's in its order; posts made
+    before the loop ran the first wake-up share it; one call's exception does not drop the rest; a
+    post to a closed loop is dropped, not raised."""
+    import asyncio
+    import threading
+
+    from hybridcache.services.api.http import _Mailbox
+
+    loop = asyncio.new_event_loop()
+    box = _Mailbox.of(loop)
+    assert _Mailbox.of(loop) is box
+    wakes = []
+    real = loop.call_soon_threadsafe
+
+    def counting(fn, *args):
+        wakes.append(fn)
+        return real(fn, *args)
+
+    loop.call_soon_threadsafe = counting
+    got = []
+
+    def boom():
+        raise RuntimeError("one call fails")
+
+    def post(k):
+        for i in range(50):
+            box.post(got.append, (k, i))
+        box.post(boom)
+
+    threads = [threading.Thread(target=post, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert len(got) == 200
+    for k in range(4):
+        assert [i for kk, i in got if kk == k] == list(range(50))
+    assert len(wakes) == 1  # the loop had not run: every post after the first shared its wake-up
+    loop.close()
+    box.post(got.append, ("late", 0))  # no error, nothing runs
+    assert len(got) == 200
