@@ -225,6 +225,9 @@ class _Run:
         if not self._loop.is_closed():
             self._mailbox.post(fn, *args)
 
+    def _deliver(self, chunk) -> None:
+        self._call(self._q.put_nowait, chunk)
+
     def _settle(self, result=None, error: BaseException | None = None) -> None:
         if not self.parsed.done():  # cancelled with its handler
             if error is not None:
@@ -234,7 +237,9 @@ class _Run:
 
     def work(self, prepare, stream) -> None:
         """(in the worker thread) parsed = prepare(); then the chunks of stream(parsed, control,
-        sent), `sent` a callable that hands `parsed` to the event loop (at most once)."""
+        sent, direct), `sent` a callable that hands `parsed` to the event loop (at most once),
+        `direct` one that takes a chunk to it from any thread (Router.stream's direct path: the
+        chunks it does not yield)."""
         try:
             parsed = prepare()
         except Exception as e:  # noqa: BLE001 - raised in the event loop
@@ -251,7 +256,7 @@ class _Run:
         if self.control.cancelled:  # the handler went away meanwhile
             return
         try:
-            for chunk in stream(parsed, self.control, hand):
+            for chunk in stream(parsed, self.control, hand, self._deliver):
                 hand()
                 self._call(self._q.put_nowait, chunk)
         except Exception as e:  # handed to the event loop, raised there
@@ -443,8 +448,8 @@ class Api:
 
         # the same thread goes on with the router's stream of the first request (its plan, the call
         # to a combine worker); the event loop gets the parsed request once that call is made
-        def open_stream(parsed, control, sent):
-            return self.router.stream(parsed[1][0], control, received, sent)
+        def open_stream(parsed, control, sent, direct):
+            return self.router.stream(parsed[1][0], control, received, sent, direct)
 
         self._workers.submit(functools.partial(run.work, prepare, open_stream))
         try:
@@ -467,7 +472,7 @@ class Api:
                 self._runs.add(more)
                 self._workers.submit(functools.partial(
                     more.work, functools.partial(lambda r: r, req),
-                    lambda r, control, sent: self.router.stream(r, control, received, sent)))
+                    lambda r, control, sent, direct: self.router.stream(r, control, received, sent, direct)))
             try:
                 return await respond(request, reqs, stream, body, fanout)
             except _Reject as e:

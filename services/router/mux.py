@@ -10,8 +10,8 @@ request registered on it fails; the next request subscribes again.
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import uuid
 
@@ -49,19 +49,47 @@ class CallEnded:
 
 
 class Inbox:
-    """One request's chunks and ends, read by the thread that relays the request."""
+    """One request's chunks and ends, read by the thread that relays the request. Once that thread
+    has handed it a sink (go_direct), a token chunk that ends nothing (not done, closed nor an
+    error) goes to the sink in the thread that puts it (the Tokens stream's reader) instead of
+    waking the relaying thread; everything else still comes to get()."""
 
-    __slots__ = ("subscriber", "_q")
+    __slots__ = ("subscriber", "_q", "_cv", "_sink")
 
     def __init__(self, subscriber: str):
         self.subscriber = subscriber
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: collections.deque = collections.deque()
+        self._cv = threading.Condition(threading.Lock())
+        self._sink = None
 
     def put(self, item) -> None:
-        self._q.put(item)
+        with self._cv:
+            sink = self._sink
+            if sink is None or not _passes(item):
+                self._q.append(item)
+                self._cv.notify()
+                return
+        sink(item)
 
     def get(self):
-        return self._q.get()
+        with self._cv:
+            while not self._q:
+                self._cv.wait()
+            return self._q.popleft()
+
+    def go_direct(self, sink) -> bool:
+        """Send passing chunks to sink(chunk) from now on, when nothing is queued (True); False
+        when something is (it must be read first, or it would come after later chunks)."""
+        with self._cv:
+            if self._q:
+                return False
+            self._sink = sink
+            return True
+
+
+def _passes(item) -> bool:
+    """A token chunk that ends nothing: what an inbox may hand straight to its sink."""
+    return isinstance(item, pb.TokenChunk) and not (item.done or item.closed or item.error)
 
 
 class TokenMux:

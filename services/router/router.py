@@ -366,10 +366,13 @@ class Router:
                     metrics.COLD_QUEUE_DEPTH.labels(worker=p.address).set(self._depth[p.address])
 
     def stream(self, req, control: StreamControl | None = None, received: float | None = None,
-               sent=None) -> Iterator[pb.TokenChunk]:
+               sent=None, direct=None) -> Iterator[pb.TokenChunk]:
         """Token chunks from a combine worker; the last one has done=True and the stats. After
         control.cancel() the stream ends (without a done chunk). `sent`: called (no arguments)
         once the request is on its way to a combine worker, before its first chunk comes back.
+        `direct`: where the caller's chunks go (deliver(chunk), callable from any thread): once the
+        first token went out, the chunks of a multiplexed request that end nothing may go there
+        from the Tokens stream's reader instead of being yielded (_Direct), the rest still are.
 
         `received`: when the request reached the router (time.perf_counter(); default: now). The
         stats' ttft_ms is the wait from then to the first token leaving the router, what a
@@ -406,12 +409,15 @@ class Router:
             t_first_token = None
             answered = False
             record = RequestRecord(creq.request_id, req.prompt_len) if self.runtime.log_requests else None
+            relay = _Direct(direct, control) if direct is not None else None
             try:
-                combine, chunks = self._open(creq, order, control, sent)
+                combine, chunks = self._open(creq, order, control, sent, relay)
                 for chunk in chunks:
                     if control is not None and control.cancelled:
                         return  # chunks already received when the client went away are not passed on
                     now = time.perf_counter()
+                    if relay is not None and relay.last_t is not None:
+                        last_t = relay.last_t  # chunks went the direct way since this thread's last
                     if first:
                         self._release(plan, assigned)
                         first = False
@@ -422,6 +428,8 @@ class Router:
                     last_t = now
                     if t_first_token is None and not chunk.done and chunk.token_id >= 0:
                         t_first_token = now
+                    if relay is not None:
+                        relay.last_t, relay.ready = now, t_first_token is not None
                     if chunk.done and not chunk.error:
                         self._remember(combine, plan)
                         answered = True
@@ -460,7 +468,7 @@ class Router:
                 if record is not None:
                     record.log(time.perf_counter() - t0)
 
-    def _open(self, creq, order: list[str], control: StreamControl | None, sent=None):
+    def _open(self, creq, order: list[str], control: StreamControl | None, sent=None, relay=None):
         """(combine worker, its chunks) from the first of `order` that takes the request: one whose
         waiting queue is full refuses at once (RESOURCE_EXHAUSTED) and the next is asked; when all
         refuse, Overloaded with the shortest back-off they gave. The chunks come on the worker's
@@ -473,7 +481,7 @@ class Router:
             except Unreachable as e:
                 raise ServiceUnavailable(f"combine worker {combine} failed: {e.code.name}") from None
             if subscriber:
-                opened = self._open_muxed(combine, mux, subscriber, creq, control, sent)
+                opened = self._open_muxed(combine, mux, subscriber, creq, control, sent, relay)
                 if isinstance(opened, tuple):
                     refusals.append(opened)
                     continue
@@ -503,7 +511,7 @@ class Router:
         retry_after, message = min(refusals)
         raise Overloaded(message, retry_after)
 
-    def _open_muxed(self, combine: str, mux: TokenMux, subscriber: str, creq, control, sent):
+    def _open_muxed(self, combine: str, mux: TokenMux, subscriber: str, creq, control, sent, relay=None):
         """Send a request whose chunks come on `mux`: its chunks (an iterator), a refusal
         (retry-after, message), or None when the worker does not know the subscriber. The Generate
         call is never read: its end comes to the inbox (CallEnded) like the chunks (the first of
@@ -530,13 +538,17 @@ class Router:
         except BaseException:
             mux.unregister(creq.request_id)
             raise
-        return self._muxed(mux, creq.request_id, inbox, control, first)
+        return self._muxed(mux, creq.request_id, inbox, control, first, relay)
 
-    def _muxed(self, mux: TokenMux, request_id: str, inbox: Inbox, control: StreamControl | None, item):
+    def _muxed(self, mux: TokenMux, request_id: str, inbox: Inbox, control: StreamControl | None, item,
+               relay=None):
         """A multiplexed request's chunks from its inbox (`item` the first), up to its done chunk.
         Its end without one is the Generate call's to explain: cancelled here (the stream just
-        ends), or failed on the worker (ServiceUnavailable, as a broken per-request stream)."""
+        ends), or failed on the worker (ServiceUnavailable, as a broken per-request stream). With a
+        `relay` ready (its first token out) and nothing queued, the inbox hands the chunks that end
+        nothing to it; what ends the request still comes here."""
         closed = False
+        direct = False
         try:
             while True:
                 if isinstance(item, CallEnded):
@@ -559,6 +571,8 @@ class Router:
                     yield item
                     if item.done:
                         return
+                if relay is not None and relay.ready and not direct:
+                    direct = inbox.go_direct(relay)
                 item = inbox.get()
         finally:
             mux.unregister(request_id)
@@ -570,6 +584,35 @@ class Router:
                                    stats.get("tier_seconds", 0.0))
         self.cost.observe_scatter(stats.get("scatter_path", ""), stats.get("scatter_bytes", 0),
                                   stats.get("scatter_seconds", 0.0))
+
+
+class _Direct:
+    """Where a multiplexed request's chunks that end nothing go once its first token is out
+    (Inbox.go_direct): straight from the Tokens stream's reader to `deliver`, with what the
+    relaying thread would do for them (dropped once the client went away, the gap since the last
+    counted in the inter-token histogram), without waking that thread for each: with one thread a
+    request, every scheduler step woke as many threads as requests were decoding."""
+
+    __slots__ = ("deliver", "control", "last_t", "ready")
+
+    def __init__(self, deliver, control: StreamControl | None):
+        self.deliver = deliver
+        self.control = control
+        self.last_t: float | None = None
+        self.ready = False
+
+    def __call__(self, chunk) -> None:
+        if self.control is not None and self.control.cancelled:
+            return
+        now = time.perf_counter()
+        if self.last_t is not None:
+            metrics.INTER_TOKEN.observe(now - self.last_t)
+        self.last_t = now
+        chunk.request_id = ""  # the worker's routing field, as _muxed clears it
+        try:
+            self.deliver(chunk)
+        except Exception:  # noqa: BLE001 - the reader goes on with the other requests' chunks
+            log.exception("a token chunk could not be delivered")
 
 
 def _hops(stats: dict, t_asked: float, t_first_token: float | None) -> None:

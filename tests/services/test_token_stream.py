@@ -98,6 +98,44 @@ def test_multiplexed_answers_equal_the_per_request_streams(worker, model_dir):
     assert len(answers["multiplexed"][-1][2]) == 12  # the logprobs request's, one per token
 
 
+def test_direct_delivery_keeps_the_answer_and_spares_the_relaying_thread(worker, model_dir, monkeypatch):
+    """Router.stream with `direct` (the HTTP door's path): once the first token is out, a
+    multiplexed request's chunks that end nothing go from the Tokens stream's reader to `direct`;
+    the answer, merged in arrival order, equals the yielded-only one, the done chunk with its stats
+    is still yielded last, and the relaying thread reads a few items from its inbox, not one a
+    token."""
+    from hybridcache.services.router import mux as mux_module
+
+    _, address = worker
+    router = _router(model_dir, address, "multiplexed")
+    want = _answer(_run(router, _body(3, 24)))
+    gets = []
+    real_get = mux_module.Inbox.get
+
+    def counting_get(self):
+        item = real_get(self)
+        gets.append(item)
+        return item
+
+    monkeypatch.setattr(mux_module.Inbox, "get", counting_get)
+    arrived, lock = [], threading.Lock()
+
+    def direct(chunk):
+        with lock:
+            arrived.append(("direct", chunk))
+
+    for chunk in router.stream(router.parse(_body(3, 24)), None, None, None, direct):
+        with lock:
+            arrived.append(("yielded", chunk))
+    chunks = [c for _, c in arrived]
+    assert _answer(chunks)[:2] + _answer(chunks)[3:] == want[:2] + want[3:]
+    assert arrived[-1][0] == "yielded" and arrived[-1][1].done and json.loads(arrived[-1][1].stats_json)
+    ways = [w for w, _ in arrived]
+    assert ways.count("direct") >= 12 and ways[0] == "yielded"
+    assert not any(c.request_id for c in chunks)
+    assert len(gets) <= 6, [type(g).__name__ for g in gets]
+
+
 def test_the_token_stream_is_open_before_the_first_request(worker, model_dir):
     """connect() (the router's start) subscribes to the combine worker's Tokens stream: the first
     request finds it open and takes it, opening no other."""

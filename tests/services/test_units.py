@@ -412,7 +412,7 @@ def test_http_request_parsed_is_handed_to_the_event_loop_once_sent_or_with_its_f
 
     seen, gate = [], threading.Event()
 
-    def sends(parsed, control, sent):
+    def sends(parsed, control, sent, direct):
         seen.append(parsed)
         sent()
         sent()  # once only
@@ -430,11 +430,11 @@ def test_http_request_parsed_is_handed_to_the_event_loop_once_sent_or_with_its_f
     assert asyncio.run(first_case()) == ("parsed", ["a", "b"])
     assert seen == ["parsed"]
 
-    def fails(parsed, control, sent):
+    def fails(parsed, control, sent, direct):
         raise RuntimeError("no combine worker")
         yield
 
-    def never_says(parsed, control, sent):
+    def never_says(parsed, control, sent, direct):
         yield "a"
 
     assert asyncio.run(run_one(fails)) == ("parsed", ["raised no combine worker"])
