@@ -49,6 +49,7 @@
 #               there (one or two phases a call keep it inside 10 minutes); LONG_ARGS adds flags
 #   itl-sweep   the long stage's itl phase once for each BUDGET:PARTS of ITL_SWEEP (default "256:4 256:8
 #               128:16": --itl-budget and --itl-layer-parts), a result file each, ITL_SWEEP_TIMEOUT (200 s) a run
+#               (the model written first, outside those timeouts)
 #   served      benchmarks/served_load.py through `hybridcache up --device cuda` on the Qwen3.5-9B
 #               shape (random bf16 weights, written once to $SERVED_MODEL, default /tmp/served-q9b):
 #               SERVED_SCENARIO=streams (default: 32 streams of 256 tokens vs 1) or rag (the RAG
@@ -242,7 +243,14 @@ for stage in "$@"; do
             --out "$OUT/served_long_prompt.json" > "$OUT/served_long_prompt.log" 2>&1
         echo "long rc=$?"; grep -o '"figures": {[^}]*}' "$OUT/served_long_prompt.json" ;;
     itl-sweep)
-        # the itl phase once for each BUDGET:PARTS of ITL_SWEEP, a result file each
+        # the itl phase once for each BUDGET:PARTS of ITL_SWEEP, a result file each; the model is
+        # written first, in a process of its own, so that each run's ITL_SWEEP_TIMEOUT is the run's
+        model=${SERVED_MODEL:-/tmp/served-q9b}
+        if [ ! -f "$model/config.json" ]; then
+            python3 -P -c "import sys, torch; from hybridcache.services.runtime.modelzoo import init_model_dir; \
+init_model_dir('qwen3_5_text', 'qwen3.5-9b', sys.argv[1], dtype=torch.bfloat16, device='cuda')" "$model" \
+                || echo "itl-sweep: writing the model failed (each run writes it then)" >&2
+        fi
         for pair in ${ITL_SWEEP:-256:4 256:8 128:16}; do
             b=${pair%%:*} p=${pair##*:}
             timeout "${ITL_SWEEP_TIMEOUT:-200}" python3 benchmarks/served_long_prompt.py --device cuda \

@@ -127,6 +127,8 @@ def test_itl_sweep_runs_each_budget_and_parts_and_refuses_a_bad_entry(tmp_path):
                        capture_output=True, text=True, env=env, timeout=60)  # no benchmarks/ here: each run fails
     assert "itl-sweep budget 256 parts 4 rc=" in r.stdout and "itl-sweep budget 128 parts 16 rc=" in r.stdout, r.stdout
     assert (tmp_path / "out" / "served_long_prompt_itl_b128_p16.log").exists()
+    # the model is written once before the runs (here it fails: no torch on this PATH's python3)
+    assert r.stderr.count("itl-sweep: writing the model failed") == 1, r.stderr
     r = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh"), "abc123", "itl-sweep"], cwd=tmp_path,
                        capture_output=True, text=True, env={**env, "ITL_SWEEP": "256x4", "OUT": str(tmp_path / "o2")},
                        timeout=60)
