@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from host_probe import HostWatch  # noqa: E402
+from hybridcache.services import contract  # noqa: E402
 from hybridcache.services.config import default_of  # noqa: E402
 from served_load import Result, Stack, emit, init_model_apart, percentiles, rand_ids, run_facts, send  # noqa: E402
 from served_pic_layouts import stream  # noqa: E402
@@ -130,11 +131,11 @@ def run_itl(args, rng: random.Random) -> dict:
         time.sleep(args.steady_s)
         long_body = {"suffix": rand_ids(rng, args.long_tokens, args.vocab),
                      "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}}
-        before = combine_histograms(stack)
+        before = {role: service_histograms(stack, role) for role in ("combine", "router")}
         long_sent = time.perf_counter()
         long = stream(host, port, long_body, args.timeout_s)
         long_first = long_sent + long["ttft_ms"] / 1000 if "ttft_ms" in long else time.perf_counter()
-        server = histogram_delta(before, combine_histograms(stack))
+        server = {role: histogram_delta(before[role], service_histograms(stack, role)) for role in before}
         time.sleep(min(1.0, args.steady_s))  # the streams' next tokens after it
     finally:
         stop.set()
@@ -162,33 +163,45 @@ def run_itl(args, rng: random.Random) -> dict:
             "long_prefill_tokens_per_s": round(args.long_tokens / max(long_first - long_sent, 1e-9), 1),
             "steady_itl_ms": percentiles(steady), "during_itl_ms": percentiles(during + spanning),
             "steady_gaps": len(steady), "during_gaps": len(during) + len(spanning),
-            # the combine worker's own view of the same window: its steps' wall times by what they
-            # ran and its collector's pauses by generation (bucket upper bound in ms -> count)
-            "during_combine": server}
+            # the servers' own view of the same window (bucket upper bound in ms -> count): the
+            # combine worker's steps' wall times by what they ran and its collector's pauses by
+            # generation; the router's gaps between a request's tokens and its collector's pauses
+            "during_combine": server.get("combine", {}), "during_router": server.get("router", {})}
 
 
-HISTOGRAMS = {"hybridcache_scheduler_step_seconds": "kind", "hybridcache_gc_pause_seconds": "generation"}
+# per role, the histograms read and their label (None: the histogram has none)
+HISTOGRAMS = {
+    "combine": {contract.METRIC_SCHEDULER_STEP_SECONDS: "kind", contract.METRIC_GC_PAUSE_SECONDS: "generation"},
+    "router": {contract.METRIC_INTER_TOKEN_SECONDS: None, contract.METRIC_GC_PAUSE_SECONDS: "generation"},
+}
 
 
-def combine_histograms(stack) -> dict:
-    """The combine worker's step and GC-pause histograms from its /metrics: {name: {label: {le:
-    cumulative count}}} ({} where it cannot be read)."""
+def service_histograms(stack, role: str) -> dict:
+    """A role's histograms (HISTOGRAMS) from the first such process's /metrics: {name: {label
+    value ("all" where none): {le: cumulative count}}} ({} where it cannot be read)."""
     import re
     import urllib.request
 
-    combine = next((s for s in stack.services if s["role"] == "combine"), None)
-    if combine is None:
-        return {}
+    if role == "router":  # its HTTP door is the stack's (the services list has the port asked for)
+        where = stack.url.removeprefix("http://").rstrip("/")
+    else:
+        service = next((s for s in stack.services if s["role"] == role), None)
+        if service is None:
+            return {}
+        where = service["http"]
     try:
-        with urllib.request.urlopen(f"http://{combine['http']}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(f"http://{where}/metrics", timeout=10) as r:
             text = r.read().decode()
     except OSError:
         return {}
     out: dict = {}
-    for name, label in HISTOGRAMS.items():
-        pat = re.compile(rf'^{name}_bucket{{{label}="([^"]*)",le="([^"]+)"}} ([0-9.e+]+)$', re.M)
+    for name, label in HISTOGRAMS[role].items():
+        if label is None:
+            pat = re.compile(rf'^{name}_bucket{{()le="([^"]+)"}} ([0-9.e+]+)$', re.M)
+        else:
+            pat = re.compile(rf'^{name}_bucket{{{label}="([^"]*)",le="([^"]+)"}} ([0-9.e+]+)$', re.M)
         for value, le, count in pat.findall(text):
-            out.setdefault(name, {}).setdefault(value, {})[le] = float(count)
+            out.setdefault(name, {}).setdefault(value or "all", {})[le] = float(count)
     return out
 
 

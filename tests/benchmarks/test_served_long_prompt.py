@@ -21,6 +21,9 @@ def test_served_long_prompt_on_cpu(qwen35_dir, tmp_path):
     steps = itl["during_combine"]["scheduler_step"]
     assert steps["mixed"]["count"] >= 600 // 32 // 2
     assert sum(steps["mixed"]["by_le_ms"].values()) == steps["mixed"]["count"]
+    # and the router's: the gaps between the streams' tokens it relayed meanwhile
+    assert itl["during_router"].get("inter_token_latency"), itl["during_router"]
+    assert itl["during_router"]["inter_token_latency"]["all"]["count"] >= steps["mixed"]["count"]
     assert mod.main([*common, "--merge", "--phases", "pic,prefix,full", "--docs", "4", "--doc-tokens", "40",
                      "--system-tokens", "4", "--question-tokens", "6", "--repeats", "2", "--budget", "64",
                      "--warmup-shape", "4+4x40+6"]) == 0
