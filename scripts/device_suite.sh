@@ -131,6 +131,13 @@ trap save_triton_cache EXIT
 trap "exit 143" TERM INT
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 HYBRIDCACHE_COMMIT=$commit
 python3 -c "import fla" 2> /dev/null || echo "device_suite: warning: fla-core is not importable (put its wheel in .whl/)" >&2
+# the Qwen3.5-9B shape's random bf16 model written to $1 unless there, by a process of its own (a
+# writer that stays alive keeps its GPU memory from the server)
+write_served_model() {
+    [ -f "$1/config.json" ] && return 0
+    python3 -P -c "import sys, torch; from hybridcache.services.runtime.modelzoo import init_model_dir; \
+init_model_dir('qwen3_5_text', 'qwen3.5-9b', sys.argv[1], seed=0, dtype=torch.bfloat16, device='cuda')" "$1"
+}
 families="tests/kernels/test_families_gpu.py::test_tiny_model_cuda_fp32_matches_cpu_and_pic_is_consistent"
 for stage in "$@"; do
     case $stage in
@@ -246,15 +253,11 @@ for stage in "$@"; do
         # the itl phase once for each BUDGET:PARTS of ITL_SWEEP, a result file each; the model is
         # written first, in a process of its own, so that each run's ITL_SWEEP_TIMEOUT is the run's
         model=${SERVED_MODEL:-/tmp/served-q9b}
-        if [ ! -f "$model/config.json" ]; then
-            python3 -P -c "import sys, torch; from hybridcache.services.runtime.modelzoo import init_model_dir; \
-init_model_dir('qwen3_5_text', 'qwen3.5-9b', sys.argv[1], dtype=torch.bfloat16, device='cuda')" "$model" \
-                || echo "itl-sweep: writing the model failed (each run writes it then)" >&2
-        fi
+        write_served_model "$model" || echo "itl-sweep: writing the model failed (each run writes it then)" >&2
         for pair in ${ITL_SWEEP:-256:4 256:8 128:16}; do
             b=${pair%%:*} p=${pair##*:}
             timeout "${ITL_SWEEP_TIMEOUT:-200}" python3 benchmarks/served_long_prompt.py --device cuda \
-                --init-model qwen3_5_text:qwen3.5-9b --model "${SERVED_MODEL:-/tmp/served-q9b}" --phases itl \
+                --init-model qwen3_5_text:qwen3.5-9b --model "$model" --phases itl \
                 --itl-budget "$b" --itl-layer-parts "$p" --out "$OUT/served_long_prompt_itl_b${b}_p${p}.json" \
                 > "$OUT/served_long_prompt_itl_b${b}_p${p}.log" 2>&1
             echo "itl-sweep budget $b parts $p rc=$?"
@@ -281,12 +284,7 @@ init_model_dir('qwen3_5_text', 'qwen3.5-9b', sys.argv[1], dtype=torch.bfloat16, 
         echo "served $name rc=$?"; grep -E "served_load:" "$OUT/served_$name.log" | cut -c1-240 | tail -8 ;;
     multiturn)
         model=${SERVED_MODEL:-/tmp/served-q9b}
-        # written in a process of its own: a writer that stays alive keeps its GPU memory from the server
-        if [ ! -f "$model/config.json" ]; then
-            python3 -P -c "import sys, torch; from hybridcache.services.runtime.modelzoo import init_model_dir; \
-init_model_dir('qwen3_5_text', 'qwen3.5-9b', sys.argv[1], seed=0, dtype=torch.bfloat16, device='cuda')" "$model" \
-                || { echo "multiturn: writing the model failed" >&2; continue; }
-        fi
+        write_served_model "$model" || { echo "multiturn: writing the model failed" >&2; continue; }
         # CUDA graphs as served by default (decode steps, suffix_replay's restores);
         # MULTITURN_UP_ARGS="--cuda-graphs off --decode-cuda-graphs off" runs every server eagerly
         up="--scatter-workers 0 --max-num-seqs 32 --ready-timeout-s 300 --warmup-shape none ${MULTITURN_UP_ARGS:-}"

@@ -258,7 +258,7 @@ class _Run:
         try:
             for chunk in stream(parsed, self.control, hand, self._deliver):
                 hand()
-                self._call(self._q.put_nowait, chunk)
+                self._deliver(chunk)
         except Exception as e:  # handed to the event loop, raised there
             hand()
             self._call(self._q.put_nowait, e)

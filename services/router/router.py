@@ -404,32 +404,29 @@ class Router:
                 scatter_workers=self.directory.members("scatter"), cache_salt=req.cache_salt,
                 cache_tier=self.directory.owner(plan[0].key) or "" if plan else (tiers[0] if tiers else ""))
             first = True
-            last_t = None
             t_asked = time.perf_counter()
             t_first_token = None
             answered = False
             record = RequestRecord(creq.request_id, req.prompt_len) if self.runtime.log_requests else None
-            relay = _Direct(direct, control) if direct is not None else None
+            # the last token's time (relay.last_t), kept by this thread and by the direct path alike
+            relay = _Direct(direct, control)
             try:
                 combine, chunks = self._open(creq, order, control, sent, relay)
                 for chunk in chunks:
                     if control is not None and control.cancelled:
                         return  # chunks already received when the client went away are not passed on
                     now = time.perf_counter()
-                    if relay is not None and relay.last_t is not None:
-                        last_t = relay.last_t  # chunks went the direct way since this thread's last
                     if first:
                         self._release(plan, assigned)
                         first = False
                         if not chunk.error:
                             metrics.first_token(now - t0)
-                    elif last_t is not None and not chunk.done:
-                        metrics.INTER_TOKEN.observe(now - last_t)
-                    last_t = now
+                    elif relay.last_t is not None and not chunk.done:
+                        metrics.INTER_TOKEN.observe(now - relay.last_t)
+                    relay.last_t = now
                     if t_first_token is None and not chunk.done and chunk.token_id >= 0:
                         t_first_token = now
-                    if relay is not None:
-                        relay.last_t, relay.ready = now, t_first_token is not None
+                        relay.ready = direct is not None
                     if chunk.done and not chunk.error:
                         self._remember(combine, plan)
                         answered = True
@@ -591,7 +588,8 @@ class _Direct:
     (Inbox.go_direct): straight from the Tokens stream's reader to `deliver`, with what the
     relaying thread would do for them (dropped once the client went away, the gap since the last
     counted in the inter-token histogram), without waking that thread for each: with one thread a
-    request, every scheduler step woke as many threads as requests were decoding."""
+    request, every scheduler step woke as many threads as requests were decoding. Every stream has
+    one for its last token's time; one without `deliver` is never made ready."""
 
     __slots__ = ("deliver", "control", "last_t", "ready")
 
