@@ -28,6 +28,9 @@
 #   chunks      tools/profile_chunks.py: a long plain prompt prefilled a budget at a time, each chunk
 #               timed with and without the prefix cache's recording, one deep chunk profiled;
 #               CHUNKS_ARGS adds flags (default --tokens 32768 --budget 512 --modes full,pic)
+#   mixed       tools/profile_mixed.py: the combine worker's scheduler stepped in one process, 32 streams
+#               decoding while a 128k-token cold prompt prefills (budget 128, 16 layer parts), each
+#               step timed by what it ran of the prompt's chunk; MIXED_ARGS replaces its flags
 #   train       benchmarks/train_qa_model.py --fla (the QA model of issue 7) for TRAIN_SECONDS (default
 #               500), continuing from .qa-ckpt/ when it holds a model (carry it); TRAIN_ARGS adds
 #               flags. The model comes back sharded in $OUT/model; to chain calls, here:
@@ -83,10 +86,10 @@ shift
 for stage in "$@"; do
     case $stage in
     gpu-tests | families | bench | moe | served-gpu | qps | profile | profile-decode | profile-engine | chunks | fold | train \
-        | transport | decode | layouts | long | itl-sweep \
+        | transport | decode | layouts | long | itl-sweep | mixed \
         | served | multiturn) ;;
     *)
-        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, profile-decode, profile-engine, chunks, fold, train, transport, decode, layouts, long, itl-sweep, served, multiturn)" >&2
+        echo "device_suite: unknown stage $stage (gpu-tests, families, bench, moe, served-gpu, qps, profile, profile-decode, profile-engine, chunks, mixed, fold, train, transport, decode, layouts, long, itl-sweep, served, multiturn)" >&2
         exit 2 ;;
     esac
     if [ "$stage" = itl-sweep ]; then
@@ -198,6 +201,12 @@ for stage in "$@"; do
         python3 tools/profile_chunks.py ${CHUNKS_ARGS:---tokens 32768 --budget 512 --modes full,pic} \
             > "$OUT/profile_chunks.json" 2> "$OUT/profile_chunks.log"
         echo "chunks rc=$?"; tail -2 "$OUT/profile_chunks.log" ;;
+    mixed)
+        # shellcheck disable=SC2086  # MIXED_ARGS is a list of flags
+        python3 tools/profile_mixed.py ${MIXED_ARGS:---streams 32 --long-tokens 131072 --budget 128 --layer-parts 16} \
+            > "$OUT/profile_mixed.json" 2> "$OUT/profile_mixed.log"
+        echo "mixed rc=$?"; tail -2 "$OUT/profile_mixed.log"
+        grep -A7 -E '"(steady_gap_ms|during_gap_ms)"' "$OUT/profile_mixed.json" | grep -E 'gap|p50|p99' ;;
     fold)
         python3 tools/fold_bench.py --out "$OUT/fold.json" > "$OUT/fold.log" 2>&1
         echo "fold rc=$?" ;;
