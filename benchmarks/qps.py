@@ -30,20 +30,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SEG, QUESTION, SEAM = 1024, 64, 8
 
 
-def build_engine(preset: str, mode: str = "pic", arch: str = "qwen3_5_text", layers: int = 0, **cfg_kw):
+def build_engine(preset: str, mode: str = "pic", arch: str = "qwen3_5_text", layers: int = 0,
+                 model_overrides: dict | None = None, **cfg_kw):
     """An Engine over a random-weight Qwen3.5 model of `preset` (arch qwen3_5_text, or
-    qwen3_5_moe_text for the MoE presets; `layers`: that many of its layers, 0 all)."""
+    qwen3_5_moe_text for the MoE presets; `layers`: that many of its layers, 0 all;
+    `model_overrides`: config fields set besides, e.g. max_position_embeddings)."""
     from hybridcache.services.runtime.config import ModelConfig
     from hybridcache.services.runtime.engine import Engine, EngineConfig
     from hybridcache.services.runtime.models.qwen3_hybrid import HybridLM
     from hybridcache.services.runtime.modelzoo import hf_config, random_init_
     from hybridcache.services.runtime.tokenizer import Tokenizer, build_byte_tokenizer
 
-    overrides = None
+    overrides = dict(model_overrides) if model_overrides else None
     if layers:
         base = hf_config(arch, preset)
         types = base.get("text_config", base).get("layer_types")
-        overrides = {"num_hidden_layers": layers}
+        overrides = dict(overrides or {}, num_hidden_layers=layers)
         if types:  # the preset's pattern of layer kinds, repeated
             overrides["layer_types"] = [types[i % len(types)] for i in range(layers)]
     cfg = ModelConfig.from_dict(hf_config(arch, preset, overrides))

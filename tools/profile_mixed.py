@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--long-tokens", type=int, default=131072)
     ap.add_argument("--budget", type=int, default=128, help="max_num_batched_tokens")
     ap.add_argument("--layer-parts", type=int, default=16, help="chunk_layer_parts")
+    ap.add_argument("--max-position-embeddings", type=int, default=0,
+                    help="the model's context limit (0: the preset's)")
     ap.add_argument("--mode", default="pic")
     ap.add_argument("--slowest", type=int, default=20)
     args = ap.parse_args(argv)
@@ -96,7 +98,8 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available()
     rng = random.Random(0)
-    eng = build_engine(args.preset, args.mode, layers=args.layers)
+    positions = {"max_position_embeddings": args.max_position_embeddings} if args.max_position_embeddings else None
+    eng = build_engine(args.preset, args.mode, layers=args.layers, model_overrides=positions)
     vocab = min(eng.cfg.vocab_size, 250)
 
     def ids(n):
@@ -104,7 +107,10 @@ def main(argv=None) -> int:
 
     stream_tokens = args.steady_steps + 4 * args.long_tokens  # more than the prefill's steps
     limit = eng.config.max_model_len or eng.cfg.max_position_embeddings
-    if args.long_tokens + 2 > limit or args.stream_prompt_tokens + stream_tokens > limit:
+    if args.long_tokens + 2 > limit:
+        ap.error(f"--long-tokens {args.long_tokens} does not fit the model's context limit of {limit} "
+                 "(--max-position-embeddings sets it)")
+    if args.stream_prompt_tokens + stream_tokens > limit:
         stream_tokens = max(1, limit - args.stream_prompt_tokens - 1)
     sched_cfg = scheduler_config(eng.config, eng.model.device)
     sched_cfg = dataclasses.replace(sched_cfg, max_num_seqs=args.streams + 1, max_num_batched_tokens=args.budget,

@@ -496,3 +496,39 @@ def test_a_walk_from_a_locked_page_equals_one_from_the_root():
     assert tree.insert(ids, make, start=deeper_ref).path()[-1].tokens == tuple(ids[48:64]) and made == []
     salted = tree.insert(ids[:16], make, salt="s", start=deeper)
     assert salted.depth == 1 and made == [0]
+
+
+def test_a_recorder_s_rows_are_joined_as_it_decodes():
+    """A request that decodes holds a layer's rows in a few tensors (joined every JOIN_CHUNKS
+    steps, blocks of equal size joined in turn), not one tensor a token: each is an object the
+    interpreter's full collections walk. The rows read back are the rows appended, in order,
+    across a prefill chunk, hundreds of one-row steps and a drop_before."""
+    from hybridcache.services.runtime.cache.policies import PageRecorder
+
+    rec = PageRecorder(PrefixPolicy("exact_replay"), 0, [], (1, 3))
+    g = torch.Generator().manual_seed(0)
+    rows = {1: [], 3: []}
+
+    def add(n):
+        captured = {i: torch.randn(n + 2, 8, generator=g) for i in (1, 3)}  # a forward's rows, n of them taken
+        rec.add_hidden(captured, n)
+        for i in rows:
+            rows[i].append(captured[i][:n])
+
+    add(100)
+    for step in range(1000):
+        add(1)
+        # a few blocks of decreasing size, then the chunks since the last join
+        held = rec.hidden[1]
+        assert len(held) <= PageRecorder.JOIN_CHUNKS + 11, step
+        blocks = rec._blocks.get(1, 0)
+        assert all(held[b].shape[0] > held[b + 1].shape[0] for b in range(blocks - 1))
+    assert len(rec.hidden[3]) < 45
+    for i in rows:
+        assert torch.equal(rec._anchors(i), torch.cat(rows[i]))
+    rec.drop_before(P * 8)  # pages up to 512 cached: the rows after them kept, one block
+    for _ in range(70):
+        add(1)
+    for i in rows:
+        assert torch.equal(rec._anchors(i), torch.cat(rows[i])[P * 8 :])
+        assert len(rec.hidden[i]) <= PageRecorder.JOIN_CHUNKS + 2

@@ -197,15 +197,33 @@ class PageRecorder:
     # insert's walk begins (radix.PageTree.insert's start)
     tip: object = None
     _hidden_cat: dict[int, torch.Tensor] = field(default_factory=dict)
+    _blocks: dict[int, int] = field(default_factory=dict)  # layer -> joined blocks leading its hidden list
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
         return self.anchor_layers if self.policy.anchors_kept else ()
 
+    # a layer's rows are kept as at most this many recent chunks (a decode step adds one of one
+    # row) before they are joined into one block; blocks of equal size are joined in turn
+    JOIN_CHUNKS = 32
+
     def add_hidden(self, captured: dict[int, torch.Tensor], n: int) -> None:
-        """Append the first n captured tokens' hidden states (a forward's rec.hidden)."""
+        """Append the first n captured tokens' hidden states (a forward's rec.hidden). A layer's
+        list holds a few blocks, each twice the rows of the next or more, then up to JOIN_CHUNKS
+        recent chunks: a request that decodes thousands of tokens holds tens of tensors a layer,
+        not one a token (each a Python object every full collection of the interpreter's collector
+        walks), at one joining copy per JOIN_CHUNKS steps and a log of its rows' merges."""
         for i in self.capture_layers:
-            self.hidden.setdefault(i, []).append(captured[i][:n])
+            chunks = self.hidden.setdefault(i, [])
+            chunks.append(captured[i][:n])
+            blocks = self._blocks.get(i, 0)
+            if len(chunks) - blocks >= self.JOIN_CHUNKS:
+                chunks[blocks:] = [torch.cat(chunks[blocks:])]
+                blocks += 1
+                while blocks >= 2 and chunks[blocks - 1].shape[0] >= chunks[blocks - 2].shape[0]:
+                    chunks[blocks - 2 : blocks] = [torch.cat(chunks[blocks - 2 : blocks])]
+                    blocks -= 1
+                self._blocks[i] = blocks
         self._hidden_cat.clear()
 
     def _due(self, pos: int) -> tuple[bool, bool]:
@@ -288,6 +306,7 @@ class PageRecorder:
             return
         for i in self.capture_layers:
             self.hidden[i] = [self._anchors(i)[pos - self.start :].clone()]
+            self._blocks[i] = 1
         self._hidden_cat.clear()
         self.checkpoints = {p: c for p, c in self.checkpoints.items() if p > pos}
         self.declined = {p for p in self.declined if p > pos}
