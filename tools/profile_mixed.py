@@ -5,9 +5,10 @@ and told apart by what it ran of the long prompt's chunk: its first run of layer
 start: its pieces, pages and forward set up), a later run, the chunk's end in a call of its own
 (kept states, pages recorded and inserted), the prompt's last call (its first token), or none
 (decode only). Prints JSON: the steps' wall ms by kind and by the chunk's depth into the prompt,
-the slowest steps with what they ran, the interpreter's collections during the prefill, and the
-streams' inter-token gaps (steady and during, as served_long_prompt's itl phase reports them from
-the client: here without the router, the RPC and HTTP between).
+the slowest steps with what they ran, the interpreter's collections during the prefill (the
+warm-up's objects frozen first, as a served worker freezes them) and the objects it tracks at the
+prompt's first token, the streams' inter-token gaps (steady and during, as served_long_prompt's
+itl phase reports them from the client: here without the router, the RPC and HTTP between).
 
     python tools/profile_mixed.py [--preset qwen3.5-9b] [--streams 32] [--long-tokens 131072]
         [--budget 128] [--layer-parts 16]
@@ -125,6 +126,9 @@ def main(argv=None) -> int:
            "device": torch.cuda.get_device_name() if cuda else "cpu",
            "warmup_s": round(time.perf_counter() - t0, 2), "decode_graphs_captured": graphs,
            "warmup_requests": warm.get("requests")}
+    # as a served worker does once warm: what exists now is frozen out of the collector's sight
+    gc.collect()
+    gc.freeze()
     # the steps run in this thread from here (the scheduler's own thread stopped)
     sched.stop()
     sched._stop = False
@@ -171,6 +175,7 @@ def main(argv=None) -> int:
     finally:
         gc.callbacks.remove(collections)
     long_first = time.perf_counter()
+    tracked = len(gc.get_objects())  # with the streams still running
     if long.error is not None:
         raise SystemExit(f"profile_mixed: the long prompt failed: {long.error}")
     for h in handles:
@@ -202,11 +207,13 @@ def main(argv=None) -> int:
         "gc_during": {"collections": len(collections.pauses), "ms": round(sum(p for _, p in collections.pauses), 2),
                       "max_ms": round(max((p for _, p in collections.pauses), default=0.0), 2),
                       "by_generation": {str(g): sum(1 for gg, _ in collections.pauses if gg == g) for g in range(3)}},
+        "tracked_objects_at_first_token": tracked,
         "slowest_steps": sorted(steps, key=lambda s: -s["ms"])[:args.slowest],
         "steps": len(steps),
         "graph_stats": eng.runner.graph_stats,
     })
     llm.close()
+    gc.unfreeze()
     print(json.dumps(out, indent=1))
     return 0
 
