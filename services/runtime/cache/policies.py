@@ -215,7 +215,8 @@ class PageRecorder:
         walks), at one joining copy per JOIN_CHUNKS steps and a log of its rows' merges."""
         for i in self.capture_layers:
             chunks = self.hidden.setdefault(i, [])
-            chunks.append(captured[i][:n])
+            rows = captured[i]
+            chunks.append(rows if rows.shape[0] == n else rows[:n])  # a decode step's row: as given
             blocks = self._blocks.get(i, 0)
             if len(chunks) - blocks >= self.JOIN_CHUNKS:
                 chunks[blocks:] = [torch.cat(chunks[blocks:])]
