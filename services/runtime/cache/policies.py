@@ -209,10 +209,10 @@ class PageRecorder:
 
     def add_hidden(self, captured: dict[int, torch.Tensor], n: int) -> None:
         """Append the first n captured tokens' hidden states (a forward's rec.hidden). A layer's
-        list holds a few blocks, each twice the rows of the next or more, then up to JOIN_CHUNKS
-        recent chunks: a request that decodes thousands of tokens holds tens of tensors a layer,
-        not one a token (each a Python object every full collection of the interpreter's collector
-        walks), at one joining copy per JOIN_CHUNKS steps and a log of its rows' merges."""
+        list holds a few blocks, each of more rows than the next, then up to JOIN_CHUNKS recent
+        chunks: a request that decodes thousands of tokens holds tens of tensors a layer, not one
+        a token (each a Python object every full collection of the interpreter's collector walks),
+        at one join per JOIN_CHUNKS steps, each row copied about log2(rows / JOIN_CHUNKS) times."""
         for i in self.capture_layers:
             chunks = self.hidden.setdefault(i, [])
             rows = captured[i]
