@@ -23,7 +23,6 @@ import dataclasses
 import gc
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,31 +32,29 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from hybridcache.services.observability.metrics import GcPauses  # noqa: E402
+from served_load import percentiles  # noqa: E402
 
-def percentiles(xs: list[float]) -> dict:
+
+def stats(xs: list[float]) -> dict:
+    """served_load's percentiles of ms values, with their count and maximum."""
     if not xs:
         return {"n": 0}
-    s = sorted(xs)
-
-    def at(q):
-        return round(s[min(len(s) - 1, int(q * len(s)))], 2)
-
-    return {"n": len(s), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": round(s[-1], 2),
-            "mean": round(statistics.fmean(s), 2)}
+    return dict(percentiles(xs, scale=1.0), n=len(xs), max=round(max(xs), 2))
 
 
-class Collections:
-    """The interpreter's collections (gc.callbacks) as (generation, ms), while installed."""
+class Collections(GcPauses):
+    """GcPauses keeping each collection as (generation, ms)."""
 
     def __init__(self):
+        super().__init__()
         self.pauses: list[tuple[int, float]] = []
-        self._t0 = 0.0
 
     def __call__(self, phase, info):
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.pauses.append((info["generation"], (time.perf_counter() - self._t0) * 1e3))
+        before = self.seconds
+        super().__call__(phase, info)
+        if phase == "stop":
+            self.pauses.append((info["generation"], (self.seconds - before) * 1e3))
 
 
 def chunk_phase(seq) -> tuple[str, int, int]:
@@ -106,13 +103,11 @@ def main(argv=None) -> int:
     def ids(n):
         return [rng.randrange(5, vocab) for _ in range(n)]
 
-    stream_tokens = args.steady_steps + 4 * args.long_tokens  # more than the prefill's steps
     limit = eng.config.max_model_len or eng.cfg.max_position_embeddings
     if args.long_tokens + 2 > limit:
         ap.error(f"--long-tokens {args.long_tokens} does not fit the model's context limit of {limit} "
                  "(--max-position-embeddings sets it)")
-    if args.stream_prompt_tokens + stream_tokens > limit:
-        stream_tokens = max(1, limit - args.stream_prompt_tokens - 1)
+    stream_tokens = max(1, limit - args.stream_prompt_tokens - 1)  # as many as fit: cancelled at the end
     sched_cfg = scheduler_config(eng.config, eng.model.device)
     sched_cfg = dataclasses.replace(sched_cfg, max_num_seqs=args.streams + 1, max_num_batched_tokens=args.budget,
                                     chunk_layer_parts=args.layer_parts)
@@ -153,6 +148,7 @@ def main(argv=None) -> int:
         raise SystemExit("profile_mixed: the streams did not all start decoding in 600 s")
     for _ in range(20):  # past the first steps of the full batch
         step()
+    steady_from = time.perf_counter()
     steady = [step() for _ in range(args.steady_steps)]
     long = sched.add_request(llm.parse_request({"suffix": ids(args.long_tokens),
                                                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0,
@@ -186,23 +182,22 @@ def main(argv=None) -> int:
     def gaps(lo, hi):
         return [(b - a) * 1e3 for t in emitted for a, b in zip(t, t[1:]) if lo <= a and b <= hi]
 
-    steady_gaps = gaps(0, long_sent)
-    during = gaps(long_sent, long_first)
+    steady_gaps, during_gaps = stats(gaps(steady_from, long_sent)), stats(gaps(long_sent, long_first))
     depth = max(1, args.long_tokens // 4)
     out.update({
         "long_prefill_s": round(long_first - long_sent, 3),
-        "steady_step_ms": percentiles(steady),
-        "during_step_ms": percentiles([s["ms"] for s in steps]),
-        "steady_gap_ms": percentiles(steady_gaps[-args.streams * args.steady_steps:]),
-        "during_gap_ms": percentiles(during),
-        "itl_p99_during_vs_steady_p50": (round(percentiles(during)["p99"] / percentiles(steady_gaps)["p50"], 3)
-                                         if during and steady_gaps else None),
-        "step_ms_by_kind": {k: percentiles([s["ms"] for s in steps if s["kind"] == k])
+        "steady_step_ms": stats(steady),
+        "during_step_ms": stats([s["ms"] for s in steps]),
+        "steady_gap_ms": steady_gaps,
+        "during_gap_ms": during_gaps,
+        "itl_p99_during_vs_steady_p50": (round(during_gaps["p99"] / steady_gaps["p50"], 3)
+                                         if during_gaps["n"] and steady_gaps["n"] else None),
+        "step_ms_by_kind": {k: stats([s["ms"] for s in steps if s["kind"] == k])
                             for k in sorted({s["kind"] for s in steps})},
-        "step_ms_by_run": {str(r): percentiles([s["ms"] for s in steps if s["kind"] in ("first", "part")
+        "step_ms_by_run": {str(r): stats([s["ms"] for s in steps if s["kind"] in ("first", "part")
                                                 and s["run"] == r])
                            for r in sorted({s["run"] for s in steps if s["kind"] in ("first", "part")})},
-        "step_ms_by_depth": {f"{q * depth}-{(q + 1) * depth}": percentiles(
+        "step_ms_by_depth": {f"{q * depth}-{(q + 1) * depth}": stats(
             [s["ms"] for s in steps if q * depth <= s["context"] < (q + 1) * depth]) for q in range(4)},
         "gc_during": {"collections": len(collections.pauses), "ms": round(sum(p for _, p in collections.pauses), 2),
                       "max_ms": round(max((p for _, p in collections.pauses), default=0.0), 2),

@@ -217,14 +217,15 @@ class PageRecorder:
             chunks = self.hidden.setdefault(i, [])
             rows = captured[i]
             chunks.append(rows if rows.shape[0] == n else rows[:n])  # a decode step's row: as given
-            blocks = self._blocks.get(i, 0)
-            if len(chunks) - blocks >= self.JOIN_CHUNKS:
-                chunks[blocks:] = [torch.cat(chunks[blocks:])]
-                blocks += 1
-                while blocks >= 2 and chunks[blocks - 1].shape[0] >= chunks[blocks - 2].shape[0]:
-                    chunks[blocks - 2 : blocks] = [torch.cat(chunks[blocks - 2 : blocks])]
-                    blocks -= 1
-                self._blocks[i] = blocks
+            k = self._blocks.get(i, 0)
+            if len(chunks) - k >= self.JOIN_CHUNKS:
+                # the recent chunks and the blocks before them no larger than what they join, in one copy
+                joined = sum(c.shape[0] for c in chunks[k:])
+                while k and chunks[k - 1].shape[0] <= joined:
+                    k -= 1
+                    joined += chunks[k].shape[0]
+                chunks[k:] = [torch.cat(chunks[k:])]
+                self._blocks[i] = k + 1
         self._hidden_cat.clear()
 
     def _due(self, pos: int) -> tuple[bool, bool]:
